@@ -1,0 +1,33 @@
+"""The instruments. Each file holds one instrument and reads like its equation."""
+
+from cockpit.quantities.base import Quantity, StepData
+from cockpit.quantities.cabs import CABS
+from cockpit.quantities.distance import Distance, UpdateSize
+from cockpit.quantities.early_stopping import EarlyStopping
+from cockpit.quantities.grad_hist import GradHist1d
+from cockpit.quantities.grad_norm import GradNorm
+from cockpit.quantities.inner_test import InnerTest
+from cockpit.quantities.loss import Loss
+from cockpit.quantities.mean_gsnr import MeanGSNR
+from cockpit.quantities.norm_test import NormTest
+from cockpit.quantities.ortho_test import OrthoTest
+from cockpit.quantities.parameters import Parameters
+from cockpit.quantities.time import Time
+
+__all__ = [
+    "CABS",
+    "Distance",
+    "EarlyStopping",
+    "GradHist1d",
+    "GradNorm",
+    "InnerTest",
+    "Loss",
+    "MeanGSNR",
+    "NormTest",
+    "OrthoTest",
+    "Parameters",
+    "Quantity",
+    "StepData",
+    "Time",
+    "UpdateSize",
+]

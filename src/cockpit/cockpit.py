@@ -1,0 +1,354 @@
+"""The orchestrator: schedule, hooks armed, step pipeline, sinks.
+
+Typical use, three added lines in an ordinary training loop::
+
+    cockpit = Cockpit(model, configuration("economy"), optimizer=opt)
+    for step, (x, y) in enumerate(loader):
+        opt.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    results = cockpit.get_output()   # {step: {"NormTest": ..., "GradHist1d": {...}, ...}}
+
+See ``docs/conventions.md`` for the conventions every instrument follows.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from cockpit.configurations import configuration
+from cockpit.engine.histogram import BinSpec
+from cockpit.engine.tracker import PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
+from cockpit.quantities.base import Quantity, StepData, Value
+
+
+class Cockpit:
+    """Watch the inside of training: computes the instruments at the scheduled steps.
+
+    Args:
+        model: the network. It is not wrapped or modified; hooks are removed by
+            :meth:`close`.
+        quantities: the instruments — a list of :class:`~cockpit.quantities.Quantity`, a
+            configuration name (``"economy"``, ``"business"``, ``"full"``) or None (economy).
+        optimizer: the optimizer whose steps are watched (needed by UpdateSize, CABS and the
+            learning-rate panel). Its ``step()`` is observed through torch's step hooks.
+        hist_bins: bins of GradHist1d (default: 100 over [−2, 2], as in the paper).
+        hist2d_bins: (gradient bins, parameter bins) of GradHist2d.
+        sinks: objects with ``write_step(step, values, notes)`` and ``close()``.
+        logdir: directory of a crash-safe run log (see :mod:`cockpit.store`).
+        strict: re-raise errors inside Cockpit's hooks instead of recording "not computed"
+            (useful in tests; never set it in a production run).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        quantities: Sequence[Quantity] | str | None = None,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        hist_bins: BinSpec = BinSpec(-2.0, 2.0, 100),  # noqa: B008 (frozen dataclass)
+        hist2d_bins: tuple[BinSpec, BinSpec] = (BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)),
+        sinks: Iterable[Any] = (),
+        logdir: str | None = None,
+        strict: bool = False,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Cockpit needs a torch.nn.Module, got {type(model).__name__}")
+        if quantities is None:
+            quantities = configuration("economy")
+        elif isinstance(quantities, str):
+            quantities = configuration(quantities)
+        quantities = list(quantities)
+        for quantity in quantities:
+            if not isinstance(quantity, Quantity):
+                raise TypeError(
+                    f"quantities must be Quantity instances (e.g. cockpit.quantities.NormTest()"
+                    f"), got {quantity!r}"
+                )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        self.model = model
+        self.quantities = quantities
+        self.optimizer = optimizer
+        self.strict = strict
+        self.hist_spec = hist_bins
+        self.hist2d_specs = hist2d_bins
+        self.tracker = ModuleTracker(model, hist_bins, hist2d_bins, strict=strict)
+        if self._needs_per_sample_anywhere():
+            problems = self.tracker.check_batch_norm()
+            if problems:
+                self.tracker.remove()
+                raise ValueError(problems[0])
+        self._params = dict(self.tracker.params)
+        self._initial = (
+            {k: p.detach().clone() for k, p in self._params.items()}
+            if any(q.name == "Distance" for q in quantities)
+            else None
+        )
+        self._start_time = time.perf_counter()
+        self._output: dict[int, dict[str, Value]] = {}
+        self._notes: dict[int, dict[str, str]] = {}
+        self._warned: set[str] = set()
+        self._pending_update: tuple[int, StepData, dict[str, Tensor], list[Quantity]] | None = None
+        self._current: tuple[int, list[Quantity], Tensor | None, float] | None = None
+        self._handles: list = []
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+        self._sinks = list(sinks)
+        if logdir is not None:
+            from cockpit.store import RunLogWriter
+
+            self._sinks.insert(0, RunLogWriter(logdir, meta=self._metadata()))
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+    def __call__(self, step: int, losses: Tensor | None = None) -> _StepContext:
+        """Context for the backward pass of ``step``; ``losses`` are the individual losses."""
+        if self._closed:
+            raise RuntimeError("this Cockpit was closed; create a new one to keep tracking")
+        if int(step) != step:
+            raise TypeError(f"step must be an integer, got {step!r}")
+        return _StepContext(self, int(step), losses)
+
+    def get_output(self) -> dict[int, dict[str, Value]]:
+        """All values so far: ``{step: {instrument name: value}}``."""
+        return {step: dict(values) for step, values in sorted(self._output.items())}
+
+    def get_notes(self) -> dict[int, dict[str, str]]:
+        """Why a value is None (not computed), per step and instrument."""
+        return {step: dict(n) for step, n in sorted(self._notes.items()) if n}
+
+    def close(self) -> None:
+        """Finish pending work, remove every hook and close the sinks. Idempotent."""
+        if self._closed:
+            return
+        self._finish_pending_update()
+        self.tracker.remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for sink in self._sinks:
+            self._guard(sink.close)
+        self._closed = True
+
+    def __enter__(self) -> Cockpit:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ step pipeline
+    def _needs_per_sample_anywhere(self) -> bool:
+        return any(q.needs & PER_SAMPLE_STATS for q in self.quantities)
+
+    def _tracked(self, step: int) -> list[Quantity]:
+        return [q for q in self.quantities if q.should_track(step)]
+
+    def _enter(self, step: int, losses: Tensor | None) -> None:
+        self._finish_pending_update()
+        tracked = self._tracked(step)
+        if not tracked:
+            self.tracker.clear_calls()
+            self.tracker.capturing = bool(self._tracked(step + 1))
+            self._current = None
+            return
+        needs = frozenset().union(*(q.needs for q in tracked))
+        if any(q.needs_losses for q in tracked):
+            losses = self._check_losses(losses, step)
+        num_samples = 0 if losses is None else losses.shape[0]
+        if losses is not None and losses.requires_grad:
+            losses.register_hook(self.tracker.losses_hook)
+        stats = self.tracker.begin(num_samples, needs)
+        if needs & PER_SAMPLE_STATS:
+            stats.problems.extend(self.tracker.check_batch_norm()[:1])
+        self._current = (step, tracked, losses, time.perf_counter() - self._start_time)
+
+    def _check_losses(self, losses: Tensor | None, step: int) -> Tensor:
+        if losses is None:
+            raise ValueError(
+                "these instruments need the individual losses: call "
+                "cockpit(step, losses=losses) with losses = loss_fn(output, target, "
+                "reduction='none') of shape [batch], and backpropagate losses.mean()"
+            )
+        if not isinstance(losses, Tensor) or losses.dim() != 1:
+            shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+            raise ValueError(
+                f"losses must be a 1-d tensor of individual losses [batch], got {shape}; "
+                "use reduction='none' (and .mean() over non-batch dims, e.g. "
+                "F.mse_loss(out, y, reduction='none').mean(1))"
+            )
+        if not torch.isfinite(losses.detach()).all():
+            self._warn(
+                f"step {step}: non-finite loss; instruments of this step are recorded as NaN",
+                key="nonfinite",
+            )
+        return losses
+
+    def _exit(self, failed: bool) -> None:
+        if self._current is None:
+            return
+        step, tracked, losses, elapsed = self._current
+        self._current = None
+        stats = self.tracker.end()
+        self.tracker.capturing = bool(self._tracked(step + 1))
+        if failed:
+            return
+        data = self._step_data(step, losses, stats, elapsed)
+        values: dict[str, Value] = {}
+        if self.optimizer is not None:
+            values["LearningRate"] = data.learning_rate
+        if losses is not None:
+            values["BatchSize"] = float(losses.shape[0])
+        for quantity in tracked:
+            values.update(self._compute(quantity, data, stats))
+        self._record(step, values, data.notes)
+        later = [q for q in tracked if q.needs_update]
+        if later:
+            snapshot = {k: p.detach().clone() for k, p in self._params.items()}
+            self._pending_update = (step, data, snapshot, later)
+
+    def _step_data(
+        self, step: int, losses: Tensor | None, stats: BackwardStatistics, elapsed: float
+    ) -> StepData:
+        weight = self.tracker.loss_weight
+        n = stats.num_samples
+        scale = 1.0 / (weight * n) if weight not in (None, 0.0) and n else 1.0
+        batch_grads = {k: g * scale for k, g in stats.batch_grads.items()}
+        return StepData(
+            step=step,
+            losses=None if losses is None else losses.detach(),
+            stats=stats,
+            batch_grads=batch_grads,
+            params={k: p.detach() for k, p in self._params.items()},
+            initial_params=self._initial,
+            learning_rate=self._learning_rate(),
+            hist_spec=self.hist_spec,
+            hist2d_specs=self.hist2d_specs,
+            time=elapsed,
+        )
+
+    def _compute(self, quantity: Quantity, data: StepData, stats: BackwardStatistics):
+        if quantity.needs & PER_SAMPLE_STATS and not stats.valid:
+            reason = "; ".join(stats.problems)
+            data.notes[quantity.name] = reason
+            self._warn(f"{quantity.name} not computed at step {data.step}: {reason}",
+                       key=f"{quantity.name}:{reason}")
+            return {quantity.name: None}
+        try:
+            return quantity.compute(data)
+        except Exception as error:
+            if self.strict:
+                raise
+            data.notes[quantity.name] = f"failed: {error}"
+            self._warn(f"{quantity.name} failed at step {data.step}: {error}",
+                       key=quantity.name)
+            return {quantity.name: None}
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._finish_pending_update()
+
+    def _finish_pending_update(self) -> None:
+        if self._pending_update is None:
+            return
+        step, data, before, quantities = self._pending_update
+        self._pending_update = None
+        update = {k: p.detach() - before[k] for k, p in self._params.items()}
+        data.notes.clear()
+        values: dict[str, Value] = {}
+        for quantity in quantities:
+            try:
+                values.update(quantity.compute_after_update(data, update))
+            except Exception as error:
+                if self.strict:
+                    raise
+                data.notes[quantity.name] = f"failed: {error}"
+                values[quantity.name] = None
+        self._record(step, values, data.notes)
+
+    def _record(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
+        self._output.setdefault(step, {}).update(values)
+        if notes:
+            self._notes.setdefault(step, {}).update(notes)
+        for sink in self._sinks:
+            self._guard(sink.write_step, step, values, dict(notes))
+
+    def _learning_rate(self) -> float | None:
+        if self.optimizer is None:
+            return None
+        rates = {float(group["lr"]) for group in self.optimizer.param_groups if "lr" in group}
+        return rates.pop() if len(rates) == 1 else None
+
+    def _guard(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as error:
+            if self.strict:
+                raise
+            self._warn(f"Cockpit sink failed: {error}", key=f"sink:{type(error).__name__}")
+
+    def _warn(self, message: str, key: str | None = None) -> None:
+        key = key or message
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _metadata(self) -> dict[str, Any]:
+        import platform
+
+        import cockpit
+
+        params = self._params
+        return {
+            "model": repr(self.model),
+            "model_class": type(self.model).__name__,
+            "num_parameters": int(sum(p.numel() for p in params.values())),
+            "parameters": {k: list(p.shape) for k, p in params.items()},
+            "optimizer": None if self.optimizer is None else type(self.optimizer).__name__,
+            "optimizer_hyperparameters": None
+            if self.optimizer is None
+            else [
+                {k: v for k, v in g.items() if k != "params" and _jsonable(v)}
+                for g in self.optimizer.param_groups
+            ],
+            "quantities": [q.name for q in self.quantities],
+            "schedules": {q.name: repr(q.schedule) for q in self.quantities},
+            "versions": {
+                "cockpit": cockpit.__version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+            "start_time": time.time(),
+            "device": str(next(iter(params.values())).device) if params else "cpu",
+        }
+
+
+def _jsonable(value: Any) -> bool:
+    return isinstance(value, bool | int | float | str | type(None)) or (
+        isinstance(value, tuple | list) and all(isinstance(v, int | float) for v in value)
+    )
+
+
+class _StepContext:
+    """What ``cockpit(step, losses=...)`` returns; the backward pass goes inside it."""
+
+    def __init__(self, cockpit: Cockpit, step: int, losses: Tensor | None):
+        self.cockpit, self.step, self.losses = cockpit, step, losses
+
+    def __enter__(self) -> _StepContext:
+        self.cockpit._enter(self.step, self.losses)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.cockpit._exit(failed=exc_type is not None)
+

@@ -1,0 +1,100 @@
+"""Embeddings: g_n(W) = Σ_t e_{i_{n,t}} δ_{n,t}ᵀ, a sparse matrix with one row per distinct
+token of sample n.
+
+Rows of repeated tokens within a sample are summed first (``index_add`` over the distinct
+(sample, token) pairs), so every statistic is exact and no N×V×E tensor is ever built:
+‖g_n‖² sums the squared rows of sample n, g_nᵀU sums ⟨row, U[token]⟩, Σ_n g_n⊙g_n adds the
+squared rows into their tokens, and the histogram counts the rows' elements plus the
+N·V·E − P·E exact zeros (P distinct pairs).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense
+from cockpit.engine.rules.registry import register_rule
+from cockpit.engine.sample_grads import SampleGrads
+
+
+class EmbeddingSampleGrads(SampleGrads):
+    def __init__(self, indices: Tensor, delta: Tensor, num_embeddings: int, padding_idx):
+        n = indices.shape[0]
+        idx = indices.reshape(n, -1)
+        rows = delta.reshape(n, idx.shape[1], -1)
+        if padding_idx is not None:
+            keep = idx != padding_idx
+            rows = rows * keep.unsqueeze(-1)
+        sample = torch.arange(n, device=idx.device).unsqueeze(1).expand_as(idx)
+        keys = sample.reshape(-1) * num_embeddings + idx.reshape(-1)
+        unique_keys, inverse = torch.unique(keys, return_inverse=True)
+        self.rows = rows.new_zeros(unique_keys.numel(), rows.shape[-1])
+        self.rows.index_add_(0, inverse, rows.reshape(-1, rows.shape[-1]))
+        self.pair_sample = unique_keys // num_embeddings
+        self.pair_token = unique_keys % num_embeddings
+        self.num_samples = n
+        self.shape = torch.Size((num_embeddings, rows.shape[-1]))
+
+    def materialize(self) -> Tensor:
+        dense = self.rows.new_zeros(self.num_samples, *self.shape)
+        dense[self.pair_sample, self.pair_token] = self.rows
+        return dense
+
+    def sq_norms(self) -> Tensor:
+        out = self.rows.new_zeros(self.num_samples)
+        return out.index_add_(0, self.pair_sample, self.rows.pow(2).sum(1))
+
+    def batch_mean(self) -> Tensor:
+        out = self.rows.new_zeros(self.shape)
+        return out.index_add_(0, self.pair_token, self.rows) / self.num_samples
+
+    def dots(self, u: Tensor) -> Tensor:
+        per_pair = (self.rows * u.reshape(self.shape)[self.pair_token]).sum(1)
+        return self.rows.new_zeros(self.num_samples).index_add_(0, self.pair_sample, per_pair)
+
+    def sum_sq(self) -> Tensor:
+        rows = self.rows.double()
+        return rows.new_zeros(self.shape).index_add_(0, self.pair_token, rows.pow(2))
+
+    def centered_sum_sq(self) -> Tensor:
+        # rows absent from a sample are zeros: Σ_n (g_n − ḡ)² = Σ_n g_n² − N ḡ², with ḡ and
+        # the sums in float64
+        mean = self.batch_mean().double()
+        return self.sum_sq() - self.num_samples * mean.pow(2)
+
+    def _num_implicit_zeros(self) -> int:
+        return (self.num_samples * self.shape[0] - self.rows.shape[0]) * self.shape[1]
+
+    def histogram(self, spec: BinSpec) -> Tensor:
+        counts = histogram_dense(self.rows, spec)[0]
+        zero_bin = histogram_dense(self.rows.new_zeros(1), spec)[0]
+        return counts + zero_bin * self._num_implicit_zeros()
+
+    def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
+        theta_rows = theta.reshape(self.shape)[self.pair_token]
+        explicit = histogram2d_dense(self.rows.reshape(1, -1), theta_rows.reshape(-1),
+                                     spec_g, spec_theta)[0]
+        # every sample pairs each parameter with a zero gradient, except at its own rows
+        all_zero = histogram2d_dense(theta.new_zeros(1, theta.numel()), theta.reshape(-1),
+                                     spec_g, spec_theta)[0] * self.num_samples
+        own_zero = histogram2d_dense(theta_rows.new_zeros(1, theta_rows.numel()),
+                                     theta_rows.reshape(-1), spec_g, spec_theta)[0]
+        return explicit + all_zero - own_zero
+
+
+@register_rule(nn.Embedding)
+def embedding_rule(
+    module: nn.Embedding, args: tuple, kwargs: dict, output: Tensor, grad_output: Tensor
+) -> dict[str, SampleGrads]:
+    if module.scale_grad_by_freq:
+        raise ValueError(
+            f"Embedding with scale_grad_by_freq=True scales gradients by token counts of the "
+            "whole batch, which mixes samples: individual gradients are undefined. "
+            "Set scale_grad_by_freq=False to use per-sample instruments."
+        )
+    if not module.weight.requires_grad:
+        return {}
+    indices = args[0] if args else kwargs["input"]
+    grads = EmbeddingSampleGrads(indices, grad_output, module.num_embeddings, module.padding_idx)
+    return {"weight": grads}

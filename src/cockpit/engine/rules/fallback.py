@@ -1,0 +1,109 @@
+"""General rule for any module with parameters: vmap the module's own vector-Jacobian
+product over the batch.
+
+For one call y = m(x; θ) with output gradient δ, the individual gradient of sample n is
+
+    g_n = (∂y_n/∂θ)ᵀ δ_n,
+
+obtained by running the module on sample n alone (batch size one) under
+``torch.func.functional_call`` and ``torch.func.vjp``, vectorized over n with
+``torch.func.vmap``. This covers ``nn.MultiheadAttention`` and users' custom layers. The
+module must treat samples independently and deterministically (no dropout inside the
+module with p > 0 in training mode, no batch statistics).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+
+from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
+
+
+def batch_dim_of(module: nn.Module) -> int:
+    """The batch dimension of the module's main inputs and outputs."""
+    return 0 if getattr(module, "batch_first", True) else 1
+
+
+def _input_dims(module: nn.Module, args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
+    """vmap in_dims for every input: the batch dim for batched tensors, None otherwise."""
+    bd = batch_dim_of(module)
+
+    def dim_of(name: str | None, value):
+        if not isinstance(value, Tensor):
+            return None
+        if isinstance(module, nn.MultiheadAttention):
+            if name == "key_padding_mask":
+                return 0
+            if name == "attn_mask":
+                if value.dim() == 3:
+                    raise ValueError(
+                        "MultiheadAttention with a per-sample 3-D attn_mask is not supported "
+                        "by Cockpit's per-sample rule; use key_padding_mask or a 2-D mask."
+                    )
+                return None
+        if value.dim() > bd and value.shape[bd] == n:
+            return bd
+        return None
+
+    mha_names = ("query", "key", "value")
+    arg_dims = tuple(
+        dim_of(mha_names[i] if isinstance(module, nn.MultiheadAttention) and i < 3 else None, v)
+        for i, v in enumerate(args)
+    )
+    kwarg_dims = {k: dim_of(k, v) for k, v in kwargs.items()}
+    return arg_dims, kwarg_dims
+
+
+def fallback_rule(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    outputs: list[Tensor],
+    grad_outputs: list[Tensor],
+    params: dict[str, Tensor],
+) -> dict[str, SampleGrads]:
+    """Individual gradients of ``params`` (names relative to ``module``) for one call.
+
+    ``outputs``/``grad_outputs`` are the module's differentiable output tensors and their
+    gradients (already those of the individual losses), batch dimension as in the module.
+    """
+    n = grad_outputs[0].shape[batch_dim_of(module)]
+    bd = batch_dim_of(module)
+    arg_dims, kwarg_dims = _input_dims(module, args, kwargs, n)
+    detached_args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+    detached_kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+    frozen = {k: v.detach() for k, v in params.items()}
+    num_outputs = len(grad_outputs)
+
+    def tensor_outputs(result) -> list[Tensor]:
+        flat = result if isinstance(result, tuple | list) else (result,)
+        tensors = [t for t in flat if isinstance(t, Tensor) and t.is_floating_point()]
+        return tensors[:num_outputs]
+
+    def one_sample(theta, sample_args, sample_kwargs, sample_deltas):
+        def with_batch(value, dim):
+            return value.unsqueeze(dim) if dim is not None else value
+
+        call_args = tuple(with_batch(v, d) for v, d in zip(sample_args, arg_dims, strict=True))
+        call_kwargs = {k: with_batch(v, kwarg_dims[k]) for k, v in sample_kwargs.items()}
+
+        def forward(p):
+            return tuple(tensor_outputs(functional_call(module, p, call_args, call_kwargs)))
+
+        _, vjp_fn = vjp(forward, theta)
+        cotangents = tuple(d.unsqueeze(bd) for d in sample_deltas)
+        return vjp_fn(cotangents)[0]
+
+    delta_dims = tuple(bd for _ in grad_outputs)
+    per_sample = vmap(one_sample, in_dims=(None, arg_dims, kwarg_dims, delta_dims))(
+        frozen, detached_args, detached_kwargs, tuple(grad_outputs)
+    )
+    return {name: DenseSampleGrads(g) for name, g in per_sample.items()}
+
+
+def owned_parameters(module: nn.Module, atomic: bool) -> dict[str, nn.Parameter]:
+    """Trainable parameters a fallback unit differentiates: its own, or all for atomic ones."""
+    named = module.named_parameters(recurse=atomic)
+    return {name: p for name, p in named if p.requires_grad}
+

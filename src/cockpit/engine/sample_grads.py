@@ -1,0 +1,188 @@
+"""Individual gradients of one parameter tensor, held implicitly.
+
+A layer rule turns a layer's stored input ``a`` and output gradient ``δ`` into one
+:class:`SampleGrads` per parameter. It represents the |B| individual gradients
+
+    g_n = ∇_θ ℓ_n ∈ R^{shape(θ)},   n = 1, …, |B|,
+
+(the gradient of the n-th *individual* loss, not ℓ_n / |B|) and answers the questions the
+instruments ask, each with a closed form where the layer structure allows one:
+
+* ``sq_norms()``      ‖g_n‖²                       shape [N]
+* ``gram_mean()``     g_nᵀ ḡ  with ḡ = (1/N) Σ_m g_m  shape [N]
+* ``dots(u)``         g_nᵀ u for a direction u      shape [N]
+* ``sum_sq()``        Σ_n g_n ⊙ g_n                 shape of θ, float64
+* ``centered_sum_sq()`` Σ_n (g_n − ḡ) ⊙ (g_n − ḡ)    shape of θ, float64 (no cancellation)
+* ``histogram(spec)`` counts of all N·D elements g_{n,j}
+* ``histogram2d(theta, spec_g, spec_theta)`` counts of the pairs (g_{n,j}, θ_j)
+
+:class:`DenseSampleGrads` materializes ``[N, *shape]`` and serves as the general fallback;
+:class:`OuterSampleGrads` and :class:`SequenceOuterSampleGrads` hold g_n = Σ_t δ_{n,t} a_{n,t}ᵀ
+in factored form (Linear layers) and never build the N×I×J tensor unless a question needs it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+
+from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
+
+# Materialize factored per-sample gradients in chunks of at most this many elements so
+# that the extra memory stays near one layer's |B|×D even for sequence inputs.
+_CHUNK_ELEMENTS = 2**25
+
+
+class SampleGrads(ABC):
+    """The |B| individual gradients of one parameter tensor (see module docstring)."""
+
+    num_samples: int
+    shape: torch.Size
+
+    @abstractmethod
+    def materialize(self) -> Tensor:
+        """All individual gradients as one tensor of shape ``[N, *shape]``."""
+
+    def chunks(self) -> list[Tensor]:
+        """Individual gradients in sample chunks ``[n_chunk, *shape]`` (default: one chunk)."""
+        return [self.materialize()]
+
+    def sq_norms(self) -> Tensor:
+        return torch.cat([c.flatten(1).pow(2).sum(1) for c in self.chunks()])
+
+    def batch_mean(self) -> Tensor:
+        total = sum(c.sum(0) for c in self.chunks())
+        return total / self.num_samples
+
+    def gram_mean(self) -> Tensor:
+        return self.dots(self.batch_mean())
+
+    def dots(self, u: Tensor) -> Tensor:
+        flat_u = u.reshape(-1)
+        return torch.cat([c.flatten(1) @ flat_u for c in self.chunks()])
+
+    def sum_sq(self) -> Tensor:
+        return sum(c.double().pow(2).sum(0) for c in self.chunks())
+
+    def centered_sum_sq(self) -> Tensor:
+        chunks = self.chunks()
+        mean = sum(c.double().sum(0) for c in chunks) / self.num_samples
+        return sum((c.double() - mean).pow(2).sum(0) for c in chunks)
+
+    def histogram(self, spec: BinSpec) -> Tensor:
+        return sum(histogram_dense(c, spec)[0] for c in self.chunks())
+
+    def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
+        flat_theta = theta.reshape(-1)
+        return sum(
+            histogram2d_dense(c.flatten(1), flat_theta, spec_g, spec_theta)[0]
+            for c in self.chunks()
+        )
+
+
+class DenseSampleGrads(SampleGrads):
+    """Individual gradients stored explicitly as ``G[n] = g_n``."""
+
+    def __init__(self, grads: Tensor):
+        self.grads = grads
+        self.num_samples = grads.shape[0]
+        self.shape = grads.shape[1:]
+
+    def materialize(self) -> Tensor:
+        return self.grads
+
+    def add_(self, other: SampleGrads) -> None:
+        """Accumulate another use of the same parameter (tied weights, reused modules)."""
+        self.grads = self.grads + other.materialize()
+
+
+class OuterSampleGrads(SampleGrads):
+    """g_n = δ_n a_nᵀ for δ ∈ R^{N×I}, a ∈ R^{N×J} (a Linear weight without sequence dims).
+
+    Closed forms:  ‖g_n‖² = ‖δ_n‖² ‖a_n‖²;   g_nᵀ g_m = (δ_nᵀδ_m)(a_nᵀa_m), so
+    g_nᵀ ḡ = (1/N) Σ_m (δδᵀ ⊙ aaᵀ)_{nm};   g_nᵀ U = δ_nᵀ U a_n;
+    Σ_n g_n⊙g_n = (δ⊙δ)ᵀ (a⊙a).
+    """
+
+    def __init__(self, delta: Tensor, a: Tensor):
+        self.delta, self.a = delta, a
+        self.num_samples = delta.shape[0]
+        self.shape = torch.Size((delta.shape[1], a.shape[1]))
+
+    def materialize(self) -> Tensor:
+        return self.delta.unsqueeze(2) * self.a.unsqueeze(1)
+
+    def chunks(self) -> list[Tensor]:
+        per_sample = self.shape.numel()
+        size = max(1, _CHUNK_ELEMENTS // max(per_sample, 1))
+        return [
+            d.unsqueeze(2) * a.unsqueeze(1)
+            for d, a in zip(self.delta.split(size), self.a.split(size), strict=True)
+        ]
+
+    def sq_norms(self) -> Tensor:
+        return self.delta.pow(2).sum(1) * self.a.pow(2).sum(1)
+
+    def batch_mean(self) -> Tensor:
+        return self.delta.T @ self.a / self.num_samples
+
+    def gram_mean(self) -> Tensor:
+        n, (i, j) = self.num_samples, self.shape
+        if n < 2 * i * j / (i + j):
+            gram = (self.delta @ self.delta.T) * (self.a @ self.a.T)
+            return gram.mean(1)
+        return self.dots(self.batch_mean())
+
+    def dots(self, u: Tensor) -> Tensor:
+        return ((self.delta @ u.reshape(self.shape)) * self.a).sum(1)
+
+    def sum_sq(self) -> Tensor:
+        return self.delta.double().pow(2).T @ self.a.double().pow(2)
+
+    def centered_sum_sq(self) -> Tensor:
+        delta, a = self.delta.double(), self.a.double()
+        mean = delta.T @ a / self.num_samples
+        return delta.pow(2).T @ a.pow(2) - self.num_samples * mean.pow(2)
+
+    def histogram(self, spec: BinSpec) -> Tensor:
+        return histogram_outer(self.delta, self.a, spec)[0]
+
+
+class SequenceOuterSampleGrads(SampleGrads):
+    """g_n = Σ_t δ_{n,t} a_{n,t}ᵀ for δ ∈ R^{N×T×I}, a ∈ R^{N×T×J} (Linear on sequences).
+
+    ‖g_n‖² = Σ_{t,t'} (δ_{n,t}ᵀδ_{n,t'})(a_{n,t}ᵀa_{n,t'}) by per-sample Gram matrices when
+    that is cheaper than materializing;  g_nᵀ U = Σ_t δ_{n,t}ᵀ U a_{n,t}.
+    """
+
+    def __init__(self, delta: Tensor, a: Tensor):
+        self.delta, self.a = delta, a
+        self.num_samples = delta.shape[0]
+        self.shape = torch.Size((delta.shape[2], a.shape[2]))
+
+    def materialize(self) -> Tensor:
+        return torch.bmm(self.delta.transpose(1, 2), self.a)
+
+    def chunks(self) -> list[Tensor]:
+        size = max(1, _CHUNK_ELEMENTS // max(self.shape.numel(), 1))
+        return [
+            torch.bmm(d.transpose(1, 2), a)
+            for d, a in zip(self.delta.split(size), self.a.split(size), strict=True)
+        ]
+
+    def sq_norms(self) -> Tensor:
+        t = self.delta.shape[1]
+        i, j = self.shape
+        if t * (i + j) < i * j:
+            gram_delta = torch.bmm(self.delta, self.delta.transpose(1, 2))
+            gram_a = torch.bmm(self.a, self.a.transpose(1, 2))
+            return (gram_delta * gram_a).sum((1, 2))
+        return super().sq_norms()
+
+    def batch_mean(self) -> Tensor:
+        return torch.einsum("nti,ntj->ij", self.delta, self.a) / self.num_samples
+
+    def dots(self, u: Tensor) -> Tensor:
+        return ((self.delta @ u.reshape(self.shape)) * self.a).sum((1, 2))

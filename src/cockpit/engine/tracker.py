@@ -1,0 +1,376 @@
+"""Hooks that reduce each layer's per-sample information to additive statistics.
+
+Data flow at a tracked step:
+
+1. forward: a forward hook on every *unit* (a module with a rule, or a module owning
+   parameters no rule covers) records the call's inputs and puts a tensor hook on each
+   differentiable output;
+2. the user's backward: the hook on the per-sample ``losses`` fires first and yields the
+   weights w_n = ∂L/∂ℓ_n of the batch loss L (1/|B| for a mean); then each output hook
+   receives ∂L/∂y, divides it by w_n to get the individual losses' gradient δ_n, asks the
+   layer rule for the :class:`SampleGrads` of the unit's parameters, reduces them to the
+   statistics the active instruments need, and drops every reference at once;
+3. parameters used by more than one call (tied weights, modules applied twice) cannot be
+   reduced per call — ‖Σ_calls g‖² ≠ Σ_calls ‖g‖² — so their individual gradients are
+   summed over calls and reduced when the backward context exits.
+
+At untracked steps the hooks return immediately and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
+from cockpit.engine.histogram import BinSpec
+from cockpit.engine.rules.fallback import batch_dim_of, fallback_rule, owned_parameters
+from cockpit.engine.rules.norms import SampleMixingError, batch_norm_message, uses_batch_statistics
+from cockpit.engine.rules.registry import ATOMIC_MODULES, find_rule
+from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
+
+# Names of the per-sample statistics an instrument can ask for.
+SQ_NORMS = "sq_norms"  # ‖g_n‖²                    per parameter, shape [N]
+GRAM_MEAN = "gram_mean"  # g_nᵀ ḡ                  per parameter, shape [N]
+SUM_SQ = "sum_sq"  # Σ_n g_n ⊙ g_n                 per parameter, shape of θ
+VAR_SUM = "var_sum"  # Σ_n (g_n − ḡ) ⊙ (g_n − ḡ)   per parameter, shape of θ
+HIST1D = "hist1d"  # counts of g_{n,j}            per parameter, [bins]
+HIST2D = "hist2d"  # counts of (g_{n,j}, θ_j)     per parameter, [bins_g, bins_θ]
+PER_SAMPLE_STATS = frozenset({SQ_NORMS, GRAM_MEAN, SUM_SQ, VAR_SUM, HIST1D, HIST2D})
+
+
+@dataclass
+class Unit:
+    """A module whose calls the tracker reduces, with the parameters it is responsible for."""
+
+    name: str
+    module: nn.Module
+    params: dict[str, nn.Parameter]  # attribute name (relative to module) → parameter
+    registered_rule: bool
+
+    @property
+    def deferred(self) -> bool:
+        """Rules that run torch.func transforms are evaluated after the backward pass:
+        autograd re-entered from inside a tensor hook is not reliable for every operator
+        (e.g. the CPU attention kernels under vmap)."""
+        return not self.registered_rule or isinstance(self.module, nn.Conv3d)
+
+
+@dataclass
+class Call:
+    """One forward call of a unit, kept until its output gradients arrived."""
+
+    unit: Unit
+    args: tuple | None
+    kwargs: dict | None
+    outputs: list[Tensor]
+    versions: list[int]
+    grads: list[Tensor | None]
+    received: int = 0
+
+
+@dataclass
+class BackwardStatistics:
+    """Additive statistics of one tracked backward pass, keyed by parameter name."""
+
+    num_samples: int
+    sq_norms: dict[str, Tensor] = field(default_factory=dict)
+    gram_mean: dict[str, Tensor] = field(default_factory=dict)
+    sum_sq: dict[str, Tensor] = field(default_factory=dict)
+    var_sum: dict[str, Tensor] = field(default_factory=dict)
+    hist1d: dict[str, Tensor] = field(default_factory=dict)
+    hist2d: dict[str, Tensor] = field(default_factory=dict)
+    batch_grads: dict[str, Tensor] = field(default_factory=dict)  # ∂L/∂θ of this backward
+    problems: list[str] = field(default_factory=list)  # reasons per-sample stats are invalid
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+
+class ModuleTracker:
+    """Installs and owns all hooks on ``model``; see the module docstring."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        hist_spec: BinSpec,
+        hist2d_specs: tuple[BinSpec, BinSpec],
+        strict: bool = False,
+    ):
+        self.model = model
+        self.hist_spec = hist_spec
+        self.hist2d_specs = hist2d_specs
+        self.strict = strict
+        self.param_names = {id(p): name for name, p in model.named_parameters()}
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self.units = list(self._discover_units(model))
+        self.capturing = True
+        self.active = False
+        self.needs: frozenset[str] = frozenset()
+        self.stats: BackwardStatistics | None = None
+        self._calls: list[Call] = []
+        self._multi_use: set[str] = set()
+        self._accumulated: dict[str, DenseSampleGrads] = {}
+        self._weights: Tensor | None = None
+        self._suspended = False  # True while rules run the module again (torch.func)
+        self._handles: list = []
+        for unit in self.units:
+            self._handles.append(
+                unit.module.register_forward_hook(self._make_forward_hook(unit), with_kwargs=True)
+            )
+        for name, p in self.params.items():
+            self._handles.append(p.register_hook(self._make_param_hook(name)))
+
+    # ------------------------------------------------------------------ discovery
+    def _discover_units(self, model: nn.Module) -> Iterable[Unit]:
+        atomic_prefixes: list[str] = []
+        for name, module in model.named_modules():
+            if any(name.startswith(prefix + ".") for prefix in atomic_prefixes):
+                continue
+            atomic = isinstance(module, ATOMIC_MODULES)
+            if atomic:
+                atomic_prefixes.append(name)
+            params = owned_parameters(module, atomic)
+            if not params:
+                continue
+            has_rule = find_rule(module) is not None and not atomic
+            yield Unit(name, module, params, has_rule)
+
+    def unit_param_name(self, unit: Unit, attr: str) -> str:
+        return self.param_names[id(unit.params[attr])]
+
+    def check_batch_norm(self) -> list[str]:
+        """Messages for BatchNorm layers that currently mix samples."""
+        return [
+            batch_norm_message(unit.module, unit.name)
+            for unit in self.units
+            if isinstance(unit.module, nn.modules.batchnorm._BatchNorm)
+            and uses_batch_statistics(unit.module)
+        ]
+
+    # ------------------------------------------------------------------ forward
+    def _make_forward_hook(self, unit: Unit):
+        def hook(module, args, kwargs, output):
+            if not self.capturing or self._suspended or not torch.is_grad_enabled():
+                return None
+            flat = output if isinstance(output, tuple | list) else (output,)
+            outputs = [t for t in flat if isinstance(t, Tensor) and t.requires_grad]
+            if not outputs:
+                return None
+            tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
+            call = Call(unit, args, kwargs, outputs, [t._version for t in tensors],
+                        [None] * len(outputs))
+            self._calls.append(call)
+            for k, out in enumerate(outputs):
+                out.register_hook(self._make_output_hook(call, k))
+            return None
+
+        return hook
+
+    def clear_calls(self) -> None:
+        for call in self._calls:
+            call.args = call.kwargs = None
+            call.outputs = []
+            call.grads = []
+        self._calls = []
+
+    # ------------------------------------------------------------------ backward
+    def begin(self, num_samples: int, needs: frozenset[str]) -> BackwardStatistics:
+        """Arm the hooks for one tracked backward pass."""
+        self.stats = BackwardStatistics(num_samples)
+        self.needs = needs
+        self._weights = None
+        self._accumulated = {}
+        uses: dict[str, int] = {}
+        for call in self._calls:
+            for attr in call.unit.params:
+                name = self.unit_param_name(call.unit, attr)
+                uses[name] = uses.get(name, 0) + 1
+        self._multi_use = {name for name, count in uses.items() if count > 1}
+        self.active = True
+        return self.stats
+
+    def losses_hook(self, grad: Tensor) -> None:
+        """Hook on the per-sample losses: record w_n = ∂L/∂ℓ_n."""
+        if self.active:
+            self._weights = grad.detach()
+
+    def _make_param_hook(self, name: str):
+        def hook(grad: Tensor):
+            if self.active and not self._suspended and self.stats is not None:
+                if name in self.stats.batch_grads:
+                    self.stats.batch_grads[name] = self.stats.batch_grads[name] + grad.detach()
+                else:
+                    self.stats.batch_grads[name] = grad.detach().clone()
+            return None
+
+        return hook
+
+    def _make_output_hook(self, call: Call, k: int):
+        def hook(grad: Tensor):
+            if not self.active or self._suspended or call.args is None:
+                return None
+            call.grads[k] = grad.detach()
+            call.received += 1
+            if call.received == len(call.outputs) and not call.unit.deferred:
+                self._process_guarded(call)
+            return None
+
+        return hook
+
+    def end(self) -> BackwardStatistics:
+        """Disarm; reduce calls still waiting for outputs and parameters used repeatedly."""
+        assert self.stats is not None
+        try:
+            for call in self._calls:
+                if call.args is not None and call.received > 0:
+                    call.grads = [
+                        g if g is not None else torch.zeros_like(out)
+                        for g, out in zip(call.grads, call.outputs, strict=True)
+                    ]
+                    self._process_guarded(call)
+            for name, grads in self._accumulated.items():
+                self._reduce_guarded(name, grads)
+        finally:
+            self.active = False
+            self._accumulated = {}
+            self.clear_calls()
+        stats, self.stats = self.stats, None
+        return stats
+
+    def _fail(self, message: str) -> None:
+        assert self.stats is not None
+        if message not in self.stats.problems:
+            self.stats.problems.append(message)
+
+    def _process_guarded(self, call: Call) -> None:
+        self._suspended = True
+        try:
+            self._process(call)
+        except Exception as error:  # the user's backward must never fail because of us
+            if self.strict and not isinstance(error, SampleMixingError):
+                raise
+            self._fail(f"{call.unit.name or type(call.unit.module).__name__}: {error}")
+        finally:
+            self._suspended = False
+            call.args = call.kwargs = None
+            call.outputs = []
+            call.grads = []
+
+    def _process(self, call: Call) -> None:
+        stats = self.stats
+        assert stats is not None
+        if not (self.needs & PER_SAMPLE_STATS) or stats.problems:
+            return
+        weights = self._weights
+        reason = self.check_weights()
+        if reason is not None:
+            self._fail(reason)
+            return
+        if weights is None:
+            self._fail(
+                "the backpropagated loss does not depend on the `losses` passed to "
+                "cockpit(step, losses=...); pass the per-sample losses whose mean you "
+                "backpropagate"
+            )
+            return
+        tensors = [v for v in (*call.args, *call.kwargs.values()) if isinstance(v, Tensor)]
+        if [t._version for t in tensors] != call.versions:
+            raise RuntimeError(
+                "an input of this layer was modified in place after the layer used it"
+            )
+        unit = call.unit
+        bd = batch_dim_of(unit.module)
+        grads = [self._individual(g, weights, bd) for g in call.grads]
+        if unit.registered_rule and len(call.outputs) == 1:
+            rule = find_rule(unit.module)
+            assert rule is not None
+            sample_grads = rule(unit.module, call.args, call.kwargs, call.outputs[0], grads[0])
+        else:
+            sample_grads = fallback_rule(
+                unit.module, call.args, call.kwargs, call.outputs, grads, unit.params
+            )
+        for attr, sg in sample_grads.items():
+            name = self.unit_param_name(unit, attr)
+            if sg.num_samples != stats.num_samples:
+                raise ValueError(
+                    f"saw a batch of {sg.num_samples} samples but `losses` has "
+                    f"{stats.num_samples} entries"
+                )
+            if name in self._multi_use:
+                dense = DenseSampleGrads(sg.materialize())
+                if name in self._accumulated:
+                    self._accumulated[name].add_(dense)
+                else:
+                    self._accumulated[name] = dense
+            else:
+                self._reduce(name, sg)
+
+    @staticmethod
+    def _individual(grad: Tensor, weights: Tensor, batch_dim: int) -> Tensor:
+        """∂L/∂y_n → ∂ℓ_n/∂y_n by dividing by the loss weight w_n of each sample."""
+        shape = [1] * grad.dim()
+        shape[batch_dim] = -1
+        return grad / weights.reshape(shape).to(grad.dtype)
+
+    def _reduce_guarded(self, name: str, sg: SampleGrads) -> None:
+        try:
+            self._reduce(name, sg)
+        except Exception as error:
+            if self.strict:
+                raise
+            self._fail(f"{name}: {error}")
+
+    def _reduce(self, name: str, sg: SampleGrads) -> None:
+        stats, needs = self.stats, self.needs
+        assert stats is not None
+        if SQ_NORMS in needs:
+            stats.sq_norms[name] = sg.sq_norms()
+        if GRAM_MEAN in needs:
+            stats.gram_mean[name] = sg.gram_mean()
+        if SUM_SQ in needs:
+            stats.sum_sq[name] = sg.sum_sq()
+        if VAR_SUM in needs:
+            stats.var_sum[name] = sg.centered_sum_sq()
+        if HIST1D in needs:
+            stats.hist1d[name] = sg.histogram(self.hist_spec)
+        if HIST2D in needs:
+            spec_g, spec_theta = self.hist2d_specs
+            stats.hist2d[name] = sg.histogram2d(self.params[name].detach(), spec_g, spec_theta)
+
+    def check_weights(self) -> str | None:
+        """A reason why the loss weights do not allow individual gradients, or None."""
+        w = self._weights
+        if w is None:
+            return None
+        if not torch.all(w == w.flatten()[0]):
+            return (
+                "the backpropagated loss weights the individual losses unequally; Cockpit "
+                "expects the batch loss to be losses.mean() (or losses.sum())"
+            )
+        if w.flatten()[0] == 0:
+            return "the backpropagated loss does not depend on `losses` (zero weights)"
+        return None
+
+    @property
+    def loss_weight(self) -> float | None:
+        """The (uniform) weight w = ∂L/∂ℓ_n of this backward, if known."""
+        return None if self._weights is None else float(self._weights.flatten()[0])
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.clear_calls()
+        self.active = False
+
+
+def warn_once(message: str, seen: set[str]) -> None:
+    if message not in seen:
+        seen.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -1,0 +1,383 @@
+r"""Predict the update ``s = θ_{t+1} − θ_t`` that ``optimizer.step()`` will apply, and verify it.
+
+Alpha needs ``s_tᵀ g_n`` for every sample, but ``s_t`` exists only after ``optimizer.step()``.
+Inside the backward hook we know a layer's batch gradient ``g``; together with the parameter,
+its param group's hyperparameters and the optimizer state this determines ``s`` for the
+standard optimizers. ``predict_update`` replays torch 2.13's single-tensor update rule on copies
+(same operations in the same order, so the prediction equals the real update bit for bit when
+nothing changes in between) and never touches the optimizer's state. Rules, with ``g ← −g``
+under ``maximize`` and ``λ`` = weight_decay:
+
+* SGD: ``d = g + λθ``; with momentum μ: ``b = d`` on the first step, else
+  ``b = μ b + (1 − dampening) d``; ``d = d + μ b`` (Nesterov) or ``d = b``; ``s = −lr d``.
+* Adam / AdamW (k = step + 1): L2 decay ``g = g + λθ``, or decoupled ``θ ← θ(1 − lr λ)``;
+  ``m = β₁m + (1−β₁)g``, ``v = β₂v + (1−β₂)g²``, amsgrad ``v̂ = max(v̂, v)``;
+  ``θ ← θ − lr/(1−β₁ᵏ) · m / (√v / √(1−β₂ᵏ) + ε)``.
+* RMSprop: ``g = g + λθ``; ``v = αv + (1−α)g²``; centered: ``ḡ = αḡ + (1−α)g``,
+  ``a = √(v − ḡ²) + ε`` else ``a = √v + ε``; momentum: ``b = μb + g/a``, ``s = −lr b``;
+  else ``s = −lr g/a``.
+* Adagrad (k = step + 1): ``g = g + λθ``; ``clr = lr / (1 + (k−1)·lr_decay)``;
+  ``S = S + g²`` (S starts at initial_accumulator_value); ``s = −clr · g/(√S + ε)``.
+
+Not predicted (``None``, reasons in ``UnsupportedOptimizer``): other optimizer classes
+(LBFGS and other closure-based ones included), subclasses that override ``step``, ``fused``,
+``capturable`` and ``differentiable`` groups, complex parameters, sparse gradients, tensor
+hyperparameters other than a one-element ``lr``, state that does not fit the group's options.
+``foreach=True`` runs the same math with multi-tensor kernels (agreement to rounding).
+
+Verification after the real step (``match_update``): the caller compares predictions with the
+measured updates and accepts a global rescaling ``actual ≈ κ·predicted``:
+
+* A learning-rate change between backward and step (a scheduler, the same factor for every
+  group) is an exact global rescaling for every supported optimizer: each update is linear in
+  lr with lr-independent state, also AdamW's decoupled decay (``−lr λθ − lr/(1−β₁ᵏ) m/…``) and
+  Adagrad's ``lr / (1 + (k−1) lr_decay)``. κ = lr_new / lr_old, up to float rounding.
+* Gradient clipping (``g ← c g``) is a global rescaling of the UPDATE only for SGD without
+  momentum and weight decay (and on the first momentum step without weight decay). For
+  momentum SGD the buffer mixes old and new gradients, so it is not; there
+  ``sgd_update_basis`` gives tensors spanning the update for every gradient scale c,
+  ``fit_basis_coefficients`` recovers the coefficients after the step, exactly. For Adam,
+  RMSprop and Adagrad clipping is not a rescaling; the check fails and the caller falls back.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
+
+SUPPORTED_CLASSES: tuple[type[Optimizer], ...] = (SGD, Adam, RMSprop, Adagrad)
+"""Base classes whose ``step`` is predicted (AdamW is a subclass of Adam with its ``step``)."""
+
+_TINY = 1e-300
+_RULE_KEYS = (
+    "momentum", "dampening", "weight_decay", "betas", "eps", "alpha", "lr_decay",
+    "initial_accumulator_value",
+)  # fmt: skip
+
+
+class UnsupportedOptimizer:
+    """Reasons why an update cannot be predicted (``unsupported_reason`` returns one)."""
+
+    UNKNOWN_CLASS = "optimizer class not supported (supported: SGD, Adam, AdamW, RMSprop, Adagrad)"
+    STEP_OVERRIDDEN = "optimizer subclass overrides step(); its update rule is unknown"
+    FUSED = "fused=True is not supported"
+    CAPTURABLE = "capturable=True is not supported"
+    DIFFERENTIABLE = "differentiable=True is not supported"
+    GRAD_SCALER = "optimizer carries grad_scale/found_inf (AMP GradScaler) and is not predicted"
+    TENSOR_HYPERPARAMETER = "tensor-valued hyperparameter other than a one-element lr"
+    PARAM_NOT_FOUND = "parameter is not in any param group of the optimizer"
+    COMPLEX = "complex parameters are not supported"
+    SPARSE = "sparse gradients are not supported"
+    SHAPE = "gradient shape differs from the parameter's"
+    INCONSISTENT_STATE = "optimizer state does not match the group's options"
+
+
+def _raw_function(function: object) -> object:
+    """Strip decorators (profiling hooks, lr-scheduler counters) that use functools.wraps."""
+    function = getattr(function, "__func__", function)
+    return inspect.unwrap(function)  # type: ignore[arg-type]
+
+
+def supported_base(optimizer: Optimizer) -> type[Optimizer] | None:
+    """The supported base class whose unmodified ``step`` ``optimizer`` uses, else None."""
+    for base in SUPPORTED_CLASSES:
+        if isinstance(optimizer, base):
+            expected = _raw_function(base.step)
+            if _raw_function(type(optimizer).step) is not expected:
+                return None
+            patched = optimizer.__dict__.get("step")  # e.g. the lr scheduler's counter
+            if patched is not None and _raw_function(patched) is not expected:
+                return None
+            return base
+    return None
+
+
+def _group_reason(group: dict) -> str | None:
+    if group.get("fused"):
+        return UnsupportedOptimizer.FUSED
+    if group.get("capturable"):
+        return UnsupportedOptimizer.CAPTURABLE
+    if group.get("differentiable"):
+        return UnsupportedOptimizer.DIFFERENTIABLE
+    for key in _RULE_KEYS:  # keys the rules read (schedulers add e.g. a tensor "initial_lr")
+        value = group.get(key)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, Tensor) for v in values):
+            return UnsupportedOptimizer.TENSOR_HYPERPARAMETER
+    lr = group.get("lr")
+    if isinstance(lr, Tensor) and (lr.numel() != 1 or lr.requires_grad):
+        return UnsupportedOptimizer.TENSOR_HYPERPARAMETER
+    return None
+
+
+def unsupported_reason(
+    optimizer: Optimizer, param: Tensor | None = None, grad: Tensor | None = None
+) -> str | None:
+    """Why the updates (of ``param`` with ``grad``, if given) cannot be predicted, or None.
+
+    ``UnsupportedOptimizer.INCONSISTENT_STATE`` is found only by ``predict_update`` itself.
+    """
+    reason = _optimizer_reason(optimizer)
+    if reason is not None or param is None:
+        return reason
+    if _find_group(optimizer, param) is None:
+        return UnsupportedOptimizer.PARAM_NOT_FOUND
+    if torch.is_complex(param):
+        return UnsupportedOptimizer.COMPLEX
+    if grad is not None and grad.is_sparse:
+        return UnsupportedOptimizer.SPARSE
+    if grad is not None and grad.shape != param.shape:
+        return UnsupportedOptimizer.SHAPE
+    return None
+
+
+def _optimizer_reason(optimizer: Optimizer) -> str | None:
+    base = supported_base(optimizer)
+    if base is None:
+        if isinstance(optimizer, SUPPORTED_CLASSES):
+            return UnsupportedOptimizer.STEP_OVERRIDDEN
+        return UnsupportedOptimizer.UNKNOWN_CLASS
+    if getattr(optimizer, "grad_scale", None) is not None:
+        return UnsupportedOptimizer.GRAD_SCALER
+    if getattr(optimizer, "found_inf", None) is not None:
+        return UnsupportedOptimizer.GRAD_SCALER
+    for group in optimizer.param_groups:
+        reason = _group_reason(group)
+        if reason is not None:
+            return reason
+    return None
+
+
+def supports(optimizer: Optimizer) -> bool:
+    """Whether ``predict_update`` can predict this optimizer's updates."""
+    return unsupported_reason(optimizer) is None
+
+
+def _find_group(optimizer: Optimizer, param: Tensor) -> dict | None:
+    for group in optimizer.param_groups:
+        if any(p is param for p in group["params"]):
+            return group
+    return None
+
+
+def _scalar(value: float | Tensor) -> float:
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
+
+
+def _next_step(state: dict) -> float:
+    """``step_t += 1; step = step_t.item()`` in the state's own dtype."""
+    step = state.get("step", 0.0)
+    return (step + 1).item() if isinstance(step, Tensor) else float(step) + 1.0
+
+
+def predict_update(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tensor | None:
+    """The update ``θ_{t+1} − θ_t`` that ``optimizer.step()`` will apply to ``param``.
+
+    ``grad`` is the gradient the step will see in ``param.grad``. Returns None when the update
+    cannot be predicted (see ``unsupported_reason``); never modifies ``optimizer``'s state.
+    """
+    if unsupported_reason(optimizer, param, grad) is not None:
+        return None
+    group = _find_group(optimizer, param)
+    state = optimizer.state.get(param) or {}  # .get: do not create an entry
+    base = supported_base(optimizer)
+    with torch.no_grad():
+        param = param.detach()
+        grad = grad.detach().to(param.dtype)
+        if base is SGD:
+            new_param = _sgd_step(param, grad, group, state)
+        elif base is Adam:
+            new_param = _adam_step(param, grad, group, state)
+        elif base is RMSprop:
+            new_param = _rmsprop_step(param, grad, group, state)
+        else:
+            new_param = _adagrad_step(param, grad, group, state, optimizer.defaults)
+        return None if new_param is None else new_param - param
+
+
+def _signed(grad: Tensor, group: dict) -> Tensor:
+    return -grad if group["maximize"] else grad
+
+
+def _sgd_step(param: Tensor, grad: Tensor, group: dict, state: dict) -> Tensor | None:
+    lr, momentum = _scalar(group["lr"]), group["momentum"]
+    weight_decay = group["weight_decay"]
+    direction = _signed(grad, group)
+    if weight_decay != 0:
+        direction = direction.add(param, alpha=weight_decay)
+    if momentum != 0:
+        buffer = state.get("momentum_buffer")
+        if buffer is None:
+            buffer = direction.clone()
+        else:
+            buffer = buffer.mul(momentum).add_(direction, alpha=1 - group["dampening"])
+        direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
+    return param.add(direction, alpha=-lr)
+
+
+def _adam_step(param: Tensor, grad: Tensor, group: dict, state: dict) -> Tensor | None:
+    lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
+    weight_decay, eps, amsgrad = group["weight_decay"], group["eps"], group["amsgrad"]
+    if state:
+        needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+        if any(key not in state for key in needed):
+            return None
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        max_exp_avg_sq = state.get("max_exp_avg_sq")
+    else:
+        exp_avg = exp_avg_sq = max_exp_avg_sq = torch.zeros_like(param)
+    step = _next_step(state)
+    grad = _signed(grad, group)
+    new_param = param
+    if weight_decay != 0:
+        if group.get("decoupled_weight_decay", False):
+            new_param = param.mul(1 - lr * weight_decay)
+        else:
+            grad = grad.add(param, alpha=weight_decay)
+    exp_avg = exp_avg.lerp(grad, 1 - beta1)
+    exp_avg_sq = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    step_size = lr / bias_correction1
+    if amsgrad:
+        exp_avg_sq = torch.maximum(max_exp_avg_sq, exp_avg_sq)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    return new_param.addcdiv(exp_avg, denom, value=-step_size)
+
+
+def _rmsprop_step(param: Tensor, grad: Tensor, group: dict, state: dict) -> Tensor | None:
+    lr, alpha, eps = _scalar(group["lr"]), group["alpha"], group["eps"]
+    momentum, centered, weight_decay = group["momentum"], group["centered"], group["weight_decay"]
+    if state:
+        needed = ("square_avg",)
+        needed += ("momentum_buffer",) if momentum > 0 else ()
+        needed += ("grad_avg",) if centered else ()
+        if any(key not in state for key in needed):
+            return None
+        square_avg = state["square_avg"]
+        buffer, grad_avg = state.get("momentum_buffer"), state.get("grad_avg")
+    else:
+        square_avg = buffer = grad_avg = torch.zeros_like(param)
+    grad = _signed(grad, group)
+    if weight_decay != 0:
+        grad = grad.add(param, alpha=weight_decay)
+    square_avg = square_avg.mul(alpha).addcmul_(grad, grad, value=1 - alpha)
+    if centered:
+        grad_avg = grad_avg.lerp(grad, 1 - alpha)
+        avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
+    else:
+        avg = square_avg.sqrt()
+    avg = avg.add_(eps)
+    if momentum > 0:
+        buffer = buffer.mul(momentum).addcdiv_(grad, avg)
+        return param.add(buffer, alpha=-lr)
+    return param.addcdiv(grad, avg, value=-lr)
+
+
+def _adagrad_step(
+    param: Tensor, grad: Tensor, group: dict, state: dict, defaults: dict
+) -> Tensor | None:
+    lr, lr_decay = _scalar(group["lr"]), group["lr_decay"]
+    weight_decay, eps = group["weight_decay"], group["eps"]
+    if state:
+        if "sum" not in state or "step" not in state:
+            return None
+        state_sum = state["sum"]
+    else:  # lazy initialisation in Adagrad._init_group uses the optimizer's defaults
+        state_sum = torch.full_like(param, defaults["initial_accumulator_value"])
+    step = _next_step(state)
+    grad = _signed(grad, group)
+    if weight_decay != 0:
+        grad = grad.add(param, alpha=weight_decay)
+    clr = lr / (1 + (step - 1) * lr_decay)
+    state_sum = state_sum.addcmul(grad, grad, value=1)
+    std = state_sum.sqrt().add_(eps)
+    return param.addcdiv(grad, std, value=-clr)
+
+
+def _as_double(tensors: Sequence[Tensor | None]) -> list[Tensor]:
+    return [t.detach().double() for t in tensors]  # type: ignore[union-attr]
+
+
+def _dot(a: Tensor, b: Tensor) -> float:
+    return float(torch.dot(a.reshape(-1).double(), b.reshape(-1).double()))
+
+
+def match_update(
+    predicted: Sequence[Tensor | None], actual: Sequence[Tensor], rtol: float = 1e-4
+) -> float | None:
+    """Global scale κ with ``actual ≈ κ · predicted`` over all tensors, or None.
+
+    κ = ⟨p, a⟩ / ⟨p, p⟩ (least squares, float64), accepted when
+    ``‖a − κ p‖ ≤ rtol ‖a‖ + tiny``. κ = lr_new / lr_old after an lr change for every group;
+    κ = clip coefficient for clipped plain SGD (module docstring). A zero prediction matches
+    only a zero update (κ = 1). None for a length mismatch, a missing prediction or
+    non-finite values.
+    """
+    if len(predicted) != len(actual) or any(p is None for p in predicted):
+        return None
+    pp = sum(_dot(p, p) for p in predicted)  # type: ignore[arg-type]
+    pa = sum(_dot(p, a) for p, a in zip(predicted, actual, strict=True))  # type: ignore[arg-type]
+    aa = sum(_dot(a, a) for a in actual)
+    if not all(math.isfinite(x) for x in (pp, pa, aa)):
+        return None
+    if pp == 0.0:
+        return 1.0 if aa == 0.0 else None
+    kappa = pa / pp
+    residual_sq = sum(
+        _dot(a - kappa * p, a - kappa * p)  # type: ignore[operator]
+        for p, a in zip(_as_double(predicted), _as_double(actual), strict=True)
+    )
+    if math.sqrt(residual_sq) <= rtol * math.sqrt(aa) + _TINY:
+        return kappa
+    return None
+
+
+def sgd_update_basis(optimizer: Optimizer, param: Tensor, grad: Tensor) -> list[Tensor] | None:
+    """Snapshot tensors whose span contains ``param``'s SGD update for any gradient scale c.
+
+    With ``grad ← c·grad`` (e.g. clipping) and lr possibly changed, the update is
+    ``s = a₁ g + a₂ θ + a₃ b_old`` (θ only with weight decay, the old momentum buffer only when
+    it exists), for every option of SGD. The tensors are clones (the step changes θ and b in
+    place), so they cost memory. None when the optimizer is not a supported plain SGD.
+    """
+    if supported_base(optimizer) is not SGD or unsupported_reason(optimizer, param, grad):
+        return None
+    group = _find_group(optimizer, param)
+    with torch.no_grad():
+        basis = [grad.detach().to(param.dtype).clone()]
+        if group["weight_decay"] != 0:
+            basis.append(param.detach().clone())
+        buffer = (optimizer.state.get(param) or {}).get("momentum_buffer")
+        if group["momentum"] != 0 and buffer is not None:
+            basis.append(buffer.detach().clone())
+    return basis
+
+
+def fit_basis_coefficients(
+    basis: Sequence[Tensor], actual: Tensor, rtol: float = 1e-4
+) -> Tensor | None:
+    """Least-squares coefficients c with ``actual ≈ Σ_k c_k basis_k`` (float64, on CPU).
+
+    Accepted when ``‖actual − Σ c_k basis_k‖ ≤ rtol ‖actual‖ + tiny``, else None. Then
+    ``s_tᵀ g_n = Σ_k c_k (basis_kᵀ g_n)`` for any vector g_n, also if the basis is degenerate.
+    """
+    if len(basis) == 0:
+        return None
+    flat = [b.reshape(-1).double() for b in basis]
+    target = actual.reshape(-1).double()
+    gram = torch.stack([torch.stack([torch.dot(u, v) for v in flat]) for u in flat]).cpu()
+    rhs = torch.stack([torch.dot(u, target) for u in flat]).cpu()
+    if not (torch.isfinite(gram).all() and torch.isfinite(rhs).all()):
+        return None
+    coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
+    fitted = sum(c.item() * u for c, u in zip(coefficients, flat, strict=True))
+    residual = torch.linalg.vector_norm(target - fitted).item()
+    if residual <= rtol * torch.linalg.vector_norm(target).item() + _TINY:
+        return coefficients
+    return None

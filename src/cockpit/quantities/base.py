@@ -1,0 +1,100 @@
+"""The interface every instrument implements, and the data it reads.
+
+An instrument (a :class:`Quantity`) declares the statistics it needs (``needs``) and turns
+them into numbers in :meth:`Quantity.compute`, called once the tracked backward pass is over.
+Instruments that need the update s_t = θ_{t+1} − θ_t also implement
+:meth:`Quantity.compute_after_update`, called after ``optimizer.step()``.
+
+Values follow one contract: a float (NaN when the instrument saw non-finite numbers), None
+(not computed; the reason goes to ``notes``), or a dict of numpy arrays/floats. Per-parameter
+values use the name ``"<Instrument>/<parameter name>"``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cockpit.engine.histogram import BinSpec
+from cockpit.engine.tracker import BackwardStatistics
+from cockpit.schedules import Schedule, as_schedule
+
+Value = float | None | dict[str, Any]
+
+
+@dataclass
+class StepData:
+    """Everything the instruments may read at a tracked step t."""
+
+    step: int
+    losses: Tensor | None  # individual losses ℓ_n(θ_t), detached, shape [N]
+    stats: BackwardStatistics | None  # per-sample statistics of this backward pass
+    batch_grads: dict[str, Tensor]  # g_B = (1/N) Σ_n g_n per parameter
+    params: dict[str, Tensor]  # θ_t (live tensors: read before optimizer.step())
+    initial_params: dict[str, Tensor] | None  # θ_0
+    learning_rate: float | None
+    hist_spec: BinSpec
+    hist2d_specs: tuple[BinSpec, BinSpec]
+    time: float
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return 0 if self.losses is None else int(self.losses.numel())
+
+
+class Quantity:
+    """Base class of all instruments."""
+
+    needs: frozenset[str] = frozenset()  # per-sample statistics (see engine.tracker)
+    needs_losses: bool = True
+    needs_update: bool = False
+
+    def __init__(self, schedule: Schedule | int | None = None):
+        self.schedule = as_schedule(schedule)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def should_track(self, step: int) -> bool:
+        return bool(self.schedule(step))
+
+    def compute(self, data: StepData) -> dict[str, Value]:
+        return {}
+
+    def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> dict[str, Value]:
+        return {}
+
+    def __repr__(self) -> str:
+        return f"{self.name}(schedule={self.schedule!r})"
+
+
+def to_float(x: Tensor | float) -> float:
+    return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
+def global_and_per_param(
+    name: str, per_param: dict[str, float], total: float
+) -> dict[str, Value]:
+    out: dict[str, Value] = {name: total}
+    out.update({f"{name}/{param}": value for param, value in per_param.items()})
+    return out
+
+
+def sq_norm(tensors) -> Tensor:
+    tensors = list(tensors)
+    if not tensors:
+        return torch.tensor(0.0)
+    return sum(t.double().pow(2).sum() for t in tensors)
+
+
+def safe_sqrt(x: float) -> float:
+    """√x for a value that is ≥ 0 in exact arithmetic (tiny negative rounding → 0)."""
+    if math.isnan(x):
+        return math.nan
+    return math.sqrt(max(x, 0.0))

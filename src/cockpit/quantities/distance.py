@@ -1,0 +1,34 @@
+"""Distance ‖θ_t − θ_0‖ and UpdateSize ‖θ_{t+1} − θ_t‖ (paper Table 2), total and per
+parameter tensor. θ_0 are the parameters when the Cockpit was created; the update is the one
+``optimizer.step()`` actually applied, whatever the optimizer."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from cockpit.quantities.base import Quantity, StepData, Value, global_and_per_param, to_float
+
+
+def _norms(name: str, diffs: dict[str, Tensor]) -> dict[str, Value]:
+    per_param = {k: to_float(d.double().pow(2).sum()) for k, d in diffs.items()}
+    total = math.sqrt(sum(per_param.values()))
+    return global_and_per_param(name, {k: math.sqrt(v) for k, v in per_param.items()}, total)
+
+
+class Distance(Quantity):
+    needs_losses = False
+
+    def compute(self, data: StepData) -> dict[str, Value]:
+        assert data.initial_params is not None
+        diffs = {k: p.detach() - data.initial_params[k] for k, p in data.params.items()}
+        return _norms("Distance", diffs)
+
+
+class UpdateSize(Quantity):
+    needs_losses = False
+    needs_update = True
+
+    def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> dict[str, Value]:
+        return _norms("UpdateSize", update)

@@ -1,0 +1,34 @@
+"""EarlyStopping: the evidence-based criterion of Mahsereci et al. 2017 (paper eq. 14d),
+
+    1 − |B|(|B|−1)/D · Σ_d ḡ_d² / Σ_n (g_{n,d} − ḡ_d)²,
+
+whose positive values suggest stopping. Elements without gradient noise are excluded and
+not counted in D (see :mod:`cockpit.quantities.elementwise_variance`); |B| = 1 gives None.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cockpit.engine.tracker import VAR_SUM
+from cockpit.quantities.base import Quantity, StepData, Value, to_float
+from cockpit.quantities.elementwise_variance import mean_and_variance_sum
+
+
+class EarlyStopping(Quantity):
+    needs = frozenset({VAR_SUM})
+
+    def compute(self, data: StepData) -> dict[str, Value]:
+        assert data.stats is not None
+        n = data.stats.num_samples
+        if n < 2:
+            data.notes["EarlyStopping"] = "undefined for a batch of one sample (no variance)"
+            return {"EarlyStopping": None}
+        ratio_sum, count = 0.0, 0
+        for name in data.stats.var_sum:
+            mean_sq, variance_sum = mean_and_variance_sum(data, name)
+            ratio_sum += to_float((mean_sq / variance_sum).sum())
+            count += mean_sq.numel()
+        if count == 0:
+            return {"EarlyStopping": math.nan}
+        return {"EarlyStopping": 1.0 - n * (n - 1) / count * ratio_sum}

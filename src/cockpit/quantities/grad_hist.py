@@ -1,0 +1,32 @@
+"""GradHist1d: histogram of all |B|×D individual-gradient elements {g_n,j} (paper eq. 15),
+for the whole network and per parameter tensor.
+
+Default bins as in the paper's view: 100 bins over [−2, 2]; values outside are clamped into
+the edge bins. The counts of the whole network are the sums of the per-parameter counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cockpit.engine.tracker import HIST1D
+from cockpit.quantities.base import Quantity, StepData, Value
+
+
+class GradHist1d(Quantity):
+    needs = frozenset({HIST1D})
+
+    def compute(self, data: StepData) -> dict[str, Value]:
+        stats = data.stats
+        assert stats is not None
+        edges = data.hist_spec.edges(torch.float64, "cpu").numpy()
+        out: dict[str, Value] = {}
+        total = None
+        for name, counts in stats.hist1d.items():
+            c = counts.cpu().numpy().astype(np.int64)
+            total = c if total is None else total + c
+            out[f"GradHist1d/{name}"] = {"counts": c, "edges": edges}
+        if total is None:
+            total = np.zeros(data.hist_spec.bins, dtype=np.int64)
+        return {"GradHist1d": {"counts": total, "edges": edges}, **out}

@@ -1,0 +1,69 @@
+"""Shared geometry of the gradient tests (paper Appendix B.6).
+
+From the per-sample statistics collected in the backward pass, for a set of parameters
+(all of them, or one tensor):
+
+    S  = Σ_n ‖g_n‖²,   G = ‖g_B‖²,   d_n = g_nᵀ g_B   (g_B = (1/|B|) Σ_n g_n).
+
+All three are sums over parameter tensors, which is why the tests can be aggregated layer by
+layer during backpropagation. The tests are undefined for |B| = 1 (division by |B|−1) and
+for a zero mini-batch gradient (division by ‖g_B‖); both give NaN with a note.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from cockpit.engine.tracker import GRAM_MEAN, SQ_NORMS
+from cockpit.quantities.base import Quantity, StepData, Value, to_float
+
+
+class GradientTest(Quantity):
+    needs = frozenset({SQ_NORMS, GRAM_MEAN})
+
+    def formula(self, n: int, S: float, G: float, D2: float) -> float:
+        """The test's value from |B|, S, G and D2 = Σ_n d_n²."""
+        raise NotImplementedError
+
+    def compute(self, data: StepData) -> dict[str, Value]:
+        return compute_test(self.name, data, self.formula)
+
+
+def compute_test(
+    name: str, data: StepData, formula: Callable[[int, float, float, float], float]
+) -> dict[str, Value]:
+    stats = data.stats
+    assert stats is not None
+    n = stats.num_samples
+    if n < 2:
+        data.notes[name] = "undefined for a batch of one sample (divides by |B| − 1)"
+        return {name: None}
+
+    def value(names: list[str]) -> float:
+        S = sum(to_float(stats.sq_norms[k].double().sum()) for k in names)
+        G = sum(to_float(data.batch_grads[k].double().pow(2).sum()) for k in names)
+        d = sum(stats.gram_mean[k].double() for k in names)
+        D2 = to_float(torch.as_tensor(d).pow(2).sum())
+        if G == 0.0:
+            return math.nan
+        return formula(n, S, G, D2)
+
+    names = [k for k in stats.sq_norms if k in data.batch_grads]
+    out: dict[str, Value] = {name: value(names)}
+    if isinstance(out[name], float) and math.isnan(out[name]) and "zero_grad" not in data.notes:
+        G = sum(to_float(data.batch_grads[k].double().pow(2).sum()) for k in names)
+        if G == 0.0:
+            data.notes[name] = "mini-batch gradient is zero: the test divides by ‖g_B‖"
+    for k in names:
+        out[f"{name}/{k}"] = value([k])
+    return out
+
+
+def sqrt_nonneg(x: float) -> float:
+    """√x for an x that is ≥ 0 in exact arithmetic (a tiny negative from rounding → 0)."""
+    if math.isnan(x):
+        return math.nan
+    return math.sqrt(max(x, 0.0))

@@ -1,0 +1,15 @@
+"""InnerTest (paper eq. 22c, Bollapragada et al. 2018):
+
+    θ_inner = √( 1/(|B|(|B|−1)) · [ Σ_n (g_nᵀ g_B)² / ‖g_B‖⁴ − |B| ] ),
+
+the smallest band width θ for which the practical inner product test (22a) holds.
+"""
+
+from __future__ import annotations
+
+from cockpit.quantities.gradient_tests import GradientTest, sqrt_nonneg
+
+
+class InnerTest(GradientTest):
+    def formula(self, n: int, S: float, G: float, D2: float) -> float:
+        return sqrt_nonneg((D2 / G**2 - n) / (n * (n - 1)))

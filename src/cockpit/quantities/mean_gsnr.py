@@ -1,0 +1,39 @@
+"""MeanGSNR: the average gradient signal-to-noise ratio (paper eq. 30, 31a, 31b).
+
+    GSNR_j = ḡ_j² / ( (|B|−1)/|B| · [Σ̂_B]_jj ) = |B| ḡ_j² / Σ_n (g_{n,j} − ḡ_j)²,
+    MeanGSNR = (1/D) Σ_j GSNR_j.
+
+This is the middle expression of (31a): the squared mean over the biased (1/|B|) variance,
+which matches the definition (30). The rightmost expression printed in (31a) lacks the factor
+|B| in the numerator; we follow the definition. Elements without gradient noise are
+excluded (see :mod:`cockpit.quantities.elementwise_variance`); |B| = 1 gives None.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cockpit.engine.tracker import VAR_SUM
+from cockpit.quantities.base import Quantity, StepData, Value, to_float
+from cockpit.quantities.elementwise_variance import mean_and_variance_sum
+
+
+class MeanGSNR(Quantity):
+    needs = frozenset({VAR_SUM})
+
+    def compute(self, data: StepData) -> dict[str, Value]:
+        assert data.stats is not None
+        n = data.stats.num_samples
+        if n < 2:
+            data.notes["MeanGSNR"] = "undefined for a batch of one sample (no variance)"
+            return {"MeanGSNR": None}
+        out: dict[str, Value] = {}
+        total, count = 0.0, 0
+        for name in data.stats.var_sum:
+            mean_sq, variance_sum = mean_and_variance_sum(data, name)
+            gsnr_sum = to_float((n * mean_sq / variance_sum).sum())
+            total += gsnr_sum
+            count += mean_sq.numel()
+            out[f"MeanGSNR/{name}"] = gsnr_sum / mean_sq.numel() if mean_sq.numel() else None
+        out["MeanGSNR"] = total / count if count else math.nan
+        return {"MeanGSNR": out.pop("MeanGSNR"), **out}

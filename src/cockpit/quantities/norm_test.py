@@ -1,0 +1,15 @@
+"""NormTest (paper eq. 19c, Byrd et al. 2012):
+
+    θ_norm = √( 1/(|B|(|B|−1)) · [ Σ_n ‖g_n‖² / ‖g_B‖² − |B| ] ),
+
+the smallest radius θ for which the practical norm test (19a) holds.
+"""
+
+from __future__ import annotations
+
+from cockpit.quantities.gradient_tests import GradientTest, sqrt_nonneg
+
+
+class NormTest(GradientTest):
+    def formula(self, n: int, S: float, G: float, D2: float) -> float:
+        return sqrt_nonneg((S / G - n) / (n * (n - 1)))

@@ -1,0 +1,12 @@
+"""Time: wall-clock seconds since the Cockpit was created, at the tracked step."""
+
+from __future__ import annotations
+
+from cockpit.quantities.base import Quantity, StepData, Value
+
+
+class Time(Quantity):
+    needs_losses = False
+
+    def compute(self, data: StepData) -> dict[str, Value]:
+        return {"Time": data.time}

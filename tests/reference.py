@@ -1,0 +1,85 @@
+"""Brute-force references for the tests: individual gradients by torch.func, instruments
+computed from them by the paper's formulas in float64, histograms by materializing."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+
+def individual_gradients(model: nn.Module, loss_fn, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """g_n = ∇ℓ_n for every trainable parameter, shape [N, *shape] (vmap over samples)."""
+    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+    buffers = dict(model.named_buffers())
+    frozen = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
+
+    def sample_loss(theta, x_n, y_n):
+        out = functional_call(model, {**theta, **frozen, **buffers}, (x_n.unsqueeze(0),))
+        return loss_fn(out, y_n.unsqueeze(0)).sum()
+
+    return vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+
+
+def flat(grads: dict[str, Tensor], names=None) -> Tensor:
+    names = list(grads) if names is None else names
+    n = next(iter(grads.values())).shape[0]
+    return torch.cat([grads[k].reshape(n, -1).double() for k in names], dim=1)
+
+
+def gradient_tests(G: Tensor) -> dict[str, float]:
+    """NormTest (19a), InnerTest (22a), OrthoTest (25a) from individual gradients [N, D],
+    written as the sample variances they are (not via the engine's expansions)."""
+    n = G.shape[0]
+    g = G.mean(0)
+    gg = g.dot(g)
+    norm = ((G - g).pow(2).sum() / gg / (n * (n - 1))).sqrt()
+    proj = G @ g / gg  # g_nᵀg_B / ‖g_B‖²
+    inner = ((proj - 1).pow(2).sum() / (n * (n - 1))).sqrt()
+    ortho_vecs = G / gg.sqrt() - proj[:, None] * (g / gg.sqrt())[None, :]
+    ortho = (ortho_vecs.pow(2).sum() / (n * (n - 1))).sqrt()
+    return {"NormTest": norm.item(), "InnerTest": inner.item(), "OrthoTest": ortho.item()}
+
+
+def elementwise(G: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean, biased variance) per element, excluding elements without noise."""
+    n = G.shape[0]
+    mean = G.mean(0)
+    var = G.var(0, unbiased=False)
+    second = G.pow(2).sum(0)
+    floor = 64 * torch.finfo(G.dtype).eps
+    keep = (n * var > floor * second) & (second > floor**2 * second.max())
+    return mean[keep], var[keep]
+
+
+def mean_gsnr(blocks: list[Tensor]) -> float:
+    """Per-parameter-tensor blocks [N, D_p]: exclusions are decided per tensor."""
+    ratios = [(m.pow(2) / v) for m, v in map(elementwise, blocks)]
+    return torch.cat(ratios).mean().item()
+
+
+def early_stopping(blocks: list[Tensor]) -> float:
+    n = blocks[0].shape[0]
+    pairs = [elementwise(b) for b in blocks]
+    mean = torch.cat([m for m, _ in pairs])
+    unbiased = torch.cat([v for _, v in pairs]) * n / (n - 1)
+    return 1 - n / mean.numel() * (mean.pow(2) / unbiased).sum().item()
+
+
+def cabs(G: Tensor, lr: float, loss: float) -> float:
+    g = G.mean(0)
+    return lr * (G - g).pow(2).sum(1).mean().item() / loss
+
+
+def histogram(values: Tensor, lo=-2.0, hi=2.0, bins=100) -> Tensor:
+    v = values.double().reshape(-1)
+    idx = torch.floor((v - lo) * (bins / (hi - lo))).clamp(0, bins - 1).long()
+    return torch.bincount(idx, minlength=bins)
+
+
+def rel_close(actual: float, expected: float, rtol: float, atol: float = 0.0) -> bool:
+    if math.isnan(expected):
+        return math.isnan(actual)
+    return abs(actual - expected) <= atol + rtol * abs(expected)

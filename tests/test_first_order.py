@@ -1,0 +1,127 @@
+"""Every first-order instrument against brute force (individual gradients by torch.func)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cockpit import Cockpit, quantities
+from tests.models import PROBLEMS, make_problem
+from tests.reference import (
+    cabs,
+    early_stopping,
+    flat,
+    gradient_tests,
+    histogram,
+    individual_gradients,
+    mean_gsnr,
+    rel_close,
+)
+
+ALL = [
+    quantities.Loss(), quantities.GradNorm(), quantities.NormTest(), quantities.InnerTest(),
+    quantities.OrthoTest(), quantities.GradHist1d(), quantities.MeanGSNR(),
+    quantities.EarlyStopping(), quantities.CABS(), quantities.Distance(),
+    quantities.UpdateSize(),
+]
+LR = 0.05
+
+
+def run_one_step(problem, strict=True):
+    model = problem.model
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    cockpit = Cockpit(model, ALL, optimizer=opt, strict=strict)
+    opt.zero_grad()
+    losses = problem.losses()
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    opt.step()
+    cockpit.close()
+    return cockpit.get_output()[0], cockpit
+
+
+@pytest.mark.parametrize("batch_size", [1, 7])
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-6), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_instruments_match_brute_force(name, batch_size, dtype, rtol):
+    problem = make_problem(name, batch_size, dtype)
+    model64 = make_problem(name, batch_size, torch.float64).model
+    model64.load_state_dict({k: v.double() for k, v in problem.model.state_dict().items()})
+    x64 = problem.x.double() if problem.x.is_floating_point() else problem.x
+    y64 = problem.y.double() if problem.y.is_floating_point() else problem.y
+    grads = individual_gradients(model64, problem.loss_fn, x64, y64)
+    names = list(grads)
+    G = flat(grads, names)
+    losses64 = problem.loss_fn(model64(x64), y64).detach()
+
+    out, _ = run_one_step(problem)
+
+    assert rel_close(out["Loss"], losses64.mean().item(), rtol)
+    g = G.mean(0)
+    assert rel_close(out["GradNorm"], g.norm().item(), rtol)
+    for k in names:
+        assert rel_close(out[f"GradNorm/{k}"], grads[k].double().mean(0).norm().item(), rtol,
+                         atol=1e-12)
+    if batch_size == 1:
+        for test in ("NormTest", "InnerTest", "OrthoTest", "MeanGSNR", "EarlyStopping"):
+            assert out[test] is None
+    else:
+        expected = gradient_tests(G)
+        for test, value in expected.items():
+            assert rel_close(out[test], value, rtol), (test, out[test], value)
+        for k in names:
+            per = gradient_tests(grads[k].reshape(batch_size, -1).double())
+            for test, value in per.items():
+                assert rel_close(out[f"{test}/{k}"], value, max(rtol, 1e-5), atol=1e-7), (
+                    test, k, out[f"{test}/{k}"], value)
+        blocks = [grads[k].reshape(batch_size, -1).double() for k in names]
+        assert rel_close(out["MeanGSNR"], mean_gsnr(blocks), rtol * 10)
+        assert rel_close(out["EarlyStopping"], early_stopping(blocks), rtol * 10)
+    scale = LR * G.pow(2).sum(1).mean().item() / losses64.mean().item()
+    assert rel_close(out["CABS"], cabs(G, LR, losses64.mean().item()), rtol, atol=rtol * scale)
+    counts = out["GradHist1d"]["counts"]
+    assert counts.sum() == G.numel()
+    if dtype == torch.float64:
+        assert (torch.as_tensor(counts) == histogram(G)).all()
+        for k in names:
+            assert (torch.as_tensor(out[f"GradHist1d/{k}"]["counts"]) == histogram(grads[k])).all()
+    # SGD: θ_1 − θ_0 = −η g_B
+    assert rel_close(out["UpdateSize"], LR * g.norm().item(), rtol)
+    assert out["Distance"] == 0.0
+
+
+def test_bins_and_edges_follow_the_paper():
+    out, _ = run_one_step(make_problem("mlp_relu", 4))
+    edges = out["GradHist1d"]["edges"]
+    assert len(edges) == 101 and edges[0] == -2.0 and edges[-1] == 2.0
+
+
+def test_float32_histogram_counts_equal_brute_force_of_same_precision():
+    problem = make_problem("mlp_relu", 7, torch.float32)
+    grads = individual_gradients(problem.model, problem.loss_fn, problem.x, problem.y)
+    out, _ = run_one_step(problem)
+    total = sum(histogram(g) for g in grads.values())
+    assert (torch.as_tensor(out["GradHist1d"]["counts"]) == total).all()
+
+
+def test_distance_after_steps():
+    problem = make_problem("mlp_relu", 5)
+    model = problem.model
+    theta0 = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cockpit = Cockpit(model, [quantities.Distance(), quantities.UpdateSize()], optimizer=opt)
+    for step in range(3):
+        opt.zero_grad()
+        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        losses = problem.losses()
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+        after = torch.cat([p.detach().flatten() for p in model.parameters()])
+        out = cockpit.get_output()[step]
+        assert math.isclose(out["Distance"], (before - theta0).norm().item(), rel_tol=1e-9,
+                            abs_tol=1e-15)
+        assert math.isclose(out["UpdateSize"], (after - before).norm().item(), rel_tol=1e-9)
+    cockpit.close()

@@ -1,0 +1,365 @@
+"""Predicted optimizer updates against the real ``optimizer.step()`` (torch 2.13 rules)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from cockpit.engine.update_prediction import (
+    UnsupportedOptimizer,
+    fit_basis_coefficients,
+    match_update,
+    predict_update,
+    sgd_update_basis,
+    supports,
+    unsupported_reason,
+)
+
+SGD_CASES = [
+    {"lr": 0.1},
+    {"lr": 0.1, "momentum": 0.9},
+    {"lr": 0.1, "momentum": 0.9, "dampening": 0.3},
+    {"lr": 0.1, "momentum": 0.9, "nesterov": True},
+    {"lr": 0.1, "weight_decay": 0.05},
+    {"lr": 0.1, "momentum": 0.8, "weight_decay": 0.05, "nesterov": True},
+    {"lr": 0.1, "maximize": True},
+    {"lr": 0.1, "momentum": 0.7, "dampening": 0.1, "weight_decay": 0.02, "maximize": True},
+    {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "foreach": True},
+]
+ADAM_CASES = [
+    {"lr": 0.01},
+    {"lr": 0.01, "amsgrad": True},
+    {"lr": 0.01, "weight_decay": 0.1},
+    {"lr": 0.01, "maximize": True},
+    {"lr": 0.01, "betas": (0.5, 0.9), "eps": 1e-2},
+    {"lr": 0.01, "amsgrad": True, "weight_decay": 0.1, "maximize": True},
+    {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True},
+    {"lr": 0.01, "amsgrad": True, "weight_decay": 0.1, "foreach": True},
+]
+ADAMW_CASES = [
+    {"lr": 0.01},
+    {"lr": 0.01, "amsgrad": True},
+    {"lr": 0.01, "maximize": True, "weight_decay": 0.3},
+    {"lr": 0.01, "betas": (0.8, 0.95), "eps": 1e-3, "amsgrad": True, "weight_decay": 0.1},
+    {"lr": 0.01, "weight_decay": 0.1, "foreach": True},
+]
+RMSPROP_CASES = [
+    {"lr": 0.01},
+    {"lr": 0.01, "centered": True},
+    {"lr": 0.01, "momentum": 0.9},
+    {"lr": 0.01, "centered": True, "momentum": 0.5, "weight_decay": 0.1},
+    {"lr": 0.01, "maximize": True, "alpha": 0.9, "eps": 1e-3},
+    {"lr": 0.01, "centered": True, "momentum": 0.5, "foreach": True},
+]
+ADAGRAD_CASES = [
+    {"lr": 0.1},
+    {"lr": 0.1, "lr_decay": 0.3},
+    {"lr": 0.1, "weight_decay": 0.1},
+    {"lr": 0.1, "initial_accumulator_value": 0.5, "eps": 1e-3},
+    {"lr": 0.1, "maximize": True},
+    {"lr": 0.1, "lr_decay": 0.2, "weight_decay": 0.1, "initial_accumulator_value": 0.1},
+    {"lr": 0.1, "lr_decay": 0.2, "foreach": True},
+]
+ALL_CASES = (
+    [(torch.optim.SGD, c) for c in SGD_CASES]
+    + [(torch.optim.Adam, c) for c in ADAM_CASES]
+    + [(torch.optim.AdamW, c) for c in ADAMW_CASES]
+    + [(torch.optim.RMSprop, c) for c in RMSPROP_CASES]
+    + [(torch.optim.Adagrad, c) for c in ADAGRAD_CASES]
+)
+
+
+def case_id(case):
+    cls, kwargs = case
+    return cls.__name__ + "-" + "-".join(f"{k}={v}" for k, v in kwargs.items() if k != "lr")
+
+
+def make_model(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
+
+
+def make_optimizer(cls, model, kwargs, two_groups=True):
+    """Two param groups (the second with half the lr) to exercise the group lookup."""
+    params = list(model.parameters())
+    if not two_groups:
+        return cls(params, **kwargs)
+    other = {**kwargs, "lr": kwargs["lr"] * 0.5}
+    return cls([{"params": params[:2]}, {"params": params[2:], **other}], **kwargs)
+
+
+def backward(model, gen, dtype=torch.float64):
+    x = torch.randn(8, 4, generator=gen, dtype=dtype)
+    y = torch.randn(8, 3, generator=gen, dtype=dtype)
+    model.zero_grad()
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+
+
+def snapshot_state(optimizer):
+    return copy.deepcopy(optimizer.state_dict())
+
+
+def assert_same_state(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for key, entry in a["state"].items():
+        assert entry.keys() == b["state"][key].keys()
+        for name, value in entry.items():
+            other = b["state"][key][name]
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == other.dtype and torch.equal(value, other), name
+            else:
+                assert value == other
+
+
+def relative_error(predicted, actual):
+    return ((predicted - actual).norm() / actual.norm().clamp_min(1e-300)).item()
+
+
+def run_steps(optimizer, model, n_steps, gen, between=None, after_backward=None):
+    """Predict, (optionally) disturb, step; yield (predicted, actual) lists per step."""
+    for _ in range(n_steps):
+        backward(model, gen)
+        params = list(model.parameters())
+        grads = [p.grad.clone() for p in params]
+        state_before = snapshot_state(optimizer)
+        length_before = len(optimizer.state)
+        predicted = [predict_update(optimizer, p, g) for p, g in zip(params, grads, strict=True)]
+        assert len(optimizer.state) == length_before
+        assert_same_state(state_before, snapshot_state(optimizer))
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+        extra = between(optimizer, params, grads) if between else None
+        if after_backward:
+            after_backward(model)
+        old = [p.detach().clone() for p in params]
+        optimizer.step()
+        actual = [p.detach() - o for p, o in zip(params, old, strict=True)]
+        yield predicted, actual, extra
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=case_id)
+def test_prediction_equals_real_step(case):
+    cls, kwargs = case
+    model = make_model()
+    optimizer = make_optimizer(cls, model, kwargs)
+    assert supports(optimizer)
+    gen = torch.Generator().manual_seed(1)
+    bitwise = True
+    for predicted, actual, _ in run_steps(optimizer, model, 4, gen):
+        for p, a in zip(predicted, actual, strict=True):
+            assert p is not None
+            assert relative_error(p, a) <= 1e-12
+            bitwise &= torch.equal(p, a)
+        assert match_update(predicted, actual) == pytest.approx(1.0, abs=1e-12)
+    if not kwargs.get("foreach"):  # single-tensor path replays the same operations
+        assert bitwise
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=case_id)
+def test_learning_rate_change_is_global_rescaling(case):
+    """A scheduler-like lr change of all groups between backward and step: κ = new/old."""
+    cls, kwargs = case
+    if kwargs.get("foreach") and cls is not torch.optim.SGD:
+        pytest.skip("same math as the single-tensor case")
+    model = make_model()
+    optimizer = make_optimizer(cls, model, kwargs)
+    gen = torch.Generator().manual_seed(2)
+
+    def change_lr(opt, params, grads):
+        for group in opt.param_groups:
+            group["lr"] *= 0.7
+
+    for predicted, actual, _ in run_steps(optimizer, model, 3, gen, between=change_lr):
+        assert match_update(predicted, actual) == pytest.approx(0.7, rel=1e-10)
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+        (torch.optim.AdamW, {"lr": 0.01}),
+        (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.1}),
+    ],
+)
+def test_edits_behind_the_optimizers_back_are_detected(cls, kwargs):
+    model = make_model()
+    optimizer = make_optimizer(cls, model, kwargs)
+    gen = torch.Generator().manual_seed(3)
+    list(run_steps(optimizer, model, 2, gen))  # build up some state
+
+    def change_one_group(opt, params, grads):
+        opt.param_groups[0]["lr"] *= 3.0
+
+    ((predicted, actual, _),) = run_steps(optimizer, model, 1, gen, between=change_one_group)
+    assert match_update(predicted, actual) is None
+
+    def scale_state(opt, params, grads):
+        for p in params:
+            for value in opt.state[p].values():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    value.mul_(1.5)
+
+    ((predicted, actual, _),) = run_steps(optimizer, model, 1, gen, between=scale_state)
+    assert match_update(predicted, actual) is None
+
+
+def clip(model):
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+    assert total > 0.05  # clipping is active
+
+
+@pytest.mark.parametrize("kwargs", [{"lr": 0.1}, {"lr": 0.1, "maximize": True}])
+def test_clipping_plain_sgd_is_global_rescaling(kwargs):
+    model = make_model()
+    optimizer = make_optimizer(torch.optim.SGD, model, kwargs)
+    gen = torch.Generator().manual_seed(4)
+
+    def grad_norm(opt, params, grads):
+        return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+
+    for predicted, actual, norm in run_steps(
+        optimizer, model, 3, gen, between=grad_norm, after_backward=clip
+    ):
+        kappa = match_update(predicted, actual)
+        assert kappa == pytest.approx(0.05 / (norm + 1e-6), rel=1e-10)
+
+
+@pytest.mark.parametrize("kwargs", SGD_CASES, ids=lambda k: case_id((torch.optim.SGD, k)))
+def test_clipping_momentum_sgd_basis_fit_recovers_update(kwargs):
+    model = make_model()
+    optimizer = make_optimizer(torch.optim.SGD, model, kwargs)
+    gen = torch.Generator().manual_seed(5)
+
+    def bases(opt, params, grads):
+        return [sgd_update_basis(opt, p, g) for p, g in zip(params, grads, strict=True)]
+
+    steps = list(run_steps(optimizer, model, 4, gen, between=bases, after_backward=clip))
+    plain = kwargs.get("momentum", 0) == 0 and kwargs.get("weight_decay", 0) == 0
+    for step, (predicted, actual, basis_list) in enumerate(steps):
+        kappa = match_update(predicted, actual)
+        if plain or (step == 0 and kwargs.get("weight_decay", 0) == 0):
+            assert kappa is not None  # first momentum step: buffer = c·g, still a rescaling
+        elif step > 0:
+            assert kappa is None  # buffer mixes old (unclipped) and new (clipped) gradients
+        for basis, a in zip(basis_list, actual, strict=True):
+            coefficients = fit_basis_coefficients(basis, a)
+            assert coefficients is not None
+            recovered = sum(c.item() * b for c, b in zip(coefficients, basis, strict=True))
+            assert relative_error(recovered, a) <= 1e-10
+
+
+def test_clipping_adam_is_rejected_not_rescaled():
+    model = make_model()
+    optimizer = make_optimizer(torch.optim.Adam, model, {"lr": 0.01})
+    gen = torch.Generator().manual_seed(6)
+    steps = list(run_steps(optimizer, model, 3, gen, after_backward=clip))
+    assert all(match_update(p, a) is None for p, a, _ in steps[1:])
+
+
+def test_basis_fit_rejects_a_foreign_update():
+    torch.manual_seed(0)
+    basis = [torch.randn(50, dtype=torch.float64), torch.randn(50, dtype=torch.float64)]
+    assert fit_basis_coefficients(basis, torch.randn(50, dtype=torch.float64)) is None
+    inside = 2.0 * basis[0] - 0.5 * basis[1]
+    torch.testing.assert_close(
+        fit_basis_coefficients(basis, inside), torch.tensor([2.0, -0.5], dtype=torch.float64)
+    )
+
+
+def test_match_update_edge_cases():
+    a = [torch.ones(3, dtype=torch.float64)]
+    assert match_update([None], a) is None
+    assert match_update([], []) == 1.0
+    assert match_update([torch.zeros(3, dtype=torch.float64)], a) is None
+    assert match_update([torch.zeros(3)], [torch.zeros(3)]) == 1.0
+    assert match_update(a, [torch.zeros(3, dtype=torch.float64)]) == 0.0
+    assert match_update([torch.full((3,), float("nan"))], a) is None
+    assert match_update(a, a + a) is None
+
+
+def test_lr_scheduler_wrapper_and_tensor_lr_are_supported():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    assert supports(optimizer)
+    gen = torch.Generator().manual_seed(7)
+    for predicted, actual, _ in run_steps(optimizer, model, 3, gen):
+        for p, a in zip(predicted, actual, strict=True):
+            assert relative_error(p, a) <= 1e-12
+        scheduler.step()
+
+
+def test_float32_prediction_is_bitwise():
+    model = make_model(dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, amsgrad=True)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        backward(model, gen, dtype=torch.float32)
+        params = list(model.parameters())
+        predicted = [predict_update(optimizer, p, p.grad) for p in params]
+        old = [p.detach().clone() for p in params]
+        optimizer.step()
+        assert all(
+            torch.equal(pr, p.detach() - o) for pr, p, o in zip(predicted, params, old, strict=True)
+        )
+
+
+class OverridingSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+class KeepingSGD(torch.optim.SGD):
+    """Subclass that keeps the base step: predicted."""
+
+
+def test_unsupported_optimizers_return_none():
+    model = make_model()
+    params = list(model.parameters())
+    backward(model, torch.Generator().manual_seed(9))
+    p, g = params[0], params[0].grad
+    cases = [
+        (torch.optim.LBFGS(params), UnsupportedOptimizer.UNKNOWN_CLASS),
+        (torch.optim.Adamax(params), UnsupportedOptimizer.UNKNOWN_CLASS),
+        (OverridingSGD(params, lr=0.1), UnsupportedOptimizer.STEP_OVERRIDDEN),
+        (torch.optim.Adam(params, differentiable=True), UnsupportedOptimizer.DIFFERENTIABLE),
+        (torch.optim.Adam(params, capturable=True), UnsupportedOptimizer.CAPTURABLE),
+        (torch.optim.SGD(params, lr=0.1, fused=True), UnsupportedOptimizer.FUSED),
+        (
+            torch.optim.Adam(params, betas=(torch.tensor(0.9), torch.tensor(0.99))),
+            UnsupportedOptimizer.TENSOR_HYPERPARAMETER,
+        ),
+    ]
+    for optimizer, reason in cases:
+        assert unsupported_reason(optimizer) == reason
+        assert not supports(optimizer)
+        assert predict_update(optimizer, p, g) is None
+    keeping = KeepingSGD(params, lr=0.1)
+    assert supports(keeping) and predict_update(keeping, p, g) is not None
+    # A parameter that the optimizer does not own, a wrong shape, a sparse gradient.
+    sgd = torch.optim.SGD(params[:1], lr=0.1)
+    for param, grad, reason in [
+        (params[1], params[1].grad, UnsupportedOptimizer.PARAM_NOT_FOUND),
+        (p, g.reshape(-1), UnsupportedOptimizer.SHAPE),
+        (p, g.to_sparse(), UnsupportedOptimizer.SPARSE),
+    ]:
+        assert unsupported_reason(sgd, param, grad) == reason
+        assert predict_update(sgd, param, grad) is None
+        assert sgd_update_basis(sgd, param, grad) is None
+    # State that does not fit the options (amsgrad switched on mid-run).
+    adam = torch.optim.Adam(params, lr=0.01)
+    adam.step()
+    adam.param_groups[0]["amsgrad"] = True
+    assert predict_update(adam, p, g) is None
+    assert sgd_update_basis(adam, p, g) is None
+
+
+def test_complex_parameters_are_not_predicted():
+    z = nn.Parameter(torch.randn(3, dtype=torch.complex128))
+    optimizer = torch.optim.Adam([z])
+    assert unsupported_reason(optimizer, z) == UnsupportedOptimizer.COMPLEX
+    assert predict_update(optimizer, z, torch.ones_like(z)) is None
