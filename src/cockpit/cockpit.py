@@ -110,6 +110,8 @@ class Cockpit:
             from cockpit.store import RunLogWriter
 
             self._sinks.insert(0, RunLogWriter(logdir, meta=self._metadata()))
+        self._last_step: int | None = None
+        self._consecutive = True
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -155,12 +157,20 @@ class Cockpit:
     def _tracked(self, step: int) -> list[Quantity]:
         return [q for q in self.quantities if q.should_track(step)]
 
+    def _capture_next(self, step: int) -> bool:
+        """Whether the coming forward pass must be recorded. Skipped only when the steps
+        seen so far were consecutive and the schedule leaves step + 1 untracked."""
+        return not self._consecutive or bool(self._tracked(step + 1))
+
     def _enter(self, step: int, losses: Tensor | None) -> None:
         self._finish_pending_update()
+        if self._last_step is not None and step != self._last_step + 1:
+            self._consecutive = False
+        self._last_step = step
         tracked = self._tracked(step)
         if not tracked:
             self.tracker.clear_calls()
-            self.tracker.capturing = bool(self._tracked(step + 1))
+            self.tracker.capturing = self._capture_next(step)
             self._current = None
             return
         needs = frozenset().union(*(q.needs for q in tracked))
@@ -169,9 +179,16 @@ class Cockpit:
         num_samples = 0 if losses is None else losses.shape[0]
         if losses is not None and losses.requires_grad:
             losses.register_hook(self.tracker.losses_hook)
+        captured = self.tracker.num_calls
         stats = self.tracker.begin(num_samples, needs)
         if needs & PER_SAMPLE_STATS:
             stats.problems.extend(self.tracker.check_batch_norm()[:1])
+            if captured == 0:
+                stats.problems.append(
+                    "Cockpit did not see this step's forward pass (create the forward pass "
+                    "after the previous cockpit(...) context and call cockpit(step) with "
+                    "consecutive step numbers)"
+                )
         self._current = (step, tracked, losses, time.perf_counter() - self._start_time)
 
     def _check_losses(self, losses: Tensor | None, step: int) -> Tensor:
@@ -201,7 +218,7 @@ class Cockpit:
         step, tracked, losses, elapsed = self._current
         self._current = None
         stats = self.tracker.end()
-        self.tracker.capturing = bool(self._tracked(step + 1))
+        self.tracker.capturing = self._capture_next(step)
         if failed:
             return
         data = self._step_data(step, losses, stats, elapsed)

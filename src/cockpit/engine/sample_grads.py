@@ -50,7 +50,7 @@ class SampleGrads(ABC):
         return [self.materialize()]
 
     def sq_norms(self) -> Tensor:
-        return torch.cat([c.flatten(1).pow(2).sum(1) for c in self.chunks()])
+        return torch.cat([torch.linalg.vector_norm(c.flatten(1), dim=1) ** 2 for c in self.chunks()])
 
     def batch_mean(self) -> Tensor:
         total = sum(c.sum(0) for c in self.chunks())

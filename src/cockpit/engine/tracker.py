@@ -57,7 +57,7 @@ class Unit:
         """Rules that run torch.func transforms are evaluated after the backward pass:
         autograd re-entered from inside a tensor hook is not reliable for every operator
         (e.g. the CPU attention kernels under vmap)."""
-        return not self.registered_rule or isinstance(self.module, nn.Conv3d)
+        return not self.registered_rule
 
 
 @dataclass
@@ -171,6 +171,10 @@ class ModuleTracker:
             return None
 
         return hook
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._calls)
 
     def clear_calls(self) -> None:
         for call in self._calls:

@@ -3,12 +3,14 @@ dilation, groups).
 
 With the input unfolded into patches U_n ∈ R^{(C_in/G)·K × L} per group (K kernel elements,
 L output positions), the individual gradient of the weight is the per-sample matrix product
-g_n(W) = δ_n U_nᵀ ∈ R^{C_out/G × (C_in/G)·K} per group, and g_n(b) = Σ_l δ_{n,:,l}. Conv1d
-and Conv2d use ``F.unfold`` (Conv1d as a 2d convolution of height one); Conv3d, for which
-torch has no unfold, vmaps the convolution's own vector-Jacobian product over the batch.
+g_n(W) = δ_n U_nᵀ ∈ R^{C_out/G × (C_in/G)·K} per group, and g_n(b) = Σ_l δ_{n,:,l}. The
+patches are a strided view of the padded input, which works alike in 1, 2 and 3 dimensions
+and is several times faster on a CPU than ``F.unfold`` (im2col).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -37,32 +39,28 @@ def _explicit_padding(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     return F.pad(x, pads, mode=mode)
 
 
-def _conv_weight_grads_unfold(module: nn.modules.conv._ConvNd, x: Tensor, delta: Tensor) -> Tensor:
-    n, groups = x.shape[0], module.groups
-    kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
-    if len(kernel) == 1:
-        x, delta = x.unsqueeze(2), delta.unsqueeze(2)
-        kernel, stride, dilation = (1, *kernel), (1, *stride), (1, *dilation)
-    patches = F.unfold(x, kernel, dilation=dilation, stride=stride)  # [N, C_in·K, L]
+def _conv_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, delta: Tensor) -> Tensor:
+    """g_n(W) for every sample: patches as a strided view of the padded input (no im2col),
+    copied once into [N, G, L, (C_in/G)·K] and contracted with δ by a batched matmul."""
+    n, c_in = x.shape[:2]
+    groups, kernel = module.groups, module.kernel_size
+    out_sizes = delta.shape[2:]
+    spatial_strides = x.stride()[2:]
+    view = x.as_strided(
+        (n, *out_sizes, c_in, *kernel),
+        (
+            x.stride(0),
+            *(st * s for st, s in zip(spatial_strides, module.stride, strict=True)),
+            x.stride(1),
+            *(st * d for st, d in zip(spatial_strides, module.dilation, strict=True)),
+        ),
+    )
+    positions = math.prod(out_sizes)
+    patches = view.reshape(n, positions, groups, -1).transpose(1, 2)  # [N, G, L, Cg·K]
     c_out = delta.shape[1]
-    patches = patches.reshape(n, groups, -1, patches.shape[-1])
-    delta = delta.reshape(n, groups, c_out // groups, -1)
-    grads = torch.einsum("ngol,ngkl->ngok", delta, patches)
+    delta = delta.reshape(n, groups, c_out // groups, positions)  # [N, G, Og, L]
+    grads = torch.matmul(delta, patches)  # [N, G, Og, Cg·K]
     return grads.reshape(n, *module.weight.shape)
-
-
-def _conv_weight_grads_vmap(module: nn.modules.conv._ConvNd, x: Tensor, delta: Tensor) -> Tensor:
-    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(module.kernel_size)]
-    weight = module.weight.detach()
-
-    def one_sample(x_n: Tensor, delta_n: Tensor) -> Tensor:
-        def forward(w: Tensor) -> Tensor:
-            return conv(x_n[None], w, None, module.stride, 0, module.dilation, module.groups)
-
-        _, vjp_fn = torch.func.vjp(forward, weight)
-        return vjp_fn(delta_n[None])[0]
-
-    return torch.func.vmap(one_sample)(x, delta)
 
 
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -79,11 +77,7 @@ def conv_rule(
     delta = grad_output
     if module.weight.requires_grad:
         x_padded = _explicit_padding(module, x.detach())
-        if len(module.kernel_size) <= 2:
-            weight_grads = _conv_weight_grads_unfold(module, x_padded, delta)
-        else:
-            weight_grads = _conv_weight_grads_vmap(module, x_padded, delta)
-        grads["weight"] = DenseSampleGrads(weight_grads)
+        grads["weight"] = DenseSampleGrads(_conv_weight_grads(module, x_padded, delta))
     if module.bias is not None and module.bias.requires_grad:
         grads["bias"] = DenseSampleGrads(delta.flatten(2).sum(2))
     return grads

@@ -1,0 +1,46 @@
+"""The ``cockpit`` command: demo, plot, view, export."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+USAGE = """usage: cockpit COMMAND [ARGS]
+
+commands:
+  demo     train a small CNN on scikit-learn's digits with Cockpit attached
+  plot     draw the cockpit view of a run:   cockpit plot RUN -o view.png
+  view     serve the live cockpit view:       cockpit view RUN [--port 8050]
+  export   export a run log:                  cockpit export RUN --format json|csv|parquet
+
+'cockpit COMMAND --help' describes each command."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = args[0], args[1:]
+    if command == "demo":
+        from cockpit.demo import run_demo
+
+        return run_demo(rest)
+    if command == "plot":
+        from cockpit.view import main_plot
+
+        return main_plot(rest)
+    if command == "view":
+        from cockpit.view import main_view
+
+        return main_view(rest) or 0
+    if command == "export":
+        from cockpit.store import main_export
+
+        return main_export(rest)
+    print(f"cockpit: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Export a run log to JSON, CSV or Parquet.
+
+Formats (``export_run(logdir, out_path, fmt)``):
+
+* ``json`` — the layout of the original ``Cockpit.write``: ``{"<step>": {name: value}}``,
+  step keys as strings in ascending order, dict values keep their field names, arrays
+  become nested lists. The file is strict JSON: NaN, +inf and -inf (also inside arrays)
+  are written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``, and ``null``
+  means ``None`` (not computed), so the two stay distinct. :func:`load_json_export` reads
+  such a file back into the ``output()`` layout (lists become numpy arrays).
+* ``csv`` — the scalar instruments in wide form: a ``step`` column, then one column per
+  scalar name (as :meth:`RunLogReader.scalars`). Cells: the float (shortest round-trip
+  repr), ``nan``, ``inf``, ``-inf``, or empty when the value is ``None`` or was not
+  written at that step. Arrays (histograms, parameters) are omitted.
+* ``parquet`` — the same wide scalar table, with ``None``/missing as Parquet null and NaN
+  as a float NaN. Arrays are omitted. Needs ``pyarrow`` (``pip install pyarrow``).
+
+CLI: :func:`add_export_subcommand` registers ``export RUN --format json -o FILE`` on an
+``argparse`` sub-parser set; :func:`main_export` parses and runs it standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from cockpit.store.reader import RunLogReader
+
+__all__ = ["add_export_subcommand", "export_run", "load_json_export", "main_export"]
+
+FORMATS = ("json", "csv", "parquet")
+_NONFINITE_TO_TEXT = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+_TEXT_TO_FLOAT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _jsonable(x: Any) -> Any:
+    """Arrays → nested lists, non-finite floats → "NaN"/"Infinity"/"-Infinity"."""
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, np.ndarray):
+        x = x.tolist()
+    if isinstance(x, list):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return _NONFINITE_TO_TEXT[repr(x)]
+    return x
+
+
+def _from_json(x: Any) -> Any:
+    """Inverse of :func:`_jsonable` (lists become numpy arrays, numbers floats)."""
+    if isinstance(x, dict):
+        return {k: _from_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return np.asarray(_from_json_list(x))
+    if isinstance(x, str):
+        return _TEXT_TO_FLOAT.get(x, x)
+    if isinstance(x, int | float) and not isinstance(x, bool):
+        return float(x)
+    return x
+
+
+def _from_json_list(x: list) -> list:
+    return [_from_json_list(v) if isinstance(v, list) else _TEXT_TO_FLOAT.get(v, v) for v in x]
+
+
+def load_json_export(path: str | Path) -> dict[int, dict[str, Any]]:
+    """Read a JSON export back into the ``{step: {name: value}}`` layout of ``output()``."""
+    raw = json.loads(Path(path).read_text())
+    out: dict[int, dict[str, Any]] = {}
+    for step, values in raw.items():
+        out[int(step)] = {name: _from_json(v) for name, v in values.items()}
+    return out
+
+
+def _wide_scalar_columns(reader: RunLogReader) -> tuple[list[int], dict[str, list]]:
+    """Steps and per-name lists with None where the value is None or missing."""
+    frame, kinds = reader.scalars(), reader.scalar_kinds()
+    columns = {}
+    for name in frame.columns:
+        valid = kinds[name].isin(["value", "nan", "+inf", "-inf"])
+        pairs = zip(frame[name], valid, strict=True)
+        columns[name] = [float(v) if ok else None for v, ok in pairs]
+    return [int(s) for s in frame.index], columns
+
+
+def _write_csv(reader: RunLogReader, out_path: Path) -> None:
+    steps, columns = _wide_scalar_columns(reader)
+    lines = [",".join(["step", *(_csv_quote(n) for n in columns)])]
+    for i, step in enumerate(steps):
+        cells = ["" if col[i] is None else repr(col[i]) for col in columns.values()]
+        lines.append(",".join([str(step), *cells]))
+    out_path.write_text("\n".join(lines) + "\n")
+
+
+def _csv_quote(text: str) -> str:
+    if any(c in text for c in ',"\n'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
+
+
+def _write_parquet(reader: RunLogReader, out_path: Path) -> None:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise ImportError(
+            "Parquet export needs pyarrow: pip install pyarrow (or pip install cockpit[parquet])"
+        ) from err
+    steps, columns = _wide_scalar_columns(reader)
+    arrays = {"step": pa.array(steps, type=pa.int64())}
+    arrays.update({name: pa.array(col, type=pa.float64()) for name, col in columns.items()})
+    pq.write_table(pa.table(arrays), out_path)
+
+
+def export_run(
+    logdir: str | Path,
+    out_path: str | Path,
+    fmt: Literal["json", "csv", "parquet"] = "json",
+) -> Path:
+    """Write the run log in ``logdir`` to ``out_path`` in format ``fmt``; returns the path."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    out_path = Path(out_path)
+    with RunLogReader(logdir) as reader:
+        if fmt == "parquet":
+            _write_parquet(reader, out_path)
+        elif fmt == "csv":
+            _write_csv(reader, out_path)
+        else:
+            doc = {str(step): _jsonable(vals) for step, vals in reader.output().items()}
+            out_path.write_text(json.dumps(doc, allow_nan=False))
+    return out_path
+
+
+def _configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("run", help="run directory containing cockpit.sqlite")
+    parser.add_argument("--format", "-f", choices=FORMATS, default="json", dest="fmt")
+    parser.add_argument(
+        "-o", "--output", default=None, help="output file (default: <run>/cockpit.<format>)"
+    )
+    parser.set_defaults(func=_run_from_args)
+    return parser
+
+
+def _run_from_args(args: argparse.Namespace) -> int:
+    out = args.output or str(Path(args.run) / f"cockpit.{args.fmt}")
+    print(export_run(args.run, out, args.fmt))
+    return 0
+
+
+def add_export_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``export RUN [--format json|csv|parquet] [-o FILE]`` to ``subparsers``.
+
+    The sub-parser sets ``func``: call ``args.func(args)`` (returns an exit code).
+    """
+    parser = subparsers.add_parser(
+        "export", help="export a run log to JSON, CSV or Parquet", description=__doc__
+    )
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    return _configure_parser(parser)
+
+
+def main_export(argv: list[str] | None = None) -> int:
+    """Standalone ``cockpit export`` entry point; returns the exit code."""
+    parser = _configure_parser(argparse.ArgumentParser(prog="cockpit export"))
+    args = parser.parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,235 @@
+"""Crash-safe run log: one SQLite database per run, written step by step.
+
+``RunLogWriter(logdir).write_step(step, values, notes)`` commits one transaction per call
+and upserts by ``(step, name)``, so values that become known later (Alpha of step t is
+known after step t+1) are added to an already written step. The database is in WAL mode
+with ``synchronous=NORMAL``: a committed step survives the death of the process
+(``kill -9``); only an operating-system crash or power loss may lose the last commits.
+
+After construction the writer never raises into the training loop: a failing write emits
+one :class:`RunLogWarning` per episode of failures (and counts them in ``failed_writes``)
+and the run goes on. One writer per log directory; any number of readers
+(:class:`~cockpit.store.reader.RunLogReader`, other processes too) may read meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cockpit.store._schema import (
+    ARRAY,
+    BARE_ARRAY_FIELD,
+    DB_FILENAME,
+    NONE,
+    SCHEMA_SQL,
+    encode_array,
+    encode_float,
+    normalize_value,
+)
+from cockpit.store.reader import RunLogReader, read_meta, read_output, read_scalars
+
+__all__ = [
+    "RunLogReader",
+    "RunLogWarning",
+    "RunLogWriter",
+    "read_meta",
+    "read_output",
+    "read_scalars",
+]
+
+
+class RunLogWarning(RuntimeWarning):
+    """A run-log write failed; training continues without that step in the log."""
+
+
+def _json_dumps(obj: Any) -> str:
+    """JSON text of a metadata entry; anything not JSON-able is written as its ``str``."""
+
+    def fallback(o: Any) -> Any:
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+        return str(o)
+
+    return json.dumps(obj, default=fallback)
+
+
+class RunLogWriter:
+    """Write Cockpit values into ``<logdir>/cockpit.sqlite``.
+
+    Args:
+        logdir: Directory of the run (created if missing). An existing run log there is
+            continued (its steps are kept; rewritten ``(step, name)`` pairs are replaced).
+        meta: Run metadata written at once (see :meth:`write_meta`).
+        compress: zlib-compress integer arrays of >= 512 bytes (histogram counts) when
+            that makes them smaller; float arrays are always stored raw.
+    """
+
+    def __init__(
+        self, logdir: str | Path, *, meta: dict | None = None, compress: bool = True
+    ) -> None:
+        self.logdir = Path(logdir)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.path = self.logdir / DB_FILENAME
+        self.compress = compress
+        self.failed_writes = 0
+        self._failing = False
+        self._closed = False
+        self._warned_closed = False
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=10.0
+        )
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.executescript(f"BEGIN; {SCHEMA_SQL} COMMIT;")
+        (max_step,) = self._conn.execute("SELECT max(step) FROM steps").fetchone()
+        # Steps above this one cannot have rows yet, so writing them needs no delete.
+        self._max_step = -(2**63) if max_step is None else max_step
+        if meta:
+            self.write_meta(meta)
+
+    # ------------------------------------------------------------------ public API
+    def write_meta(self, meta: Mapping[str, Any]) -> None:
+        """Merge ``meta`` into the stored metadata (top-level keys are replaced)."""
+        try:
+            rows = [(str(k), _json_dumps(v)) for k, v in meta.items()]
+        except Exception as err:  # e.g. a circular structure
+            self._warn(f"metadata could not be encoded: {err!r}")
+            return
+        self._commit(
+            lambda cur: cur.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", rows),
+            what="metadata",
+        )
+
+    def write_step(
+        self,
+        step: int,
+        values: Mapping[str, Any],
+        notes: Mapping[str, str] | None = None,
+    ) -> None:
+        """Store the values of ``step`` in one transaction, replacing earlier ``(step, name)``.
+
+        ``values`` maps names to a float, ``None`` or a dict of float/array fields;
+        ``notes`` maps names to the reason their value is ``None``. A note for a name
+        without a value also records the value ``None`` (unless the step has one already).
+        """
+        step = int(step)
+        scalar_rows, field_rows = self._encode(step, values)
+        note_rows = [(step, str(k), str(v)) for k, v in (notes or {}).items()]
+        names = [(step, str(name)) for name in values]
+
+        def transaction(cur: sqlite3.Cursor) -> None:
+            cur.execute("INSERT OR IGNORE INTO steps VALUES (?, ?)", (step, time.time()))
+            if step <= self._max_step:
+                for table in ("scalars", "fields", "notes"):
+                    cur.executemany(f"DELETE FROM {table} WHERE step=? AND name=?", names)
+            cur.executemany("INSERT INTO scalars VALUES (?, ?, ?, ?)", scalar_rows)
+            cur.executemany("INSERT INTO fields VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", field_rows)
+            cur.executemany("INSERT OR REPLACE INTO notes VALUES (?, ?, ?)", note_rows)
+            missing = [(s, n, None, NONE) for s, n, _ in note_rows if n not in values]
+            if missing:
+                cur.executemany(
+                    "INSERT OR IGNORE INTO scalars SELECT ?1, ?2, ?3, ?4 WHERE NOT EXISTS ("
+                    " SELECT 1 FROM fields WHERE step=?1 AND name=?2)",
+                    missing,
+                )
+            # Updated under the lock: a concurrent upsert of this step must see it.
+            self._max_step = max(self._max_step, step)
+
+        self._commit(transaction, what=f"step {step}")
+
+    def close(self) -> None:
+        """Close the database (idempotent). Later writes warn and are dropped."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._conn.close()
+            except Exception as err:
+                self._warn(f"closing the run log failed: {err!r}")
+
+    def __enter__(self) -> RunLogWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _encode(self, step: int, values: Mapping[str, Any]) -> tuple[list, list]:
+        """Rows for the scalars and fields tables; unstorable values warn and are skipped."""
+        scalar_rows: list[tuple] = []
+        field_rows: list[tuple] = []
+        for name, raw in values.items():
+            name = str(name)
+            try:
+                value = normalize_value(raw)
+                if isinstance(value, np.ndarray):
+                    value = {BARE_ARRAY_FIELD: value}
+                if isinstance(value, dict):
+                    field_rows.extend(self._field_rows(step, name, value))
+                else:
+                    scalar_rows.append((step, name, *encode_float(value)))
+            except Exception as err:
+                self._warn(f"value {name!r} of step {step} was not stored: {err}", count=False)
+        return scalar_rows, field_rows
+
+    def _field_rows(self, step: int, name: str, fields: dict[str, Any]) -> list[tuple]:
+        rows = []
+        for pos, (field, x) in enumerate(fields.items()):
+            if isinstance(x, np.ndarray):
+                dtype, shape, codec, data = encode_array(x, self.compress)
+                rows.append((step, name, field, pos, None, ARRAY, dtype, shape, codec, data))
+            else:
+                rows.append((step, name, field, pos, *encode_float(x), None, None, None, None))
+        return rows
+
+    def _commit(self, body: Any, *, what: str) -> bool:
+        """Run ``body(cursor)`` in one transaction; on failure roll back and warn."""
+        with self._lock:
+            if self._closed:
+                self.failed_writes += 1
+                if not self._warned_closed:  # once, whatever happened before
+                    self._warned_closed = True
+                    self._failing = False
+                    self._warn(
+                        f"{what} was not written: the run log {self.path} is closed "
+                        "(later writes are dropped silently)",
+                        count=False,
+                    )
+                return False
+            try:
+                cur = self._conn.cursor()
+                cur.execute("BEGIN IMMEDIATE")
+                try:
+                    body(cur)
+                except BaseException:
+                    cur.execute("ROLLBACK")
+                    raise
+                cur.execute("COMMIT")
+            except Exception as err:
+                self._warn(f"{what} was not written to the run log {self.path}: {err!r}")
+                return False
+            self._failing = False
+            return True
+
+    def _warn(self, message: str, *, count: bool = True) -> None:
+        """Warn once per episode of failed writes (every unstorable value warns)."""
+        if count:
+            self.failed_writes += 1
+            if self._failing:
+                return
+            self._failing = True
+            message += " (further write failures are counted in .failed_writes until one succeeds)"
+        warnings.warn(f"Cockpit run log: {message}", RunLogWarning, stacklevel=4)

@@ -1,0 +1,80 @@
+"""Where a view gets its data: a run directory (the run log), a JSON export, an output
+dict or a live :class:`Cockpit` object (anything with ``get_output()``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cockpit.view._data import Output, normalize_output
+
+
+def _meta_of(obj: Any) -> dict[str, Any] | None:
+    for attr in ("meta", "run_meta", "metadata", "_metadata"):
+        meta = getattr(obj, attr, None)
+        if callable(meta):
+            try:
+                meta = meta()
+            except TypeError:
+                continue
+        if isinstance(meta, Mapping):
+            return dict(meta)
+    return None
+
+
+def load_run(source: Any, meta: Mapping[str, Any] | None = None) -> tuple[Output, dict]:
+    """Return ``(output, meta)`` of a run directory, JSON export, output dict or cockpit.
+
+    A JSON export (``*.json``, the ``{step: {name: value}}`` layout) has no metadata.
+    """
+    if isinstance(source, str | Path):
+        path = Path(source)
+        if path.suffix == ".json" and path.is_file():
+            from cockpit.store import load_json_export
+
+            return normalize_output(load_json_export(path)), dict(meta or {})
+        from cockpit.store import RunLogReader
+
+        with RunLogReader(path) as reader:
+            output, stored_meta = reader.output(), reader.meta()
+        return normalize_output(output), dict(meta or stored_meta)
+    if isinstance(source, Mapping):
+        return normalize_output(source), dict(meta or {})
+    if hasattr(source, "get_output"):
+        return normalize_output(source.get_output()), dict(meta or _meta_of(source) or {})
+    raise TypeError(
+        f"Cannot read a Cockpit run from {type(source).__name__}: pass a run directory, "
+        "a JSON export path, an output dict {step: {name: value}} or a Cockpit object."
+    )
+
+
+def run_status(logdir: str | Path) -> dict[str, Any]:
+    """``{"last_step", "num_steps", "version"}`` of a run log, cheap enough to poll.
+
+    ``version`` changes whenever the run log's files change (also for values added to
+    an already written step, e.g. Alpha); an absent run log gives ``num_steps = 0``.
+    """
+    from cockpit.store import RunLogReader
+
+    path = Path(logdir)
+    try:
+        with RunLogReader(path) as reader:
+            steps = reader.steps()
+    except FileNotFoundError:
+        return {"last_step": None, "num_steps": 0, "version": None}
+    stamps = []
+    # The database and its write-ahead log change with every write; readers touch only
+    # the shared-memory index (-shm), which is therefore left out.
+    db = path / "cockpit.sqlite" if path.is_dir() else path
+    for f in (db, db.with_name(db.name + "-wal")):
+        try:
+            st = f.stat()
+            stamps.append(f"{f.name}:{st.st_mtime_ns}:{st.st_size}")
+        except OSError:
+            continue
+    return {
+        "last_step": steps[-1] if steps else None,
+        "num_steps": len(steps),
+        "version": "|".join(sorted(stamps)),
+    }

@@ -1,0 +1,278 @@
+"""The cockpit view (paper Figure 2) as one matplotlib figure.
+
+Layout, left to right: the *step-size* column (α-gauge, distances, gradient norm), the
+*gradient* column (gradient tests, 1-D and 2-D histograms of individual gradients) and
+the *curvature* column (λ_max, Tr(H), TIC); below them the gray panels with what most
+practitioners already track (mini-batch loss, learning rate, batch size). Panels of
+instruments that were not tracked are left out and the grid closes up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from cockpit.view import _style as S
+from cockpit.view import instruments as I
+from cockpit.view._data import Output, is_tracked, normalize_output, per_param_names
+from cockpit.view._source import load_run
+
+__all__ = [
+    "COLUMNS",
+    "active_panels",
+    "describe_run",
+    "figure_size",
+    "plot_cockpit",
+    "plot_layer_histograms",
+    "plot_run",
+    "save_figure",
+    "show",
+]
+
+Drawer = Callable[..., Any]
+
+# column -> [(panel key, drawing function, instruments that make the panel appear)]
+COLUMNS: dict[str, list[tuple[str, Drawer, tuple[str, ...]]]] = {
+    "step size": [
+        ("Alpha", I.draw_alpha, ("Alpha",)),
+        ("Distances", I.draw_distances, ("Distance", "UpdateSize")),
+        ("GradNorm", I.draw_grad_norm, ("GradNorm",)),
+    ],
+    "gradients": [
+        ("GradientTests", I.draw_gradient_tests, ("NormTest", "InnerTest", "OrthoTest")),
+        ("GradHist1d", I.draw_grad_hist_1d, ("GradHist1d",)),
+        ("GradHist2d", I.draw_grad_hist_2d, ("GradHist2d",)),
+    ],
+    "curvature": [
+        ("HessMaxEV", I.draw_hess_max_ev, ("HessMaxEV",)),
+        ("HessTrace", I.draw_hess_trace, ("HessTrace",)),
+        ("TIC", I.draw_tic, ("TICDiag", "TICTrace")),
+    ],
+    "gray": [
+        ("Loss", I.draw_loss, ("Loss",)),
+        ("LearningRate", I.draw_learning_rate, ("LearningRate",)),
+        ("BatchSize", I.draw_batch_size, ("BatchSize",)),
+    ],
+}
+_COLUMN_WIDTH = {"step size": 1.0, "gradients": 1.3, "curvature": 1.0}
+
+
+def active_panels(output: Mapping) -> dict[str, list[str]]:
+    """Column → keys of the panels shown for this output (instruments that were tracked)."""
+    out = normalize_output(output)
+    return {
+        column: [key for key, _, names in panels if any(is_tracked(out, n) for n in names)]
+        for column, panels in COLUMNS.items()
+    }
+
+
+def _first(meta: Mapping[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if meta.get(key) not in (None, "", {}):
+            return meta[key]
+    return None
+
+
+def describe_run(meta: Mapping[str, Any] | None) -> str:
+    """One line naming the run's model and optimizer (with learning rate) from metadata."""
+    if not meta:
+        return ""
+    parts = []
+    model = meta.get("model")
+    if not (isinstance(model, str) and "\n" not in model.strip()):
+        model = None  # a multi-line repr(model): its class name reads better
+    model = _first(meta, "model_name", "problem") or model or _first(
+        meta, "model_class", "model", "model_summary")
+    if isinstance(model, Mapping):
+        model = _first(model, "name", "class", "summary")
+    if model is not None:
+        parts.append(str(model).strip().splitlines()[0][:80])
+    opt = _first(meta, "optimizer", "optimizer_class", "optimizer_name")
+    hyper = _first(meta, "optimizer_hyperparameters", "hyperparameters", "optimizer_params")
+    if isinstance(opt, Mapping):
+        hyper = hyper or opt.get("hyperparameters") or opt
+        opt = _first(opt, "class", "name", "type")
+    if isinstance(hyper, list | tuple) and hyper and isinstance(hyper[0], Mapping):
+        hyper = hyper[0]  # param groups: show the first one
+    if opt is not None:
+        text = str(opt)
+        if isinstance(hyper, Mapping):
+            shown = [f"{k}={hyper[k]:g}" if isinstance(hyper[k], float) else f"{k}={hyper[k]}"
+                     for k in ("lr", "momentum", "weight_decay") if k in hyper]
+            if shown:
+                text += "(" + ", ".join(shown) + ")"
+        parts.append(text)
+    n = _first(meta, "num_parameters", "num_params", "n_parameters")
+    if isinstance(n, int | float):
+        parts.append(f"{int(n):,} parameters")
+    return " · ".join(parts)
+
+
+def _step_range(output: Output) -> tuple[float, float] | None:
+    if not output:
+        return None
+    steps = list(output)
+    lo, hi = min(steps), max(steps)
+    if lo == hi:
+        return (lo - 0.5, hi + 0.5)
+    return (lo, hi)
+
+
+def figure_size(output: Mapping) -> tuple[float, float]:
+    """Size in inches that gives every panel of the cockpit view a readable size."""
+    panels = active_panels(output)
+    upper = [c for c in ("step size", "gradients", "curvature") if panels[c]]
+    rows = max((len(panels[c]) for c in upper), default=0)
+    width = max(8.0, sum(5.4 * _COLUMN_WIDTH[c] for c in upper) + 0.8)
+    height = 2.9 * rows + (2.6 if panels["gray"] else 0.0) + 1.0
+    return width, max(height, 3.5)
+
+
+def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
+                 fig: Figure | None = None,
+                 hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
+                 title: str | None = None) -> Figure:
+    """Draw the cockpit view of a run's output ``{step: {name: value}}``.
+
+    Args:
+        output: Cockpit output (``Cockpit.get_output()``, ``read_output(logdir)``, a
+            loaded JSON export with string steps works too).
+        meta: Run metadata; the model and optimizer go into the figure's title.
+        fig: Figure to draw into (it is cleared); default a new figure sized to the
+            panels (not registered with pyplot, so it is safe in threads and servers).
+        hist_range: x range of the gradient-element histogram (None: its edges).
+        title: Overrides the title made from ``meta``.
+    """
+    out = normalize_output(output)
+    panels = active_panels(out)
+    upper = [c for c in ("step size", "gradients", "curvature") if panels[c]]
+    gray = panels["gray"]
+    rows = max((len(panels[c]) for c in upper), default=0)
+    if fig is None:
+        fig = Figure(figsize=figure_size(out), dpi=100)
+    else:
+        fig.clear()
+    fig.set_layout_engine("constrained", h_pad=0.06, w_pad=0.06, hspace=0.03, wspace=0.03)
+
+    heading = title if title is not None else describe_run(meta)
+    steps = list(out)
+    info = (f"{len(steps)} tracked steps ({steps[0]}–{steps[-1]})" if steps
+            else "no tracked steps yet")
+    fig.suptitle(f"Cockpit · {heading}" if heading else "Cockpit",
+                 fontsize=S.FONT_SIZES["suptitle"], fontweight="bold")
+    if not upper and not gray:
+        fig.text(0.5, 0.5, f"{info}: nothing to show", ha="center", va="center",
+                 fontsize=S.FONT_SIZES["title"], color=S.GRAY)
+        return fig
+
+    xlim = _step_range(out)
+    drawers = {key: fn for column in COLUMNS.values() for key, fn, _ in column}
+    options = {"xlim": xlim, "hist_range": hist_range}
+    if upper and gray:
+        outer = fig.add_gridspec(2, 1, height_ratios=[2.9 * rows, 2.3])
+        top_spec, bottom_spec = outer[0], outer[1]
+    else:
+        top_spec = bottom_spec = fig.add_gridspec(1, 1)[0]
+    if upper:
+        cols = top_spec.subgridspec(1, len(upper), width_ratios=[_COLUMN_WIDTH[c] for c in upper])
+        for i, column in enumerate(upper):
+            keys = panels[column]
+            sub = cols[i].subgridspec(len(keys), 1)
+            for j, key in enumerate(keys):
+                drawers[key](fig, sub[j], out, **options)
+    if gray:
+        sub = bottom_spec.subgridspec(1, len(gray))
+        for j, key in enumerate(gray):
+            drawers[key](fig, sub[j], out, **options)
+    fig.text(0.995, 0.005, info, ha="right", va="bottom", fontsize=S.FONT_SIZES["small"],
+             color=S.GRAY)
+    return fig
+
+
+def plot_layer_histograms(output: Mapping, step: int | None = None, *,
+                          fig: Figure | None = None,
+                          hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
+                          max_cols: int = 4) -> Figure:
+    """Per-layer histograms of individual gradient elements (paper Figure 4b).
+
+    One small panel per parameter ``p`` with a ``"GradHist1d/p"`` entry, log counts, at
+    ``step`` (default: each parameter's last tracked step).
+    """
+    out = normalize_output(output)
+    params = per_param_names(out, "GradHist1d")
+    n = len(params)
+    ncols = max(1, min(max_cols, n))
+    nrows = max(1, math.ceil(n / ncols))
+    if fig is None:
+        fig = Figure(figsize=(3.3 * ncols + 0.4, 2.3 * nrows + 0.8), dpi=100)
+    else:
+        fig.clear()
+    fig.set_layout_engine("constrained")
+    where = f"step {step}" if step is not None else "last tracked step"
+    fig.suptitle(f"Per-layer histograms of individual gradient elements ({where})",
+                 fontsize=S.FONT_SIZES["title"] + 1, fontweight="bold")
+    if n == 0:
+        fig.text(0.5, 0.5, "no per-parameter GradHist1d values in this run", ha="center",
+                 va="center", color=S.GRAY, fontsize=S.FONT_SIZES["title"])
+        return fig
+    grid = fig.add_gridspec(nrows, ncols)
+    for k, param in enumerate(params):
+        I.draw_grad_hist_1d(fig, grid[k // ncols, k % ncols], out, name=f"GradHist1d/{param}",
+                            step=step, title=param, hist_range=hist_range, compact=True)
+    return fig
+
+
+_FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
+
+
+def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110) -> Path:
+    """Save ``fig`` as PNG, PDF or SVG, chosen by the file extension."""
+    path = Path(path)
+    fmt = _FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(
+            f"Unsupported figure format {path.suffix!r} for {str(path)!r}: "
+            f"use one of {', '.join(_FORMATS)}."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format=fmt, dpi=dpi)
+    return path
+
+
+def plot_run(logdir: str | Path, out_path: str | Path | None = None, **kwargs: Any) -> Figure:
+    """Cockpit view of the run in ``logdir`` (or a JSON export); saved if ``out_path``."""
+    output, meta = load_run(logdir)
+    fig = plot_cockpit(output, meta, **kwargs)
+    if out_path is not None:
+        save_figure(fig, out_path)
+    return fig
+
+
+def show(source: Any, meta: Mapping[str, Any] | None = None, **kwargs: Any) -> Figure:
+    """The cockpit view for Jupyter: a run directory, JSON export, output dict or Cockpit.
+
+    The figure is returned (not registered with pyplot), so a notebook shows it once,
+    inline, as the cell's result.
+    """
+    output, run_meta = load_run(source, meta)
+    _register_inline_png()
+    return plot_cockpit(output, run_meta, **kwargs)
+
+
+def _register_inline_png() -> None:
+    """In IPython, make sure a returned Figure is shown as PNG even if pyplot was never
+    imported (its inline backend registers that formatter only on first use)."""
+    try:
+        from IPython import get_ipython
+        from IPython.core.pylabtools import select_figure_formats
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None and hasattr(shell, "display_formatter"):
+        formatter = shell.display_formatter.formatters.get("image/png")
+        if formatter is not None and Figure not in formatter.type_printers:
+            select_figure_formats(shell, {"png"})

@@ -1,0 +1,86 @@
+"""Command-line entry points of the views (wired into ``cockpit`` by the CLI):
+
+* ``cockpit plot RUN [-o view.png] [--layers layers.png] [--step N]`` → :func:`main_plot`
+* ``cockpit view RUN [--host H] [--port P] [--refresh S]`` → :func:`main_view`
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from cockpit.view._source import load_run
+
+
+def _plot_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cockpit plot",
+                                description="Draw the cockpit view of a run into a file.")
+    p.add_argument("run", help="run directory (with cockpit.sqlite) or a JSON export")
+    p.add_argument("-o", "--output", help="figure file, .png/.pdf/.svg "
+                   "(default: <run>/cockpit_view.png)")
+    p.add_argument("--layers", metavar="FILE",
+                   help="also draw the per-layer gradient histograms into FILE")
+    p.add_argument("--step", type=int, default=None,
+                   help="step of the per-layer histograms (default: last tracked)")
+    p.add_argument("--dpi", type=int, default=110, help="resolution of PNG files")
+    return p
+
+
+def main_plot(argv: Sequence[str] | None = None) -> int:
+    """``cockpit plot``: write the cockpit view (and optionally per-layer histograms)."""
+    from cockpit.view.cockpit_view import plot_cockpit, plot_layer_histograms, save_figure
+
+    args = _plot_parser().parse_args(argv)
+    run = Path(args.run)
+    try:
+        output, meta = load_run(run)
+    except FileNotFoundError as err:
+        print(f"cockpit plot: {err}", file=sys.stderr)
+        return 2
+    default = run.with_suffix(".png") if run.is_file() else run / "cockpit_view.png"
+    target = Path(args.output) if args.output else default
+    try:
+        written = [save_figure(plot_cockpit(output, meta), target, dpi=args.dpi)]
+        if args.layers:
+            fig = plot_layer_histograms(output, step=args.step)
+            written.append(save_figure(fig, args.layers, dpi=args.dpi))
+    except ValueError as err:
+        print(f"cockpit plot: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _view_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cockpit view",
+                                description="Serve a live web view of a (running) run.")
+    p.add_argument("run", help="run directory (with cockpit.sqlite, maybe not yet written)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8050, help="port (0: pick a free one)")
+    p.add_argument("--refresh", type=float, default=2.0, help="seconds between page polls")
+    return p
+
+
+def main_view(argv: Sequence[str] | None = None) -> int:
+    """``cockpit view``: serve the live cockpit view until Ctrl+C."""
+    from cockpit.view.live import serve
+
+    args = _view_parser().parse_args(argv)
+    if args.refresh <= 0:
+        print("cockpit view: --refresh must be positive", file=sys.stderr)
+        return 2
+    try:
+        serve(args.run, host=args.host, port=args.port, refresh_seconds=args.refresh)
+    except OSError as err:
+        print(f"cockpit view: cannot listen on {args.host}:{args.port}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # python -m cockpit.view.commands plot|view ...
+    command, *rest = sys.argv[1:] or ["--help"]
+    raise SystemExit({"plot": main_plot, "view": main_view}.get(command, main_plot)(rest))

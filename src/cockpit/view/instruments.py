@@ -1,0 +1,454 @@
+"""The cockpit view's instruments: one drawing function per panel.
+
+Every function has the signature ``draw_x(fig, spec, output, **options) -> Axes`` and
+draws into the ``SubplotSpec`` it is given (some panels use several axes, e.g. the 2-D
+histogram with its marginals); the returned axes carries the panel's title
+(:data:`~cockpit.view._style.PANEL_TITLES`). ``None`` values (not computed) and NaNs are
+left out of lines; non-finite values are marked by red crosses at the top of the panel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.gridspec import SubplotSpec
+from matplotlib.patches import Circle
+from matplotlib.transforms import blended_transform_factory
+
+from cockpit.view import _style as S
+from cockpit.view._data import (
+    Output,
+    finite_part,
+    is_tracked,
+    scalar_series,
+    spans_decades,
+    structured_at,
+)
+
+# ---------------------------------------------------------------------------- helpers
+_LOG_BASELINE = 0.5  # histogram baseline on log count axes (which start at 0.8)
+
+def _new_axes(fig: Figure, spec: SubplotSpec, key: str, *, gray: bool = False) -> Axes:
+    ax = fig.add_subplot(spec)
+    ax.set_title(S.PANEL_TITLES[key], fontsize=S.FONT_SIZES["title"], loc="left")
+    ax.tick_params(labelsize=S.FONT_SIZES["small"])
+    ax.grid(True, alpha=0.3, linewidth=0.6)
+    if gray:
+        ax.set_facecolor(S.LIGHT_GRAY_FACE)
+    return ax
+
+
+def _no_data(ax: Axes, message: str = "tracked, but not computed yet") -> None:
+    ax.text(0.5, 0.5, message, transform=ax.transAxes, ha="center", va="center",
+            color=S.GRAY, fontsize=S.FONT_SIZES["base"], style="italic")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _corner_note(ax: Axes, text: str, *, loc: str = "upper right", color: str = S.GRAY,
+                 y: float | None = None) -> None:
+    x, ha = (0.98, "right") if "right" in loc else (0.02, "left")
+    y_default, va = (0.96, "top") if "upper" in loc else (0.04, "bottom")
+    y = y_default if y is None else y
+    ax.text(x, y, text, transform=ax.transAxes, ha=ha, va=va, color=color,
+            fontsize=S.FONT_SIZES["small"],
+            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.75})
+
+
+def plot_series(ax: Axes, output: Output, name: str, *, label: str | None = None,
+                color: str | None = None, linestyle: str = "-",
+                drawstyle: str = "default") -> np.ndarray:
+    """Draw the finite values of scalar instrument ``name`` over steps; mark non-finite ones.
+
+    Returns the finite values (for the caller's choice of a log axis).
+    """
+    steps, vals = scalar_series(output, name)
+    fsteps, fvals = finite_part(steps, vals)
+    color = color or S.COLORS.get(name, S.BLUE)
+    marker = "o" if 0 < fsteps.size <= 40 and drawstyle == "default" else None
+    ax.plot(fsteps, fvals, color=color, linestyle=linestyle, linewidth=1.4, marker=marker,
+            markersize=2.5, label=label, drawstyle=drawstyle)
+    bad = steps[~np.isfinite(vals)]
+    if bad.size:
+        trans = blended_transform_factory(ax.transData, ax.transAxes)
+        ax.plot(bad, np.full(bad.size, 0.97), linestyle="none", marker="x", color=S.RED,
+                markersize=6, markeredgewidth=1.8, transform=trans, clip_on=False)
+    return fvals
+
+
+def _auto_log(ax: Axes, values: list[np.ndarray]) -> None:
+    vals = np.concatenate([v for v in values if v.size] or [np.zeros(0)])
+    if spans_decades(vals):
+        ax.set_yscale("log")
+
+
+def _time_axis(ax: Axes, xlim: tuple[float, float] | None) -> None:
+    ax.set_xlabel("step", fontsize=S.FONT_SIZES["small"], labelpad=1)
+    if xlim is not None and xlim[1] > xlim[0]:
+        ax.set_xlim(*xlim)
+
+
+def _series_panel(fig: Figure, spec: SubplotSpec, output: Output, key: str,
+                  names: list[str], *, labels: list[str] | None = None, gray: bool = False,
+                  xlim: tuple[float, float] | None = None,
+                  drawstyle: str = "default") -> Axes:
+    ax = _new_axes(fig, spec, key, gray=gray)
+    names = [n for n in names if is_tracked(output, n)]
+    labels = labels or names
+    drawn = [plot_series(ax, output, n, label=lab, drawstyle=drawstyle)
+             for n, lab in zip(names, labels, strict=False)]
+    if not any(v.size for v in drawn):
+        nonfinite = any(scalar_series(output, n)[0].size for n in names)
+        _no_data(ax, "only non-finite values (red ×)" if nonfinite else
+                 "tracked, but not computed yet")
+        _time_axis(ax, xlim)
+        return ax
+    _auto_log(ax, drawn)
+    _time_axis(ax, xlim)
+    if len(names) > 1:
+        ax.legend(fontsize=S.FONT_SIZES["small"], loc="best", framealpha=0.8)
+    return ax
+
+
+# ------------------------------------------------------------------- step-size column
+def _last_fraction(steps: np.ndarray, fraction: float = 0.1) -> np.ndarray:
+    """Mask of the steps in the last ``fraction`` of the run's step range (at least one)."""
+    if steps.size == 0:
+        return np.zeros(0, dtype=bool)
+    first, last = steps.min(), steps.max()
+    mask = steps >= last - fraction * (last - first)
+    return mask
+
+
+def _kde(x: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Gaussian kernel density estimate on ``grid`` (Silverman's bandwidth, ≥ 0.05)."""
+    if x.size == 0:
+        return np.zeros_like(grid)
+    std = float(np.std(x)) if x.size > 1 else 0.0
+    bw = max(0.9 * std * x.size ** (-0.2), 0.05) if std > 0 else 0.12
+    z = (grid[:, None] - x[None, :]) / bw
+    return np.exp(-0.5 * z**2).sum(axis=1) / (x.size * bw * np.sqrt(2 * np.pi))
+
+
+def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, **_: Any) -> Axes:
+    """α-gauge (paper Sec. 2.1, eq. 10): distribution of α over the run and its last 10 %.
+
+    α = −1: the step ended where it started on the local parabola (no progress),
+    α = 0: it landed in the minimum, α = 1: it jumped to the opposite wall.
+    Values outside [−1.5, 1.5] are clipped into the outermost bins.
+    """
+    ax = _new_axes(fig, spec, "Alpha")
+    steps, vals = finite_part(*scalar_series(output, "Alpha"))
+    if vals.size == 0:
+        _no_data(ax, "α not computed yet (needs the step after a tracked step)")
+        return ax
+    r = S.ALPHA_RANGE
+    bins = np.linspace(-r, r, 25)
+    clipped = np.clip(vals, -r, r)
+    mask = _last_fraction(steps)
+    recent = clipped[mask]
+    recent_mean = float(np.mean(vals[mask]))  # means of unclipped α
+    h_all, _ = np.histogram(clipped, bins=bins, density=True)
+    grid = np.linspace(-r, r, 301)
+    k_all, k_rec = _kde(clipped, grid), _kde(recent, grid)
+    top = max(h_all.max(), k_all.max(), k_rec.max()) * 1.4
+    # The local parabola along the step: start (−1) and opposite point (1) at equal height.
+    ax.plot(grid, 0.55 * top * (grid / r) ** 2 + 0.02 * top, color=S.GRAY, linewidth=1,
+            linestyle=":", zorder=1)
+    ax.stairs(h_all, bins, fill=True, color=S.COLORS["Alpha"], alpha=0.2, zorder=2)
+    ax.plot(grid, k_all, color=S.COLORS["Alpha"], linewidth=1.8, zorder=3,
+            label=f"all steps (n={vals.size}, mean {vals.mean():+.2f})")
+    ax.fill_between(grid, k_rec, color=S.COLORS["AlphaRecent"], alpha=0.15, zorder=3, lw=0)
+    ax.plot(grid, k_rec, color=S.COLORS["AlphaRecent"], linewidth=1.8, zorder=4,
+            label=f"last 10 % (n={recent.size}, mean {recent_mean:+.2f})")
+    for mark in (-1, 0, 1):
+        ax.axvline(mark, color="black", linewidth=0.8, linestyle="--", alpha=0.6, zorder=1)
+    ax.set_xlim(-r, r)
+    ax.set_ylim(0, top)
+    ax.set_xticks([-1.5, -1, -0.5, 0, 0.5, 1, 1.5])
+    ax.set_yticks([])
+    ax.set_ylabel("density", fontsize=S.FONT_SIZES["small"])
+    ax.set_xlabel("α  (−1: back at start · 0: at minimum · 1: opposite wall)",
+                  fontsize=S.FONT_SIZES["small"], labelpad=1)
+    ax.text(0.02, 0.96, "◀ undershoot", transform=ax.transAxes, ha="left", va="top",
+            fontsize=S.FONT_SIZES["base"], color=S.GRAY)
+    ax.text(0.98, 0.96, "overshoot ▶", transform=ax.transAxes, ha="right", va="top",
+            fontsize=S.FONT_SIZES["base"], color=S.GRAY)
+    ax.legend(fontsize=S.FONT_SIZES["small"], loc="upper center", bbox_to_anchor=(0.5, 0.86),
+              framealpha=0.85)
+    outside = int(np.sum(np.abs(vals) > r))
+    if outside:
+        _corner_note(ax, f"{outside} beyond ±{r:g} (in edge bins)", loc="lower left")
+    return ax
+
+
+def draw_distances(fig: Figure, spec: SubplotSpec, output: Output, *,
+                   xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
+    """Distance ‖θ_t − θ_0‖ (left axis) and update size ‖θ_t+1 − θ_t‖ (right axis)."""
+    ax = _new_axes(fig, spec, "Distances")
+    have_dist, have_upd = is_tracked(output, "Distance"), is_tracked(output, "UpdateSize")
+    if have_dist:
+        d = plot_series(ax, output, "Distance", label="distance")
+        ax.set_ylabel("distance", color=S.COLORS["Distance"], fontsize=S.FONT_SIZES["small"])
+        del d  # linear axes: the distance starts at 0, a log axis would only show the start
+    if not any(finite_part(*scalar_series(output, n))[0].size
+               for n in ("Distance", "UpdateSize")):
+        _no_data(ax, "tracked, but not computed yet")
+        return ax
+    if have_upd:
+        target = ax.twinx() if have_dist else ax
+        u = plot_series(target, output, "UpdateSize", label="update size")
+        target.set_ylabel("update size", color=S.COLORS["UpdateSize"],
+                          fontsize=S.FONT_SIZES["small"])
+        target.tick_params(labelsize=S.FONT_SIZES["small"])
+        _auto_log(target, [u])
+        if have_dist:
+            ax.legend(handles=[*ax.get_lines()[:1], *target.get_lines()[:1]],
+                      fontsize=S.FONT_SIZES["small"], loc="upper left", framealpha=0.8)
+    _time_axis(ax, xlim)
+    return ax
+
+
+def draw_grad_norm(fig: Figure, spec: SubplotSpec, output: Output, *,
+                   xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
+    """Mini-batch gradient norm ‖g_B‖ with the learning rate (dashed, right axis)."""
+    ax = _series_panel(fig, spec, output, "GradNorm", ["GradNorm"], xlim=xlim)
+    ax.set_ylabel("‖g_B‖", color=S.COLORS["GradNorm"], fontsize=S.FONT_SIZES["small"])
+    if is_tracked(output, "LearningRate") and scalar_series(output, "LearningRate")[0].size:
+        twin = ax.twinx()
+        lr = plot_series(twin, output, "LearningRate", linestyle="--", drawstyle="steps-post")
+        _auto_log(twin, [lr])
+        _from_zero(twin, output, "LearningRate")
+        twin.set_ylabel("learning rate", color=S.COLORS["LearningRate"],
+                        fontsize=S.FONT_SIZES["small"])
+        twin.tick_params(labelsize=S.FONT_SIZES["small"])
+    return ax
+
+
+# -------------------------------------------------------------------- gradient column
+_TESTS = (("NormTest", "norm test", S.THETA_NORM), ("InnerTest", "inner product test",
+          S.THETA_INNER), ("OrthoTest", "orthogonality test", S.NU_ORTHO))
+
+
+def _draw_test_geometry(ax: Axes, last: dict[str, float], step: int) -> None:
+    """Figure 9b: the mini-batch gradient must lie in a ball (norm test) and bands
+    parallel (inner product test) and orthogonal (orthogonality test) to the mean
+    gradient, drawn normalized to ‖g‖ = 1 along the x axis."""
+    r_norm, r_inner, r_ortho = (last.get(n) for n, _, _ in _TESTS)
+    if r_ortho is not None:
+        ax.axhspan(-r_ortho, r_ortho, color=S.COLORS["OrthoTest"], alpha=0.18, lw=0)
+    if r_inner is not None:
+        ax.axvspan(1 - r_inner, 1 + r_inner, color=S.COLORS["InnerTest"], alpha=0.22, lw=0)
+    if r_norm is not None:
+        ax.add_patch(Circle((1, 0), r_norm, facecolor=S.COLORS["NormTest"], alpha=0.25,
+                            edgecolor=S.COLORS["NormTest"], linewidth=1.4))
+    ax.annotate("", xy=(1, 0), xytext=(0, 0),
+                arrowprops={"arrowstyle": "-|>", "color": "black", "lw": 1.4})
+    ax.plot([1], [0], "ko", markersize=3)
+    half_x = max(r_norm or 0, r_inner or 0, 1.0) * 1.15
+    half_y = max(r_norm or 0, r_ortho or 0, 1.0) * 1.15
+    half = max(half_x, half_y)
+    ax.set_xlim(1 - half, 1 + half)
+    ax.set_ylim(-half, half)
+    ax.set_aspect("equal", adjustable="box")
+    ax.set_xticks([0, 1])
+    ax.set_xticklabels(["0", "g_B/‖g_B‖"], fontsize=S.FONT_SIZES["small"])
+    ax.tick_params(labelsize=S.FONT_SIZES["small"])
+    ax.set_xlabel(f"test geometry, step {step}", fontsize=S.FONT_SIZES["small"], labelpad=1)
+
+
+def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
+                        xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
+    """Gradient tests gauge (paper Fig. 9b; eqs. 19c, 22c, 25b): the test geometry at
+    the last step (left) and the three standardized widths over steps (right), with the
+    thresholds θ_norm = θ_inner = 0.9 and ν_ortho = tan 80° ≈ 5.84 of Bollapragada et al.
+    Values above a threshold mean the mini-batch gradient is too noisy for that test."""
+    sub = spec.subgridspec(1, 2, width_ratios=[1.0, 1.9], wspace=0.18)
+    geo = fig.add_subplot(sub[0, 0])
+    ax = _new_axes(fig, sub[0, 1], "GradientTests")
+    tracked = [(n, lab, thr) for n, lab, thr in _TESTS if is_tracked(output, n)]
+    drawn, last, last_step = [], {}, None
+    for name, label, _ in tracked:
+        vals = plot_series(ax, output, name, label=label)
+        drawn.append(vals)
+        steps, allv = finite_part(*scalar_series(output, name))
+        if steps.size:
+            last[name] = float(allv[-1])
+            last_step = int(steps[-1]) if last_step is None else max(last_step, int(steps[-1]))
+    if not last:
+        _no_data(ax, "only non-finite values (red ×)" if drawn and any(
+            scalar_series(output, n)[0].size for n, _, _ in tracked)
+            else "tracked, but not computed yet")
+        geo.set_axis_off()
+        return ax
+    _auto_log(ax, drawn)
+    _time_axis(ax, xlim)
+    lo, hi = ax.get_ylim()
+    shown = set()
+    for _, _, thr in tracked:
+        if lo <= thr <= hi and thr not in shown:
+            shown.add(thr)
+            ax.axhline(thr, color=S.GRAY, linestyle=":", linewidth=1.4,
+                       label=f"threshold {thr:g}")
+    ax.set_ylim(lo, hi)
+    ax.legend(fontsize=S.FONT_SIZES["small"], loc="best", framealpha=0.8, ncol=2)
+    ax.set_ylabel("standardized width", fontsize=S.FONT_SIZES["small"])
+    _draw_test_geometry(geo, last, last_step if last_step is not None else 0)
+    return ax
+
+
+def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
+                      hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
+                      step: int | None = None, name: str = "GradHist1d",
+                      title: str | None = None, compact: bool = False, **_: Any) -> Axes:
+    """Histogram of the |B|×D individual gradient elements (eq. 15) at one step (default:
+    the last tracked one), log count axis. ``hist_range`` limits the x axis (None: the
+    histogram's own edges)."""
+    ax = fig.add_subplot(spec)
+    ax.set_title(title or S.PANEL_TITLES["GradHist1d"],
+                 fontsize=S.FONT_SIZES["small" if compact else "title"], loc="left")
+    ax.tick_params(labelsize=S.FONT_SIZES["small"])
+    found = structured_at(output, name, ("counts", "edges"), step)
+    if found is None:
+        _no_data(ax, "no histogram yet")
+        return ax
+    at, hist = found
+    counts = np.asarray(hist["counts"], dtype=np.float64).ravel()
+    edges = np.asarray(hist["edges"], dtype=np.float64).ravel()
+    if counts.size + 1 != edges.size or counts.sum() <= 0:
+        _no_data(ax, "empty histogram")
+        return ax
+    # One step artist (not one bar per bin): empty bins fall to the baseline below the axis.
+    ax.stairs(counts, edges, fill=True, baseline=_LOG_BASELINE, color=S.COLORS["GradHist1d"],
+              alpha=0.85, linewidth=0)
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=0.8, top=counts.max() * 2.5)
+    lo, hi = edges[0], edges[-1]
+    if hist_range is not None:
+        lo, hi = max(lo, hist_range[0]), min(hi, hist_range[1])
+        hidden = counts[(edges[1:] <= lo) | (edges[:-1] >= hi)].sum()
+        if hidden > 0:
+            _corner_note(ax, f"{hidden / counts.sum():.1%} outside view", loc="upper left")
+    ax.set_xlim(lo, hi)
+    ax.grid(True, axis="y", alpha=0.3, linewidth=0.6)
+    if not compact:
+        ax.set_xlabel("gradient element value", fontsize=S.FONT_SIZES["small"], labelpad=1)
+        ax.set_ylabel("count", fontsize=S.FONT_SIZES["small"])
+    _corner_note(ax, f"step {at}")
+    return ax
+
+
+def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
+                      step: int | None = None, **_: Any) -> Axes:
+    """2-D histogram of (θ_j, g_n,j) pairs (eq. 16) with both marginals, log colors."""
+    sub = spec.subgridspec(2, 2, width_ratios=[4, 1], height_ratios=[1, 3.2],
+                           wspace=0.04, hspace=0.06)
+    top = fig.add_subplot(sub[0, 0])
+    top.set_title(S.PANEL_TITLES["GradHist2d"], fontsize=S.FONT_SIZES["title"], loc="left")
+    fields = ("counts", "edges_grad", "edges_param")
+    found = structured_at(output, "GradHist2d", fields, step)
+    if found is None:
+        _no_data(top, "no histogram yet")
+        return top
+    at, hist = found
+    counts = np.asarray(hist["counts"], dtype=np.float64)
+    eg = np.asarray(hist["edges_grad"], dtype=np.float64).ravel()
+    ep = np.asarray(hist["edges_param"], dtype=np.float64).ravel()
+    if counts.shape != (eg.size - 1, ep.size - 1) or counts.sum() <= 0:
+        _no_data(top, "empty histogram")
+        return top
+    main = fig.add_subplot(sub[1, 0], sharex=top)
+    right = fig.add_subplot(sub[1, 1], sharey=main)
+    masked = np.ma.masked_less_equal(counts, 0)
+    main.pcolormesh(ep, eg, masked, norm=LogNorm(vmin=1, vmax=counts.max()), cmap="Blues",
+                    shading="flat")
+    main.set_xlabel("parameter value θ_j", fontsize=S.FONT_SIZES["small"], labelpad=1)
+    main.set_ylabel("gradient element g_n,j", fontsize=S.FONT_SIZES["small"])
+    marg_param, marg_grad = counts.sum(axis=0), counts.sum(axis=1)
+    top.stairs(marg_param, ep, fill=True, baseline=_LOG_BASELINE,
+               color=S.COLORS["GradHist2d"], alpha=0.8, linewidth=0)
+    top.set_yscale("log")
+    top.set_ylim(0.8, marg_param.max() * 2.5)
+    right.stairs(marg_grad, eg, fill=True, baseline=_LOG_BASELINE, orientation="horizontal",
+                 color=S.COLORS["GradHist2d"], alpha=0.8, linewidth=0)
+    right.set_xscale("log")
+    right.set_xlim(0.8, marg_grad.max() * 2.5)
+    main.set_xlim(ep[0], ep[-1])
+    main.set_ylim(eg[0], eg[-1])
+    for a in (top, main, right):
+        a.tick_params(labelsize=S.FONT_SIZES["small"])
+    top.tick_params(labelbottom=False)
+    right.tick_params(labelleft=False)
+    top.set_ylabel("count", fontsize=S.FONT_SIZES["small"])
+    right.set_xlabel("count", fontsize=S.FONT_SIZES["small"], labelpad=1)
+    _corner_note(main, f"step {at}")
+    return top
+
+
+# ------------------------------------------------------------------- curvature column
+def draw_hess_max_ev(fig: Figure, spec: SubplotSpec, output: Output, *,
+                     xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
+    """λ_max(H_B) over steps (eq. 26)."""
+    ax = _series_panel(fig, spec, output, "HessMaxEV", ["HessMaxEV"], xlim=xlim)
+    ax.set_ylabel("λ_max", fontsize=S.FONT_SIZES["small"])
+    return ax
+
+
+def draw_hess_trace(fig: Figure, spec: SubplotSpec, output: Output, *,
+                    xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
+    """Tr(H_B) over steps (App. B.8)."""
+    ax = _series_panel(fig, spec, output, "HessTrace", ["HessTrace"], xlim=xlim)
+    ax.set_ylabel("Tr(H_B)", fontsize=S.FONT_SIZES["small"])
+    return ax
+
+
+def draw_tic(fig: Figure, spec: SubplotSpec, output: Output, *,
+             xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
+    """Mini-batch TIC approximations over steps: TICDiag (eq. 29), TICTrace (eq. 28)."""
+    names = [n for n in ("TICDiag", "TICTrace") if is_tracked(output, n)]
+    labels = {"TICDiag": "TIC (diagonal, eq. 29)", "TICTrace": "TIC (trace, eq. 28)"}
+    return _series_panel(fig, spec, output, "TIC", names, labels=[labels[n] for n in names],
+                         xlim=xlim)
+
+
+# ------------------------------------------------------------------------ gray panels
+def draw_loss(fig: Figure, spec: SubplotSpec, output: Output, *,
+              xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
+    """Mini-batch loss over steps; non-finite losses are marked in red with a note."""
+    ax = _series_panel(fig, spec, output, "Loss", ["Loss"], gray=True, xlim=xlim)
+    steps, vals = scalar_series(output, "Loss")
+    bad = steps[~np.isfinite(vals)]
+    if bad.size:
+        _corner_note(ax, f"non-finite loss at step {bad[0]}"
+                     + (f" and {bad.size - 1} more" if bad.size > 1 else ""),
+                     loc="upper right", color=S.RED, y=0.88)
+    return ax
+
+
+def draw_learning_rate(fig: Figure, spec: SubplotSpec, output: Output, *,
+                       xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
+    """Learning rate over steps."""
+    ax = _series_panel(fig, spec, output, "LearningRate", ["LearningRate"], gray=True,
+                       xlim=xlim, drawstyle="steps-post")
+    _from_zero(ax, output, "LearningRate")
+    return ax
+
+
+def draw_batch_size(fig: Figure, spec: SubplotSpec, output: Output, *,
+                    xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
+    """Batch size over steps (the y axis starts at 0, so a constant batch reads as such)."""
+    ax = _series_panel(fig, spec, output, "BatchSize", ["BatchSize"], gray=True,
+                       xlim=xlim, drawstyle="steps-post")
+    _from_zero(ax, output, "BatchSize")
+    return ax
+
+
+def _from_zero(ax: Axes, output: Output, name: str) -> None:
+    """Start a linear y axis of positive values at 0 (a constant then reads as constant)."""
+    vals = finite_part(*scalar_series(output, name))[1]
+    if vals.size and vals.min() > 0 and ax.get_yscale() == "linear":
+        ax.set_ylim(0, vals.max() * 1.15)

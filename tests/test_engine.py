@@ -1,0 +1,242 @@
+"""Engine behaviour: hooks, schedules, untouched user state, errors and degenerate input."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from cockpit import Cockpit, at, configuration, every, logspaced, quantities
+from cockpit.engine.tracker import ModuleTracker
+from tests.models import make_problem
+from tests.reference import flat, gradient_tests, individual_gradients, rel_close
+
+
+def train(problem, cockpit, steps, opt, reduction="mean"):
+    for step in range(steps):
+        opt.zero_grad()
+        losses = problem.losses()
+        loss = losses.mean() if reduction == "mean" else losses.sum()
+        if cockpit is None:
+            loss.backward()
+        else:
+            with cockpit(step, losses=losses):
+                loss.backward()
+        opt.step()
+
+
+def test_untracked_steps_do_no_per_sample_work(monkeypatch):
+    calls = []
+    original = ModuleTracker._process
+    monkeypatch.setattr(ModuleTracker, "_process",
+                        lambda self, call: (calls.append(self.stats), original(self, call)))
+    hooks_registered = []
+    original_hook = torch.Tensor.register_hook
+    monkeypatch.setattr(torch.Tensor, "register_hook",
+                        lambda t, fn: (hooks_registered.append(1), original_hook(t, fn))[1])
+    problem = make_problem("cnn", 4)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.01)
+    cockpit = Cockpit(problem.model, [quantities.NormTest(every(3))], optimizer=opt)
+    hooks_after_setup = len(hooks_registered)
+    for step in range(7):
+        before_calls, before_hooks = len(calls), len(hooks_registered)
+        train_step(problem, cockpit, opt, step)
+        tracked = step % 3 == 0
+        assert (len(calls) > before_calls) == tracked
+        # forward passes of steps followed by an untracked step register no tensor hooks
+        # (only the per-sample losses hook at tracked steps)
+        if not tracked and step % 3 != 2:
+            assert len(hooks_registered) == before_hooks
+    assert hooks_after_setup == len(list(problem.model.parameters()))
+    cockpit.close()
+    assert sorted(cockpit.get_output()) == [0, 3, 6]
+
+
+def train_step(problem, cockpit, opt, step):
+    opt.zero_grad()
+    losses = problem.losses()
+    with cockpit(step, losses=losses):
+        losses.mean().backward()
+    opt.step()
+
+
+def all_hooks(model: nn.Module, opt) -> int:
+    count = 0
+    for module in model.modules():
+        count += len(module._forward_hooks) + len(module._forward_pre_hooks)
+        count += len(module._backward_hooks)
+    for p in model.parameters():
+        count += len(p._backward_hooks or {})
+    count += len(opt._optimizer_step_post_hooks) + len(opt._optimizer_step_pre_hooks)
+    return count
+
+
+@pytest.mark.parametrize("name", ["cnn", "transformer", "custom"])
+def test_close_removes_every_hook(name):
+    problem = make_problem(name, 3)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.01)
+    assert all_hooks(problem.model, opt) == 0
+    cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt)
+    assert all_hooks(problem.model, opt) > 0
+    train(problem, cockpit, 2, opt)
+    cockpit.close()
+    assert all_hooks(problem.model, opt) == 0
+    cockpit.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        cockpit(5)
+
+
+@pytest.mark.parametrize("name", ["cnn", "residual", "transformer", "custom"])
+def test_user_gradients_and_parameters_are_bit_identical(name):
+    problem = make_problem(name, 5, torch.float32)
+    twin = copy.deepcopy(problem)
+    opt = torch.optim.Adam(problem.model.parameters(), lr=0.01)
+    twin_opt = torch.optim.Adam(twin.model.parameters(), lr=0.01)
+    economy = configuration("economy") + [quantities.MeanGSNR(), quantities.EarlyStopping()]
+    cockpit = Cockpit(problem.model, economy, optimizer=opt)
+    for step in range(3):
+        train_step(problem, cockpit, opt, step)
+        twin_opt.zero_grad()
+        twin.losses().mean().backward()
+        for p, q in zip(problem.model.parameters(), twin.model.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+        twin_opt.step()
+        for p, q in zip(problem.model.parameters(), twin.model.parameters(), strict=True):
+            assert torch.equal(p, q)
+    cockpit.close()
+    assert type(problem.model) is type(twin.model)
+
+
+def test_non_finite_loss_is_recorded_as_nan_with_a_warning():
+    problem = make_problem("mlp_relu", 4)
+    problem.x[1, 0] = float("nan")
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.01)
+    cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt)
+    with pytest.warns(RuntimeWarning, match="non-finite loss"):
+        train(problem, cockpit, 1, opt)
+    out = cockpit.get_output()[0]
+    for name in ("Loss", "GradNorm", "NormTest", "InnerTest", "OrthoTest"):
+        assert math.isnan(out[name]), name
+    cockpit.close()
+
+
+def test_sum_reduction_gives_the_same_instruments_as_mean():
+    results = []
+    for reduction in ("mean", "sum"):
+        problem = make_problem("mlp_relu", 6)
+        opt = torch.optim.SGD(problem.model.parameters(), lr=0.0)
+        cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt)
+        train(problem, cockpit, 1, opt, reduction)
+        cockpit.close()
+        results.append(cockpit.get_output()[0])
+    for name in ("GradNorm", "NormTest", "InnerTest", "OrthoTest"):
+        assert rel_close(results[0][name], results[1][name], 1e-10), name
+    assert (results[0]["GradHist1d"]["counts"] == results[1]["GradHist1d"]["counts"]).all()
+
+
+def test_frozen_parameters_are_skipped():
+    problem = make_problem("mlp_relu", 5)
+    problem.model[0].weight.requires_grad_(False)
+    grads = individual_gradients(problem.model, problem.loss_fn, problem.x, problem.y)
+    assert "0.weight" not in grads
+    opt = torch.optim.SGD([p for p in problem.model.parameters() if p.requires_grad], lr=0.1)
+    cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt)
+    train(problem, cockpit, 1, opt)
+    out = cockpit.get_output()[0]
+    assert "GradNorm/0.weight" not in out
+    expected = gradient_tests(flat(grads))
+    assert rel_close(out["NormTest"], expected["NormTest"], 1e-8)
+    cockpit.close()
+
+
+def test_batchnorm_in_training_mode_gives_a_clear_error_and_eval_mode_works():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3)).double()
+    with pytest.raises(ValueError, match="BatchNorm1d '1'.*GroupNorm"):
+        Cockpit(model, configuration("economy"))
+    Cockpit(model, [quantities.Loss(), quantities.GradNorm()]).close()  # no per-sample needs
+    model.train()
+    for _ in range(3):  # give the running statistics some values
+        model(torch.randn(8, 4, dtype=torch.float64))
+    model.eval()
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    loss_fn = make_problem("mlp_relu", 1).loss_fn
+    grads = individual_gradients(model, loss_fn, x, y)
+    cockpit = Cockpit(model, [quantities.NormTest()], strict=True)
+    losses = loss_fn(model(x), y)
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    assert rel_close(cockpit.get_output()[0]["NormTest"],
+                     gradient_tests(flat(grads))["NormTest"], 1e-8)
+    # switched back to training mode later: not computed, with the reason, no exception
+    model.train()
+    losses = loss_fn(model(x), y)
+    with pytest.warns(RuntimeWarning, match="BatchNorm1d"), cockpit(1, losses=losses):
+        losses.mean().backward()
+    assert cockpit.get_output()[1]["NormTest"] is None
+    assert "BatchNorm1d" in cockpit.get_notes()[1]["NormTest"]
+    cockpit.close()
+
+
+def test_missing_or_malformed_losses_give_clear_errors():
+    problem = make_problem("mlp_relu", 4)
+    cockpit = Cockpit(problem.model, configuration("economy"))
+    with pytest.raises(ValueError, match="reduction='none'"), cockpit(0):
+        pass
+    with pytest.raises(ValueError, match="1-d tensor"), cockpit(0, losses=problem.losses()[None]):
+        pass
+    cockpit.close()
+    with pytest.raises(TypeError, match="Quantity instances"):
+        Cockpit(problem.model, ["NormTest"])
+    with pytest.raises(TypeError, match="nn.Module"):
+        Cockpit(object())
+
+
+def test_forward_pass_not_seen_is_reported_not_silent():
+    problem = make_problem("mlp_relu", 4)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.01)
+    cockpit = Cockpit(problem.model, [quantities.NormTest(at([0, 2]))], optimizer=opt)
+    train_step(problem, cockpit, opt, 0)  # step 1 predicted untracked: forward not recorded
+    opt.zero_grad()
+    losses = problem.losses()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with cockpit(2, losses=losses):  # jumps to step 2, which is tracked
+            losses.mean().backward()
+    assert cockpit.get_output()[2]["NormTest"] is None
+    assert "forward pass" in cockpit.get_notes()[2]["NormTest"]
+    assert any("forward pass" in str(w.message) for w in caught)
+    # from now on steps are not consecutive, so every forward pass is recorded
+    train_step(problem, cockpit, opt, 5)
+    cockpit.close()
+
+
+def test_schedules():
+    assert [s for s in range(10) if every(3)(s)] == [0, 3, 6, 9]
+    assert [s for s in range(10) if every(4, offset=1)(s)] == [1, 5, 9]
+    steps = [s for s in range(1001) if logspaced(1000, 20)(s)]
+    assert steps[0] == 0 and steps[-1] == 1000 and len(steps) <= 20
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    assert gaps[-1] > gaps[0]
+    with pytest.raises(ValueError):
+        every(0)
+    problem = make_problem("mlp_relu", 3)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.01)
+    cockpit = Cockpit(problem.model, [quantities.Loss(lambda s: s in (1, 4))], optimizer=opt)
+    train(problem, cockpit, 6, opt)
+    cockpit.close()
+    assert sorted(cockpit.get_output()) == [1, 4]
+
+
+def test_configurations():
+    names = [q.name for q in configuration("economy")]
+    assert names == ["Loss", "Distance", "UpdateSize", "GradNorm", "GradHist1d", "NormTest",
+                     "InnerTest", "OrthoTest"]
+    with pytest.raises(NotImplementedError, match="HessTrace"):
+        configuration("business")
+    with pytest.raises(ValueError, match="economy"):
+        configuration("first-class")

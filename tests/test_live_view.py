@@ -1,0 +1,296 @@
+"""Live views: LivePlot redraws in place, the web view serves only its three routes and a
+headless Chromium sees the page follow a run log that grows while it is open."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+
+from cockpit.store import RunLogWriter
+from cockpit.view import LivePlot, main_plot, plot_run
+from cockpit.view import _style as S
+from cockpit.view.live import make_server
+from cockpit.view.synthetic import synthetic_meta, synthetic_output
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def write_run(logdir: Path, output: dict, meta: dict | None = None) -> None:
+    writer = RunLogWriter(logdir, meta=meta)
+    for step, values in output.items():
+        writer.write_step(step, values)
+    writer.close()
+
+
+def small_output(first: int, last: int) -> dict:
+    """Cheap-to-draw instruments (loss, gradient norm, distances) over steps first..last."""
+    full = synthetic_output("economy", num_steps=200, every=5, seed=11,
+                            instruments=("Loss", "GradNorm", "Distance", "UpdateSize"))
+    return {t: v for t, v in full.items() if first <= t <= last}
+
+
+def panel_titles(fig) -> set[str]:
+    return {ax.get_title(loc="left") for ax in fig.axes} - {""}
+
+
+# ----------------------------------------------------------------- store-based entry points
+def test_plot_run_and_main_plot_read_the_run_log(tmp_path) -> None:
+    run = tmp_path / "run"
+    output = synthetic_output("economy", num_steps=40, every=10, seed=3, per_param=True)
+    write_run(run, output, synthetic_meta())
+    fig = plot_run(run)
+    assert "cifar10_3c3d" in fig._suptitle.get_text()
+    assert S.PANEL_TITLES["GradientTests"] in panel_titles(fig)
+    loss_line = next(ax for ax in fig.axes if ax.get_title(loc="left") == S.PANEL_TITLES[
+        "Loss"]).get_lines()[0]
+    assert list(loss_line.get_ydata()) == [output[t]["Loss"] for t in sorted(output)]
+
+    small = tmp_path / "small"
+    write_run(small, synthetic_output("economy", num_steps=20, every=10, seed=4,
+                                      instruments=("Loss", "GradHist1d")))
+    assert main_plot([str(small), "--layers", str(tmp_path / "layers.pdf"), "--dpi", "40"]) == 0
+    assert (small / "cockpit_view.png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "layers.pdf").read_bytes().startswith(b"%PDF")
+    assert main_plot([str(tmp_path / "missing")]) == 2
+    assert main_plot([str(small), "-o", str(tmp_path / "v.gif")]) == 2
+
+
+def test_live_plot_redraws_the_same_figure(tmp_path) -> None:
+    run = tmp_path / "run"
+    write_run(run, small_output(0, 50))
+    live = LivePlot(run)
+    fig = live.update()
+    first = fig.axes[0].get_lines()[0].get_xdata()
+    write_run(run, small_output(55, 100))
+    assert live.update() is fig and live.num_updates == 2
+    loss_ax = next(a for a in fig.axes if a.get_title(loc="left") == S.PANEL_TITLES["Loss"])
+    assert loss_ax.get_lines()[0].get_xdata()[-1] == 100 and len(first) == 11
+    assert panel_titles(fig) == {S.PANEL_TITLES[k] for k in ("Distances", "GradNorm", "Loss")}
+    live.save(tmp_path / "live.png")
+    assert (tmp_path / "live.png").read_bytes()[:4] == b"\x89PNG"
+    live.close()
+
+    class FakeCockpit:  # the live object a training script holds
+        def meta(self):
+            return {"model": "tiny", "optimizer": "SGD"}
+
+        def get_output(self):
+            return {0: {"Loss": 2.0}, 1: {"Loss": 1.5}}
+
+    fig2 = LivePlot(FakeCockpit()).update()
+    assert panel_titles(fig2) == {S.PANEL_TITLES["Loss"]}
+    assert fig2._suptitle.get_text() == "Cockpit · tiny · SGD"
+
+
+# ----------------------------------------------------------------------- the HTTP server
+@pytest.fixture
+def served_run(tmp_path):
+    run = tmp_path / "run"
+    write_run(run, small_output(0, 20))
+    (tmp_path / "secret.txt").write_text("do not serve")
+    server = make_server(run, port=0, refresh_seconds=0.5)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield run, server
+    server.shutdown()
+    server.server_close()
+
+
+def fetch(server, path: str, method: str = "GET") -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+    conn.request(method, path)  # the path is sent as is (no client-side normalization)
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, dict(resp.getheaders()), body
+
+
+def test_server_routes_status_and_png_cache(served_run) -> None:
+    run, server = served_run
+    assert server.server_address[0] == "127.0.0.1"
+    status, headers, body = fetch(server, "/")
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert b'id="last-step">20<' in body and b'src="view.png?v=20:5"' in body
+    status, _, body = fetch(server, "/status.json")
+    assert json.loads(body) == {"last_step": 20, "num_steps": 5, "run": "run"}
+    status, headers, png = fetch(server, "/view.png?v=20:5")
+    assert status == 200 and headers["Content-Type"] == "image/png"
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert fetch(server, "/view.png")[2] == png and server.view_state.renders == 1  # cached
+    write_run(run, small_output(25, 30))
+    assert json.loads(fetch(server, "/status.json")[2])["last_step"] == 30
+    assert fetch(server, "/view.png")[2] != png and server.view_state.renders == 2
+    status, headers, body = fetch(server, "/status.json", method="HEAD")
+    assert status == 200 and body == b""
+
+
+@pytest.mark.parametrize("path", [
+    "/../secret.txt", "/..%2fsecret.txt", "/%2e%2e/secret.txt", "//etc/passwd",
+    "/view.png/../../secret.txt", "/cockpit.sqlite", "/run/cockpit.sqlite", "/etc/passwd",
+    "/favicon.ico", "/status.json/..", "/../../../../etc/passwd"])
+def test_server_serves_no_files(served_run, path: str) -> None:
+    _, server = served_run
+    status, _, body = fetch(server, path)
+    assert status == 404 and body == b"Not found\n"
+    assert fetch(server, path, method="POST")[0] == 501
+
+
+def test_server_waits_for_a_missing_run_log(tmp_path) -> None:
+    server = make_server(tmp_path / "not-yet", port=0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert json.loads(fetch(server, "/status.json")[2])["num_steps"] == 0
+        status, _, png = fetch(server, "/view.png")
+        assert status == 200 and png[:4] == b"\x89PNG"
+        assert b'id="last-step">\xe2\x80\x93<' in fetch(server, "/")[2]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ------------------------------------------------------------- end to end in a browser
+def _chromium() -> str | None:
+    for cand in ("/usr/lib/chromium/chromium", "chromium", "chromium-browser",
+                 "google-chrome"):
+        path = shutil.which(cand) or (cand if os.path.isfile(cand) else None)
+        if path:
+            return path
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wd(base: str, method: str, path: str, payload: dict | None = None) -> dict:
+    """One W3C WebDriver call to chromedriver (plain HTTP + JSON, standard library)."""
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(base + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=90) as resp:
+        return json.loads(resp.read())
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
+
+
+BROWSER_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+
+PAGE_STATE = """
+const img = document.getElementById("view");
+return {last: document.getElementById("last-step").textContent,
+        steps: document.getElementById("num-steps").textContent,
+        src: img.getAttribute("src"), loaded: img.complete && img.naturalWidth > 0,
+        width: img.naturalWidth};
+"""
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium not found (apt-get install "
+                    "chromium chromium-driver)")
+def test_browser_follows_a_growing_run(tmp_path) -> None:
+    run = tmp_path / "run"
+    write_run(run, small_output(0, 20))
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "MPLBACKEND": "Agg"}
+    viewer = subprocess.Popen(
+        [sys.executable, "-m", "cockpit.view.commands", "view", str(run), "--port", "0",
+         "--refresh", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env)
+    driver = None
+    profile = tempfile.mkdtemp(prefix="cockpit-chromium-")
+    try:
+        line = viewer.stdout.readline()
+        assert "http://127.0.0.1:" in line, line + viewer.stderr.read()
+        url = line.split("http://", 1)[1].split()[0]
+        url = "http://" + url
+        chromedriver = shutil.which("chromedriver")
+        if chromedriver is None:  # no WebDriver: a one-shot DOM dump still runs the page
+            _dump_dom_check(url, run, profile)
+            return
+        port = _free_port()
+        driver = subprocess.Popen([chromedriver, f"--port={port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        _wait_for(lambda: _try(lambda: _wd(base, "GET", "/status")["value"]["ready"]), 30,
+                  "chromedriver")
+        caps = {"capabilities": {"alwaysMatch": {"goog:chromeOptions": {
+            "binary": _chromium(), "args": [*BROWSER_FLAGS, f"--user-data-dir={profile}"]}}}}
+        session = _wd(base, "POST", "/session", caps)["value"]["sessionId"]
+        try:
+            _wd(base, "POST", f"/session/{session}/url", {"url": url})
+
+            def state() -> dict:
+                return _wd(base, "POST", f"/session/{session}/execute/sync",
+                           {"script": PAGE_STATE, "args": []})["value"]
+
+            title = _wd(base, "GET", f"/session/{session}/title")["value"]
+            assert title == "Cockpit · run"
+            first = _wait_for(lambda: (s := state())["loaded"] and s, 90, "the first image")
+            assert first["last"] == "20" and first["steps"] == "5" and first["width"] > 500
+            write_run(run, small_output(25, 45))
+            new = _wait_for(lambda: (s := state())["last"] == "45" and s["loaded"]
+                            and "45" in s["src"] and s, 90, "the page to show step 45")
+            assert new["steps"] == "10" and new["src"] == "view.png?v=45%3A10"
+        finally:
+            _wd(base, "DELETE", f"/session/{session}")
+    finally:
+        for proc in (driver, viewer):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        if viewer.stdout:
+            viewer.stdout.close()
+        if viewer.stderr:
+            viewer.stderr.close()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _try(fn):
+    try:
+        return fn()
+    except OSError:
+        return None
+
+
+def _dump_dom_check(url: str, run: Path, profile: str) -> None:
+    def dump() -> str:
+        return subprocess.run(
+            [_chromium(), *BROWSER_FLAGS, f"--user-data-dir={profile}",
+             "--virtual-time-budget=4000", "--dump-dom", url],
+            capture_output=True, text=True, timeout=120).stdout
+
+    assert 'id="last-step">20<' in dump()
+    write_run(run, small_output(25, 45))
+    assert 'id="last-step">45<' in dump()
