@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import warnings
 
@@ -96,7 +97,7 @@ def test_user_gradients_and_parameters_are_bit_identical(name):
     twin = copy.deepcopy(problem)
     opt = torch.optim.Adam(problem.model.parameters(), lr=0.01)
     twin_opt = torch.optim.Adam(twin.model.parameters(), lr=0.01)
-    economy = configuration("economy") + [quantities.MeanGSNR(), quantities.EarlyStopping()]
+    economy = [*configuration("economy"), quantities.MeanGSNR(), quantities.EarlyStopping()]
     cockpit = Cockpit(problem.model, economy, optimizer=opt)
     for step in range(3):
         train_step(problem, cockpit, opt, step)
@@ -156,7 +157,7 @@ def test_frozen_parameters_are_skipped():
 def test_batchnorm_in_training_mode_gives_a_clear_error_and_eval_mode_works():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3)).double()
-    with pytest.raises(ValueError, match="BatchNorm1d '1'.*GroupNorm"):
+    with pytest.raises(ValueError, match=r"BatchNorm1d '1'.*GroupNorm"):
         Cockpit(model, configuration("economy"))
     Cockpit(model, [quantities.Loss(), quantities.GradNorm()]).close()  # no per-sample needs
     model.train()
@@ -192,7 +193,7 @@ def test_missing_or_malformed_losses_give_clear_errors():
     cockpit.close()
     with pytest.raises(TypeError, match="Quantity instances"):
         Cockpit(problem.model, ["NormTest"])
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         Cockpit(object())
 
 
@@ -220,7 +221,7 @@ def test_schedules():
     assert [s for s in range(10) if every(4, offset=1)(s)] == [1, 5, 9]
     steps = [s for s in range(1001) if logspaced(1000, 20)(s)]
     assert steps[0] == 0 and steps[-1] == 1000 and len(steps) <= 20
-    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(steps)]
     assert gaps[-1] > gaps[0]
     with pytest.raises(ValueError):
         every(0)

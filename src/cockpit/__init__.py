@@ -2,11 +2,11 @@
 
 __version__ = "0.1.0"
 
-from cockpit import quantities, schedules  # noqa: E402
-from cockpit.cockpit import Cockpit  # noqa: E402
-from cockpit.configurations import configuration  # noqa: E402
-from cockpit.engine.histogram import BinSpec  # noqa: E402
-from cockpit.schedules import at, every, logspaced  # noqa: E402
+from cockpit import quantities, schedules
+from cockpit.cockpit import Cockpit
+from cockpit.configurations import configuration
+from cockpit.engine.histogram import BinSpec
+from cockpit.schedules import at, every, logspaced
 
 __all__ = [
     "BinSpec",

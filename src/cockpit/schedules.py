@@ -51,7 +51,7 @@ def logspaced(end: int, num: int = 300, start: int = 0) -> at:
     if end < start or num < 1:
         raise ValueError("logspaced needs end >= start and num >= 1")
     points = np.logspace(np.log10(start + 1), np.log10(end + 1), num) - 1
-    return at(int(round(p)) for p in points)
+    return at(round(p) for p in points)
 
 
 def as_schedule(schedule: Schedule | int | None) -> Schedule:

@@ -50,7 +50,8 @@ class SampleGrads(ABC):
         return [self.materialize()]
 
     def sq_norms(self) -> Tensor:
-        return torch.cat([torch.linalg.vector_norm(c.flatten(1), dim=1) ** 2 for c in self.chunks()])
+        norms = [torch.linalg.vector_norm(c.flatten(1), dim=1) for c in self.chunks()]
+        return torch.cat(norms) ** 2
 
     def batch_mean(self) -> Tensor:
         total = sum(c.sum(0) for c in self.chunks())

@@ -89,7 +89,7 @@ def embedding_rule(
 ) -> dict[str, SampleGrads]:
     if module.scale_grad_by_freq:
         raise ValueError(
-            f"Embedding with scale_grad_by_freq=True scales gradients by token counts of the "
+            "Embedding with scale_grad_by_freq=True scales gradients by token counts of the "
             "whole batch, which mixes samples: individual gradients are undefined. "
             "Set scale_grad_by_freq=False to use per-sample instruments."
         )

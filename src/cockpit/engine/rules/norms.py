@@ -65,7 +65,7 @@ def rms_norm_rule(module, args, kwargs, output, grad_output):
 @register_rule(nn.GroupNorm)
 def group_norm_rule(module, args, kwargs, output, grad_output):
     x = (args[0] if args else kwargs["input"]).detach()
-    n, c = x.shape[:2]
+    n, _c = x.shape[:2]
     grouped = x.reshape(n, module.num_groups, -1)
     mean = grouped.mean(2, keepdim=True)
     var = grouped.var(2, unbiased=False, keepdim=True)
