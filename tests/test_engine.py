@@ -236,7 +236,7 @@ def test_schedules():
 def test_configurations():
     names = [q.name for q in configuration("economy")]
     assert names == ["Loss", "Distance", "UpdateSize", "GradNorm", "GradHist1d", "NormTest",
-                     "InnerTest", "OrthoTest"]
+                     "InnerTest", "OrthoTest", "Alpha"]
     with pytest.raises(NotImplementedError, match="HessTrace"):
         configuration("business")
     with pytest.raises(ValueError, match="economy"):

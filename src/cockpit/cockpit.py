@@ -181,6 +181,8 @@ class Cockpit:
             losses.register_hook(self.tracker.losses_hook)
         captured = self.tracker.num_calls
         stats = self.tracker.begin(num_samples, needs)
+        for quantity in tracked:
+            self._guard(quantity.prepare, step, self.tracker, self.optimizer)
         if needs & PER_SAMPLE_STATS:
             stats.problems.extend(self.tracker.check_batch_norm()[:1])
             if captured == 0:
@@ -218,10 +220,14 @@ class Cockpit:
         step, tracked, losses, elapsed = self._current
         self._current = None
         stats = self.tracker.end()
+        kept_calls = self.tracker.kept_calls
+        self.tracker.kept_calls = []
+        self.tracker.reset_directions()
         self.tracker.capturing = self._capture_next(step)
         if failed:
             return
         data = self._step_data(step, losses, stats, elapsed)
+        data.kept_calls = kept_calls
         values: dict[str, Value] = {}
         if self.optimizer is not None:
             values["LearningRate"] = data.learning_rate
@@ -230,6 +236,7 @@ class Cockpit:
         for quantity in tracked:
             values.update(self._compute(quantity, data, stats))
         self._record(step, values, data.notes)
+        self._record_late(data)
         later = [q for q in tracked if q.needs_update]
         if later:
             snapshot = {k: p.detach().clone() for k, p in self._params.items()}
@@ -253,10 +260,11 @@ class Cockpit:
             hist_spec=self.hist_spec,
             hist2d_specs=self.hist2d_specs,
             time=elapsed,
+            tracker=self.tracker,
         )
 
     def _compute(self, quantity: Quantity, data: StepData, stats: BackwardStatistics):
-        if quantity.needs & PER_SAMPLE_STATS and not stats.valid:
+        if quantity.needs & PER_SAMPLE_STATS and not stats.valid and quantity.name != "Alpha":
             reason = "; ".join(stats.problems)
             data.notes[quantity.name] = reason
             self._warn(f"{quantity.name} not computed at step {data.step}: {reason}",
@@ -292,6 +300,17 @@ class Cockpit:
                 data.notes[quantity.name] = f"failed: {error}"
                 values[quantity.name] = None
         self._record(step, values, data.notes)
+        self._record_late(data)
+
+    def _record_late(self, data: StepData) -> None:
+        """Values that instruments computed now for earlier steps (Alpha), and warnings."""
+        for step, values in data.late.items():
+            self._record(step, values, data.late_notes.get(step, {}))
+        data.late.clear()
+        data.late_notes.clear()
+        for message in data.warnings:
+            self._warn(message)
+        data.warnings.clear()
 
     def _record(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
         self._output.setdefault(step, {}).update(values)

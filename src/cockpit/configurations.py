@@ -1,7 +1,7 @@
 """Configurations of instruments (paper Table 1).
 
 * ``"economy"``: Loss, Distance, UpdateSize, GradNorm, GradHist1d, NormTest, InnerTest,
-  OrthoTest (and Alpha, once available);
+  OrthoTest, Alpha;
 * ``"business"``: economy + HessTrace and TICDiag;
 * ``"full"``: business + HessMaxEV and GradHist2d.
 
@@ -21,16 +21,12 @@ CONFIGURATIONS = {"economy": _ECONOMY, "business": _BUSINESS, "full": _FULL}
 
 # Instruments specified by the paper that this version does not provide yet.
 NOT_YET_AVAILABLE = {
-    "Alpha": "the Alpha issue (normalized step on a noise-informed quadratic fit)",
     "HessTrace": "the curvature issue",
     "TICDiag": "the curvature issue",
     "TICTrace": "the curvature issue",
     "HessMaxEV": "the curvature issue",
     "GradHist2d": "the curvature issue",
 }
-# Instruments that are not yet available but can be left out of a configuration silently
-# because the configuration is still meaningful without them.
-_OPTIONAL_IN_CONFIGURATIONS = {"Alpha"}
 
 
 def configuration(name: str, schedule: Schedule | int | None = None) -> list[q.Quantity]:
@@ -44,13 +40,11 @@ def configuration(name: str, schedule: Schedule | int | None = None) -> list[q.Q
             f"unknown configuration {name!r}; choose one of {sorted(CONFIGURATIONS)}"
         )
     names = CONFIGURATIONS[name]
-    missing = [
-        n for n in names if n in NOT_YET_AVAILABLE and n not in _OPTIONAL_IN_CONFIGURATIONS
-    ]
+    missing = [n for n in names if n in NOT_YET_AVAILABLE]
     if missing:
         raise NotImplementedError(
             f"configuration {name!r} needs {', '.join(missing)}, which this version of "
             f"Cockpit does not provide yet (planned in {NOT_YET_AVAILABLE[missing[0]]}). "
             "Use configuration('economy') or list the instruments you need."
         )
-    return [getattr(q, n)(schedule) for n in names if n not in NOT_YET_AVAILABLE]
+    return [getattr(q, n)(schedule) for n in names]

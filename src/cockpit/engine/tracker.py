@@ -40,7 +40,10 @@ SUM_SQ = "sum_sq"  # Σ_n g_n ⊙ g_n                 per parameter, shape of θ
 VAR_SUM = "var_sum"  # Σ_n (g_n − ḡ) ⊙ (g_n − ḡ)   per parameter, shape of θ
 HIST1D = "hist1d"  # counts of g_{n,j}            per parameter, [bins]
 HIST2D = "hist2d"  # counts of (g_{n,j}, θ_j)     per parameter, [bins_g, bins_θ]
-PER_SAMPLE_STATS = frozenset({SQ_NORMS, GRAM_MEAN, SUM_SQ, VAR_SUM, HIST1D, HIST2D})
+PROJECTIONS = "projections"  # g_nᵀ u for registered directions u, per parameter, [K, N]
+PER_SAMPLE_STATS = frozenset(
+    {SQ_NORMS, GRAM_MEAN, SUM_SQ, VAR_SUM, HIST1D, HIST2D, PROJECTIONS}
+)
 
 
 @dataclass
@@ -85,6 +88,8 @@ class BackwardStatistics:
     hist1d: dict[str, Tensor] = field(default_factory=dict)
     hist2d: dict[str, Tensor] = field(default_factory=dict)
     batch_grads: dict[str, Tensor] = field(default_factory=dict)  # ∂L/∂θ of this backward
+    # key → parameter → [K, N]: g_nᵀ u_k for the directions u_k registered under key
+    projections: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # reasons per-sample stats are invalid
 
     @property
@@ -118,6 +123,15 @@ class ModuleTracker:
         self._accumulated: dict[str, DenseSampleGrads] = {}
         self._weights: Tensor | None = None
         self._suspended = False  # True while rules run the module again (torch.func)
+        # Directions to project individual gradients on, known before the backward pass
+        # (key → parameter name → tensor), and providers that compute them per parameter
+        # from the gradient the optimizer will see (key → fn(name, param, grad) → basis).
+        self.directions: dict[str, dict[str, Tensor]] = {}
+        self.direction_providers: dict[str, object] = {}
+        self.keep_calls = False  # keep calls (inputs, δ) for projections after the step
+        self.kept_calls: list[Call] = []
+        self._seen_grads: dict[str, Tensor] = {}
+        self._pending_provided: dict[str, SampleGrads] = {}
         self._handles: list = []
         for unit in self.units:
             self._handles.append(
@@ -196,6 +210,9 @@ class ModuleTracker:
                 name = self.unit_param_name(call.unit, attr)
                 uses[name] = uses.get(name, 0) + 1
         self._multi_use = {name for name, count in uses.items() if count > 1}
+        self._seen_grads = {}
+        self._pending_provided = {}
+        self.kept_calls = []
         self.active = True
         return self.stats
 
@@ -211,6 +228,12 @@ class ModuleTracker:
                     self.stats.batch_grads[name] = self.stats.batch_grads[name] + grad.detach()
                 else:
                     self.stats.batch_grads[name] = grad.detach().clone()
+                if self.direction_providers:
+                    param = self.params[name]
+                    seen = grad.detach() if param.grad is None else grad.detach() + param.grad
+                    self._seen_grads[name] = seen
+                    if name in self._pending_provided:
+                        self._project_provided_guarded(name, self._pending_provided.pop(name))
             return None
 
         return hook
@@ -227,6 +250,11 @@ class ModuleTracker:
 
         return hook
 
+    def reset_directions(self) -> None:
+        self.directions = {}
+        self.direction_providers = {}
+        self.keep_calls = False
+
     def end(self) -> BackwardStatistics:
         """Disarm; reduce calls still waiting for outputs and parameters used repeatedly."""
         assert self.stats is not None
@@ -240,9 +268,14 @@ class ModuleTracker:
                     self._process_guarded(call)
             for name, grads in self._accumulated.items():
                 self._reduce_guarded(name, grads)
+            for name, sg in self._pending_provided.items():
+                if name in self.stats.batch_grads:
+                    self._seen_grads.setdefault(name, self.stats.batch_grads[name])
+                    self._project_provided_guarded(name, sg)
         finally:
             self.active = False
             self._accumulated = {}
+            self._pending_provided = {}
             self.clear_calls()
         stats, self.stats = self.stats, None
         return stats
@@ -291,6 +324,10 @@ class ModuleTracker:
         unit = call.unit
         bd = batch_dim_of(unit.module)
         grads = [self._individual(g, weights, bd) for g in call.grads]
+        if self.keep_calls:  # for projections on directions known only after the step
+            self.kept_calls.append(Call(unit, call.args, call.kwargs, [], call.versions, grads))
+        if self.needs <= {PROJECTIONS} and not (self.directions or self.direction_providers):
+            return
         if unit.registered_rule and len(call.outputs) == 1:
             rule = find_rule(unit.module)
             assert rule is not None
@@ -346,6 +383,36 @@ class ModuleTracker:
         if HIST2D in needs:
             spec_g, spec_theta = self.hist2d_specs
             stats.hist2d[name] = sg.histogram2d(self.params[name].detach(), spec_g, spec_theta)
+        for key, directions in self.directions.items():
+            if name in directions:
+                projections = stats.projections.setdefault(key, {})
+                projections[name] = sg.dots(directions[name]).unsqueeze(0)
+        if self.direction_providers:
+            if name in self._seen_grads:
+                self._project_provided(name, sg)
+            else:  # the parameter's gradient arrives right after this layer's output grad
+                self._pending_provided[name] = sg
+
+    def _project_provided_guarded(self, name: str, sg: SampleGrads) -> None:
+        self._suspended = True
+        try:
+            self._project_provided(name, sg)
+        except Exception as error:
+            if self.strict:
+                raise
+            self._fail(f"{name}: {error}")
+        finally:
+            self._suspended = False
+
+    def _project_provided(self, name: str, sg: SampleGrads) -> None:
+        assert self.stats is not None
+        param, grad = self.params[name], self._seen_grads[name]
+        for key, provider in self.direction_providers.items():
+            basis = provider(name, param, grad)
+            if basis is None:
+                continue
+            projections = self.stats.projections.setdefault(key, {})
+            projections[name] = torch.stack([sg.dots(u) for u in basis])
 
     def check_weights(self) -> str | None:
         """A reason why the loss weights do not allow individual gradients, or None."""

@@ -1,5 +1,6 @@
 """The instruments. Each file holds one instrument and reads like its equation."""
 
+from cockpit.quantities.alpha import Alpha
 from cockpit.quantities.base import Quantity, StepData
 from cockpit.quantities.cabs import CABS
 from cockpit.quantities.distance import Distance, UpdateSize
@@ -16,6 +17,7 @@ from cockpit.quantities.time import Time
 
 __all__ = [
     "CABS",
+    "Alpha",
     "Distance",
     "EarlyStopping",
     "GradHist1d",

@@ -41,6 +41,11 @@ class StepData:
     hist2d_specs: tuple[BinSpec, BinSpec]
     time: float
     notes: dict[str, str] = field(default_factory=dict)
+    tracker: Any = None  # the engine, for instruments that project after the step
+    kept_calls: list = field(default_factory=list)  # layer calls kept for such projections
+    late: dict[int, dict[str, Value]] = field(default_factory=dict)  # values of earlier steps
+    late_notes: dict[int, dict[str, str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def num_samples(self) -> int:
@@ -63,6 +68,10 @@ class Quantity:
 
     def should_track(self, step: int) -> bool:
         return bool(self.schedule(step))
+
+    def prepare(self, step: int, tracker, optimizer) -> None:
+        """Called before the user's backward pass of a tracked step (register directions,
+        curvature work on the forward graph, ...)."""
 
     def compute(self, data: StepData) -> dict[str, Value]:
         return {}

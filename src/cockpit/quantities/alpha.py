@@ -1,0 +1,234 @@
+"""Alpha: where along the update direction step t lands (paper Section 2.1, Appendix B.2).
+
+Observations at both ends of s_t = θ_{t+1} − θ_t, with t = ‖s_t‖:
+
+* at θ_t on batch B_t: the batch loss and its variance over the individual losses, and the
+  slopes d_n = s_tᵀ g_n(θ_t) / ‖s_t‖ with their mean and variance;
+* at θ_{t+1} on batch B_{t+1}: the same with g_n(θ_{t+1}), still along s_t.
+
+A noise-informed quadratic f(τ) = w₀ + w₁τ + w₂τ² is fitted by eq. (10), and
+α = 2t/ᾱ − 1 with ᾱ = −w₁/w₂ (:mod:`cockpit.quantities.alpha_fit` documents the fit and
+every degenerate case). α < 0: the step stops short of the minimum along s_t; α = 0: it lands
+on the valley floor; α > 0: it overshoots. α of step t is known once step t+1 was seen, and is
+recorded under step t.
+
+s_tᵀ g_n(θ_t) is needed before s_t exists. Two ways, neither holds |B|×D gradients:
+
+* **predicted** (SGD, Adam, AdamW, RMSprop, Adagrad): inside each layer's backward hook the
+  update is predicted from the layer's gradient and the optimizer state (without changing
+  it) and the individual gradients are projected on it. After ``optimizer.step()`` the
+  prediction is checked against the real update: a global rescaling (learning-rate change)
+  is corrected; for SGD the update is fitted in the span of (gradient, parameter, old
+  momentum buffer), which covers gradient clipping exactly. A mismatch records the step as
+  not computed, warns, and switches to the general path;
+* **general** (any other optimizer): each layer's input and output gradient are kept until
+  the step, then s_tᵀ g_n is a Jacobian-vector product per layer
+  (:mod:`cockpit.engine.projection`). Memory: about one forward pass's activations.
+
+At θ_{t+1} the direction s_t is known, so the projection is done directly in the hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from cockpit.engine import update_prediction as up
+from cockpit.engine.projection import project_calls
+from cockpit.engine.tracker import PROJECTIONS
+from cockpit.quantities.alpha_fit import Observations, compute_alpha
+from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.schedules import Schedule
+
+_PREDICTED = "alpha/predicted"
+_PREVIOUS = "alpha/previous_update"
+
+
+def batch_mean_var(x: Tensor) -> tuple[float, float]:
+    """Mean and biased (1/|B|) variance, in float64 (Appendix B.2)."""
+    x = x.double()
+    return float(x.mean()), float(x.var(unbiased=False)) if x.numel() > 1 else 0.0
+
+
+@dataclass
+class _OpenStep:
+    """What is known about step t before θ_{t+1} is observed."""
+
+    step: int
+    loss: tuple[float, float]
+    predicted: bool
+    sgd: bool = False
+    basis: dict[str, list[Tensor]] = field(default_factory=dict)
+    projections: dict[str, Tensor] = field(default_factory=dict)  # name → [K, N]
+    calls: list = field(default_factory=list)
+    failure: str | None = None
+    direction: dict[str, Tensor] | None = None  # s_t
+    obs0: Observations | None = None
+
+
+class Alpha(Quantity):
+    needs = frozenset({PROJECTIONS})
+    needs_update = True
+
+    def __init__(self, schedule: Schedule | int | None = None, rtol: float = 1e-3):
+        super().__init__(schedule)
+        self.rtol = rtol
+        self._general = False  # switched on after a failed prediction
+        self._open: _OpenStep | None = None
+        self._starting: _OpenStep | None = None
+
+    def starts(self, step: int) -> bool:
+        return bool(self.schedule(step))
+
+    def should_track(self, step: int) -> bool:
+        return self.starts(step) or self.starts(step - 1)
+
+    # ------------------------------------------------------------------ before backward
+    def prepare(self, step: int, tracker, optimizer) -> None:
+        opened = self._open
+        if opened is not None and opened.step == step - 1 and opened.direction is not None:
+            tracker.directions[_PREVIOUS] = opened.direction
+        self._starting = None
+        if not self.starts(step):
+            return
+        if optimizer is None:
+            return
+        predicted = not self._general and up.supports(optimizer)
+        is_sgd = up.supported_base(optimizer) is torch.optim.SGD
+        state = _OpenStep(step, (math.nan, math.nan), predicted, sgd=predicted and is_sgd)
+        self._starting = state
+        if predicted:
+            tracker.direction_providers[_PREDICTED] = self._provider(optimizer, state)
+        else:
+            tracker.keep_calls = True
+
+    def _provider(self, optimizer, state: _OpenStep):
+        def provide(name: str, param: Tensor, grad: Tensor) -> list[Tensor] | None:
+            if state.sgd:
+                basis = up.sgd_update_basis(optimizer, param, grad)
+            else:
+                update = up.predict_update(optimizer, param, grad)
+                basis = None if update is None else [update]
+            if basis is None:
+                state.failure = up.unsupported_reason(optimizer, param, grad) or (
+                    "the update could not be predicted"
+                )
+                return None
+            state.basis[name] = basis
+            return basis
+
+        return provide
+
+    # ------------------------------------------------------------------ after backward
+    def compute(self, data: StepData) -> dict[str, Value]:
+        assert data.losses is not None
+        self._finish_previous(data)
+        state, self._starting = self._starting, None
+        if state is None:
+            if self.starts(data.step):
+                data.notes["Alpha"] = "needs optimizer= (the update s_t = θ_{t+1} − θ_t)"
+                return {"Alpha": None}
+            return {}
+        state.loss = batch_mean_var(data.losses)
+        stats = data.stats
+        assert stats is not None
+        if state.predicted:
+            state.projections = dict(stats.projections.get(_PREDICTED, {}))
+        else:
+            state.calls = data.kept_calls
+        if stats.problems:
+            state.failure = "; ".join(stats.problems)
+        self._open = state
+        return {}
+
+    def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> dict[str, Value]:
+        state = self._open
+        if state is None or state.step != data.step:
+            return {}
+        dots, reason = (None, state.failure) if state.failure else self._slopes(state, update, data)
+        state.calls = []
+        state.basis = {}
+        if dots is None:
+            self._open = None
+            data.notes["Alpha"] = f"not computed: {reason}"
+            if state.predicted and not self._general:
+                self._general = True
+                data.warnings.append(
+                    f"Alpha at step {data.step}: {reason}; Alpha switches to the general path "
+                    "(keeps each layer's input and output gradient until the optimizer step)"
+                )
+            return {"Alpha": None}
+        length = math.sqrt(sum(float(s.double().pow(2).sum()) for s in update.values()))
+        state.direction = {k: s.detach() for k, s in update.items()}
+        slope = batch_mean_var(dots / length) if length > 0 else (math.nan, math.nan)
+        state.obs0 = Observations(state.loss[0], state.loss[1], slope[0], slope[1])
+        return {}
+
+    def _slopes(
+        self, state: _OpenStep, update: dict[str, Tensor], data: StepData
+    ) -> tuple[Tensor | None, str | None]:
+        """s_tᵀ g_n(θ_t) for every sample, or None and the reason."""
+        moved = [k for k, s in update.items() if bool((s != 0).any())]
+        if not state.predicted:
+            try:
+                return project_calls(data.tracker, state.calls, update), None
+            except Exception as error:
+                return None, f"projection failed: {error}"
+        missing = [k for k in moved if k not in state.projections]
+        if missing:
+            return None, f"no individual gradients for updated parameter(s) {missing[:3]}"
+        names = [k for k in state.projections if k in update]
+        if state.sgd:
+            total = None
+            for k in names:
+                coefficients = up.fit_basis_coefficients(state.basis[k], update[k], self.rtol)
+                if coefficients is None:
+                    return None, (
+                        "the real update is not an SGD step of the predicted form (the "
+                        "optimizer's state or hyperparameters changed behind its back)"
+                    )
+                projection = state.projections[k].double()
+                dots = (coefficients.double().to(projection.device)[:, None] * projection).sum(0)
+                total = dots if total is None else total + dots
+            return total, None
+        kappa = up.match_update(
+            [state.basis[k][0] for k in names], [update[k] for k in names], self.rtol
+        )
+        if kappa is None:
+            return None, (
+                "the real update does not match the prediction (the optimizer's state or "
+                "hyperparameters changed between backward and step, or gradients were "
+                "modified, e.g. clipped, for an optimizer where that is not a rescaling)"
+            )
+        return kappa * sum(state.projections[k][0].double() for k in names), None
+
+    def _finish_previous(self, data: StepData) -> None:
+        """Complete α of step t at step t + 1."""
+        state = self._open
+        if state is None or state.step != data.step - 1:
+            return
+        self._open = None
+        if state.obs0 is None or state.direction is None:
+            return
+        stats = data.stats
+        assert stats is not None and data.losses is not None
+        projections = stats.projections.get(_PREVIOUS, {})
+        moved = [k for k, s in state.direction.items() if bool((s != 0).any())]
+        missing = [k for k in moved if k not in projections]
+        if stats.problems or missing:
+            reason = "; ".join(stats.problems) or f"no individual gradients for {missing[:3]}"
+            data.late.setdefault(state.step, {})["Alpha"] = None
+            data.late_notes.setdefault(state.step, {})["Alpha"] = f"not computed: {reason}"
+            return
+        length = math.sqrt(sum(float(s.double().pow(2).sum()) for s in state.direction.values()))
+        dots = sum(p[0].double() for p in projections.values())
+        slope = batch_mean_var(dots / length) if length > 0 else (math.nan, math.nan)
+        loss = batch_mean_var(data.losses)
+        obs1 = Observations(loss[0], loss[1], slope[0], slope[1])
+        alpha, reason = compute_alpha(length, state.obs0, obs1)
+        data.late.setdefault(state.step, {})["Alpha"] = alpha
+        if reason is not None:
+            data.late_notes.setdefault(state.step, {})["Alpha"] = reason

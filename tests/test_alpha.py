@@ -1,0 +1,224 @@
+"""Alpha against brute force: individual gradients by torch.func at both ends of every step,
+the real update from parameter snapshots, and an independent weighted least-squares fit."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from cockpit import Cockpit, at, every, logspaced, quantities
+from tests.models import make_problem
+from tests.reference import flat, individual_gradients
+
+
+def reference_alpha(loss0, g0, loss1, g1, s) -> float:
+    """α from eq. (9)–(10) with τ = 0 and τ = ‖s‖, written out independently."""
+    t = s.norm().item()
+    d0, d1 = (g0 @ s / t).numpy(), (g1 @ s / t).numpy()
+    l0, l1 = loss0.numpy(), loss1.numpy()
+    f = np.array([l0.mean(), l1.mean(), d0.mean(), d1.mean()])
+    var = np.array([l0.var(), l1.var(), d0.var(), d1.var()])
+    phi = np.array([[1, 1, 0, 0], [0, t, 1, 1], [0, t**2, 0, 2 * t]], dtype=float)
+    w = np.linalg.lstsq(phi.T / np.sqrt(var)[:, None], f / np.sqrt(var), rcond=None)[0]
+    if w[2] <= 0:
+        return -1.0
+    return 2 * t / (-w[1] / w[2]) - 1
+
+
+class Recorder:
+    """Trains with Cockpit and keeps what the reference needs: θ_t and the batch of each step."""
+
+    def __init__(self, problem, optimizer_fn, schedule, steps, clip=None, seed=0):
+        torch.manual_seed(seed)
+        self.problem = problem
+        model = problem.model
+        self.opt = optimizer_fn(model.parameters())
+        self.cockpit = Cockpit(model, [quantities.Alpha(schedule)], optimizer=self.opt,
+                               strict=True)
+        self.thetas, self.batches = [], []
+        n = problem.x.shape[0]
+        generator = torch.Generator().manual_seed(seed)
+        for step in range(steps):
+            idx = torch.randint(0, n, (n,), generator=generator)
+            x, y = problem.x[idx], problem.y[idx]
+            self.thetas.append(copy.deepcopy(model.state_dict()))
+            self.batches.append((x, y))
+            self.opt.zero_grad()
+            losses = problem.loss_fn(model(x), y)
+            with self.cockpit(step, losses=losses):
+                losses.mean().backward()
+            if clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            self.opt.step()
+        self.thetas.append(copy.deepcopy(model.state_dict()))
+        self.cockpit.close()
+
+    def reference(self, step: int) -> float:
+        model = copy.deepcopy(self.problem.model)
+        names = [k for k, p in model.named_parameters() if p.requires_grad]
+        ends = []
+        for k in (step, step + 1):
+            model.load_state_dict(self.thetas[k])
+            x, y = self.batches[k]
+            grads = individual_gradients(model, self.problem.loss_fn, x, y)
+            losses = self.problem.loss_fn(model(x), y).detach()
+            ends.append((losses, flat(grads, names)))
+        s = torch.cat([(self.thetas[step + 1][k] - self.thetas[step][k]).flatten().double()
+                       for k in names])
+        return reference_alpha(ends[0][0], ends[0][1], ends[1][0], ends[1][1], s)
+
+
+class CustomSGD(torch.optim.Optimizer):
+    """A user's optimizer Cockpit cannot predict: sign-SGD with a decaying step."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["k"] = state.get("k", 0) + 1
+                    p.add_(torch.sign(p.grad) + 0.3 * p.grad, alpha=-group["lr"] / state["k"])
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "sgd_momentum_nesterov_wd": lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "sgd_dampening": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, dampening=0.3),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adam_amsgrad_wd": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, weight_decay=0.1),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True),
+    "rmsprop_centered_momentum": lambda p: torch.optim.RMSprop(
+        p, lr=0.005, centered=True, momentum=0.5),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, lr_decay=0.01),
+    "custom": lambda p: CustomSGD(p, lr=0.01),
+}
+
+
+def check(recorder: Recorder, steps: list[int], tol=1e-6):
+    out = recorder.cockpit.get_output()
+    notes = recorder.cockpit.get_notes()
+    for step in steps:
+        expected = recorder.reference(step)
+        actual = out[step]["Alpha"]
+        assert actual is not None, notes.get(step)
+        assert math.isclose(actual, expected, rel_tol=tol, abs_tol=tol), (step, actual, expected)
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ["mlp_relu", "cnn"])
+def test_alpha_matches_brute_force(name, opt):
+    problem = make_problem(name, 6)
+    rec = Recorder(problem, OPTIMIZERS[opt], every(1), 4)
+    check(rec, [0, 1, 2])
+
+
+@pytest.mark.parametrize("opt", ["sgd", "sgd_momentum_nesterov_wd", "custom"])
+def test_alpha_with_gradient_clipping(opt):
+    problem = make_problem("mlp_relu", 6)
+    rec = Recorder(problem, OPTIMIZERS[opt], every(1), 4, clip=0.05)
+    check(rec, [0, 1, 2])
+
+
+@pytest.mark.parametrize("schedule,steps", [(every(3), [0, 3, 6]),
+                                            (logspaced(8, 5), [0, 1, 2, 4, 8])])
+def test_alpha_with_sparse_schedules(schedule, steps):
+    problem = make_problem("mlp_sigmoid", 5)
+    rec = Recorder(problem, OPTIMIZERS["adam"], schedule, 10)
+    assert sorted(s for s, v in rec.cockpit.get_output().items() if "Alpha" in v) == steps
+    check(rec, steps)
+
+
+def test_adam_with_clipping_is_detected_and_falls_back_to_the_general_path():
+    problem = make_problem("mlp_relu", 6)
+    with pytest.warns(RuntimeWarning, match="general path"):
+        rec = Recorder(problem, OPTIMIZERS["adam"], every(1), 5, clip=1e-3)
+    out, notes = rec.cockpit.get_output(), rec.cockpit.get_notes()
+    failed = [s for s in range(4) if out[s].get("Alpha") is None]
+    assert failed, "clipping changed Adam's update; the prediction must not be trusted"
+    assert "does not match" in notes[failed[0]]["Alpha"]
+    later = [s for s in range(failed[0] + 1, 4)]
+    check(rec, later)
+
+
+def test_state_edited_behind_the_optimizers_back_is_detected():
+    """Adam: the prediction no longer matches the real update → None, note, warning."""
+    problem = make_problem("mlp_relu", 6)
+    model = problem.model
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cockpit = Cockpit(model, [quantities.Alpha(at([2]))], optimizer=opt)
+    with pytest.warns(RuntimeWarning, match="Alpha at step 2"):
+        for step in range(4):
+            opt.zero_grad()
+            losses = problem.losses()
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            if step == 2:  # edit a moment estimate between backward and step
+                first = next(iter(model.parameters()))
+                opt.state[first]["exp_avg"].mul_(3.0)
+            opt.step()
+    assert cockpit.get_output()[2]["Alpha"] is None
+    assert "does not match" in cockpit.get_notes()[2]["Alpha"]
+    cockpit.close()
+
+
+def test_sgd_momentum_buffer_edited_is_still_exact():
+    """SGD updates lie in span(gradient, parameter, old buffer) whatever the buffer holds, so
+    an edited buffer is handled exactly rather than rejected."""
+    problem = make_problem("mlp_relu", 6)
+
+    def edit_then_sgd(params):
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        original_step = opt.step
+
+        def step(closure=None):
+            for state in opt.state.values():
+                state["momentum_buffer"].mul_(3.0)
+            return original_step(closure)
+
+        opt.step = step  # the instance keeps torch's SGD.step underneath
+        return opt
+
+    rec = Recorder(problem, edit_then_sgd, every(1), 4)
+    check(rec, [0, 1, 2])
+
+
+def test_learning_rate_change_between_backward_and_step_is_corrected():
+    problem = make_problem("mlp_relu", 6)
+    rec_model = problem.model
+    opt = torch.optim.Adam(rec_model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    class Wrapped:
+        pass
+
+    thetas, batches = [], []
+    cockpit = Cockpit(rec_model, [quantities.Alpha()], optimizer=opt, strict=True)
+    for step in range(3):
+        thetas.append(copy.deepcopy(rec_model.state_dict()))
+        batches.append((problem.x, problem.y))
+        opt.zero_grad()
+        losses = problem.losses()
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        for group in opt.param_groups:  # scheduler-like change after the backward pass
+            group["lr"] *= 0.7
+        opt.step()
+        sched.step()
+    thetas.append(copy.deepcopy(rec_model.state_dict()))
+    cockpit.close()
+    rec = Wrapped()
+    rec.problem, rec.thetas, rec.batches, rec.cockpit = problem, thetas, batches, cockpit
+    for step in (0, 1):
+        expected = Recorder.reference(rec, step)
+        assert math.isclose(cockpit.get_output()[step]["Alpha"], expected, rel_tol=1e-6)

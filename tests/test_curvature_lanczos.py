@@ -1,0 +1,170 @@
+"""Lanczos and power iteration against torch.linalg.eigvalsh of dense matrices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cockpit.curvature import HessianVectorProduct, lanczos_max_eigenvalue, power_iteration
+from curvature_reference import (
+    dense_hessian,
+    functional_loss,
+    single_thread,  # noqa: F401  (autouse fixture)
+)
+
+
+def random_symmetric(dim, eigenvalues=None, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=dtype))
+    if eigenvalues is None:
+        eigenvalues = torch.randn(dim, generator=gen, dtype=dtype)
+    return Q @ torch.diag(torch.as_tensor(eigenvalues, dtype=dtype)) @ Q.T
+
+
+def spectrum(kind, dim, seed):
+    gen = torch.Generator().manual_seed(seed + 100)
+    base = torch.rand(dim, generator=gen, dtype=torch.float64)
+    if kind == "psd":
+        return base * 5
+    if kind == "indefinite":
+        return base * 6 - 3
+    # indefinite, most negative eigenvalue dominates in magnitude
+    values = base * 2 - 1
+    values[0] = -10.0
+    return values
+
+
+@pytest.mark.parametrize("kind", ["psd", "indefinite", "negative_dominant"])
+@pytest.mark.parametrize("dim", [2, 7, 60, 150])
+@pytest.mark.parametrize("tol", [1e-3, 1e-8])
+def test_lanczos_matches_eigvalsh(kind, dim, tol):
+    A = random_symmetric(dim, spectrum(kind, dim, seed=dim), seed=dim)
+    lam = torch.linalg.eigvalsh(A)[-1].item()
+    gen = torch.Generator().manual_seed(0)
+    res = lanczos_max_eigenvalue(
+        lambda v: A @ v, dim, tol=tol, max_iter=150, generator=gen, dtype=A.dtype
+    )
+    assert res.converged
+    assert abs(res.value - lam) <= tol * abs(lam) + 1e-12
+    assert res.value <= lam + 1e-10  # Ritz values lie inside the spectrum
+    residual = torch.linalg.vector_norm(A @ res.vector - res.value * res.vector).item()
+    assert residual <= 1.01 * tol * abs(res.value) + 1e-10
+    assert abs(torch.linalg.vector_norm(res.vector).item() - 1) < 1e-12
+    assert res.num_matvecs <= dim
+
+
+def test_power_iteration_returns_dominant_magnitude():
+    dim = 50
+    A = random_symmetric(dim, spectrum("negative_dominant", dim, seed=1), seed=1)
+    evals = torch.linalg.eigvalsh(A)
+    gen = torch.Generator().manual_seed(0)
+    power = power_iteration(lambda v: A @ v, dim, generator=gen, dtype=A.dtype)
+    assert power.converged
+    assert abs(power.value - evals[0].item()) <= 1e-2 * abs(evals[0].item())  # ≈ −10
+    lanczos = lanczos_max_eigenvalue(lambda v: A @ v, dim, generator=gen, dtype=A.dtype)
+    assert abs(lanczos.value - evals[-1].item()) <= 1e-3 * abs(evals[-1].item())
+
+
+def test_power_iteration_stopping_rule():
+    A = random_symmetric(40, torch.linspace(0.1, 4.0, 40), seed=2)
+    res = power_iteration(
+        lambda v: A @ v,
+        40,
+        rtol=1e-6,
+        atol=0.0,
+        max_iter=1000,
+        generator=torch.Generator().manual_seed(0),
+        dtype=A.dtype,
+    )
+    assert res.converged and abs(res.value - 4.0) < 1e-3
+    capped = power_iteration(lambda v: A @ v, 40, max_iter=3, rtol=0.0, atol=0.0, dtype=A.dtype)
+    assert capped.num_matvecs == 3 and not capped.converged
+
+
+def test_dim_one_and_zero_operator():
+    res = lanczos_max_eigenvalue(lambda v: 3.0 * v, 1)
+    assert res.value == pytest.approx(3.0) and res.num_matvecs == 1 and res.converged
+    zero = lanczos_max_eigenvalue(lambda v: torch.zeros_like(v), 500)
+    assert zero.value == 0.0 and zero.converged and zero.num_matvecs == 1
+    power_zero = power_iteration(lambda v: torch.zeros_like(v), 500)
+    assert power_zero.value == 0.0 and power_zero.converged
+
+
+def test_early_breakdown_few_distinct_eigenvalues():
+    eigenvalues = torch.tensor([1.0, 1.0, 2.0, 5.0] * 25, dtype=torch.float64)
+    A = random_symmetric(100, eigenvalues, seed=3)
+    res = lanczos_max_eigenvalue(
+        lambda v: A @ v, 100, tol=1e-12, dtype=A.dtype, generator=torch.Generator().manual_seed(0)
+    )
+    assert res.converged and res.num_matvecs <= 4
+    assert res.value == pytest.approx(5.0, rel=1e-10)
+
+
+def test_warm_start_from_wrong_eigenvector_recovers():
+    dim = 30
+    eigenvalues = torch.linspace(-2.0, 3.0, dim, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(4)
+    Q, _ = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
+    A = Q @ torch.diag(eigenvalues) @ Q.T
+    wrong = Q[:, 5]  # exact eigenvector of a non-top eigenvalue: Krylov space is invariant
+    res = lanczos_max_eigenvalue(lambda v: A @ v, v0=wrong, tol=1e-8, generator=gen)
+    assert res.converged and res.value == pytest.approx(3.0, rel=1e-8)
+
+
+def test_warm_start_saves_matvecs_and_keeps_dtype():
+    dim = 200
+    spec = torch.linspace(0.0, 1.0, dim, dtype=torch.float64) ** 2 * 5.0
+    A = random_symmetric(dim, spec, seed=5)
+    gen = torch.Generator().manual_seed(0)
+    cold = lanczos_max_eigenvalue(lambda v: A @ v, dim, tol=1e-6, dtype=A.dtype, generator=gen)
+    perturbation = random_symmetric(dim, seed=6) * 1e-3
+    B = A + perturbation
+    warm = lanczos_max_eigenvalue(lambda v: B @ v, v0=cold.vector, tol=1e-6)
+    cold_b = lanczos_max_eigenvalue(lambda v: B @ v, dim, tol=1e-6, dtype=A.dtype, generator=gen)
+    lam_b = torch.linalg.eigvalsh(B)[-1].item()
+    assert warm.value == pytest.approx(lam_b, rel=1e-6)
+    assert warm.num_matvecs < cold_b.num_matvecs
+    single = lanczos_max_eigenvalue(lambda v: A.float() @ v, v0=cold.vector.float())
+    assert single.vector.dtype == torch.float32
+    assert single.value == pytest.approx(torch.linalg.eigvalsh(A)[-1].item(), rel=1e-3)
+
+
+def test_generator_reproducible():
+    A = random_symmetric(50, seed=7)
+    runs = [
+        lanczos_max_eigenvalue(
+            lambda v: A @ v, 50, dtype=A.dtype, generator=torch.Generator().manual_seed(11)
+        )
+        for _ in range(2)
+    ]
+    assert runs[0].value == runs[1].value
+    assert torch.equal(runs[0].vector, runs[1].vector)
+
+
+def test_lanczos_on_mlp_hessian():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4)).double()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 4, (8,))
+    params = list(model.parameters())
+    H = dense_hessian(functional_loss(model, x, y, "cross_entropy"), params)
+    lam = torch.linalg.eigvalsh(H)[-1].item()
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with HessianVectorProduct(losses.mean(), params) as hvp:
+        res = lanczos_max_eigenvalue(
+            hvp.matvec,
+            hvp.dim,
+            tol=1e-6,
+            dtype=torch.float64,
+            generator=torch.Generator().manual_seed(0),
+        )
+        assert hvp.num_calls == res.num_matvecs
+    assert res.converged and res.value == pytest.approx(lam, rel=1e-6)
+
+
+def test_non_finite_operator_gives_nan():
+    res = lanczos_max_eigenvalue(lambda v: v * float("nan"), 5)
+    assert res.value != res.value and not res.converged and res.num_matvecs == 1
+    power = power_iteration(lambda v: v * float("nan"), 5)
+    assert power.value != power.value and not power.converged and power.num_matvecs == 1
