@@ -110,6 +110,7 @@ class Cockpit:
             from cockpit.store import RunLogWriter
 
             self._sinks.insert(0, RunLogWriter(logdir, meta=self._metadata()))
+        self._prepare_failures: dict[str, str] = {}
         self._last_step: int | None = None
         self._consecutive = True
         self._closed = False
@@ -181,8 +182,9 @@ class Cockpit:
             losses.register_hook(self.tracker.losses_hook)
         captured = self.tracker.num_calls
         stats = self.tracker.begin(num_samples, needs)
+        self._prepare_failures: dict[str, str] = {}
         for quantity in tracked:
-            self._guard(quantity.prepare, step, self.tracker, self.optimizer)
+            self._prepare(quantity, step, losses)
         if needs & PER_SAMPLE_STATS:
             stats.problems.extend(self.tracker.check_batch_norm()[:1])
             if captured == 0:
@@ -192,6 +194,22 @@ class Cockpit:
                     "consecutive step numbers)"
                 )
         self._current = (step, tracked, losses, time.perf_counter() - self._start_time)
+
+    def _prepare(self, quantity: Quantity, step: int, losses: Tensor | None) -> None:
+        """Work before the user's backward pass; a failure is recorded, never raised."""
+        try:
+            quantity.prepare(step, self.tracker, self.optimizer, losses)
+        except Exception as error:
+            if self.strict:
+                raise
+            message = str(error)
+            if "scaled_dot_product" in message:
+                message += (
+                    " — second derivatives through attention need PyTorch's math kernel: run "
+                    "the forward pass under torch.nn.attention.sdpa_kernel(SDPBackend.MATH)"
+                )
+            self._prepare_failures[quantity.name] = f"failed: {message}"
+            self._warn(f"{quantity.name} failed at step {step}: {message}", key=quantity.name)
 
     def _check_losses(self, losses: Tensor | None, step: int) -> Tensor:
         if losses is None:
@@ -264,7 +282,11 @@ class Cockpit:
         )
 
     def _compute(self, quantity: Quantity, data: StepData, stats: BackwardStatistics):
-        if quantity.needs & PER_SAMPLE_STATS and not stats.valid and quantity.name != "Alpha":
+        if quantity.name in self._prepare_failures:
+            data.notes[quantity.name] = self._prepare_failures[quantity.name]
+            return {quantity.name: None}
+        if (quantity.needs & PER_SAMPLE_STATS and not stats.valid
+                and not quantity.handles_invalid_statistics):
             reason = "; ".join(stats.problems)
             data.notes[quantity.name] = reason
             self._warn(f"{quantity.name} not computed at step {data.step}: {reason}",

@@ -20,13 +20,7 @@ _FULL = [*_BUSINESS, "HessMaxEV", "GradHist2d"]
 CONFIGURATIONS = {"economy": _ECONOMY, "business": _BUSINESS, "full": _FULL}
 
 # Instruments specified by the paper that this version does not provide yet.
-NOT_YET_AVAILABLE = {
-    "HessTrace": "the curvature issue",
-    "TICDiag": "the curvature issue",
-    "TICTrace": "the curvature issue",
-    "HessMaxEV": "the curvature issue",
-    "GradHist2d": "the curvature issue",
-}
+NOT_YET_AVAILABLE: dict[str, str] = {}
 
 
 def configuration(name: str, schedule: Schedule | int | None = None) -> list[q.Quantity]:

@@ -19,6 +19,7 @@ At untracked steps the hooks return immediately and nothing is recorded.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ class Call:
     versions: list[int]
     grads: list[Tensor | None]
     received: int = 0
+    probe_grads: list[Tensor | None] | None = None  # δ of Cockpit's own backprops
 
 
 @dataclass
@@ -123,6 +125,7 @@ class ModuleTracker:
         self._accumulated: dict[str, DenseSampleGrads] = {}
         self._weights: Tensor | None = None
         self._suspended = False  # True while rules run the module again (torch.func)
+        self._probing = False  # True during Cockpit's own backprops (diagonal curvature)
         # Directions to project individual gradients on, known before the backward pass
         # (key → parameter name → tensor), and providers that compute them per parameter
         # from the gradient the optimizer will see (key → fn(name, param, grad) → basis).
@@ -132,6 +135,7 @@ class ModuleTracker:
         self.kept_calls: list[Call] = []
         self._seen_grads: dict[str, Tensor] = {}
         self._pending_provided: dict[str, SampleGrads] = {}
+        self.step_cache: dict = {}  # work shared by instruments within one tracked step
         self._handles: list = []
         for unit in self.units:
             self._handles.append(
@@ -139,6 +143,8 @@ class ModuleTracker:
             )
         for name, p in self.params.items():
             self._handles.append(p.register_hook(self._make_param_hook(name)))
+        self.model_output: Tensor | None = None  # the model's output of the recorded forward
+        self._handles.append(model.register_forward_hook(self._record_model_output))
 
     # ------------------------------------------------------------------ discovery
     def _discover_units(self, model: nn.Module) -> Iterable[Unit]:
@@ -186,6 +192,10 @@ class ModuleTracker:
 
         return hook
 
+    def _record_model_output(self, module, args, output) -> None:
+        if self.capturing and not self._suspended and torch.is_grad_enabled():
+            self.model_output = output if isinstance(output, Tensor) else None
+
     @property
     def num_calls(self) -> int:
         return len(self._calls)
@@ -196,6 +206,7 @@ class ModuleTracker:
             call.outputs = []
             call.grads = []
         self._calls = []
+        self.model_output = None
 
     # ------------------------------------------------------------------ backward
     def begin(self, num_samples: int, needs: frozenset[str]) -> BackwardStatistics:
@@ -213,13 +224,78 @@ class ModuleTracker:
         self._seen_grads = {}
         self._pending_provided = {}
         self.kept_calls = []
+        self.release_step_cache()
         self.active = True
         return self.stats
 
     def losses_hook(self, grad: Tensor) -> None:
         """Hook on the per-sample losses: record w_n = ∂L/∂ℓ_n."""
-        if self.active:
+        if self.active and not self._suspended:
             self._weights = grad.detach()
+
+    @contextlib.contextmanager
+    def suspended(self):
+        """Extra backward passes of Cockpit's own (curvature) leave the statistics alone."""
+        previous, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = previous
+
+    def sum_sq_of_backprops(self, output: Tensor, grad_outputs: Tensor) -> dict[str, Tensor]:
+        """Σ_k Σ_n g_{n,k} ⊙ g_{n,k} per parameter, where g_{n,k} = (∂f_n/∂θ)ᵀ v_{n,k} is the
+        backpropagation of the k-th vector ``grad_outputs[k]`` ([K, *output.shape]) from the
+        model output f, reduced per layer by the rules (no |B|×D tensor is kept).
+
+        Used for diagonal curvature: with v_{n,k} the columns of a symmetric factor of the
+        loss Hessian, the result is |B| times the diagonal of the GGN of the mean loss.
+        Must run before the user's backward pass (the recorded layer inputs are needed).
+        """
+        calls = [c for c in self._calls if c.args is not None and c.outputs]
+        params = list(self.params.values())
+        totals: dict[str, Tensor] = {}
+        with self.suspended():
+            for v in grad_outputs:
+                for call in calls:
+                    call.probe_grads = [None] * len(call.outputs)
+                self._probing = True
+                try:  # the output hooks record δ (also for outputs modified in place later)
+                    torch.autograd.grad(output, params, grad_outputs=v, retain_graph=True,
+                                        allow_unused=True)
+                finally:
+                    self._probing = False
+                accumulated: dict[str, SampleGrads] = {}
+                for call in calls:
+                    deltas, call.probe_grads = call.probe_grads, None
+                    if all(d is None for d in deltas):
+                        continue
+                    deltas = [torch.zeros_like(o) if d is None else d
+                              for d, o in zip(deltas, call.outputs, strict=True)]
+                    for name, sg in self._rule(call, deltas).items():
+                        if name in self._multi_use:
+                            dense = DenseSampleGrads(sg.materialize())
+                            if name in accumulated:
+                                accumulated[name].add_(dense)
+                            else:
+                                accumulated[name] = dense
+                        else:
+                            totals[name] = totals.get(name, 0) + sg.sum_sq()
+                for name, sg in accumulated.items():
+                    totals[name] = totals.get(name, 0) + sg.sum_sq()
+        return totals
+
+    def _rule(self, call: Call, grads: list[Tensor]) -> dict[str, SampleGrads]:
+        """The unit's rule on one call, keyed by global parameter names."""
+        unit = call.unit
+        if unit.registered_rule and len(call.outputs) == 1:
+            rule = find_rule(unit.module)
+            assert rule is not None
+            sample_grads = rule(unit.module, call.args, call.kwargs, call.outputs[0], grads[0])
+        else:
+            sample_grads = fallback_rule(
+                unit.module, call.args, call.kwargs, call.outputs, grads, unit.params
+            )
+        return {self.unit_param_name(unit, attr): sg for attr, sg in sample_grads.items()}
 
     def _make_param_hook(self, name: str):
         def hook(grad: Tensor):
@@ -240,6 +316,10 @@ class ModuleTracker:
 
     def _make_output_hook(self, call: Call, k: int):
         def hook(grad: Tensor):
+            if self._probing:
+                if call.probe_grads is not None:
+                    call.probe_grads[k] = grad.detach()
+                return None
             if not self.active or self._suspended or call.args is None:
                 return None
             call.grads[k] = grad.detach()
@@ -249,6 +329,13 @@ class ModuleTracker:
             return None
 
         return hook
+
+    def release_step_cache(self) -> None:
+        for value in self.step_cache.values():
+            release = getattr(value, "release", None)
+            if callable(release):
+                release()
+        self.step_cache = {}
 
     def reset_directions(self) -> None:
         self.directions = {}
@@ -276,6 +363,7 @@ class ModuleTracker:
             self.active = False
             self._accumulated = {}
             self._pending_provided = {}
+            self.release_step_cache()
             self.clear_calls()
         stats, self.stats = self.stats, None
         return stats
@@ -328,16 +416,7 @@ class ModuleTracker:
             self.kept_calls.append(Call(unit, call.args, call.kwargs, [], call.versions, grads))
         if self.needs <= {PROJECTIONS} and not (self.directions or self.direction_providers):
             return
-        if unit.registered_rule and len(call.outputs) == 1:
-            rule = find_rule(unit.module)
-            assert rule is not None
-            sample_grads = rule(unit.module, call.args, call.kwargs, call.outputs[0], grads[0])
-        else:
-            sample_grads = fallback_rule(
-                unit.module, call.args, call.kwargs, call.outputs, grads, unit.params
-            )
-        for attr, sg in sample_grads.items():
-            name = self.unit_param_name(unit, attr)
+        for name, sg in self._rule(call, grads).items():
             if sg.num_samples != stats.num_samples:
                 raise ValueError(
                     f"saw a batch of {sg.num_samples} samples but `losses` has "

@@ -5,14 +5,17 @@ from cockpit.quantities.base import Quantity, StepData
 from cockpit.quantities.cabs import CABS
 from cockpit.quantities.distance import Distance, UpdateSize
 from cockpit.quantities.early_stopping import EarlyStopping
-from cockpit.quantities.grad_hist import GradHist1d
+from cockpit.quantities.grad_hist import GradHist1d, GradHist2d
 from cockpit.quantities.grad_norm import GradNorm
+from cockpit.quantities.hess_max_ev import HessMaxEV
+from cockpit.quantities.hess_trace import HessTrace
 from cockpit.quantities.inner_test import InnerTest
 from cockpit.quantities.loss import Loss
 from cockpit.quantities.mean_gsnr import MeanGSNR
 from cockpit.quantities.norm_test import NormTest
 from cockpit.quantities.ortho_test import OrthoTest
 from cockpit.quantities.parameters import Parameters
+from cockpit.quantities.tic import TICDiag, TICTrace
 from cockpit.quantities.time import Time
 
 __all__ = [
@@ -21,7 +24,10 @@ __all__ = [
     "Distance",
     "EarlyStopping",
     "GradHist1d",
+    "GradHist2d",
     "GradNorm",
+    "HessMaxEV",
+    "HessTrace",
     "InnerTest",
     "Loss",
     "MeanGSNR",
@@ -30,6 +36,8 @@ __all__ = [
     "Parameters",
     "Quantity",
     "StepData",
+    "TICDiag",
+    "TICTrace",
     "Time",
     "UpdateSize",
 ]

@@ -72,6 +72,7 @@ class _OpenStep:
 class Alpha(Quantity):
     needs = frozenset({PROJECTIONS})
     needs_update = True
+    handles_invalid_statistics = True
 
     def __init__(self, schedule: Schedule | int | None = None, rtol: float = 1e-3):
         super().__init__(schedule)
@@ -87,7 +88,7 @@ class Alpha(Quantity):
         return self.starts(step) or self.starts(step - 1)
 
     # ------------------------------------------------------------------ before backward
-    def prepare(self, step: int, tracker, optimizer) -> None:
+    def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
         opened = self._open
         if opened is not None and opened.step == step - 1 and opened.direction is not None:
             tracker.directions[_PREVIOUS] = opened.direction

@@ -58,6 +58,7 @@ class Quantity:
     needs: frozenset[str] = frozenset()  # per-sample statistics (see engine.tracker)
     needs_losses: bool = True
     needs_update: bool = False
+    handles_invalid_statistics: bool = False  # compute() also runs when a layer failed
 
     def __init__(self, schedule: Schedule | int | None = None):
         self.schedule = as_schedule(schedule)
@@ -69,7 +70,7 @@ class Quantity:
     def should_track(self, step: int) -> bool:
         return bool(self.schedule(step))
 
-    def prepare(self, step: int, tracker, optimizer) -> None:
+    def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
         """Called before the user's backward pass of a tracked step (register directions,
         curvature work on the forward graph, ...)."""
 

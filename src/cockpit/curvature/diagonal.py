@@ -1,0 +1,151 @@
+"""Diagonal curvature of the mini-batch loss L_B = (1/|B|) Σ_n ℓ_n, per parameter tensor.
+
+Methods (``curvature=`` of HessTrace and TICDiag):
+
+* ``"diag_ggn_exact"``: diag G with G = (1/|B|) Σ_n J_nᵀ (∂²ℓ_n/∂f_n²) J_n, the generalized
+  Gauss-Newton matrix (J_n = ∂f_n/∂θ, f_n the model output). With a symmetric factor
+  ∂²ℓ_n/∂f_n² = Σ_k s_{n,k} s_{n,k}ᵀ (C columns for C outputs),
+  diag G = (1/|B|) Σ_k Σ_n (J_nᵀ s_{n,k})^{⊙2}: one vector backpropagation per column k,
+  each reduced per layer by the engine's rules (individual "gradients" J_nᵀ s_{n,k}).
+* ``"diag_ggn_mc"``: the same with a Monte-Carlo factor (targets sampled from the model's
+  predictive distribution; ``num_samples`` columns, default 1): unbiased for diag G.
+* ``"hutchinson"``: diag H ≈ (1/M) Σ_m v_m ⊙ H v_m with Rademacher v_m, for any model and
+  loss; unbiased for the Hessian's diagonal itself.
+* ``"auto"`` (default): ``"diag_ggn_exact"``, or ``"diag_ggn_mc"`` when the output has more
+  than ``mc_threshold`` (32) dimensions. For networks whose activations are piecewise linear
+  (ReLU, max-pooling) and cross-entropy or MSE losses, the GGN equals the Hessian; for others
+  (sigmoid, tanh, GELU) the GGN omits the activations' second-derivative terms — use
+  ``"hutchinson"`` to estimate the Hessian's own diagonal.
+
+The exact Hessian diagonal including the residual terms of non-piecewise-linear activations
+(``"diag_hessian"``) is not available yet; asking for it raises an error that names these
+alternatives.
+
+The GGN methods need the per-sample loss to be cross-entropy on the model's logits
+(``F.cross_entropy(out, y, reduction="none")``) or a squared error
+(``F.mse_loss(out, y, reduction="none")`` averaged or summed over the output dimensions);
+Cockpit recognizes both from the autograd graph of ``losses``, or takes ``loss=`` explicitly.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from cockpit.curvature.hutchinson import hutchinson_diagonal
+from cockpit.curvature.hvp import HessianVectorProduct
+from cockpit.curvature.loss_factors import exact_sqrt_factor, mc_sqrt_factor
+
+METHODS = ("auto", "diag_ggn_exact", "diag_ggn_mc", "hutchinson", "diag_hessian")
+
+
+class CurvatureError(ValueError):
+    """The requested curvature cannot be computed for this model or loss."""
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown curvature {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "diag_hessian":
+        raise NotImplementedError(
+            "curvature='diag_hessian' (the exact Hessian diagonal with the residual terms of "
+            "sigmoid/tanh/GELU activations) is not available yet. Use 'diag_ggn_exact' (equal "
+            "to the Hessian diagonal for ReLU networks with cross-entropy or MSE) or "
+            "'hutchinson' (an unbiased estimate of the Hessian diagonal for any model)."
+        )
+
+
+def detect_loss(losses: Tensor, output: Tensor | None) -> tuple[str, str]:
+    """(kind, mse_reduction) of the per-sample losses, read from their autograd graph."""
+    way_out = (
+        "Pass loss='cross_entropy' or loss='mse' to the instrument if that is what you use, "
+        "or choose curvature='hutchinson', which works for any loss."
+    )
+    node = losses.grad_fn
+    reduction = "mean"
+    names = []
+    while node is not None and type(node).__name__ in (
+        "MeanBackward1", "SumBackward1", "ViewBackward0", "ReshapeAliasBackward0",
+        "UnsafeViewBackward0",
+    ):
+        names.append(type(node).__name__)
+        if type(node).__name__ == "SumBackward1":
+            reduction = "sum"
+        node = node.next_functions[0][0]
+    kind = type(node).__name__ if node is not None else None
+    if kind == "NllLossBackward0":
+        log_softmax = node.next_functions[0][0]
+        if type(log_softmax).__name__ == "LogSoftmaxBackward0":
+            source = log_softmax.next_functions[0][0]
+            if output is not None and output.grad_fn is source:
+                return "cross_entropy", "mean"
+    if kind == "MseLossBackward0":
+        source = node.next_functions[0][0]
+        if output is not None and output.grad_fn is source:
+            return "mse", reduction
+    raise CurvatureError(
+        "the GGN needs per-sample losses that are cross-entropy of the model's output "
+        "(F.cross_entropy(model(x), y, reduction='none')) or squared errors "
+        "(F.mse_loss(model(x), y, reduction='none').mean(1)); these losses are not "
+        f"recognized. {way_out}"
+    )
+
+
+def resolve_method(method: str, output: Tensor | None, mc_threshold: int) -> str:
+    check_method(method)
+    if method != "auto":
+        return method
+    if output is None:
+        return "hutchinson"
+    outputs_per_sample = output[0].numel() if output.dim() > 0 else 1
+    return "diag_ggn_mc" if outputs_per_sample > mc_threshold else "diag_ggn_exact"
+
+
+def diagonal_curvature(
+    method: str,
+    tracker,
+    losses: Tensor,
+    params: dict[str, Tensor],
+    *,
+    loss: str | None = None,
+    mse_reduction: str = "mean",
+    num_samples: int = 1,
+    generator=None,
+) -> dict[str, Tensor]:
+    """The diagonal of the mini-batch loss's curvature (module docstring) per parameter."""
+    n = losses.shape[0]
+    if method in ("diag_ggn_exact", "diag_ggn_mc"):
+        output = tracker.model_output
+        if output is None:
+            raise CurvatureError(
+                "the GGN needs the model's output of this step's forward pass, which Cockpit "
+                "did not see; call the model on the batch after the previous cockpit(...) "
+                "context, or use curvature='hutchinson'"
+            )
+        if loss is None:
+            kind, mse_reduction = detect_loss(losses, output)
+        else:
+            kind = loss
+        f = output.detach()
+        if method == "diag_ggn_exact":
+            factor = exact_sqrt_factor(f, kind, mse_reduction=mse_reduction)
+        else:
+            factor = mc_sqrt_factor(f, kind, num_samples=num_samples, generator=generator,
+                                    mse_reduction=mse_reduction)
+        sums = tracker.sum_sq_of_backprops(output, factor.reshape(factor.shape[0], *f.shape))
+        return {k: sums[k].to(p.dtype) / n if k in sums else p.new_zeros(p.shape)
+                for k, p in params.items()}
+    if method == "hutchinson":
+        hvp = hessian_vector_product(tracker, losses, params)
+        with tracker.suspended():
+            estimate = hutchinson_diagonal(hvp, list(params.values()), num_samples, generator)
+        return dict(zip(params, estimate, strict=True))
+    raise CurvatureError(f"curvature {method!r} cannot be computed here")
+
+
+def hessian_vector_product(tracker, losses: Tensor, params: dict[str, Tensor]):
+    """The step's Hessian-vector product of L_B on the user's graph, shared by instruments."""
+    key = ("hvp", tuple(params))
+    if key not in tracker.step_cache:
+        with tracker.suspended():
+            tracker.step_cache[key] = HessianVectorProduct(losses.mean(), list(params.values()))
+    return tracker.step_cache[key]

@@ -1,0 +1,226 @@
+"""Curvature instruments against dense float64 references (torch.func.hessian, per-sample
+Jacobians), and GradHist2d against materialized brute force."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.func import functional_call, hessian, jacrev, vmap
+
+from cockpit import Cockpit, configuration, quantities
+from cockpit.curvature.diagonal import diagonal_curvature
+from tests.models import make_problem
+from tests.reference import individual_gradients, rel_close
+
+
+def dense_hessian(problem) -> tuple[torch.Tensor, list[str], list[torch.Size]]:
+    model = problem.model
+    names = [k for k, p in model.named_parameters() if p.requires_grad]
+    params = [p.detach() for k, p in model.named_parameters() if p.requires_grad]
+    shapes = [p.shape for p in params]
+    sizes = [p.numel() for p in params]
+
+    def loss(flat):
+        chunks = [c.reshape(s) for c, s in zip(flat.split(sizes), shapes, strict=True)]
+        out = functional_call(model, dict(zip(names, chunks, strict=True)), (problem.x,))
+        return problem.loss_fn(out, problem.y).mean()
+
+    flat = torch.cat([p.reshape(-1) for p in params])
+    if problem.name != "transformer":
+        return hessian(loss)(flat), names, shapes
+    # attention kernels have no forward-mode AD: build the Hessian column by column
+    flat = flat.clone().requires_grad_(True)
+    with math_attention():
+        (g,) = torch.autograd.grad(loss(flat), flat, create_graph=True)
+    columns = [torch.autograd.grad(g, flat, e, retain_graph=True)[0]
+               for e in torch.eye(flat.numel(), dtype=flat.dtype)]
+    return torch.stack(columns), names, shapes
+
+
+def dense_ggn_diagonal(problem) -> dict[str, torch.Tensor]:
+    """diag of (1/N) Σ_n J_nᵀ (∂²ℓ_n/∂f_n²) J_n from per-sample Jacobians."""
+    model = problem.model
+    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+
+    def f_single(prm, x_n):
+        return functional_call(model, prm, (x_n.unsqueeze(0),)).squeeze(0)
+
+    out = functional_call(model, params, (problem.x,)).detach()
+    jac = vmap(jacrev(f_single), in_dims=(None, 0))(params, problem.x)
+
+    def loss_of_output(f_n, y_n):
+        return problem.loss_fn(f_n.unsqueeze(0), y_n.unsqueeze(0))[0]
+
+    out_hess = vmap(hessian(loss_of_output))(out, problem.y)
+    n, c = out.shape[0], out[0].numel()
+    result = {}
+    for name, p in params.items():
+        J = jac[name].reshape(n, c, -1)
+        diag = torch.einsum("ncd,nce,ned->d", J, out_hess.reshape(n, c, c), J) / n
+        result[name] = diag.reshape(p.shape)
+    return result
+
+
+def math_attention():
+    """Second derivatives through attention need PyTorch's math kernel on CPU (the fused
+    flash-attention kernel has no double backward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def one_step(problem, qs, strict=True):
+    cockpit = Cockpit(problem.model, qs, strict=strict)
+    with math_attention():
+        losses = problem.losses()
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    return cockpit.get_output()[0]
+
+
+@pytest.mark.parametrize("name", ["mlp_relu", "mlp_sigmoid", "cnn", "transformer"])
+def test_hess_trace_and_tic_with_exact_ggn(name):
+    problem = make_problem(name, 5)
+    ggn = dense_ggn_diagonal(problem)
+    grads = individual_gradients(problem.model, problem.loss_fn, problem.x, problem.y)
+    out = one_step(problem, [quantities.HessTrace(curvature="diag_ggn_exact"),
+                             quantities.TICDiag(curvature="diag_ggn_exact"),
+                             quantities.TICTrace(curvature="diag_ggn_exact")])
+    trace = sum(d.sum().item() for d in ggn.values())
+    assert rel_close(out["HessTrace"], trace, 1e-6)
+    for k, d in ggn.items():
+        assert rel_close(out[f"HessTrace/{k}"], d.sum().item(), 1e-6, atol=1e-12)
+    n = problem.x.shape[0]
+    tic_diag = sum((grads[k].pow(2).sum(0) / (ggn[k].clamp(min=0) + 1e-7)).sum().item()
+                   for k in ggn) / n
+    tic_trace = sum(g.pow(2).sum().item() for g in grads.values()) / n / (trace + 1e-7)
+    assert rel_close(out["TICDiag"], tic_diag, 1e-6)
+    assert rel_close(out["TICTrace"], tic_trace, 1e-6)
+
+
+def test_ggn_equals_hessian_for_relu_networks():
+    problem = make_problem("mlp_relu", 6)
+    H, names, shapes = dense_hessian(problem)
+    out = one_step(problem, [quantities.HessTrace()])  # default: exact GGN here
+    assert rel_close(out["HessTrace"], torch.diagonal(H).sum().item(), 1e-6)
+
+
+@pytest.mark.parametrize("name", ["mlp_relu", "mlp_sigmoid", "cnn", "transformer"])
+def test_hess_max_ev_matches_eigvalsh(name):
+    problem = make_problem(name, 4)
+    H, _, _ = dense_hessian(problem)
+    expected = torch.linalg.eigvalsh(H)[-1].item()
+    out = one_step(problem, [quantities.HessMaxEV(tol=1e-8, max_iter=400)])
+    assert rel_close(out["HessMaxEV"], expected, 1e-5), (out["HessMaxEV"], expected)
+    assert out["HessMaxEV.num_hvp"] >= 1
+
+
+def test_hess_max_ev_warm_start_saves_hessian_vector_products():
+    counts = {}
+    for warm in (True, False):
+        problem = make_problem("mlp_relu", 16, seed=3)
+        opt = torch.optim.SGD(problem.model.parameters(), lr=1e-3)
+        cockpit = Cockpit(problem.model, [quantities.HessMaxEV(warm_start=warm, tol=1e-4)],
+                          optimizer=opt)
+        for step in range(6):
+            opt.zero_grad()
+            losses = problem.losses()
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            opt.step()
+        cockpit.close()
+        counts[warm] = sum(v["HessMaxEV.num_hvp"] for v in cockpit.get_output().values())
+    assert counts[True] < counts[False]
+
+
+def test_user_gradients_unchanged_and_no_graph_left_on_grad():
+    problem = make_problem("mlp_sigmoid", 5)
+    losses = problem.losses()
+    losses.mean().backward()
+    expected = [p.grad.clone() for p in problem.model.parameters()]
+    problem.model.zero_grad()
+    with pytest.warns() as record:
+        import warnings
+        warnings.warn("sentinel", UserWarning)
+        one_step(problem, [quantities.HessMaxEV(), quantities.HessTrace(curvature="hutchinson")])
+    assert not any("create_graph" in str(w.message) for w in record)
+    for p, g in zip(problem.model.parameters(), expected, strict=True):
+        assert torch.equal(p.grad, g)
+        assert p.grad.grad_fn is None
+
+
+class _Estimates(quantities.Quantity):
+    """Collects many diagonal estimates within one tracked step (unbiasedness tests)."""
+
+    def __init__(self, method, repeats):
+        super().__init__()
+        self.method, self.repeats, self.samples = method, repeats, []
+
+    def prepare(self, step, tracker, optimizer, losses):
+        for seed in range(self.repeats):
+            generator = torch.Generator().manual_seed(seed)
+            diag = diagonal_curvature(self.method, tracker, losses, tracker.params,
+                                      num_samples=1, generator=generator)
+            self.samples.append(torch.cat([d.reshape(-1) for d in diag.values()]))
+
+
+@pytest.mark.parametrize("method,reference", [("diag_ggn_mc", "ggn"), ("hutchinson", "hessian")])
+def test_estimators_are_unbiased(method, reference):
+    problem = make_problem("mlp_sigmoid", 4)
+    if reference == "ggn":
+        exact = torch.cat([d.reshape(-1) for d in dense_ggn_diagonal(problem).values()])
+    else:
+        H, _, _ = dense_hessian(problem)
+        exact = torch.diagonal(H)
+    estimates = _Estimates(method, 400)
+    one_step(problem, [estimates])
+    samples = torch.stack(estimates.samples)
+    mean, stderr = samples.mean(0), samples.std(0) / math.sqrt(samples.shape[0])
+    assert ((mean - exact).abs() <= 3 * stderr + 1e-10).float().mean() >= 0.97
+    assert (mean - exact).abs().max() <= 5 * stderr.max() + 1e-10
+
+
+def test_grad_hist_2d_counts_equal_brute_force():
+    problem = make_problem("cnn", 7)
+    grads = individual_gradients(problem.model, problem.loss_fn, problem.x, problem.y)
+    params = dict(problem.model.named_parameters())
+    out = one_step(problem, [quantities.GradHist2d()])
+
+    def bins(v, lo, hi, k):
+        return torch.floor((v - lo) * (k / (hi - lo))).clamp(0, k - 1).long()
+
+    total = torch.zeros(40, 50, dtype=torch.long)
+    for name, g in grads.items():
+        gi = bins(g.reshape(g.shape[0], -1), -1.0, 1.0, 40)
+        ti = bins(params[name].detach().reshape(1, -1), -2.0, 2.0, 50).expand_as(gi)
+        counts = torch.bincount((gi * 50 + ti).reshape(-1), minlength=2000).reshape(40, 50)
+        assert (torch.as_tensor(out[f"GradHist2d/{name}"]["counts"]) == counts).all()
+        total += counts
+    assert (torch.as_tensor(out["GradHist2d"]["counts"]) == total).all()
+
+
+def test_full_configuration_runs_and_unsupported_options_are_clear():
+    problem = make_problem("mlp_relu", 5)
+    out = one_step(problem, configuration("full"))
+    for name in ("HessTrace", "TICDiag", "HessMaxEV", "GradHist2d", "NormTest"):
+        assert out[name] is not None, name
+    with pytest.raises(NotImplementedError, match="hutchinson"):
+        quantities.HessTrace(curvature="diag_hessian")
+    with pytest.raises(ValueError, match="unknown curvature"):
+        quantities.HessTrace(curvature="magic")
+
+
+def test_unrecognized_loss_points_to_hutchinson():
+    problem = make_problem("mlp_relu", 5)
+    problem.loss_fn = lambda out, y: torch.nn.functional.cross_entropy(
+        out, y, reduction="none") + 0.1 * out.pow(2).sum(1)
+    cockpit = Cockpit(problem.model, [quantities.HessTrace()])
+    losses = problem.losses()
+    with pytest.warns(RuntimeWarning, match="hutchinson"), cockpit(0, losses=losses):
+        losses.mean().backward()
+    assert cockpit.get_output()[0]["HessTrace"] is None
+    out = one_step(problem, [quantities.HessTrace(curvature="hutchinson")])
+    assert math.isfinite(out["HessTrace"])
