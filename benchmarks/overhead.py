@@ -1,13 +1,26 @@
 """Overhead of Cockpit's instruments as a ratio to an untracked step in the same process.
 
-For each DeepOBS problem (synthetic data, |B| = 128, SGD) and each configuration (one
-instrument alone, or a named configuration), a fresh subprocess trains with Cockpit attached
-and tracks every second step; the ratio is median(tracked step) / median(untracked step).
-Peak memory is the subprocess's peak resident set size, compared with a subprocess that
-trains without Cockpit, and with the largest layer's |B|×D_layer individual gradients.
+For each DeepOBS problem (synthetic data, |B| = 128) and each configuration (one instrument
+alone, or a named configuration), a fresh subprocess trains with Cockpit attached. The
+schedule tracks blocks of consecutive steps, so every measured tracked step is preceded by
+a tracked step ("tracked every step", which matters for Alpha: it finishes α of step t−1 at
+step t). Each cycle of 8 steps is
+
+    T₀ T T T S U U U     T₀: first tracked step of a block (not measured)
+                          T : tracked steps, measured    S: the step after a block (Alpha
+                          finishes its last α there; not measured)    U: untracked, measured
+
+and the ratio is median(T) / median(U). Peak memory is the subprocess's peak resident set
+size, compared with a subprocess that trains without Cockpit, and with the largest layer's
+|B|×D_layer individual gradients (float32).
 
     python benchmarks/overhead.py                      # everything, writes a markdown table
     python benchmarks/overhead.py --problems cifar10_3c3d --configs economy NormTest
+    python benchmarks/overhead.py --configs Alpha --optimizer custom
+
+``--optimizer``: ``sgd`` (momentum 0.9), ``adam``, or ``custom`` — a subclass of
+torch.optim.Optimizer that Cockpit cannot predict (sign-SGD), so Alpha takes the general
+path (per-layer Jacobian-vector products after the step).
 """
 
 from __future__ import annotations
@@ -21,27 +34,51 @@ import time
 WORKER = r"""
 import json, resource, statistics, sys, time
 import torch, torch.nn.functional as F
-from cockpit import Cockpit, at, configuration, quantities
+from cockpit import Cockpit, configuration, quantities
 from cockpit.problems.deepobs import BUILDERS, synthetic_batches
 
-problem, config, steps, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+problem, config, steps, threads, optimizer = sys.argv[1:6]
+steps, threads = int(steps), int(threads)
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 model = BUILDERS[problem]()
-opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+class SignSGD(torch.optim.Optimizer):
+    # A custom optimizer Cockpit cannot predict: θ ← θ − lr · sign(g).
+    def __init__(self, params, lr=1e-4):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+if optimizer == "sgd":
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+elif optimizer == "adam":
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+else:
+    opt = SignSGD(model.parameters())
 batches = synthetic_batches(problem, 128)
-warmup = 3
-tracked_steps = [s for s in range(warmup, warmup + 2 * steps) if (s - warmup) % 2 == 1]
+CYCLE = "TtttSuuu"  # T: tracked, not measured; t: tracked, measured; S: skip; u: untracked
+warmup = 4  # untracked steps first (thread pools, allocator)
+cycles = (steps + 2) // 3
+kinds = ["w"] * warmup + [c for _ in range(cycles) for c in CYCLE]
+tracked_steps = [s for s, c in enumerate(kinds) if c in "Tt"]
 cockpit = None
 if config != "none":
-    schedule = at(tracked_steps)
+    schedule = set(tracked_steps).__contains__
     if config in ("economy", "business", "full"):
         qs = configuration(config, schedule)
     else:
         qs = [getattr(quantities, config)(schedule)]
     cockpit = Cockpit(model, qs, optimizer=opt)
-times = {"tracked": [], "untracked": []}
-for step in range(warmup + 2 * steps):
+times = {"t": [], "u": []}
+for step, kind in enumerate(kinds):
     x, y = next(batches)
     start = time.perf_counter()
     opt.zero_grad()
@@ -53,27 +90,30 @@ for step in range(warmup + 2 * steps):
             losses.mean().backward()
     opt.step()
     elapsed = time.perf_counter() - start
-    if step >= warmup:
-        times["tracked" if step in tracked_steps else "untracked"].append(elapsed)
+    if kind in times:
+        times[kind].append(elapsed)
+nones = 0
 if cockpit is not None:
     cockpit.close()
+    nones = sum(v is None for values in cockpit.get_output().values() for v in values.values())
 peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 largest = max(p.numel() for p in model.parameters())
 print(json.dumps({
-    "tracked": statistics.median(times["tracked"]) if cockpit else None,
-    "untracked": statistics.median(times["untracked"] + ([] if cockpit else times["tracked"])),
+    "tracked": statistics.median(times["t"]) if cockpit else None,
+    "untracked": statistics.median(times["u"] + ([] if cockpit else times["t"])),
     "peak_mib": peak_mib,
     "largest_layer_mib": 128 * largest * 4 / 2**20,
+    "not_computed": nones,
 }))
 """
 
 INSTRUMENTS = ["Loss", "GradNorm", "Distance", "UpdateSize", "NormTest", "InnerTest",
-               "OrthoTest", "GradHist1d", "MeanGSNR", "EarlyStopping", "CABS"]
+               "OrthoTest", "GradHist1d", "Alpha", "MeanGSNR", "EarlyStopping", "CABS"]
 
 
-def run(problem: str, config: str, steps: int, threads: int) -> dict:
+def run(problem: str, config: str, steps: int, threads: int, optimizer: str) -> dict:
     result = subprocess.run(
-        [sys.executable, "-c", WORKER, problem, config, str(steps), str(threads)],
+        [sys.executable, "-c", WORKER, problem, config, str(steps), str(threads), optimizer],
         capture_output=True, text=True, check=True,
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -83,27 +123,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", nargs="+", default=["cifar10_3c3d", "fmnist_2c2d"])
     parser.add_argument("--configs", nargs="+", default=[*INSTRUMENTS, "economy"])
-    parser.add_argument("--steps", type=int, default=8, help="tracked steps per config")
+    parser.add_argument("--optimizer", choices=["sgd", "adam", "custom"], default="sgd")
+    parser.add_argument("--steps", type=int, default=9, help="measured tracked steps")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     rows = []
     for problem in args.problems:
-        base = run(problem, "none", args.steps, args.threads)
-        print(f"\n{problem}: untracked step without Cockpit {base['untracked'] * 1e3:.0f} ms, "
-              f"peak {base['peak_mib']:.0f} MiB, largest layer |B|×D "
-              f"{base['largest_layer_mib']:.0f} MiB", flush=True)
+        base = run(problem, "none", args.steps, args.threads, args.optimizer)
+        print(f"\n{problem} ({args.optimizer}): step without Cockpit "
+              f"{base['untracked'] * 1e3:.0f} ms, peak {base['peak_mib']:.0f} MiB, largest "
+              f"layer |B|×D {base['largest_layer_mib']:.0f} MiB", flush=True)
         print(f"{'config':>14} {'tracked/untracked':>18} {'untracked ms':>13} "
               f"{'peak − baseline MiB':>20}", flush=True)
         for config in args.configs:
             start = time.perf_counter()
-            r = run(problem, config, args.steps, args.threads)
+            r = run(problem, config, args.steps, args.threads, args.optimizer)
             ratio = r["tracked"] / r["untracked"]
             extra = r["peak_mib"] - base["peak_mib"]
             rows.append((problem, config, ratio, r["untracked"] * 1e3, extra,
                          base["largest_layer_mib"]))
+            missing = f"  ({r['not_computed']} values not computed)" if r["not_computed"] else ""
             print(f"{config:>14} {ratio:>18.2f} {r['untracked'] * 1e3:>13.0f} {extra:>20.0f}"
-                  f"   ({time.perf_counter() - start:.0f} s)", flush=True)
-    print("\n| problem | configuration | tracked / untracked | untracked step [ms] "
+                  f"   ({time.perf_counter() - start:.0f} s){missing}", flush=True)
+    print(f"\noptimizer: {args.optimizer}\n")
+    print("| problem | configuration | tracked / untracked | untracked step [ms] "
           "| peak memory − baseline [MiB] | largest layer |B|×D [MiB] |")
     print("|---|---|---|---|---|---|")
     for problem, config, ratio, untracked, extra, largest in rows:
