@@ -237,7 +237,9 @@ def test_configurations():
     names = [q.name for q in configuration("economy")]
     assert names == ["Loss", "Distance", "UpdateSize", "GradNorm", "GradHist1d", "NormTest",
                      "InnerTest", "OrthoTest", "Alpha"]
-    with pytest.raises(NotImplementedError, match="HessTrace"):
-        configuration("business")
+    business = [q.name for q in configuration("business")]
+    assert business == [*names, "HessTrace", "TICDiag"]
+    assert [q.name for q in configuration("full")] == [*business, "HessMaxEV", "GradHist2d"]
+    assert all(q.schedule(4) and not q.schedule(5) for q in configuration("full", 2))
     with pytest.raises(ValueError, match="economy"):
         configuration("first-class")

@@ -11,6 +11,7 @@ instruments ask, each with a closed form where the layer structure allows one:
 * ``sq_norms()``      ‖g_n‖²                       shape [N]
 * ``gram_mean()``     g_nᵀ ḡ  with ḡ = (1/N) Σ_m g_m  shape [N]
 * ``dots(u)``         g_nᵀ u for a direction u      shape [N]
+* ``dots_many(us)``   g_nᵀ u_k for K directions at once (one pass)  shape [K, N]
 * ``sum_sq()``        Σ_n g_n ⊙ g_n                 shape of θ, float64
 * ``centered_sum_sq()`` Σ_n (g_n − ḡ) ⊙ (g_n − ḡ)    shape of θ, float64 (no cancellation)
 * ``histogram(spec)`` counts of all N·D elements g_{n,j}
@@ -18,12 +19,18 @@ instruments ask, each with a closed form where the layer structure allows one:
 
 :class:`DenseSampleGrads` materializes ``[N, *shape]`` and serves as the general fallback;
 :class:`OuterSampleGrads` and :class:`SequenceOuterSampleGrads` hold g_n = Σ_t δ_{n,t} a_{n,t}ᵀ
-in factored form (Linear layers) and never build the N×I×J tensor unless a question needs it.
+in factored form (Linear layers) and never build the N×I×J tensor unless a question needs it;
+the convolution rule's ``ConvSampleGrads`` (:mod:`cockpit.engine.rules.conv`) answers
+projections by a convolution and materializes (once, cached) only for norms and histograms.
+
+Sums of squares accumulate in float64 without a float64 copy of the |B|×D tensor: the squares
+are formed in the gradients' dtype and summed with a float64 accumulator.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -62,15 +69,26 @@ class SampleGrads(ABC):
 
     def dots(self, u: Tensor) -> Tensor:
         flat_u = u.reshape(-1)
-        return torch.cat([c.flatten(1) @ flat_u for c in self.chunks()])
+        return torch.cat([c.flatten(1) @ flat_u.to(c.dtype) for c in self.chunks()])
+
+    def dots_many(self, us: Sequence[Tensor]) -> Tensor:
+        """[g_nᵀ u_k]_{k,n} for several directions in one pass over the gradients."""
+        stacked = torch.stack([u.reshape(-1) for u in us])  # [K, D]
+        return torch.cat([stacked.to(c.dtype) @ c.flatten(1).T for c in self.chunks()], dim=1)
 
     def sum_sq(self) -> Tensor:
-        return sum(c.double().pow(2).sum(0) for c in self.chunks())
+        return sum(_sum_sq_64(c) for c in self.chunks())
 
     def centered_sum_sq(self) -> Tensor:
         chunks = self.chunks()
-        mean = sum(c.double().sum(0) for c in chunks) / self.num_samples
-        return sum((c.double() - mean).pow(2).sum(0) for c in chunks)
+        mean = sum(c.sum(0, dtype=torch.float64) for c in chunks) / self.num_samples
+        if chunks[0].dtype == torch.float64:
+            return sum((c - mean).pow(2).sum(0) for c in chunks)
+        # Σ (g − ḡ)² with the centering in float64, one sample chunk at a time
+        step = max(1, _CHUNK_ELEMENTS // 4 // max(self.shape.numel(), 1))
+        return sum(
+            (part.double() - mean).pow(2).sum(0) for c in chunks for part in c.split(step)
+        )
 
     def histogram(self, spec: BinSpec) -> Tensor:
         return sum(histogram_dense(c, spec)[0] for c in self.chunks())
@@ -81,6 +99,13 @@ class SampleGrads(ABC):
             histogram2d_dense(c.flatten(1), flat_theta, spec_g, spec_theta)[0]
             for c in self.chunks()
         )
+
+
+def _sum_sq_64(c: Tensor) -> Tensor:
+    """Σ_n c_n ⊙ c_n with a float64 accumulator (the squares in c's own dtype)."""
+    if c.dtype == torch.float64:
+        return c.pow(2).sum(0)
+    return c.pow(2).sum(0, dtype=torch.float64)
 
 
 class DenseSampleGrads(SampleGrads):
@@ -137,7 +162,14 @@ class OuterSampleGrads(SampleGrads):
         return self.dots(self.batch_mean())
 
     def dots(self, u: Tensor) -> Tensor:
-        return ((self.delta @ u.reshape(self.shape)) * self.a).sum(1)
+        return ((self.delta @ u.reshape(self.shape).to(self.delta.dtype)) * self.a).sum(1)
+
+    def dots_many(self, us: Sequence[Tensor]) -> Tensor:
+        """δ_nᵀ U_k a_n for all k by one matmul δ [U_1 … U_K] (I × K·J)."""
+        i, j = self.shape
+        stacked = torch.cat([u.reshape(i, j) for u in us], dim=1).to(self.delta.dtype)
+        left = (self.delta @ stacked).reshape(self.num_samples, len(us), j)  # [N, K, J]
+        return torch.bmm(left, self.a.unsqueeze(2)).squeeze(2).T
 
     def sum_sq(self) -> Tensor:
         return self.delta.double().pow(2).T @ self.a.double().pow(2)
@@ -186,4 +218,11 @@ class SequenceOuterSampleGrads(SampleGrads):
         return torch.einsum("nti,ntj->ij", self.delta, self.a) / self.num_samples
 
     def dots(self, u: Tensor) -> Tensor:
-        return ((self.delta @ u.reshape(self.shape)) * self.a).sum((1, 2))
+        return ((self.delta @ u.reshape(self.shape).to(self.delta.dtype)) * self.a).sum((1, 2))
+
+    def dots_many(self, us: Sequence[Tensor]) -> Tensor:
+        i, j = self.shape
+        n, t = self.delta.shape[:2]
+        stacked = torch.cat([u.reshape(i, j) for u in us], dim=1).to(self.delta.dtype)
+        left = (self.delta @ stacked).reshape(n, t, len(us), j)  # [N, T, K, J]
+        return torch.einsum("ntkj,ntj->kn", left, self.a)

@@ -5,12 +5,15 @@ With the input unfolded into patches U_n ∈ R^{(C_in/G)·K × L} per group (K k
 L output positions), the individual gradient of the weight is the per-sample matrix product
 g_n(W) = δ_n U_nᵀ ∈ R^{C_out/G × (C_in/G)·K} per group, and g_n(b) = Σ_l δ_{n,:,l}. The
 patches are a strided view of the padded input, which works alike in 1, 2 and 3 dimensions
-and is several times faster on a CPU than ``F.unfold`` (im2col).
+and is several times faster on a CPU than ``F.unfold`` (im2col). Projections g_nᵀU need no
+patches at all: they are one convolution of the input with weight U (see
+:class:`ConvSampleGrads`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,28 +42,82 @@ def _explicit_padding(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     return F.pad(x, pads, mode=mode)
 
 
-def _conv_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, delta: Tensor) -> Tensor:
-    """g_n(W) for every sample: patches as a strided view of the padded input (no im2col),
-    copied once into [N, G, L, (C_in/G)·K] and contracted with δ by a batched matmul."""
+def _patches(module: nn.modules.conv._ConvNd, x: Tensor, out_sizes: torch.Size) -> Tensor:
+    """Unfolded input ``[N, G, (C_in/G)·K, L]`` of the padded input ``x``.
+
+    A strided view ``[N, C_in, *kernel, *out]`` copied once. The output positions are the
+    innermost (fastest) dimension, so the copy moves runs of contiguous input rows; with the
+    kernel innermost (as in im2col's transpose) the copy is several times slower on a CPU.
+    """
     n, c_in = x.shape[:2]
-    groups, kernel = module.groups, module.kernel_size
-    out_sizes = delta.shape[2:]
     spatial_strides = x.stride()[2:]
     view = x.as_strided(
-        (n, *out_sizes, c_in, *kernel),
+        (n, c_in, *module.kernel_size, *out_sizes),
         (
             x.stride(0),
-            *(st * s for st, s in zip(spatial_strides, module.stride, strict=True)),
             x.stride(1),
             *(st * d for st, d in zip(spatial_strides, module.dilation, strict=True)),
+            *(st * s for st, s in zip(spatial_strides, module.stride, strict=True)),
         ),
     )
-    positions = math.prod(out_sizes)
-    patches = view.reshape(n, positions, groups, -1).transpose(1, 2)  # [N, G, L, Cg·K]
-    c_out = delta.shape[1]
-    delta = delta.reshape(n, groups, c_out // groups, positions)  # [N, G, Og, L]
-    grads = torch.matmul(delta, patches)  # [N, G, Og, Cg·K]
-    return grads.reshape(n, *module.weight.shape)
+    return view.reshape(n, module.groups, -1, math.prod(out_sizes))
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+class ConvSampleGrads(SampleGrads):
+    """Individual weight gradients of a convolution, g_n(W) = δ_n U_nᵀ per group, held as the
+    padded input x and the output gradient δ.
+
+    * projections never build g_n: with W' = U (a direction in weight space),
+      g_nᵀ U = Σ_l δ_{n,:,l}ᵀ (U * patch_l(x_n)) = ⟨δ_n, conv(x_n; U)⟩, one convolution of the
+      batch with weight U (padding already applied to x, the layer's stride, dilation and
+      groups); K directions share one convolution with K·C_out output channels;
+    * every other statistic (norms, Gram, sums of squares, histograms) materializes
+      ``[N, *W.shape]`` once by a batched matmul of δ with the unfolded input and caches it,
+      so all statistics of one layer share one materialization (memory: one layer's |B|×D,
+      freed with this object inside the layer's hook).
+    """
+
+    def __init__(self, module: nn.modules.conv._ConvNd, x_padded: Tensor, delta: Tensor):
+        self.module, self.x, self.delta = module, x_padded, delta
+        self.num_samples = delta.shape[0]
+        self.shape = module.weight.shape
+        self._grads: Tensor | None = None
+
+    def materialize(self) -> Tensor:
+        if self._grads is None:
+            module, delta = self.module, self.delta
+            n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
+            patches = _patches(module, self.x, delta.shape[2:])  # [N, G, Cg·K, L]
+            delta = delta.reshape(n, groups, c_out // groups, patches.shape[-1])  # [N, G, Og, L]
+            grads = torch.matmul(delta, patches.transpose(2, 3))  # [N, G, Og, Cg·K]
+            self._grads = grads.reshape(n, *self.shape)
+        return self._grads
+
+    def chunks(self) -> list[Tensor]:
+        return [self.materialize()]
+
+    def dots(self, u: Tensor) -> Tensor:
+        return self.dots_many([u])[0]
+
+    def dots_many(self, us: Sequence[Tensor]) -> Tensor:
+        if self._grads is not None:
+            return super().dots_many(us)
+        module, delta = self.module, self.delta
+        n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
+        k = len(us)
+        # weights [K, G, Og, Cg, *kernel] → [G·K·Og, Cg, *kernel]: group g's output
+        # channels stay together, as the grouped convolution requires
+        stacked = torch.stack([u.reshape(self.shape) for u in us]).to(delta.dtype)
+        stacked = stacked.reshape(k, groups, c_out // groups, *self.shape[1:])
+        weight = stacked.transpose(0, 1).reshape(k * c_out, *self.shape[1:])
+        conv = _CONV[len(module.kernel_size)]
+        out = conv(self.x, weight, None, module.stride, 0, module.dilation, groups)
+        out = out.reshape(n, groups, k, c_out // groups, -1)  # [N, G, K, Og, L]
+        delta = delta.reshape(n, groups, 1, c_out // groups, -1)
+        return (out * delta).sum((1, 3, 4)).T  # [K, N]
 
 
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -77,7 +134,7 @@ def conv_rule(
     delta = grad_output
     if module.weight.requires_grad:
         x_padded = _explicit_padding(module, x.detach())
-        grads["weight"] = DenseSampleGrads(_conv_weight_grads(module, x_padded, delta))
+        grads["weight"] = ConvSampleGrads(module, x_padded, delta)
     if module.bias is not None and module.bias.requires_grad:
         grads["bias"] = DenseSampleGrads(delta.flatten(2).sum(2))
     return grads

@@ -1,0 +1,113 @@
+"""Fast paths of the per-sample gradient representations against torch.func in float64.
+
+The convolution's lazy projections (one convolution with the direction as weight), its
+cached materialization, the stacked projections ``dots_many`` of every representation and
+the float64-accumulated sums of squares must equal the brute-force individual gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from cockpit.engine.rules.conv import ConvSampleGrads, conv_rule
+from cockpit.engine.rules.linear import linear_rule
+from cockpit.engine.sample_grads import (
+    DenseSampleGrads,
+    OuterSampleGrads,
+    SampleGrads,
+    SequenceOuterSampleGrads,
+)
+
+CONVS = {
+    "conv1d_stride_dilation": (nn.Conv1d(4, 6, 3, stride=2, dilation=2, padding=1), (4, 17)),
+    "conv2d_groups_same": (nn.Conv2d(4, 6, 3, groups=2, padding="same"), (4, 7, 6)),
+    "conv2d_reflect": (nn.Conv2d(3, 5, (3, 2), stride=(2, 1), padding=1,
+                                 padding_mode="reflect"), (3, 8, 7)),
+    "conv2d_depthwise": (nn.Conv2d(4, 8, 3, groups=4, dilation=(1, 2)), (4, 9, 9)),
+    "conv3d": (nn.Conv3d(2, 3, 2, stride=(1, 2, 1), padding=(1, 0, 1)), (2, 4, 5, 3)),
+}
+
+
+def individual_grads(module: nn.Module, x: Tensor, v: Tensor) -> dict[str, Tensor]:
+    """g_n = ∇_θ ⟨v_n, m(x_n; θ)⟩ for every sample by vmap over torch.func.grad."""
+    params = {k: p.detach() for k, p in module.named_parameters()}
+
+    def loss(p, xn, vn):
+        return (functional_call(module, p, (xn.unsqueeze(0),)).squeeze(0) * vn).sum()
+
+    return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, v)
+
+
+
+def check_all(sg: SampleGrads, g: Tensor, tag: str) -> None:
+    n = g.shape[0]
+    flat = g.reshape(n, -1)
+    gen = torch.Generator().manual_seed(1)
+    us = [torch.randn(sg.shape, generator=gen, dtype=g.dtype) for _ in range(3)]
+    expected_dots = torch.stack([flat @ u.reshape(-1) for u in us])
+    torch.testing.assert_close(sg.dots(us[0]), expected_dots[0], msg=tag)
+    torch.testing.assert_close(sg.dots_many(us), expected_dots, msg=tag)
+    torch.testing.assert_close(sg.sq_norms(), flat.pow(2).sum(1), msg=tag)
+    mean = flat.mean(0)
+    torch.testing.assert_close(sg.gram_mean(), flat @ mean, msg=tag)
+    torch.testing.assert_close(sg.sum_sq(), g.pow(2).sum(0), msg=tag)
+    torch.testing.assert_close(sg.centered_sum_sq(), (g - g.mean(0)).pow(2).sum(0), msg=tag)
+    torch.testing.assert_close(sg.materialize(), g, msg=tag)
+    # after materialization the projections come from the cached tensor: same numbers
+    torch.testing.assert_close(sg.dots_many(us), expected_dots, msg=tag)
+
+
+@pytest.mark.parametrize("name", list(CONVS))
+def test_conv_sample_grads_match_torch_func(name):
+    torch.manual_seed(0)
+    module, shape = CONVS[name]
+    module = module.double()
+    x = torch.randn(5, *shape, dtype=torch.float64)
+    out = module(x)
+    delta = torch.randn_like(out)
+    reference = individual_grads(module, x, delta)
+    grads = conv_rule(module, (x,), {}, out, delta)
+    assert isinstance(grads["weight"], ConvSampleGrads)
+    check_all(grads["weight"], reference["weight"], f"{name}.weight")
+    check_all(grads["bias"], reference["bias"], f"{name}.bias")
+
+
+def test_conv_lazy_projection_does_not_materialize():
+    module = nn.Conv2d(3, 4, 3).double()
+    x = torch.randn(6, 3, 8, 8, dtype=torch.float64)
+    out = module(x)
+    sg = conv_rule(module, (x,), {}, out, torch.randn_like(out))["weight"]
+    sg.dots_many([torch.randn(sg.shape, dtype=torch.float64)])
+    assert sg._grads is None
+    sg.sq_norms()
+    assert sg._grads is not None
+
+
+def test_float32_sums_of_squares_accumulate_in_float64():
+    gen = torch.Generator().manual_seed(2)
+    g = (torch.randn(64, 30, 20, generator=gen) * 1e3).float()
+    sg = DenseSampleGrads(g)
+    g64 = g.double()
+    assert sg.sum_sq().dtype == torch.float64
+    torch.testing.assert_close(sg.sum_sq(), g64.pow(2).sum(0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        sg.centered_sum_sq(), (g64 - g64.mean(0)).pow(2).sum(0), rtol=1e-9, atol=0
+    )
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_linear_dots_many_match_torch_func(seq):
+    torch.manual_seed(3)
+    module = nn.Linear(7, 5).double()
+    x = torch.randn(6, 4, 7, dtype=torch.float64) if seq else torch.randn(6, 7).double()
+    out = module(x)
+    delta = torch.randn_like(out)
+    reference = individual_grads(module, x, delta)
+    grads = linear_rule(module, (x,), {}, out, delta)
+    kind = SequenceOuterSampleGrads if seq else OuterSampleGrads
+    assert isinstance(grads["weight"], kind)
+    check_all(grads["weight"], reference["weight"], "weight")
+    check_all(grads["bias"], reference["bias"], "bias")
