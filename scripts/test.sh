@@ -8,6 +8,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
   { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; } \
     || echo "note: could not install chromium; the browser test of the live view will be skipped"
 fi
-python -m pip install -q -e ".[test]"
+python -m pip install -q -c constraints.txt -e ".[test]"
 ruff check src tests benchmarks
 python -m pytest -q -p no:cacheprovider "$@"
