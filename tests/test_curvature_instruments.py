@@ -207,8 +207,6 @@ def test_full_configuration_runs_and_unsupported_options_are_clear():
     out = one_step(problem, configuration("full"))
     for name in ("HessTrace", "TICDiag", "HessMaxEV", "GradHist2d", "NormTest"):
         assert out[name] is not None, name
-    with pytest.raises(NotImplementedError, match="hutchinson"):
-        quantities.HessTrace(curvature="diag_hessian")
     with pytest.raises(ValueError, match="unknown curvature"):
         quantities.HessTrace(curvature="magic")
 
@@ -224,3 +222,49 @@ def test_unrecognized_loss_points_to_hutchinson():
     assert cockpit.get_output()[0]["HessTrace"] is None
     out = one_step(problem, [quantities.HessTrace(curvature="hutchinson")])
     assert math.isfinite(out["HessTrace"])
+
+
+def smooth_problem(batch_size=5):
+    """Tanh, sigmoid, GELU and SiLU activations, a convolution, cross-entropy."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(
+        torch.nn.Conv1d(2, 3, 3), torch.nn.Tanh(), torch.nn.Flatten(),
+        torch.nn.Linear(3 * 4, 5), torch.nn.Sigmoid(), torch.nn.Linear(5, 4), torch.nn.GELU(),
+        torch.nn.Linear(4, 4), torch.nn.SiLU(), torch.nn.Linear(4, 3),
+    ).double()
+    problem = make_problem("mlp_relu", batch_size)
+    problem.model = model
+    problem.x = torch.randn(batch_size, 2, 6, dtype=torch.float64)
+    return problem
+
+
+@pytest.mark.parametrize("which", ["mlp_sigmoid", "smooth"])
+@pytest.mark.parametrize("curvature", ["diag_hessian", "auto"])
+def test_exact_hessian_diagonal_with_smooth_activations(which, curvature):
+    problem = smooth_problem() if which == "smooth" else make_problem("mlp_sigmoid", 5)
+    H, names, shapes = dense_hessian(problem)
+    diag = torch.diagonal(H)
+    quantity = quantities.HessTrace(curvature=curvature)
+    out = one_step(problem, [quantity])
+    assert quantity.method_used == "diag_hessian"
+    assert rel_close(out["HessTrace"], diag.sum().item(), 1e-6)
+    offset = 0
+    for name, shape in zip(names, shapes, strict=True):
+        size = math.prod(shape)
+        assert rel_close(out[f"HessTrace/{name}"], diag[offset:offset + size].sum().item(),
+                         1e-6, atol=1e-10), name
+        offset += size
+    ggn_trace = sum(d.sum().item() for d in dense_ggn_diagonal(problem).values())
+    assert not rel_close(ggn_trace, diag.sum().item(), 1e-3)  # the residual terms matter here
+
+
+def test_hessian_diagonal_not_applicable_is_clear_and_auto_falls_back_to_ggn():
+    problem = make_problem("transformer", 4)
+    quantity = quantities.HessTrace(curvature="auto")
+    one_step(problem, [quantity])
+    assert quantity.method_used == "diag_ggn_exact"
+    cockpit = Cockpit(problem.model, [quantities.HessTrace(curvature="diag_hessian")])
+    losses = problem.losses()
+    with pytest.warns(RuntimeWarning, match="cannot apply"), cockpit(0, losses=losses):
+        losses.mean().backward()
+    assert "hutchinson" in cockpit.get_notes()[0]["HessTrace"]

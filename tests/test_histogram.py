@@ -1,4 +1,5 @@
-"""Exact histogram kernels against numpy brute force (materialized, float64 binning)."""
+"""Exact histogram kernels against brute force: materialize, bin with the documented formula
+evaluated independently in numpy (same dtype, IEEE arithmetic), count."""
 
 from __future__ import annotations
 
@@ -9,288 +10,306 @@ import pytest
 import torch
 
 from cockpit.engine import histogram as hmod
-from cockpit.engine.histogram import (
-    BinSpec,
-    histogram2d_dense,
-    histogram_dense,
-    histogram_outer,
-    reference_bin_index,
-)
+from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
+
+F32, F64 = torch.float32, torch.float64
+
 
 # --------------------------------------------------------------------------- references
 
 
-def np_bin_index(x: np.ndarray, spec: BinSpec) -> np.ndarray:
-    """Reference bin per element (float64 formula); -1 for non-finite."""
-    x64 = np.asarray(x, dtype=np.float64).ravel()
-    finite = np.isfinite(x64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        pos = np.floor((x64 - spec.lo) * spec.bins / (spec.hi - spec.lo))
+def np_bins(x: np.ndarray, spec: BinSpec) -> np.ndarray:
+    """k(x) = clamp(floor((x − lo)·scale), 0, bins − 1) in x's dtype; −1 for non-finite."""
+    x = np.asarray(x).ravel()
+    t = x.dtype.type
+    with np.errstate(over="ignore", invalid="ignore"):
+        pos = np.floor((x - t(spec.lo)) * t(spec.scale))
     idx = np.clip(np.nan_to_num(pos, nan=0.0), 0, spec.bins - 1).astype(np.int64)
-    return np.where(finite, idx, -1)
+    return np.where(np.isfinite(x), idx, -1)
 
 
 def np_hist(x: np.ndarray, spec: BinSpec) -> tuple[np.ndarray, int]:
-    idx = np_bin_index(x, spec)
+    idx = np_bins(x, spec)
     return np.bincount(idx[idx >= 0], minlength=spec.bins), int((idx < 0).sum())
 
 
-def np_outer(delta: torch.Tensor, a: torch.Tensor) -> np.ndarray:
-    """All products, materialized in the inputs' dtype by numpy (IEEE, no torch)."""
-    d, x = delta.numpy(), a.numpy()
+def np_products(delta: torch.Tensor, a: torch.Tensor) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
-        return d[:, :, None] * x[:, None, :]
+        return delta.numpy()[:, :, None] * a.numpy()[:, None, :]
 
 
-def assert_hist(result, expected_counts: np.ndarray, expected_nonfinite: int) -> None:
-    counts, n_nonfinite = result
-    assert counts.dtype == torch.int64
-    np.testing.assert_array_equal(counts.numpy(), expected_counts)
-    assert int(n_nonfinite) == expected_nonfinite
+def assert_hist(result, expected: tuple[np.ndarray, int]) -> None:
+    counts, num_nonfinite = result
+    assert counts.dtype == torch.int64 and counts.shape == expected[0].shape
+    np.testing.assert_array_equal(counts.numpy(), expected[0])
+    assert isinstance(num_nonfinite, int) and num_nonfinite == expected[1]
 
 
-def edge_neighbours(spec: BinSpec, dtype: torch.dtype) -> torch.Tensor:
-    """Nominal edges and their float neighbours in ``dtype``: the hardest values to bin."""
-    e = spec.edges(torch.float64).to(dtype)
-    up = torch.nextafter(e, torch.full_like(e, math.inf))
-    down = torch.nextafter(e, torch.full_like(e, -math.inf))
-    up2 = torch.nextafter(up, torch.full_like(e, math.inf))
-    down2 = torch.nextafter(down, torch.full_like(e, -math.inf))
-    return torch.cat([e, up, down, up2, down2])
+def edge_neighbours(spec: BinSpec, dtype: torch.dtype, steps: int = 2) -> torch.Tensor:
+    """Nominal edges and their nearest floats in ``dtype``: the hardest values to bin."""
+    out = [spec.edges(F64).to(dtype)]
+    for direction in (math.inf, -math.inf):
+        e = out[0]
+        for _ in range(steps):
+            e = torch.nextafter(e, torch.full_like(e, direction))
+            out.append(e)
+    return torch.cat(out)
+
+
+SPECS = [BinSpec(-2.0, 2.0, 100), BinSpec(-0.05, 0.02, 13), BinSpec(-0.3, 0.7, 1000),
+         BinSpec(0.0, 1.0, 1)]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 1000 elements: exercises chunk loops, ragged ends and block indexing."""
+    monkeypatch.setattr(hmod, "_CPU_CHUNK", 1000)
 
 
 # --------------------------------------------------------------------------- BinSpec
 
 
 @pytest.mark.parametrize(
-    "args",
-    [(0.0, 1.0, 0), (0.0, 1.0, -3), (1.0, 1.0, 5), (2.0, 1.0, 5), (math.nan, 1.0, 5),
-     (0.0, math.inf, 5), (0.0, 1.0, 2.5), (-1e308, 1e308, 4), (0.0, 1.0, True)],
+    "args", [(0.0, 1.0, 0), (0.0, 1.0, -3), (1.0, 1.0, 5), (2.0, 1.0, 5), (math.nan, 1.0, 5),
+             (0.0, math.inf, 5), (0.0, 1.0, 2.5)],
 )
 def test_binspec_rejects_invalid(args):
     with pytest.raises(ValueError):
         BinSpec(*args)
 
 
-def test_binspec_edges():
-    spec = BinSpec(-2.0, 2.0, 100)
-    e = spec.edges(torch.float32)
-    assert e.shape == (101,) and e.dtype == torch.float32
-    assert e[0].item() == -2.0 and e[-1].item() == 2.0
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_bin_index_is_the_documented_formula(dtype):
+    gen = torch.Generator().manual_seed(0)
+    for spec in SPECS:
+        x = torch.cat([edge_neighbours(spec, dtype), torch.randn(5000, generator=gen).to(dtype)])
+        np.testing.assert_array_equal(spec.bin_index(x).numpy(), np_bins(x.numpy(), spec))
+    assert BinSpec().bin_index(torch.tensor([0.0, -0.0], dtype=dtype)).tolist() == [50, 50]
 
 
-def test_zeros_land_in_bin_containing_zero():
-    spec = BinSpec(-2.0, 2.0, 100)
-    for dtype in (torch.float32, torch.float64):
-        x = torch.tensor([0.0, -0.0], dtype=dtype)
-        counts, _ = histogram_dense(x, spec)
-        assert counts[50].item() == 2 and counts.sum().item() == 2
-        assert reference_bin_index(x, spec).tolist() == [50, 50]
-
-
-def test_reference_bin_index_matches_python_floats():
-    spec = BinSpec(-0.3, 0.7, 37)
-    x = torch.cat([edge_neighbours(spec, torch.float64), torch.randn(200, dtype=torch.float64)])
-    expected = [
-        min(max(math.floor((v - spec.lo) * spec.bins / (spec.hi - spec.lo)), 0), spec.bins - 1)
-        for v in x.tolist()
-    ]
-    assert reference_bin_index(x, spec).tolist() == expected
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
-@pytest.mark.parametrize("spec", [BinSpec(-2.0, 2.0, 100), BinSpec(-0.1, 0.3, 7)])
-def test_thresholds_reproduce_reference(dtype, spec):
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("spec", [*SPECS, BinSpec(-1e-30, 3e-31, 7), BinSpec(-1e20, 1e25, 9)])
+def test_thresholds_reproduce_bin_index(dtype, spec):
     t = hmod._thresholds(spec, dtype, torch.device("cpu"))
-    x = torch.cat([edge_neighbours(spec, dtype), (torch.randn(1000) * 2).to(dtype)])
-    idx = torch.bucketize(x, t, right=True)
-    np.testing.assert_array_equal(idx.numpy(), np_bin_index(x.double().numpy(), spec))
+    assert t.shape == (spec.bins - 1,) and bool((t[1:] > t[:-1]).all())
+    x = torch.cat([edge_neighbours(spec, dtype, steps=3), t, torch.nextafter(t, -t.abs() - 1),
+                   (torch.randn(2000, dtype=F64) * (spec.hi - spec.lo)).to(dtype)])
+    np.testing.assert_array_equal(torch.bucketize(x, t, right=True).numpy(),
+                                  np_bins(x.numpy(), spec))
 
 
 # --------------------------------------------------------------------------- dense
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(
-    "spec", [BinSpec(-2.0, 2.0, 100), BinSpec(-0.05, 0.02, 13), BinSpec(-1.0, 1.0, 1000)]
-)
-def test_dense_matches_brute_force(dtype, spec):
-    gen = torch.Generator().manual_seed(0)
-    n = 3 * hmod._CHUNK + 123  # several chunks, ragged end
-    x = 0.02 * torch.randn(n, generator=gen, dtype=torch.float64)
+def gradient_like(gen, n: int, dtype: torch.dtype) -> torch.Tensor:
+    x = 0.02 * torch.randn(n, generator=gen, dtype=F64)
     x[torch.rand(n, generator=gen) < 0.3] = 0.0
     x[torch.rand(n, generator=gen) < 0.05] = -0.0
-    x[:50] = 1e3 * torch.randn(50, generator=gen, dtype=torch.float64)  # far outside
-    x = torch.cat([x, edge_neighbours(spec, torch.float64)]).to(dtype)
-    x = torch.cat([x, edge_neighbours(spec, dtype)])
+    x[:50] = 1e3 * torch.randn(50, generator=gen, dtype=F64)  # far outside [lo, hi]
+    x[50:60] = torch.tensor([1e30, -1e30, 3e38, -3e38, 1e-40, -1e-40, 5e-324, 2.0, -2.0, 1.99])
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("spec", SPECS)
+def test_dense_matches_brute_force(dtype, spec, small_chunks):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.cat([gradient_like(gen, 7321, dtype), edge_neighbours(spec, dtype)])
+    x = x[torch.randperm(x.numel(), generator=gen)][: x.numel() // 7 * 7].view(-1, 7)
     before = x.clone()
-    assert_hist(histogram_dense(x, spec), *np_hist(x.numpy(), spec))
+    assert_hist(histogram_dense(x, spec), np_hist(x.numpy(), spec))
     assert torch.equal(x, before)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_dense_nonfinite_excluded_and_counted(dtype):
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_dense_large_single_chunk_path(dtype):
+    gen = torch.Generator().manual_seed(2)
+    x = gradient_like(gen, 3 * hmod._CPU_CHUNK + 17, dtype)
+    assert_hist(histogram_dense(x, BinSpec()), np_hist(x.numpy(), BinSpec()))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_dense_nonfinite_excluded_and_counted(dtype, small_chunks):
     spec = BinSpec(-1.0, 1.0, 20)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2 * hmod._CHUNK + 6, generator=gen).to(dtype)
-    x[7] = math.nan
-    x[hmod._CHUNK + 3] = math.inf
-    x[hmod._CHUNK + 4] = -math.inf
-    x[-1] = math.nan
-    counts, n_nonfinite = histogram_dense(x.view(-1, 2), spec)
-    assert int(n_nonfinite) == 4 and counts.sum().item() + 4 == x.numel()
-    assert_hist((counts, n_nonfinite), *np_hist(x.numpy(), spec))
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[[7, 1003, 1004, 4999]] = torch.tensor([math.nan, math.inf, -math.inf, math.nan], dtype=dtype)
+    x[2000] = torch.finfo(dtype).max  # finite, but (x − lo)·scale overflows
+    counts, bad = histogram_dense(x, spec)
+    assert bad == 4 and counts.sum().item() == x.numel() - 4
+    assert_hist((counts, bad), np_hist(x.numpy(), spec))
 
 
-def test_dense_non_contiguous_and_empty():
-    spec = BinSpec(-2.0, 2.0, 100)
-    x = torch.randn(300, 400, dtype=torch.float64).t()[::2]
-    assert_hist(histogram_dense(x, spec), *np_hist(x.numpy(), spec))
-    assert_hist(histogram_dense(torch.empty(0), spec), np.zeros(100, dtype=np.int64), 0)
-
-
-def test_dense_generic_path_matches_cpu_path():
-    spec = BinSpec(-0.5, 0.5, 30)
-    x = torch.randn(5000, dtype=torch.float64)
-    x[::97] = math.nan
-    counts, nf = hmod._dense_generic(x, spec)
-    assert_hist((counts, nf), *np_hist(x.numpy(), spec))
+def test_dense_empty_noncontiguous_and_other_dtypes():
+    spec = BinSpec()
+    x = torch.randn(300, 400, dtype=F64).t()[::2]
+    assert_hist(histogram_dense(x, spec), np_hist(x.numpy(), spec))
+    assert_hist(histogram_dense(torch.empty(0), spec), (np.zeros(100, dtype=np.int64), 0))
+    h = torch.randn(1000).half()  # generic path: the plain definition
+    expected = torch.bincount(spec.bin_index(h), minlength=100)
+    assert torch.equal(histogram_dense(h, spec)[0], expected)
 
 
 # --------------------------------------------------------------------------- outer
 
 
-def outer_case(gen, N, I, J, dtype, delta_scale=1e-2, zero_frac=0.5):
-    delta = delta_scale * torch.randn(N, I, generator=gen, dtype=torch.float64)
+def outer_case(gen, N, I, J, dtype, scale):
+    delta = scale * torch.randn(N, I, generator=gen, dtype=F64)
     delta[torch.rand(N, I, generator=gen) < 0.05] = 0.0
-    a = torch.randn(N, J, generator=gen, dtype=torch.float64).clamp_min(0.0)
-    a[torch.rand(N, J, generator=gen) < zero_frac - 0.5] = 0.0
+    a = torch.randn(N, J, generator=gen, dtype=F64).clamp_min(0.0)  # ReLU: ~half exact zeros
     return delta.to(dtype), a.to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize(
-    "spec", [BinSpec(-2.0, 2.0, 100), BinSpec(-0.05, 0.05, 40), BinSpec(-0.011, 0.003, 9)]
-)
-def test_outer_matches_brute_force(dtype, seed, spec):
-    gen = torch.Generator().manual_seed(seed)
-    delta, a = outer_case(gen, N=6, I=40, J=70, dtype=dtype, zero_frac=0.8)
-    a[0] = -a[0]  # a sample with negative activations
+@pytest.fixture(params=["sorted", "all_materialized"])
+def outer_mode(request, monkeypatch):
+    """Force the search path even for tiny layers; or force every row to materialize."""
+    monkeypatch.setattr(hmod, "_MIN_OUTER_PRODUCTS", 0)
+    monkeypatch.setattr(hmod, "_SEARCH_COST", 0.0)
+    monkeypatch.setattr(hmod, "_ROW_COST", 0.0)
+    if request.param == "all_materialized":
+        monkeypatch.setattr(hmod, "_SPAN_PER_J", 0.0)
+        monkeypatch.setattr(hmod, "_MIN_HEAVY_SPAN", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("scale", [1e-2, 1e-1, 1.0, 50.0])
+@pytest.mark.parametrize("spec", SPECS[:3])
+def test_outer_matches_brute_force(dtype, scale, spec, outer_mode):
+    gen = torch.Generator().manual_seed(int(scale * 100) + spec.bins)
+    delta, a = outer_case(gen, N=5, I=40, J=90, dtype=dtype, scale=scale)
+    a[0] = -a[0]  # negative activations
     a[1, :10] = 50.0 * torch.randn(10, generator=gen).to(dtype)  # far outside [lo, hi]
-    delta[2, :5] = torch.tensor([3.0, -7.0, 1e-30, -1e-30, 0.0], dtype=dtype)
-    before = (delta.clone(), a.clone())
-    result = histogram_outer(delta, a, spec)
-    assert_hist(result, *np_hist(np_outer(delta, a), spec))
+    delta[2, :6] = torch.tensor([3.0, -7.0, 1e-30, -1e-30, 0.0, -0.0], dtype=dtype)
+    a[3] = 0.0  # a sample with only exact zeros
+    before = delta.clone(), a.clone()
+    assert_hist(histogram_outer(delta, a, spec), np_hist(np_products(delta, a), spec))
     assert torch.equal(delta, before[0]) and torch.equal(a, before[1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_outer_products_on_bin_edges(dtype):
-    """δ·a hitting edges exactly and by one rounding: exercises the threshold search."""
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("shape", [(1, 30, 40), (6, 1, 50), (6, 30, 1), (1, 1, 1)])
+def test_outer_degenerate_shapes(dtype, shape, outer_mode):
+    gen = torch.Generator().manual_seed(4)
+    delta, a = outer_case(gen, *shape, dtype=dtype, scale=0.3)
+    spec = BinSpec(-0.2, 0.3, 17)
+    assert_hist(histogram_outer(delta, a, spec), np_hist(np_products(delta, a), spec))
+    empty = histogram_outer(delta[:, :0], a, spec)
+    assert_hist(empty, (np.zeros(17, dtype=np.int64), 0))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_outer_products_on_and_next_to_edges(dtype, outer_mode):
+    """a = 1 with δ = edges, and a = edges/3 with δ = 3: products one rounding from edges."""
     spec = BinSpec(-1.0, 1.0, 10)
-    e = edge_neighbours(spec, dtype)
-    a = torch.cat([e, e / 3, e * 0.7]).to(dtype)[None].repeat(2, 1)
-    a[1] = a[1].flip(0)
-    delta = torch.tensor([[1.0, -1.0, 3.0, -3.0, 1 / 0.7, 0.5, -2.0]], dtype=dtype).repeat(2, 1)
-    delta[1] *= 1.0000001
-    assert_hist(histogram_outer(delta, a, spec), *np_hist(np_outer(delta, a), spec))
+    e = edge_neighbours(spec, dtype, steps=3)
+    third = edge_neighbours(spec, dtype, steps=3) / 3
+    a = torch.stack([torch.ones_like(e), third, e, e * 0.7]).to(dtype)
+    delta = torch.stack([e, torch.full_like(e, 3.0), -e, torch.full_like(e, -1 / 0.7)]).to(dtype)
+    assert_hist(histogram_outer(delta, a, spec), np_hist(np_products(delta, a), spec))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_outer_single_sample_and_underflow(dtype):
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_outer_underflowing_and_subnormal_products(dtype, outer_mode):
     gen = torch.Generator().manual_seed(5)
     tiny = torch.finfo(dtype).tiny
-    delta = torch.randn(1, 30, generator=gen).to(dtype) * tiny * 4  # products underflow
-    a = torch.randn(1, 25, generator=gen).to(dtype)
-    a[0, :5] = 0.0
+    delta = torch.randn(2, 30, generator=gen).to(dtype) * tiny * 4
+    a = torch.randn(2, 25, generator=gen).to(dtype)
+    a[:, :5] = 0.0
     for spec in (BinSpec(-tiny, tiny, 8), BinSpec(0.0, 1e-3, 5), BinSpec(-2.0, 2.0, 100)):
-        assert_hist(histogram_outer(delta, a, spec), *np_hist(np_outer(delta, a), spec))
+        assert_hist(histogram_outer(delta, a, spec), np_hist(np_products(delta, a), spec))
 
 
-def test_outer_many_queries_blockwise(monkeypatch):
-    monkeypatch.setattr(hmod, "_MAX_QUERIES_PER_BLOCK", 64)
-    gen = torch.Generator().manual_seed(3)
-    delta, a = outer_case(gen, N=9, I=20, J=300, dtype=torch.float32, delta_scale=0.5)
-    spec = BinSpec(-0.3, 0.3, 60)
-    assert_hist(histogram_outer(delta, a, spec), *np_hist(np_outer(delta, a), spec))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_outer_fallbacks_nonfinite_and_overflow(dtype):
-    gen = torch.Generator().manual_seed(4)
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_outer_nonfinite_and_overflow_samples(dtype, outer_mode):
+    gen = torch.Generator().manual_seed(6)
     spec = BinSpec(-1.0, 1.0, 16)
-    delta, a = outer_case(gen, N=3, I=8, J=9, dtype=dtype)
+    delta, a = outer_case(gen, N=5, I=8, J=9, dtype=dtype, scale=0.5)
     delta[0, 0] = math.nan
-    a[1, 2] = math.inf
-    a[2, 3] = torch.finfo(dtype).max / 2  # finite factor, overflowing products
+    a[1, 2] = math.inf  # inf · 0 = NaN and inf · δ = ±inf: all non-finite
+    a[2, 3] = torch.finfo(dtype).max / 2  # finite factors, overflowing products
     delta[2, 1] = 8.0
-    expected = np_hist(np_outer(delta, a), spec)
+    expected = np_hist(np_products(delta, a), spec)
     assert expected[1] > 0
-    assert_hist(histogram_outer(delta, a, spec), *expected)
+    assert_hist(histogram_outer(delta, a, spec), expected)
 
 
-def test_outer_rejects_bad_shapes():
-    spec = BinSpec(-1.0, 1.0, 4)
+def test_outer_wrong_guesses_are_repaired(monkeypatch):
+    """Replace searchsorted by random guesses: the exact verification and bisection must
+    still give the brute-force counts (the path taken when t/δ rounds across an a)."""
+    monkeypatch.setattr(hmod, "_MIN_OUTER_PRODUCTS", 0)
+    gen = torch.Generator().manual_seed(7)
+    delta, a = outer_case(gen, N=4, I=30, J=57, dtype=F32, scale=1.0)
+    real = torch.searchsorted
+
+    def random_guess(keys, query, **kwargs):
+        if kwargs:  # not the boundary search
+            return real(keys, query, **kwargs)
+        sample = query >> 32
+        return sample * 57 + torch.randint(0, 58, query.shape, generator=gen)
+
+    monkeypatch.setattr(hmod.torch, "searchsorted", random_guess)
+    spec = BinSpec(-1.0, 1.0, 40)
+    result = histogram_outer(delta, a, spec)
+    monkeypatch.setattr(hmod.torch, "searchsorted", real)
+    assert_hist(result, np_hist(np_products(delta, a), spec))
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.3, 30.0])  # searches, mixed, all materialized
+def test_outer_default_settings_and_query_blocks(scale, monkeypatch):
+    gen = torch.Generator().manual_seed(8)
+    delta, a = outer_case(gen, N=8, I=200, J=400, dtype=F32, scale=scale)  # above cut-off
+    spec = BinSpec(-0.3, 0.3, 60)
+    expected = np_hist(np_products(delta, a), spec)
+    assert_hist(histogram_outer(delta, a, spec), expected)
+    monkeypatch.setattr(hmod, "_MAX_QUERIES_PER_BLOCK", 64)
+    assert_hist(histogram_outer(delta, a, spec), expected)
+
+
+def test_outer_rejects_mismatched_samples():
     with pytest.raises(ValueError):
-        histogram_outer(torch.randn(3, 2), torch.randn(4, 2), spec)
-    with pytest.raises(ValueError):
-        histogram_outer(torch.randn(3, 2), torch.randn(3, 2, dtype=torch.float64), spec)
-    with pytest.raises(TypeError):
-        histogram_outer(torch.ones(3, 2, dtype=torch.int64), torch.randn(3, 2), spec)
+        histogram_outer(torch.randn(3, 2), torch.randn(4, 2), BinSpec())
 
 
 # --------------------------------------------------------------------------- 2d
 
 
 def np_hist2d(g: np.ndarray, theta: np.ndarray, sg: BinSpec, st: BinSpec):
-    ig = np_bin_index(g, sg).reshape(g.shape)
-    it = np.broadcast_to(np_bin_index(theta, st), g.shape)
+    ig = np_bins(g, sg).reshape(g.shape)
+    it = np.broadcast_to(np_bins(theta, st), g.shape)
     ok = (ig >= 0) & (it >= 0)
     flat = ig[ok] * st.bins + it[ok]
     counts = np.bincount(flat, minlength=sg.bins * st.bins).reshape(sg.bins, st.bins)
     return counts, int((~ok).sum())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_hist2d_matches_brute_force(dtype):
-    gen = torch.Generator().manual_seed(6)
-    sg, st = BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)
-    N, D = 7, hmod._CHUNK + 999  # column blocks with a ragged end
-    g = (0.05 * torch.randn(N, D, generator=gen, dtype=torch.float64))
-    g[torch.rand(N, D, generator=gen) < 0.3] = 0.0
-    g[0, :100] = 30.0 * torch.randn(100, generator=gen, dtype=torch.float64)
-    theta = torch.randn(D, generator=gen, dtype=torch.float64) * 1.5
-    theta[:len(edge_neighbours(st, dtype))] = edge_neighbours(st, dtype).double()
-    g, theta = g.to(dtype), theta.to(dtype)
-    counts, nf = histogram2d_dense(g, theta, sg, st)
-    exp_counts, exp_nf = np_hist2d(g.numpy(), theta.numpy(), sg, st)
-    np.testing.assert_array_equal(counts.numpy(), exp_counts)
-    assert int(nf) == exp_nf == 0
-    # marginals are sums of the 2d counts
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("specs", [(BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)),
+                                   (BinSpec(-0.1, 0.1, 7), BinSpec(-1.0, 1.0, 11)),
+                                   (BinSpec(-0.1, 0.1, 300), BinSpec(-1.0, 1.0, 200))])
+@pytest.mark.parametrize("D", [37, 2500])  # many rows per chunk / column blocks per row
+def test_hist2d_matches_brute_force(dtype, specs, D, small_chunks):
+    sg, st = specs
+    gen = torch.Generator().manual_seed(9)
+    g = gradient_like(gen, 6 * D, dtype).view(6, D)
+    theta = (1.5 * torch.randn(D, generator=gen, dtype=F64)).to(dtype)
+    e = edge_neighbours(st, dtype)[:D]
+    theta[: e.numel()] = e
+    counts, bad = histogram2d_dense(g, theta, sg, st)
+    assert counts.shape == (sg.bins, st.bins)
+    assert_hist((counts, bad), np_hist2d(g.numpy(), theta.numpy(), sg, st))
     np.testing.assert_array_equal(counts.sum(1).numpy(), np_hist(g.numpy(), sg)[0])
-    np.testing.assert_array_equal(counts.sum(0).numpy(), N * np_hist(theta.numpy(), st)[0])
 
 
-def test_hist2d_small_rows_and_nonfinite():
-    gen = torch.Generator().manual_seed(7)
+def test_hist2d_nonfinite_pairs(small_chunks):
+    gen = torch.Generator().manual_seed(10)
     sg, st = BinSpec(-0.5, 0.5, 9), BinSpec(-1.0, 1.0, 11)
-    g = torch.randn(5000, 30, generator=gen) * 0.3  # many rows per chunk
+    g = torch.randn(400, 30, generator=gen) * 0.3
     theta = torch.randn(30, generator=gen)
     g[123, 4] = math.nan
-    g[4000, 0] = -math.inf
-    for th in (theta, theta.clone().index_fill_(0, torch.tensor([2]), math.nan)):
-        counts, nf = histogram2d_dense(g, th, sg, st)
-        exp_counts, exp_nf = np_hist2d(g.numpy(), th.numpy(), sg, st)
-        np.testing.assert_array_equal(counts.numpy(), exp_counts)
-        assert int(nf) == exp_nf
-        assert counts.sum().item() + int(nf) == g.numel()
-
-
-def test_dense_parallel_split_matches_brute_force(monkeypatch):
-    monkeypatch.setattr(hmod, "_MIN_ELEMENTS_PER_WORKER", 1000)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    spec = BinSpec(-0.1, 0.1, 50)
-    x = 0.05 * torch.randn(3 * hmod._CHUNK + 17, dtype=torch.float64)
-    x[5] = math.nan
-    assert_hist(hmod.histogram_dense(x, spec), *np_hist(x.numpy(), spec))
+    g[300, 0] = -math.inf
+    for th in (theta, theta.clone().index_fill_(0, torch.tensor([2, 4]), math.nan)):
+        counts, bad = histogram2d_dense(g, th, sg, st)
+        assert_hist((counts, bad), np_hist2d(g.numpy(), th.numpy(), sg, st))
+        assert counts.sum().item() + bad == g.numel()
+    assert_hist(histogram2d_dense(g[:0], theta, sg, st),
+                (np.zeros((9, 11), dtype=np.int64), 0))

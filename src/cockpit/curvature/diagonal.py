@@ -11,15 +11,16 @@ Methods (``curvature=`` of HessTrace and TICDiag):
   predictive distribution; ``num_samples`` columns, default 1): unbiased for diag G.
 * ``"hutchinson"``: diag H ≈ (1/M) Σ_m v_m ⊙ H v_m with Rademacher v_m, for any model and
   loss; unbiased for the Hessian's diagonal itself.
-* ``"auto"`` (default): ``"diag_ggn_exact"``, or ``"diag_ggn_mc"`` when the output has more
-  than ``mc_threshold`` (32) dimensions. For networks whose activations are piecewise linear
-  (ReLU, max-pooling) and cross-entropy or MSE losses, the GGN equals the Hessian; for others
-  (sigmoid, tanh, GELU) the GGN omits the activations' second-derivative terms — use
-  ``"hutchinson"`` to estimate the Hessian's own diagonal.
-
-The exact Hessian diagonal including the residual terms of non-piecewise-linear activations
-(``"diag_hessian"``) is not available yet; asking for it raises an error that names these
-alternatives.
+* ``"diag_hessian"``: the exact Hessian diagonal, the GGN plus the residual terms of
+  activation modules that are not piecewise linear (sigmoid, tanh, GELU, SiLU, softplus,
+  ELU), for networks whose structure :mod:`cockpit.curvature.diag_hessian` covers (checked
+  on the autograd graph; two vector backpropagations per activation unit).
+* ``"auto"`` (default): the exact Hessian diagonal where available — for networks whose
+  nonlinearities are all piecewise linear (ReLU, max-pooling) the GGN *is* the Hessian, and
+  for small networks with smooth activations ``"diag_hessian"`` fits in the budget of
+  ``max_backprops`` (512) vector backpropagations — otherwise the exact GGN diagonal, or
+  its Monte-Carlo estimate when the output has more than ``mc_threshold`` (32) dimensions.
+  The method used is recorded in the run's notes.
 
 The GGN methods need the per-sample loss to be cross-entropy on the model's logits
 (``F.cross_entropy(out, y, reduction="none")``) or a squared error
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from cockpit.curvature.diag_hessian import check_graph, residual_diagonal
 from cockpit.curvature.hutchinson import hutchinson_diagonal
 from cockpit.curvature.hvp import HessianVectorProduct
 from cockpit.curvature.loss_factors import exact_sqrt_factor, mc_sqrt_factor
@@ -45,13 +47,6 @@ class CurvatureError(ValueError):
 def check_method(method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"unknown curvature {method!r}; choose one of {', '.join(METHODS)}")
-    if method == "diag_hessian":
-        raise NotImplementedError(
-            "curvature='diag_hessian' (the exact Hessian diagonal with the residual terms of "
-            "sigmoid/tanh/GELU activations) is not available yet. Use 'diag_ggn_exact' (equal "
-            "to the Hessian diagonal for ReLU networks with cross-entropy or MSE) or "
-            "'hutchinson' (an unbiased estimate of the Hessian diagonal for any model)."
-        )
 
 
 def detect_loss(losses: Tensor, output: Tensor | None) -> tuple[str, str]:
@@ -90,12 +85,20 @@ def detect_loss(losses: Tensor, output: Tensor | None) -> tuple[str, str]:
     )
 
 
-def resolve_method(method: str, output: Tensor | None, mc_threshold: int) -> str:
+def resolve_method(method: str, tracker, mc_threshold: int, max_backprops: int) -> str:
     check_method(method)
     if method != "auto":
         return method
+    output = tracker.model_output
     if output is None:
         return "hutchinson"
+    try:
+        check_graph(output, {a.grad_fn for _, _, a in tracker.activation_calls})
+        units = sum(2 * z[0].numel() for _, z, _ in tracker.activation_calls)
+        if units <= max_backprops:
+            return "diag_hessian"
+    except ValueError:
+        pass
     outputs_per_sample = output[0].numel() if output.dim() > 0 else 1
     return "diag_ggn_mc" if outputs_per_sample > mc_threshold else "diag_ggn_exact"
 
@@ -110,9 +113,33 @@ def diagonal_curvature(
     mse_reduction: str = "mean",
     num_samples: int = 1,
     generator=None,
+    max_backprops: int = 512,
 ) -> dict[str, Tensor]:
     """The diagonal of the mini-batch loss's curvature (module docstring) per parameter."""
     n = losses.shape[0]
+    if method == "diag_hessian":
+        output = tracker.model_output
+        if output is None:
+            raise CurvatureError("curvature='diag_hessian' needs the model's output")
+        try:
+            check_graph(output, {a.grad_fn for _, _, a in tracker.activation_calls})
+        except ValueError as error:
+            raise CurvatureError(
+                f"curvature='diag_hessian' cannot apply to this model: {error}. Use "
+                "'diag_ggn_exact' (the Hessian's diagonal without second-derivative terms of "
+                "the network) or 'hutchinson' (unbiased for the Hessian's diagonal)."
+            ) from error
+        ggn = diagonal_curvature("diag_ggn_exact", tracker, losses, params, loss=loss,
+                                 mse_reduction=mse_reduction)
+        try:
+            residual = residual_diagonal(tracker, losses, max_backprops)
+        except ValueError as error:
+            raise CurvatureError(
+                f"curvature='diag_hessian': {error}; raise max_backprops or use "
+                "'diag_ggn_exact' or 'hutchinson'"
+            ) from error
+        return {k: ggn[k] + residual[k].to(ggn[k].dtype) if k in residual else ggn[k]
+                for k in ggn}
     if method in ("diag_ggn_exact", "diag_ggn_mc"):
         output = tracker.model_output
         if output is None:

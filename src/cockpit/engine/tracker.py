@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
+from cockpit.curvature.diag_hessian import is_activation
 from cockpit.engine.histogram import BinSpec
 from cockpit.engine.rules.fallback import batch_dim_of, fallback_rule, owned_parameters
 from cockpit.engine.rules.norms import SampleMixingError, batch_norm_message, uses_batch_statistics
@@ -145,6 +146,11 @@ class ModuleTracker:
             self._handles.append(p.register_hook(self._make_param_hook(name)))
         self.model_output: Tensor | None = None  # the model's output of the recorded forward
         self._handles.append(model.register_forward_hook(self._record_model_output))
+        # (module, input z, output a) of smooth activation modules, for the Hessian diagonal
+        self.activation_calls: list[tuple[nn.Module, Tensor, Tensor]] = []
+        for module in model.modules():
+            if is_activation(module):
+                self._handles.append(module.register_forward_hook(self._record_activation))
 
     # ------------------------------------------------------------------ discovery
     def _discover_units(self, model: nn.Module) -> Iterable[Unit]:
@@ -196,6 +202,11 @@ class ModuleTracker:
         if self.capturing and not self._suspended and torch.is_grad_enabled():
             self.model_output = output if isinstance(output, Tensor) else None
 
+    def _record_activation(self, module, args, output) -> None:
+        if (self.capturing and not self._suspended and torch.is_grad_enabled()
+                and args and isinstance(args[0], Tensor) and isinstance(output, Tensor)):
+            self.activation_calls.append((module, args[0], output))
+
     @property
     def num_calls(self) -> int:
         return len(self._calls)
@@ -207,6 +218,7 @@ class ModuleTracker:
             call.grads = []
         self._calls = []
         self.model_output = None
+        self.activation_calls = []
 
     # ------------------------------------------------------------------ backward
     def begin(self, num_samples: int, needs: frozenset[str]) -> BackwardStatistics:

@@ -23,6 +23,7 @@ class DiagonalCurvatureQuantity(Quantity):
         loss: str | None = None,
         mc_samples: int = 1,
         mc_threshold: int = 32,
+        max_backprops: int = 512,
         seed: int = 0,
     ):
         super().__init__(schedule)
@@ -35,6 +36,7 @@ class DiagonalCurvatureQuantity(Quantity):
             )
         self.curvature, self.loss = curvature, loss
         self.mc_samples, self.mc_threshold = mc_samples, mc_threshold
+        self.max_backprops = max_backprops
         self.generator = torch.Generator().manual_seed(seed)
         self._diagonal: dict[str, Tensor] | None = None
         self.method_used: str | None = None
@@ -43,12 +45,13 @@ class DiagonalCurvatureQuantity(Quantity):
         self._diagonal = None
         if losses is None:
             return
-        method = resolve_method(self.curvature, tracker.model_output, self.mc_threshold)
+        method = resolve_method(self.curvature, tracker, self.mc_threshold, self.max_backprops)
         key = ("diagonal", method, self.loss, self.mc_samples)
         if key not in tracker.step_cache:
             tracker.step_cache[key] = diagonal_curvature(
                 method, tracker, losses, tracker.params, loss=self.loss,
                 num_samples=self.mc_samples, generator=self.generator,
+                max_backprops=self.max_backprops,
             )
         self._diagonal = tracker.step_cache[key]
         self.method_used = method
