@@ -1,7 +1,7 @@
 """Time the exact histogram kernels against torch.histc and materialize-then-histogram.
 
-Run: ``PYTHONPATH=src python benchmarks/histogram_kernels.py [--threads 2] [--repeats 5]``.
-Prints median wall-clock times, ns per histogrammed element and speed-ups.
+Run: ``PYTHONPATH=src python benchmarks/histogram_kernels.py [--repeats 5] [--quick]``.
+Prints median (and best) wall-clock times, ns per histogrammed element and speed-ups.
 """
 
 from __future__ import annotations
@@ -13,80 +13,105 @@ from collections.abc import Callable
 
 import torch
 
-from cockpit.engine.histogram import BinSpec, histogram_dense, histogram_outer
+from cockpit.engine import histogram as hmod
+from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
 
 SPEC = BinSpec(-2.0, 2.0, 100)  # Cockpit's GradHist1d default
+SPEC_G, SPEC_THETA = BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)  # GradHist2d defaults
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     fn()  # warm-up (threshold cache, allocator)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
-def histc_clamped(x: torch.Tensor) -> torch.Tensor:
-    """torch.histc with outliers clamped into the edge bins (histc drops them)."""
-    return torch.histc(x.clamp(SPEC.lo, SPEC.hi), SPEC.bins, SPEC.lo, SPEC.hi)
+def header(title: str) -> None:
+    print(f"\n{title}\n{'method':46s} {'median ms':>10s} {'best ms':>9s} {'ns/elt':>7s} "
+          f"{'speed-up':>8s}")
 
 
-def row(name: str, n: int, seconds: float, baseline: float) -> None:
-    print(f"{name:44s} {seconds * 1e3:9.1f} ms {seconds / n * 1e9:7.2f} ns/elt "
-          f"{baseline / seconds:6.1f}x")
+def row(name: str, n: int, t: tuple[float, float], baseline: tuple[float, float]) -> None:
+    print(f"{name:46s} {t[0] * 1e3:10.1f} {t[1] * 1e3:9.1f} {t[0] / n * 1e9:7.2f} "
+          f"{baseline[0] / t[0]:7.1f}x")
 
 
-def bench_dense(repeats: int, gen: torch.Generator) -> None:
-    shape = (128, 895_210)  # |B| x D of DeepOBS 3C3D
+def reference_dense(x: torch.Tensor, spec: BinSpec) -> torch.Tensor:
+    """The plain definition (isfinite mask, bin_index, bincount): the pre-optimization code."""
+    return hmod._reference_dense(x, spec)[0]
+
+
+def bench_dense(repeats: int, gen: torch.Generator, quick: bool) -> None:
+    shape = (16 if quick else 128, 895_210)  # |B| x D of DeepOBS 3C3D
     x = 0.01 * torch.randn(shape, generator=gen)
     x[torch.rand(shape, generator=gen) < 0.3] = 0.0
     n = x.numel()
-    moved = (histogram_dense(x, SPEC).counts.float() - histc_clamped(x)).abs().sum() / 2
-    print(f"\n1d dense, {shape[0]}x{shape[1]} float32 (0.01*randn, 30% zeros), {SPEC}")
-    print(f"(torch.histc miscounts {int(moved)}: float32 counts stall at 2**24 per bin)")
-    t_histc = median_seconds(lambda: torch.histc(x, SPEC.bins, SPEC.lo, SPEC.hi), repeats)
-    t_dense = median_seconds(lambda: histogram_dense(x, SPEC), repeats)
-    row("torch.histc (no clamping, baseline)", n, t_histc, t_histc)
-    row("histogram_dense (exact, clamped, NaN-aware)", n, t_dense, t_histc)
+    counts = histogram_dense(x, SPEC)[0]
+    assert torch.equal(counts, reference_dense(x, SPEC))
+    edges = SPEC.edges(torch.float32)[1:-1]
+    header(f"1d dense, {shape[0]}x{shape[1]} float32 (0.01*randn, 30% zeros), {SPEC}")
+    t_histc = timed(lambda: torch.histc(x, SPEC.bins, SPEC.lo, SPEC.hi), repeats)
+    row("torch.histc (inexact edges, drops outliers)", n, t_histc, t_histc)
+    row("torch.bucketize + bincount", n, timed(
+        lambda: torch.bincount(torch.bucketize(x.view(-1), edges, right=True)), repeats), t_histc)
+    row("reference: isfinite + bin_index + bincount", n,
+        timed(lambda: reference_dense(x, SPEC), repeats), t_histc)
+    t_dense = timed(lambda: histogram_dense(x, SPEC), repeats)
+    row("histogram_dense (exact)", n, t_dense, t_histc)
+
+    theta = torch.randn(shape[1], generator=gen)
+    header(f"2d dense on the same data, theta ~ randn, {SPEC_G} x {SPEC_THETA}")
+    t_1d = timed(lambda: histogram_dense(x, SPEC_G), repeats)
+    row("histogram_dense (1d, same g)", n, t_1d, t_1d)
+    t_2d = timed(lambda: histogram2d_dense(x, theta, SPEC_G, SPEC_THETA), repeats)
+    row("histogram2d_dense", n, t_2d, t_1d)
+    print(f"{'2d / 1d cost ratio':46s} {t_2d[0] / t_1d[0]:10.2f}")
 
 
-def bench_outer(name: str, N: int, I: int, J: int, repeats: int, gen) -> None:
-    delta = 1e-2 * torch.randn(N, I, generator=gen)
-    a = torch.randn(N, J, generator=gen).relu()
-    n = N * I * J
+def bench_outer(name: str, N: int, I: int, J: int, repeats: int, gen, quick: bool) -> None:
+    for scale in (1e-2, 1e-1, 1.0):
+        delta = scale * torch.randn(N, I, generator=gen)
+        a = torch.randn(N, J, generator=gen).relu()
+        header(f"outer, {name}: N={N}, I={I}, J={J} ({N * I * J / 1e6:.0f}M products), "
+               f"delta={scale:g}*randn, a=relu(randn)")
+        bench_outer_case(delta, a, repeats, quick)
 
-    def materialized_dense():
-        return histogram_dense(delta[:, :, None] * a[:, None, :], SPEC)
 
-    def materialized_histc():
-        return torch.histc(delta[:, :, None] * a[:, None, :], SPEC.bins, SPEC.lo, SPEC.hi)
-
-    assert torch.equal(histogram_outer(delta, a, SPEC).counts, materialized_dense().counts)
-    print(f"\nouter, {name}: N={N}, I={I}, J={J} ({n / 1e6:.0f}M products), "
-          "delta=1e-2*randn, a=relu(randn)")
-    t_histc = median_seconds(materialized_histc, repeats)
-    t_dense = median_seconds(materialized_dense, repeats)
-    t_outer = median_seconds(lambda: histogram_outer(delta, a, SPEC), repeats)
-    row("materialize + torch.histc (baseline)", n, t_histc, t_histc)
-    row("materialize + histogram_dense", n, t_dense, t_histc)
-    row("histogram_outer (no materialization)", n, t_outer, t_histc)
-    print(f"{'histogram_outer vs materialize + dense':44s} {t_dense / t_outer:6.1f}x")
+def bench_outer_case(delta: torch.Tensor, a: torch.Tensor, repeats: int, quick: bool) -> None:
+    n = delta.numel() * a.shape[1]
+    result = histogram_outer(delta, a, SPEC)[0]
+    t_mat = timed(lambda: hmod._outer_materialized(delta, a, SPEC), repeats)
+    if n <= 2**27 and not quick:
+        full = delta[:, :, None] * a[:, None, :]
+        assert torch.equal(result, reference_dense(full, SPEC))
+        del full
+        t_histc = timed(lambda: torch.histc(
+            delta[:, :, None] * a[:, None, :], SPEC.bins, SPEC.lo, SPEC.hi), repeats)
+        row("materialize all + torch.histc", n, t_histc, t_mat)
+    else:
+        assert torch.equal(result, hmod._outer_materialized(delta, a, SPEC)[0])
+    row("materialize blockwise + dense kernel", n, t_mat, t_mat)
+    t_outer = timed(lambda: histogram_outer(delta, a, SPEC), repeats)
+    row("histogram_outer (sorted a, exact searches)", n, t_outer, t_mat)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="smaller dense data, no histc")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, "
-          f"median of {args.repeats} runs")
+          f"{args.repeats} timed runs after one warm-up; speed-up = baseline median / median")
     gen = torch.Generator().manual_seed(0)
-    bench_dense(args.repeats, gen)
-    bench_outer("3C3D fc1", 128, 512, 1152, args.repeats, gen)
-    bench_outer("2C2D fc1", 128, 1024, 3136, args.repeats, gen)
+    bench_dense(args.repeats, gen, args.quick)
+    bench_outer("3C3D fc1", 128, 512, 1152, args.repeats, gen, args.quick)
+    bench_outer("2C2D fc1", 128, 1024, 3136, args.repeats, gen, args.quick)
 
 
 if __name__ == "__main__":

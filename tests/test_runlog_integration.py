@@ -44,7 +44,8 @@ TRAINER = textwrap.dedent(
 
 
 def test_kill_9_of_a_training_process_keeps_every_completed_step(tmp_path):
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    path = f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(tmp_path / "run")],
                             stdout=subprocess.PIPE, text=True, env=env)
     completed = []
