@@ -369,14 +369,14 @@ def fit_basis_coefficients(
     """
     if len(basis) == 0:
         return None
-    flat = [b.reshape(-1).double() for b in basis]
+    stacked = torch.stack([b.reshape(-1) for b in basis]).double()  # [K, D]
     target = actual.reshape(-1).double()
-    gram = torch.stack([torch.stack([torch.dot(u, v) for v in flat]) for u in flat]).cpu()
-    rhs = torch.stack([torch.dot(u, target) for u in flat]).cpu()
+    gram = (stacked @ stacked.T).cpu()
+    rhs = (stacked @ target).cpu()
     if not (torch.isfinite(gram).all() and torch.isfinite(rhs).all()):
         return None
     coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
-    fitted = sum(c.item() * u for c, u in zip(coefficients, flat, strict=True))
+    fitted = coefficients.to(stacked) @ stacked
     residual = torch.linalg.vector_norm(target - fitted).item()
     if residual <= rtol * torch.linalg.vector_norm(target).item() + _TINY:
         return coefficients
