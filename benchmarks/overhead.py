@@ -17,10 +17,11 @@ size, compared with a subprocess that trains without Cockpit, and with the large
     python benchmarks/overhead.py                      # everything, writes a markdown table
     python benchmarks/overhead.py --problems cifar10_3c3d --configs economy NormTest
     python benchmarks/overhead.py --configs Alpha --optimizer custom
+    python benchmarks/overhead.py --threads 1 --clock cpu     # robust on a loaded machine
 
-``--optimizer``: ``sgd`` (momentum 0.9), ``adam``, or ``custom`` — a subclass of
-torch.optim.Optimizer that Cockpit cannot predict (sign-SGD), so Alpha takes the general
-path (per-layer Jacobian-vector products after the step).
+``--optimizer``: ``sgd`` (momentum 0.9), ``sgd-plain`` (no momentum), ``adam``, or
+``custom`` — a subclass of torch.optim.Optimizer that Cockpit cannot predict (sign-SGD), so
+Alpha takes the general path (per-layer projections after the step).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import torch, torch.nn.functional as F
 from cockpit import Cockpit, configuration, quantities
 from cockpit.problems.deepobs import BUILDERS, synthetic_batches
 
-problem, config, steps, threads, optimizer = sys.argv[1:6]
+problem, config, steps, threads, optimizer, clock = sys.argv[1:7]
+now = time.perf_counter if clock == "wall" else time.process_time
 steps, threads = int(steps), int(threads)
 torch.set_num_threads(threads)
 torch.manual_seed(0)
@@ -57,7 +59,9 @@ class SignSGD(torch.optim.Optimizer):
                     p.add_(p.grad.sign(), alpha=-group["lr"])
 
 
-if optimizer == "sgd":
+if optimizer == "sgd-plain":
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+elif optimizer == "sgd":
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 elif optimizer == "adam":
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -80,7 +84,7 @@ if config != "none":
 times = {"t": [], "u": []}
 for step, kind in enumerate(kinds):
     x, y = next(batches)
-    start = time.perf_counter()
+    start = now()
     opt.zero_grad()
     losses = F.cross_entropy(model(x), y, reduction="none")
     if cockpit is None:
@@ -89,7 +93,7 @@ for step, kind in enumerate(kinds):
         with cockpit(step, losses=losses):
             losses.mean().backward()
     opt.step()
-    elapsed = time.perf_counter() - start
+    elapsed = now() - start
     if kind in times:
         times[kind].append(elapsed)
 nones = 0
@@ -111,9 +115,10 @@ INSTRUMENTS = ["Loss", "GradNorm", "Distance", "UpdateSize", "NormTest", "InnerT
                "OrthoTest", "GradHist1d", "Alpha", "MeanGSNR", "EarlyStopping", "CABS"]
 
 
-def run(problem: str, config: str, steps: int, threads: int, optimizer: str) -> dict:
+def run(problem: str, config: str, steps: int, threads: int, optimizer: str, clock: str) -> dict:
     result = subprocess.run(
-        [sys.executable, "-c", WORKER, problem, config, str(steps), str(threads), optimizer],
+        [sys.executable, "-c", WORKER, problem, config, str(steps), str(threads), optimizer,
+         clock],
         capture_output=True, text=True, check=True,
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -123,13 +128,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", nargs="+", default=["cifar10_3c3d", "fmnist_2c2d"])
     parser.add_argument("--configs", nargs="+", default=[*INSTRUMENTS, "economy"])
-    parser.add_argument("--optimizer", choices=["sgd", "adam", "custom"], default="sgd")
+    parser.add_argument("--optimizer", default="sgd",
+                        choices=["sgd", "sgd-plain", "adam", "custom"])
     parser.add_argument("--steps", type=int, default=9, help="measured tracked steps")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall-clock time, or the process's CPU time (robust when other "
+                        "processes load the machine; use with --threads 1)")
     args = parser.parse_args()
+    opts = (args.steps, args.threads, args.optimizer, args.clock)
     rows = []
     for problem in args.problems:
-        base = run(problem, "none", args.steps, args.threads, args.optimizer)
+        base = run(problem, "none", *opts)
         print(f"\n{problem} ({args.optimizer}): step without Cockpit "
               f"{base['untracked'] * 1e3:.0f} ms, peak {base['peak_mib']:.0f} MiB, largest "
               f"layer |B|×D {base['largest_layer_mib']:.0f} MiB", flush=True)
@@ -137,7 +147,7 @@ def main() -> None:
               f"{'peak − baseline MiB':>20}", flush=True)
         for config in args.configs:
             start = time.perf_counter()
-            r = run(problem, config, args.steps, args.threads, args.optimizer)
+            r = run(problem, config, *opts)
             ratio = r["tracked"] / r["untracked"]
             extra = r["peak_mib"] - base["peak_mib"]
             rows.append((problem, config, ratio, r["untracked"] * 1e3, extra,
@@ -145,7 +155,7 @@ def main() -> None:
             missing = f"  ({r['not_computed']} values not computed)" if r["not_computed"] else ""
             print(f"{config:>14} {ratio:>18.2f} {r['untracked'] * 1e3:>13.0f} {extra:>20.0f}"
                   f"   ({time.perf_counter() - start:.0f} s){missing}", flush=True)
-    print(f"\noptimizer: {args.optimizer}\n")
+    print(f"\noptimizer: {args.optimizer}, threads: {args.threads}, clock: {args.clock}\n")
     print("| problem | configuration | tracked / untracked | untracked step [ms] "
           "| peak memory − baseline [MiB] | largest layer |B|×D [MiB] |")
     print("|---|---|---|---|---|---|")

@@ -10,4 +10,4 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
 fi
 python -m pip install -q -c constraints.txt -e ".[test]"
 ruff check src tests benchmarks
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -p no:cacheprovider "$@"

@@ -60,8 +60,12 @@ def check_all(sg: SampleGrads, g: Tensor, tag: str) -> None:
     torch.testing.assert_close(sg.dots_many(us), expected_dots, msg=tag)
 
 
+@pytest.mark.parametrize("materialize", [False, True])
 @pytest.mark.parametrize("name", list(CONVS))
-def test_conv_sample_grads_match_torch_func(name):
+def test_conv_sample_grads_match_torch_func(name, materialize, monkeypatch):
+    """Both projection paths: by convolution (lazy) and from the materialized gradients."""
+    monkeypatch.setattr(ConvSampleGrads, "_materialize_for_projections",
+                        lambda self: materialize)
     torch.manual_seed(0)
     module, shape = CONVS[name]
     module = module.double()
@@ -75,13 +79,16 @@ def test_conv_sample_grads_match_torch_func(name):
     check_all(grads["bias"], reference["bias"], f"{name}.bias")
 
 
-def test_conv_lazy_projection_does_not_materialize():
-    module = nn.Conv2d(3, 4, 3).double()
-    x = torch.randn(6, 3, 8, 8, dtype=torch.float64)
+@pytest.mark.parametrize(("channels", "lazy"), [(8, True), (1, False)])
+def test_conv_projection_path_by_size(channels, lazy):
+    """Projections by convolution when D > C_out·L (the materialized gradients would be
+    larger than δ), else materialized once; norms always materialize."""
+    module = nn.Conv2d(channels, 4, 3).double()  # L = 36, (C_in/G)·K = 9·channels
+    x = torch.randn(6, channels, 8, 8, dtype=torch.float64)
     out = module(x)
     sg = conv_rule(module, (x,), {}, out, torch.randn_like(out))["weight"]
     sg.dots_many([torch.randn(sg.shape, dtype=torch.float64)])
-    assert sg._grads is None
+    assert (sg._grads is None) == lazy
     sg.sq_norms()
     assert sg._grads is not None
 

@@ -264,7 +264,12 @@ class ModuleTracker:
         Must run before the user's backward pass (the recorded layer inputs are needed).
         """
         calls = [c for c in self._calls if c.args is not None and c.outputs]
-        params = list(self.params.values())
+        # Ask autograd for the smallest parameter of each layer only: the backward pass still
+        # reaches every layer (and fires the output hooks), but skips computing the large
+        # weight gradients nobody needs here.
+        cheapest = {id(p): p for c in calls
+                    for p in [min(c.unit.params.values(), key=lambda q: q.numel())]}
+        params = list(cheapest.values())
         totals: dict[str, Tensor] = {}
         with self.suspended():
             for v in grad_outputs:

@@ -149,6 +149,11 @@ class Alpha(Quantity):
         state = self._open
         if state is None or state.step != data.step:
             return {}
+        finite = all(bool(torch.isfinite(s).all()) for s in update.values())
+        if not finite or not all(math.isfinite(v) for v in state.loss):
+            self._open = None
+            data.notes["Alpha"] = "non-finite loss or update: α is undefined"
+            return {"Alpha": math.nan}
         dots, reason = (None, state.failure) if state.failure else self._slopes(state, update, data)
         state.calls = []
         state.basis = {}

@@ -102,22 +102,32 @@ class ConvSampleGrads(SampleGrads):
     def dots(self, u: Tensor) -> Tensor:
         return self.dots_many([u])[0]
 
+    def _materialize_for_projections(self) -> bool:
+        """Materializing costs about one convolution and yields N·D numbers; a projection by
+        convolution costs one convolution per direction and yields N·C_out·L numbers. When
+        D ≤ C_out·L (few input channels per kernel, many positions: (C_in/G)·K ≤ L) the
+        materialized gradients are no larger than δ and all later projections are cheap."""
+        positions = self.delta[0, 0].numel()
+        return self.shape[1:].numel() <= positions
+
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
-        if self._grads is not None:
+        if self._grads is not None or self._materialize_for_projections():
             return super().dots_many(us)
         module, delta = self.module, self.delta
         n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
-        k = len(us)
+        k, og = len(us), c_out // groups
         # weights [K, G, Og, Cg, *kernel] → [G·K·Og, Cg, *kernel]: group g's output
         # channels stay together, as the grouped convolution requires
         stacked = torch.stack([u.reshape(self.shape) for u in us]).to(delta.dtype)
-        stacked = stacked.reshape(k, groups, c_out // groups, *self.shape[1:])
+        stacked = stacked.reshape(k, groups, og, *self.shape[1:])
         weight = stacked.transpose(0, 1).reshape(k * c_out, *self.shape[1:])
         conv = _CONV[len(module.kernel_size)]
         out = conv(self.x, weight, None, module.stride, 0, module.dilation, groups)
-        out = out.reshape(n, groups, k, c_out // groups, -1)  # [N, G, K, Og, L]
-        delta = delta.reshape(n, groups, 1, c_out // groups, -1)
-        return (out * delta).sum((1, 3, 4)).T  # [K, N]
+        if groups == 1:  # ⟨conv(x_n; U_k), δ_n⟩ for all k by one batched matvec
+            dots = torch.bmm(out.reshape(n, k, -1), delta.reshape(n, -1, 1))  # [N, K, 1]
+            return dots.reshape(n, k).T
+        out = out.reshape(n, groups, k, og, -1)  # [N, G, K, Og, L]
+        return torch.einsum("ngkol,ngol->kn", out, delta.reshape(n, groups, og, -1))
 
 
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
