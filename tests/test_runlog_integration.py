@@ -123,3 +123,37 @@ def test_cockpit_view_of_real_runs(tmp_path, config):
         for word in ("λ", "trace", "tic"):
             assert word in titles, (word, titles)
     assert (tmp_path / "view.png").stat().st_size > 10_000
+
+
+def test_tensorboard_sink_attached_to_a_cockpit(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cockpit.store import TensorBoardSink
+    from cockpit.view import plot_cockpit
+
+    problem = make_problem("mlp_relu", 6, torch.float32)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.05)
+    holder = {}
+    sink = TensorBoardSink(str(tmp_path / "tb"), image_every=2,
+                           figure_fn=lambda: plot_cockpit(holder["cockpit"].get_output()))
+    cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt, sinks=[sink])
+    holder["cockpit"] = cockpit
+    for step in range(3):
+        opt.zero_grad()
+        losses = problem.losses()
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0,
+                                                                    "histograms": 0,
+                                                                    "images": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert "cockpit/NormTest" in tags["scalars"] and "cockpit/GradNorm/0.weight" in tags["scalars"]
+    norm_test = [e.value for e in events.Scalars("cockpit/NormTest")]
+    expected = [cockpit.get_output()[s]["NormTest"] for s in range(3)]
+    assert np.allclose(norm_test, expected, rtol=1e-6)
+    hist = events.Histograms("cockpit/GradHist1d")[-1].histogram_value
+    assert sum(hist.bucket) == cockpit.get_output()[2]["GradHist1d"]["counts"].sum()
+    assert "cockpit/view" in tags["images"]
