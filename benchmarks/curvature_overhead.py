@@ -26,7 +26,8 @@ import torch, torch.nn.functional as F
 from cockpit import Cockpit, at, configuration, every, quantities
 from cockpit.problems.deepobs import BUILDERS, synthetic_batches
 
-problem, config, mode, k, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+problem, config, mode = sys.argv[1:4]
+k, steps = int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(2)
 torch.manual_seed(0)
 model = BUILDERS[problem]()
