@@ -304,10 +304,11 @@ class ModuleTracker:
     def _rule(self, call: Call, grads: list[Tensor]) -> dict[str, SampleGrads]:
         """The unit's rule on one call, keyed by global parameter names."""
         unit = call.unit
-        if unit.registered_rule and len(call.outputs) == 1:
+        if unit.registered_rule and len(grads) == 1:
             rule = find_rule(unit.module)
             assert rule is not None
-            sample_grads = rule(unit.module, call.args, call.kwargs, call.outputs[0], grads[0])
+            output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
+            sample_grads = rule(unit.module, call.args, call.kwargs, output, grads[0])
         else:
             sample_grads = fallback_rule(
                 unit.module, call.args, call.kwargs, call.outputs, grads, unit.params
