@@ -30,6 +30,7 @@ from torch import Tensor, nn
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
 from cockpit.curvature.diag_hessian import is_activation
 from cockpit.engine.histogram import BinSpec
+from cockpit.engine.rules.conv import reuse_unfolded_inputs
 from cockpit.engine.rules.fallback import batch_dim_of, fallback_rule, owned_parameters
 from cockpit.engine.rules.norms import SampleMixingError, batch_norm_message, uses_batch_statistics
 from cockpit.engine.rules.registry import ATOMIC_MODULES, find_rule
@@ -271,7 +272,7 @@ class ModuleTracker:
                     for p in [min(c.unit.params.values(), key=lambda q: q.numel())]}
         params = list(cheapest.values())
         totals: dict[str, Tensor] = {}
-        with self.suspended():
+        with self.suspended(), reuse_unfolded_inputs():
             for v in grad_outputs:
                 for call in calls:
                     call.probe_grads = [None] * len(call.outputs)
@@ -509,7 +510,7 @@ class ModuleTracker:
             if basis is None:
                 continue
             projections = self.stats.projections.setdefault(key, {})
-            projections[name] = torch.stack([sg.dots(u) for u in basis])
+            projections[name] = sg.dots_many(basis)
 
     def check_weights(self) -> str | None:
         """A reason why the loss weights do not allow individual gradients, or None."""

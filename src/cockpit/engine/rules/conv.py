@@ -12,6 +12,7 @@ patches at all: they are one convolution of the input with weight U (see
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -65,6 +66,21 @@ def _patches(module: nn.modules.conv._ConvNd, x: Tensor, out_sizes: torch.Size) 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
+# While Cockpit backpropagates several vectors through the same forward pass (diagonal
+# curvature), the padded and unfolded inputs of each layer are computed once and reused.
+_UNFOLD_CACHE: dict | None = None
+
+
+@contextlib.contextmanager
+def reuse_unfolded_inputs():
+    """Within this context, layers unfold each recorded input only once."""
+    global _UNFOLD_CACHE
+    previous, _UNFOLD_CACHE = _UNFOLD_CACHE, {}
+    try:
+        yield
+    finally:
+        _UNFOLD_CACHE = previous
+
 
 class ConvSampleGrads(SampleGrads):
     """Individual weight gradients of a convolution, g_n(W) = δ_n U_nᵀ per group, held as the
@@ -80,17 +96,29 @@ class ConvSampleGrads(SampleGrads):
       freed with this object inside the layer's hook).
     """
 
-    def __init__(self, module: nn.modules.conv._ConvNd, x_padded: Tensor, delta: Tensor):
+    def __init__(
+        self, module: nn.modules.conv._ConvNd, x_padded: Tensor, delta: Tensor, key=None
+    ):
         self.module, self.x, self.delta = module, x_padded, delta
         self.num_samples = delta.shape[0]
         self.shape = module.weight.shape
         self._grads: Tensor | None = None
+        self._key = key  # identifies the input in the unfold cache, if one is active
+
+    def _unfolded(self) -> Tensor:
+        cache = _UNFOLD_CACHE
+        if cache is not None and self._key is not None and ("patches", self._key) in cache:
+            return cache[("patches", self._key)]
+        patches = _patches(self.module, self.x, self.delta.shape[2:])
+        if cache is not None and self._key is not None:
+            cache[("patches", self._key)] = patches
+        return patches
 
     def materialize(self) -> Tensor:
         if self._grads is None:
             module, delta = self.module, self.delta
             n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
-            patches = _patches(module, self.x, delta.shape[2:])  # [N, G, Cg·K, L]
+            patches = self._unfolded()  # [N, G, Cg·K, L]
             delta = delta.reshape(n, groups, c_out // groups, patches.shape[-1])  # [N, G, Og, L]
             grads = torch.matmul(delta, patches.transpose(2, 3))  # [N, G, Og, Cg·K]
             self._grads = grads.reshape(n, *self.shape)
@@ -143,8 +171,14 @@ def conv_rule(
     grads: dict[str, SampleGrads] = {}
     delta = grad_output
     if module.weight.requires_grad:
-        x_padded = _explicit_padding(module, x.detach())
-        grads["weight"] = ConvSampleGrads(module, x_padded, delta)
+        cache, key = _UNFOLD_CACHE, (id(module), id(x), x._version)
+        if cache is not None and ("padded", key) in cache:
+            x_padded = cache[("padded", key)]
+        else:
+            x_padded = _explicit_padding(module, x.detach())
+            if cache is not None:
+                cache[("padded", key)] = x_padded
+        grads["weight"] = ConvSampleGrads(module, x_padded, delta, key)
     if module.bias is not None and module.bias.requires_grad:
         grads["bias"] = DenseSampleGrads(delta.flatten(2).sum(2))
     return grads
