@@ -167,7 +167,7 @@ class Alpha(Quantity):
                     "(keeps each layer's input and output gradient until the optimizer step)"
                 )
             return {"Alpha": None}
-        length = math.sqrt(sum(float(s.double().pow(2).sum()) for s in update.values()))
+        length = math.sqrt(sum(float((s * s).sum(dtype=torch.float64)) for s in update.values()))
         state.direction = {k: s.detach() for k, s in update.items()}
         slope = batch_mean_var(dots / length) if length > 0 else (math.nan, math.nan)
         state.obs0 = Observations(state.loss[0], state.loss[1], slope[0], slope[1])
@@ -229,7 +229,9 @@ class Alpha(Quantity):
             data.late.setdefault(state.step, {})["Alpha"] = None
             data.late_notes.setdefault(state.step, {})["Alpha"] = f"not computed: {reason}"
             return
-        length = math.sqrt(sum(float(s.double().pow(2).sum()) for s in state.direction.values()))
+        length = math.sqrt(
+            sum(float((s * s).sum(dtype=torch.float64)) for s in state.direction.values())
+        )
         dots = sum(p[0].double() for p in projections.values())
         slope = batch_mean_var(dots / length) if length > 0 else (math.nan, math.nan)
         loss = batch_mean_var(data.losses)

@@ -51,6 +51,14 @@ class StepData:
     def num_samples(self) -> int:
         return 0 if self.losses is None else int(self.losses.numel())
 
+    def grad_sq_norm(self, name: str) -> float:
+        """‖g_B‖² of one parameter tensor (computed once per step, float64 result)."""
+        cache = self.__dict__.setdefault("_grad_sq_norms", {})
+        if name not in cache:
+            g = self.batch_grads[name]
+            cache[name] = float((g * g).sum(dtype=torch.float64))
+        return cache[name]
+
 
 class Quantity:
     """Base class of all instruments."""
@@ -94,13 +102,6 @@ def global_and_per_param(
     out: dict[str, Value] = {name: total}
     out.update({f"{name}/{param}": value for param, value in per_param.items()})
     return out
-
-
-def sq_norm(tensors) -> Tensor:
-    tensors = list(tensors)
-    if not tensors:
-        return torch.tensor(0.0)
-    return sum(t.double().pow(2).sum() for t in tensors)
 
 
 def safe_sqrt(x: float) -> float:

@@ -26,6 +26,6 @@ class CABS(Quantity):
             return {"CABS": None}
         n = data.stats.num_samples
         S = sum(to_float(v.double().sum()) for v in data.stats.sq_norms.values())
-        G = sum(to_float(data.batch_grads[k].double().pow(2).sum()) for k in data.stats.sq_norms)
+        G = sum(data.grad_sq_norm(k) for k in data.stats.sq_norms)
         loss = to_float(data.losses.double().mean())
         return {"CABS": data.learning_rate * (S / n - G) / loss}

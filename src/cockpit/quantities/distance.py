@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from cockpit.quantities.base import Quantity, StepData, Value, global_and_per_param, to_float
 
 
 def _norms(name: str, diffs: dict[str, Tensor]) -> dict[str, Value]:
-    per_param = {k: to_float(d.double().pow(2).sum()) for k, d in diffs.items()}
+    per_param = {k: to_float((d * d).sum(dtype=torch.float64)) for k, d in diffs.items()}
     total = math.sqrt(sum(per_param.values()))
     return global_and_per_param(name, {k: math.sqrt(v) for k, v in per_param.items()}, total)
 

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import math
 
-from cockpit.quantities.base import Quantity, StepData, Value, global_and_per_param, to_float
+from cockpit.quantities.base import Quantity, StepData, Value, global_and_per_param
 
 
 class GradNorm(Quantity):
     needs_losses = False
 
     def compute(self, data: StepData) -> dict[str, Value]:
-        per_param = {
-            name: to_float(g.double().pow(2).sum()) for name, g in data.batch_grads.items()
-        }
+        per_param = {name: data.grad_sq_norm(name) for name in data.batch_grads}
         total = math.sqrt(sum(per_param.values()))
         return global_and_per_param(
             "GradNorm", {k: math.sqrt(v) for k, v in per_param.items()}, total

@@ -44,7 +44,7 @@ def compute_test(
 
     def value(names: list[str]) -> float:
         S = sum(to_float(stats.sq_norms[k].double().sum()) for k in names)
-        G = sum(to_float(data.batch_grads[k].double().pow(2).sum()) for k in names)
+        G = sum(data.grad_sq_norm(k) for k in names)
         d = sum(stats.gram_mean[k].double() for k in names)
         D2 = to_float(torch.as_tensor(d).pow(2).sum())
         if G == 0.0:
@@ -54,7 +54,7 @@ def compute_test(
     names = [k for k in stats.sq_norms if k in data.batch_grads]
     out: dict[str, Value] = {name: value(names)}
     if isinstance(out[name], float) and math.isnan(out[name]) and "zero_grad" not in data.notes:
-        G = sum(to_float(data.batch_grads[k].double().pow(2).sum()) for k in names)
+        G = sum(data.grad_sq_norm(k) for k in names)
         if G == 0.0:
             data.notes[name] = "mini-batch gradient is zero: the test divides by ‖g_B‖"
     for k in names:
