@@ -5,7 +5,8 @@ Each configuration runs in a fresh subprocess on a DeepOBS problem (synthetic da
 
 * ``alone``: one instrument tracked at every second step; median(tracked) / median(untracked);
 * ``every k``: a configuration tracked every k steps over a run of S steps; the mean step time
-  of the whole run (tracked and untracked steps) / median(untracked step).
+  of the whole run (tracked and untracked steps) / median(untracked step) of the same process,
+  or, for k = 1 (no untracked step), of the run without Cockpit.
 
 Peak memory is the subprocess's peak resident set size minus that of a run without Cockpit.
 
@@ -114,7 +115,8 @@ def main() -> None:
         for config, k in EVERY:
             steps = max(args.run_steps, k)
             r = run(args.problem, config, "every", k, steps)
-            rows.append((config, f"every {k}", r["mean_all"] / r["untracked"], r["untracked"],
+            untracked = base["untracked"] if k == 1 else r["untracked"]
+            rows.append((config, f"every {k}", r["mean_all"] / untracked, untracked,
                          r["peak_mib"] - base["peak_mib"], r["hvps"]))
             print(rows[-1], flush=True)
     print("\n| configuration | tracked | time / untracked step | untracked step [ms] "
