@@ -305,7 +305,8 @@ def _as_double(tensors: Sequence[Tensor | None]) -> list[Tensor]:
 
 
 def _dot(a: Tensor, b: Tensor) -> float:
-    return float(torch.dot(a.reshape(-1).double(), b.reshape(-1).double()))
+    """⟨a, b⟩ with a float64 accumulator."""
+    return float((a.reshape(-1) * b.reshape(-1).to(a.dtype)).sum(dtype=torch.float64))
 
 
 def match_update(
@@ -329,10 +330,12 @@ def match_update(
     if pp == 0.0:
         return 1.0 if aa == 0.0 else None
     kappa = pa / pp
-    residual_sq = sum(
-        _dot(a - kappa * p, a - kappa * p)  # type: ignore[operator]
-        for p, a in zip(_as_double(predicted), _as_double(actual), strict=True)
-    )
+    residual_sq = 0.0
+    for p, a in zip(predicted, actual, strict=True):
+        # a − κp in the tensors' own precision (nearly equal values subtract exactly),
+        # squares summed in float64: no float64 copies of parameter-sized tensors
+        r = a - p.to(a.dtype) * kappa  # type: ignore[union-attr]
+        residual_sq += float((r * r).sum(dtype=torch.float64))
     if math.sqrt(residual_sq) <= rtol * math.sqrt(aa) + _TINY:
         return kappa
     return None
@@ -369,15 +372,18 @@ def fit_basis_coefficients(
     """
     if len(basis) == 0:
         return None
-    stacked = torch.stack([b.reshape(-1) for b in basis]).double()  # [K, D]
-    target = actual.reshape(-1).double()
-    gram = (stacked @ stacked.T).cpu()
-    rhs = (stacked @ target).cpu()
+    flat = [b.reshape(-1) for b in basis]
+    target = actual.reshape(-1)
+    # inner products of the float tensors with float64 accumulators (no float64 copies)
+    gram = torch.tensor([[_dot(u, v) for v in flat] for u in flat], dtype=torch.float64)
+    rhs = torch.tensor([_dot(u, target) for u in flat], dtype=torch.float64)
     if not (torch.isfinite(gram).all() and torch.isfinite(rhs).all()):
         return None
     coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
-    fitted = coefficients.to(stacked) @ stacked
-    residual = torch.linalg.vector_norm(target - fitted).item()
-    if residual <= rtol * torch.linalg.vector_norm(target).item() + _TINY:
+    fitted = sum(float(c) * u.to(target.dtype) for c, u in zip(coefficients, flat, strict=True))
+    r = target - fitted
+    residual = math.sqrt(float((r * r).sum(dtype=torch.float64)))
+    norm = math.sqrt(_dot(target, target))
+    if residual <= rtol * norm + _TINY:
         return coefficients
     return None

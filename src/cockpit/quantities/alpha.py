@@ -66,6 +66,8 @@ class _OpenStep:
     calls: list = field(default_factory=list)
     failure: str | None = None
     direction: dict[str, Tensor] | None = None  # s_t
+    direction_length: float = math.nan  # ‖s_t‖
+    moved: list[str] = field(default_factory=list)  # parameters with s_t ≠ 0
     obs0: Observations | None = None
 
 
@@ -149,12 +151,16 @@ class Alpha(Quantity):
         state = self._open
         if state is None or state.step != data.step:
             return {}
-        finite = all(bool(torch.isfinite(s).all()) for s in update.values())
-        if not finite or not all(math.isfinite(v) for v in state.loss):
+        sq_norms = {k: float((s * s).sum(dtype=torch.float64)) for k, s in update.items()}
+        length = math.sqrt(sum(sq_norms.values()))
+        if not math.isfinite(length) or not all(math.isfinite(v) for v in state.loss):
             self._open = None
             data.notes["Alpha"] = "non-finite loss or update: α is undefined"
             return {"Alpha": math.nan}
-        dots, reason = (None, state.failure) if state.failure else self._slopes(state, update, data)
+        moved = [k for k, sq in sq_norms.items() if sq > 0]
+        dots, reason = (
+            (None, state.failure) if state.failure else self._slopes(state, update, moved, data)
+        )
         state.calls = []
         state.basis = {}
         if dots is None:
@@ -167,17 +173,16 @@ class Alpha(Quantity):
                     "(keeps each layer's input and output gradient until the optimizer step)"
                 )
             return {"Alpha": None}
-        length = math.sqrt(sum(float((s * s).sum(dtype=torch.float64)) for s in update.values()))
         state.direction = {k: s.detach() for k, s in update.items()}
+        state.direction_length, state.moved = length, moved
         slope = batch_mean_var(dots / length) if length > 0 else (math.nan, math.nan)
         state.obs0 = Observations(state.loss[0], state.loss[1], slope[0], slope[1])
         return {}
 
     def _slopes(
-        self, state: _OpenStep, update: dict[str, Tensor], data: StepData
+        self, state: _OpenStep, update: dict[str, Tensor], moved: list[str], data: StepData
     ) -> tuple[Tensor | None, str | None]:
         """s_tᵀ g_n(θ_t) for every sample, or None and the reason."""
-        moved = [k for k, s in update.items() if bool((s != 0).any())]
         if not state.predicted:
             try:
                 return project_calls(data.tracker, state.calls, update), None
@@ -222,16 +227,13 @@ class Alpha(Quantity):
         stats = data.stats
         assert stats is not None and data.losses is not None
         projections = stats.projections.get(_PREVIOUS, {})
-        moved = [k for k, s in state.direction.items() if bool((s != 0).any())]
-        missing = [k for k in moved if k not in projections]
+        missing = [k for k in state.moved if k not in projections]
         if stats.problems or missing:
             reason = "; ".join(stats.problems) or f"no individual gradients for {missing[:3]}"
             data.late.setdefault(state.step, {})["Alpha"] = None
             data.late_notes.setdefault(state.step, {})["Alpha"] = f"not computed: {reason}"
             return
-        length = math.sqrt(
-            sum(float((s * s).sum(dtype=torch.float64)) for s in state.direction.values())
-        )
+        length = state.direction_length
         dots = sum(p[0].double() for p in projections.values())
         slope = batch_mean_var(dots / length) if length > 0 else (math.nan, math.nan)
         loss = batch_mean_var(data.losses)
