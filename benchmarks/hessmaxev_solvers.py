@@ -22,49 +22,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from cockpit.curvature import HessianVectorProduct, lanczos_max_eigenvalue, power_iteration
-
-
-class TFSamePool(nn.Module):
-    """3×3 max-pool with stride 2 and TF "same" padding (one extra row/column right/bottom)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pool = nn.MaxPool2d(kernel_size=3, stride=2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pool(F.pad(x, (0, 1, 0, 1), value=float("-inf")))
-
-
-def cifar10_3c3d() -> nn.Sequential:
-    """DeepOBS 3C3D network (895,210 parameters)."""
-    model = nn.Sequential(
-        nn.Conv2d(3, 64, 5),
-        nn.ReLU(),
-        TFSamePool(),
-        nn.Conv2d(64, 96, 3),
-        nn.ReLU(),
-        TFSamePool(),
-        nn.Conv2d(96, 128, 3, padding=1),
-        nn.ReLU(),
-        TFSamePool(),
-        nn.Flatten(),
-        nn.Linear(128 * 3 * 3, 512),
-        nn.ReLU(),
-        nn.Linear(512, 256),
-        nn.ReLU(),
-        nn.Linear(256, 10),
-    )
-    for module in model.modules():
-        if isinstance(module, nn.Conv2d):
-            nn.init.xavier_normal_(module.weight)
-            nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Linear):
-            nn.init.xavier_uniform_(module.weight)
-            nn.init.zeros_(module.bias)
-    return model
+from cockpit.problems.deepobs import cifar10_3c3d
 
 
 def relative_error(value: float, reference: float | None) -> str:

@@ -17,12 +17,16 @@ from cockpit.quantities.base import StepData, Value, to_float
 from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity
 
 
-class TICDiag(DiagonalCurvatureQuantity):
-    needs = frozenset({SUM_SQ})
-
+class _TIC(DiagonalCurvatureQuantity):
     def __init__(self, *args, eps: float = 1e-7, **kwargs):
         super().__init__(*args, **kwargs)
+        if not eps >= 0:
+            raise ValueError(f"eps must be ≥ 0, got {eps}")
         self.eps = eps
+
+
+class TICDiag(_TIC):
+    needs = frozenset({SUM_SQ})
 
     def compute(self, data: StepData) -> dict[str, Value]:
         diagonal = self.take_diagonal()
@@ -35,12 +39,8 @@ class TICDiag(DiagonalCurvatureQuantity):
         return {"TICDiag": total / stats.num_samples}
 
 
-class TICTrace(DiagonalCurvatureQuantity):
+class TICTrace(_TIC):
     needs = frozenset({SQ_NORMS})
-
-    def __init__(self, *args, eps: float = 1e-7, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.eps = eps
 
     def compute(self, data: StepData) -> dict[str, Value]:
         diagonal = self.take_diagonal()
