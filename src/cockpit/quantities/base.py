@@ -12,7 +12,6 @@ values use the name ``"<Instrument>/<parameter name>"``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,10 +101,3 @@ def global_and_per_param(
     out: dict[str, Value] = {name: total}
     out.update({f"{name}/{param}": value for param, value in per_param.items()})
     return out
-
-
-def safe_sqrt(x: float) -> float:
-    """√x for a value that is ≥ 0 in exact arithmetic (tiny negative rounding → 0)."""
-    if math.isnan(x):
-        return math.nan
-    return math.sqrt(max(x, 0.0))
