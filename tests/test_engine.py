@@ -243,3 +243,17 @@ def test_configurations():
     assert all(q.schedule(4) and not q.schedule(5) for q in configuration("full", 2))
     with pytest.raises(ValueError, match="economy"):
         configuration("first-class")
+
+
+def test_zero_gradient_gives_nan_with_a_note():
+    problem = make_problem("mlp_sigmoid", 4)
+    problem.y = problem.model(problem.x).detach()  # perfect fit: every g_n is exactly zero
+    cockpit = Cockpit(problem.model, configuration("economy"), strict=True)
+    losses = problem.losses()
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    out, notes = cockpit.get_output()[0], cockpit.get_notes()[0]
+    assert out["GradNorm"] == 0.0
+    for name in ("NormTest", "InnerTest", "OrthoTest"):
+        assert math.isnan(out[name]) and "zero" in notes[name]
+    cockpit.close()
