@@ -9,5 +9,5 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
     || echo "note: could not install chromium; the browser test of the live view will be skipped"
 fi
 python -m pip install -q -c constraints.txt -e ".[test]"
-ruff check src tests benchmarks
+ruff check src tests benchmarks examples
 python -m pytest -p no:cacheprovider "$@"

@@ -33,3 +33,14 @@ def test_demo_writes_run_log_figure_and_summary(tmp_path, capsys):
     assert exported["3"]["Loss"] == output[3]["Loss"]
     assert main(["plot", str(logdir), "-o", str(tmp_path / "v.svg")]) == 0
     assert (tmp_path / "v.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_example_training_loop_runs(tmp_path):
+    import runpy
+    from pathlib import Path
+
+    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "training_loop.py"))
+    output = example["main"](["--steps", "26", "--logdir", str(tmp_path / "run")])
+    assert math.isfinite(output[25]["HessTrace"]) and math.isfinite(output[25]["HessMaxEV"])
+    assert output[24]["Alpha"] is not None
+    assert read_output(tmp_path / "run")[25]["MeanGSNR"] == output[25]["MeanGSNR"]
