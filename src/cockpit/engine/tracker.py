@@ -20,7 +20,6 @@ At untracked steps the hooks return immediately and nothing is recorded.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -291,11 +290,7 @@ class ModuleTracker:
                               for d, o in zip(deltas, call.outputs, strict=True)]
                     for name, sg in self._rule(call, deltas).items():
                         if name in self._multi_use:
-                            dense = DenseSampleGrads(sg.materialize())
-                            if name in accumulated:
-                                accumulated[name].add_(dense)
-                            else:
-                                accumulated[name] = dense
+                            accumulate(accumulated, name, sg)
                         else:
                             totals[name] = totals.get(name, 0) + sg.sum_sq()
                 for name, sg in accumulated.items():
@@ -442,11 +437,7 @@ class ModuleTracker:
                     f"{stats.num_samples} entries"
                 )
             if name in self._multi_use:
-                dense = DenseSampleGrads(sg.materialize())
-                if name in self._accumulated:
-                    self._accumulated[name].add_(dense)
-                else:
-                    self._accumulated[name] = dense
+                accumulate(self._accumulated, name, sg)
             else:
                 self._reduce(name, sg)
 
@@ -457,13 +448,21 @@ class ModuleTracker:
         shape[batch_dim] = -1
         return grad / weights.reshape(shape).to(grad.dtype)
 
-    def _reduce_guarded(self, name: str, sg: SampleGrads) -> None:
+    def _guarded(self, label: str, fn, *args) -> None:
+        """Run Cockpit's own work inside autograd; a failure is recorded, never raised
+        into the user's backward pass (unless ``strict``)."""
+        previous, self._suspended = self._suspended, True
         try:
-            self._reduce(name, sg)
+            fn(*args)
         except Exception as error:
             if self.strict:
                 raise
-            self._fail(f"{name}: {error}")
+            self._fail(f"{label}: {error}")
+        finally:
+            self._suspended = previous
+
+    def _reduce_guarded(self, name: str, sg: SampleGrads) -> None:
+        self._guarded(name, self._reduce, name, sg)
 
     def _reduce(self, name: str, sg: SampleGrads) -> None:
         stats, needs = self.stats, self.needs
@@ -492,15 +491,7 @@ class ModuleTracker:
                 self._pending_provided[name] = sg
 
     def _project_provided_guarded(self, name: str, sg: SampleGrads) -> None:
-        self._suspended = True
-        try:
-            self._project_provided(name, sg)
-        except Exception as error:
-            if self.strict:
-                raise
-            self._fail(f"{name}: {error}")
-        finally:
-            self._suspended = False
+        self._guarded(name, self._project_provided, name, sg)
 
     def _project_provided(self, name: str, sg: SampleGrads) -> None:
         assert self.stats is not None
@@ -539,7 +530,10 @@ class ModuleTracker:
         self.active = False
 
 
-def warn_once(message: str, seen: set[str]) -> None:
-    if message not in seen:
-        seen.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+def accumulate(accumulated: dict[str, DenseSampleGrads], name: str, sg: SampleGrads) -> None:
+    """Sum the individual gradients of a parameter over the calls that use it."""
+    dense = DenseSampleGrads(sg.materialize())
+    if name in accumulated:
+        accumulated[name].add_(dense)
+    else:
+        accumulated[name] = dense
