@@ -125,6 +125,7 @@ class ModuleTracker:
         self._multi_use: set[str] = set()
         self._accumulated: dict[str, DenseSampleGrads] = {}
         self._weights: Tensor | None = None
+        self._weights_problem: str | None = None
         self._suspended = False  # True while rules run the module again (torch.func)
         self._probing = False  # True during Cockpit's own backprops (diagonal curvature)
         # Directions to project individual gradients on, known before the backward pass
@@ -226,6 +227,7 @@ class ModuleTracker:
         self.stats = BackwardStatistics(num_samples)
         self.needs = needs
         self._weights = None
+        self._weights_problem: str | None = None
         self._accumulated = {}
         uses: dict[str, int] = {}
         for call in self._calls:
@@ -244,6 +246,7 @@ class ModuleTracker:
         """Hook on the per-sample losses: record w_n = ∂L/∂ℓ_n."""
         if self.active and not self._suspended:
             self._weights = grad.detach()
+            self._weights_problem = weights_problem(self._weights)
 
     @contextlib.contextmanager
     def suspended(self):
@@ -388,15 +391,9 @@ class ModuleTracker:
             self.stats.problems.append(message)
 
     def _process_guarded(self, call: Call) -> None:
-        self._suspended = True
         try:
-            self._process(call)
-        except Exception as error:  # the user's backward must never fail because of us
-            if self.strict and not isinstance(error, SampleMixingError):
-                raise
-            self._fail(f"{call.unit.name or type(call.unit.module).__name__}: {error}")
-        finally:
-            self._suspended = False
+            self._guarded(call.unit.name or type(call.unit.module).__name__, self._process, call)
+        finally:  # the call's inputs and gradients are freed inside its hook
             call.args = call.kwargs = None
             call.outputs = []
             call.grads = []
@@ -407,9 +404,8 @@ class ModuleTracker:
         if not (self.needs & PER_SAMPLE_STATS) or stats.problems:
             return
         weights = self._weights
-        reason = self.check_weights()
-        if reason is not None:
-            self._fail(reason)
+        if self._weights_problem is not None:
+            self._fail(self._weights_problem)
             return
         if weights is None:
             self._fail(
@@ -450,12 +446,13 @@ class ModuleTracker:
 
     def _guarded(self, label: str, fn, *args) -> None:
         """Run Cockpit's own work inside autograd; a failure is recorded, never raised
-        into the user's backward pass (unless ``strict``)."""
+        into the user's backward pass (unless ``strict``; a layer that mixes samples is a
+        property of the model, not a bug, and is always recorded)."""
         previous, self._suspended = self._suspended, True
         try:
             fn(*args)
         except Exception as error:
-            if self.strict:
+            if self.strict and not isinstance(error, SampleMixingError):
                 raise
             self._fail(f"{label}: {error}")
         finally:
@@ -503,20 +500,6 @@ class ModuleTracker:
             projections = self.stats.projections.setdefault(key, {})
             projections[name] = sg.dots_many(basis)
 
-    def check_weights(self) -> str | None:
-        """A reason why the loss weights do not allow individual gradients, or None."""
-        w = self._weights
-        if w is None:
-            return None
-        if not torch.all(w == w.flatten()[0]):
-            return (
-                "the backpropagated loss weights the individual losses unequally; Cockpit "
-                "expects the batch loss to be losses.mean() (or losses.sum())"
-            )
-        if w.flatten()[0] == 0:
-            return "the backpropagated loss does not depend on `losses` (zero weights)"
-        return None
-
     @property
     def loss_weight(self) -> float | None:
         """The (uniform) weight w = ∂L/∂ℓ_n of this backward, if known."""
@@ -528,6 +511,18 @@ class ModuleTracker:
         self._handles = []
         self.clear_calls()
         self.active = False
+
+
+def weights_problem(w: Tensor) -> str | None:
+    """Why the loss weights w_n = ∂L/∂ℓ_n do not allow individual gradients, or None."""
+    if not torch.all(w == w.flatten()[0]):
+        return (
+            "the backpropagated loss weights the individual losses unequally; Cockpit "
+            "expects the batch loss to be losses.mean() (or losses.sum())"
+        )
+    if w.flatten()[0] == 0:
+        return "the backpropagated loss does not depend on `losses` (zero weights)"
+    return None
 
 
 def accumulate(accumulated: dict[str, DenseSampleGrads], name: str, sg: SampleGrads) -> None:
