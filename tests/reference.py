@@ -11,7 +11,10 @@ from torch.func import functional_call, grad, vmap
 
 
 def individual_gradients(model: nn.Module, loss_fn, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-    """g_n = ∇ℓ_n for every trainable parameter, shape [N, *shape] (vmap over samples)."""
+    """g_n = ∇ℓ_n for every trainable parameter, shape [N, *shape] (vmap over samples).
+
+    torch.func.functional_call leaves a module that appears twice in an nn.Sequential with
+    its detached stand-ins instead of its parameters (torch 2.13), so they are restored."""
     params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
     buffers = dict(model.named_buffers())
     frozen = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
@@ -20,7 +23,12 @@ def individual_gradients(model: nn.Module, loss_fn, x: Tensor, y: Tensor) -> dic
         out = functional_call(model, {**theta, **frozen, **buffers}, (x_n.unsqueeze(0),))
         return loss_fn(out, y_n.unsqueeze(0)).sum()
 
-    return vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+    originals = [(m, k, p) for m in model.modules() for k, p in m._parameters.items()]
+    try:
+        return vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+    finally:
+        for module, key, param in originals:
+            module._parameters[key] = param
 
 
 def flat(grads: dict[str, Tensor], names=None) -> Tensor:

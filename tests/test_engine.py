@@ -14,7 +14,7 @@ from torch import nn
 from cockpit import Cockpit, at, configuration, every, logspaced, quantities
 from cockpit.engine.tracker import ModuleTracker
 from tests.models import make_problem
-from tests.reference import flat, gradient_tests, individual_gradients, rel_close
+from tests.reference import flat, gradient_tests, histogram, individual_gradients, rel_close
 
 
 def train(problem, cockpit, steps, opt, reduction="mean"):
@@ -256,4 +256,56 @@ def test_zero_gradient_gives_nan_with_a_note():
     assert out["GradNorm"] == 0.0
     for name in ("NormTest", "InnerTest", "OrthoTest"):
         assert math.isnan(out[name]) and "zero" in notes[name]
+    cockpit.close()
+
+
+def test_forward_passes_outside_cockpit_are_not_mixed_into_a_tracked_step():
+    """A loop that calls the Cockpit only at some steps (and evaluation forwards with
+    gradients on) leaves recorded calls of dead graphs; they must not make parameters look
+    used twice (which would be slower) nor keep old activations alive."""
+    problem = make_problem("cnn", 5)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.01)
+    cockpit = Cockpit(problem.model, [quantities.NormTest()], optimizer=opt)
+    for _ in range(2):  # steps the Cockpit does not see
+        opt.zero_grad()
+        problem.losses().mean().backward()
+        opt.step()
+    problem.model(problem.x)  # an evaluation forward with autograd on
+    opt.zero_grad()
+    losses = problem.losses()
+    with cockpit(7, losses=losses):
+        assert cockpit.tracker.num_calls == 3  # only this forward's three layers
+        losses.mean().backward()
+    assert cockpit.tracker._multi_use == set()
+    G = flat(individual_gradients(problem.model, problem.loss_fn, problem.x, problem.y))
+    assert rel_close(cockpit.get_output()[7]["NormTest"], gradient_tests(G)["NormTest"], 1e-6)
+    cockpit.close()
+
+
+def test_scratch_buffers_shared_by_layers_give_the_same_statistics_as_fresh_memory():
+    """Layers reuse one scratch buffer (cockpit.engine.workspace); a convolution applied
+    twice (its individual gradients accumulated over both calls) and a second convolution
+    in between must not see each other's numbers."""
+    torch.manual_seed(0)
+    conv, other = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 3, 3, padding=1)
+    model = nn.Sequential(conv, nn.Tanh(), other, nn.Tanh(), conv, nn.Flatten(),
+                          nn.Linear(3 * 6 * 6, 4)).double()
+    x, y = torch.randn(6, 3, 6, 6, dtype=torch.float64), torch.randint(0, 4, (6,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    instruments = [quantities.NormTest(), quantities.InnerTest(), quantities.GradHist1d()]
+    cockpit = Cockpit(model, instruments, optimizer=opt)
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+    for step in range(2):
+        opt.zero_grad()
+        losses = loss_fn(model(x), y)
+        G = flat(individual_gradients(model, lambda o, t: loss_fn(o, t), x, y))
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+        out = cockpit.get_output()[step]
+        expected = gradient_tests(G)
+        for name in ("NormTest", "InnerTest"):
+            assert rel_close(out[name], expected[name], 1e-6)
+        counts = torch.as_tensor(out["GradHist1d"]["counts"])
+        assert torch.equal(counts.long(), histogram(G).long())
     cockpit.close()

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from cockpit.configurations import configuration
 from cockpit.engine.histogram import BinSpec
 from cockpit.engine.tracker import PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
+from cockpit.engine.workspace import release_workspace
 from cockpit.quantities.base import Quantity, StepData, Value
 
 
@@ -138,6 +139,7 @@ class Cockpit:
             return
         self._finish_pending_update()
         self.tracker.remove()
+        release_workspace()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -180,6 +182,7 @@ class Cockpit:
         num_samples = 0 if losses is None else losses.shape[0]
         if losses is not None and losses.requires_grad:
             losses.register_hook(self.tracker.losses_hook)
+            self.tracker.drop_calls_outside(losses)
         captured = self.tracker.num_calls
         stats = self.tracker.begin(num_samples, needs)
         self._prepare_failures: dict[str, str] = {}

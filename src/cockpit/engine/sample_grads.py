@@ -47,10 +47,18 @@ class SampleGrads(ABC):
 
     num_samples: int
     shape: torch.Size
+    # Whether g_nᵀḡ is best computed together with the other dot products, as one
+    # ``dots_many`` pass over the gradients (False where gram_mean has its own closed form).
+    fuse_dots: bool = True
 
     @abstractmethod
     def materialize(self) -> Tensor:
         """All individual gradients as one tensor of shape ``[N, *shape]``."""
+
+    def materialize_owned(self) -> Tensor:
+        """Like :meth:`materialize`, but never a view of scratch memory that later work
+        reuses (:mod:`cockpit.engine.workspace`): safe to keep."""
+        return self.materialize()
 
     def chunks(self) -> list[Tensor]:
         """Individual gradients in sample chunks ``[n_chunk, *shape]`` (default: one chunk)."""
@@ -130,6 +138,8 @@ class OuterSampleGrads(SampleGrads):
     g_nᵀ ḡ = (1/N) Σ_m (δδᵀ ⊙ aaᵀ)_{nm};   g_nᵀ U = δ_nᵀ U a_n;
     Σ_n g_n⊙g_n = (δ⊙δ)ᵀ (a⊙a).
     """
+
+    fuse_dots = False
 
     def __init__(self, delta: Tensor, a: Tensor):
         self.delta, self.a = delta, a

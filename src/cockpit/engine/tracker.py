@@ -221,6 +221,26 @@ class ModuleTracker:
         self.model_output = None
         self.activation_calls = []
 
+    def drop_calls_outside(self, root: Tensor) -> None:
+        """Forget recorded calls whose outputs ``root`` does not depend on: forward passes
+        of steps the Cockpit did not see (their graphs are gone), evaluation passes, ….
+        Kept, they would make every parameter look used twice and hold stale activations."""
+        seen: set = set()
+        stack = [root.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        stale = [c for c in self._calls if not any(o.grad_fn in seen for o in c.outputs)]
+        if stale:
+            for call in stale:
+                call.args = call.kwargs = None
+                call.outputs, call.grads = [], []
+            self._calls = [c for c in self._calls if c.args is not None]
+        self.activation_calls = [c for c in self.activation_calls if c[2].grad_fn in seen]
+
     # ------------------------------------------------------------------ backward
     def begin(self, num_samples: int, needs: frozenset[str]) -> BackwardStatistics:
         """Arm the hooks for one tracked backward pass."""
@@ -326,7 +346,7 @@ class ModuleTracker:
                     seen = grad.detach() if param.grad is None else grad.detach() + param.grad
                     self._seen_grads[name] = seen
                     if name in self._pending_provided:
-                        self._project_provided_guarded(name, self._pending_provided.pop(name))
+                        self._reduce_dots_guarded(name, self._pending_provided.pop(name))
             return None
 
         return hook
@@ -375,7 +395,7 @@ class ModuleTracker:
             for name, sg in self._pending_provided.items():
                 if name in self.stats.batch_grads:
                     self._seen_grads.setdefault(name, self.stats.batch_grads[name])
-                    self._project_provided_guarded(name, sg)
+                self._reduce_dots_guarded(name, sg)
         finally:
             self.active = False
             self._accumulated = {}
@@ -466,7 +486,7 @@ class ModuleTracker:
         assert stats is not None
         if SQ_NORMS in needs:
             stats.sq_norms[name] = sg.sq_norms()
-        if GRAM_MEAN in needs:
+        if GRAM_MEAN in needs and not sg.fuse_dots:
             stats.gram_mean[name] = sg.gram_mean()
         if SUM_SQ in needs:
             stats.sum_sq[name] = sg.sum_sq()
@@ -477,28 +497,47 @@ class ModuleTracker:
         if HIST2D in needs:
             spec_g, spec_theta = self.hist2d_specs
             stats.hist2d[name] = sg.histogram2d(self.params[name].detach(), spec_g, spec_theta)
+        if self.direction_providers and name not in self._seen_grads:
+            # the parameter's gradient arrives right after this layer's output gradient
+            self._pending_provided[name] = sg
+        else:
+            self._reduce_dots(name, sg)
+
+    def _reduce_dots_guarded(self, name: str, sg: SampleGrads) -> None:
+        self._guarded(name, self._reduce_dots, name, sg)
+
+    def _reduce_dots(self, name: str, sg: SampleGrads) -> None:
+        """The statistics that are dot products g_nᵀu — with ḡ (GRAM_MEAN), with the
+        directions known before the backward and with those the providers compute from the
+        gradient the optimizer sees — in one pass over the individual gradients."""
+        stats = self.stats
+        assert stats is not None
+        vectors: list[Tensor] = []
+        slots: list[tuple[str, str, int]] = []  # (kind, key, number of rows)
+        if GRAM_MEAN in self.needs and sg.fuse_dots:
+            vectors.append(sg.batch_mean())
+            slots.append(("gram", "", 1))
         for key, directions in self.directions.items():
             if name in directions:
-                projections = stats.projections.setdefault(key, {})
-                projections[name] = sg.dots(directions[name]).unsqueeze(0)
-        if self.direction_providers:
-            if name in self._seen_grads:
-                self._project_provided(name, sg)
-            else:  # the parameter's gradient arrives right after this layer's output grad
-                self._pending_provided[name] = sg
-
-    def _project_provided_guarded(self, name: str, sg: SampleGrads) -> None:
-        self._guarded(name, self._project_provided, name, sg)
-
-    def _project_provided(self, name: str, sg: SampleGrads) -> None:
-        assert self.stats is not None
-        param, grad = self.params[name], self._seen_grads[name]
-        for key, provider in self.direction_providers.items():
-            basis = provider(name, param, grad)
-            if basis is None:
-                continue
-            projections = self.stats.projections.setdefault(key, {})
-            projections[name] = sg.dots_many(basis)
+                vectors.append(directions[name])
+                slots.append(("projection", key, 1))
+        if self.direction_providers and name in self._seen_grads:
+            param, grad = self.params[name], self._seen_grads[name]
+            for key, provider in self.direction_providers.items():
+                basis = provider(name, param, grad)
+                if basis is not None:
+                    vectors.extend(basis)
+                    slots.append(("projection", key, len(basis)))
+        if not vectors:
+            return
+        dots = sg.dots_many(vectors)  # [K, N]
+        row = 0
+        for kind, key, rows in slots:
+            if kind == "gram":
+                stats.gram_mean[name] = dots[row]
+            else:
+                stats.projections.setdefault(key, {})[name] = dots[row : row + rows]
+            row += rows
 
     @property
     def loss_weight(self) -> float | None:
@@ -527,7 +566,7 @@ def weights_problem(w: Tensor) -> str | None:
 
 def accumulate(accumulated: dict[str, DenseSampleGrads], name: str, sg: SampleGrads) -> None:
     """Sum the individual gradients of a parameter over the calls that use it."""
-    dense = DenseSampleGrads(sg.materialize())
+    dense = DenseSampleGrads(sg.materialize_owned())
     if name in accumulated:
         accumulated[name].add_(dense)
     else:

@@ -372,18 +372,24 @@ def fit_basis_coefficients(
     """
     if len(basis) == 0:
         return None
-    flat = [b.reshape(-1) for b in basis]
     target = actual.reshape(-1)
-    # inner products of the float tensors with float64 accumulators (no float64 copies)
-    gram = torch.tensor([[_dot(u, v) for v in flat] for u in flat], dtype=torch.float64)
-    rhs = torch.tensor([_dot(u, target) for u in flat], dtype=torch.float64)
-    if not (torch.isfinite(gram).all() and torch.isfinite(rhs).all()):
+    # one float64 Gram matrix of [basis…, target] by a single matrix product
+    stacked = torch.stack([b.reshape(-1).to(target.dtype) for b in basis] + [target])
+    full = stacked.double() @ stacked.double().T
+    if not torch.isfinite(full).all():
         return None
+    k = len(basis)
+    gram, rhs, tt = full[:k, :k], full[:k, k], float(full[k, k])
     coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
-    fitted = sum(float(c) * u.to(target.dtype) for c, u in zip(coefficients, flat, strict=True))
+    # ‖t − Bc‖² = tᵀt − 2cᵀBᵀt + cᵀBᵀBc; accurate enough to accept a clear match, while
+    # anything near the threshold (or with a large cancellation) is recomputed directly
+    fitted_sq = float(coefficients @ gram @ coefficients)
+    residual_sq = tt - 2 * float(coefficients @ rhs) + fitted_sq
+    bound = (rtol * math.sqrt(tt) + _TINY) ** 2
+    if residual_sq <= 0.01 * bound and fitted_sq <= 1e6 * tt:
+        return coefficients
+    fitted = sum(float(c) * u for c, u in zip(coefficients, stacked[:k], strict=True))
     r = target - fitted
-    residual = math.sqrt(float((r * r).sum(dtype=torch.float64)))
-    norm = math.sqrt(_dot(target, target))
-    if residual <= rtol * norm + _TINY:
+    if float((r * r).sum(dtype=torch.float64)) <= bound:
         return coefficients
     return None

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from cockpit.engine.rules.registry import register_rule
 from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.workspace import workspace
 
 
 def _explicit_padding(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
@@ -43,12 +44,15 @@ def _explicit_padding(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     return F.pad(x, pads, mode=mode)
 
 
-def _patches(module: nn.modules.conv._ConvNd, x: Tensor, out_sizes: torch.Size) -> Tensor:
+def _patches(
+    module: nn.modules.conv._ConvNd, x: Tensor, out_sizes: torch.Size, out: Tensor | None = None
+) -> Tensor:
     """Unfolded input ``[N, G, (C_in/G)·K, L]`` of the padded input ``x``.
 
-    A strided view ``[N, C_in, *kernel, *out]`` copied once. The output positions are the
-    innermost (fastest) dimension, so the copy moves runs of contiguous input rows; with the
-    kernel innermost (as in im2col's transpose) the copy is several times slower on a CPU.
+    A strided view ``[N, C_in, *kernel, *out]`` copied once (into ``out`` if given, a
+    buffer of that many elements). The output positions are the innermost (fastest)
+    dimension, so the copy moves runs of contiguous input rows; with the kernel innermost
+    (as in im2col's transpose) the copy is several times slower on a CPU.
     """
     n, c_in = x.shape[:2]
     spatial_strides = x.stride()[2:]
@@ -61,6 +65,8 @@ def _patches(module: nn.modules.conv._ConvNd, x: Tensor, out_sizes: torch.Size) 
             *(st * s for st, s in zip(spatial_strides, module.stride, strict=True)),
         ),
     )
+    if out is not None:
+        view = out.view(view.shape).copy_(view)
     return view.reshape(n, module.groups, -1, math.prod(out_sizes))
 
 
@@ -103,26 +109,39 @@ class ConvSampleGrads(SampleGrads):
         self.num_samples = delta.shape[0]
         self.shape = module.weight.shape
         self._grads: Tensor | None = None
+        self._ticket: tuple | None = None  # workspace ticket of self._grads, if borrowed
         self._key = key  # identifies the input in the unfold cache, if one is active
 
     def _unfolded(self) -> Tensor:
         cache = _UNFOLD_CACHE
         if cache is not None and self._key is not None and ("patches", self._key) in cache:
             return cache[("patches", self._key)]
-        patches = _patches(self.module, self.x, self.delta.shape[2:])
-        if cache is not None and self._key is not None:
+        out_sizes = self.delta.shape[2:]
+        if cache is not None and self._key is not None:  # kept for several backprops
+            patches = _patches(self.module, self.x, out_sizes)
             cache[("patches", self._key)] = patches
-        return patches
+            return patches
+        numel = self.x.shape[:2].numel() * math.prod(self.module.kernel_size) * out_sizes.numel()
+        buffer, _ = workspace().take("patches", (numel,), self.x.dtype, self.x.device)
+        return _patches(self.module, self.x, out_sizes, out=buffer)
 
     def materialize(self) -> Tensor:
+        if self._ticket is not None and not workspace().valid(self._ticket):
+            self._grads = None  # another layer reused the buffer
         if self._grads is None:
             module, delta = self.module, self.delta
             n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
             patches = self._unfolded()  # [N, G, Cg·K, L]
             delta = delta.reshape(n, groups, c_out // groups, patches.shape[-1])  # [N, G, Og, L]
-            grads = torch.matmul(delta, patches.transpose(2, 3))  # [N, G, Og, Cg·K]
+            grads, self._ticket = workspace().take(
+                "grads", (n, groups, c_out // groups, patches.shape[2]), delta.dtype,
+                delta.device)
+            torch.matmul(delta, patches.transpose(2, 3), out=grads)  # [N, G, Og, Cg·K]
             self._grads = grads.reshape(n, *self.shape)
         return self._grads
+
+    def materialize_owned(self) -> Tensor:
+        return self.materialize().clone()
 
     def chunks(self) -> list[Tensor]:
         return [self.materialize()]
