@@ -305,19 +305,20 @@ def _as_double(tensors: Sequence[Tensor | None]) -> list[Tensor]:
 
 
 def _dot(a: Tensor, b: Tensor) -> float:
-    """⟨a, b⟩ with a float64 accumulator."""
-    return float((a.reshape(-1) * b.reshape(-1).to(a.dtype)).sum(dtype=torch.float64))
+    """⟨a, b⟩ by a BLAS dot product in the tensors' dtype (no temporary)."""
+    return float(torch.dot(a.reshape(-1), b.reshape(-1).to(a.dtype)))
 
 
 def match_update(
-    predicted: Sequence[Tensor | None], actual: Sequence[Tensor], rtol: float = 1e-4
+    predicted: Sequence[Tensor | None], actual: Sequence[Tensor], rtol: float = 1e-4,
+    atol: float = 0.0,
 ) -> float | None:
     """Global scale κ with ``actual ≈ κ · predicted`` over all tensors, or None.
 
-    κ = ⟨p, a⟩ / ⟨p, p⟩ (least squares, float64), accepted when
-    ``‖a − κ p‖ ≤ rtol ‖a‖ + tiny``. κ = lr_new / lr_old after an lr change for every group;
-    κ = clip coefficient for clipped plain SGD (module docstring). A zero prediction matches
-    only a zero update (κ = 1). None for a length mismatch, a missing prediction or
+    κ = ⟨p, a⟩ / ⟨p, p⟩ (least squares), accepted when ``‖a − κ p‖ ≤ rtol ‖a‖ + atol``
+    (``atol``: the rounding in measuring ``a`` as a difference of parameters).
+    κ = lr_new / lr_old after an lr change for every group; κ = clip coefficient for
+    clipped plain SGD (module docstring). A zero prediction matches only a zero update (κ = 1). None for a length mismatch, a missing prediction or
     non-finite values.
     """
     if len(predicted) != len(actual) or any(p is None for p in predicted):
@@ -332,11 +333,9 @@ def match_update(
     kappa = pa / pp
     residual_sq = 0.0
     for p, a in zip(predicted, actual, strict=True):
-        # a − κp in the tensors' own precision (nearly equal values subtract exactly),
-        # squares summed in float64: no float64 copies of parameter-sized tensors
         r = a - p.to(a.dtype) * kappa  # type: ignore[union-attr]
-        residual_sq += float((r * r).sum(dtype=torch.float64))
-    if math.sqrt(residual_sq) <= rtol * math.sqrt(aa) + _TINY:
+        residual_sq += float(torch.linalg.vector_norm(r)) ** 2
+    if math.sqrt(residual_sq) <= rtol * math.sqrt(aa) + atol + _TINY:
         return kappa
     return None
 
@@ -363,33 +362,32 @@ def sgd_update_basis(optimizer: Optimizer, param: Tensor, grad: Tensor) -> list[
 
 
 def fit_basis_coefficients(
-    basis: Sequence[Tensor], actual: Tensor, rtol: float = 1e-4
+    basis: Sequence[Tensor], actual: Tensor, rtol: float = 1e-4, atol: float = 0.0
 ) -> Tensor | None:
     """Least-squares coefficients c with ``actual ≈ Σ_k c_k basis_k`` (float64, on CPU).
 
-    Accepted when ``‖actual − Σ c_k basis_k‖ ≤ rtol ‖actual‖ + tiny``, else None. Then
+    Accepted when ``‖actual − Σ c_k basis_k‖ ≤ rtol ‖actual‖ + atol``, else None; ``atol``
+    covers the rounding in measuring ``actual`` (a difference of parameters). Then
     ``s_tᵀ g_n = Σ_k c_k (basis_kᵀ g_n)`` for any vector g_n, also if the basis is degenerate.
+    The Gram matrix and the residual are accumulated in the tensors' dtype (BLAS dot
+    products, no copies); the 2×2 or 3×3 solve is in float64.
     """
     if len(basis) == 0:
         return None
     target = actual.reshape(-1)
-    # one float64 Gram matrix of [basis…, target] by a single matrix product
-    stacked = torch.stack([b.reshape(-1).to(target.dtype) for b in basis] + [target])
-    full = stacked.double() @ stacked.double().T
+    vectors = [b.reshape(-1).to(target.dtype) for b in basis] + [target]
+    k = len(basis)
+    full = torch.empty(k + 1, k + 1, dtype=torch.float64)
+    for i in range(k + 1):
+        for j in range(i, k + 1):
+            full[i, j] = full[j, i] = float(torch.dot(vectors[i], vectors[j]))
     if not torch.isfinite(full).all():
         return None
-    k = len(basis)
-    gram, rhs, tt = full[:k, :k], full[:k, k], float(full[k, k])
+    gram, rhs = full[:k, :k], full[:k, k]
     coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
-    # ‖t − Bc‖² = tᵀt − 2cᵀBᵀt + cᵀBᵀBc; accurate enough to accept a clear match, while
-    # anything near the threshold (or with a large cancellation) is recomputed directly
-    fitted_sq = float(coefficients @ gram @ coefficients)
-    residual_sq = tt - 2 * float(coefficients @ rhs) + fitted_sq
-    bound = (rtol * math.sqrt(tt) + _TINY) ** 2
-    if residual_sq <= 0.01 * bound and fitted_sq <= 1e6 * tt:
-        return coefficients
-    fitted = sum(float(c) * u for c, u in zip(coefficients, stacked[:k], strict=True))
-    r = target - fitted
-    if float((r * r).sum(dtype=torch.float64)) <= bound:
+    residual = target.clone()
+    for c, u in zip(coefficients.tolist(), vectors[:k], strict=True):
+        residual.add_(u, alpha=-c)
+    if float(torch.linalg.vector_norm(residual)) <= rtol * math.sqrt(full[k, k]) + atol + _TINY:
         return coefficients
     return None

@@ -192,10 +192,14 @@ class Alpha(Quantity):
         if missing:
             return None, f"no individual gradients for updated parameter(s) {missing[:3]}"
         names = [k for k in state.projections if k in update]
+        # θ_{t+1} − θ_t is measured with the rounding error of θ_{t+1}: ≤ ε/2 per element
+        noise = {k: torch.finfo(update[k].dtype).eps * float(
+            torch.linalg.vector_norm(data.params[k].detach())) for k in names}
         if state.sgd:
             total = None
             for k in names:
-                coefficients = up.fit_basis_coefficients(state.basis[k], update[k], self.rtol)
+                coefficients = up.fit_basis_coefficients(
+                    state.basis[k], update[k], self.rtol, noise[k])
                 if coefficients is None:
                     return None, (
                         "the real update is not an SGD step of the predicted form (the "
@@ -206,7 +210,8 @@ class Alpha(Quantity):
                 total = dots if total is None else total + dots
             return total, None
         kappa = up.match_update(
-            [state.basis[k][0] for k in names], [update[k] for k in names], self.rtol
+            [state.basis[k][0] for k in names], [update[k] for k in names], self.rtol,
+            math.sqrt(sum(v * v for v in noise.values())),
         )
         if kappa is None:
             return None, (
