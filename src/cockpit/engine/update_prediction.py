@@ -318,8 +318,8 @@ def match_update(
     κ = ⟨p, a⟩ / ⟨p, p⟩ (least squares), accepted when ``‖a − κ p‖ ≤ rtol ‖a‖ + atol``
     (``atol``: the rounding in measuring ``a`` as a difference of parameters).
     κ = lr_new / lr_old after an lr change for every group; κ = clip coefficient for
-    clipped plain SGD (module docstring). A zero prediction matches only a zero update (κ = 1). None for a length mismatch, a missing prediction or
-    non-finite values.
+    clipped plain SGD (module docstring). A zero prediction matches only a zero update
+    (κ = 1). None for a length mismatch, a missing prediction or non-finite values.
     """
     if len(predicted) != len(actual) or any(p is None for p in predicted):
         return None
