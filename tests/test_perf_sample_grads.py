@@ -65,7 +65,7 @@ def check_all(sg: SampleGrads, g: Tensor, tag: str) -> None:
 def test_conv_sample_grads_match_torch_func(name, materialize, monkeypatch):
     """Both projection paths: by convolution (lazy) and from the materialized gradients."""
     monkeypatch.setattr(ConvSampleGrads, "_materialize_for_projections",
-                        lambda self: materialize)
+                        lambda self, num_directions: materialize)
     torch.manual_seed(0)
     module, shape = CONVS[name]
     module = module.double()

@@ -320,14 +320,20 @@ class ModuleTracker:
                     totals[name] = totals.get(name, 0) + sg.sum_sq()
         return totals
 
-    def _rule(self, call: Call, grads: list[Tensor]) -> dict[str, SampleGrads]:
-        """The unit's rule on one call, keyed by global parameter names."""
+    def _rule(self, call: Call, grads: list[Tensor], scale: float = 1.0
+              ) -> dict[str, SampleGrads]:
+        """The unit's rule on one call, keyed by global parameter names. ``scale``: a factor
+        the rule applies to ``grads`` (only rules with ``takes_scale``)."""
         unit = call.unit
         if unit.registered_rule and len(grads) == 1:
             rule = find_rule(unit.module)
             assert rule is not None
             output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
-            sample_grads = rule(unit.module, call.args, call.kwargs, output, grads[0])
+            if scale != 1.0:
+                sample_grads = rule(unit.module, call.args, call.kwargs, output, grads[0],
+                                    scale=scale)
+            else:
+                sample_grads = rule(unit.module, call.args, call.kwargs, output, grads[0])
         else:
             sample_grads = fallback_rule(
                 unit.module, call.args, call.kwargs, call.outputs, grads, unit.params
@@ -441,12 +447,19 @@ class ModuleTracker:
             )
         unit = call.unit
         bd = batch_dim_of(unit.module)
-        grads = [self._individual(g, weights, bd) for g in call.grads]
+        rule = find_rule(unit.module) if unit.registered_rule else None
+        scale = 1.0
+        if getattr(rule, "takes_scale", False) and not self.keep_calls:
+            # δ_n = ∂L/∂y_n / w with one uniform w (checked): the rule folds 1/w into its
+            # smallest intermediate instead of dividing the whole output gradient
+            grads, scale = list(call.grads), 1.0 / float(weights.flatten()[0])
+        else:
+            grads = [self._individual(g, weights, bd) for g in call.grads]
         if self.keep_calls:  # for projections on directions known only after the step
             self.kept_calls.append(Call(unit, call.args, call.kwargs, [], call.versions, grads))
         if self.needs <= {PROJECTIONS} and not (self.directions or self.direction_providers):
             return
-        for name, sg in self._rule(call, grads).items():
+        for name, sg in self._rule(call, grads, scale).items():
             if sg.num_samples != stats.num_samples:
                 raise ValueError(
                     f"saw a batch of {sg.num_samples} samples but `losses` has "

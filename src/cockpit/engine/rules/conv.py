@@ -103,9 +103,11 @@ class ConvSampleGrads(SampleGrads):
     """
 
     def __init__(
-        self, module: nn.modules.conv._ConvNd, x_padded: Tensor, delta: Tensor, key=None
+        self, module: nn.modules.conv._ConvNd, x_padded: Tensor, delta: Tensor, key=None,
+        scale: float = 1.0,
     ):
         self.module, self.x, self.delta = module, x_padded, delta
+        self.scale = scale  # the individual gradients are scale · δ_n U_nᵀ
         self.num_samples = delta.shape[0]
         self.shape = module.weight.shape
         self._grads: Tensor | None = None
@@ -136,7 +138,13 @@ class ConvSampleGrads(SampleGrads):
             grads, self._ticket = workspace().take(
                 "grads", (n, groups, c_out // groups, patches.shape[2]), delta.dtype,
                 delta.device)
-            torch.matmul(delta, patches.transpose(2, 3), out=grads)  # [N, G, Og, Cg·K]
+            if groups == 1:  # scale folded into the batched product
+                torch.baddbmm(grads[:, 0], delta[:, 0], patches[:, 0].transpose(1, 2),
+                              beta=0, alpha=self.scale, out=grads[:, 0])
+            else:
+                torch.matmul(delta, patches.transpose(2, 3), out=grads)  # [N, G, Og, Cg·K]
+                if self.scale != 1.0:
+                    grads.mul_(self.scale)
             self._grads = grads.reshape(n, *self.shape)
         return self._grads
 
@@ -149,16 +157,17 @@ class ConvSampleGrads(SampleGrads):
     def dots(self, u: Tensor) -> Tensor:
         return self.dots_many([u])[0]
 
-    def _materialize_for_projections(self) -> bool:
-        """Materializing costs about one convolution and yields N·D numbers; a projection by
-        convolution costs one convolution per direction and yields N·C_out·L numbers. When
-        D ≤ C_out·L (few input channels per kernel, many positions: (C_in/G)·K ≤ L) the
-        materialized gradients are no larger than δ and all later projections are cheap."""
+    def _materialize_for_projections(self, num_directions: int) -> bool:
+        """Materializing costs about one convolution (the layer's weight-gradient FLOPs) and
+        then every projection is a cheap pass over N·D numbers; projecting by convolution
+        costs one convolution per direction and never builds g_n. So materialize for two or
+        more directions, and for one when D ≤ C_out·L (few input channels per kernel, many
+        positions: the gradients are no larger than δ)."""
         positions = self.delta[0, 0].numel()
-        return self.shape[1:].numel() <= positions
+        return num_directions >= 2 or self.shape[1:].numel() <= positions
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
-        if self._grads is not None or self._materialize_for_projections():
+        if self._grads is not None or self._materialize_for_projections(len(us)):
             return super().dots_many(us)
         module, delta = self.module, self.delta
         n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
@@ -172,15 +181,19 @@ class ConvSampleGrads(SampleGrads):
         out = conv(self.x, weight, None, module.stride, 0, module.dilation, groups)
         if groups == 1:  # ⟨conv(x_n; U_k), δ_n⟩ for all k by one batched matvec
             dots = torch.bmm(out.reshape(n, k, -1), delta.reshape(n, -1, 1))  # [N, K, 1]
-            return dots.reshape(n, k).T
+            return dots.reshape(n, k).T * self.scale
         out = out.reshape(n, groups, k, og, -1)  # [N, G, K, Og, L]
-        return torch.einsum("ngkol,ngol->kn", out, delta.reshape(n, groups, og, -1))
+        dots = torch.einsum("ngkol,ngol->kn", out, delta.reshape(n, groups, og, -1))
+        return dots * self.scale
 
 
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def conv_rule(
-    module: nn.modules.conv._ConvNd, args: tuple, kwargs: dict, output: Tensor, grad_output: Tensor
+    module: nn.modules.conv._ConvNd, args: tuple, kwargs: dict, output: Tensor,
+    grad_output: Tensor, scale: float = 1.0,
 ) -> dict[str, SampleGrads]:
+    """Individual gradients of a convolution's weight and bias from its input and
+    ``scale · grad_output`` (the scale is folded into the small results, see tracker)."""
     x = args[0] if args else kwargs["input"]
     if x.dim() != len(module.kernel_size) + 2:
         raise ValueError(
@@ -197,7 +210,11 @@ def conv_rule(
             x_padded = _explicit_padding(module, x.detach())
             if cache is not None:
                 cache[("padded", key)] = x_padded
-        grads["weight"] = ConvSampleGrads(module, x_padded, delta, key)
+        grads["weight"] = ConvSampleGrads(module, x_padded, delta, key, scale)
     if module.bias is not None and module.bias.requires_grad:
-        grads["bias"] = DenseSampleGrads(delta.flatten(2).sum(2))
+        bias = delta.flatten(2).sum(2)
+        grads["bias"] = DenseSampleGrads(bias * scale if scale != 1.0 else bias)
     return grads
+
+
+conv_rule.takes_scale = True  # type: ignore[attr-defined]
