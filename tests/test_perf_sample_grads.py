@@ -60,12 +60,15 @@ def check_all(sg: SampleGrads, g: Tensor, tag: str) -> None:
     torch.testing.assert_close(sg.dots_many(us), expected_dots, msg=tag)
 
 
+@pytest.mark.parametrize("method", ["unfold", "grouped"])
 @pytest.mark.parametrize("materialize", [False, True])
 @pytest.mark.parametrize("name", list(CONVS))
-def test_conv_sample_grads_match_torch_func(name, materialize, monkeypatch):
-    """Both projection paths: by convolution (lazy) and from the materialized gradients."""
+def test_conv_sample_grads_match_torch_func(name, materialize, method, monkeypatch):
+    """Both projection paths: by convolution (lazy) and from the materialized gradients,
+    which are formed by unfolding or by a grouped convolution."""
     monkeypatch.setattr(ConvSampleGrads, "_materialize_for_projections",
                         lambda self, num_directions: materialize)
+    monkeypatch.setattr(ConvSampleGrads, "_method", lambda self: method)
     torch.manual_seed(0)
     module, shape = CONVS[name]
     module = module.double()
@@ -73,7 +76,7 @@ def test_conv_sample_grads_match_torch_func(name, materialize, monkeypatch):
     out = module(x)
     delta = torch.randn_like(out)
     reference = individual_grads(module, x, delta)
-    grads = conv_rule(module, (x,), {}, out, delta)
+    grads = conv_rule(module, (x,), {}, out, delta * 4, scale=0.25)  # the tracker's 1/w
     assert isinstance(grads["weight"], ConvSampleGrads)
     check_all(grads["weight"], reference["weight"], f"{name}.weight")
     check_all(grads["bias"], reference["bias"], f"{name}.bias")

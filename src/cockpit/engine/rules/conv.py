@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -71,6 +72,9 @@ def _patches(
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+# Measured choice of materialization per layer shape (see ConvSampleGrads._method).
+_METHODS: dict[tuple, str] = {}
 
 # While Cockpit backpropagates several vectors through the same forward pass (diagonal
 # curvature), the padded and unfolded inputs of each layer are computed once and reused.
@@ -131,22 +135,65 @@ class ConvSampleGrads(SampleGrads):
         if self._ticket is not None and not workspace().valid(self._ticket):
             self._grads = None  # another layer reused the buffer
         if self._grads is None:
-            module, delta = self.module, self.delta
-            n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
-            patches = self._unfolded()  # [N, G, Cg·K, L]
-            delta = delta.reshape(n, groups, c_out // groups, patches.shape[-1])  # [N, G, Og, L]
-            grads, self._ticket = workspace().take(
-                "grads", (n, groups, c_out // groups, patches.shape[2]), delta.dtype,
-                delta.device)
-            if groups == 1:  # scale folded into the batched product
-                torch.baddbmm(grads[:, 0], delta[:, 0], patches[:, 0].transpose(1, 2),
-                              beta=0, alpha=self.scale, out=grads[:, 0])
+            if _UNFOLD_CACHE is None and self._method() == "grouped":
+                self._grads, self._ticket = self._by_grouped_convolution(), None
             else:
-                torch.matmul(delta, patches.transpose(2, 3), out=grads)  # [N, G, Og, Cg·K]
-                if self.scale != 1.0:
-                    grads.mul_(self.scale)
-            self._grads = grads.reshape(n, *self.shape)
+                self._grads = self._by_unfolding()
         return self._grads
+
+    def _by_unfolding(self) -> Tensor:
+        """g_n = δ_n U_nᵀ: unfold the input, one batched matrix product."""
+        module, delta = self.module, self.delta
+        n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
+        patches = self._unfolded()  # [N, G, Cg·K, L]
+        delta = delta.reshape(n, groups, c_out // groups, patches.shape[-1])  # [N, G, Og, L]
+        grads, self._ticket = workspace().take(
+            "grads", (n, groups, c_out // groups, patches.shape[2]), delta.dtype, delta.device)
+        if groups == 1:  # scale folded into the batched product
+            torch.baddbmm(grads[:, 0], delta[:, 0], patches[:, 0].transpose(1, 2),
+                          beta=0, alpha=self.scale, out=grads[:, 0])
+        else:
+            torch.matmul(delta, patches.transpose(2, 3), out=grads)  # [N, G, Og, Cg·K]
+            if self.scale != 1.0:
+                grads.mul_(self.scale)
+        return grads.reshape(n, *self.shape)
+
+    def _by_grouped_convolution(self) -> Tensor:
+        """g_n as the weight gradient of one convolution whose groups are the samples: the
+        batch folded into channels, [1, N·C_in, …] ⊛ [N·C_out, C_in/G, …], groups N·G."""
+        module, x, delta = self.module, self.x, self.delta
+        n = delta.shape[0]
+        weight_shape = (n * self.shape[0], *self.shape[1:])
+        dims = len(module.kernel_size)
+        grads = torch.ops.aten.convolution_backward(
+            delta.reshape(1, -1, *delta.shape[2:]), x.reshape(1, -1, *x.shape[2:]),
+            x.new_empty(weight_shape), None, list(module.stride), [0] * dims,
+            list(module.dilation), False, [0] * dims, n * module.groups, [False, True, False],
+        )[1]
+        grads = grads.reshape(n, *self.shape)
+        return grads.mul_(self.scale) if self.scale != 1.0 else grads
+
+    def _method(self) -> str:
+        """The faster of the two ways to materialize, measured once per layer shape (which
+        one wins depends on the shapes and the hardware: on a 2-core CPU the grouped
+        convolution is 1.5× faster for 2C2D's second layer and 1.4–3.5× slower for 3C3D's)."""
+        key = (tuple(self.x.shape), tuple(self.delta.shape), self.shape, self.module.stride,
+               self.module.dilation, self.module.groups, self.x.dtype, self.x.device.type)
+        method = _METHODS.get(key)
+        if method is None:
+            timings = {}
+            for name, run in (("unfold", self._by_unfolding),
+                              ("grouped", self._by_grouped_convolution)):
+                times = []
+                for _ in range(2):  # the second run is warm (scratch memory, kernels)
+                    start = time.perf_counter()
+                    run()
+                    if self.x.device.type == "cuda":
+                        torch.cuda.synchronize(self.x.device)
+                    times.append(time.perf_counter() - start)
+                timings[name] = times[-1]
+            method = _METHODS[key] = min(timings, key=timings.__getitem__)
+        return method
 
     def materialize_owned(self) -> Tensor:
         return self.materialize().clone()
