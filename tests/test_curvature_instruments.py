@@ -119,6 +119,19 @@ def test_hess_max_ev_matches_eigvalsh(name):
     assert out["HessMaxEV.num_hvp"] >= 1
 
 
+@pytest.mark.parametrize("name", ["mlp_relu", "cnn"])
+def test_hess_max_ev_default_tolerance_bounds_the_error(name):
+    """Default tol = 3e-2 on the Ritz residual: θ lies within 3 % of an eigenvalue."""
+    problem = make_problem(name, 4)
+    H, _, _ = dense_hessian(problem)
+    eigenvalues = torch.linalg.eigvalsh(H)
+    out = one_step(problem, [quantities.HessMaxEV()])
+    value = out["HessMaxEV"]
+    assert (eigenvalues - value).abs().min().item() <= 3e-2 * abs(value)
+    assert value <= eigenvalues[-1].item() * (1 + 1e-9)  # a Ritz value never overshoots
+    assert rel_close(value, eigenvalues[-1].item(), 3e-2)
+
+
 def test_hess_max_ev_warm_start_saves_hessian_vector_products():
     counts = {}
     for warm in (True, False):
