@@ -121,3 +121,21 @@ def test_linear_dots_many_match_torch_func(seq):
     assert isinstance(grads["weight"], kind)
     check_all(grads["weight"], reference["weight"], "weight")
     check_all(grads["bias"], reference["bias"], "bias")
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e3])
+def test_large_float32_sums_of_squares_are_accurate(offset):
+    """The row-wise float32 paths for large tensors (sum of squares, centered sum of squares
+    by shifted sums, mean by a matrix-vector product) against float64, also when the mean
+    is 10⁵ times the spread (the centered sum must not cancel)."""
+    torch.manual_seed(0)
+    g64 = offset + 1e-2 * torch.randn(9, 2**15, dtype=torch.float64)
+    g32 = g64.float()
+    sg = DenseSampleGrads(g32)
+    exact = g32.double()
+    torch.testing.assert_close(sg.sum_sq(), exact.pow(2).sum(0), rtol=1e-6, atol=0)
+    scale = exact.abs().max().item()  # a float32 mean is accurate relative to the data
+    torch.testing.assert_close(sg.batch_mean().double(), exact.mean(0), rtol=0,
+                               atol=1e-6 * scale)
+    centered = (exact - exact.mean(0)).pow(2).sum(0)
+    torch.testing.assert_close(sg.centered_sum_sq(), centered, rtol=1e-3, atol=0)
