@@ -40,7 +40,7 @@ from cockpit.engine import update_prediction as up
 from cockpit.engine.projection import project_calls
 from cockpit.engine.tracker import PROJECTIONS
 from cockpit.quantities.alpha_fit import Observations, compute_alpha
-from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.quantities.base import Quantity, StepData, Value, sq_norm
 from cockpit.schedules import Schedule
 
 _PREDICTED = "alpha/predicted"
@@ -151,7 +151,7 @@ class Alpha(Quantity):
         state = self._open
         if state is None or state.step != data.step:
             return {}
-        sq_norms = {k: float((s * s).sum(dtype=torch.float64)) for k, s in update.items()}
+        sq_norms = {k: sq_norm(s) for k, s in update.items()}
         length = math.sqrt(sum(sq_norms.values()))
         if not math.isfinite(length) or not all(math.isfinite(v) for v in state.loss):
             self._open = None

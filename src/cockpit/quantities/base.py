@@ -54,8 +54,7 @@ class StepData:
         """‖g_B‖² of one parameter tensor (computed once per step, float64 result)."""
         cache = self.__dict__.setdefault("_grad_sq_norms", {})
         if name not in cache:
-            g = self.batch_grads[name]
-            cache[name] = float((g * g).sum(dtype=torch.float64))
+            cache[name] = sq_norm(self.batch_grads[name])
         return cache[name]
 
 
@@ -89,6 +88,12 @@ class Quantity:
 
     def __repr__(self) -> str:
         return f"{self.name}(schedule={self.schedule!r})"
+
+
+def sq_norm(x: Tensor) -> float:
+    """‖x‖² by one BLAS dot product in x's dtype (no temporary, no float64 copy)."""
+    flat = x.detach().reshape(-1)
+    return float(torch.dot(flat, flat)) if flat.is_floating_point() else float(flat.pow(2).sum())
 
 
 def to_float(x: Tensor | float) -> float:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
-from cockpit.quantities.base import Quantity, StepData, Value, global_and_per_param, to_float
+from cockpit.quantities.base import Quantity, StepData, Value, global_and_per_param, sq_norm
 
 
 def _norms(name: str, diffs: dict[str, Tensor]) -> dict[str, Value]:
-    per_param = {k: to_float((d * d).sum(dtype=torch.float64)) for k, d in diffs.items()}
+    per_param = {k: sq_norm(d) for k, d in diffs.items()}
     total = math.sqrt(sum(per_param.values()))
     return global_and_per_param(name, {k: math.sqrt(v) for k, v in per_param.items()}, total)
 
