@@ -309,3 +309,15 @@ def test_scratch_buffers_shared_by_layers_give_the_same_statistics_as_fresh_memo
         counts = torch.as_tensor(out["GradHist1d"]["counts"])
         assert torch.equal(counts.long(), histogram(G).long())
     cockpit.close()
+
+
+def test_scratch_memory_is_released_when_the_cockpit_closes():
+    from cockpit.engine.workspace import workspace
+
+    problem = make_problem("cnn", 6, dtype=torch.float32)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.01)
+    cockpit = Cockpit(problem.model, [quantities.GradHist1d()], optimizer=opt)
+    train(problem, cockpit, 2, opt)
+    assert workspace().nbytes > 0  # conv individual gradients were formed in scratch memory
+    cockpit.close()
+    assert workspace().nbytes == 0
