@@ -15,6 +15,7 @@ import torch
 
 from cockpit.engine import histogram as hmod
 from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
+from cockpit.engine.histogram2d_outer import histogram2d_outer
 
 SPEC = BinSpec(-2.0, 2.0, 100)  # Cockpit's GradHist1d default
 SPEC_G, SPEC_THETA = BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)  # GradHist2d defaults
@@ -99,19 +100,57 @@ def bench_outer_case(delta: torch.Tensor, a: torch.Tensor, repeats: int, quick: 
     row("histogram_outer (sorted a, exact searches)", n, t_outer, t_mat)
 
 
+def materialize_2d(delta: torch.Tensor, a: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """The previous GradHist2d path for Linear layers: form δ_n a_nᵀ for sample chunks of
+    2^25 elements, then histogram2d_dense."""
+    step = max(1, 2**25 // theta.numel())
+    return sum(histogram2d_dense((d[:, :, None] * x[:, None, :]).flatten(1), theta.reshape(-1),
+                                 SPEC_G, SPEC_THETA)[0]
+               for d, x in zip(delta.split(step), a.split(step), strict=True))
+
+
+def bench_outer_2d(name: str, N: int, I: int, J: int, repeats: int, gen, quick: bool) -> None:
+    """GradHist2d on a Linear weight: histogram2d_outer against forming the products, and
+    against the 1-D kernel that GradHist1d runs on the same layer (the goal: 2d ≤ 1.3x 1d)."""
+    theta = 0.05 * torch.randn(I, J, generator=gen)
+    for scale in (1e-2, 1e-1):
+        delta = scale * torch.randn(N, I, generator=gen)
+        a = torch.randn(N, J, generator=gen).relu()
+        header(f"2d outer, {name}: N={N}, I={I}, J={J} ({N * I * J / 1e6:.0f}M products), "
+               f"delta={scale:g}*randn, a=relu(randn), theta=0.05*randn, {SPEC_G} x {SPEC_THETA}")
+        bench_outer_2d_case(delta, a, theta, repeats, quick)
+
+
+def bench_outer_2d_case(delta, a, theta, repeats: int, quick: bool) -> None:
+    n = delta.numel() * a.shape[1]
+    result = histogram2d_outer(delta, a, theta, SPEC_G, SPEC_THETA)[0]
+    assert torch.equal(result, materialize_2d(delta, a, theta))
+    t_1d = timed(lambda: histogram_outer(delta, a, SPEC), repeats)
+    row("histogram_outer (1d, GradHist1d bins)", n, t_1d, t_1d)
+    if not quick:
+        row("materialize (sample chunks) + histogram2d_dense", n,
+            timed(lambda: materialize_2d(delta, a, theta), repeats), t_1d)
+    t_2d = timed(lambda: histogram2d_outer(delta, a, theta, SPEC_G, SPEC_THETA), repeats)
+    row("histogram2d_outer (exact)", n, t_2d, t_1d)
+    print(f"{'2d / 1d cost ratio':46s} {t_2d[0] / t_1d[0]:10.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="smaller dense data, no histc")
+    parser.add_argument("--only-2d", action="store_true", help="only the 2d outer benchmark")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, "
           f"{args.repeats} timed runs after one warm-up; speed-up = baseline median / median")
     gen = torch.Generator().manual_seed(0)
-    bench_dense(args.repeats, gen, args.quick)
-    bench_outer("3C3D fc1", 128, 512, 1152, args.repeats, gen, args.quick)
-    bench_outer("2C2D fc1", 128, 1024, 3136, args.repeats, gen, args.quick)
+    if not args.only_2d:
+        bench_dense(args.repeats, gen, args.quick)
+        bench_outer("3C3D fc1", 128, 512, 1152, args.repeats, gen, args.quick)
+        bench_outer("2C2D fc1", 128, 1024, 3136, args.repeats, gen, args.quick)
+    bench_outer_2d("3C3D fc1", 128, 512, 1152, args.repeats, gen, args.quick)
 
 
 if __name__ == "__main__":
