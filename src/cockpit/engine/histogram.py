@@ -384,38 +384,19 @@ def _outer_sorted(delta: Tensor, a: Tensor, spec: BinSpec) -> Tensor | None:
     thresholds = _thresholds(spec, dtype, device)
     sorted_a = torch.sort(a, dim=1).values
     d = delta.reshape(-1)
-    # Extremes of the classes a < 0 and a > 0 of each sample (zeros: products ±0, one bin).
-    # fl(δ·a) is monotone in a, so a class whose two extreme products share a bin puts all
-    # its products there: such rows ("class-uniform", e.g. δ < 0 against ReLU inputs, whose
-    # negative products and zeros fall into two neighbouring bins) are counted in O(1).
-    num_neg = (sorted_a < 0).sum(1)
-    num_zero = (sorted_a == 0).sum(1)
-    num_pos = J - num_neg - num_zero
-    picks = torch.stack([torch.zeros_like(num_neg), (num_neg - 1).clamp(min=0),
-                         (num_neg + num_zero).clamp(max=J - 1),
-                         torch.full_like(num_neg, J - 1)], dim=1)
-    ends = delta.unsqueeze(2) * sorted_a.gather(1, picks).unsqueeze(1)  # [N, I, 4]
-    bins4 = spec.bin_index(ends).view(-1, 4)
-    b_lo, b_hi = bins4[:, [0, 3]].aminmax(dim=1)
+    ends = delta.unsqueeze(2) * sorted_a[:, [0, -1]].unsqueeze(1)  # fl is monotone
+    bin_ends = spec.bin_index(ends).view(-1, 2)
+    b_lo, b_hi = bin_ends.aminmax(dim=1)
     span = b_hi - b_lo
-    sample_of_row = torch.arange(N, device=device).repeat_interleave(I)
-    neg_n, zero_n, pos_n = num_neg[sample_of_row], num_zero[sample_of_row], num_pos[sample_of_row]
-    uniform = (span > 0) & ((neg_n == 0) | (bins4[:, 0] == bins4[:, 1])) & (
-        (pos_n == 0) | (bins4[:, 2] == bins4[:, 3]))
-    heavy = (span > max(_MIN_HEAVY_SPAN, int(_SPAN_PER_J * J))) & ~uniform
+    heavy = span > max(_MIN_HEAVY_SPAN, int(_SPAN_PER_J * J))
     counts = torch.zeros(spec.bins, dtype=torch.long, device=device)
     heavy_rows = heavy.nonzero().squeeze(1)
-    searches = int(span.masked_fill(heavy | uniform, 0).sum())
+    searches = int(span.masked_fill(heavy, 0).sum())
     if _SEARCH_COST * searches + _ROW_COST * J * heavy_rows.numel() > span.numel() * J:
         return None
     if heavy_rows.numel():
         counts += _outer_rows_materialized(d[heavy_rows], heavy_rows // I, sorted_a, spec)
-    if bool(uniform.any()):
-        zero_bin = int(spec.bin_index(torch.zeros(1, dtype=dtype, device=device))[0])
-        counts.index_add_(0, bins4[uniform, 0], neg_n[uniform])
-        counts.index_add_(0, bins4[uniform, 3], pos_n[uniform])
-        counts[zero_bin] += zero_n[uniform].sum()
-    light = ~heavy & ~uniform
+    light = ~heavy
     ge = torch.bincount(b_lo[light], minlength=spec.bins).flip(0).cumsum(0).flip(0) * J
     rows = (light & (span > 0)).nonzero().squeeze(1)
     if rows.numel():
