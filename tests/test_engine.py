@@ -321,3 +321,22 @@ def test_scratch_memory_is_released_when_the_cockpit_closes():
     assert workspace().nbytes > 0  # conv individual gradients were formed in scratch memory
     cockpit.close()
     assert workspace().nbytes == 0
+
+
+def test_scratch_memory_of_other_threads_is_released_too():
+    """On CUDA the backward hooks run in autograd's device threads: close() must free the
+    scratch buffers those threads allocated, not only the calling thread's."""
+    import threading
+
+    from cockpit.engine.workspace import release_workspace, workspace
+
+    taken = []
+    worker = threading.Thread(target=lambda: taken.append(
+        workspace().take("patches", (1000,), torch.float32, torch.device("cpu"))))
+    worker.start()
+    worker.join()
+    view, ticket = taken[0]
+    release_workspace()
+    assert view.numel() == 1000  # a view taken before stays usable
+    from cockpit.engine import workspace as ws_module
+    assert all(ws.nbytes == 0 for ws in list(ws_module._ALL))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 
 import torch
 from torch import Tensor
@@ -63,18 +64,25 @@ class Workspace:
 
 
 _LOCAL = threading.local()
+_ALL: weakref.WeakSet[Workspace] = weakref.WeakSet()
+_ALL_LOCK = threading.Lock()
 
 
 def workspace() -> Workspace:
-    """The calling thread's workspace (training loops in different threads do not share)."""
+    """The calling thread's workspace (threads never share a buffer: on CUDA the backward
+    hooks run in autograd's device threads, and training loops may run in several threads)."""
     ws = getattr(_LOCAL, "workspace", None)
     if ws is None:
         ws = _LOCAL.workspace = Workspace()
+        with _ALL_LOCK:
+            _ALL.add(ws)
     return ws
 
 
 def release_workspace() -> None:
-    """Free the calling thread's scratch buffers."""
-    ws = getattr(_LOCAL, "workspace", None)
-    if ws is not None:
+    """Free the scratch buffers of every thread. Safe while another thread works: tensors it
+    holds keep their memory alive, and its next request allocates afresh."""
+    with _ALL_LOCK:
+        workspaces = list(_ALL)
+    for ws in workspaces:
         ws.release()
