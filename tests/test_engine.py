@@ -332,11 +332,11 @@ def test_scratch_memory_of_other_threads_is_released_too():
 
     taken = []
     worker = threading.Thread(target=lambda: taken.append(
-        workspace().take("patches", (1000,), torch.float32, torch.device("cpu"))))
+        (workspace(), *workspace().take("patches", (1000,), torch.float32, torch.device("cpu")))))
     worker.start()
     worker.join()
-    view, ticket = taken[0]
+    other, view, ticket = taken[0]
+    assert other is not workspace() and other.nbytes == 4000
     release_workspace()
+    assert other.nbytes == 0 and not other.valid(ticket)
     assert view.numel() == 1000  # a view taken before stays usable
-    from cockpit.engine import workspace as ws_module
-    assert all(ws.nbytes == 0 for ws in list(ws_module._ALL))
