@@ -19,6 +19,7 @@ size, compared with a subprocess that trains without Cockpit, and with the large
     python benchmarks/overhead.py --problems cifar10_3c3d --configs economy NormTest
     python benchmarks/overhead.py --configs Alpha --optimizer custom
     python benchmarks/overhead.py --threads 1 --clock cpu     # robust on a loaded machine
+    python benchmarks/overhead.py --repeats 3                 # median over 3 processes
 
 ``--optimizer``: ``sgd`` (momentum 0.9), ``sgd-plain`` (no momentum), ``adam``, or
 ``custom`` — a subclass of torch.optim.Optimizer that Cockpit cannot predict (sign-SGD), so
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -135,6 +137,9 @@ def main() -> None:
                         choices=["sgd", "sgd-plain", "adam", "custom"])
     parser.add_argument("--steps", type=int, default=9, help="measured tracked steps")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="fresh subprocesses per configuration; the median over them is "
+                        "reported with the range (the machine's noise is ±0.3×)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall-clock time, or the process's CPU time (robust when other "
                         "processes load the machine; use with --threads 1)")
@@ -150,15 +155,20 @@ def main() -> None:
               f"{'peak − baseline MiB':>20}", flush=True)
         for config in args.configs:
             start = time.perf_counter()
-            r = run(problem, config, *opts)
-            ratio = r["tracked"] / r["untracked"]
-            ratio_min = r["tracked_min"] / r["untracked_min"]
-            extra = r["peak_mib"] - base["peak_mib"]
-            rows.append((problem, config, ratio, ratio_min, r["untracked"] * 1e3, extra,
+            runs = [run(problem, config, *opts) for _ in range(max(1, args.repeats))]
+            ratios = sorted(r["tracked"] / r["untracked"] for r in runs)
+            ratio = statistics.median(ratios)
+            ratio_min = statistics.median(r["tracked_min"] / r["untracked_min"] for r in runs)
+            r = runs[0]
+            extra = max(x["peak_mib"] for x in runs) - base["peak_mib"]
+            untracked = statistics.median(x["untracked"] for x in runs)
+            rows.append((problem, config, ratio, ratio_min, untracked * 1e3, extra,
                          base["largest_layer_mib"]))
             missing = f"  ({r['not_computed']} values not computed)" if r["not_computed"] else ""
-            print(f"{config:>14} {ratio:>18.2f} {ratio_min:>6.2f} {r['untracked'] * 1e3:>13.0f} "
-                  f"{extra:>20.0f}   ({time.perf_counter() - start:.0f} s){missing}", flush=True)
+            spread = f"  runs {ratios[0]:.2f}–{ratios[-1]:.2f}" if len(runs) > 1 else ""
+            print(f"{config:>14} {ratio:>18.2f} {ratio_min:>6.2f} {untracked * 1e3:>13.0f} "
+                  f"{extra:>20.0f}   ({time.perf_counter() - start:.0f} s){missing}{spread}",
+                  flush=True)
     print(f"\noptimizer: {args.optimizer}, threads: {args.threads}, clock: {args.clock}\n")
     print("| problem | configuration | tracked / untracked (median) | (min) "
           "| untracked step [ms] | peak memory − baseline [MiB] | largest layer |B|×D [MiB] |")
