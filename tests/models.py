@@ -127,3 +127,17 @@ def make_problem(name: str, batch_size: int, dtype=torch.float64, seed: int = 0)
 
 
 PROBLEMS = ["mlp_relu", "mlp_sigmoid", "cnn", "residual", "transformer", "custom"]
+
+
+def train(problem: Problem, cockpit, steps: int, opt, reduction: str = "mean") -> None:
+    """The ordinary loop with Cockpit attached (``cockpit=None``: without it)."""
+    for step in range(steps):
+        opt.zero_grad()
+        losses = problem.losses()
+        loss = losses.mean() if reduction == "mean" else losses.sum()
+        if cockpit is None:
+            loss.backward()
+        else:
+            with cockpit(step, losses=losses):
+                loss.backward()
+        opt.step()

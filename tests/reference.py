@@ -9,6 +9,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from cockpit.engine.histogram import BinSpec
+
 
 def individual_gradients(model: nn.Module, loss_fn, x: Tensor, y: Tensor) -> dict[str, Tensor]:
     """g_n = ∇ℓ_n for every trainable parameter, shape [N, *shape] (vmap over samples).
@@ -91,3 +93,14 @@ def rel_close(actual: float, expected: float, rtol: float, atol: float = 0.0) ->
     if math.isnan(expected):
         return math.isnan(actual)
     return abs(actual - expected) <= atol + rtol * abs(expected)
+
+
+def edge_neighbours(spec: BinSpec, dtype: torch.dtype, steps: int = 2) -> torch.Tensor:
+    """Nominal edges and their nearest floats in ``dtype``: the hardest values to bin."""
+    out = [spec.edges(torch.float64).to(dtype)]
+    for direction in (math.inf, -math.inf):
+        e = out[0]
+        for _ in range(steps):
+            e = torch.nextafter(e, torch.full_like(e, direction))
+            out.append(e)
+    return torch.cat(out)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from cockpit import Cockpit, at, every, logspaced, quantities
-from tests.models import make_problem
+from tests.models import make_problem, train
 from tests.reference import flat, individual_gradients
 
 
@@ -238,12 +238,7 @@ def test_tiny_steps_in_float32_stay_on_the_predicted_path(opt):
                  else torch.optim.Adam(model.parameters(), lr=1e-7))
     alpha = quantities.Alpha()
     cockpit = Cockpit(model, [alpha], optimizer=optimizer)
-    for step in range(4):
-        optimizer.zero_grad()
-        losses = problem.losses()
-        with cockpit(step, losses=losses):
-            losses.mean().backward()
-        optimizer.step()
+    train(problem, cockpit, 4, optimizer)
     cockpit.close()
     assert not alpha._general
     assert all(cockpit.get_output()[s]["Alpha"] is not None for s in range(3))

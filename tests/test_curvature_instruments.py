@@ -12,7 +12,7 @@ from torch.func import functional_call, hessian, jacrev, vmap
 
 from cockpit import Cockpit, configuration, quantities
 from cockpit.curvature.diagonal import diagonal_curvature
-from tests.models import make_problem
+from tests.models import make_problem, train
 from tests.reference import individual_gradients, rel_close
 
 
@@ -139,12 +139,7 @@ def test_hess_max_ev_warm_start_saves_hessian_vector_products():
         opt = torch.optim.SGD(problem.model.parameters(), lr=1e-3)
         cockpit = Cockpit(problem.model, [quantities.HessMaxEV(warm_start=warm, tol=1e-4)],
                           optimizer=opt)
-        for step in range(6):
-            opt.zero_grad()
-            losses = problem.losses()
-            with cockpit(step, losses=losses):
-                losses.mean().backward()
-            opt.step()
+        train(problem, cockpit, 6, opt)
         cockpit.close()
         counts[warm] = sum(v["HessMaxEV.num_hvp"] for v in cockpit.get_output().values())
     assert counts[True] < counts[False]

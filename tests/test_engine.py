@@ -13,21 +13,8 @@ from torch import nn
 
 from cockpit import Cockpit, at, configuration, every, logspaced, quantities
 from cockpit.engine.tracker import ModuleTracker
-from tests.models import make_problem
+from tests.models import make_problem, train
 from tests.reference import flat, gradient_tests, histogram, individual_gradients, rel_close
-
-
-def train(problem, cockpit, steps, opt, reduction="mean"):
-    for step in range(steps):
-        opt.zero_grad()
-        losses = problem.losses()
-        loss = losses.mean() if reduction == "mean" else losses.sum()
-        if cockpit is None:
-            loss.backward()
-        else:
-            with cockpit(step, losses=losses):
-                loss.backward()
-        opt.step()
 
 
 def test_untracked_steps_do_no_per_sample_work(monkeypatch):

@@ -11,6 +11,7 @@ import torch
 
 from cockpit.engine import histogram as hmod
 from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
+from tests.reference import edge_neighbours
 
 F32, F64 = torch.float32, torch.float64
 
@@ -43,17 +44,6 @@ def assert_hist(result, expected: tuple[np.ndarray, int]) -> None:
     assert counts.dtype == torch.int64 and counts.shape == expected[0].shape
     np.testing.assert_array_equal(counts.numpy(), expected[0])
     assert isinstance(num_nonfinite, int) and num_nonfinite == expected[1]
-
-
-def edge_neighbours(spec: BinSpec, dtype: torch.dtype, steps: int = 2) -> torch.Tensor:
-    """Nominal edges and their nearest floats in ``dtype``: the hardest values to bin."""
-    out = [spec.edges(F64).to(dtype)]
-    for direction in (math.inf, -math.inf):
-        e = out[0]
-        for _ in range(steps):
-            e = torch.nextafter(e, torch.full_like(e, direction))
-            out.append(e)
-    return torch.cat(out)
 
 
 SPECS = [BinSpec(-2.0, 2.0, 100), BinSpec(-0.05, 0.02, 13), BinSpec(-0.3, 0.7, 1000),

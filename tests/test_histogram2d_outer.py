@@ -17,7 +17,7 @@ from cockpit.engine.histogram import BinSpec, histogram2d_dense
 from cockpit.engine.histogram2d_outer import histogram2d_outer
 from cockpit.engine.sample_grads import OuterSampleGrads, SampleGrads
 from tests.models import make_problem
-from tests.reference import individual_gradients
+from tests.reference import edge_neighbours, individual_gradients
 
 F32, F64 = torch.float32, torch.float64
 
@@ -63,17 +63,6 @@ def check(delta, a, theta, spec_g, spec_theta) -> tuple[torch.Tensor, int]:
     for x, y in zip((delta, a, theta), before, strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
     return counts, bad
-
-
-def edge_neighbours(spec: BinSpec, dtype: torch.dtype, steps: int = 2) -> torch.Tensor:
-    """Nominal edges and their nearest floats in ``dtype``: the hardest values to bin."""
-    out = [spec.edges(F64).to(dtype)]
-    for direction in (math.inf, -math.inf):
-        e = out[0]
-        for _ in range(steps):
-            e = torch.nextafter(e, torch.full_like(e, direction))
-            out.append(e)
-    return torch.cat(out)
 
 
 def layer(gen, N, I, J, dtype, scale, relu=True):

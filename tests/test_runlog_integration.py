@@ -17,7 +17,7 @@ import torch
 
 from cockpit import Cockpit, configuration
 from cockpit.store import RunLogReader, export_run, load_json_export, read_output
-from tests.models import make_problem
+from tests.models import make_problem, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,12 +74,7 @@ def run_with_logdir(tmp_path, config):
     opt = torch.optim.SGD(problem.model.parameters(), lr=0.05, momentum=0.9)
     cockpit = Cockpit(problem.model, configuration(config), optimizer=opt,
                       logdir=str(tmp_path / config))
-    for step in range(4):
-        opt.zero_grad()
-        losses = problem.losses()
-        with cockpit(step, losses=losses):
-            losses.mean().backward()
-        opt.step()
+    train(problem, cockpit, 4, opt)
     cockpit.close()
     return cockpit, tmp_path / config
 
@@ -138,12 +133,7 @@ def test_tensorboard_sink_attached_to_a_cockpit(tmp_path):
                            figure_fn=lambda: plot_cockpit(holder["cockpit"].get_output()))
     cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt, sinks=[sink])
     holder["cockpit"] = cockpit
-    for step in range(3):
-        opt.zero_grad()
-        losses = problem.losses()
-        with cockpit(step, losses=losses):
-            losses.mean().backward()
-        opt.step()
+    train(problem, cockpit, 3, opt)
     cockpit.close()
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0,
                                                                     "histograms": 0,

@@ -78,6 +78,11 @@ class Call:
     received: int = 0
     probe_grads: list[Tensor | None] | None = None  # δ of Cockpit's own backprops
 
+    def release(self) -> None:
+        """Drop the references to the layer's inputs, outputs and gradients."""
+        self.args = self.kwargs = None
+        self.outputs, self.grads = [], []
+
 
 @dataclass
 class BackwardStatistics:
@@ -214,9 +219,7 @@ class ModuleTracker:
 
     def clear_calls(self) -> None:
         for call in self._calls:
-            call.args = call.kwargs = None
-            call.outputs = []
-            call.grads = []
+            call.release()
         self._calls = []
         self.model_output = None
         self.activation_calls = []
@@ -233,12 +236,13 @@ class ModuleTracker:
                 continue
             seen.add(node)
             stack.extend(next_node for next_node, _ in node.next_functions)
-        stale = [c for c in self._calls if not any(o.grad_fn in seen for o in c.outputs)]
-        if stale:
-            for call in stale:
-                call.args = call.kwargs = None
-                call.outputs, call.grads = [], []
-            self._calls = [c for c in self._calls if c.args is not None]
+        kept = []
+        for call in self._calls:
+            if any(o.grad_fn in seen for o in call.outputs):
+                kept.append(call)
+            else:
+                call.release()
+        self._calls = kept
         self.activation_calls = [c for c in self.activation_calls if c[2].grad_fn in seen]
 
     # ------------------------------------------------------------------ backward
@@ -329,11 +333,8 @@ class ModuleTracker:
             rule = find_rule(unit.module)
             assert rule is not None
             output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
-            if scale != 1.0:
-                sample_grads = rule(unit.module, call.args, call.kwargs, output, grads[0],
-                                    scale=scale)
-            else:
-                sample_grads = rule(unit.module, call.args, call.kwargs, output, grads[0])
+            extra = {"scale": scale} if scale != 1.0 else {}
+            sample_grads = rule(unit.module, call.args, call.kwargs, output, grads[0], **extra)
         else:
             sample_grads = fallback_rule(
                 unit.module, call.args, call.kwargs, call.outputs, grads, unit.params
@@ -420,9 +421,7 @@ class ModuleTracker:
         try:
             self._guarded(call.unit.name or type(call.unit.module).__name__, self._process, call)
         finally:  # the call's inputs and gradients are freed inside its hook
-            call.args = call.kwargs = None
-            call.outputs = []
-            call.grads = []
+            call.release()
 
     def _process(self, call: Call) -> None:
         stats = self.stats

@@ -380,7 +380,7 @@ def fit_basis_coefficients(
     full = torch.empty(k + 1, k + 1, dtype=torch.float64)
     for i in range(k + 1):
         for j in range(i, k + 1):
-            full[i, j] = full[j, i] = float(torch.dot(vectors[i], vectors[j]))
+            full[i, j] = full[j, i] = _dot(vectors[i], vectors[j])
     if not torch.isfinite(full).all():
         return None
     gram, rhs = full[:k, :k], full[:k, k]

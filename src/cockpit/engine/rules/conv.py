@@ -196,7 +196,8 @@ class ConvSampleGrads(SampleGrads):
         return method
 
     def materialize_owned(self) -> Tensor:
-        return self.materialize().clone()
+        grads = self.materialize()
+        return grads.clone() if self._ticket is not None else grads  # copy only scratch
 
     def chunks(self) -> list[Tensor]:
         return [self.materialize()]
