@@ -90,8 +90,10 @@ EVERY = [("business", 1), ("business", 16), ("business", 64), ("full", 1), ("ful
 def run(problem: str, config: str, mode: str, k: int, steps: int) -> dict:
     result = subprocess.run(
         [sys.executable, "-c", WORKER, problem, config, mode, str(k), str(steps)],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True,
     )
+    if result.returncode != 0:
+        sys.exit(f"worker failed ({' '.join(result.args[3:])}):\n{result.stderr}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

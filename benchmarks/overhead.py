@@ -124,8 +124,10 @@ def run(problem: str, config: str, steps: int, threads: int, optimizer: str, clo
     result = subprocess.run(
         [sys.executable, "-c", WORKER, problem, config, str(steps), str(threads), optimizer,
          clock],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True,
     )
+    if result.returncode != 0:
+        sys.exit(f"worker failed ({' '.join(result.args[3:])}):\n{result.stderr}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

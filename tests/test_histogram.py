@@ -111,6 +111,20 @@ def test_dense_matches_brute_force(dtype, spec, small_chunks):
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("bins", [1, 2, 127, 128, 129, 256])
+def test_dense_two_lane_counting_at_the_byte_limits(bins, monkeypatch):
+    """Indices up to 128 bins are counted in two int8 lanes; every bin, long runs of one
+    bin (the case the lanes are for) and odd chunk lengths must still count exactly."""
+    monkeypatch.setattr(hmod, "_CPU_CHUNK", 999)
+    spec = BinSpec(-1.0, 1.0, bins)
+    gen = torch.Generator().manual_seed(5)
+    centers = (torch.arange(bins, dtype=F32) + 0.5) / spec.scale + spec.lo
+    runs = centers[torch.randint(0, bins, (40,), generator=gen)].repeat_interleave(101)
+    x = torch.cat([centers, runs, 3 * torch.randn(2345, generator=gen)])
+    assert_hist(histogram_dense(x, spec), np_hist(x.numpy(), spec))
+    assert hmod._counting_dtype(bins) == (torch.int8 if bins <= 128 else torch.uint8)
+
+
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_dense_large_single_chunk_path(dtype):
     gen = torch.Generator().manual_seed(2)

@@ -164,6 +164,42 @@ def _index_dtype(num_bins: int) -> torch.dtype:
     return torch.int32 if num_bins <= 2**31 else torch.int64
 
 
+def _counting_dtype(num_bins: int) -> torch.dtype:
+    """Index type of the 1-D kernels: int8 when :func:`_count` can use two lanes."""
+    return torch.int8 if num_bins <= _MAX_LANE_BINS else _index_dtype(num_bins)
+
+
+# Two lanes fit into a byte while 2·bins ≤ 256 (lane 1 stored as k − bins ∈ [−bins, −1]).
+_MAX_LANE_BINS = 128
+
+
+@functools.lru_cache(maxsize=16)
+def _lane_offsets(length: int, num_bins: int, device: torch.device) -> Tensor:
+    """0, −bins, 0, −bins, … (int8): the lane of every second element."""
+    offsets = torch.zeros(length, dtype=torch.int8, device=device)
+    offsets[1::2] = -num_bins
+    return offsets
+
+
+def _count(index: Tensor, num_bins: int) -> Tensor:
+    """``bincount`` of bin indices (int64 counts of length ``num_bins``); overwrites an
+    int8 ``index``.
+
+    Gradient elements come in long runs that fall into the same one or two central bins, and
+    ``bincount`` then increments one counter serially (each increment waits for the last:
+    1.4–1.8 ns per element on a CPU, against 0.8 for spread indices). With int8 indices every
+    second element counts into a second copy of the bins (byte values 256 − bins … 255), which
+    halves those dependency chains; the copies are summed afterwards.
+    """
+    flat = index.reshape(-1)
+    if flat.dtype != torch.int8:
+        return torch.bincount(flat, minlength=num_bins)
+    length = max(_CPU_CHUNK, 1 << (flat.numel() - 1).bit_length())  # few cached sizes
+    flat.add_(_lane_offsets(length, num_bins, flat.device)[: flat.numel()])
+    counts = torch.bincount(flat.view(torch.uint8), minlength=256)
+    return counts[:num_bins] + counts[256 - num_bins:]
+
+
 def _reference_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
     """The plain definition: mask non-finite values, ``bin_index``, ``bincount``."""
     flat = x.reshape(-1)
@@ -205,7 +241,7 @@ def histogram_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
 
     def buffers() -> tuple[Tensor, ...]:
         return (torch.empty(size, dtype=flat.dtype, device=flat.device),
-                torch.empty(size, dtype=_index_dtype(spec.bins), device=flat.device))
+                torch.empty(size, dtype=_counting_dtype(spec.bins), device=flat.device))
 
     def task(c: int, bufs: tuple[Tensor, ...]) -> tuple[Tensor, int]:
         chunk = flat[c * size : (c + 1) * size]
@@ -213,7 +249,7 @@ def histogram_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
         idx = _bin_chunk(chunk, spec, bufs[0][:m], bufs[1][:m])
         if idx is None:
             return _reference_dense(chunk, spec)
-        return torch.bincount(idx, minlength=spec.bins), 0
+        return _count(idx, spec.bins), 0
 
     return _sum_over_chunks(-(-n // size), buffers, task)
 
@@ -327,7 +363,7 @@ def _outer_materialized(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor
     def buffers() -> tuple[Tensor, ...]:
         m = rows_n * rows_i * J
         return (torch.empty(m, dtype=dtype, device=device),
-                torch.empty(m, dtype=_index_dtype(spec.bins), device=device))
+                torch.empty(m, dtype=_counting_dtype(spec.bins), device=device))
 
     def task(c: int, bufs: tuple[Tensor, ...]) -> tuple[Tensor, int]:
         n0, i0 = (c // blocks_i) * rows_n, (c % blocks_i) * rows_i
@@ -340,7 +376,7 @@ def _outer_materialized(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor
             idx = _bin_chunk(products, spec, products, bufs[1][:m].view_as(products))
         if idx is None:
             return _reference_dense(d * x, spec)
-        return torch.bincount(idx.view(-1), minlength=spec.bins), 0
+        return _count(idx, spec.bins), 0
 
     return _sum_over_chunks(-(-N // rows_n) * blocks_i, buffers, task)
 
@@ -355,7 +391,7 @@ def _outer_rows_materialized(
 
     def buffers() -> tuple[Tensor, ...]:
         return (torch.empty(rows, J, dtype=a.dtype, device=a.device),
-                torch.empty(rows, J, dtype=_index_dtype(spec.bins), device=a.device))
+                torch.empty(rows, J, dtype=_counting_dtype(spec.bins), device=a.device))
 
     def task(c: int, bufs: tuple[Tensor, ...]) -> tuple[Tensor, int]:
         d = delta_rows[c * rows : (c + 1) * rows, None]
@@ -365,7 +401,7 @@ def _outer_rows_materialized(
         idx = _bin_chunk(w, spec, w, bufs[1][: d.shape[0]])
         if idx is None:  # cannot happen for screened samples; stay exact regardless
             return _reference_dense(d * a[picked], spec)
-        return torch.bincount(idx.view(-1), minlength=spec.bins), 0
+        return _count(idx, spec.bins), 0
 
     return _sum_over_chunks(-(-R // rows), buffers, task)[0]
 
