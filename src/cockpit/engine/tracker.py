@@ -77,6 +77,11 @@ class Call:
     grads: list[Tensor | None]
     received: int = 0
     probe_grads: list[Tensor | None] | None = None  # δ of Cockpit's own backprops
+    output_versions: list[int] = field(default_factory=list)
+
+    def outputs_unchanged(self) -> bool:
+        """Whether no output was modified in place after the call (e.g. by ReLU(inplace))."""
+        return [o._version for o in self.outputs] == self.output_versions
 
     def release(self) -> None:
         """Drop the references to the layer's inputs, outputs and gradients."""
@@ -196,7 +201,7 @@ class ModuleTracker:
                 return None
             tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
             call = Call(unit, args, kwargs, outputs, [t._version for t in tensors],
-                        [None] * len(outputs))
+                        [None] * len(outputs), output_versions=[t._version for t in outputs])
             self._calls.append(call)
             for k, out in enumerate(outputs):
                 out.register_hook(self._make_output_hook(call, k))
@@ -291,12 +296,17 @@ class ModuleTracker:
         Must run before the user's backward pass (the recorded layer inputs are needed).
         """
         calls = [c for c in self._calls if c.args is not None and c.outputs]
-        # Ask autograd for the smallest parameter of each layer only: the backward pass still
-        # reaches every layer (and fires the output hooks), but skips computing the large
-        # weight gradients nobody needs here.
-        cheapest = {id(p): p for c in calls
-                    for p in [min(c.unit.params.values(), key=lambda q: q.numel())]}
-        params = list(cheapest.values())
+        # Ask autograd for the layers' outputs: the backward pass reaches every layer (and
+        # fires the output hooks) but computes no parameter gradient and stops at the first
+        # layer's output (2× faster on 3C3D: a convolution's bias gradient makes oneDNN
+        # compute its weight gradient too). An output modified in place after the call has
+        # a new autograd node; for its layer ask for the smallest parameter instead.
+        targets: dict[int, Tensor] = {}
+        for c in calls:
+            chosen = (c.outputs if c.outputs_unchanged()
+                      else [min(c.unit.params.values(), key=lambda q: q.numel())])
+            targets.update((id(t), t) for t in chosen)
+        params = list(targets.values())
         totals: dict[str, Tensor] = {}
         with self.suspended(), reuse_unfolded_inputs():
             for v in grad_outputs:
