@@ -125,3 +125,29 @@ def test_distance_after_steps():
                             abs_tol=1e-15)
         assert math.isclose(out["UpdateSize"], (after - before).norm().item(), rel_tol=1e-9)
     cockpit.close()
+
+
+@pytest.mark.parametrize("stale", ["random", "zeros"])
+@pytest.mark.parametrize("name", ["mlp_relu", "cnn"])
+def test_gradient_tests_use_this_batch_when_grad_holds_older_gradients(name, stale):
+    """Without zero_grad (gradient accumulation) or with zero_grad(set_to_none=False), .grad
+    is not this backward's gradient; g_nᵀḡ must still be of this batch's individual
+    gradients (Cockpit takes it from the parameter's gradient only when that is exactly
+    this backward's Σ_n w·g_n)."""
+    problem = make_problem(name, 7, torch.float64)
+    grads = individual_gradients(problem.model, problem.loss_fn, problem.x, problem.y)
+    expected = gradient_tests(flat(grads, list(grads)))
+    gen = torch.Generator().manual_seed(0)
+    for p in problem.model.parameters():
+        p.grad = (torch.randn(p.shape, generator=gen, dtype=p.dtype) if stale == "random"
+                  else torch.zeros_like(p))
+    cockpit = Cockpit(problem.model, [quantities.NormTest(), quantities.InnerTest(),
+                                      quantities.OrthoTest(), quantities.GradNorm()])
+    losses = problem.losses()
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    out = cockpit.get_output()[0]
+    for test, value in expected.items():
+        assert rel_close(out[test], value, 1e-6), (test, out[test], value)
+    assert rel_close(out["GradNorm"], flat(grads, list(grads)).mean(0).norm().item(), 1e-6)

@@ -190,11 +190,12 @@ class OuterSampleGrads(SampleGrads):
         return ((self.delta @ u.reshape(self.shape).to(self.delta.dtype)) * self.a).sum(1)
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
-        """δ_nᵀ U_k a_n for all k by one matmul δ [U_1 … U_K] (I × K·J)."""
+        """δ_nᵀ U_k a_n: one matmul δ U_k per direction (concatenating the directions first
+        would copy K parameter-sized tensors for no gain in the products)."""
         i, j = self.shape
-        stacked = torch.cat([u.reshape(i, j) for u in us], dim=1).to(self.delta.dtype)
-        left = (self.delta @ stacked).reshape(self.num_samples, len(us), j)  # [N, K, J]
-        return torch.bmm(left, self.a.unsqueeze(2)).squeeze(2).T
+        dtype = self.delta.dtype
+        return torch.stack([((self.delta @ u.reshape(i, j).to(dtype)) * self.a).sum(1)
+                            for u in us])
 
     def sum_sq(self) -> Tensor:
         return self.delta.double().pow(2).T @ self.a.double().pow(2)

@@ -89,6 +89,19 @@ class Call:
         self.outputs, self.grads = [], []
 
 
+class _Gradient:
+    """What a direction provider returns for "the gradient you gave me" (see GRADIENT)."""
+
+    def __repr__(self) -> str:
+        return "GRADIENT"
+
+
+GRADIENT = _Gradient()
+"""A direction provider may put GRADIENT into its basis instead of a copy of the gradient it
+was given: the tracker then takes g_nᵀ(gradient) from g_nᵀḡ where that is this backward's
+own gradient (a closed form for Linear layers, one shared row otherwise)."""
+
+
 @dataclass
 class BackwardStatistics:
     """Additive statistics of one tracked backward pass, keyed by parameter name."""
@@ -146,6 +159,7 @@ class ModuleTracker:
         self.keep_calls = False  # keep calls (inputs, δ) for projections after the step
         self.kept_calls: list[Call] = []
         self._seen_grads: dict[str, Tensor] = {}
+        self._pure_grads: set[str] = set()  # seen gradient = this backward's Σ_n w·g_n
         self._pending_provided: dict[str, SampleGrads] = {}
         self.step_cache: dict = {}  # work shared by instruments within one tracked step
         self._handles: list = []
@@ -265,6 +279,7 @@ class ModuleTracker:
                 uses[name] = uses.get(name, 0) + 1
         self._multi_use = {name for name, count in uses.items() if count > 1}
         self._seen_grads = {}
+        self._pure_grads = set()
         self._pending_provided = {}
         self.kept_calls = []
         self.release_step_cache()
@@ -354,14 +369,19 @@ class ModuleTracker:
     def _make_param_hook(self, name: str):
         def hook(grad: Tensor):
             if self.active and not self._suspended and self.stats is not None:
-                if name in self.stats.batch_grads:
-                    self.stats.batch_grads[name] = self.stats.batch_grads[name] + grad.detach()
-                else:
+                first = name not in self.stats.batch_grads
+                if first:
                     self.stats.batch_grads[name] = grad.detach().clone()
-                if self.direction_providers:
+                else:
+                    self.stats.batch_grads[name] = self.stats.batch_grads[name] + grad.detach()
+                if self.direction_providers or GRAM_MEAN in self.needs:
                     param = self.params[name]
                     seen = grad.detach() if param.grad is None else grad.detach() + param.grad
                     self._seen_grads[name] = seen
+                    if first and param.grad is None and name not in self._multi_use:
+                        self._pure_grads.add(name)
+                    else:
+                        self._pure_grads.discard(name)
                     if name in self._pending_provided:
                         self._reduce_dots_guarded(name, self._pending_provided.pop(name))
             return None
@@ -519,7 +539,8 @@ class ModuleTracker:
         if HIST2D in needs:
             spec_g, spec_theta = self.hist2d_specs
             stats.hist2d[name] = sg.histogram2d(self.params[name].detach(), spec_g, spec_theta)
-        if self.direction_providers and name not in self._seen_grads:
+        waits = self.direction_providers or (GRAM_MEAN in needs and sg.fuse_dots)
+        if waits and name not in self._seen_grads:
             # the parameter's gradient arrives right after this layer's output gradient
             self._pending_provided[name] = sg
         else:
@@ -535,31 +556,51 @@ class ModuleTracker:
         stats = self.stats
         assert stats is not None
         vectors: list[Tensor] = []
-        slots: list[tuple[str, str, int]] = []  # (kind, key, number of rows)
+
+        def row(vector: Tensor) -> int:
+            vectors.append(vector)
+            return len(vectors) - 1
+
+        # Rows of the result: an index into dots_many's rows, or a ready [N] tensor.
+        seen = self._seen_grads.get(name)
+        pure = seen is not None and name in self._pure_grads
+        # With the gradient G = Σ_m w·g_m of this backward (pure), g_nᵀG = w·N·g_nᵀḡ.
+        w_n = self.loss_weight * sg.num_samples if pure and self.loss_weight else None
+        gram_row: int | None = None
+        gradient_ref: int | Tensor | None = None
         if GRAM_MEAN in self.needs and sg.fuse_dots:
-            vectors.append(sg.batch_mean())
-            slots.append(("gram", "", 1))
+            gram_row = row(seen) if w_n else row(sg.batch_mean())
+            if w_n:
+                gradient_ref = gram_row
+
+        def gradient() -> int | Tensor:
+            nonlocal gradient_ref
+            if gradient_ref is None:
+                if w_n and not sg.fuse_dots:  # closed form (Gram matrix for Linear layers)
+                    gram = stats.gram_mean.get(name)
+                    gradient_ref = w_n * (sg.gram_mean() if gram is None else gram)
+                else:
+                    gradient_ref = row(seen)
+            return gradient_ref
+
+        projections: list[tuple[str, list[int | Tensor]]] = []
         for key, directions in self.directions.items():
             if name in directions:
-                vectors.append(directions[name])
-                slots.append(("projection", key, 1))
-        if self.direction_providers and name in self._seen_grads:
-            param, grad = self.params[name], self._seen_grads[name]
+                projections.append((key, [row(directions[name])]))
+        if self.direction_providers and seen is not None:
+            param = self.params[name]
             for key, provider in self.direction_providers.items():
-                basis = provider(name, param, grad)
+                basis = provider(name, param, seen)
                 if basis is not None:
-                    vectors.extend(basis)
-                    slots.append(("projection", key, len(basis)))
-        if not vectors:
-            return
-        dots = sg.dots_many(vectors)  # [K, N]
-        row = 0
-        for kind, key, rows in slots:
-            if kind == "gram":
-                stats.gram_mean[name] = dots[row]
-            else:
-                stats.projections.setdefault(key, {})[name] = dots[row : row + rows]
-            row += rows
+                    projections.append(
+                        (key, [gradient() if v is GRADIENT else row(v) for v in basis]))
+        dots = sg.dots_many(vectors) if vectors else None  # [K, N]
+        if gram_row is not None:
+            assert dots is not None
+            stats.gram_mean[name] = dots[gram_row] / w_n if w_n else dots[gram_row]
+        for key, refs in projections:
+            stats.projections.setdefault(key, {})[name] = torch.stack(
+                [dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
 
     @property
     def loss_weight(self) -> float | None:

@@ -340,54 +340,60 @@ def match_update(
     return None
 
 
-def sgd_update_basis(optimizer: Optimizer, param: Tensor, grad: Tensor) -> list[Tensor] | None:
+def sgd_update_basis(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tensor | None:
     """Snapshot tensors whose span contains ``param``'s SGD update for any gradient scale c.
 
     With ``grad ← c·grad`` (e.g. clipping) and lr possibly changed, the update is
     ``s = a₁ g + a₂ θ + a₃ b_old`` (θ only with weight decay, the old momentum buffer only when
-    it exists), for every option of SGD. The tensors are clones (the step changes θ and b in
-    place), so they cost memory. None when the optimizer is not a supported plain SGD.
+    it exists), for every option of SGD. Returned as copies stacked into one tensor
+    ``[k, *param.shape]`` (rows g, θ, b_old; the step changes θ and b in place), so that the
+    fit after the step reads them in one matrix product. None when the optimizer is not a
+    supported plain SGD.
     """
     if supported_base(optimizer) is not SGD or unsupported_reason(optimizer, param, grad):
         return None
     group = _find_group(optimizer, param)
+    rows = [grad]
+    if group["weight_decay"] != 0:
+        rows.append(param)
+    buffer = (optimizer.state.get(param) or {}).get("momentum_buffer")
+    if group["momentum"] != 0 and buffer is not None:
+        rows.append(buffer)
+    basis = torch.empty((len(rows), *param.shape), dtype=param.dtype, device=param.device)
     with torch.no_grad():
-        basis = [grad.detach().to(param.dtype).clone()]
-        if group["weight_decay"] != 0:
-            basis.append(param.detach().clone())
-        buffer = (optimizer.state.get(param) or {}).get("momentum_buffer")
-        if group["momentum"] != 0 and buffer is not None:
-            basis.append(buffer.detach().clone())
+        for row, tensor in zip(basis, rows, strict=True):
+            row.copy_(tensor.detach())
     return basis
 
 
 def fit_basis_coefficients(
-    basis: Sequence[Tensor], actual: Tensor, rtol: float = 1e-4, atol: float = 0.0
+    basis: Tensor | Sequence[Tensor], actual: Tensor, rtol: float = 1e-4, atol: float = 0.0
 ) -> Tensor | None:
     """Least-squares coefficients c with ``actual ≈ Σ_k c_k basis_k`` (float64, on CPU).
 
     Accepted when ``‖actual − Σ c_k basis_k‖ ≤ rtol ‖actual‖ + atol``, else None; ``atol``
     covers the rounding in measuring ``actual`` (a difference of parameters). Then
     ``s_tᵀ g_n = Σ_k c_k (basis_kᵀ g_n)`` for any vector g_n, also if the basis is degenerate.
-    The Gram matrix and the residual are accumulated in the tensors' dtype (BLAS dot
-    products, no copies); the 2×2 or 3×3 solve is in float64.
+    ``basis``: a stacked tensor ``[k, ...]`` (as from :func:`sgd_update_basis`) or a list.
+    The Gram matrix VVᵀ, Vᵀa and the residual a − Vᵀc are BLAS products in the tensors' dtype
+    (each reads the basis once); the k×k solve is in float64.
     """
     if len(basis) == 0:
         return None
     target = actual.reshape(-1)
-    vectors = [b.reshape(-1).to(target.dtype) for b in basis] + [target]
     k = len(basis)
-    full = torch.empty(k + 1, k + 1, dtype=torch.float64)
-    for i in range(k + 1):
-        for j in range(i, k + 1):
-            full[i, j] = full[j, i] = _dot(vectors[i], vectors[j])
-    if not torch.isfinite(full).all():
+    if isinstance(basis, Tensor):
+        vectors = basis.reshape(k, -1).to(target.dtype)
+    else:
+        vectors = torch.stack([b.reshape(-1).to(target.dtype) for b in basis])
+    gram = (vectors @ vectors.T).double().cpu()
+    rhs = (vectors @ target).double().cpu()
+    target_sq = _dot(target, target)
+    if not (torch.isfinite(gram).all() and torch.isfinite(rhs).all()
+            and math.isfinite(target_sq)):
         return None
-    gram, rhs = full[:k, :k], full[:k, k]
     coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
-    residual = target.clone()
-    for c, u in zip(coefficients.tolist(), vectors[:k], strict=True):
-        residual.add_(u, alpha=-c)
-    if float(torch.linalg.vector_norm(residual)) <= rtol * math.sqrt(full[k, k]) + atol + _TINY:
+    residual = torch.addmv(target, vectors.T, coefficients.to(target), alpha=-1)
+    if float(torch.linalg.vector_norm(residual)) <= rtol * math.sqrt(target_sq) + atol + _TINY:
         return coefficients
     return None

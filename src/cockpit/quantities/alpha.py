@@ -38,7 +38,7 @@ from torch import Tensor
 
 from cockpit.engine import update_prediction as up
 from cockpit.engine.projection import project_calls
-from cockpit.engine.tracker import PROJECTIONS
+from cockpit.engine.tracker import GRADIENT, PROJECTIONS
 from cockpit.quantities.alpha_fit import Observations, compute_alpha
 from cockpit.quantities.base import Quantity, StepData, Value, sq_norm
 from cockpit.schedules import Schedule
@@ -121,7 +121,8 @@ class Alpha(Quantity):
                 )
                 return None
             state.basis[name] = basis
-            return basis
+            # the gradient row is g_nᵀḡ up to a factor, which the tracker has already
+            return [GRADIENT, *basis[1:]] if state.sgd else basis
 
         return provide
 
