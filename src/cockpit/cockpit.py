@@ -269,7 +269,8 @@ class Cockpit:
         weight = self.tracker.loss_weight
         n = stats.num_samples
         scale = 1.0 / (weight * n) if weight not in (None, 0.0) and n else 1.0
-        batch_grads = {k: g * scale for k, g in stats.batch_grads.items()}
+        batch_grads = (stats.batch_grads if scale == 1.0  # (own copies already)
+                       else {k: g * scale for k, g in stats.batch_grads.items()})
         return StepData(
             step=step,
             losses=None if losses is None else losses.detach(),
@@ -313,7 +314,10 @@ class Cockpit:
             return
         step, data, before, quantities = self._pending_update
         self._pending_update = None
-        update = {k: p.detach() - before[k] for k, p in self._params.items()}
+        # θ_{t+1} − θ_t written over the snapshot (a fresh parameter-sized tensor costs page
+        # faults: as much as the subtraction itself)
+        update = {k: torch.sub(p.detach(), before[k], out=before[k])
+                  for k, p in self._params.items()}
         data.notes.clear()
         values: dict[str, Value] = {}
         for quantity in quantities:

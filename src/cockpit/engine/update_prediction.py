@@ -50,6 +50,8 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
 
+from cockpit.engine.workspace import workspace
+
 SUPPORTED_CLASSES: tuple[type[Optimizer], ...] = (SGD, Adam, RMSprop, Adagrad)
 """Base classes whose ``step`` is predicted (AdamW is a subclass of Adam with its ``step``)."""
 
@@ -393,7 +395,8 @@ def fit_basis_coefficients(
             and math.isfinite(target_sq)):
         return None
     coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
-    residual = torch.addmv(target, vectors.T, coefficients.to(target), alpha=-1)
+    scratch, _ = workspace().take("fit residual", target.shape, target.dtype, target.device)
+    residual = torch.addmv(target, vectors.T, coefficients.to(target), alpha=-1, out=scratch)
     if float(torch.linalg.vector_norm(residual)) <= rtol * math.sqrt(target_sq) + atol + _TINY:
         return coefficients
     return None
