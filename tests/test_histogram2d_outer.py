@@ -223,13 +223,14 @@ def test_wrong_guesses_are_repaired(monkeypatch):
 def test_default_settings_on_a_larger_layer(scale):
     """Above the size cut-off with the module's own decisions (factored or dense)."""
     gen = torch.Generator().manual_seed(8)
-    delta, a, theta = layer(gen, 16, 64, 300, F32, scale)
+    delta, a, theta = layer(gen, 16, 256, 300, F32, scale)
     check(delta, a, theta, *SPECS[0])
 
 
 def test_fallback_after_the_exact_counts(monkeypatch):
     """The early estimate says factored, the exact counts say dense: still brute force."""
     monkeypatch.setattr(h2, "_estimate", lambda *args: 0.0)
+    monkeypatch.setattr(h2, "_MIN_PRODUCTS", 0)
     gen = torch.Generator().manual_seed(12)
     delta, a, theta = layer(gen, 16, 64, 300, F64, 3.0, relu=False)
     dense = []

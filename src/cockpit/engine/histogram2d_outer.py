@@ -54,10 +54,12 @@ base bin of p's class.
 
 Work and fallbacks. On CPU the θ bins, the base counts, the scans and the ``topk`` run in the
 worker threads of :mod:`cockpit.engine.histogram` while the moved products are counted, and
-the binning tasks are shared by up to ``torch.get_num_threads()`` threads. Samples with a
-non-finite entry or a possibly overflowing product, small layers and unsupported dtypes take
-a blockwise dense kernel (products formed in cache-sized blocks, flat index
-k_g·(bins_θ + 1) + k_θ, one ``bincount`` per block), and so do layers whose factored cost
+the binning tasks are shared by up to ``torch.get_num_threads()`` threads. Small layers
+(fewer than ``_MIN_PRODUCTS`` products) and unsupported dtypes form their products for blocks
+of samples and bin them with ``histogram2d_dense``. Samples with a non-finite entry or a
+possibly overflowing product take a blockwise dense kernel (products formed in cache-sized
+blocks, flat index k_g·(bins_θ + 1) + k_θ, one ``bincount`` per block), and so do layers
+whose factored cost
 (estimated from a subsample of a before the counts, then from the exact counts) exceeds
 forming all products (δ large against the bin width). Non-finite θ are binned into an extra
 column whose total is added to ``num_nonfinite``.
@@ -87,8 +89,9 @@ from cockpit.engine.histogram import (
     histogram2d_dense,
 )
 
-# Below this many products the layer is simply formed blockwise (fixed costs dominate).
-_MIN_PRODUCTS = 2**18
+# Below this many products the layer is formed and binned by histogram2d_dense (fixed costs
+# of the factored path dominate; measured crossover 1–2·10⁶ products on a 2-core CPU).
+_MIN_PRODUCTS = 2**20
 # A row that would move more than this fraction of its J products is formed whole.
 _HEAVY_FRACTION = 0.5
 # Cost of one window element (gathered product, θ-index gather, two bincounts) in units of
@@ -135,24 +138,21 @@ def histogram2d_outer(
     if N * I * J == 0:
         shape = (spec_g.bins, spec_theta.bins)
         return torch.zeros(shape, dtype=torch.long, device=delta.device), 0
-    if not _fast_path_ok(spec_g, dtype) or N >= 2**24 or I * J >= 2**31:
+    if (not _fast_path_ok(spec_g, dtype) or N >= 2**24 or I * J >= 2**31
+            or N * I * J < _MIN_PRODUCTS):
         return _plain(delta, a, theta, spec_g, spec_theta)
     delta, a = delta.to(dtype), a.to(dtype)
     T = spec_theta.bins + 1  # θ bins and one column for non-finite θ
-    if N * I * J < _MIN_PRODUCTS:
-        k_theta = _Theta(theta, spec_theta, I, J, background=False).bins()
-        counts, num_nonfinite = _dense(delta, a, k_theta, spec_g, T, clean=False)
+    theta_job = _Theta(theta, spec_theta, I, J, background=_parallel(delta.device))
+    bound = delta.abs().amax(1).double() * a.abs().amax(1).double()
+    clean = torch.isfinite(bound) & (bound <= torch.finfo(dtype).max / 4)
+    if bool(clean.all()):
+        counts, num_nonfinite = _factored(delta, a, theta_job, spec_g, T), 0
     else:
-        theta_job = _Theta(theta, spec_theta, I, J, background=_parallel(delta.device))
-        bound = delta.abs().amax(1).double() * a.abs().amax(1).double()
-        clean = torch.isfinite(bound) & (bound <= torch.finfo(dtype).max / 4)
-        if bool(clean.all()):
-            counts, num_nonfinite = _factored(delta, a, theta_job, spec_g, T), 0
-        else:
-            k_theta = theta_job.bins()
-            counts, num_nonfinite = _dense(delta[~clean], a[~clean], k_theta, spec_g, T, False)
-            if bool(clean.any()):
-                counts += _factored(delta[clean], a[clean], theta_job, spec_g, T)
+        k_theta = theta_job.bins()
+        counts, num_nonfinite = _dense(delta[~clean], a[~clean], k_theta, spec_g, T, False)
+        if bool(clean.any()):
+            counts += _factored(delta[clean], a[clean], theta_job, spec_g, T)
     counts = counts.view(spec_g.bins, T)
     return counts[:, :-1].contiguous(), num_nonfinite + int(counts[:, -1].sum())
 
@@ -160,7 +160,8 @@ def histogram2d_outer(
 def _plain(
     delta: Tensor, a: Tensor, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec
 ) -> tuple[Tensor, int]:
-    """Unsupported dtypes: form the products for blocks of samples, apply histogram2d_dense."""
+    """Form the products for blocks of samples and apply histogram2d_dense (small layers,
+    unsupported dtypes)."""
     N, I = delta.shape
     J = a.shape[1]
     step = max(1, _CHUNK * 32 // (I * J))
