@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["alone", "every"], default=None)
     parser.add_argument("--steps", type=int, default=3, help="tracked steps (alone)")
     parser.add_argument("--run-steps", type=int, default=64, help="run length (every k)")
+    parser.add_argument("--every", nargs="+", default=None, metavar="CONFIG:K",
+                        help="every-k runs to do, e.g. full:64 business:16 (default: all)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="fresh subprocesses per every-k configuration; the median ratio "
                         "is reported with the range (the machine's noise is ±0.1–0.3×)")
@@ -119,7 +121,9 @@ def main() -> None:
                          r["peak_mib"] - base["peak_mib"], r["hvps"]))
             print(rows[-1], flush=True)
     if args.only in (None, "every"):
-        for config, k in EVERY:
+        chosen = EVERY if args.every is None else [
+            (c, int(k)) for c, k in (item.split(":") for item in args.every)]
+        for config, k in chosen:
             # at least four tracked steps, so one-time work of the first (choosing kernels,
             # Lanczos without warm start) is amortized as it would be in a long run
             steps = max(args.run_steps, 4 * k)
