@@ -5,9 +5,11 @@ Each configuration runs in a fresh subprocess on a DeepOBS problem (synthetic da
 
 * ``alone``: one instrument tracked at every second step; median(tracked) / median(untracked);
 * ``every k``: a configuration tracked every k steps over a run of S = max(64, 4k) steps (so
-  at least four tracked steps); the mean step time
-  of the whole run (tracked and untracked steps) / median(untracked step) of the same process,
-  or, for k = 1 (no untracked step), of the run without Cockpit.
+  at least four tracked steps); the mean step time of the whole run (tracked and untracked
+  steps) / the mean untracked step of the same process — how much longer the run takes —
+  or, for k = 1 (no untracked step), / the median step of the run without Cockpit. (Means on
+  both sides: step times are right-skewed on a shared machine, and a median denominator
+  would count the untracked steps' own noise spikes as Cockpit's overhead.)
 
 Peak memory is the subprocess's peak resident set size minus that of a run without Cockpit.
 
@@ -76,6 +78,7 @@ untracked = [t for s, t in times if s not in tracked_steps] or [t for _, t in ti
 tracked = [t for s, t in times if s in tracked_steps]
 print(json.dumps({
     "untracked": statistics.median(untracked),
+    "untracked_mean": statistics.mean(untracked),
     "tracked": statistics.median(tracked) if tracked else None,
     "mean_all": statistics.mean(t for _, t in times),
     "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -130,7 +133,7 @@ def main() -> None:
             results = []
             for _ in range(max(1, args.repeats)):
                 r = run(args.problem, config, "every", k, steps)
-                untracked = base["untracked"] if k == 1 else r["untracked"]
+                untracked = base["untracked"] if k == 1 else r["untracked_mean"]
                 results.append((r["mean_all"] / untracked, untracked, r))
             results.sort(key=lambda item: item[0])
             ratio, untracked, r = results[len(results) // 2]
