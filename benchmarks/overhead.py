@@ -20,6 +20,7 @@ size, compared with a subprocess that trains without Cockpit, and with the large
     python benchmarks/overhead.py --configs Alpha --optimizer custom
     python benchmarks/overhead.py --threads 1 --clock cpu     # robust on a loaded machine
     python benchmarks/overhead.py --repeats 3                 # median over 3 processes
+    python benchmarks/overhead.py --configs business --curvature diag_ggn_mc
 
 ``--optimizer``: ``sgd`` (momentum 0.9), ``sgd-plain`` (no momentum), ``adam``, or
 ``custom`` — a subclass of torch.optim.Optimizer that Cockpit cannot predict (sign-SGD), so
@@ -41,7 +42,7 @@ import torch, torch.nn.functional as F
 from cockpit import Cockpit, configuration, quantities
 from cockpit.problems.deepobs import BUILDERS, synthetic_batches
 
-problem, config, steps, threads, optimizer, clock = sys.argv[1:7]
+problem, config, steps, threads, optimizer, clock, curvature = sys.argv[1:8]
 now = time.perf_counter if clock == "wall" else time.process_time
 steps, threads = int(steps), int(threads)
 torch.set_num_threads(threads)
@@ -83,6 +84,9 @@ if config != "none":
         qs = configuration(config, schedule)
     else:
         qs = [getattr(quantities, config)(schedule)]
+    for quantity in qs:  # HessTrace, TICDiag, TICTrace
+        if curvature != "auto" and hasattr(quantity, "curvature"):
+            quantity.curvature = curvature
     cockpit = Cockpit(model, qs, optimizer=opt)
 times = {"t": [], "u": []}
 for step, kind in enumerate(kinds):
@@ -120,10 +124,11 @@ INSTRUMENTS = ["Loss", "GradNorm", "Distance", "UpdateSize", "NormTest", "InnerT
                "OrthoTest", "GradHist1d", "Alpha", "MeanGSNR", "EarlyStopping", "CABS"]
 
 
-def run(problem: str, config: str, steps: int, threads: int, optimizer: str, clock: str) -> dict:
+def run(problem: str, config: str, steps: int, threads: int, optimizer: str, clock: str,
+        curvature: str = "auto") -> dict:
     result = subprocess.run(
         [sys.executable, "-c", WORKER, problem, config, str(steps), str(threads), optimizer,
-         clock],
+         clock, curvature],
         capture_output=True, text=True,
     )
     if result.returncode != 0:
@@ -145,8 +150,12 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall-clock time, or the process's CPU time (robust when other "
                         "processes load the machine; use with --threads 1)")
+    parser.add_argument("--curvature", default="auto",
+                        choices=["auto", "diag_ggn_exact", "diag_ggn_mc", "hutchinson",
+                                 "diag_hessian"],
+                        help="curvature= of HessTrace/TICDiag/TICTrace (business, full)")
     args = parser.parse_args()
-    opts = (args.steps, args.threads, args.optimizer, args.clock)
+    opts = (args.steps, args.threads, args.optimizer, args.clock, args.curvature)
     rows = []
     for problem in args.problems:
         base = run(problem, "none", *opts)
