@@ -148,6 +148,7 @@ class ModuleTracker:
         self._multi_use: set[str] = set()
         self._accumulated: dict[str, DenseSampleGrads] = {}
         self._weights: Tensor | None = None
+        self._weight_value = 1.0  # float(w_n), read once per backward
         self._weights_problem: str | None = None
         self._suspended = False  # True while rules run the module again (torch.func)
         self._probing = False  # True during Cockpit's own backprops (diagonal curvature)
@@ -291,6 +292,7 @@ class ModuleTracker:
         if self.active and not self._suspended:
             self._weights = grad.detach()
             self._weights_problem = weights_problem(self._weights)
+            self._weight_value = float(self._weights.flatten()[0])  # one device sync per step
 
     @contextlib.contextmanager
     def suspended(self):
@@ -481,7 +483,7 @@ class ModuleTracker:
         if getattr(rule, "takes_scale", False) and not self.keep_calls:
             # δ_n = ∂L/∂y_n / w with one uniform w (checked): the rule folds 1/w into its
             # smallest intermediate instead of dividing the whole output gradient
-            grads, scale = list(call.grads), 1.0 / float(weights.flatten()[0])
+            grads, scale = list(call.grads), 1.0 / self._weight_value
         else:
             grads = [self._individual(g, weights, bd) for g in call.grads]
         if self.keep_calls:  # for projections on directions known only after the step
@@ -605,7 +607,7 @@ class ModuleTracker:
     @property
     def loss_weight(self) -> float | None:
         """The (uniform) weight w = ∂L/∂ℓ_n of this backward, if known."""
-        return None if self._weights is None else float(self._weights.flatten()[0])
+        return None if self._weights is None else self._weight_value
 
     def remove(self) -> None:
         for handle in self._handles:
