@@ -151,3 +151,31 @@ def test_gradient_tests_use_this_batch_when_grad_holds_older_gradients(name, sta
     for test, value in expected.items():
         assert rel_close(out[test], value, 1e-6), (test, out[test], value)
     assert rel_close(out["GradNorm"], flat(grads, list(grads)).mean(0).norm().item(), 1e-6)
+
+
+def test_batch_gradients_over_consecutive_and_interrupted_tracked_steps():
+    """Cockpit reuses its copies of the batch gradient from one tracked step in the directly
+    following one; every step's GradNorm and NormTest must still be of that step's batch."""
+    problem = make_problem("cnn", 6, torch.float64)
+    model = problem.model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    tracked = {0, 1, 2, 4, 5}
+    cockpit = Cockpit(model, [quantities.GradNorm(tracked.__contains__),
+                              quantities.NormTest(tracked.__contains__)], optimizer=opt)
+    gen = torch.Generator().manual_seed(3)
+    expected = {}
+    for step in range(6):
+        x = torch.randn(problem.x.shape, generator=gen, dtype=problem.x.dtype)
+        grads = individual_gradients(model, problem.loss_fn, x, problem.y)
+        G = flat(grads, list(grads))
+        expected[step] = (G.mean(0).norm().item(), gradient_tests(G)["NormTest"])
+        opt.zero_grad()
+        losses = problem.loss_fn(model(x), problem.y)
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    out = cockpit.get_output()
+    for step in tracked:
+        assert rel_close(out[step]["GradNorm"], expected[step][0], 1e-6)
+        assert rel_close(out[step]["NormTest"], expected[step][1], 1e-6)

@@ -173,6 +173,7 @@ class Cockpit:
         tracked = self._tracked(step)
         if not tracked:
             self.tracker.clear_calls()
+            self.tracker.drop_spare_gradients()
             self.tracker.capturing = self._capture_next(step)
             self._current = None
             return

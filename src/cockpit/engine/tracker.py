@@ -113,7 +113,8 @@ class BackwardStatistics:
     var_sum: dict[str, Tensor] = field(default_factory=dict)
     hist1d: dict[str, Tensor] = field(default_factory=dict)
     hist2d: dict[str, Tensor] = field(default_factory=dict)
-    batch_grads: dict[str, Tensor] = field(default_factory=dict)  # ∂L/∂θ of this backward
+    # ∂L/∂θ of this backward: Cockpit's copies, reused by a directly following tracked step
+    batch_grads: dict[str, Tensor] = field(default_factory=dict)
     # key → parameter → [K, N]: g_nᵀ u_k for the directions u_k registered under key
     projections: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # reasons per-sample stats are invalid
@@ -161,6 +162,10 @@ class ModuleTracker:
         self.kept_calls: list[Call] = []
         self._seen_grads: dict[str, Tensor] = {}
         self._pure_grads: set[str] = set()  # seen gradient = this backward's Σ_n w·g_n
+        # The batch gradients of the last tracked step, reused as the copies of the next one
+        # if it follows directly (a fresh parameter-sized tensor costs page faults).
+        self._last_batch_grads: dict[str, Tensor] = {}
+        self._spare_grads: dict[str, Tensor] = {}
         self._pending_provided: dict[str, SampleGrads] = {}
         self.step_cache: dict = {}  # work shared by instruments within one tracked step
         self._handles: list = []
@@ -281,6 +286,7 @@ class ModuleTracker:
         self._multi_use = {name for name, count in uses.items() if count > 1}
         self._seen_grads = {}
         self._pure_grads = set()
+        self._spare_grads, self._last_batch_grads = self._last_batch_grads, {}
         self._pending_provided = {}
         self.kept_calls = []
         self.release_step_cache()
@@ -373,7 +379,11 @@ class ModuleTracker:
             if self.active and not self._suspended and self.stats is not None:
                 first = name not in self.stats.batch_grads
                 if first:
-                    self.stats.batch_grads[name] = grad.detach().clone()
+                    spare = self._spare_grads.pop(name, None)
+                    fits = (spare is not None and spare.shape == grad.shape
+                            and spare.dtype == grad.dtype and spare.device == grad.device)
+                    self.stats.batch_grads[name] = (spare.copy_(grad.detach()) if fits
+                                                    else grad.detach().clone())
                 else:
                     self.stats.batch_grads[name] = self.stats.batch_grads[name] + grad.detach()
                 if self.direction_providers or GRAM_MEAN in self.needs:
@@ -442,7 +452,13 @@ class ModuleTracker:
             self.release_step_cache()
             self.clear_calls()
         stats, self.stats = self.stats, None
+        self._spare_grads = {}
+        self._last_batch_grads = dict(stats.batch_grads)  # own copies, valid until next begin
         return stats
+
+    def drop_spare_gradients(self) -> None:
+        """Free the kept batch gradients (the next step is not tracked)."""
+        self._spare_grads, self._last_batch_grads = {}, {}
 
     def _fail(self, message: str) -> None:
         assert self.stats is not None
@@ -614,6 +630,7 @@ class ModuleTracker:
             handle.remove()
         self._handles = []
         self.clear_calls()
+        self.drop_spare_gradients()
         self.active = False
 
 
