@@ -313,21 +313,22 @@ def _dot(a: Tensor, b: Tensor) -> float:
 
 def match_update(
     predicted: Sequence[Tensor | None], actual: Sequence[Tensor], rtol: float = 1e-4,
-    atol: float = 0.0,
+    atol: float = 0.0, actual_sq: float | None = None,
 ) -> float | None:
     """Global scale κ with ``actual ≈ κ · predicted`` over all tensors, or None.
 
     κ = ⟨p, a⟩ / ⟨p, p⟩ (least squares), accepted when ``‖a − κ p‖ ≤ rtol ‖a‖ + atol``
-    (``atol``: the rounding in measuring ``a`` as a difference of parameters).
-    κ = lr_new / lr_old after an lr change for every group; κ = clip coefficient for
-    clipped plain SGD (module docstring). A zero prediction matches only a zero update
-    (κ = 1). None for a length mismatch, a missing prediction or non-finite values.
+    (``atol``: the rounding in measuring ``a`` as a difference of parameters; ``actual_sq``:
+    ‖a‖² if the caller has it already). κ = lr_new / lr_old after an lr change for every
+    group; κ = clip coefficient for clipped plain SGD (module docstring). A zero prediction
+    matches only a zero update (κ = 1). None for a length mismatch, a missing prediction or
+    non-finite values.
     """
     if len(predicted) != len(actual) or any(p is None for p in predicted):
         return None
     pp = sum(_dot(p, p) for p in predicted)  # type: ignore[arg-type]
     pa = sum(_dot(p, a) for p, a in zip(predicted, actual, strict=True))  # type: ignore[arg-type]
-    aa = sum(_dot(a, a) for a in actual)
+    aa = sum(_dot(a, a) for a in actual) if actual_sq is None else actual_sq
     if not all(math.isfinite(x) for x in (pp, pa, aa)):
         return None
     if pp == 0.0:
@@ -369,12 +370,14 @@ def sgd_update_basis(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tenso
 
 
 def fit_basis_coefficients(
-    basis: Tensor | Sequence[Tensor], actual: Tensor, rtol: float = 1e-4, atol: float = 0.0
+    basis: Tensor | Sequence[Tensor], actual: Tensor, rtol: float = 1e-4, atol: float = 0.0,
+    actual_sq: float | None = None,
 ) -> Tensor | None:
     """Least-squares coefficients c with ``actual ≈ Σ_k c_k basis_k`` (float64, on CPU).
 
     Accepted when ``‖actual − Σ c_k basis_k‖ ≤ rtol ‖actual‖ + atol``, else None; ``atol``
-    covers the rounding in measuring ``actual`` (a difference of parameters). Then
+    covers the rounding in measuring ``actual`` (a difference of parameters); ``actual_sq``
+    is ‖actual‖² if the caller has it already. Then
     ``s_tᵀ g_n = Σ_k c_k (basis_kᵀ g_n)`` for any vector g_n, also if the basis is degenerate.
     ``basis``: a stacked tensor ``[k, ...]`` (as from :func:`sgd_update_basis`) or a list.
     The Gram matrix VVᵀ, Vᵀa and the residual a − Vᵀc are BLAS products in the tensors' dtype
@@ -390,7 +393,7 @@ def fit_basis_coefficients(
         vectors = torch.stack([b.reshape(-1).to(target.dtype) for b in basis])
     gram = (vectors @ vectors.T).double().cpu()
     rhs = (vectors @ target).double().cpu()
-    target_sq = _dot(target, target)
+    target_sq = _dot(target, target) if actual_sq is None else actual_sq
     if not (torch.isfinite(gram).all() and torch.isfinite(rhs).all()
             and math.isfinite(target_sq)):
         return None

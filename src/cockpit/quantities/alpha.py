@@ -160,7 +160,8 @@ class Alpha(Quantity):
             return {"Alpha": math.nan}
         moved = [k for k, sq in sq_norms.items() if sq > 0]
         dots, reason = (
-            (None, state.failure) if state.failure else self._slopes(state, update, moved, data)
+            (None, state.failure) if state.failure
+            else self._slopes(state, update, sq_norms, moved, data)
         )
         state.calls = []
         state.basis = {}
@@ -181,9 +182,11 @@ class Alpha(Quantity):
         return {}
 
     def _slopes(
-        self, state: _OpenStep, update: dict[str, Tensor], moved: list[str], data: StepData
+        self, state: _OpenStep, update: dict[str, Tensor], sq_norms: dict[str, float],
+        moved: list[str], data: StepData,
     ) -> tuple[Tensor | None, str | None]:
-        """s_tᵀ g_n(θ_t) for every sample, or None and the reason."""
+        """s_tᵀ g_n(θ_t) for every sample, or None and the reason (``sq_norms``: ‖s_t‖² per
+        parameter, already measured)."""
         if not state.predicted:
             try:
                 return project_calls(data.tracker, state.calls, update), None
@@ -200,7 +203,7 @@ class Alpha(Quantity):
             total = None
             for k in names:
                 coefficients = up.fit_basis_coefficients(
-                    state.basis[k], update[k], self.rtol, noise[k])
+                    state.basis[k], update[k], self.rtol, noise[k], actual_sq=sq_norms[k])
                 if coefficients is None:
                     return None, (
                         "the real update is not an SGD step of the predicted form (the "
@@ -213,6 +216,7 @@ class Alpha(Quantity):
         kappa = up.match_update(
             [state.basis[k][0] for k in names], [update[k] for k in names], self.rtol,
             math.sqrt(sum(v * v for v in noise.values())),
+            actual_sq=sum(sq_norms[k] for k in names),
         )
         if kappa is None:
             return None, (
