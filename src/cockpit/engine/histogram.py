@@ -67,6 +67,9 @@ _SEARCH_COST = 40.0
 _ROW_COST = 1.3
 # Bound on the searches processed at once (memory of the query tensors).
 _MAX_QUERIES_PER_BLOCK = 2**20
+# Two lanes of bin indices fit into a byte while 2·bins ≤ 256 (lane 1 stored as k − bins ∈
+# [−bins, −1]); see _count.
+_MAX_LANE_BINS = 128
 
 
 @dataclass(frozen=True)
@@ -167,10 +170,6 @@ def _index_dtype(num_bins: int) -> torch.dtype:
 def _counting_dtype(num_bins: int) -> torch.dtype:
     """Index type of the 1-D kernels: int8 when :func:`_count` can use two lanes."""
     return torch.int8 if num_bins <= _MAX_LANE_BINS else _index_dtype(num_bins)
-
-
-# Two lanes fit into a byte while 2·bins ≤ 256 (lane 1 stored as k − bins ∈ [−bins, −1]).
-_MAX_LANE_BINS = 128
 
 
 @functools.lru_cache(maxsize=16)

@@ -587,9 +587,10 @@ class ModuleTracker:
         gram_row: int | None = None
         gradient_ref: int | Tensor | None = None
         if GRAM_MEAN in self.needs and sg.fuse_dots:
-            gram_row = row(seen) if w_n else row(sg.batch_mean())
-            if w_n:
-                gradient_ref = gram_row
+            if w_n:  # seen ∥ ḡ: one row serves g_nᵀḡ and a provider's GRADIENT
+                gram_row = gradient_ref = row(seen)
+            else:
+                gram_row = row(sg.batch_mean())
 
         def gradient() -> int | Tensor:
             nonlocal gradient_ref
