@@ -175,8 +175,9 @@ class ConvSampleGrads(SampleGrads):
 
     def _method(self) -> str:
         """The faster of the two ways to materialize, measured once per layer shape (which
-        one wins depends on the shapes and the hardware: on a 2-core CPU the grouped
-        convolution is 1.5× faster for 2C2D's second layer and 1.4–3.5× slower for 3C3D's)."""
+        one wins depends on the shapes, the hardware and the load: on a 2-core CPU the grouped
+        convolution once measured 1.5× faster for 2C2D's second layer, and 1.4–3.6× slower
+        than unfolding into scratch memory on every 3C3D and 2C2D layer in session 3)."""
         key = (tuple(self.x.shape), tuple(self.delta.shape), self.shape, self.module.stride,
                self.module.dilation, self.module.groups, self.x.dtype, self.x.device.type)
         method = _METHODS.get(key)
