@@ -33,7 +33,8 @@ def reference_alpha(loss0, g0, loss1, g1, s) -> float:
 class Recorder:
     """Trains with Cockpit and keeps what the reference needs: θ_t and the batch of each step."""
 
-    def __init__(self, problem, optimizer_fn, schedule, steps, clip=None, seed=0):
+    def __init__(self, problem, optimizer_fn, schedule, steps, clip=None, seed=0,
+                 before_step=None, after_step=None):
         torch.manual_seed(seed)
         self.problem = problem
         model = problem.model
@@ -54,7 +55,11 @@ class Recorder:
                 losses.mean().backward()
             if clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if before_step is not None:  # the user's code between backward and step
+                before_step(step, self.opt)
             self.opt.step()
+            if after_step is not None:
+                after_step(step, self.opt)
         self.thetas.append(copy.deepcopy(model.state_dict()))
         self.cockpit.close()
 
@@ -94,6 +99,7 @@ OPTIMIZERS = {
     "sgd_momentum_nesterov_wd": lambda p: torch.optim.SGD(
         p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
     "sgd_dampening": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, dampening=0.3),
+    "sgd_momentum_wd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-2),
     "adam": lambda p: torch.optim.Adam(p, lr=0.01),
     "adam_amsgrad_wd": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, weight_decay=0.1),
     "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
@@ -123,7 +129,7 @@ def test_alpha_matches_brute_force(name, opt):
     check(rec, [0, 1, 2])
 
 
-@pytest.mark.parametrize("opt", ["sgd", "sgd_momentum_nesterov_wd", "custom"])
+@pytest.mark.parametrize("opt", ["sgd", "sgd_momentum_nesterov_wd", "sgd_momentum_wd", "custom"])
 def test_alpha_with_gradient_clipping(opt):
     problem = make_problem("mlp_relu", 6)
     rec = Recorder(problem, OPTIMIZERS[opt], every(1), 4, clip=0.05)
@@ -174,23 +180,57 @@ def test_state_edited_behind_the_optimizers_back_is_detected():
 
 def test_sgd_momentum_buffer_edited_is_still_exact():
     """SGD updates lie in span(gradient, parameter, old buffer) whatever the buffer holds, so
-    an edited buffer is handled exactly rather than rejected."""
+    a rescaled buffer is handled exactly rather than rejected (on the predicted path)."""
     problem = make_problem("mlp_relu", 6)
 
-    def edit_then_sgd(params):
-        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        original_step = opt.step
+    def rescale(step, opt):
+        for state in opt.state.values():
+            state["momentum_buffer"].mul_(3.0)
 
-        def step(closure=None):
-            for state in opt.state.values():
-                state["momentum_buffer"].mul_(3.0)
-            return original_step(closure)
+    rec = Recorder(problem, OPTIMIZERS["sgd_dampening"], every(1), 5, before_step=rescale,
+                   after_step=rescale)
+    assert not rec.cockpit.quantities[0]._general
+    check(rec, [0, 1, 2, 3])
 
-        opt.step = step  # the instance keeps torch's SGD.step underneath
-        return opt
 
-    rec = Recorder(problem, edit_then_sgd, every(1), 4)
+@pytest.mark.parametrize("opt,expected", [("sgd_dampening", 1), ("sgd_momentum_wd", 2)])
+def test_sgd_momentum_projects_on_the_previous_update_once(monkeypatch, opt, expected):
+    """Tracked every step with momentum SGD, s_{t−1} = −lr·b_old spans the buffer's part of the
+    next update: each Linear weight gets one projection per step for s_{t−1} and the buffer
+    (plus one for θ with weight decay; the gradient's is the Gram closed form), and α stays
+    exact."""
+    from cockpit.engine.sample_grads import OuterSampleGrads
+
+    directions: list[int] = []
+    original = OuterSampleGrads.dots_many
+
+    def counting(self, us):
+        directions.append(len(us))
+        return original(self, us)
+
+    monkeypatch.setattr(OuterSampleGrads, "dots_many", counting)
+    problem = make_problem("mlp_relu", 6)
+    rec = Recorder(problem, OPTIMIZERS[opt], every(1), 4)
+    assert directions and max(directions) == expected, directions
     check(rec, [0, 1, 2])
+
+
+def test_sgd_momentum_buffer_edited_between_steps_is_detected():
+    """The buffer's row is s_{t−1}; a buffer edited after the step (not a rescaling) puts the
+    next update outside the span: that step is not computed, later ones are exact."""
+    problem = make_problem("mlp_relu", 6)
+
+    def reset_half(step, opt):
+        if step == 1:
+            buffer = next(iter(opt.state.values()))["momentum_buffer"]
+            buffer.view(-1)[: buffer.numel() // 2].zero_()
+
+    with pytest.warns(RuntimeWarning, match="Alpha at step 2"):
+        rec = Recorder(problem, OPTIMIZERS["sgd_dampening"], every(1), 5, after_step=reset_half)
+    out, notes = rec.cockpit.get_output(), rec.cockpit.get_notes()
+    assert out[2]["Alpha"] is None
+    assert "not an SGD step of the predicted form" in notes[2]["Alpha"]
+    check(rec, [0, 1, 3])
 
 
 def test_learning_rate_change_between_backward_and_step_is_corrected():

@@ -576,6 +576,9 @@ class ModuleTracker:
         vectors: list[Tensor] = []
 
         def row(vector: Tensor) -> int:
+            for index, known in enumerate(vectors):  # one projection per distinct tensor
+                if known is vector:
+                    return index
             vectors.append(vector)
             return len(vectors) - 1
 

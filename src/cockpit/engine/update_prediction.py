@@ -343,7 +343,9 @@ def match_update(
     return None
 
 
-def sgd_update_basis(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tensor | None:
+def sgd_update_basis(
+    optimizer: Optimizer, param: Tensor, grad: Tensor, previous_update: Tensor | None = None
+) -> Tensor | None:
     """Snapshot tensors whose span contains ``param``'s SGD update for any gradient scale c.
 
     With ``grad ← c·grad`` (e.g. clipping) and lr possibly changed, the update is
@@ -352,6 +354,13 @@ def sgd_update_basis(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tenso
     ``[k, *param.shape]`` (rows g, θ, b_old; the step changes θ and b in place), so that the
     fit after the step reads them in one matrix product. None when the optimizer is not a
     supported plain SGD.
+
+    ``previous_update``: the last update s_{t−1} of ``param``, if known and non-zero. Without
+    Nesterov, SGD's last update was s_{t−1} = −lr·b_old (the buffer it left behind), so
+    s_{t−1} takes b_old's row (see :func:`previous_update_replaces_buffer`): a caller that
+    projects on s_{t−1} anyway needs one direction less. Should the buffer have been edited
+    since (other than by a scaling), the fit after the step finds the update outside the span
+    and says so.
     """
     if supported_base(optimizer) is not SGD or unsupported_reason(optimizer, param, grad):
         return None
@@ -359,14 +368,28 @@ def sgd_update_basis(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tenso
     rows = [grad]
     if group["weight_decay"] != 0:
         rows.append(param)
-    buffer = (optimizer.state.get(param) or {}).get("momentum_buffer")
-    if group["momentum"] != 0 and buffer is not None:
-        rows.append(buffer)
+    if previous_update is not None and previous_update_replaces_buffer(optimizer, param):
+        rows.append(previous_update)
+    else:
+        buffer = (optimizer.state.get(param) or {}).get("momentum_buffer")
+        if group["momentum"] != 0 and buffer is not None:
+            rows.append(buffer)
     basis = torch.empty((len(rows), *param.shape), dtype=param.dtype, device=param.device)
     with torch.no_grad():
         for row, tensor in zip(basis, rows, strict=True):
             row.copy_(tensor.detach())
     return basis
+
+
+def previous_update_replaces_buffer(optimizer: Optimizer, param: Tensor) -> bool:
+    """Whether :func:`sgd_update_basis` puts a given previous update in the momentum buffer's
+    row: SGD with momentum, without Nesterov, after its first step (a buffer exists)."""
+    if supported_base(optimizer) is not SGD:
+        return False
+    group = _find_group(optimizer, param)
+    if group is None or group["momentum"] == 0 or group["nesterov"]:
+        return False
+    return (optimizer.state.get(param) or {}).get("momentum_buffer") is not None
 
 
 def fit_basis_coefficients(

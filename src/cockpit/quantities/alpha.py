@@ -19,8 +19,10 @@ s_tᵀ g_n(θ_t) is needed before s_t exists. Two ways, neither holds |B|×D gra
   it) and the individual gradients are projected on it. After ``optimizer.step()`` the
   prediction is checked against the real update: a global rescaling (learning-rate change)
   is corrected; for SGD the update is fitted in the span of (gradient, parameter, old
-  momentum buffer), which covers gradient clipping exactly. A mismatch records the step as
-  not computed, warns, and switches to the general path;
+  momentum buffer), which covers gradient clipping exactly. Tracked on consecutive steps,
+  momentum SGD without Nesterov left s_{t−1} = −lr·b_old behind, so s_{t−1} (projected
+  anyway, for α_{t−1}) takes the buffer's place and one projection serves both. A mismatch
+  records the step as not computed, warns, and switches to the general path;
 * **general** (any other optimizer): each layer's input and output gradient are kept until
   the step, then s_tᵀ g_n is a Jacobian-vector product per layer
   (:mod:`cockpit.engine.projection`). Memory: about one forward pass's activations.
@@ -92,8 +94,10 @@ class Alpha(Quantity):
     # ------------------------------------------------------------------ before backward
     def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
         opened = self._open
+        previous: dict[str, Tensor] = {}
         if opened is not None and opened.step == step - 1 and opened.direction is not None:
             tracker.directions[_PREVIOUS] = opened.direction
+            previous = {k: opened.direction[k] for k in opened.moved}
         self._starting = None
         if not self.starts(step):
             return
@@ -104,14 +108,20 @@ class Alpha(Quantity):
         state = _OpenStep(step, (math.nan, math.nan), predicted, sgd=predicted and is_sgd)
         self._starting = state
         if predicted:
-            tracker.direction_providers[_PREDICTED] = self._provider(optimizer, state)
+            tracker.direction_providers[_PREDICTED] = self._provider(optimizer, state, previous)
         else:
             tracker.keep_calls = True
 
-    def _provider(self, optimizer, state: _OpenStep):
+    def _provider(self, optimizer, state: _OpenStep, previous: dict[str, Tensor]):
+        """``previous``: s_{t−1} per parameter it moved, already a direction of this step."""
+
         def provide(name: str, param: Tensor, grad: Tensor) -> list[Tensor] | None:
+            last = None
             if state.sgd:
-                basis = up.sgd_update_basis(optimizer, param, grad)
+                last = previous.get(name)
+                if last is not None and not up.previous_update_replaces_buffer(optimizer, param):
+                    last = None
+                basis = up.sgd_update_basis(optimizer, param, grad, previous_update=last)
             else:
                 update = up.predict_update(optimizer, param, grad)
                 basis = None if update is None else [update]
@@ -121,8 +131,14 @@ class Alpha(Quantity):
                 )
                 return None
             state.basis[name] = basis
-            # the gradient row is g_nᵀḡ up to a factor, which the tracker has already
-            return [GRADIENT, *basis[1:]] if state.sgd else basis
+            if not state.sgd:
+                return basis
+            # the gradient row is g_nᵀḡ up to a factor, which the tracker has already; s_{t−1}
+            # is given as the tensor registered for α_{t−1}, so one projection serves both
+            rows = [GRADIENT, *basis[1:]]
+            if last is not None:
+                rows[-1] = last
+            return rows
 
         return provide
 
