@@ -42,7 +42,7 @@ from cockpit.engine import update_prediction as up
 from cockpit.engine.projection import project_calls
 from cockpit.engine.tracker import GRADIENT, PROJECTIONS
 from cockpit.quantities.alpha_fit import Observations, compute_alpha
-from cockpit.quantities.base import Quantity, StepData, Value, sq_norm
+from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.schedules import Schedule
 
 _PREDICTED = "alpha/predicted"
@@ -168,7 +168,7 @@ class Alpha(Quantity):
         state = self._open
         if state is None or state.step != data.step:
             return {}
-        sq_norms = {k: sq_norm(s) for k, s in update.items()}
+        sq_norms = data.update_sq_norms(update)
         length = math.sqrt(sum(sq_norms.values()))
         if not math.isfinite(length) or not all(math.isfinite(v) for v in state.loss):
             self._open = None

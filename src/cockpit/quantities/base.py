@@ -57,6 +57,15 @@ class StepData:
             cache[name] = sq_norm(self.batch_grads[name])
         return cache[name]
 
+    def update_sq_norms(self, update: dict[str, Tensor]) -> dict[str, float]:
+        """‖s_t‖² per parameter tensor of the update s_t = θ_{t+1} − θ_t (computed once per
+        step: UpdateSize and Alpha read the same numbers)."""
+        cached = self.__dict__.get("_update_sq_norms")
+        if cached is None or cached[0] is not update:
+            cached = self.__dict__["_update_sq_norms"] = (
+                update, {k: sq_norm(s) for k, s in update.items()})
+        return cached[1]
+
 
 class Quantity:
     """Base class of all instruments."""

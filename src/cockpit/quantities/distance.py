@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
+from cockpit.engine.workspace import workspace
 from cockpit.quantities.base import Quantity, StepData, Value, global_and_per_param, sq_norm
 
 
-def _norms(name: str, diffs: dict[str, Tensor]) -> dict[str, Value]:
-    per_param = {k: sq_norm(d) for k, d in diffs.items()}
+def _norms(name: str, per_param: dict[str, float]) -> dict[str, Value]:
+    """The global norm and one per parameter tensor from squared norms per tensor."""
     total = math.sqrt(sum(per_param.values()))
     return global_and_per_param(name, {k: math.sqrt(v) for k, v in per_param.items()}, total)
 
@@ -22,8 +24,13 @@ class Distance(Quantity):
 
     def compute(self, data: StepData) -> dict[str, Value]:
         assert data.initial_params is not None
-        diffs = {k: p.detach() - data.initial_params[k] for k, p in data.params.items()}
-        return _norms("Distance", diffs)
+        per_param = {}
+        for k, p in data.params.items():
+            # θ_t − θ_0 in scratch memory: a fresh parameter-sized tensor per step costs
+            # page faults on a CPU
+            diff, _ = workspace().take("distance", p.shape, p.dtype, p.device)
+            per_param[k] = sq_norm(torch.sub(p.detach(), data.initial_params[k], out=diff))
+        return _norms("Distance", per_param)
 
 
 class UpdateSize(Quantity):
@@ -31,4 +38,4 @@ class UpdateSize(Quantity):
     needs_update = True
 
     def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> dict[str, Value]:
-        return _norms("UpdateSize", update)
+        return _norms("UpdateSize", data.update_sq_norms(update))
