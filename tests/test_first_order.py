@@ -127,6 +127,28 @@ def test_distance_after_steps():
     cockpit.close()
 
 
+@pytest.mark.parametrize("test", ["NormTest", "InnerTest", "OrthoTest"])
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-6), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_each_gradient_test_alone_matches_brute_force(name, dtype, rtol, test):
+    """Alone, NormTest asks for ‖g_n‖² only and InnerTest for g_nᵀg_B only (a convolution
+    then projects by one convolution instead of building its individual gradients)."""
+    problem = make_problem(name, 7, dtype)
+    grads = individual_gradients(problem.model, problem.loss_fn, problem.x, problem.y)
+    grads = {k: g.double() for k, g in grads.items()}
+    names = list(grads)
+    cockpit = Cockpit(problem.model, [getattr(quantities, test)()], strict=True)
+    losses = problem.losses()
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    out = cockpit.get_output()[0]
+    assert rel_close(out[test], gradient_tests(flat(grads, names))[test], rtol)
+    for k in names:
+        expected = gradient_tests(grads[k].reshape(7, -1))[test]
+        assert rel_close(out[f"{test}/{k}"], expected, max(rtol, 1e-5), atol=1e-7), (k, test)
+
+
 @pytest.mark.parametrize("stale", ["random", "zeros"])
 @pytest.mark.parametrize("name", ["mlp_relu", "cnn"])
 def test_gradient_tests_use_this_batch_when_grad_holds_older_gradients(name, stale):

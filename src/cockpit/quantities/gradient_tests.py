@@ -22,6 +22,9 @@ from cockpit.quantities.base import Quantity, StepData, Value, to_float
 
 
 class GradientTest(Quantity):
+    """A gradient test; ``needs`` lists the per-sample statistics its formula reads (S needs
+    ‖g_n‖², D2 needs g_nᵀg_B; a statistic not needed is passed as NaN)."""
+
     needs = frozenset({SQ_NORMS, GRAM_MEAN})
 
     def formula(self, n: int, S: float, G: float, D2: float) -> float:
@@ -29,11 +32,12 @@ class GradientTest(Quantity):
         raise NotImplementedError
 
     def compute(self, data: StepData) -> dict[str, Value]:
-        return compute_test(self.name, data, self.formula)
+        return compute_test(self.name, data, self.formula, self.needs)
 
 
 def compute_test(
-    name: str, data: StepData, formula: Callable[[int, float, float, float], float]
+    name: str, data: StepData, formula: Callable[[int, float, float, float], float],
+    needs: frozenset[str] = frozenset({SQ_NORMS, GRAM_MEAN}),
 ) -> dict[str, Value]:
     stats = data.stats
     assert stats is not None
@@ -43,15 +47,19 @@ def compute_test(
         return {name: None}
 
     def value(names: list[str]) -> float:
-        S = sum(to_float(stats.sq_norms[k].double().sum()) for k in names)
         G = sum(data.grad_sq_norm(k) for k in names)
-        d = sum(stats.gram_mean[k].double() for k in names)
-        D2 = to_float(torch.as_tensor(d).pow(2).sum())
         if G == 0.0:
             return math.nan
+        S = D2 = math.nan
+        if SQ_NORMS in needs:
+            S = sum(to_float(stats.sq_norms[k].double().sum()) for k in names)
+        if GRAM_MEAN in needs:
+            d = sum(stats.gram_mean[k].double() for k in names)
+            D2 = to_float(torch.as_tensor(d).pow(2).sum())
         return formula(n, S, G, D2)
 
-    names = [k for k in stats.sq_norms if k in data.batch_grads]
+    per_sample = stats.sq_norms if SQ_NORMS in needs else stats.gram_mean
+    names = [k for k in per_sample if k in data.batch_grads]
     out: dict[str, Value] = {name: value(names)}
     if sum(data.grad_sq_norm(k) for k in names) == 0.0:
         data.notes[name] = "mini-batch gradient is zero: the test divides by ‖g_B‖"

@@ -7,9 +7,12 @@ the smallest band width θ for which the practical inner product test (22a) hold
 
 from __future__ import annotations
 
+from cockpit.engine.tracker import GRAM_MEAN
 from cockpit.quantities.gradient_tests import GradientTest, sqrt_nonneg
 
 
 class InnerTest(GradientTest):
+    needs = frozenset({GRAM_MEAN})  # g_nᵀg_B only: no individual gradient norms
+
     def formula(self, n: int, S: float, G: float, D2: float) -> float:
         return sqrt_nonneg((D2 / G**2 - n) / (n * (n - 1)))

@@ -7,9 +7,12 @@ the smallest radius θ for which the practical norm test (19a) holds.
 
 from __future__ import annotations
 
+from cockpit.engine.tracker import SQ_NORMS
 from cockpit.quantities.gradient_tests import GradientTest, sqrt_nonneg
 
 
 class NormTest(GradientTest):
+    needs = frozenset({SQ_NORMS})  # ‖g_n‖² only: no projections on g_B
+
     def formula(self, n: int, S: float, G: float, D2: float) -> float:
         return sqrt_nonneg((S / G - n) / (n * (n - 1)))
