@@ -50,10 +50,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-# Elements per chunk on CPU: the float buffer (1 MiB for float32) and the index buffer stay
-# in L2. Chunks are spread over a few Python worker threads (torch releases the GIL inside
-# ops), which also runs the single-threaded ``bincount`` on every core.
-_CPU_CHUNK = 2**18
+# Elements per chunk on CPU: the float buffer (2 MiB for float32) and the index buffer stay
+# in cache. Chunks are spread over a few Python worker threads (torch releases the GIL inside
+# ops), which also runs the single-threaded ``bincount`` on every core. 2^19 measured 1.2–1.5×
+# faster than 2^18 on 3C3D/2C2D conv gradients (1-D and 2-D; fewer ops per element), 2^20
+# slower again (2 cores, 2 MiB L2 each, 36 MiB L3).
+_CPU_CHUNK = 2**19
 # Below this many products histogram_outer simply materializes them (measured crossover).
 _MIN_OUTER_PRODUCTS = 2**19
 # A row (n, i) whose products spread over more than _SPAN_PER_J · J bins is materialized
