@@ -30,6 +30,7 @@ from cockpit.engine.histogram import BinSpec
 from cockpit.engine.tracker import PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
 from cockpit.engine.workspace import release_workspace
 from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.store.arena import ArrayArena
 
 
 class Cockpit:
@@ -99,6 +100,7 @@ class Cockpit:
         )
         self._start_time = time.perf_counter()
         self._output: dict[int, dict[str, Value]] = {}
+        self._arena = ArrayArena()  # recorded arrays, packed (see cockpit.store.arena)
         self._notes: dict[int, dict[str, str]] = {}
         self._warned: set[str] = set()
         self._pending_update: tuple[int, StepData, dict[str, Tensor], list[Quantity]] | None = None
@@ -343,6 +345,7 @@ class Cockpit:
         data.warnings.clear()
 
     def _record(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
+        values = self._arena.keep_values(values)
         self._output.setdefault(step, {}).update(values)
         if notes:
             self._notes.setdefault(step, {}).update(notes)
