@@ -30,7 +30,8 @@ class ArrayArena:
         self._interned: dict[tuple, np.ndarray] = {}
 
     def keep(self, array: np.ndarray, intern: bool = False) -> np.ndarray:
-        """A copy of ``array`` that lives in a block (or on its own if it is large).
+        """A copy of ``array`` that lives in a block; a large array (over 1/8 of a block: its
+        own allocation does not fragment the heap) is kept as it is, without a copy.
         ``intern``: arrays equal in dtype, shape and bytes share one stored copy."""
         array = np.ascontiguousarray(array)
         if intern:
@@ -40,7 +41,9 @@ class ArrayArena:
                 stored = self._interned[key] = self.keep(array)
             return stored
         size = array.nbytes
-        if size == 0 or array.dtype.hasobject or size > self.block_bytes // 8:
+        if size > self.block_bytes // 8:
+            return array
+        if size == 0 or array.dtype.hasobject:
             return array.copy()
         start = self._aligned(self._used)
         if self._block is None or start + size > self.block_bytes:
