@@ -21,13 +21,11 @@ out Python, hooks, the loss statistics and the copies the basis needs.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _common import timed
 from cockpit.engine.rules.conv import ConvSampleGrads, _explicit_padding
 from cockpit.engine.sample_grads import OuterSampleGrads
 from cockpit.engine.update_prediction import fit_basis_coefficients
@@ -35,12 +33,7 @@ from cockpit.problems.deepobs import BUILDERS, synthetic_batches
 
 
 def best_of(fn, repeats: int = 7) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return timed(fn, repeats)[1]
 
 
 def measure(problem: str) -> None:
@@ -66,7 +59,7 @@ def measure(problem: str) -> None:
 
     for _ in range(4):
         step()
-    untracked = statistics.median(best_of(step, 1) for _ in range(9))
+    untracked = timed(step, 9)[0]  # median
     step(record=True)
 
     rows = []

@@ -21,9 +21,8 @@ Peak memory is the subprocess's peak resident set size minus that of a run witho
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
+
+from _common import run_worker
 
 WORKER = r"""
 import json, resource, statistics, sys, time
@@ -92,13 +91,7 @@ EVERY = [("business", 1), ("business", 16), ("business", 64), ("full", 1), ("ful
 
 
 def run(problem: str, config: str, mode: str, k: int, steps: int) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-c", WORKER, problem, config, mode, str(k), str(steps)],
-        capture_output=True, text=True,
-    )
-    if result.returncode != 0:
-        sys.exit(f"worker failed ({' '.join(result.args[3:])}):\n{result.stderr}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_worker(WORKER, problem, config, mode, str(k), str(steps))
 
 
 def main() -> None:

@@ -7,28 +7,16 @@ Prints median (and best) wall-clock times, ns per histogrammed element and speed
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
+from _common import timed
 from cockpit.engine import histogram as hmod
 from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
 from cockpit.engine.histogram2d_outer import histogram2d_outer
 
 SPEC = BinSpec(-2.0, 2.0, 100)  # Cockpit's GradHist1d default
 SPEC_G, SPEC_THETA = BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)  # GradHist2d defaults
-
-
-def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    fn()  # warm-up (threshold cache, allocator)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times)
 
 
 def header(title: str) -> None:

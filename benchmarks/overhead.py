@@ -30,11 +30,10 @@ Alpha takes the general path (per-layer projections after the step).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import time
+
+from _common import run_worker
 
 WORKER = r"""
 import json, resource, statistics, sys, time
@@ -126,14 +125,8 @@ INSTRUMENTS = ["Loss", "GradNorm", "Distance", "UpdateSize", "NormTest", "InnerT
 
 def run(problem: str, config: str, steps: int, threads: int, optimizer: str, clock: str,
         curvature: str = "auto") -> dict:
-    result = subprocess.run(
-        [sys.executable, "-c", WORKER, problem, config, str(steps), str(threads), optimizer,
-         clock, curvature],
-        capture_output=True, text=True,
-    )
-    if result.returncode != 0:
-        sys.exit(f"worker failed ({' '.join(result.args[3:])}):\n{result.stderr}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_worker(WORKER, problem, config, str(steps), str(threads), optimizer, clock,
+                      curvature)
 
 
 def main() -> None:
