@@ -59,10 +59,9 @@ the binning tasks are shared by up to ``torch.get_num_threads()`` threads. Small
 of samples and bin them with ``histogram2d_dense``. Samples with a non-finite entry or a
 possibly overflowing product take a blockwise dense kernel (products formed in cache-sized
 blocks, flat index k_g·(bins_θ + 1) + k_θ, one ``bincount`` per block), and so do layers
-whose factored cost
-(estimated from a subsample of a before the counts, then from the exact counts) exceeds
-forming all products (δ large against the bin width). Non-finite θ are binned into an extra
-column whose total is added to ``num_nonfinite``.
+whose factored cost (estimated from a subsample of a before the counts, then from the exact
+counts) exceeds forming all products (δ large against the bin width). Non-finite θ are
+binned into an extra column whose total is added to ``num_nonfinite``.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class GradientTest(Quantity):
 
 def compute_test(
     name: str, data: StepData, formula: Callable[[int, float, float, float], float],
-    needs: frozenset[str] = frozenset({SQ_NORMS, GRAM_MEAN}),
+    needs: frozenset[str],
 ) -> dict[str, Value]:
     stats = data.stats
     assert stats is not None
