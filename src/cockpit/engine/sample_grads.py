@@ -62,8 +62,18 @@ class SampleGrads(ABC):
         return self.materialize()
 
     def chunks(self) -> list[Tensor]:
-        """Individual gradients in sample chunks ``[n_chunk, *shape]`` (default: one chunk)."""
+        """Individual gradients in sample chunks ``[n_chunk, ...]`` (default: one chunk of
+        shape ``[N, *shape]``). A representation may order each sample's D numbers
+        differently (see :meth:`to_rows`)."""
         return [self.materialize()]
+
+    def to_rows(self, u: Tensor) -> Tensor:
+        """A parameter-shaped tensor as one flat row [D] in the order of ``chunks()``' rows."""
+        return u.reshape(-1)
+
+    def from_rows(self, v: Tensor) -> Tensor:
+        """The inverse of :meth:`to_rows`: D numbers in row order as a tensor of θ's shape."""
+        return v.reshape(self.shape)
 
     def sq_norms(self) -> Tensor:
         norms = [torch.linalg.vector_norm(c.flatten(1), dim=1) for c in self.chunks()]
@@ -72,32 +82,32 @@ class SampleGrads(ABC):
     def batch_mean(self) -> Tensor:
         # 1ᵀG is a BLAS matrix-vector product: twice as fast as a reduction over dim 0
         total = sum(c.new_ones(c.shape[0]) @ c.flatten(1) for c in self.chunks())
-        return total.reshape(self.shape) / self.num_samples
+        return self.from_rows(total) / self.num_samples
 
     def gram_mean(self) -> Tensor:
         return self.dots(self.batch_mean())
 
     def dots(self, u: Tensor) -> Tensor:
-        flat_u = u.reshape(-1)
+        flat_u = self.to_rows(u)
         return torch.cat([c.flatten(1) @ flat_u.to(c.dtype) for c in self.chunks()])
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         """[g_nᵀ u_k]_{k,n} for several directions in one pass over the gradients."""
-        stacked = torch.stack([u.reshape(-1) for u in us])  # [K, D]
+        stacked = torch.stack([self.to_rows(u) for u in us])  # [K, D]
         return torch.cat([stacked.to(c.dtype) @ c.flatten(1).T for c in self.chunks()], dim=1)
 
     def sum_sq(self) -> Tensor:
-        return sum(_sum_sq_64(c) for c in self.chunks())
+        return self.from_rows(sum(_sum_sq_64(c) for c in self.chunks()))
 
     def centered_sum_sq(self) -> Tensor:
         chunks = self.chunks()
         if chunks[0].dtype == torch.float64 or self.shape.numel() < 2**14:
             mean = sum(c.sum(0, dtype=torch.float64) for c in chunks) / self.num_samples
-            return sum((c.double() - mean).pow(2).sum(0) for c in chunks)
+            return self.from_rows(sum((c.double() - mean).pow(2).sum(0) for c in chunks))
         # Shifted sums (stable): with m ≈ ḡ from a float32 product, accumulate d_n = g_n − m
         # and d_n ⊙ d_n row by row in cache; Σ(g_n − ḡ)² = Σ d_n² − (Σ d_n)²/N exactly, and
         # the correction is tiny because m is close to ḡ.
-        shift = self.batch_mean().reshape(-1)
+        shift = self.to_rows(self.batch_mean())
         linear, square = torch.zeros_like(shift), torch.zeros_like(shift)
         for c in chunks:
             for row in c.reshape(c.shape[0], -1):
@@ -105,13 +115,13 @@ class SampleGrads(ABC):
                 linear += d
                 square.addcmul_(d, d)
         centered = square.double() - linear.double().pow(2) / self.num_samples
-        return centered.reshape(self.shape)
+        return self.from_rows(centered)
 
     def histogram(self, spec: BinSpec) -> Tensor:
         return sum(histogram_dense(c, spec)[0] for c in self.chunks())
 
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
-        flat_theta = theta.reshape(-1)
+        flat_theta = self.to_rows(theta)
         return sum(
             histogram2d_dense(c.flatten(1), flat_theta, spec_g, spec_theta)[0]
             for c in self.chunks()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,38 @@ def _patches(
     return view.reshape(n, module.groups, -1, math.prod(out_sizes))
 
 
+def _patches_channels_last(
+    module: nn.modules.conv._ConvNd, x: Tensor, out_sizes: torch.Size,
+    out: Tensor | None = None, x_buffer: Tensor | None = None,
+) -> Tensor:
+    """Unfolded input ``[N, L, K·C_in]`` of the padded input ``x`` (groups 1, no dilation
+    along the last kernel dimension), each patch ordered (*kernel, C_in).
+
+    The input is first made channels-last (into ``x_buffer`` if given; no copy when it
+    already is), so that a patch's last kernel row over all channels is one contiguous run
+    of K_last·C_in numbers, then the strided view ``[N, *out, *kernel[:-1], K_last·C_in]``
+    is copied once (into ``out`` if given).
+    """
+    dims = len(module.kernel_size)
+    n, c_in = x.shape[:2]
+    x_last = x.permute(0, *range(2, dims + 2), 1)
+    if not x_last.is_contiguous():
+        x_last = (x_last.contiguous() if x_buffer is None
+                  else x_buffer.view(x_last.shape).copy_(x_last))
+    strides = x_last.stride()[1:-1]
+    view = x_last.as_strided(
+        (n, *out_sizes, *module.kernel_size[:-1], module.kernel_size[-1] * c_in),
+        (
+            x_last.stride(0),
+            *(st * s for st, s in zip(strides, module.stride, strict=True)),
+            *(st * d for st, d in zip(strides[:-1], module.dilation[:-1], strict=True)),
+            1,
+        ),
+    )
+    view = view.contiguous() if out is None else out.view(view.shape).copy_(view)
+    return view.view(n, math.prod(out_sizes), -1)
+
+
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 # Measured choice of materialization per layer shape (see ConvSampleGrads._method).
@@ -100,10 +132,12 @@ class ConvSampleGrads(SampleGrads):
       g_nᵀ U = Σ_l δ_{n,:,l}ᵀ (U * patch_l(x_n)) = ⟨δ_n, conv(x_n; U)⟩, one convolution of the
       batch with weight U (padding already applied to x, the layer's stride, dilation and
       groups); K directions share one convolution with K·C_out output channels;
-    * every other statistic (norms, Gram, sums of squares, histograms) materializes
-      ``[N, *W.shape]`` once by a batched matmul of δ with the unfolded input and caches it,
-      so all statistics of one layer share one materialization (memory: one layer's |B|×D,
-      freed with this object inside the layer's hook).
+    * every other statistic (norms, Gram, sums of squares, histograms) materializes the
+      |B|×D gradients once (see :meth:`_method` for the three ways) and caches them, so all
+      statistics of one layer share one materialization (memory: one layer's |B|×D, freed
+      with this object inside the layer's hook). With the channels-last way each sample's
+      row is ordered (C_out, *kernel, C_in) instead of θ's (C_out, C_in, *kernel);
+      :meth:`to_rows` and :meth:`from_rows` translate parameter-shaped tensors.
     """
 
     def __init__(
@@ -114,9 +148,10 @@ class ConvSampleGrads(SampleGrads):
         self.scale = scale  # the individual gradients are scale · δ_n U_nᵀ
         self.num_samples = delta.shape[0]
         self.shape = module.weight.shape
-        self._grads: Tensor | None = None
-        self._ticket: tuple | None = None  # workspace ticket of self._grads, if borrowed
+        self._rows: Tensor | None = None  # [N, D] once materialized
+        self._ticket: tuple | None = None  # workspace ticket of self._rows, if borrowed
         self._key = key  # identifies the input in the unfold cache, if one is active
+        self._channels_last: bool | None = None  # row order, known once the method is
 
     def _unfolded(self) -> Tensor:
         cache = _UNFOLD_CACHE
@@ -131,18 +166,67 @@ class ConvSampleGrads(SampleGrads):
         buffer, _ = workspace().take("patches", (numel,), self.x.dtype, self.x.device)
         return _patches(self.module, self.x, out_sizes, out=buffer)
 
+    def _unfolded_channels_last(self) -> Tensor:
+        cache = _UNFOLD_CACHE
+        cached = cache is not None and self._key is not None
+        if cached and ("patches_cl", self._key) in cache:
+            return cache[("patches_cl", self._key)]
+        out_sizes = self.delta.shape[2:]
+        if cached:
+            patches = _patches_channels_last(self.module, self.x, out_sizes)
+            cache[("patches_cl", self._key)] = patches
+            return patches
+        ws, dtype, device = workspace(), self.x.dtype, self.x.device
+        numel = self.x.shape[:2].numel() * math.prod(self.module.kernel_size) * out_sizes.numel()
+        buffer, _ = ws.take("patches", (numel,), dtype, device)
+        x_buffer, _ = ws.take("channels_last_input", (self.x.numel(),), dtype, device)
+        return _patches_channels_last(self.module, self.x, out_sizes, buffer, x_buffer)
+
     def materialize(self) -> Tensor:
+        rows = self.chunks()[0]
+        if not self._is_channels_last():
+            return rows.view(self.num_samples, *self.shape)
+        dims = len(self.module.kernel_size)
+        c_out, c_in = self.shape[:2]
+        shaped = rows.view(self.num_samples, c_out, *self.module.kernel_size, c_in)
+        return shaped.permute(0, 1, dims + 2, *range(2, dims + 2))  # a view, θ's shape
+
+    def chunks(self) -> list[Tensor]:
         if self._ticket is not None and not workspace().valid(self._ticket):
-            self._grads = None  # another layer reused the buffer
-        if self._grads is None:
-            if _UNFOLD_CACHE is None and self._method() == "grouped":
-                self._grads, self._ticket = self._by_grouped_convolution(), None
+            self._rows = None  # another layer reused the buffer
+        if self._rows is None:
+            method = self._method()
+            if method == "grouped" and _UNFOLD_CACHE is None:
+                self._rows, self._ticket = self._by_grouped_convolution(), None
+            elif method == "channels_last":
+                self._rows = self._by_unfolding_channels_last()
             else:
-                self._grads = self._by_unfolding()
-        return self._grads
+                self._rows = self._by_unfolding()
+        return [self._rows]
+
+    def _is_channels_last(self) -> bool:
+        """Whether the rows are ordered (C_out, *kernel, C_in) (the channels-last way)."""
+        if self._channels_last is None:
+            self._channels_last = self._method() == "channels_last"
+        return self._channels_last
+
+    def to_rows(self, u: Tensor) -> Tensor:
+        if not self._is_channels_last():
+            return u.reshape(-1)
+        dims = len(self.module.kernel_size)
+        u = u.reshape(self.shape).permute(0, *range(2, dims + 2), 1)
+        return u.reshape(-1)
+
+    def from_rows(self, v: Tensor) -> Tensor:
+        if not self._is_channels_last():
+            return v.reshape(self.shape)
+        dims = len(self.module.kernel_size)
+        c_out, c_in = self.shape[:2]
+        v = v.reshape(c_out, *self.module.kernel_size, c_in)
+        return v.permute(0, dims + 1, *range(1, dims + 1)).contiguous()
 
     def _by_unfolding(self) -> Tensor:
-        """g_n = δ_n U_nᵀ: unfold the input, one batched matrix product."""
+        """g_n = δ_n U_nᵀ: unfold the input, one batched matrix product. Rows [N, D]."""
         module, delta = self.module, self.delta
         n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
         patches = self._unfolded()  # [N, G, Cg·K, L]
@@ -156,11 +240,26 @@ class ConvSampleGrads(SampleGrads):
             torch.matmul(delta, patches.transpose(2, 3), out=grads)  # [N, G, Og, Cg·K]
             if self.scale != 1.0:
                 grads.mul_(self.scale)
-        return grads.reshape(n, *self.shape)
+        return grads.reshape(n, -1)
+
+    def _by_unfolding_channels_last(self) -> Tensor:
+        """g_n = δ_n U_n with the patches U_n ∈ R^{L × K·C_in} unfolded from the channels-last
+        input, so that each copied run is a whole kernel row of all channels (K_last·C_in
+        contiguous numbers instead of one output row). Rows [N, D] in the order
+        (C_out, *kernel, C_in)."""
+        delta = self.delta
+        n, c_out = delta.shape[:2]
+        patches = self._unfolded_channels_last()  # [N, L, K·C_in]
+        grads, self._ticket = workspace().take(
+            "grads", (n, c_out, patches.shape[2]), delta.dtype, delta.device)
+        torch.baddbmm(grads, delta.reshape(n, c_out, -1), patches, beta=0, alpha=self.scale,
+                      out=grads)
+        return grads.reshape(n, -1)
 
     def _by_grouped_convolution(self) -> Tensor:
         """g_n as the weight gradient of one convolution whose groups are the samples: the
-        batch folded into channels, [1, N·C_in, …] ⊛ [N·C_out, C_in/G, …], groups N·G."""
+        batch folded into channels, [1, N·C_in, …] ⊛ [N·C_out, C_in/G, …], groups N·G.
+        Rows [N, D]."""
         module, x, delta = self.module, self.x, self.delta
         n = delta.shape[0]
         weight_shape = (n * self.shape[0], *self.shape[1:])
@@ -170,21 +269,32 @@ class ConvSampleGrads(SampleGrads):
             x.new_empty(weight_shape), None, list(module.stride), [0] * dims,
             list(module.dilation), False, [0] * dims, n * module.groups, [False, True, False],
         )[1]
-        grads = grads.reshape(n, *self.shape)
+        grads = grads.reshape(n, -1)
         return grads.mul_(self.scale) if self.scale != 1.0 else grads
 
+    def _methods(self) -> dict[str, Callable[[], Tensor]]:
+        """The ways to materialize that apply to this layer."""
+        methods = {"unfold": self._by_unfolding}
+        if _UNFOLD_CACHE is None:
+            methods["grouped"] = self._by_grouped_convolution
+        if self.module.groups == 1 and self.module.dilation[-1] == 1:
+            methods["channels_last"] = self._by_unfolding_channels_last
+        return methods
+
     def _method(self) -> str:
-        """The faster of the two ways to materialize, measured once per layer shape (which
-        one wins depends on the shapes, the hardware and the load: on a 2-core CPU the grouped
-        convolution once measured 1.5× faster for 2C2D's second layer, and 1.4–3.6× slower
-        than unfolding into scratch memory on every 3C3D and 2C2D layer in session 3)."""
+        """The fastest way to materialize, measured once per layer shape: unfolding the
+        input (channels first or channels last) into patches for one batched product, or a
+        grouped convolution. Which one wins depends on the shapes, the hardware and the load:
+        on a 2-core CPU the channels-last patches win on 2C2D's second layer (41 → 32 ms) and
+        on every 3C3D layer (e.g. the third, 26 → 16 ms) but lose on a first layer with one
+        input channel; the grouped convolution lost everywhere in session 3."""
         key = (tuple(self.x.shape), tuple(self.delta.shape), self.shape, self.module.stride,
-               self.module.dilation, self.module.groups, self.x.dtype, self.x.device.type)
+               self.module.dilation, self.module.groups, self.x.dtype, self.x.device.type,
+               _UNFOLD_CACHE is None)
         method = _METHODS.get(key)
         if method is None:
             timings = {}
-            for name, run in (("unfold", self._by_unfolding),
-                              ("grouped", self._by_grouped_convolution)):
+            for name, run in self._methods().items():
                 times = []
                 for _ in range(2):  # the second run is warm (scratch memory, kernels)
                     start = time.perf_counter()
@@ -198,10 +308,9 @@ class ConvSampleGrads(SampleGrads):
 
     def materialize_owned(self) -> Tensor:
         grads = self.materialize()
-        return grads.clone() if self._ticket is not None else grads  # copy only scratch
-
-    def chunks(self) -> list[Tensor]:
-        return [self.materialize()]
+        if self._ticket is None:
+            return grads
+        return grads.clone(memory_format=torch.contiguous_format)  # copy only scratch
 
     def dots(self, u: Tensor) -> Tensor:
         return self.dots_many([u])[0]
@@ -216,7 +325,7 @@ class ConvSampleGrads(SampleGrads):
         return num_directions >= 2 or self.shape[1:].numel() <= positions
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
-        if self._grads is not None or self._materialize_for_projections(len(us)):
+        if self._rows is not None or self._materialize_for_projections(len(us)):
             return super().dots_many(us)
         module, delta = self.module, self.delta
         n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
