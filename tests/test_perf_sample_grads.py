@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from cockpit.engine.histogram import BinSpec
-from cockpit.engine.rules.conv import ConvSampleGrads, conv_rule
+from cockpit.engine.rules import conv as conv_module
+from cockpit.engine.rules.conv import ConvSampleGrads, conv_rule, reuse_unfolded_inputs
 from cockpit.engine.rules.linear import linear_rule
 from cockpit.engine.sample_grads import (
     DenseSampleGrads,
@@ -94,6 +95,35 @@ def test_conv_sample_grads_match_torch_func(name, materialize, method, monkeypat
         pytest.skip(f"{method} does not apply to {name}")
     check_all(grads["weight"], reference["weight"], f"{name}.weight")
     check_all(grads["bias"], reference["bias"], f"{name}.bias")
+
+
+@pytest.mark.parametrize("method", ["unfold", "channels_last"])
+def test_conv_unfold_cache_serves_repeated_backprops(method, monkeypatch):
+    """Within reuse_unfolded_inputs (diagonal curvature: several vectors backpropagated
+    through one forward pass) each way unfolds the input once and every backprop's sums of
+    squares still equal the brute force."""
+    monkeypatch.setattr(ConvSampleGrads, "_method", lambda self: method)
+    torch.manual_seed(4)
+    module = nn.Conv2d(3, 4, 3, padding=1).double()
+    x = torch.randn(5, 3, 6, 6, dtype=torch.float64)
+    out = module(x)
+    unfolds = []
+    for name in ("_patches", "_patches_channels_last"):
+        original = getattr(conv_module, name)
+
+        def counted(*args, original=original, **kwargs):
+            unfolds.append(1)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(conv_module, name, counted)
+    with reuse_unfolded_inputs():
+        for seed in range(3):
+            delta = torch.randn(out.shape, dtype=torch.float64,
+                                generator=torch.Generator().manual_seed(seed))
+            reference = individual_grads(module, x, delta)["weight"]
+            sg = conv_rule(module, (x,), {}, out, delta)["weight"]
+            torch.testing.assert_close(sg.sum_sq(), reference.pow(2).sum(0))
+    assert len(unfolds) == 1
 
 
 @pytest.mark.parametrize(("channels", "lazy"), [(8, True), (1, False)])
