@@ -32,7 +32,7 @@ from cockpit.engine.histogram import BinSpec
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
 from cockpit.engine.rules.fallback import batch_dim_of, fallback_rule, owned_parameters
 from cockpit.engine.rules.norms import SampleMixingError, batch_norm_message, uses_batch_statistics
-from cockpit.engine.rules.registry import ATOMIC_MODULES, find_rule
+from cockpit.engine.rules.registry import ATOMIC_MODULES, Rule, find_rule
 from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
 
 # Names of the per-sample statistics an instrument can ask for.
@@ -55,14 +55,14 @@ class Unit:
     name: str
     module: nn.Module
     params: dict[str, nn.Parameter]  # attribute name (relative to module) → parameter
-    registered_rule: bool
+    rule: Rule | None  # the registered layer rule; None: the torch.func fallback
 
     @property
     def deferred(self) -> bool:
         """Rules that run torch.func transforms are evaluated after the backward pass:
         autograd re-entered from inside a tensor hook is not reliable for every operator
         (e.g. the CPU attention kernels under vmap)."""
-        return not self.registered_rule
+        return self.rule is None
 
 
 @dataclass
@@ -195,8 +195,7 @@ class ModuleTracker:
             params = owned_parameters(module, atomic)
             if not params:
                 continue
-            has_rule = find_rule(module) is not None and not atomic
-            yield Unit(name, module, params, has_rule)
+            yield Unit(name, module, params, None if atomic else find_rule(module))
 
     def unit_param_name(self, unit: Unit, attr: str) -> str:
         return self.param_names[id(unit.params[attr])]
@@ -362,9 +361,8 @@ class ModuleTracker:
         """The unit's rule on one call, keyed by global parameter names. ``scale``: a factor
         the rule applies to ``grads`` (only rules with ``takes_scale``)."""
         unit = call.unit
-        if unit.registered_rule and len(grads) == 1:
-            rule = find_rule(unit.module)
-            assert rule is not None
+        if unit.rule is not None and len(grads) == 1:
+            rule = unit.rule
             output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
             extra = {"scale": scale} if scale != 1.0 else {}
             sample_grads = rule(unit.module, call.args, call.kwargs, output, grads[0], **extra)
@@ -494,7 +492,7 @@ class ModuleTracker:
             )
         unit = call.unit
         bd = batch_dim_of(unit.module)
-        rule = find_rule(unit.module) if unit.registered_rule else None
+        rule = unit.rule
         scale = 1.0
         if getattr(rule, "takes_scale", False) and not self.keep_calls:
             # δ_n = ∂L/∂y_n / w with one uniform w (checked): the rule folds 1/w into its

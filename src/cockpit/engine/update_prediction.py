@@ -404,7 +404,11 @@ def fit_basis_coefficients(
     ``s_tᵀ g_n = Σ_k c_k (basis_kᵀ g_n)`` for any vector g_n, also if the basis is degenerate.
     ``basis``: a stacked tensor ``[k, ...]`` (as from :func:`sgd_update_basis`) or a list.
     The Gram matrix VVᵀ, Vᵀa and the residual a − Vᵀc are BLAS products in the tensors' dtype
-    (each reads the basis once); the k×k solve is in float64.
+    (each reads the basis once); the k×k solve is in float64. The residual, measured directly,
+    decides. Should it fail, the normal equations are solved once more with VVᵀ and Vᵀa
+    accumulated in float64: they square the condition number of V, and directions that are
+    nearly parallel (the gradient and SGD's momentum buffer when consecutive gradients agree)
+    leave float32 products too inaccurate for a fit that exists.
     """
     if len(basis) == 0:
         return None
@@ -414,15 +418,41 @@ def fit_basis_coefficients(
         vectors = basis.reshape(k, -1).to(target.dtype)
     else:
         vectors = torch.stack([b.reshape(-1).to(target.dtype) for b in basis])
-    gram = (vectors @ vectors.T).double().cpu()
-    rhs = (vectors @ target).double().cpu()
     target_sq = _dot(target, target) if actual_sq is None else actual_sq
-    if not (torch.isfinite(gram).all() and torch.isfinite(rhs).all()
-            and math.isfinite(target_sq)):
+    if not math.isfinite(target_sq):
         return None
-    coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
-    scratch, _ = workspace().take("fit residual", target.shape, target.dtype, target.device)
-    residual = torch.addmv(target, vectors.T, coefficients.to(target), alpha=-1, out=scratch)
-    if float(torch.linalg.vector_norm(residual)) <= rtol * math.sqrt(target_sq) + atol + _TINY:
-        return coefficients
+    tolerance = rtol * math.sqrt(target_sq) + atol + _TINY
+    products = (_normal_equations, _normal_equations_float64)
+    if target.dtype == torch.float64:
+        products = products[:1]
+    for normal_equations in products:
+        gram, rhs = normal_equations(vectors, target)
+        if not (torch.isfinite(gram).all() and torch.isfinite(rhs).all()):
+            return None
+        coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
+        scratch, _ = workspace().take("fit residual", target.shape, target.dtype, target.device)
+        residual = torch.addmv(target, vectors.T, coefficients.to(target), alpha=-1, out=scratch)
+        if float(torch.linalg.vector_norm(residual)) <= tolerance:
+            return coefficients
     return None
+
+
+def _normal_equations(vectors: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """VVᵀ and Vᵀa in the tensors' dtype (two BLAS products), returned as float64 on CPU."""
+    return (vectors @ vectors.T).double().cpu(), (vectors @ target).double().cpu()
+
+
+# Elements per block of the float64 normal equations: the float64 copies stay in cache.
+_FLOAT64_BLOCK = 2**16
+
+
+def _normal_equations_float64(vectors: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """VVᵀ and Vᵀa accumulated in float64, block by block (no float64 copy of V)."""
+    k = vectors.shape[0]
+    gram = torch.zeros(k, k, dtype=torch.float64, device=vectors.device)
+    rhs = torch.zeros(k, dtype=torch.float64, device=vectors.device)
+    for start in range(0, target.numel(), _FLOAT64_BLOCK):
+        block = vectors[:, start : start + _FLOAT64_BLOCK].double()
+        gram.addmm_(block, block.T)
+        rhs.addmv_(block, target[start : start + _FLOAT64_BLOCK].double())
+    return gram.cpu(), rhs.cpu()
