@@ -112,6 +112,19 @@ def test_non_finite_loss_is_recorded_as_nan_with_a_warning():
     cockpit.close()
 
 
+def test_cockpit_adds_no_warnings_of_its_own_on_a_transformer():
+    """torch.func.vmap notes that CPU flash attention has no batching rule; that concerns
+    Cockpit's fallback rule, not the user, and must not reach the user's warnings."""
+    problem = make_problem("transformer", 6, dtype=torch.float32)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=1e-2)
+    cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(problem, cockpit, 3, opt)
+    cockpit.close()
+    assert cockpit.get_output()[0]["NormTest"] is not None
+
+
 def test_sum_reduction_gives_the_same_instruments_as_mean():
     results = []
     for reduction in ("mean", "sum"):

@@ -14,10 +14,15 @@ module with p > 0 in training mode, no batch statistics).
 
 from __future__ import annotations
 
+import warnings
+
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
 from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
+
+# Start of the warning torch.func.vmap gives for an operator without a batching rule.
+_NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented the batching"
 
 
 def batch_dim_of(module: nn.Module) -> int:
@@ -96,10 +101,15 @@ def fallback_rule(
         return vjp_fn(cotangents)[0]
 
     delta_dims = tuple(bd for _ in grad_outputs)
-    per_sample = vmap(one_sample, in_dims=(None, arg_dims, kwarg_dims, delta_dims))(
-        frozen, detached_args, detached_kwargs, tuple(grad_outputs)
-    )
+    with warnings.catch_warnings():
+        # vmap's note that an operator (e.g. CPU flash attention) runs without a batching
+        # rule concerns Cockpit's own computation; the user can do nothing about it
+        warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE, category=UserWarning)
+        per_sample = vmap(one_sample, in_dims=(None, arg_dims, kwarg_dims, delta_dims))(
+            frozen, detached_args, detached_kwargs, tuple(grad_outputs)
+        )
     return {name: DenseSampleGrads(g) for name, g in per_sample.items()}
+
 
 
 def owned_parameters(module: nn.Module, atomic: bool) -> dict[str, nn.Parameter]:
