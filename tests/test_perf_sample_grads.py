@@ -97,6 +97,22 @@ def test_conv_sample_grads_match_torch_func(name, materialize, method, monkeypat
     check_all(grads["bias"], reference["bias"], f"{name}.bias")
 
 
+@pytest.mark.parametrize("method", ["unfold", "grouped", "channels_last"])
+@pytest.mark.parametrize("padding", [0, 1])
+def test_conv_sample_grads_of_a_channels_last_input(method, padding, monkeypatch):
+    """A channels-last input (torch.channels_last; with padding 0 the channels-last unfold
+    uses it without a copy) gives the same individual gradients."""
+    monkeypatch.setattr(ConvSampleGrads, "_method", lambda self: method)
+    torch.manual_seed(5)
+    module = nn.Conv2d(3, 4, 3, padding=padding).double()
+    x = torch.randn(5, 3, 7, 6, dtype=torch.float64).to(memory_format=torch.channels_last)
+    out = module(x)
+    delta = torch.randn_like(out)
+    reference = individual_grads(module, x, delta)
+    grads = conv_rule(module, (x,), {}, out, delta)
+    check_all(grads["weight"], reference["weight"], f"channels_last {method}")
+
+
 @pytest.mark.parametrize("method", ["unfold", "channels_last"])
 def test_conv_unfold_cache_serves_repeated_backprops(method, monkeypatch):
     """Within reuse_unfolded_inputs (diagonal curvature: several vectors backpropagated
