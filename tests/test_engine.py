@@ -125,6 +125,41 @@ def test_cockpit_adds_no_warnings_of_its_own_on_a_transformer():
     assert cockpit.get_output()[0]["NormTest"] is not None
 
 
+def test_mixed_precision_autocast_matches_per_sample_backward_passes():
+    """Under torch.autocast (bfloat16) a convolution and a Linear layer receive float32
+    inputs but compute in bfloat16, LayerNorm the other way round. The gradient tests must
+    be computed (not fail on the mixed dtypes) and agree with individual gradients from one
+    autocast backward pass per sample, to bfloat16 accuracy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(6 * 5 * 5, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    x, y = torch.randn(12, 3, 5, 5), torch.randint(0, 4, (12,))
+
+    def losses_of(inputs, targets):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(inputs)
+        return nn.functional.cross_entropy(out.float(), targets, reduction="none")
+
+    rows = []
+    for n in range(len(x)):
+        model.zero_grad()
+        losses_of(x[n : n + 1], y[n : n + 1]).sum().backward()
+        rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    expected = gradient_tests(torch.stack(rows).double())
+    model.zero_grad()
+    instruments = [quantities.NormTest(), quantities.InnerTest(), quantities.OrthoTest()]
+    cockpit = Cockpit(model, instruments)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        losses = losses_of(x, y)
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+    cockpit.close()
+    result = cockpit.get_output()[0]
+    for name, value in expected.items():
+        assert rel_close(result[name], value, rtol=3e-2), (name, result[name], value)
+
+
 def test_sum_reduction_gives_the_same_instruments_as_mean():
     results = []
     for reduction in ("mean", "sum"):

@@ -20,6 +20,7 @@ At untracked steps the hooks return immediately and nothing is recorded.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -365,7 +366,8 @@ class ModuleTracker:
             rule = unit.rule
             output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
             extra = {"scale": scale} if scale != 1.0 else {}
-            sample_grads = rule(unit.module, call.args, call.kwargs, output, grads[0], **extra)
+            args, kwargs, grads = common_precision(call.args, call.kwargs, grads)
+            sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
         else:
             sample_grads = fallback_rule(
                 unit.module, call.args, call.kwargs, call.outputs, grads, unit.params
@@ -634,6 +636,35 @@ class ModuleTracker:
         self.clear_calls()
         self.drop_spare_gradients()
         self.active = False
+
+
+def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
+                     ) -> tuple[tuple, dict, list[Tensor]]:
+    """A layer's recorded inputs and output gradient in one floating dtype.
+
+    They differ under autocast (mixed precision): a Linear or convolution receives float32
+    inputs but computes, and backpropagates, in bfloat16/float16; a normalization layer may
+    receive half-precision inputs and compute in float32. The individual gradients are then
+    formed in the wider dtype from the values the layer actually used: inputs wider than
+    the output gradient are first rounded to its dtype (the layer's own cast), narrower ones
+    are widened exactly. Unchanged when all dtypes agree."""
+    inputs = [v for v in (*args, *kwargs.values())
+              if isinstance(v, Tensor) and v.is_floating_point()]
+    dtypes = {t.dtype for t in (*inputs, *grads) if t.is_floating_point()}
+    if len(dtypes) <= 1 or not grads or not grads[0].is_floating_point():
+        return args, kwargs, grads
+    computed = grads[0].dtype
+    wide = functools.reduce(torch.promote_types, dtypes)
+
+    def cast(value):
+        if not (isinstance(value, Tensor) and value.is_floating_point()):
+            return value
+        if torch.finfo(value.dtype).bits > torch.finfo(computed).bits:
+            value = value.to(computed)
+        return value.detach().to(wide)
+
+    return (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()},
+            [cast(g) for g in grads])
 
 
 def weights_problem(w: Tensor) -> str | None:
