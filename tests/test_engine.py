@@ -125,26 +125,29 @@ def test_cockpit_adds_no_warnings_of_its_own_on_a_transformer():
     assert cockpit.get_output()[0]["NormTest"] is not None
 
 
-def test_mixed_precision_autocast_matches_per_sample_backward_passes():
-    """Under torch.autocast (bfloat16) a convolution and a Linear layer receive float32
-    inputs but compute in bfloat16, LayerNorm the other way round. The gradient tests must
-    be computed (not fail on the mixed dtypes) and agree with individual gradients from one
-    autocast backward pass per sample, to bfloat16 accuracy."""
+@pytest.mark.parametrize(("dtype", "loss_scale"), [(torch.bfloat16, 1.0),
+                                                   (torch.float16, 2.0**8)])
+def test_mixed_precision_autocast_matches_per_sample_backward_passes(dtype, loss_scale):
+    """Under torch.autocast a convolution receives float32 inputs but computes in half
+    precision, the following Linear layer gets half-precision inputs, LayerNorm computes in
+    float32. The gradient tests must be computed (not fail on the mixed dtypes) and agree
+    with individual gradients from one autocast backward pass per sample (loss scaled as by
+    a GradScaler), to half-precision accuracy."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Flatten(),
                           nn.Linear(6 * 5 * 5, 8), nn.LayerNorm(8), nn.Linear(8, 4))
     x, y = torch.randn(12, 3, 5, 5), torch.randint(0, 4, (12,))
 
     def losses_of(inputs, targets):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
             out = model(inputs)
         return nn.functional.cross_entropy(out.float(), targets, reduction="none")
 
     rows = []
     for n in range(len(x)):
         model.zero_grad()
-        losses_of(x[n : n + 1], y[n : n + 1]).sum().backward()
-        rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        (loss_scale * losses_of(x[n : n + 1], y[n : n + 1]).sum()).backward()
+        rows.append(torch.cat([p.grad.flatten() / loss_scale for p in model.parameters()]))
     expected = gradient_tests(torch.stack(rows).double())
     model.zero_grad()
     instruments = [quantities.NormTest(), quantities.InnerTest(), quantities.OrthoTest()]
@@ -153,11 +156,44 @@ def test_mixed_precision_autocast_matches_per_sample_backward_passes():
         warnings.simplefilter("error")
         losses = losses_of(x, y)
         with cockpit(0, losses=losses):
-            losses.mean().backward()
+            (loss_scale * losses.mean()).backward()
     cockpit.close()
     result = cockpit.get_output()[0]
     for name, value in expected.items():
         assert rel_close(result[name], value, rtol=3e-2), (name, result[name], value)
+
+
+def test_alpha_under_float16_autocast_with_a_grad_scaler():
+    """A GradScaler multiplies the loss by 2^16 and unscales the gradients before the step.
+    Projections of float16 individual gradients on the scaled gradient overflowed (α NaN at
+    every step); statistics are formed in float32, so α equals that of the unscaled run."""
+
+    def alphas(scaled: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(8 * 8 * 8, 5))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=scaled)
+        cockpit = Cockpit(model, [quantities.Alpha()], optimizer=opt)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            x = torch.randn(16, 3, 8, 8, generator=gen)
+            y = torch.randint(0, 5, (16,), generator=gen)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            losses = nn.functional.cross_entropy(out.float(), y, reduction="none")
+            with cockpit(step, losses=losses):
+                scaler.scale(losses.mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+        cockpit.close()
+        return [cockpit.get_output()[s]["Alpha"] for s in range(3)]
+
+    scaled, plain = alphas(True), alphas(False)
+    assert all(math.isfinite(a) for a in scaled), scaled
+    for a, b in zip(scaled, plain, strict=True):
+        assert rel_close(a, b, rtol=5e-2, atol=1e-3), (scaled, plain)
 
 
 def test_sum_reduction_gives_the_same_instruments_as_mean():

@@ -640,21 +640,25 @@ class ModuleTracker:
 
 def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
                      ) -> tuple[tuple, dict, list[Tensor]]:
-    """A layer's recorded inputs and output gradient in one floating dtype.
+    """A layer's recorded inputs and output gradient in one floating dtype, at least float32.
 
     They differ under autocast (mixed precision): a Linear or convolution receives float32
     inputs but computes, and backpropagates, in bfloat16/float16; a normalization layer may
     receive half-precision inputs and compute in float32. The individual gradients are then
     formed in the wider dtype from the values the layer actually used: inputs wider than
     the output gradient are first rounded to its dtype (the layer's own cast), narrower ones
-    are widened exactly. Unchanged when all dtypes agree."""
+    are widened exactly. Half precision is always widened to float32: sums of squares and
+    projections in float16 overflow (a GradScaler's factor 2^16 alone does) and in bfloat16
+    keep three digits. Unchanged when all are float32 or float64 alike."""
     inputs = [v for v in (*args, *kwargs.values())
               if isinstance(v, Tensor) and v.is_floating_point()]
     dtypes = {t.dtype for t in (*inputs, *grads) if t.is_floating_point()}
-    if len(dtypes) <= 1 or not grads or not grads[0].is_floating_point():
+    if not grads or not grads[0].is_floating_point():
+        return args, kwargs, grads
+    wide = functools.reduce(torch.promote_types, dtypes | {torch.float32})
+    if dtypes == {wide}:
         return args, kwargs, grads
     computed = grads[0].dtype
-    wide = functools.reduce(torch.promote_types, dtypes)
 
     def cast(value):
         if not (isinstance(value, Tensor) and value.is_floating_point()):
