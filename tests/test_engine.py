@@ -287,6 +287,29 @@ def test_forward_pass_not_seen_is_reported_not_silent():
     cockpit.close()
 
 
+def test_compiled_model_is_reported_not_a_zero_gradient():
+    """torch.compile runs the layers inside one compiled graph: the forward hooks fire while
+    tracing, the output-gradient hooks never do. That must be reported with the way out,
+    not as statistics of a 'zero' gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+    cockpit = Cockpit(model, [quantities.NormTest(), quantities.GradNorm()])
+    compiled = torch.compile(model, backend="eager")
+    x, y = torch.randn(8, 10), torch.randint(0, 3, (8,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            model.zero_grad()
+            losses = nn.functional.cross_entropy(compiled(x), y, reduction="none")
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+    cockpit.close()
+    output, notes = cockpit.get_output()[1], cockpit.get_notes()[1]
+    assert output["NormTest"] is None and "torch.compile" in notes["NormTest"]
+    assert output["GradNorm"] > 0  # the batch gradient itself is fine
+    assert any("torch.compile" in str(w.message) for w in caught)
+
+
 def test_schedules():
     assert [s for s in range(10) if every(3)(s)] == [0, 3, 6, 9]
     assert [s for s in range(10) if every(4, offset=1)(s)] == [1, 5, 9]

@@ -432,6 +432,7 @@ class ModuleTracker:
         """Disarm; reduce calls still waiting for outputs and parameters used repeatedly."""
         assert self.stats is not None
         try:
+            self._check_output_gradients_arrived()
             for call in self._calls:
                 if call.args is not None and call.received > 0:
                     call.grads = [
@@ -455,6 +456,28 @@ class ModuleTracker:
         self._spare_grads = {}
         self._last_batch_grads = dict(stats.batch_grads)  # own copies, valid until next begin
         return stats
+
+    def _check_output_gradients_arrived(self) -> None:
+        """A layer whose parameters received gradients although no output gradient of any
+        of its recorded calls reached Cockpit's hook has individual gradients Cockpit cannot
+        form; say so instead of reporting statistics without it (or a 'zero' gradient)."""
+        stats = self.stats
+        assert stats is not None
+        if not (self.needs & PER_SAMPLE_STATS) or stats.problems:
+            return
+        reached = {id(c.unit) for c in self._calls if c.received > 0}
+        for call in self._calls:
+            unit = call.unit
+            if id(unit) in reached:
+                continue
+            if any(self.unit_param_name(unit, a) in stats.batch_grads for a in unit.params):
+                self._fail(
+                    f"{unit.name or type(unit.module).__name__}: its parameters received "
+                    "gradients, but its output gradient never reached Cockpit's hook (a model "
+                    "compiled with torch.compile runs its layers inside one compiled graph): "
+                    "attach Cockpit to, and train, the model without torch.compile"
+                )
+                return
 
     def drop_spare_gradients(self) -> None:
         """Free the kept batch gradients (the next step is not tracked)."""
