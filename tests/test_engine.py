@@ -310,6 +310,63 @@ def test_compiled_model_is_reported_not_a_zero_gradient():
     assert any("torch.compile" in str(w.message) for w in caught)
 
 
+class _Attention(nn.Module):
+    """nn.MultiheadAttention with its default need_weights=True; the attention weights
+    (always [batch, L, S]) optionally enter the loss."""
+
+    def __init__(self, batch_first: bool, use_weights: bool):
+        super().__init__()
+        self.batch_first, self.use_weights = batch_first, use_weights
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):  # x: [batch, L, 8]
+        x = x if self.batch_first else x.transpose(0, 1)
+        h, weights = self.attention(x, x, x)
+        h = h if self.batch_first else h.transpose(0, 1)
+        z = self.out(h.mean(1))
+        return z + weights.mean((1, 2))[:, None] if self.use_weights else z
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("use_weights", [False, True])
+def test_multihead_attention_with_weights_and_sequence_first(batch_first, use_weights):
+    """Sequence-first attention returned its batch-first attention weights, and Cockpit
+    took dim 1 as their batch dimension (a shape error, NormTest not computed)."""
+    torch.manual_seed(0)
+    model = _Attention(batch_first, use_weights).double()
+    x, y = torch.randn(6, 4, 8, dtype=torch.float64), torch.randint(0, 3, (6,))
+    rows = []
+    for n in range(len(x)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[n : n + 1]), y[n : n + 1]).backward()
+        rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    expected = gradient_tests(torch.stack(rows))
+    model.zero_grad()
+    cockpit = Cockpit(model, [quantities.NormTest(), quantities.InnerTest()])
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    for name in ("NormTest", "InnerTest"):
+        assert rel_close(cockpit.get_output()[0][name], expected[name], rtol=1e-6)
+
+
+def test_per_token_losses_get_a_clear_message():
+    model = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 11))
+    x, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))
+    cockpit = Cockpit(model, [quantities.NormTest()])
+    losses = nn.functional.cross_entropy(model(x).reshape(-1, 11), y.reshape(-1),
+                                         reduction="none")  # 20 per-token losses
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+    cockpit.close()
+    note = cockpit.get_notes()[0]["NormTest"]
+    assert "batch of 4 samples" in note and "20 entries" in note and "mean(1)" in note
+
+
 def test_schedules():
     assert [s for s in range(10) if every(3)(s)] == [0, 3, 6, 9]
     assert [s for s in range(10) if every(4, offset=1)(s)] == [1, 5, 9]

@@ -31,7 +31,12 @@ import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
 from cockpit.curvature.diag_hessian import is_activation
 from cockpit.engine.histogram import BinSpec
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
-from cockpit.engine.rules.fallback import batch_dim_of, fallback_rule, owned_parameters
+from cockpit.engine.rules.fallback import (
+    batch_dim_of,
+    fallback_rule,
+    output_batch_dims,
+    owned_parameters,
+)
 from cockpit.engine.rules.norms import SampleMixingError, batch_norm_message, uses_batch_statistics
 from cockpit.engine.rules.registry import ATOMIC_MODULES, Rule, find_rule
 from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
@@ -517,6 +522,9 @@ class ModuleTracker:
             )
         unit = call.unit
         bd = batch_dim_of(unit.module)
+        first = call.grads[0]
+        if first is not None and first.dim() > bd and first.shape[bd] != stats.num_samples:
+            raise ValueError(batch_size_message(first.shape[bd], stats.num_samples))
         rule = unit.rule
         scale = 1.0
         if getattr(rule, "takes_scale", False) and not self.keep_calls:
@@ -524,17 +532,16 @@ class ModuleTracker:
             # smallest intermediate instead of dividing the whole output gradient
             grads, scale = list(call.grads), 1.0 / self._weight_value
         else:
-            grads = [self._individual(g, weights, bd) for g in call.grads]
+            dims = output_batch_dims(unit.module, len(call.grads))
+            grads = [self._individual(g, weights, d) for g, d in zip(call.grads, dims,
+                                                                      strict=True)]
         if self.keep_calls:  # for projections on directions known only after the step
             self.kept_calls.append(Call(unit, call.args, call.kwargs, [], call.versions, grads))
         if self.needs <= {PROJECTIONS} and not (self.directions or self.direction_providers):
             return
         for name, sg in self._rule(call, grads, scale).items():
             if sg.num_samples != stats.num_samples:
-                raise ValueError(
-                    f"saw a batch of {sg.num_samples} samples but `losses` has "
-                    f"{stats.num_samples} entries"
-                )
+                raise ValueError(batch_size_message(sg.num_samples, stats.num_samples))
             if name in self._multi_use:
                 accumulate(self._accumulated, name, sg)
             else:
@@ -692,6 +699,14 @@ def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
 
     return (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()},
             [cast(g) for g in grads])
+
+
+def batch_size_message(batch: int, num_losses: int) -> str:
+    return (
+        f"the layer saw a batch of {batch} samples but `losses` has {num_losses} entries; "
+        "pass one loss per sample (per-token or per-pixel losses averaged per sample, e.g. "
+        "losses.view(batch_size, -1).mean(1))"
+    )
 
 
 def weights_problem(w: Tensor) -> str | None:

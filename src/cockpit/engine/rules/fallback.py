@@ -30,6 +30,15 @@ def batch_dim_of(module: nn.Module) -> int:
     return 0 if getattr(module, "batch_first", True) else 1
 
 
+def output_batch_dims(module: nn.Module, num_outputs: int) -> tuple[int, ...]:
+    """The batch dimension of each differentiable output. MultiheadAttention's attention
+    weights are [batch, L, S] whatever ``batch_first`` says about its other tensors."""
+    bd = batch_dim_of(module)
+    if isinstance(module, nn.MultiheadAttention):
+        return (bd, 0, *(bd for _ in range(num_outputs - 2)))[:num_outputs]
+    return tuple(bd for _ in range(num_outputs))
+
+
 def _input_dims(module: nn.Module, args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
     """vmap in_dims for every input: the batch dim for batched tensors, None otherwise."""
     bd = batch_dim_of(module)
@@ -74,7 +83,6 @@ def fallback_rule(
     gradients (already those of the individual losses), batch dimension as in the module.
     """
     n = grad_outputs[0].shape[batch_dim_of(module)]
-    bd = batch_dim_of(module)
     arg_dims, kwarg_dims = _input_dims(module, args, kwargs, n)
     detached_args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     detached_kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
@@ -97,10 +105,11 @@ def fallback_rule(
             return tuple(tensor_outputs(functional_call(module, p, call_args, call_kwargs)))
 
         _, vjp_fn = vjp(forward, theta)
-        cotangents = tuple(d.unsqueeze(bd) for d in sample_deltas)
+        cotangents = tuple(d.unsqueeze(dim) for d, dim in zip(sample_deltas, delta_dims,
+                                                              strict=True))
         return vjp_fn(cotangents)[0]
 
-    delta_dims = tuple(bd for _ in grad_outputs)
+    delta_dims = output_batch_dims(module, len(grad_outputs))
     with warnings.catch_warnings():
         # vmap's note that an operator (e.g. CPU flash attention) runs without a batching
         # rule concerns Cockpit's own computation; the user can do nothing about it
