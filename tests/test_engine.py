@@ -352,6 +352,79 @@ def test_multihead_attention_with_weights_and_sequence_first(batch_first, use_we
         assert rel_close(cockpit.get_output()[0][name], expected[name], rtol=1e-6)
 
 
+class _NestedOutput(nn.Module):
+    """A custom layer (torch.func fallback) returning ``(y, (aux, extra))``; aux is computed
+    from the output y itself, or separately."""
+
+    def __init__(self, dependent: bool):
+        super().__init__()
+        self.dependent = dependent
+        self.weight = nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+
+    def forward(self, x):
+        y = torch.tanh(x @ self.weight.T)
+        inner = y if self.dependent else torch.tanh(x @ self.weight.T)
+        return y, (inner.pow(2) @ self.weight, x.sum(1))
+
+
+class _NestedNet(nn.Module):
+    def __init__(self, dependent: bool):
+        super().__init__()
+        self.layer, self.out = _NestedOutput(dependent), nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        y, (aux, _) = self.layer(x)
+        return self.out(y) + aux[:, :3]
+
+
+@pytest.mark.parametrize("dependent", [False, True])
+def test_nested_outputs_of_a_custom_layer_are_all_followed(dependent):
+    """Outputs nested in tuples (an LSTM's (output, (h_n, c_n))) were dropped: the gradient
+    through them was missing from the individual gradients, silently. An output computed
+    from another output would be counted twice by the hooks: that is reported instead."""
+    torch.manual_seed(0)
+    model = _NestedNet(dependent)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    rows = []
+    for n in range(len(x)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[n : n + 1]), y[n : n + 1]).backward()
+        rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    expected = gradient_tests(torch.stack(rows))
+    model.zero_grad()
+    cockpit = Cockpit(model, [quantities.NormTest()])
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+    cockpit.close()
+    if dependent:
+        assert cockpit.get_output()[0]["NormTest"] is None
+        assert "computed from another of its outputs" in cockpit.get_notes()[0]["NormTest"]
+    else:
+        assert rel_close(cockpit.get_output()[0]["NormTest"], expected["NormTest"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_recurrent_layers_are_reported_not_wrong(cell):
+    rnn = getattr(nn, cell)(5, 7, batch_first=True)
+    head = nn.Linear(7, 3)
+    cockpit = Cockpit(nn.ModuleList([rnn, head]), [quantities.NormTest(), quantities.GradNorm()])
+    x, y = torch.randn(6, 4, 5), torch.randint(0, 3, (6,))
+    _, h = rnn(x)
+    h = h[0] if isinstance(h, tuple) else h
+    losses = nn.functional.cross_entropy(head(h[-1]), y, reduction="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+    cockpit.close()
+    assert cockpit.get_output()[0]["NormTest"] is None
+    assert "recurrent" in cockpit.get_notes()[0]["NormTest"]
+    assert cockpit.get_output()[0]["GradNorm"] > 0
+
+
 def test_per_token_losses_get_a_clear_message():
     model = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 11))
     x, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))

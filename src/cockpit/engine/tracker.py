@@ -35,6 +35,7 @@ from cockpit.engine.rules.fallback import (
     batch_dim_of,
     fallback_rule,
     output_batch_dims,
+    output_tensors,
     owned_parameters,
 )
 from cockpit.engine.rules.norms import SampleMixingError, batch_norm_message, uses_batch_statistics
@@ -220,8 +221,7 @@ class ModuleTracker:
         def hook(module, args, kwargs, output):
             if not self.capturing or self._suspended or not torch.is_grad_enabled():
                 return None
-            flat = output if isinstance(output, tuple | list) else (output,)
-            outputs = [t for t in flat if isinstance(t, Tensor) and t.requires_grad]
+            outputs = [t for t in output_tensors(output) if t.requires_grad]
             if not outputs:
                 return None
             tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
@@ -521,6 +521,12 @@ class ModuleTracker:
                 "an input of this layer was modified in place after the layer used it"
             )
         unit = call.unit
+        if unit.rule is None and len(call.outputs) > 1 and outputs_feed_each_other(call):
+            raise ValueError(
+                "one of its outputs is computed from another of its outputs; the gradient "
+                "hooks then see the inner path twice and Cockpit cannot separate it: return "
+                "the outputs from separate computations (or only one of them)"
+            )
         bd = batch_dim_of(unit.module)
         first = call.grads[0]
         if first is not None and first.dim() > bd and first.shape[bd] != stats.num_samples:
@@ -699,6 +705,28 @@ def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
 
     return (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()},
             [cast(g) for g in grads])
+
+
+def outputs_feed_each_other(call: Call) -> bool:
+    """Whether one output of the call depends on another in the autograd graph (a custom
+    layer returning y and f(y)): the hook on y then receives the path through f(y) as well,
+    and a per-sample vector-Jacobian product of both outputs would count it twice. The
+    walk stays inside the layer: it stops at the inputs' nodes."""
+    outputs = {o.grad_fn for o in call.outputs if o.grad_fn is not None}
+    inputs = {v.grad_fn for v in (*call.args, *call.kwargs.values())
+              if isinstance(v, Tensor) and v.grad_fn is not None}
+    for start in outputs:
+        seen: set = set()
+        stack = [node for node, _ in start.next_functions]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node in inputs:
+                continue
+            if node in outputs:
+                return True
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def batch_size_message(batch: int, num_losses: int) -> str:

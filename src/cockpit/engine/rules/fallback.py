@@ -30,12 +30,25 @@ def batch_dim_of(module: nn.Module) -> int:
     return 0 if getattr(module, "batch_first", True) else 1
 
 
+def output_tensors(output) -> list[Tensor]:
+    """The tensors of a module's output, nested tuples and lists flattened in order (an
+    LSTM returns ``(output, (h_n, c_n))``)."""
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, tuple | list):
+        return [t for item in output for t in output_tensors(item)]
+    return []
+
+
 def output_batch_dims(module: nn.Module, num_outputs: int) -> tuple[int, ...]:
     """The batch dimension of each differentiable output. MultiheadAttention's attention
-    weights are [batch, L, S] whatever ``batch_first`` says about its other tensors."""
+    weights are [batch, L, S] and a recurrent layer's final states [layers, batch, H],
+    whatever ``batch_first`` says about the other tensors."""
     bd = batch_dim_of(module)
     if isinstance(module, nn.MultiheadAttention):
         return (bd, 0, *(bd for _ in range(num_outputs - 2)))[:num_outputs]
+    if isinstance(module, nn.RNNBase):
+        return (bd, *(1 for _ in range(num_outputs - 1)))[:num_outputs]
     return tuple(bd for _ in range(num_outputs))
 
 
@@ -82,6 +95,13 @@ def fallback_rule(
     ``outputs``/``grad_outputs`` are the module's differentiable output tensors and their
     gradients (already those of the individual losses), batch dimension as in the module.
     """
+    if isinstance(module, nn.RNNBase):
+        raise NotImplementedError(
+            f"{type(module).__name__}: Cockpit cannot form individual gradients of recurrent "
+            "layers yet (torch.func.vmap does not batch their fused kernels): instruments "
+            "that need them are not computed for this model (Loss, GradNorm, Distance and "
+            "UpdateSize are); freezing the layer (requires_grad_(False)) leaves it out"
+        )
     n = grad_outputs[0].shape[batch_dim_of(module)]
     arg_dims, kwarg_dims = _input_dims(module, args, kwargs, n)
     detached_args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
@@ -90,8 +110,7 @@ def fallback_rule(
     num_outputs = len(grad_outputs)
 
     def tensor_outputs(result) -> list[Tensor]:
-        flat = result if isinstance(result, tuple | list) else (result,)
-        tensors = [t for t in flat if isinstance(t, Tensor) and t.is_floating_point()]
+        tensors = [t for t in output_tensors(result) if t.is_floating_point()]
         return tensors[:num_outputs]
 
     def one_sample(theta, sample_args, sample_kwargs, sample_deltas):
