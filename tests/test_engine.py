@@ -425,6 +425,30 @@ def test_recurrent_layers_are_reported_not_wrong(cell):
     assert cockpit.get_output()[0]["GradNorm"] > 0
 
 
+def test_sparse_embedding_gradients():
+    """nn.Embedding(sparse=True) makes p.grad sparse; the instruments failed on it
+    ('reshape is not implemented for sparse tensors'). The user's gradient stays sparse."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 6, sparse=True), nn.Flatten(), nn.Linear(18, 3))
+    x, y = torch.randint(0, 11, (8, 3)), torch.randint(0, 3, (8,))
+    rows = []
+    for n in range(len(x)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[n : n + 1]), y[n : n + 1]).backward()
+        rows.append(torch.cat([p.grad.to_dense().flatten() for p in model.parameters()]))
+    expected = gradient_tests(torch.stack(rows).double())
+    model.zero_grad()
+    cockpit = Cockpit(model, [quantities.NormTest(), quantities.InnerTest(),
+                              quantities.OrthoTest(), quantities.GradNorm()])
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    assert model[0].weight.grad.is_sparse
+    for name, value in expected.items():
+        assert rel_close(cockpit.get_output()[0][name], value, rtol=1e-5)
+
+
 def test_per_token_losses_get_a_clear_message():
     model = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 11))
     x, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))

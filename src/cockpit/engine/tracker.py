@@ -382,6 +382,8 @@ class ModuleTracker:
     def _make_param_hook(self, name: str):
         def hook(grad: Tensor):
             if self.active and not self._suspended and self.stats is not None:
+                if grad.layout != torch.strided:  # Embedding(sparse=True): instruments read
+                    grad = grad.to_dense()  # dense vectors (the user's p.grad stays sparse)
                 first = name not in self.stats.batch_grads
                 if first:
                     spare = self._spare_grads.pop(name, None)
