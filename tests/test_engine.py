@@ -353,8 +353,8 @@ def test_multihead_attention_with_weights_and_sequence_first(batch_first, use_we
 
 
 class _NestedOutput(nn.Module):
-    """A custom layer (torch.func fallback) returning ``(y, (aux, extra))``; aux is computed
-    from the output y itself, or separately."""
+    """A custom layer (torch.func fallback) returning ``(y, (extra, aux))``: extra needs no
+    gradient, aux is computed from the output y itself, or separately."""
 
     def __init__(self, dependent: bool):
         super().__init__()
@@ -364,7 +364,7 @@ class _NestedOutput(nn.Module):
     def forward(self, x):
         y = torch.tanh(x @ self.weight.T)
         inner = y if self.dependent else torch.tanh(x @ self.weight.T)
-        return y, (inner.pow(2) @ self.weight, x.sum(1))
+        return y, (x.sum(1), inner.pow(2) @ self.weight)
 
 
 class _NestedNet(nn.Module):
@@ -373,7 +373,7 @@ class _NestedNet(nn.Module):
         self.layer, self.out = _NestedOutput(dependent), nn.Linear(5, 3).double()
 
     def forward(self, x):
-        y, (aux, _) = self.layer(x)
+        y, (_, aux) = self.layer(x)
         return self.out(y) + aux[:, :3]
 
 

@@ -85,6 +85,8 @@ class Call:
     received: int = 0
     probe_grads: list[Tensor | None] | None = None  # δ of Cockpit's own backprops
     output_versions: list[int] = field(default_factory=list)
+    # positions of ``outputs`` among all tensors of the module's (flattened) output
+    output_positions: list[int] = field(default_factory=list)
 
     def outputs_unchanged(self) -> bool:
         """Whether no output was modified in place after the call (e.g. by ReLU(inplace))."""
@@ -221,12 +223,15 @@ class ModuleTracker:
         def hook(module, args, kwargs, output):
             if not self.capturing or self._suspended or not torch.is_grad_enabled():
                 return None
-            outputs = [t for t in output_tensors(output) if t.requires_grad]
-            if not outputs:
+            flat = output_tensors(output)
+            positions = [i for i, t in enumerate(flat) if t.requires_grad]
+            if not positions:
                 return None
+            outputs = [flat[i] for i in positions]
             tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
             call = Call(unit, args, kwargs, outputs, [t._version for t in tensors],
-                        [None] * len(outputs), output_versions=[t._version for t in outputs])
+                        [None] * len(outputs), output_versions=[t._version for t in outputs],
+                        output_positions=positions)
             self._calls.append(call)
             for k, out in enumerate(outputs):
                 out.register_hook(self._make_output_hook(call, k))
@@ -375,7 +380,7 @@ class ModuleTracker:
             sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
         else:
             sample_grads = fallback_rule(
-                unit.module, call.args, call.kwargs, call.outputs, grads, unit.params
+                unit.module, call.args, call.kwargs, call.output_positions, grads, unit.params
             )
         return {self.unit_param_name(unit, attr): sg for attr, sg in sample_grads.items()}
 
@@ -540,11 +545,12 @@ class ModuleTracker:
             # smallest intermediate instead of dividing the whole output gradient
             grads, scale = list(call.grads), 1.0 / self._weight_value
         else:
-            dims = output_batch_dims(unit.module, len(call.grads))
+            dims = output_batch_dims(unit.module, call.output_positions)
             grads = [self._individual(g, weights, d) for g, d in zip(call.grads, dims,
                                                                       strict=True)]
         if self.keep_calls:  # for projections on directions known only after the step
-            self.kept_calls.append(Call(unit, call.args, call.kwargs, [], call.versions, grads))
+            self.kept_calls.append(Call(unit, call.args, call.kwargs, [], call.versions, grads,
+                                        output_positions=call.output_positions))
         if self.needs <= {PROJECTIONS} and not (self.directions or self.direction_providers):
             return
         for name, sg in self._rule(call, grads, scale).items():

@@ -40,16 +40,16 @@ def output_tensors(output) -> list[Tensor]:
     return []
 
 
-def output_batch_dims(module: nn.Module, num_outputs: int) -> tuple[int, ...]:
-    """The batch dimension of each differentiable output. MultiheadAttention's attention
-    weights are [batch, L, S] and a recurrent layer's final states [layers, batch, H],
-    whatever ``batch_first`` says about the other tensors."""
+def output_batch_dims(module: nn.Module, positions: list[int]) -> tuple[int, ...]:
+    """The batch dimension of the output tensors at ``positions`` of :func:`output_tensors`.
+    MultiheadAttention's attention weights are [batch, L, S] and a recurrent layer's final
+    states [layers, batch, H], whatever ``batch_first`` says about the other tensors."""
     bd = batch_dim_of(module)
     if isinstance(module, nn.MultiheadAttention):
-        return (bd, 0, *(bd for _ in range(num_outputs - 2)))[:num_outputs]
+        return tuple(0 if i == 1 else bd for i in positions)
     if isinstance(module, nn.RNNBase):
-        return (bd, *(1 for _ in range(num_outputs - 1)))[:num_outputs]
-    return tuple(bd for _ in range(num_outputs))
+        return tuple(bd if i == 0 else 1 for i in positions)
+    return tuple(bd for _ in positions)
 
 
 def _input_dims(module: nn.Module, args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
@@ -86,14 +86,14 @@ def fallback_rule(
     module: nn.Module,
     args: tuple,
     kwargs: dict,
-    outputs: list[Tensor],
+    positions: list[int],
     grad_outputs: list[Tensor],
     params: dict[str, Tensor],
 ) -> dict[str, SampleGrads]:
     """Individual gradients of ``params`` (names relative to ``module``) for one call.
 
-    ``outputs``/``grad_outputs`` are the module's differentiable output tensors and their
-    gradients (already those of the individual losses), batch dimension as in the module.
+    ``positions``: which tensors of the module's flattened output (:func:`output_tensors`)
+    the gradients ``grad_outputs`` belong to (already those of the individual losses).
     """
     if isinstance(module, nn.RNNBase):
         raise NotImplementedError(
@@ -107,11 +107,10 @@ def fallback_rule(
     detached_args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     detached_kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
     frozen = {k: v.detach() for k, v in params.items()}
-    num_outputs = len(grad_outputs)
 
     def tensor_outputs(result) -> list[Tensor]:
-        tensors = [t for t in output_tensors(result) if t.is_floating_point()]
-        return tensors[:num_outputs]
+        tensors = output_tensors(result)
+        return [tensors[i] for i in positions]
 
     def one_sample(theta, sample_args, sample_kwargs, sample_deltas):
         def with_batch(value, dim):
@@ -128,7 +127,7 @@ def fallback_rule(
                                                               strict=True))
         return vjp_fn(cotangents)[0]
 
-    delta_dims = output_batch_dims(module, len(grad_outputs))
+    delta_dims = output_batch_dims(module, positions)
     with warnings.catch_warnings():
         # vmap's note that an operator (e.g. CPU flash attention) runs without a batching
         # rule concerns Cockpit's own computation; the user can do nothing about it
