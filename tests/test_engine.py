@@ -163,18 +163,23 @@ def test_mixed_precision_autocast_matches_per_sample_backward_passes(dtype, loss
         assert rel_close(result[name], value, rtol=3e-2), (name, result[name], value)
 
 
-def test_alpha_under_float16_autocast_with_a_grad_scaler():
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_alpha_under_float16_autocast_with_a_grad_scaler(optimizer):
     """A GradScaler multiplies the loss by 2^16 and unscales the gradients before the step.
     Projections of float16 individual gradients on the scaled gradient overflowed (α NaN at
-    every step); statistics are formed in float32, so α equals that of the unscaled run."""
+    every step); statistics are formed in float32, so α equals that of the unscaled run.
+    Adam's update is predicted from the unscaled gradient when Cockpit knows the scaler
+    (else its prediction fails and Alpha takes the general path)."""
 
     def alphas(scaled: bool) -> list[float]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
                               nn.Linear(8 * 8 * 8, 5))
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        opt = (torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+               if optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr=1e-3))
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=scaled)
-        cockpit = Cockpit(model, [quantities.Alpha()], optimizer=opt)
+        alpha = quantities.Alpha()
+        cockpit = Cockpit(model, [alpha], optimizer=opt, grad_scaler=scaler)
         gen = torch.Generator().manual_seed(1)
         for step in range(4):
             x = torch.randn(16, 3, 8, 8, generator=gen)
@@ -188,6 +193,7 @@ def test_alpha_under_float16_autocast_with_a_grad_scaler():
             scaler.step(opt)
             scaler.update()
         cockpit.close()
+        assert not alpha._general
         return [cockpit.get_output()[s]["Alpha"] for s in range(3)]
 
     scaled, plain = alphas(True), alphas(False)
@@ -266,6 +272,8 @@ def test_missing_or_malformed_losses_give_clear_errors():
         Cockpit(problem.model, ["NormTest"])
     with pytest.raises(TypeError, match=r"nn\.Module"):
         Cockpit(object())
+    with pytest.raises(TypeError, match="GradScaler"):
+        Cockpit(problem.model, [quantities.Alpha()], grad_scaler=2.0**16)
 
 
 def test_forward_pass_not_seen_is_reported_not_silent():

@@ -47,6 +47,11 @@ class Cockpit:
         hist2d_bins: (gradient bins, parameter bins) of GradHist2d.
         sinks: objects with ``write_step(step, values, notes)`` and ``close()``.
         logdir: directory of a crash-safe run log (see :mod:`cockpit.store`).
+        grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop, if any. Its
+            scale multiplies the gradients of the backward pass and is divided out before
+            the step; Alpha needs it to predict an update that is not linear in the gradient
+            (Adam, RMSprop, Adagrad). Without it Alpha stays exact but takes its slower
+            general path. SGD and every other instrument need nothing.
         strict: re-raise errors inside Cockpit's hooks instead of recording "not computed"
             (useful in tests; never set it in a production run).
     """
@@ -61,6 +66,7 @@ class Cockpit:
         hist2d_bins: tuple[BinSpec, BinSpec] = (BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)),
         sinks: Iterable[Any] = (),
         logdir: str | None = None,
+        grad_scaler: Any = None,
         strict: bool = False,
     ):
         if not isinstance(model, nn.Module):
@@ -82,7 +88,12 @@ class Cockpit:
             )
         self.model = model
         self.quantities = quantities
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError(
+                f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
+            )
         self.optimizer = optimizer
+        self.grad_scaler = grad_scaler
         self.strict = strict
         self.hist_spec = hist_bins
         self.hist2d_specs = hist2d_bins
@@ -188,6 +199,8 @@ class Cockpit:
             self.tracker.drop_calls_outside(losses)
         captured = self.tracker.num_calls
         stats = self.tracker.begin(num_samples, needs)
+        if self.grad_scaler is not None:
+            self.tracker.gradient_scale = float(self.grad_scaler.get_scale())
         self._prepare_failures: dict[str, str] = {}
         for quantity in tracked:
             self._prepare(quantity, step, losses)

@@ -147,6 +147,8 @@ class ModuleTracker:
         self.hist_spec = hist_spec
         self.hist2d_specs = hist2d_specs
         self.strict = strict
+        # a GradScaler's factor on the gradients of the tracked backward (set by the Cockpit)
+        self.gradient_scale = 1.0
         self.param_names = {id(p): name for name, p in model.named_parameters()}
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.units = list(self._discover_units(model))

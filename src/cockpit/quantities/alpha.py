@@ -108,12 +108,15 @@ class Alpha(Quantity):
         state = _OpenStep(step, (math.nan, math.nan), predicted, sgd=predicted and is_sgd)
         self._starting = state
         if predicted:
-            tracker.direction_providers[_PREDICTED] = self._provider(optimizer, state, previous)
+            tracker.direction_providers[_PREDICTED] = self._provider(
+                optimizer, state, previous, tracker.gradient_scale)
         else:
             tracker.keep_calls = True
 
-    def _provider(self, optimizer, state: _OpenStep, previous: dict[str, Tensor]):
-        """``previous``: s_{t−1} per parameter it moved, already a direction of this step."""
+    def _provider(self, optimizer, state: _OpenStep, previous: dict[str, Tensor],
+                  gradient_scale: float = 1.0):
+        """``previous``: s_{t−1} per parameter it moved, already a direction of this step;
+        ``gradient_scale``: a GradScaler's factor, divided out before the optimizer steps."""
 
         def provide(name: str, param: Tensor, grad: Tensor) -> list[Tensor] | None:
             last = None
@@ -123,7 +126,8 @@ class Alpha(Quantity):
                     last = None
                 basis = up.sgd_update_basis(optimizer, param, grad, previous_update=last)
             else:
-                update = up.predict_update(optimizer, param, grad)
+                seen = grad if gradient_scale == 1.0 else grad / gradient_scale
+                update = up.predict_update(optimizer, param, seen)
                 basis = None if update is None else [update]
             if basis is None:
                 state.failure = up.unsupported_reason(optimizer, param, grad) or (
