@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 from torch.func import functional_call, hessian, jacrev, vmap
 
 from cockpit import Cockpit, configuration, quantities
@@ -276,3 +277,26 @@ def test_hessian_diagonal_not_applicable_is_clear_and_auto_falls_back_to_ggn():
     with pytest.warns(RuntimeWarning, match="cannot apply"), cockpit(0, losses=losses):
         losses.mean().backward()
     assert "hutchinson" in cockpit.get_notes()[0]["HessTrace"]
+
+
+def test_ggn_instruments_under_autocast_equal_float32():
+    """Under torch.autocast the model output is cast (out.float(), or autocast's own cast)
+    before the cross-entropy; the GGN's loss detection looked for the loss directly on the
+    output and refused. HessTrace and TICDiag then equal their float32 values to bfloat16
+    accuracy (float32 itself is checked against dense Hessians above)."""
+    values = {}
+    for amp in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(8 * 8 * 8, 5))
+        cockpit = Cockpit(model, [quantities.HessTrace(), quantities.TICDiag()], strict=True)
+        x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 5, (16,))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = model(x)
+        losses = nn.functional.cross_entropy(out.float(), y, reduction="none")
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+        cockpit.close()
+        values[amp] = cockpit.get_output()[0]
+    for name in ("HessTrace", "TICDiag"):
+        assert values[True][name] == pytest.approx(values[False][name], rel=1e-2)

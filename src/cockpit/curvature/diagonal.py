@@ -49,6 +49,16 @@ def check_method(method: str) -> None:
         raise ValueError(f"unknown curvature {method!r}; choose one of {', '.join(METHODS)}")
 
 
+def _skip_casts(node):
+    """The node feeding ``node``'s first input, past dtype casts (``out.float()`` or
+    autocast's own cast to float32 before a loss): a cast does not change the loss's
+    Hessian with respect to the model output."""
+    source = node.next_functions[0][0]
+    while source is not None and type(source).__name__ == "ToCopyBackward0":
+        source = source.next_functions[0][0]
+    return source
+
+
 def detect_loss(losses: Tensor, output: Tensor | None) -> tuple[str, str]:
     """(kind, mse_reduction) of the per-sample losses, read from their autograd graph."""
     way_out = (
@@ -67,16 +77,13 @@ def detect_loss(losses: Tensor, output: Tensor | None) -> tuple[str, str]:
             reduction = "sum"
         node = node.next_functions[0][0]
     kind = type(node).__name__ if node is not None else None
-    if kind == "NllLossBackward0":
+    if kind == "NllLossBackward0" and output is not None:
         log_softmax = node.next_functions[0][0]
-        if type(log_softmax).__name__ == "LogSoftmaxBackward0":
-            source = log_softmax.next_functions[0][0]
-            if output is not None and output.grad_fn is source:
-                return "cross_entropy", "mean"
-    if kind == "MseLossBackward0":
-        source = node.next_functions[0][0]
-        if output is not None and output.grad_fn is source:
-            return "mse", reduction
+        if (type(log_softmax).__name__ == "LogSoftmaxBackward0"
+                and output.grad_fn is _skip_casts(log_softmax)):
+            return "cross_entropy", "mean"
+    if kind == "MseLossBackward0" and output is not None and output.grad_fn is _skip_casts(node):
+        return "mse", reduction
     raise CurvatureError(
         "the GGN needs per-sample losses that are cross-entropy of the model's output "
         "(F.cross_entropy(model(x), y, reduction='none')) or squared errors "
