@@ -33,6 +33,27 @@ def individual_gradients(model: nn.Module, loss_fn, x: Tensor, y: Tensor) -> dic
             module._parameters[key] = param
 
 
+def per_sample_backward(model: nn.Module, x: Tensor, y: Tensor, loss_of=None,
+                        scale: float = 1.0) -> Tensor:
+    """Individual gradients [N, D] in float64 by one ordinary backward pass per sample, for
+    models torch.func cannot follow (autocast, sparse gradients, attention weights).
+    ``loss_of(x_n, y_n)``: the sample's loss (default: cross-entropy of ``model``);
+    backpropagated times ``scale`` (a GradScaler's factor), which is divided out again.
+    Leaves the parameters' gradients zeroed."""
+    if loss_of is None:
+        def loss_of(x_n, y_n):
+            return nn.functional.cross_entropy(model(x_n), y_n)
+
+    rows = []
+    for n in range(len(x)):
+        model.zero_grad()
+        (scale * loss_of(x[n : n + 1], y[n : n + 1]).sum()).backward()
+        rows.append(torch.cat([p.grad.to_dense().flatten() / scale
+                               for p in model.parameters()]))
+    model.zero_grad()
+    return torch.stack(rows).double()
+
+
 def flat(grads: dict[str, Tensor], names=None) -> Tensor:
     names = list(grads) if names is None else names
     n = next(iter(grads.values())).shape[0]

@@ -14,7 +14,14 @@ from torch import nn
 from cockpit import Cockpit, at, configuration, every, logspaced, quantities
 from cockpit.engine.tracker import ModuleTracker
 from tests.models import make_problem, train
-from tests.reference import flat, gradient_tests, histogram, individual_gradients, rel_close
+from tests.reference import (
+    flat,
+    gradient_tests,
+    histogram,
+    individual_gradients,
+    per_sample_backward,
+    rel_close,
+)
 
 
 def test_untracked_steps_do_no_per_sample_work(monkeypatch):
@@ -143,13 +150,7 @@ def test_mixed_precision_autocast_matches_per_sample_backward_passes(dtype, loss
             out = model(inputs)
         return nn.functional.cross_entropy(out.float(), targets, reduction="none")
 
-    rows = []
-    for n in range(len(x)):
-        model.zero_grad()
-        (loss_scale * losses_of(x[n : n + 1], y[n : n + 1]).sum()).backward()
-        rows.append(torch.cat([p.grad.flatten() / loss_scale for p in model.parameters()]))
-    expected = gradient_tests(torch.stack(rows).double())
-    model.zero_grad()
+    expected = gradient_tests(per_sample_backward(model, x, y, losses_of, loss_scale))
     instruments = [quantities.NormTest(), quantities.InnerTest(), quantities.OrthoTest()]
     cockpit = Cockpit(model, instruments)
     with warnings.catch_warnings():
@@ -344,13 +345,7 @@ def test_multihead_attention_with_weights_and_sequence_first(batch_first, use_we
     torch.manual_seed(0)
     model = _Attention(batch_first, use_weights).double()
     x, y = torch.randn(6, 4, 8, dtype=torch.float64), torch.randint(0, 3, (6,))
-    rows = []
-    for n in range(len(x)):
-        model.zero_grad()
-        nn.functional.cross_entropy(model(x[n : n + 1]), y[n : n + 1]).backward()
-        rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    expected = gradient_tests(torch.stack(rows))
-    model.zero_grad()
+    expected = gradient_tests(per_sample_backward(model, x, y))
     cockpit = Cockpit(model, [quantities.NormTest(), quantities.InnerTest()])
     losses = nn.functional.cross_entropy(model(x), y, reduction="none")
     with cockpit(0, losses=losses):
@@ -393,13 +388,7 @@ def test_nested_outputs_of_a_custom_layer_are_all_followed(dependent):
     torch.manual_seed(0)
     model = _NestedNet(dependent)
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
-    rows = []
-    for n in range(len(x)):
-        model.zero_grad()
-        nn.functional.cross_entropy(model(x[n : n + 1]), y[n : n + 1]).backward()
-        rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    expected = gradient_tests(torch.stack(rows))
-    model.zero_grad()
+    expected = gradient_tests(per_sample_backward(model, x, y))
     cockpit = Cockpit(model, [quantities.NormTest()])
     losses = nn.functional.cross_entropy(model(x), y, reduction="none")
     with warnings.catch_warnings():
@@ -439,13 +428,7 @@ def test_sparse_embedding_gradients():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(11, 6, sparse=True), nn.Flatten(), nn.Linear(18, 3))
     x, y = torch.randint(0, 11, (8, 3)), torch.randint(0, 3, (8,))
-    rows = []
-    for n in range(len(x)):
-        model.zero_grad()
-        nn.functional.cross_entropy(model(x[n : n + 1]), y[n : n + 1]).backward()
-        rows.append(torch.cat([p.grad.to_dense().flatten() for p in model.parameters()]))
-    expected = gradient_tests(torch.stack(rows).double())
-    model.zero_grad()
+    expected = gradient_tests(per_sample_backward(model, x, y))
     cockpit = Cockpit(model, [quantities.NormTest(), quantities.InnerTest(),
                               quantities.OrthoTest(), quantities.GradNorm()])
     losses = nn.functional.cross_entropy(model(x), y, reduction="none")
