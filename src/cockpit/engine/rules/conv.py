@@ -153,34 +153,23 @@ class ConvSampleGrads(SampleGrads):
         self._key = key  # identifies the input in the unfold cache, if one is active
         self._channels_last: bool | None = None  # row order, known once the method is
 
-    def _unfolded(self) -> Tensor:
-        cache = _UNFOLD_CACHE
-        if cache is not None and self._key is not None and ("patches", self._key) in cache:
-            return cache[("patches", self._key)]
-        out_sizes = self.delta.shape[2:]
+    def _unfolded(self, channels_last: bool = False) -> Tensor:
+        """The unfolded input of :func:`_patches` (or :func:`_patches_channels_last`): in
+        scratch memory, or once per input while several backprops share it."""
+        cache, out_sizes = _UNFOLD_CACHE, self.delta.shape[2:]
+        unfold = _patches_channels_last if channels_last else _patches
         if cache is not None and self._key is not None:  # kept for several backprops
-            patches = _patches(self.module, self.x, out_sizes)
-            cache[("patches", self._key)] = patches
-            return patches
-        numel = self.x.shape[:2].numel() * math.prod(self.module.kernel_size) * out_sizes.numel()
-        buffer, _ = workspace().take("patches", (numel,), self.x.dtype, self.x.device)
-        return _patches(self.module, self.x, out_sizes, out=buffer)
-
-    def _unfolded_channels_last(self) -> Tensor:
-        cache = _UNFOLD_CACHE
-        cached = cache is not None and self._key is not None
-        if cached and ("patches_cl", self._key) in cache:
-            return cache[("patches_cl", self._key)]
-        out_sizes = self.delta.shape[2:]
-        if cached:
-            patches = _patches_channels_last(self.module, self.x, out_sizes)
-            cache[("patches_cl", self._key)] = patches
-            return patches
+            key = ("patches_cl" if channels_last else "patches", self._key)
+            if key not in cache:
+                cache[key] = unfold(self.module, self.x, out_sizes)
+            return cache[key]
         ws, dtype, device = workspace(), self.x.dtype, self.x.device
         numel = self.x.shape[:2].numel() * math.prod(self.module.kernel_size) * out_sizes.numel()
         buffer, _ = ws.take("patches", (numel,), dtype, device)
+        if not channels_last:
+            return unfold(self.module, self.x, out_sizes, out=buffer)
         x_buffer, _ = ws.take("channels_last_input", (self.x.numel(),), dtype, device)
-        return _patches_channels_last(self.module, self.x, out_sizes, buffer, x_buffer)
+        return unfold(self.module, self.x, out_sizes, buffer, x_buffer)
 
     def materialize(self) -> Tensor:
         rows = self.chunks()[0]
@@ -249,7 +238,7 @@ class ConvSampleGrads(SampleGrads):
         (C_out, *kernel, C_in)."""
         delta = self.delta
         n, c_out = delta.shape[:2]
-        patches = self._unfolded_channels_last()  # [N, L, K·C_in]
+        patches = self._unfolded(channels_last=True)  # [N, L, K·C_in]
         grads, self._ticket = workspace().take(
             "grads", (n, c_out, patches.shape[2]), delta.dtype, delta.device)
         torch.baddbmm(grads, delta.reshape(n, c_out, -1), patches, beta=0, alpha=self.scale,
