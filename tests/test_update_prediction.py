@@ -398,3 +398,19 @@ def test_complex_parameters_are_not_predicted():
     optimizer = torch.optim.Adam([z])
     assert unsupported_reason(optimizer, z) == UnsupportedOptimizer.COMPLEX
     assert predict_update(optimizer, z, torch.ones_like(z)) is None
+
+
+def test_param_group_lookup_follows_changes_of_the_groups():
+    """The group of a parameter comes from a cached index; adding a group or replacing an
+    entry of one must not return a stale answer."""
+    from cockpit.engine.update_prediction import _find_group
+
+    a, b, c = (nn.Parameter(torch.zeros(2)) for _ in range(3))
+    optimizer = torch.optim.SGD([a], lr=0.1)
+    assert _find_group(optimizer, a) is optimizer.param_groups[0]
+    assert _find_group(optimizer, b) is None
+    optimizer.add_param_group({"params": [b], "lr": 0.2})
+    assert _find_group(optimizer, b) is optimizer.param_groups[1]
+    optimizer.param_groups[1]["params"][0] = c  # same shape of the groups, entry replaced
+    assert _find_group(optimizer, c) is optimizer.param_groups[1]
+    assert _find_group(optimizer, b) is None

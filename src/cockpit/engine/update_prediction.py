@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -160,10 +161,26 @@ def supports(optimizer: Optimizer) -> bool:
     return unsupported_reason(optimizer) is None
 
 
+# Per optimizer: (shape of its param_groups, id(param) → (group, position)). Looked up once
+# or more per parameter and tracked step; a scan of every group each time made a step cost
+# O(parameters²) (a 302-tensor MLP: ~70 ms per step).
+_GROUP_INDEX: weakref.WeakKeyDictionary[Optimizer, tuple[tuple, dict]] = (
+    weakref.WeakKeyDictionary())
+
+
 def _find_group(optimizer: Optimizer, param: Tensor) -> dict | None:
-    for group in optimizer.param_groups:
-        if any(p is param for p in group["params"]):
-            return group
+    """The param group holding ``param`` (None if none does), from an index rebuilt whenever
+    the groups change shape or an entry no longer holds the same tensor."""
+    groups = optimizer.param_groups
+    shape = tuple((id(g), len(g["params"])) for g in groups)
+    for attempt in range(2):
+        cached = _GROUP_INDEX.get(optimizer)
+        if attempt or cached is None or cached[0] != shape:
+            index = {id(p): (g, i) for g in groups for i, p in enumerate(g["params"])}
+            _GROUP_INDEX[optimizer] = cached = (shape, index)
+        found = cached[1].get(id(param))
+        if found is not None and found[0]["params"][found[1]] is param:
+            return found[0]
     return None
 
 
