@@ -10,6 +10,7 @@ from torch import nn
 
 from cockpit.engine.update_prediction import (
     UnsupportedOptimizer,
+    _find_group,
     fit_basis_coefficients,
     match_update,
     predict_update,
@@ -403,8 +404,6 @@ def test_complex_parameters_are_not_predicted():
 def test_param_group_lookup_follows_changes_of_the_groups():
     """The group of a parameter comes from a cached index; adding a group or replacing an
     entry of one must not return a stale answer."""
-    from cockpit.engine.update_prediction import _find_group
-
     a, b, c = (nn.Parameter(torch.zeros(2)) for _ in range(3))
     optimizer = torch.optim.SGD([a], lr=0.1)
     assert _find_group(optimizer, a) is optimizer.param_groups[0]
