@@ -696,11 +696,10 @@ def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
     are widened exactly. Half precision is always widened to float32: sums of squares and
     projections in float16 overflow (a GradScaler's factor 2^16 alone does) and in bfloat16
     keep three digits. Unchanged when all are float32 or float64 alike."""
-    inputs = [v for v in (*args, *kwargs.values())
-              if isinstance(v, Tensor) and v.is_floating_point()]
-    dtypes = {t.dtype for t in (*inputs, *grads) if t.is_floating_point()}
     if not grads or not grads[0].is_floating_point():
         return args, kwargs, grads
+    dtypes = {v.dtype for v in (*args, *kwargs.values(), *grads)
+              if isinstance(v, Tensor) and v.is_floating_point()}
     wide = functools.reduce(torch.promote_types, dtypes | {torch.float32})
     if dtypes == {wide}:
         return args, kwargs, grads
