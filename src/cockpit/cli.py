@@ -12,6 +12,8 @@ commands:
   plot     draw the cockpit view of a run:   cockpit plot RUN -o view.png
   view     serve the live cockpit view:       cockpit view RUN [--port 8050]
   export   export a run log:                  cockpit export RUN --format json|csv|parquet
+  diagnose say what is wrong with a run:      cockpit diagnose RUN
+  bench    DeepOBS problems, runs, sweeps:    cockpit bench run|sweep|analyze ...
 
 'cockpit COMMAND --help' describes each command."""
 
@@ -38,6 +40,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cockpit.store import main_export
 
         return main_export(rest)
+    if command == "diagnose":
+        from cockpit.diagnose.cli import main_diagnose
+
+        return main_diagnose(rest)
+    if command == "bench":
+        from cockpit.benchmark.cli import main_bench
+
+        return main_bench(rest)
     print(f"cockpit: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 
