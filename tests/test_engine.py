@@ -254,9 +254,10 @@ def test_batchnorm_in_training_mode_gives_a_clear_error_and_eval_mode_works():
     # switched back to training mode later: not computed, with the reason, no exception
     model.train()
     losses = loss_fn(model(x), y)
-    with pytest.warns(RuntimeWarning, match="BatchNorm1d"), cockpit(1, losses=losses):
-        losses.mean().backward()
-    assert cockpit.get_output()[1]["NormTest"] is None
+    with pytest.warns(RuntimeWarning, match="BatchNorm1d"):
+        with cockpit(1, losses=losses):
+            losses.mean().backward()
+        assert cockpit.get_output()[1]["NormTest"] is None  # recorded when the step is complete
     assert "BatchNorm1d" in cockpit.get_notes()[1]["NormTest"]
     cockpit.close()
 
@@ -288,6 +289,7 @@ def test_forward_pass_not_seen_is_reported_not_silent():
         warnings.simplefilter("always")
         with cockpit(2, losses=losses):  # jumps to step 2, which is tracked
             losses.mean().backward()
+        opt.step()  # the step is complete: recorded
     assert cockpit.get_output()[2]["NormTest"] is None
     assert "forward pass" in cockpit.get_notes()[2]["NormTest"]
     assert any("forward pass" in str(w.message) for w in caught)

@@ -26,8 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from cockpit.configurations import configuration
+from cockpit.engine import distributed
 from cockpit.engine.histogram import BinSpec
-from cockpit.engine.tracker import PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
+from cockpit.engine.reduction import StepReduction
+from cockpit.engine.request import StepRequest
+from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
 from cockpit.engine.workspace import release_workspace
 from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.store.arena import ArrayArena
@@ -52,8 +55,25 @@ class Cockpit:
             the step; Alpha needs it to predict an update that is not linear in the gradient
             (Adam, RMSprop, Adagrad). Without it Alpha stays exact but takes its slower
             general path. SGD and every other instrument need nothing.
+        grad_accumulation: the loop accumulates gradients over several backward passes
+            (micro-batches) per optimizer step. Cockpit learns this by itself at the first
+            step with two ``with cockpit(step, ...)`` blocks of the same step; saying it here
+            gives InnerTest, OrthoTest and Alpha from the first step on (they need every
+            micro-batch's layer inputs until the step is complete).
+        write_on_all_ranks: with torch.distributed, every process writes the run log and the
+            sinks (default: only rank 0; every rank computes the same global values).
         strict: re-raise errors inside Cockpit's hooks instead of recording "not computed"
             (useful in tests; never set it in a production run).
+
+    Gradient accumulation: all backward passes of one optimizer step go inside
+    ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values
+    describe the union of their samples, whatever weight each micro-batch loss has. They are
+    recorded when the step is complete: at ``optimizer.step()``, at the next step's first
+    block, or at :meth:`get_output` / :meth:`close`.
+
+    torch.distributed: with a process group initialised (e.g. a model wrapped in
+    ``DistributedDataParallel``), every rank's values describe the global batch; the
+    per-rank statistics are combined with two all-reduces per tracked step.
     """
 
     def __init__(
@@ -67,10 +87,13 @@ class Cockpit:
         sinks: Iterable[Any] = (),
         logdir: str | None = None,
         grad_scaler: Any = None,
+        grad_accumulation: bool = False,
+        write_on_all_ranks: bool = False,
         strict: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Cockpit needs a torch.nn.Module, got {type(model).__name__}")
+        distributed.check_supported_wrapper(model)
         if quantities is None:
             quantities = configuration("economy")
         elif isinstance(quantities, str):
@@ -115,12 +138,16 @@ class Cockpit:
         self._notes: dict[int, dict[str, str]] = {}
         self._warned: set[str] = set()
         self._pending_update: tuple[int, StepData, dict[str, Tensor], list[Quantity]] | None = None
-        self._current: tuple[int, list[Quantity], Tensor | None, float] | None = None
+        self._open: _OpenStep | None = None  # the tracked step whose backward passes come in
+        self._in_block = False  # inside a tracked ``with`` block
+        self._split = grad_accumulation or distributed.world_size() > 1
         self._handles: list = []
         if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
-        self._sinks = list(sinks)
-        if logdir is not None:
+        writes = write_on_all_ranks or distributed.rank() == 0
+        self._sinks = list(sinks) if writes else []
+        if logdir is not None and writes:
             from cockpit.store import RunLogWriter
 
             self._sinks.insert(0, RunLogWriter(logdir, meta=self._metadata()))
@@ -139,17 +166,21 @@ class Cockpit:
         return _StepContext(self, int(step), losses)
 
     def get_output(self) -> dict[int, dict[str, Value]]:
-        """All values so far: ``{step: {instrument name: value}}``."""
+        """All values so far: ``{step: {instrument name: value}}``. A tracked step whose
+        backward passes are complete is recorded first."""
+        self._finalize_open_step()
         return {step: dict(values) for step, values in sorted(self._output.items())}
 
     def get_notes(self) -> dict[int, dict[str, str]]:
         """Why a value is None (not computed), per step and instrument."""
+        self._finalize_open_step()
         return {step: dict(n) for step, n in sorted(self._notes.items()) if n}
 
     def close(self) -> None:
         """Finish pending work, remove every hook and close the sinks. Idempotent."""
         if self._closed:
             return
+        self._finalize_open_step()
         self._finish_pending_update()
         self.tracker.remove()
         release_workspace()
@@ -179,32 +210,57 @@ class Cockpit:
         return not self._consecutive or bool(self._tracked(step + 1))
 
     def _enter(self, step: int, losses: Tensor | None) -> None:
-        self._finish_pending_update()
-        if self._last_step is not None and step != self._last_step + 1:
-            self._consecutive = False
-        self._last_step = step
+        if self._in_block:
+            raise RuntimeError("cockpit(step) blocks cannot be nested; close the previous one")
+        open_step = self._open
+        continues = open_step is not None and open_step.step == step
+        if open_step is not None and not continues:
+            if self.optimizer is not None and self.grad_scaler is None:
+                self._warn(
+                    f"step {open_step.step} was not followed by optimizer.step() before step "
+                    f"{step} began: if these backward passes are micro-batches of one "
+                    "optimizer step, give them the same step number (their values were "
+                    f"recorded as step {open_step.step} alone)", key="step-without-optimizer")
+            self._finalize_open_step()
+        if not continues:
+            self._finish_pending_update()
+            if self._last_step is not None and step != self._last_step + 1:
+                self._consecutive = False
+            self._last_step = step
         tracked = self._tracked(step)
         if not tracked:
             self.tracker.clear_calls()
             self.tracker.drop_spare_gradients()
             self.tracker.capturing = self._capture_next(step)
-            self._current = None
             return
-        needs = frozenset().union(*(q.needs for q in tracked))
         if any(q.needs_losses for q in tracked):
             losses = self._check_losses(losses, step)
-        num_samples = 0 if losses is None else losses.shape[0]
         if losses is not None and losses.requires_grad:
             losses.register_hook(self.tracker.losses_hook)
             self.tracker.drop_calls_outside(losses)
         captured = self.tracker.num_calls
-        stats = self.tracker.begin(num_samples, needs)
-        if self.grad_scaler is not None:
-            self.tracker.gradient_scale = float(self.grad_scaler.get_scale())
-        self._prepare_failures: dict[str, str] = {}
+        if continues:
+            assert open_step is not None
+            # the previous backward's gradient copies belong to the step being merged
+            self.tracker.drop_spare_gradients()
+            request = open_step.new_request(self._gradient_scale())
+        else:
+            needs = frozenset().union(*(q.needs for q in tracked))
+            request = StepRequest(needs, gradient_scale=self._gradient_scale(),
+                                  split=self._split)
+            if self._split and GRAM_MEAN in needs:
+                # g_nᵀḡ needs the whole step's ḡ: formed from kept calls at the reduction point
+                request.needs, request.union_gram = needs - {GRAM_MEAN}, True
+            open_step = _OpenStep(step, tracked, request, time.perf_counter() - self._start_time,
+                                  StepReduction(self.tracker, needs, self._split,
+                                                _sample_sum_keys(tracked)))
+            self._open = open_step
+        stats = self.tracker.begin(request, losses)
+        self._in_block = True
+        self._prepare_failures = open_step.prepare_failures
         for quantity in tracked:
             self._prepare(quantity, step, losses)
-        if needs & PER_SAMPLE_STATS:
+        if request.needs & PER_SAMPLE_STATS or GRAM_MEAN in open_step.reduction.needs:
             stats.problems.extend(self.tracker.check_batch_norm()[:1])
             if captured == 0:
                 stats.problems.append(
@@ -212,7 +268,9 @@ class Cockpit:
                     "after the previous cockpit(...) context and call cockpit(step) with "
                     "consecutive step numbers)"
                 )
-        self._current = (step, tracked, losses, time.perf_counter() - self._start_time)
+
+    def _gradient_scale(self) -> float:
+        return 1.0 if self.grad_scaler is None else float(self.grad_scaler.get_scale())
 
     def _prepare(self, quantity: Quantity, step: int, losses: Tensor | None) -> None:
         """Work before the user's backward pass; a failure is recorded, never raised."""
@@ -252,26 +310,57 @@ class Cockpit:
         return losses
 
     def _exit(self, failed: bool) -> None:
-        if self._current is None:
+        open_step = self._open
+        if not self._in_block or open_step is None:
             return
-        step, tracked, losses, elapsed = self._current
-        self._current = None
+        self._in_block = False
         stats = self.tracker.end()
-        kept_calls = self.tracker.kept_calls
-        self.tracker.kept_calls = []
-        self.tracker.reset_directions()
-        self.tracker.capturing = self._capture_next(step)
-        if failed:
+        calls = self.tracker.take_kept_calls()
+        # the same step may bring more micro-batches: keep recording forward passes
+        self.tracker.capturing = True
+        if failed:  # the user's backward raised: the step cannot be completed
+            self._open = None
             return
-        data = self._step_data(step, losses, stats, elapsed)
-        data.kept_calls = kept_calls
+        if open_step.reduction.micro_batches == 1 and not self._split:
+            self._split = True
+            self._warn(
+                f"step {open_step.step}: several backward passes with the same step number "
+                "(gradient accumulation); every instrument describes their union. Cockpit now "
+                "keeps each micro-batch's layer inputs until the optimizer step (pass "
+                "Cockpit(..., grad_accumulation=True) to say so from the start)",
+                key="accumulation-learned")
+        open_step.reduction.add(stats, calls, keeps_calls=self.tracker.request.keep_calls)
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._finalize_open_step()
+
+    def _finalize_open_step(self) -> None:
+        """Record the open tracked step: reduce its backward passes (micro-batches, then
+        processes) and compute its instruments."""
+        open_step, self._open = self._open, None
+        if open_step is None:
+            return
+        if self._in_block:  # get_output() inside a block: nothing is complete yet
+            self._open = open_step
+            return
+        if open_step.reduction.micro_batches == 0:
+            return
+        self.tracker.capturing = self._capture_next(open_step.step)
+        step, tracked = open_step.step, open_step.tracked
+        reduction = open_step.reduction
+        stats = reduction.finish()
+        self._prepare_failures = open_step.prepare_failures
+        data = self._step_data(step, stats, open_step.elapsed)
+        data.project = reduction.project_samples if reduction.keeps_calls else None
+        data.unmerged = reduction.unmerged
         values: dict[str, Value] = {}
         if self.optimizer is not None:
             values["LearningRate"] = data.learning_rate
-        if losses is not None:
-            values["BatchSize"] = float(losses.shape[0])
+        if stats.losses is not None:
+            values["BatchSize"] = float(stats.num_samples)
+        split = open_step.request.split or stats.micro_batches > 1 or stats.ranks > 1
         for quantity in tracked:
-            values.update(self._compute(quantity, data, stats))
+            values.update(self._compute(quantity, data, stats, split))
         self._record(step, values, data.notes)
         self._record_late(data)
         later = [q for q in tracked if q.needs_update]
@@ -279,19 +368,12 @@ class Cockpit:
             snapshot = {k: p.detach().clone() for k, p in self._params.items()}
             self._pending_update = (step, data, snapshot, later)
 
-    def _step_data(
-        self, step: int, losses: Tensor | None, stats: BackwardStatistics, elapsed: float
-    ) -> StepData:
-        weight = self.tracker.loss_weight
-        n = stats.num_samples
-        scale = 1.0 / (weight * n) if weight not in (None, 0.0) and n else 1.0
-        batch_grads = (stats.batch_grads if scale == 1.0  # (own copies already)
-                       else {k: g * scale for k, g in stats.batch_grads.items()})
+    def _step_data(self, step: int, stats: BackwardStatistics, elapsed: float) -> StepData:
         return StepData(
             step=step,
-            losses=None if losses is None else losses.detach(),
+            losses=stats.losses,
             stats=stats,
-            batch_grads=batch_grads,
+            batch_grads=stats.batch_grads,
             params={k: p.detach() for k, p in self._params.items()},
             initial_params=self._initial,
             learning_rate=self._learning_rate(),
@@ -301,9 +383,18 @@ class Cockpit:
             tracker=self.tracker,
         )
 
-    def _compute(self, quantity: Quantity, data: StepData, stats: BackwardStatistics):
+    def _compute(self, quantity: Quantity, data: StepData, stats: BackwardStatistics,
+                 split: bool = False):
         if quantity.name in self._prepare_failures:
             data.notes[quantity.name] = self._prepare_failures[quantity.name]
+            return {quantity.name: None}
+        if data.unmerged is not None and GRAM_MEAN in quantity.needs:
+            data.notes[quantity.name] = data.unmerged
+            return {quantity.name: None}
+        if quantity.whole_batch_graph and split:
+            data.notes[quantity.name] = (
+                "needs the whole batch's graph in one backward pass; not formed when the "
+                "batch is split over micro-batches or processes")
             return {quantity.name: None}
         if (quantity.needs & PER_SAMPLE_STATS and not stats.valid
                 and not quantity.handles_invalid_statistics):
@@ -419,6 +510,27 @@ def _jsonable(value: Any) -> bool:
     return isinstance(value, bool | int | float | str | type(None)) or (
         isinstance(value, tuple | list) and all(isinstance(v, int | float) for v in value)
     )
+
+
+class _OpenStep:
+    """A tracked step whose backward passes (micro-batches) are still coming in."""
+
+    def __init__(self, step: int, tracked: list[Quantity], request: StepRequest,
+                 elapsed: float, reduction: StepReduction):
+        self.step, self.tracked, self.request = step, tracked, request
+        self.elapsed, self.reduction = elapsed, reduction
+        self.prepare_failures: dict[str, str] = {}
+
+    def new_request(self, gradient_scale: float) -> StepRequest:
+        """The request of one more backward pass of this step: the same statistics; the
+        instruments register their directions again in ``prepare``."""
+        first = self.request
+        return StepRequest(first.needs, gradient_scale=gradient_scale, split=first.split,
+                           union_gram=first.union_gram)
+
+
+def _sample_sum_keys(quantities: list[Quantity]) -> tuple[str, ...]:
+    return tuple(sorted({key for q in quantities for key in q.sample_sum_keys}))
 
 
 class _StepContext:

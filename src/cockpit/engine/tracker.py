@@ -30,6 +30,7 @@ from torch import Tensor, nn
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
 from cockpit.curvature.diag_hessian import is_activation
 from cockpit.engine.histogram import BinSpec
+from cockpit.engine.request import StepRequest
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
 from cockpit.engine.rules.fallback import (
     batch_dim_of,
@@ -41,6 +42,9 @@ from cockpit.engine.rules.fallback import (
 from cockpit.engine.rules.norms import SampleMixingError, batch_norm_message, uses_batch_statistics
 from cockpit.engine.rules.registry import ATOMIC_MODULES, Rule, find_rule
 from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.statistics import BackwardStatistics
+
+__all__ = ["GRADIENT", "PER_SAMPLE_STATS", "BackwardStatistics", "ModuleTracker", "StepRequest"]
 
 # Names of the per-sample statistics an instrument can ask for.
 SQ_NORMS = "sq_norms"  # ‖g_n‖²                    per parameter, shape [N]
@@ -111,28 +115,6 @@ was given: the tracker then takes g_nᵀ(gradient) from g_nᵀḡ where that is 
 own gradient (a closed form for Linear layers, one shared row otherwise)."""
 
 
-@dataclass
-class BackwardStatistics:
-    """Additive statistics of one tracked backward pass, keyed by parameter name."""
-
-    num_samples: int
-    sq_norms: dict[str, Tensor] = field(default_factory=dict)
-    gram_mean: dict[str, Tensor] = field(default_factory=dict)
-    sum_sq: dict[str, Tensor] = field(default_factory=dict)
-    var_sum: dict[str, Tensor] = field(default_factory=dict)
-    hist1d: dict[str, Tensor] = field(default_factory=dict)
-    hist2d: dict[str, Tensor] = field(default_factory=dict)
-    # ∂L/∂θ of this backward: Cockpit's copies, reused by a directly following tracked step
-    batch_grads: dict[str, Tensor] = field(default_factory=dict)
-    # key → parameter → [K, N]: g_nᵀ u_k for the directions u_k registered under key
-    projections: dict[str, dict[str, Tensor]] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)  # reasons per-sample stats are invalid
-
-    @property
-    def valid(self) -> bool:
-        return not self.problems
-
-
 class ModuleTracker:
     """Installs and owns all hooks on ``model``; see the module docstring."""
 
@@ -147,8 +129,6 @@ class ModuleTracker:
         self.hist_spec = hist_spec
         self.hist2d_specs = hist2d_specs
         self.strict = strict
-        # a GradScaler's factor on the gradients of the tracked backward (set by the Cockpit)
-        self.gradient_scale = 1.0
         self.param_names = {id(p): name for name, p in model.named_parameters()}
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.units = list(self._discover_units(model))
@@ -164,12 +144,8 @@ class ModuleTracker:
         self._weights_problem: str | None = None
         self._suspended = False  # True while rules run the module again (torch.func)
         self._probing = False  # True during Cockpit's own backprops (diagonal curvature)
-        # Directions to project individual gradients on, known before the backward pass
-        # (key → parameter name → tensor), and providers that compute them per parameter
-        # from the gradient the optimizer will see (key → fn(name, param, grad) → basis).
-        self.directions: dict[str, dict[str, Tensor]] = {}
-        self.direction_providers: dict[str, object] = {}
-        self.keep_calls = False  # keep calls (inputs, δ) for projections after the step
+        # what the instruments of the current tracked step ask of each backward pass
+        self.request = StepRequest(frozenset())
         self.kept_calls: list[Call] = []
         self._seen_grads: dict[str, Tensor] = {}
         self._pure_grads: set[str] = set()  # seen gradient = this backward's Σ_n w·g_n
@@ -283,10 +259,16 @@ class ModuleTracker:
         self.activation_calls = [c for c in self.activation_calls if c[2].grad_fn in seen]
 
     # ------------------------------------------------------------------ backward
-    def begin(self, num_samples: int, needs: frozenset[str]) -> BackwardStatistics:
-        """Arm the hooks for one tracked backward pass."""
+    def begin(self, request: StepRequest, losses: Tensor | None) -> BackwardStatistics:
+        """Arm the hooks for one tracked backward pass of the individual ``losses``.
+
+        ``request`` stays the engine's until :meth:`end`: instruments preparing the step
+        (after ``begin``, before the backward) add their directions to it."""
+        num_samples = 0 if losses is None else int(losses.shape[0])
         self.stats = BackwardStatistics(num_samples)
-        self.needs = needs
+        self.stats.losses = None if losses is None else losses.detach()
+        self.request = request
+        self.needs = request.needs
         self._weights = None
         self._weights_problem: str | None = None
         self._accumulated = {}
@@ -437,13 +419,62 @@ class ModuleTracker:
                 release()
         self.step_cache = {}
 
-    def reset_directions(self) -> None:
-        self.directions = {}
-        self.direction_providers = {}
-        self.keep_calls = False
+    @property
+    def directions(self) -> dict[str, dict[str, Tensor]]:
+        """Directions u to project individual gradients on, known before the backward pass
+        (key → parameter name → tensor)."""
+        return self.request.directions
+
+    @property
+    def direction_providers(self) -> dict:
+        """Providers of directions computed per parameter from the gradient the optimizer
+        will see (key → fn(name, param, grad) → basis)."""
+        return self.request.direction_providers
+
+    @property
+    def keep_calls(self) -> bool:
+        """Keep each call's inputs and individual output gradients for projections on
+        directions known only later (:meth:`project`)."""
+        return self.request.keep_calls or self.request.union_gram
+
+    @property
+    def gradient_scale(self) -> float:
+        """A GradScaler's factor on the gradients of the tracked backward."""
+        return self.request.gradient_scale
+
+    def add_sample_sums(self, key: str, values: dict[str, Tensor]) -> None:
+        """Add an instrument's own per-parameter sums over this backward's samples (e.g. N
+        times the diagonal curvature of the mean loss) to the statistics: they are merged
+        over micro-batches and processes like the engine's own sums."""
+        assert self.stats is not None, "add_sample_sums is for a tracked backward pass"
+        target = self.stats.sample_sums.setdefault(key, {})
+        for name, value in values.items():
+            target[name] = value if name not in target else target[name] + value
+
+    def take_kept_calls(self) -> list[Call]:
+        calls, self.kept_calls = self.kept_calls, []
+        return calls
+
+    def project(self, calls: list[Call], directions: dict[str, Tensor]) -> dict[str, Tensor]:
+        """g_nᵀu per parameter ([N] each) for the kept ``calls`` of one backward pass and a
+        direction u per parameter name, summed over the calls that use a parameter (the
+        individual gradient of a shared parameter is the sum over its calls). Each layer's
+        rule evaluates it from the kept input and output gradient — a closed form where the
+        layer allows, otherwise that layer's individual gradients, one layer at a time."""
+        out: dict[str, Tensor] = {}
+        with self.suspended():
+            for call in calls:
+                for name, sg in self._rule(call, call.grads).items():
+                    if name in directions:
+                        dots = sg.dots(directions[name])
+                        out[name] = dots if name not in out else out[name] + dots
+        return out
 
     def end(self) -> BackwardStatistics:
-        """Disarm; reduce calls still waiting for outputs and parameters used repeatedly."""
+        """Disarm; reduce calls still waiting for outputs and parameters used repeatedly.
+        The statistics come back finished: ``batch_grads`` are the means (1/N) Σ_n g_n of
+        the individual gradients (∂L/∂θ of the backpropagated loss divided by its uniform
+        weight w = ∂L/∂ℓ_n and by N; unchanged where the weights are unknown)."""
         assert self.stats is not None
         try:
             self._check_output_gradients_arrived()
@@ -469,6 +500,9 @@ class ModuleTracker:
         stats, self.stats = self.stats, None
         self._spare_grads = {}
         self._last_batch_grads = dict(stats.batch_grads)  # own copies, valid until next begin
+        weight, n = self.loss_weight, stats.num_samples
+        if weight not in (None, 0.0) and n and weight * n != 1.0:
+            stats.batch_grads = {k: g * (1.0 / (weight * n)) for k, g in stats.batch_grads.items()}
         return stats
 
     def _check_output_gradients_arrived(self) -> None:

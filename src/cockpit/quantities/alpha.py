@@ -23,9 +23,11 @@ s_tᵀ g_n(θ_t) is needed before s_t exists. Two ways, neither holds |B|×D gra
   momentum SGD without Nesterov left s_{t−1} = −lr·b_old behind, so s_{t−1} (projected
   anyway, for α_{t−1}) takes the buffer's place and one projection serves both. A mismatch
   records the step as not computed, warns, and switches to the general path;
-* **general** (any other optimizer): each layer's input and output gradient are kept until
-  the step, then s_tᵀ g_n is a Jacobian-vector product per layer
-  (:mod:`cockpit.engine.projection`). Memory: about one forward pass's activations.
+* **general** (any other optimizer, and any split batch: gradient accumulation or several
+  processes, where no backward pass sees the gradient the optimizer steps on): each layer's
+  input and output gradient are kept until the step, then s_tᵀ g_n is a Jacobian-vector
+  product per layer (the engine's ``project``). Memory: about one forward pass's
+  activations (per micro-batch).
 
 At θ_{t+1} the direction s_t is known, so the projection is done directly in the hooks.
 """
@@ -33,13 +35,13 @@ At θ_{t+1} the direction s_t is known, so the projection is done directly in th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from cockpit.engine import update_prediction as up
-from cockpit.engine.projection import project_calls
 from cockpit.engine.tracker import GRADIENT, PROJECTIONS
 from cockpit.quantities.alpha_fit import Observations, compute_alpha
 from cockpit.quantities.base import Quantity, StepData, Value
@@ -65,7 +67,7 @@ class _OpenStep:
     sgd: bool = False
     basis: dict[str, list[Tensor]] = field(default_factory=dict)
     projections: dict[str, Tensor] = field(default_factory=dict)  # name → [K, N]
-    calls: list = field(default_factory=list)
+    project: Callable[[dict[str, Tensor]], Tensor] | None = None  # general path
     failure: str | None = None
     direction: dict[str, Tensor] | None = None  # s_t
     direction_length: float = math.nan  # ‖s_t‖
@@ -93,25 +95,30 @@ class Alpha(Quantity):
 
     # ------------------------------------------------------------------ before backward
     def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
+        """Register this backward pass's directions in the engine's request (called once
+        per backward pass: a step accumulated over micro-batches has several)."""
+        request = tracker.request
         opened = self._open
         previous: dict[str, Tensor] = {}
         if opened is not None and opened.step == step - 1 and opened.direction is not None:
-            tracker.directions[_PREVIOUS] = opened.direction
+            request.directions[_PREVIOUS] = opened.direction
             previous = {k: opened.direction[k] for k in opened.moved}
-        self._starting = None
-        if not self.starts(step):
-            return
-        if optimizer is None:
-            return
-        predicted = not self._general and up.supports(optimizer)
-        is_sgd = up.supported_base(optimizer) is torch.optim.SGD
-        state = _OpenStep(step, (math.nan, math.nan), predicted, sgd=predicted and is_sgd)
-        self._starting = state
-        if predicted:
-            tracker.direction_providers[_PREDICTED] = self._provider(
-                optimizer, state, previous, tracker.gradient_scale)
+        if self._starting is not None and self._starting.step == step:
+            state = self._starting  # a further micro-batch of the step
         else:
-            tracker.keep_calls = True
+            self._starting = None
+            if not self.starts(step) or optimizer is None:
+                return
+            # a split batch: no backward pass sees the gradient the optimizer steps on
+            predicted = not self._general and not request.split and up.supports(optimizer)
+            is_sgd = up.supported_base(optimizer) is torch.optim.SGD
+            state = _OpenStep(step, (math.nan, math.nan), predicted, sgd=predicted and is_sgd)
+            self._starting = state
+        if state.predicted:
+            request.direction_providers[_PREDICTED] = self._provider(
+                optimizer, state, previous, request.gradient_scale)
+        else:
+            request.keep_calls = True
 
     def _provider(self, optimizer, state: _OpenStep, previous: dict[str, Tensor],
                   gradient_scale: float = 1.0):
@@ -162,9 +169,11 @@ class Alpha(Quantity):
         if state.predicted:
             state.projections = dict(stats.projections.get(_PREDICTED, {}))
         else:
-            state.calls = data.kept_calls
+            state.project = data.project
         if stats.problems:
             state.failure = "; ".join(stats.problems)
+        elif data.unmerged is not None:
+            state.failure = data.unmerged
         self._open = state
         return {}
 
@@ -183,7 +192,7 @@ class Alpha(Quantity):
             (None, state.failure) if state.failure
             else self._slopes(state, update, sq_norms, moved, data)
         )
-        state.calls = []
+        state.project = None
         state.basis = {}
         if dots is None:
             self._open = None
@@ -208,8 +217,10 @@ class Alpha(Quantity):
         """s_tᵀ g_n(θ_t) for every sample, or None and the reason (``sq_norms``: ‖s_t‖² per
         parameter, already measured)."""
         if not state.predicted:
+            if state.project is None:
+                return None, "the layer calls were not kept at this step"
             try:
-                return project_calls(data.tracker, state.calls, update), None
+                return state.project(update), None
             except Exception as error:
                 return None, f"projection failed: {error}"
         missing = [k for k in moved if k not in state.projections]

@@ -12,6 +12,7 @@ values use the name ``"<Instrument>/<parameter name>"``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.histogram import BinSpec
-from cockpit.engine.tracker import BackwardStatistics
+from cockpit.engine.statistics import BackwardStatistics
 from cockpit.schedules import Schedule, as_schedule
 
 Value = float | None | dict[str, Any]
@@ -40,8 +41,13 @@ class StepData:
     hist2d_specs: tuple[BinSpec, BinSpec]
     time: float
     notes: dict[str, str] = field(default_factory=dict)
-    tracker: Any = None  # the engine, for instruments that project after the step
-    kept_calls: list = field(default_factory=list)  # layer calls kept for such projections
+    tracker: Any = None  # the engine
+    # Σ_params g_nᵀu for every sample of the step, u known only after the optimizer step
+    # (set when an instrument asked to keep the layer calls: request.keep_calls)
+    project: Callable[[dict[str, Tensor]], Tensor] | None = None
+    # why statistics that need the whole batch's gradient are missing (accumulation that
+    # Cockpit learned only during this step), or None
+    unmerged: str | None = None
     late: dict[int, dict[str, Value]] = field(default_factory=dict)  # values of earlier steps
     late_notes: dict[int, dict[str, str]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -74,6 +80,10 @@ class Quantity:
     needs_losses: bool = True
     needs_update: bool = False
     handles_invalid_statistics: bool = False  # compute() also runs when a layer failed
+    # needs the graph of the whole batch in one backward pass (None for split batches)
+    whole_batch_graph: bool = False
+    # keys of additive per-sample sums the instrument adds in prepare (engine.add_sample_sums)
+    sample_sum_keys: tuple[str, ...] = ()
 
     def __init__(self, schedule: Schedule | int | None = None):
         self.schedule = as_schedule(schedule)

@@ -26,6 +26,8 @@ from cockpit.schedules import Schedule
 
 
 class HessMaxEV(Quantity):
+    whole_batch_graph = True  # λ_max of a sum is not formed from the parts' λ_max
+
     def __init__(
         self,
         schedule: Schedule | int | None = None,
@@ -45,7 +47,7 @@ class HessMaxEV(Quantity):
 
     def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
         self._result = None
-        if losses is None:
+        if losses is None or tracker.request.split:
             return
         hvp = hessian_vector_product(tracker, losses, tracker.params)
         v0 = self._vector if self.warm_start else None

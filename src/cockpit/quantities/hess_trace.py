@@ -12,7 +12,7 @@ from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity
 
 class HessTrace(DiagonalCurvatureQuantity):
     def compute(self, data: StepData) -> dict[str, Value]:
-        diagonal = self.take_diagonal()
+        diagonal = self.take_diagonal(data)
         per_param = {k: to_float(d.double().sum()) for k, d in diagonal.items()}
         total = math.fsum(per_param.values())
         return global_and_per_param("HessTrace", per_param, total)

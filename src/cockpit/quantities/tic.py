@@ -29,7 +29,7 @@ class TICDiag(_TIC):
     needs = frozenset({SUM_SQ})
 
     def compute(self, data: StepData) -> dict[str, Value]:
-        diagonal = self.take_diagonal()
+        diagonal = self.take_diagonal(data)
         stats = data.stats
         assert stats is not None
         total = 0.0
@@ -43,7 +43,7 @@ class TICTrace(_TIC):
     needs = frozenset({SQ_NORMS})
 
     def compute(self, data: StepData) -> dict[str, Value]:
-        diagonal = self.take_diagonal()
+        diagonal = self.take_diagonal(data)
         stats = data.stats
         assert stats is not None
         trace = math.fsum(to_float(d.double().sum()) for d in diagonal.values())

@@ -1,0 +1,238 @@
+"""The statistics of a step over all processes of a ``torch.distributed`` process group.
+
+Each rank r holds the statistics of its own samples (N_r of them); the instruments must
+describe the global batch B = ∪_r B_r. Everything the instruments read is a sum over samples
+or a per-sample vector, so two all-reduces (sum) of flat float64 buffers suffice, and no
+individual gradient crosses the network:
+
+1. :func:`reduce_sums` — the sample counts N_r and the additive values: Σ_n g_n = N_r ḡ_r,
+   Σ_n g_n ⊙ g_n, histogram counts, instruments' sample sums, and for the elementwise
+   variance V_r + N_r ḡ_r ⊙ ḡ_r, from which V = Σ_r (V_r + N_r ḡ_r²) − N ḡ² (float64);
+2. :func:`gather_samples` — the per-sample vectors (‖g_n‖², g_nᵀḡ, projections, ℓ_n): each
+   rank writes its own slice [offset_r, offset_r + N_r) of a zero buffer of length N, so the
+   sum is their concatenation in rank order.
+
+The layout of both buffers comes from the parameter names and the requested statistics, the
+same on every rank; a parameter without gradient on a rank contributes zeros (its individual
+gradients are zero there) and a presence flag. Works for any backend whose tensors live on
+the parameters' device (gloo on CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cockpit.engine.statistics import BackwardStatistics
+
+_SUPPORTED_HINT = (
+    "use DistributedDataParallel (each process holds the whole model), or attach Cockpit to "
+    "the unsharded model in a single process"
+)
+
+
+def check_supported_wrapper(model) -> None:
+    """Sharded models (FSDP, ``fully_shard``) hold a slice of each parameter per process:
+    individual gradients of a layer would need the whole parameter. Refuse them clearly."""
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind in ("FullyShardedDataParallel", "FSDPModule") or kind.startswith("FSDP"):
+            raise NotImplementedError(
+                f"Cockpit does not support sharded models ({kind}) yet: {_SUPPORTED_HINT}")
+
+OTHER_RANK_PROBLEM = (
+    "another process could not form its individual gradients (see the warnings of that "
+    "process); the global statistics would miss its samples"
+)
+
+
+def world_size() -> int:
+    """Processes of the default group (1 without torch.distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+class _Layout:
+    """Slots of a flat buffer: (kind, key) → (offset, shape)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple[str, str], tuple[int, torch.Size]] = {}
+        self.size = 0
+
+    def add(self, kind: str, key: str, shape: Sequence[int]) -> None:
+        shape = torch.Size(shape)
+        self.slots[(kind, key)] = (self.size, shape)
+        self.size += shape.numel()
+
+    def view(self, buffer: Tensor, kind: str, key: str) -> Tensor:
+        offset, shape = self.slots[(kind, key)]
+        return buffer[offset: offset + shape.numel()].view(shape)
+
+
+def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
+                kinds: set[str], hist_bins: dict[str, tuple[int, ...]],
+                sample_sum_keys: Sequence[str], device: torch.device
+                ) -> tuple[BackwardStatistics, list[int]]:
+    """Phase 1 (one all-reduce). ``shapes``: every tracked parameter, in the same order on
+    every rank; ``kinds``: the requested elementwise sums among "var_sum", "sum_sq";
+    ``hist_bins``: the count shapes of the requested "hist1d"/"hist2d" (the layout depends
+    on these arguments only, never on which values a rank happens to hold).
+    Returns the global statistics without per-sample vectors and the ranks' sample counts."""
+    size, me = world_size(), rank()
+    layout = _Layout()
+    layout.add("header", "samples", [size])
+    layout.add("header", "problems", [size])
+    kinds = ["batch_grads", *sorted(kinds & {"var_sum", "sum_sq"})]
+    for kind in kinds:
+        for name, shape in shapes.items():
+            layout.add(kind, name, shape)
+            layout.add(kind + "?", name, [1])
+    for kind, bins in hist_bins.items():
+        for name in shapes:
+            layout.add(kind, name, bins)
+    for key in sample_sum_keys:
+        for name, shape in shapes.items():
+            layout.add("sample_sums:" + key, name, shape)
+            layout.add("sample_sums:" + key + "?", name, [1])
+    buffer = torch.zeros(layout.size, dtype=torch.float64, device=device)
+    n = stats.num_samples
+    layout.view(buffer, "header", "samples")[me] = n
+    layout.view(buffer, "header", "problems")[me] = float(bool(stats.problems))
+    for name, mean in stats.batch_grads.items():
+        if name not in shapes:
+            continue
+        total = mean.double() * n if n else mean.double()
+        layout.view(buffer, "batch_grads", name).copy_(total.reshape(shapes[name]))
+        layout.view(buffer, "batch_grads?", name).fill_(1)
+        if "var_sum" in kinds and name in stats.var_sum:
+            second = stats.var_sum[name].double().reshape(shapes[name]) + n * mean.double().pow(2)
+            layout.view(buffer, "var_sum", name).copy_(second)
+            layout.view(buffer, "var_sum?", name).fill_(1)
+    for name, value in stats.sum_sq.items():
+        if name in shapes:
+            layout.view(buffer, "sum_sq", name).copy_(value.double().reshape(shapes[name]))
+            layout.view(buffer, "sum_sq?", name).fill_(1)
+    for kind, counts in (("hist1d", stats.hist1d), ("hist2d", stats.hist2d)):
+        if kind in hist_bins:
+            for name, value in counts.items():
+                if name in shapes:
+                    layout.view(buffer, kind, name).copy_(value.double().reshape(hist_bins[kind]))
+    for key in sample_sum_keys:
+        for name, value in stats.sample_sums.get(key, {}).items():
+            if name in shapes:
+                layout.view(buffer, "sample_sums:" + key, name).copy_(
+                    value.double().reshape(shapes[name]))
+                layout.view(buffer, "sample_sums:" + key + "?", name).fill_(1)
+
+    dist.all_reduce(buffer)
+
+    counts = [int(c) for c in layout.view(buffer, "header", "samples").tolist()]
+    total = sum(counts)
+    out = BackwardStatistics(total, micro_batches=stats.micro_batches, ranks=size)
+    out.problems = list(stats.problems)
+    if not out.problems and bool(layout.view(buffer, "header", "problems").sum() > 0):
+        out.problems.append(OTHER_RANK_PROBLEM)
+
+    def present(kind: str, name: str) -> bool:
+        return bool(layout.view(buffer, kind + "?", name).item() > 0)
+
+    for name in shapes:
+        if not present("batch_grads", name):
+            continue
+        like = stats.batch_grads.get(name)
+        dtype = like.dtype if like is not None else torch.float32
+        summed = layout.view(buffer, "batch_grads", name)
+        mean = summed / total if total else summed / size
+        out.batch_grads[name] = mean.to(dtype)
+        if "var_sum" in kinds and present("var_sum", name):
+            second = layout.view(buffer, "var_sum", name)
+            out.var_sum[name] = (second - total * mean.pow(2)).clamp_(min=0)
+        if "sum_sq" in kinds and present("sum_sq", name):
+            out.sum_sq[name] = layout.view(buffer, "sum_sq", name).clone()
+    for kind in hist_bins:
+        target = out.hist1d if kind == "hist1d" else out.hist2d
+        for name in shapes:
+            target[name] = layout.view(buffer, kind, name).round().to(torch.int64)
+    for key in sample_sum_keys:
+        for name in shapes:
+            if present("sample_sums:" + key, name):
+                out.sample_sums.setdefault(key, {})[name] = layout.view(
+                    buffer, "sample_sums:" + key, name).clone()
+    return out, counts
+
+
+def gather_samples(local: BackwardStatistics, out: BackwardStatistics, counts: list[int],
+                   names: Sequence[str], kinds: set[str], projection_keys: Sequence[str],
+                   device: torch.device) -> None:
+    """Phase 2 (one all-reduce): the per-sample vectors of ``local`` (this rank's samples)
+    into ``out`` as vectors over the global batch, in rank order. ``names``: the parameters
+    in a fixed order; ``kinds``: the requested per-sample vectors among "sq_norms",
+    "gram_mean"; ``projection_keys``: the keys of ``local.projections`` (one direction each);
+    all three the same on every rank."""
+    total, me = sum(counts), rank()
+    if total == 0:
+        return
+    start = sum(counts[:me])
+    rows: list[tuple[str, str]] = [("losses", "")]
+    for kind in ("sq_norms", "gram_mean"):
+        if kind in kinds:
+            rows.extend((kind, name) for name in names)
+    rows.extend(("projections:" + key, name) for key in projection_keys for name in names)
+    buffer = torch.zeros(len(rows), total + 1, dtype=torch.float64, device=device)
+    # the last column flags rows present on some rank
+    for index, (kind, name) in enumerate(rows):
+        value = _local_row(local, kind, name)
+        if value is not None:
+            buffer[index, start: start + local.num_samples] = value.double().reshape(-1)
+            buffer[index, total] = 1
+
+    dist.all_reduce(buffer)
+
+    for index, (kind, name) in enumerate(rows):
+        if buffer[index, total] == 0:
+            continue
+        values = buffer[index, :total].clone()
+        if kind == "losses":
+            out.losses = values
+        elif kind == "sq_norms":
+            out.sq_norms[name] = values
+        elif kind == "gram_mean":
+            out.gram_mean[name] = values
+        else:
+            out.projections.setdefault(kind.split(":", 1)[1], {})[name] = values[None]
+
+
+def _local_row(local: BackwardStatistics, kind: str, name: str) -> Tensor | None:
+    if kind == "losses":
+        return local.losses
+    if kind == "sq_norms":
+        return local.sq_norms.get(name)
+    if kind == "gram_mean":
+        return local.gram_mean.get(name)
+    projection = local.projections.get(kind.split(":", 1)[1], {}).get(name)
+    if projection is None:
+        return None
+    if projection.shape[0] != 1:
+        raise ValueError("only single directions are reduced over processes")
+    return projection[0]
+
+
+def gather_vector(local: Tensor, counts: list[int], device: torch.device) -> Tensor:
+    """The per-sample vectors of every rank ([N_r] each) as one [N] vector in rank order
+    (one all-reduce)."""
+    me = rank()
+    start = sum(counts[:me])
+    buffer = torch.zeros(sum(counts), dtype=torch.float64, device=device)
+    buffer[start: start + counts[me]] = local.double().to(device)
+    dist.all_reduce(buffer)
+    return buffer.cpu()

@@ -1,0 +1,140 @@
+"""The one reduction point of a tracked step: micro-batches, then processes.
+
+A tracked step may consist of several backward passes (gradient accumulation: several
+``with cockpit(step, ...)`` blocks before one optimizer step) on several processes
+(torch.distributed). Each backward pass leaves finished :class:`BackwardStatistics`;
+:class:`StepReduction` merges them as they come (:meth:`BackwardStatistics.merge`) and, when
+the step is complete, combines the ranks (:mod:`cockpit.engine.distributed`) and forms the
+statistics that need the whole batch's mean gradient ḡ: g_nᵀḡ for every sample, by
+projecting each backward's kept layer calls on ḡ (the engine's :meth:`project`). The
+instruments then read one value and never learn whether the batch was split.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cockpit.engine import distributed
+from cockpit.engine.statistics import BackwardStatistics
+from cockpit.engine.tracker import GRAM_MEAN, HIST1D, HIST2D, SQ_NORMS, SUM_SQ, VAR_SUM
+
+
+class StepReduction:
+    """Collects the backward passes of one tracked step (see the module docstring).
+
+    Args:
+        engine: the :class:`~cockpit.engine.tracker.ModuleTracker` (for :meth:`project`).
+        needs: the per-sample statistics the step's instruments read.
+        split: whether the step's batch is split (the request's ``split``): then g_nᵀḡ is
+            formed here, from the kept calls, instead of in the hooks.
+        sample_sum_keys: keys of the instruments' own sample sums (same on every rank).
+    """
+
+    def __init__(self, engine, needs: frozenset[str], split: bool,
+                 sample_sum_keys: tuple[str, ...] = ()):
+        self.engine, self.needs, self.split = engine, needs, split
+        self.sample_sum_keys = sample_sum_keys
+        self.stats: BackwardStatistics | None = None
+        self.calls: list[list] = []  # kept layer calls, one list per backward pass
+        self.sizes: list[int] = []  # samples per backward pass
+        self.unmerged: str | None = None  # why g_nᵀḡ of the union is missing
+        self.keeps_calls = False
+        self._counts: list[int] = []  # samples per process, known after finish()
+
+    @property
+    def micro_batches(self) -> int:
+        return 0 if self.stats is None else self.stats.micro_batches
+
+    def add(self, stats: BackwardStatistics, calls: list, keeps_calls: bool) -> None:
+        """One more backward pass of the step; ``keeps_calls``: its calls are kept for
+        projections after the optimizer step (:meth:`project_samples`)."""
+        self.calls.append(calls)
+        self.sizes.append(stats.num_samples)
+        self.keeps_calls = keeps_calls
+        if self.stats is None:
+            self.stats = stats
+            return
+        if not self.split:
+            # g_nᵀḡ and update predictions were formed in the hooks against one micro-batch's
+            # own (partial) gradient: not the union's
+            self.stats.gram_mean, stats.gram_mean = {}, {}
+            self.unmerged = (
+                "this step's gradient was accumulated over micro-batches, which Cockpit learned "
+                "only at its second backward pass; what needs the whole batch's gradient "
+                "(g_nᵀḡ, the predicted update) needs every micro-batch's layer inputs: kept "
+                "from the next tracked step on (pass Cockpit(..., grad_accumulation=True) to "
+                "have it from the first step)"
+            )
+        self.stats = self.stats.merge(stats)
+
+    def finish(self) -> BackwardStatistics:
+        """The statistics of the whole step, over every micro-batch and process."""
+        local = self.stats
+        assert local is not None
+        ranks = distributed.world_size()
+        params = self.engine.params
+        if ranks > 1:
+            shapes = {name: p.shape for name, p in params.items()}
+            device = _device(params)
+            kinds = {k for k in (VAR_SUM, SUM_SQ) if k in self.needs}
+            hist_bins = {}
+            if HIST1D in self.needs:
+                hist_bins[HIST1D] = (self.engine.hist_spec.bins,)
+            if HIST2D in self.needs:
+                spec_g, spec_theta = self.engine.hist2d_specs
+                hist_bins[HIST2D] = (spec_g.bins, spec_theta.bins)
+            result, counts = distributed.reduce_sums(
+                local, shapes, kinds, hist_bins, self.sample_sum_keys, device)
+        else:
+            result, counts = local, [local.num_samples]
+        if self.split and GRAM_MEAN in self.needs and not result.problems:
+            local.gram_mean = self._gram_over_union(result.batch_grads)
+        if ranks > 1:
+            kinds = {k for k in (SQ_NORMS, GRAM_MEAN) if k in self.needs}
+            distributed.gather_samples(
+                local, result, counts, list(params), kinds, sorted(local.projections), device)
+        self._counts = counts
+        if not self.keeps_calls:
+            self.calls = []
+        return result
+
+    def project_samples(self, directions: dict[str, Tensor]) -> Tensor:
+        """Σ over parameters of g_nᵀu for every sample of the step (all micro-batches, all
+        processes, in the order of the statistics), for directions u known only after the
+        optimizer step; frees the kept calls."""
+        calls, self.calls = self.calls, []
+        parts = []
+        for group, size in zip(calls, self.sizes, strict=True):
+            dots = self.engine.project(group, directions)
+            total = sum(d.double() for d in dots.values()) if dots else None
+            parts.append(total if total is not None else torch.zeros(size, dtype=torch.float64))
+        if not parts:
+            raise ValueError("no layer with parameters was recorded at this step")
+        local = torch.cat([p.cpu() for p in parts])
+        if len(self._counts) > 1:
+            local = distributed.gather_vector(local, self._counts,
+                                              _device(self.engine.params))
+        return local
+
+    def _gram_over_union(self, mean: dict[str, Tensor]) -> dict[str, Tensor]:
+        """g_nᵀḡ per parameter for this process' samples, ḡ the mean over the whole step."""
+        if self.unmerged is not None:
+            return {}
+        parts = [self.engine.project(calls, mean) for calls in self.calls]
+        out: dict[str, Tensor] = {}
+        for name in mean:
+            rows = []
+            for part, count in zip(parts, self.sizes, strict=True):
+                value = part.get(name)
+                rows.append(value.double() if value is not None
+                            else torch.zeros(count, dtype=torch.float64,
+                                             device=mean[name].device))
+            out[name] = torch.cat(rows)
+        return out
+
+
+def _device(params: dict[str, Tensor]) -> torch.device:
+    for p in params.values():
+        return p.device
+    return torch.device("cpu")

@@ -1,0 +1,143 @@
+"""The statistics of a tracked step: one value per backward pass, merged over micro-batches.
+
+A backward pass over a batch B_k of N_k samples leaves, per parameter tensor θ:
+
+* per-sample vectors over n ∈ B_k: ‖g_n‖² (``sq_norms``), g_nᵀ ḡ (``gram_mean``), g_nᵀ u for
+  registered directions u (``projections``, [K, N_k]), and the individual losses ℓ_n;
+* sums over n: Σ_n g_n ⊙ g_n (``sum_sq``), histogram counts (``hist1d``, ``hist2d``) and the
+  ``sample_sums`` that instruments add themselves (e.g. N_k times a diagonal curvature);
+* the batch mean ḡ_k = (1/N_k) Σ_n g_n (``batch_grads``) and the centered sum
+  V_k = Σ_n (g_n − ḡ_k) ⊙ (g_n − ḡ_k) (``var_sum``).
+
+All of them describe the union B = ∪_k B_k of a step's micro-batches exactly after
+:meth:`BackwardStatistics.merge`: per-sample vectors are concatenated, sums added, means
+weighted by N_k / N, and centered sums combined by the parallel-variance identity
+
+    V = V_a + V_b + (N_a N_b / N) (ḡ_a − ḡ_b) ⊙ (ḡ_a − ḡ_b).
+
+``gram_mean`` is relative to the mean of the backward that formed it; for a split batch the
+engine forms it over the union instead (:meth:`Cockpit`'s reduction point projects the kept
+layer calls on the union's ḡ), so merging two ``gram_mean`` is refused.
+:mod:`cockpit.engine.distributed` reduces the same value over processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class BackwardStatistics:
+    """Additive statistics of one tracked backward pass (or of a merged step), keyed by
+    parameter name."""
+
+    num_samples: int
+    sq_norms: dict[str, Tensor] = field(default_factory=dict)
+    gram_mean: dict[str, Tensor] = field(default_factory=dict)
+    sum_sq: dict[str, Tensor] = field(default_factory=dict)
+    var_sum: dict[str, Tensor] = field(default_factory=dict)
+    hist1d: dict[str, Tensor] = field(default_factory=dict)
+    hist2d: dict[str, Tensor] = field(default_factory=dict)
+    # ḡ = (1/N) Σ_n g_n of this backward (Cockpit's own copies; a directly following tracked
+    # step reuses their memory)
+    batch_grads: dict[str, Tensor] = field(default_factory=dict)
+    # key → parameter → [K, N]: g_nᵀ u_k for the directions u_k registered under key
+    projections: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    # key → parameter → Σ_n of a per-sample quantity (instruments' own additive values)
+    sample_sums: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    losses: Tensor | None = None  # ℓ_n, detached, [N]
+    problems: list[str] = field(default_factory=list)  # reasons per-sample stats are invalid
+    micro_batches: int = 1
+    ranks: int = 1
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+    def merge(self, other: BackwardStatistics) -> BackwardStatistics:
+        """The statistics of the union of both batches (a new value; see the module doc)."""
+        if self.gram_mean or other.gram_mean:
+            raise ValueError("g_nᵀḡ depends on the whole batch's mean and cannot be merged; "
+                             "form it over the union (engine.project on kept calls)")
+        na, nb = self.num_samples, other.num_samples
+        n = na + nb
+        merged = BackwardStatistics(n, micro_batches=self.micro_batches + other.micro_batches)
+        merged.problems = list(dict.fromkeys(self.problems + other.problems))
+        merged.sq_norms = _concat(self.sq_norms, other.sq_norms, na, nb)
+        merged.sum_sq = _add(self.sum_sq, other.sum_sq)
+        merged.hist1d = _add(self.hist1d, other.hist1d)
+        merged.hist2d = _add(self.hist2d, other.hist2d)
+        merged.sample_sums = {
+            key: _add(self.sample_sums.get(key, {}), other.sample_sums.get(key, {}))
+            for key in {**self.sample_sums, **other.sample_sums}
+        }
+        merged.projections = {
+            key: _concat(self.projections.get(key, {}), other.projections.get(key, {}), na, nb,
+                         dim=-1)
+            for key in {**self.projections, **other.projections}
+        }
+        if self.losses is not None and other.losses is not None:
+            merged.losses = torch.cat([self.losses, other.losses.to(self.losses.device)])
+        for name in {**self.batch_grads, **other.batch_grads}:
+            a, b = self.batch_grads.get(name), other.batch_grads.get(name)
+            merged.batch_grads[name] = (
+                (a * (na / n) + b * (nb / n)) if a is not None and b is not None
+                else (a if a is not None else b) * ((na if a is not None else nb) / n)
+            )
+        for name in {**self.var_sum, **other.var_sum}:
+            merged.var_sum[name] = _merge_centered(
+                self.var_sum.get(name), self.batch_grads.get(name), na,
+                other.var_sum.get(name), other.batch_grads.get(name), nb)
+        return merged
+
+
+def _zero_like_samples(reference: Tensor, count: int, dim: int) -> Tensor:
+    shape = list(reference.shape)
+    shape[dim] = count
+    return torch.zeros(shape, dtype=reference.dtype, device=reference.device)
+
+
+def _concat(a: dict[str, Tensor], b: dict[str, Tensor], na: int, nb: int, dim: int = 0
+            ) -> dict[str, Tensor]:
+    """Per-sample vectors of both batches, one after the other. A parameter that received no
+    gradient from one batch has individual gradients 0 there."""
+    out = {}
+    for name in {**a, **b}:
+        x, y = a.get(name), b.get(name)
+        if x is None:
+            x = _zero_like_samples(y, na, dim)  # type: ignore[arg-type]
+        if y is None:
+            y = _zero_like_samples(x, nb, dim)
+        out[name] = torch.cat([x, y.to(device=x.device, dtype=torch.promote_types(x.dtype,
+                                                                                  y.dtype))],
+                              dim=dim)
+    return out
+
+
+def _add(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = dict(a)
+    for name, value in b.items():
+        out[name] = value if name not in out else out[name] + value.to(out[name].device)
+    return out
+
+
+def _merge_centered(va: Tensor | None, ma: Tensor | None, na: int,
+                    vb: Tensor | None, mb: Tensor | None, nb: int) -> Tensor:
+    """Σ_n (g_n − ḡ)² of the union from both halves' centered sums and means (float64).
+    A half without the parameter has individual gradients 0: V = 0, ḡ = 0."""
+    n = na + nb
+
+    def parts(v: Tensor | None, m: Tensor | None, like: Tensor) -> tuple[Tensor, Tensor]:
+        v = torch.zeros_like(like, dtype=torch.float64) if v is None else v.double()
+        m = torch.zeros_like(like, dtype=torch.float64) if m is None else m.double()
+        return v, m
+
+    like = va if va is not None else vb
+    assert like is not None
+    va_, ma_ = parts(va, ma, like)
+    vb_, mb_ = parts(vb, mb, like)
+    diff = ma_.reshape(va_.shape) - mb_.reshape(va_.shape)
+    return va_ + vb_ + (na * nb / n) * diff * diff
