@@ -1,0 +1,88 @@
+"""Reference runs for split batches (gradient accumulation, torch.distributed): the same
+training on the whole batch in one backward pass per step, and a comparison of every
+recorded value."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import torch
+
+from cockpit import Cockpit, quantities
+from tests.models import Problem
+
+NOT_SPLIT = {"HessMaxEV"}  # needs the whole batch's graph: None with a note when split
+
+
+def instruments(curvature: str = "diag_ggn_exact") -> list:
+    return [
+        quantities.Loss(), quantities.GradNorm(), quantities.Distance(),
+        quantities.UpdateSize(), quantities.NormTest(), quantities.InnerTest(),
+        quantities.OrthoTest(), quantities.GradHist1d(), quantities.GradHist2d(),
+        quantities.Alpha(), quantities.MeanGSNR(), quantities.CABS(),
+        quantities.EarlyStopping(), quantities.HessTrace(curvature=curvature),
+        quantities.TICDiag(curvature=curvature), quantities.TICTrace(curvature=curvature),
+        quantities.HessMaxEV(),
+    ]
+
+
+def whole_batch_run(problem: Problem, batches: list[tuple], make_optimizer,
+                    gradients: list[dict[str, torch.Tensor]] | None = None,
+                    curvature: str = "diag_ggn_exact") -> tuple[dict, dict]:
+    """One ``with`` block per step on the whole batch (x, y). ``gradients``: the gradient
+    the split run's optimizer stepped on, per step (used instead of the whole batch's mean
+    when the split run weighted its micro-batches unequally); Alpha then measures the real
+    update by its general path, which is exact for any update."""
+    model = copy.deepcopy(problem.model)
+    opt = make_optimizer(model)
+    chosen = instruments(curvature)
+    if gradients is not None:
+        for q in chosen:
+            if isinstance(q, quantities.Alpha):
+                q._general = True
+    cockpit = Cockpit(model, chosen, optimizer=opt, strict=True)
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        losses = problem.loss_fn(model(x), y)
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        if gradients is not None:
+            for name, p in model.named_parameters():
+                p.grad.copy_(gradients[step][name])
+        opt.step()
+    cockpit.close()
+    return cockpit.get_output(), cockpit.get_notes()
+
+
+def assert_same_values(actual: dict, expected: dict, steps, rtol: float = 1e-6,
+                       skip: set[str] = frozenset()) -> int:
+    """Every value of ``expected`` at ``steps`` equals ``actual``'s (floats to ``rtol``,
+    histograms to two counts: elements on a bin edge may round either way). Returns the
+    number of values compared."""
+    compared = 0
+    for step in steps:
+        for name, value in expected[step].items():
+            if name.split("/")[0].split(".")[0] in NOT_SPLIT | set(skip) or name == "Time":
+                continue
+            got = actual[step].get(name, "missing")
+            assert got is not None or value is None, f"step {step} {name}: None, want {value}"
+            if isinstance(value, dict):
+                assert isinstance(got, dict), f"step {step} {name}: {got!r}"
+                for key, array in value.items():
+                    a, b = np.asarray(got[key]), np.asarray(array)
+                    if key == "counts":
+                        assert a.sum() == b.sum(), f"step {step} {name}: total count"
+                        assert np.abs(a - b).sum() <= 4, f"step {step} {name}: counts"
+                    else:
+                        np.testing.assert_allclose(a, b, rtol=1e-12)
+            elif value is None:
+                assert got is None, f"step {step} {name}: {got}, want None"
+            elif math.isnan(value):
+                assert math.isnan(got), f"step {step} {name}: {got}, want NaN"
+            else:
+                assert abs(got - value) <= rtol * abs(value) + 1e-10, (
+                    f"step {step} {name}: {got} vs whole batch {value}")
+            compared += 1
+    return compared
