@@ -172,8 +172,8 @@ class Alpha(Quantity):
             state.project = data.project
         if stats.problems:
             state.failure = "; ".join(stats.problems)
-        elif data.unmerged is not None:
-            state.failure = data.unmerged
+        elif data.unmerged is not None:  # not a failed prediction: no switch of path
+            state.failure, state.predicted = data.unmerged, False
         self._open = state
         return {}
 

@@ -1,0 +1,67 @@
+"""One process of a 2-process DistributedDataParallel run (gloo on 127.0.0.1), started by
+tests/test_distributed.py: trains on its shard of each step's batch with Cockpit attached
+and saves what Cockpit recorded on this rank."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from cockpit import Cockpit
+from tests.models import make_problem
+from tests.split_reference import instruments
+
+
+def shards(total: int, sizes: list[int], rank: int) -> slice:
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        problem = make_problem(config["problem"], 48)  # the same initial model everywhere
+        batches = config["batches"]
+        model = DistributedDataParallel(problem.model)
+        opt = config["make_optimizer"](model)
+        cockpit = Cockpit(model, instruments(), optimizer=opt, strict=True,
+                          write_on_all_ranks=True)
+        stepped = []
+        micro = config.get("micro_batches", 1)
+        for step, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            part = shards(len(x), config["shard_sizes"], rank)
+            xs, ys = x[part], y[part]
+            bounds = torch.linspace(0, len(xs), micro + 1).round().long().tolist()
+            for k in range(micro):
+                xb, yb = xs[bounds[k]: bounds[k + 1]], ys[bounds[k]: bounds[k + 1]]
+                last = k == micro - 1
+                context = model.no_sync() if not last else _nothing()
+                with context:
+                    losses = problem.loss_fn(model(xb), yb)
+                    with cockpit(step, losses=losses):
+                        (losses.sum() / len(xs)).backward()
+            stepped.append({k.removeprefix("module."): p.grad.clone()
+                            for k, p in model.named_parameters()})
+            opt.step()
+        cockpit.close()
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
+            pickle.dump({"output": cockpit.get_output(), "notes": cockpit.get_notes(),
+                         "stepped": stepped}, file)
+    finally:
+        dist.destroy_process_group()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
