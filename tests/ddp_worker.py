@@ -4,6 +4,7 @@ and saves what Cockpit recorded on this rank."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 
@@ -43,7 +44,7 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
             for k in range(micro):
                 xb, yb = xs[bounds[k]: bounds[k + 1]], ys[bounds[k]: bounds[k + 1]]
                 last = k == micro - 1
-                context = model.no_sync() if not last else _nothing()
+                context = model.no_sync() if not last else contextlib.nullcontext()
                 with context:
                     losses = problem.loss_fn(model(xb), yb)
                     with cockpit(step, losses=losses):
@@ -57,11 +58,3 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
                          "stepped": stepped}, file)
     finally:
         dist.destroy_process_group()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -118,9 +118,9 @@ def test_nested_blocks_are_refused_and_training_goes_on():
     problem = make_problem("mlp_relu", 8)
     cockpit = Cockpit(problem.model, [quantities.NormTest()])
     losses = problem.losses()
-    with cockpit(0, losses=losses), pytest.raises(RuntimeError, match="nested"):
-        with cockpit(0, losses=losses):
-            pass
+    with (cockpit(0, losses=losses), pytest.raises(RuntimeError, match="nested"),
+          cockpit(0, losses=losses)):
+        pass
     cockpit.close()
 
 
