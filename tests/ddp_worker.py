@@ -32,10 +32,10 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
         batches = config["batches"]
         model = DistributedDataParallel(problem.model)
         opt = config["make_optimizer"](model)
-        cockpit = Cockpit(model, instruments(), optimizer=opt, strict=True,
-                          write_on_all_ranks=True)
-        stepped = []
         micro = config.get("micro_batches", 1)
+        cockpit = Cockpit(model, instruments(), optimizer=opt, strict=True,
+                          write_on_all_ranks=True, grad_accumulation=micro > 1)
+        stepped = []
         for step, (x, y) in enumerate(batches):
             opt.zero_grad()
             part = shards(len(x), config["shard_sizes"], rank)

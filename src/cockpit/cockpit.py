@@ -140,7 +140,8 @@ class Cockpit:
         self._pending_update: tuple[int, StepData, dict[str, Tensor], list[Quantity]] | None = None
         self._open: _OpenStep | None = None  # the tracked step whose backward passes come in
         self._in_block = False  # inside a tracked ``with`` block
-        self._split = grad_accumulation or distributed.world_size() > 1
+        self._accumulating = grad_accumulation  # said, or learned at the first such step
+        self._ranks = distributed.world_size()
         self._handles: list = []
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
@@ -246,13 +247,16 @@ class Cockpit:
             request = open_step.new_request(self._gradient_scale())
         else:
             needs = frozenset().union(*(q.needs for q in tracked))
-            request = StepRequest(needs, gradient_scale=self._gradient_scale(),
-                                  split=self._split)
-            if self._split and GRAM_MEAN in needs:
+            split = self._accumulating or self._ranks > 1
+            # one backward per process: the layers can wait for the synchronized gradient
+            defer = self._ranks > 1 and not self._accumulating
+            request = StepRequest(needs, gradient_scale=self._gradient_scale(), split=split,
+                                  defer=defer)
+            if split and GRAM_MEAN in needs:
                 # g_nᵀḡ needs the whole step's ḡ: formed from kept calls at the reduction point
                 request.needs, request.union_gram = needs - {GRAM_MEAN}, True
             open_step = _OpenStep(step, tracked, request, time.perf_counter() - self._start_time,
-                                  StepReduction(self.tracker, needs, self._split,
+                                  StepReduction(self.tracker, needs, request,
                                                 _sample_sum_keys(tracked)))
             self._open = open_step
         stats = self.tracker.begin(request, losses)
@@ -321,15 +325,15 @@ class Cockpit:
         if failed:  # the user's backward raised: the step cannot be completed
             self._open = None
             return
-        if open_step.reduction.micro_batches == 1 and not self._split:
-            self._split = True
+        if open_step.reduction.micro_batches == 1 and not self._accumulating:
+            self._accumulating = True
             self._warn(
                 f"step {open_step.step}: several backward passes with the same step number "
                 "(gradient accumulation); every instrument describes their union. Cockpit now "
                 "keeps each micro-batch's layer inputs until the optimizer step (pass "
                 "Cockpit(..., grad_accumulation=True) to say so from the start)",
                 key="accumulation-learned")
-        open_step.reduction.add(stats, calls, keeps_calls=self.tracker.request.keep_calls)
+        open_step.reduction.add(stats, calls, self.tracker.request)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._finalize_open_step()
@@ -526,7 +530,7 @@ class _OpenStep:
         instruments register their directions again in ``prepare``."""
         first = self.request
         return StepRequest(first.needs, gradient_scale=gradient_scale, split=first.split,
-                           union_gram=first.union_gram)
+                           union_gram=first.union_gram, defer=first.defer)
 
 
 def _sample_sum_keys(quantities: list[Quantity]) -> tuple[str, ...]:

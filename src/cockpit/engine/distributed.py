@@ -81,13 +81,17 @@ class _Layout:
 
 def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
                 kinds: set[str], hist_bins: dict[str, tuple[int, ...]],
-                sample_sum_keys: Sequence[str], device: torch.device
-                ) -> tuple[BackwardStatistics, list[int]]:
+                sample_sum_keys: Sequence[str], projection_keys: Sequence[str],
+                device: torch.device
+                ) -> tuple[BackwardStatistics, list[int], dict[tuple[str, str], int]]:
     """Phase 1 (one all-reduce). ``shapes``: every tracked parameter, in the same order on
     every rank; ``kinds``: the requested elementwise sums among "var_sum", "sum_sq";
     ``hist_bins``: the count shapes of the requested "hist1d"/"hist2d" (the layout depends
     on these arguments only, never on which values a rank happens to hold).
-    Returns the global statistics without per-sample vectors and the ranks' sample counts."""
+    ``projection_keys``: the keys of the requested projections; their number of directions
+    per parameter is exchanged here for phase 2.
+    Returns the global statistics without per-sample vectors, the ranks' sample counts and
+    the number of directions per (projection key, parameter)."""
     size, me = world_size(), rank()
     layout = _Layout()
     layout.add("header", "samples", [size])
@@ -104,6 +108,10 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
         for name, shape in shapes.items():
             layout.add("sample_sums:" + key, name, shape)
             layout.add("sample_sums:" + key + "?", name, [1])
+    for key in projection_keys:
+        for name in shapes:
+            layout.add("directions:" + key, name, [1])
+            layout.add("directions:" + key + "?", name, [1])
     buffer = torch.zeros(layout.size, dtype=torch.float64, device=device)
     n = stats.num_samples
     layout.view(buffer, "header", "samples")[me] = n
@@ -133,6 +141,12 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
                 layout.view(buffer, "sample_sums:" + key, name).copy_(
                     value.double().reshape(shapes[name]))
                 layout.view(buffer, "sample_sums:" + key + "?", name).fill_(1)
+
+    for key in projection_keys:
+        for name, value in stats.projections.get(key, {}).items():
+            if name in shapes:
+                layout.view(buffer, "directions:" + key, name).fill_(value.shape[0])
+                layout.view(buffer, "directions:" + key + "?", name).fill_(1)
 
     dist.all_reduce(buffer)
 
@@ -168,17 +182,24 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
             if present("sample_sums:" + key, name):
                 out.sample_sums.setdefault(key, {})[name] = layout.view(
                     buffer, "sample_sums:" + key, name).clone()
-    return out, counts
+    directions = {}
+    for key in projection_keys:
+        for name in shapes:
+            ranks_with = layout.view(buffer, "directions:" + key + "?", name).item()
+            if ranks_with > 0:
+                directions[(key, name)] = round(
+                    layout.view(buffer, "directions:" + key, name).item() / ranks_with)
+    return out, counts, directions
 
 
 def gather_samples(local: BackwardStatistics, out: BackwardStatistics, counts: list[int],
-                   names: Sequence[str], kinds: set[str], projection_keys: Sequence[str],
-                   device: torch.device) -> None:
+                   names: Sequence[str], kinds: set[str],
+                   directions: dict[tuple[str, str], int], device: torch.device) -> None:
     """Phase 2 (one all-reduce): the per-sample vectors of ``local`` (this rank's samples)
     into ``out`` as vectors over the global batch, in rank order. ``names``: the parameters
     in a fixed order; ``kinds``: the requested per-sample vectors among "sq_norms",
-    "gram_mean"; ``projection_keys``: the keys of ``local.projections`` (one direction each);
-    all three the same on every rank."""
+    "gram_mean"; ``directions``: the number of projection directions per (key, parameter),
+    from :func:`reduce_sums`; all three the same on every rank."""
     total, me = sum(counts), rank()
     if total == 0:
         return
@@ -187,14 +208,24 @@ def gather_samples(local: BackwardStatistics, out: BackwardStatistics, counts: l
     for kind in ("sq_norms", "gram_mean"):
         if kind in kinds:
             rows.extend((kind, name) for name in names)
-    rows.extend(("projections:" + key, name) for key in projection_keys for name in names)
-    buffer = torch.zeros(len(rows), total + 1, dtype=torch.float64, device=device)
+    first_row = len(rows)
+    buffer_rows = first_row + sum(directions.values())
+    buffer = torch.zeros(buffer_rows, total + 1, dtype=torch.float64, device=device)
     # the last column flags rows present on some rank
     for index, (kind, name) in enumerate(rows):
         value = _local_row(local, kind, name)
         if value is not None:
             buffer[index, start: start + local.num_samples] = value.double().reshape(-1)
             buffer[index, total] = 1
+    offset = first_row
+    placed = {}
+    for (key, name), k in directions.items():
+        placed[(key, name)] = offset
+        value = local.projections.get(key, {}).get(name)
+        if value is not None and value.shape[0] == k:
+            buffer[offset: offset + k, start: start + local.num_samples] = value.double()
+            buffer[offset: offset + k, total] = 1
+        offset += k
 
     dist.all_reduce(buffer)
 
@@ -206,10 +237,12 @@ def gather_samples(local: BackwardStatistics, out: BackwardStatistics, counts: l
             out.losses = values
         elif kind == "sq_norms":
             out.sq_norms[name] = values
-        elif kind == "gram_mean":
-            out.gram_mean[name] = values
         else:
-            out.projections.setdefault(kind.split(":", 1)[1], {})[name] = values[None]
+            out.gram_mean[name] = values
+    for (key, name), k in directions.items():
+        offset = placed[(key, name)]
+        if buffer[offset, total] > 0:
+            out.projections.setdefault(key, {})[name] = buffer[offset: offset + k, :total].clone()
 
 
 def _local_row(local: BackwardStatistics, kind: str, name: str) -> Tensor | None:
@@ -217,14 +250,7 @@ def _local_row(local: BackwardStatistics, kind: str, name: str) -> Tensor | None
         return local.losses
     if kind == "sq_norms":
         return local.sq_norms.get(name)
-    if kind == "gram_mean":
-        return local.gram_mean.get(name)
-    projection = local.projections.get(kind.split(":", 1)[1], {}).get(name)
-    if projection is None:
-        return None
-    if projection.shape[0] != 1:
-        raise ValueError("only single directions are reduced over processes")
-    return projection[0]
+    return local.gram_mean.get(name)
 
 
 def gather_vector(local: Tensor, counts: list[int], device: torch.device) -> Tensor:

@@ -26,36 +26,42 @@ class StepReduction:
     Args:
         engine: the :class:`~cockpit.engine.tracker.ModuleTracker` (for :meth:`project`).
         needs: the per-sample statistics the step's instruments read.
-        split: whether the step's batch is split (the request's ``split``): then g_nᵀḡ is
-            formed here, from the kept calls, instead of in the hooks.
+        request: the step's first request: with ``split``, g_nᵀḡ is formed here, from the
+            kept calls, instead of in the hooks; a second backward pass of a step that was
+            not expected to be split (``split`` false, or ``defer``: one per process)
+            leaves what needed the whole step's gradient undefined.
         sample_sum_keys: keys of the instruments' own sample sums (same on every rank).
     """
 
-    def __init__(self, engine, needs: frozenset[str], split: bool,
+    def __init__(self, engine, needs: frozenset[str], request,
                  sample_sum_keys: tuple[str, ...] = ()):
-        self.engine, self.needs, self.split = engine, needs, split
+        self.engine, self.needs, self.split = engine, needs, request.split
+        self.one_backward_expected = not request.split or request.defer
         self.sample_sum_keys = sample_sum_keys
         self.stats: BackwardStatistics | None = None
         self.calls: list[list] = []  # kept layer calls, one list per backward pass
         self.sizes: list[int] = []  # samples per backward pass
         self.unmerged: str | None = None  # why g_nᵀḡ of the union is missing
         self.keeps_calls = False
+        self.projection_keys: set[str] = set()  # the same on every process
         self._counts: list[int] = []  # samples per process, known after finish()
 
     @property
     def micro_batches(self) -> int:
         return 0 if self.stats is None else self.stats.micro_batches
 
-    def add(self, stats: BackwardStatistics, calls: list, keeps_calls: bool) -> None:
-        """One more backward pass of the step; ``keeps_calls``: its calls are kept for
-        projections after the optimizer step (:meth:`project_samples`)."""
+    def add(self, stats: BackwardStatistics, calls: list, request) -> None:
+        """One more backward pass of the step, with the request it was made under (its
+        calls are kept for projections after the optimizer step if ``keep_calls``)."""
+        keeps_calls = request.keep_calls
+        self.projection_keys |= {*request.directions, *request.direction_providers}
         self.calls.append(calls)
         self.sizes.append(stats.num_samples)
         self.keeps_calls = keeps_calls
         if self.stats is None:
             self.stats = stats
             return
-        if not self.split:
+        if self.one_backward_expected:
             # g_nᵀḡ and update predictions were formed in the hooks against one micro-batch's
             # own (partial) gradient: not the union's
             self.stats.gram_mean, stats.gram_mean = {}, {}
@@ -84,16 +90,17 @@ class StepReduction:
             if HIST2D in self.needs:
                 spec_g, spec_theta = self.engine.hist2d_specs
                 hist_bins[HIST2D] = (spec_g.bins, spec_theta.bins)
-            result, counts = distributed.reduce_sums(
-                local, shapes, kinds, hist_bins, self.sample_sum_keys, device)
+            result, counts, directions = distributed.reduce_sums(
+                local, shapes, kinds, hist_bins, self.sample_sum_keys,
+                sorted(self.projection_keys), device)
         else:
             result, counts = local, [local.num_samples]
         if self.split and GRAM_MEAN in self.needs and not result.problems:
             local.gram_mean = self._gram_over_union(result.batch_grads)
         if ranks > 1:
             kinds = {k for k in (SQ_NORMS, GRAM_MEAN) if k in self.needs}
-            distributed.gather_samples(
-                local, result, counts, list(params), kinds, sorted(local.projections), device)
+            distributed.gather_samples(local, result, counts, list(params), kinds, directions,
+                                       device)
         self._counts = counts
         if not self.keeps_calls:
             self.calls = []

@@ -37,6 +37,9 @@ class StepRequest:
             need the whole batch's mean gradient (g_nᵀḡ) are formed at the reduction point,
             not in the hooks, and update predictions from a partial gradient are not made.
         union_gram: keep the calls until the reduction point, to form g_nᵀḡ there.
+        defer: process every layer call after the backward pass, when the gradient the
+            optimizer will step on is known (``p.grad``, synchronized over processes by
+            DistributedDataParallel): update predictions then see the global gradient.
     """
 
     needs: frozenset[str]
@@ -46,3 +49,4 @@ class StepRequest:
     gradient_scale: float = 1.0
     split: bool = False
     union_gram: bool = False
+    defer: bool = False

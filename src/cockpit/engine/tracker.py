@@ -406,7 +406,8 @@ class ModuleTracker:
                 return None
             call.grads[k] = grad.detach()
             call.received += 1
-            if call.received == len(call.outputs) and not call.unit.deferred:
+            if (call.received == len(call.outputs) and not call.unit.deferred
+                    and not self.request.defer):
                 self._process_guarded(call)
             return None
 
@@ -478,6 +479,8 @@ class ModuleTracker:
         assert self.stats is not None
         try:
             self._check_output_gradients_arrived()
+            if self.request.defer:
+                self._see_optimizer_gradients()
             for call in self._calls:
                 if call.args is not None and call.received > 0:
                     call.grads = [
@@ -504,6 +507,17 @@ class ModuleTracker:
         if weight not in (None, 0.0) and n and weight * n != 1.0:
             stats.batch_grads = {k: g * (1.0 / (weight * n)) for k, g in stats.batch_grads.items()}
         return stats
+
+    def _see_optimizer_gradients(self) -> None:
+        """Deferred processing: the gradient the optimizer will step on is ``p.grad`` after
+        the backward pass (synchronized over processes by DistributedDataParallel)."""
+        self._pure_grads = set()
+        if not (self.direction_providers or GRAM_MEAN in self.needs):
+            return
+        for name, param in self.params.items():
+            if param.grad is not None:
+                grad = param.grad.detach()
+                self._seen_grads[name] = grad.to_dense() if grad.layout != torch.strided else grad
 
     def _check_output_gradients_arrived(self) -> None:
         """A layer whose parameters received gradients although no output gradient of any

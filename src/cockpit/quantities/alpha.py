@@ -109,8 +109,10 @@ class Alpha(Quantity):
             self._starting = None
             if not self.starts(step) or optimizer is None:
                 return
-            # a split batch: no backward pass sees the gradient the optimizer steps on
-            predicted = not self._general and not request.split and up.supports(optimizer)
+            # a batch split over micro-batches: no backward pass sees the gradient the
+            # optimizer steps on (over processes, deferred processing does: ``defer``)
+            sees_step_gradient = not request.split or request.defer
+            predicted = not self._general and sees_step_gradient and up.supports(optimizer)
             is_sgd = up.supported_base(optimizer) is torch.optim.SGD
             state = _OpenStep(step, (math.nan, math.nan), predicted, sgd=predicted and is_sgd)
             self._starting = state
