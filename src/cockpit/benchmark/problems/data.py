@@ -199,3 +199,54 @@ def imagenet(data: str, data_dir, batch_size: int, seed: int, device,
                         device=device, prepare_train=prepare_train if augment else prepare_eval,
                         prepare_eval=prepare_eval,
                         augment=aug.imagenet_train_augmentation if augment else None)
+
+
+# --- Tolstoi ---------------------------------------------------------------------------------
+TOLSTOI_VOCAB = 83
+TOLSTOI_SEQ_LENGTH = 50
+
+
+def synthetic_text(n: int, seed: int, vocab: int = TOLSTOI_VOCAB) -> Tensor:
+    """Character ids from a fixed random first-order Markov chain (learnable, unlike noise)."""
+    g = torch.Generator().manual_seed(seed)
+    transitions = torch.softmax(3 * torch.randn(vocab, vocab, generator=g), dim=1)
+    ids = torch.empty(n, dtype=torch.int64)
+    ids[0] = 0
+    uniforms = torch.rand(n, generator=g)
+    cumulative = transitions.cumsum(dim=1)
+    for i in range(1, n):
+        ids[i] = torch.searchsorted(cumulative[ids[i - 1]], uniforms[i]).clamp_max(vocab - 1)
+    return ids
+
+
+def tolstoi(data: str, data_dir, batch_size: int, seed: int, device,
+            on_start: Callable[[], None] | None = None) -> Splits:
+    """War and Peace as character ids (80 % train / 20 % test, as DeepOBS's preprocessing);
+    valid = the first N_test characters of the training part, train the rest; train_eval =
+    the first N_test characters of train. Sequences of 50 characters."""
+    from cockpit.benchmark.problems.base import SequenceLoader
+
+    t = TOLSTOI_SEQ_LENGTH
+    if data == "real":
+        d = readers.read_tolstoi(readers.data_root(data_dir))
+        if len(d["vocab"]) > TOLSTOI_VOCAB:
+            raise ValueError(
+                f"the text has {len(d['vocab'])} distinct characters; DeepOBS's War and Peace "
+                f"(and the char-RNN's embedding) has {TOLSTOI_VOCAB}. Use the plain War and "
+                f"Peace text DeepOBS uses.")
+        train_all, test = d["train"], d["test"]
+    else:
+        n_eval = SYNTHETIC_EVAL_BATCHES * batch_size * t + 1
+        text = synthetic_text(SYNTHETIC_TRAIN_BATCHES * batch_size * t + 3 * n_eval, seed)
+        test, train_all = text[:n_eval], text[n_eval:]
+    n_test = len(test)
+    if len(train_all) <= n_test:
+        raise ValueError(f"the training text ({len(train_all)} characters) must be longer "
+                         f"than the test text ({n_test})")
+    valid, train = train_all[:n_test], train_all[n_test:]
+
+    def loader(ids: Tensor) -> SequenceLoader:
+        return SequenceLoader(ids, batch_size, t, device=device, on_start=on_start)
+
+    return Splits(train=loader(train), train_eval=loader(train[:n_test]), valid=loader(valid),
+                  test=loader(test))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from cockpit.benchmark.problems import data as datasets
-from cockpit.benchmark.problems import functions, small_nets
+from cockpit.benchmark.problems import functions, large_nets, small_nets
 from cockpit.benchmark.problems.base import BatchLoader, Splits, TestProblem
 from cockpit.benchmark.problems.digits import (
     digits_cnn,
@@ -40,6 +40,8 @@ class ProblemSpec:
     build_splits: SplitBuilder  # (data, data_dir, batch_size, seed, device, model) -> Splits
     num_classes: int | None = None
     source: str = "DeepOBS"
+    label_smoothing: float = 0.0
+    aux_weight: float = 0.0
 
 
 REGISTRY: dict[str, ProblemSpec] = {}
@@ -89,6 +91,15 @@ def _svhn(data, data_dir, batch_size, seed, device, model=None) -> Splits:
     return datasets.svhn(data, data_dir, batch_size, seed, device)
 
 
+def _imagenet(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+    return datasets.imagenet(data, data_dir, batch_size, seed, device)
+
+
+def _tolstoi(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+    reset = getattr(model, "reset_state", None)
+    return datasets.tolstoi(data, data_dir, batch_size, seed, device, on_start=reset)
+
+
 def _digits(data, data_dir, batch_size, seed, device, model=None) -> Splits:
     return digits_splits(data, data_dir, batch_size, seed, device)
 
@@ -123,6 +134,30 @@ register(ProblemSpec("cifar100_3c3d", "classification", 128, 350, 0.002,
 register(ProblemSpec("svhn_3c3d", "classification", 128, 100, 0.002,
                      small_nets.svhn_3c3d, _svhn, 10,
                      source="DeepOBS; epochs ours (as cifar10_3c3d)"))
+
+for _depth in (16, 19):
+    for _classes in (10, 100):
+        register(ProblemSpec(
+            f"cifar{_classes}_vgg{_depth}", "classification", 128, 350, 5e-4,
+            (lambda d=_depth, c=_classes: large_nets.VGG(d, c)), _cifar(_classes), _classes,
+            source="DeepOBS; batch size and epochs ours"))
+    register(ProblemSpec(
+        f"imagenet_vgg{_depth}", "classification", 128, 100, 5e-4,
+        (lambda d=_depth: large_nets.VGG(d, 1001)), _imagenet, 1001,
+        source="DeepOBS; batch size and epochs ours"))
+register(ProblemSpec("cifar100_allcnnc", "classification", 256, 350, 5e-4,
+                     large_nets.all_cnn_c, _cifar(100), 100))
+register(ProblemSpec("cifar100_wrn404", "classification", 128, 160, 5e-4,
+                     lambda: large_nets.wide_resnet(40, 4, 100), _cifar(100), 100,
+                     source="DeepOBS; epochs ours (as svhn_wrn164)"))
+register(ProblemSpec("svhn_wrn164", "classification", 128, 160, 5e-4,
+                     lambda: large_nets.wide_resnet(16, 4, 10), _svhn, 10))
+register(ProblemSpec("imagenet_inception_v3", "classification", 128, 100, 5e-4,
+                     large_nets.InceptionV3, _imagenet, 1001,
+                     source="DeepOBS (label smoothing 0.1, auxiliary loss 0.4); batch size and "
+                            "epochs ours", label_smoothing=0.1, aux_weight=0.4))
+register(ProblemSpec("tolstoi_char_rnn", "lm", 50, 200, None, large_nets.CharRNN, _tolstoi,
+                     83))
 
 register(ProblemSpec("digits_logreg", "classification", 64, 20, None, digits_logreg,
                      _digits, 10, source="ours (scikit-learn digits)"))
@@ -169,4 +204,5 @@ def get_problem(name: str, *, data: str = "synthetic", data_dir: str | None = No
     splits = spec.build_splits(data, data_dir, batch_size, seed, device, model=model)
     return TestProblem(name=name, batch_size=batch_size, num_epochs=spec.num_epochs,
                        l2=spec.l2, task=spec.task, model=model, splits=splits,
-                       num_classes=spec.num_classes, data=data)
+                       num_classes=spec.num_classes, data=data,
+                       label_smoothing=spec.label_smoothing, aux_weight=spec.aux_weight)
