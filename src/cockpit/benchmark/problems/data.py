@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -208,15 +209,15 @@ TOLSTOI_SEQ_LENGTH = 50
 
 def synthetic_text(n: int, seed: int, vocab: int = TOLSTOI_VOCAB) -> Tensor:
     """Character ids from a fixed random first-order Markov chain (learnable, unlike noise)."""
-    g = torch.Generator().manual_seed(seed)
-    transitions = torch.softmax(3 * torch.randn(vocab, vocab, generator=g), dim=1)
-    ids = torch.empty(n, dtype=torch.int64)
-    ids[0] = 0
-    uniforms = torch.rand(n, generator=g)
-    cumulative = transitions.cumsum(dim=1)
+    rng = np.random.RandomState(seed)
+    logits = 3 * rng.normal(size=(vocab, vocab))
+    transitions = np.exp(logits - logits.max(axis=1, keepdims=True))
+    cumulative = np.cumsum(transitions / transitions.sum(axis=1, keepdims=True), axis=1)
+    uniforms = rng.uniform(size=n)
+    ids = np.zeros(n, dtype=np.int64)
     for i in range(1, n):
-        ids[i] = torch.searchsorted(cumulative[ids[i - 1]], uniforms[i]).clamp_max(vocab - 1)
-    return ids
+        ids[i] = min(int(np.searchsorted(cumulative[ids[i - 1]], uniforms[i])), vocab - 1)
+    return torch.from_numpy(ids)
 
 
 def tolstoi(data: str, data_dir, batch_size: int, seed: int, device,

@@ -37,7 +37,9 @@ class ProblemSpec:
     num_epochs: int
     l2: float | None
     build_model: Callable[[], nn.Module]
-    build_splits: SplitBuilder  # (data, data_dir, batch_size, seed, device, model) -> Splits
+    # (data, data_dir, batch_size, seed, device, on_start) -> Splits; on_start() is called
+    # when a loader begins an epoch (resets a stateful model)
+    build_splits: SplitBuilder
     num_classes: int | None = None
     source: str = "DeepOBS"
     label_smoothing: float = 0.0
@@ -56,7 +58,7 @@ def register(spec: ProblemSpec) -> ProblemSpec:
 
 # --- split builders ----------------------------------------------------------------------
 def _function_splits(train, valid, test, *, train_eval_is_train: bool = True):
-    def build(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+    def build(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
         def loader(x, train_mode=False):
             return BatchLoader(x, torch.zeros(len(x)), batch_size, shuffle=train_mode,
                                drop_last=train_mode, seed=seed, device=device)
@@ -65,42 +67,41 @@ def _function_splits(train, valid, test, *, train_eval_is_train: bool = True):
     return build
 
 
-def _two_d_splits(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+def _two_d_splits(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
     return _function_splits(*functions.two_d_data())(data, data_dir, batch_size, seed, device)
 
 
-def _quadratic_splits(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+def _quadratic_splits(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
     return _function_splits(*functions.quadratic_data())(data, data_dir, batch_size, seed,
                                                          device)
 
 
 def _mnist(name: str, autoencoder: bool = False) -> SplitBuilder:
-    def build(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+    def build(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
         return datasets.mnist_like(name, data, data_dir, batch_size, seed, device,
                                    autoencoder=autoencoder)
     return build
 
 
 def _cifar(num_classes: int) -> SplitBuilder:
-    def build(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+    def build(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
         return datasets.cifar(num_classes, data, data_dir, batch_size, seed, device)
     return build
 
 
-def _svhn(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+def _svhn(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
     return datasets.svhn(data, data_dir, batch_size, seed, device)
 
 
-def _imagenet(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+def _imagenet(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
     return datasets.imagenet(data, data_dir, batch_size, seed, device)
 
 
-def _tolstoi(data, data_dir, batch_size, seed, device, model=None) -> Splits:
-    reset = getattr(model, "reset_state", None)
-    return datasets.tolstoi(data, data_dir, batch_size, seed, device, on_start=reset)
+def _tolstoi(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
+    return datasets.tolstoi(data, data_dir, batch_size, seed, device, on_start=on_start)
 
 
-def _digits(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+def _digits(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
     return digits_splits(data, data_dir, batch_size, seed, device)
 
 
@@ -197,11 +198,19 @@ def get_problem(name: str, *, data: str = "synthetic", data_dir: str | None = No
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     device = torch.device(device)
+    built: dict[str, nn.Module] = {}
+
+    def on_start() -> None:
+        reset = getattr(built.get("model"), "reset_state", None)
+        if reset is not None:
+            reset()
+
+    # data first: a missing file is reported before an expensive model is built
+    splits = spec.build_splits(data, data_dir, batch_size, seed, device, on_start=on_start)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = spec.build_model()
-    model.to(device)
-    splits = spec.build_splits(data, data_dir, batch_size, seed, device, model=model)
+    built["model"] = model.to(device)
     return TestProblem(name=name, batch_size=batch_size, num_epochs=spec.num_epochs,
                        l2=spec.l2, task=spec.task, model=model, splits=splits,
                        num_classes=spec.num_classes, data=data,
