@@ -397,3 +397,23 @@ def test_cross_entropy_reference_on_cifar_batch():
     logits = problem.model(x)
     expected = F.nll_loss(torch.log_softmax(logits.double(), 1), y, reduction="none")
     torch.testing.assert_close(problem.losses(logits, y).double(), expected)
+
+
+@pytest.mark.parametrize("stride, size", [(2, 7), (1, 14)])
+def test_vae_transposed_convolution_is_the_adjoint_of_tf_same_convolution(stride, size):
+    """TensorFlow's conv2d_transpose(padding="same") is the adjoint of conv2d(padding="same")
+    (pad ⌊t/2⌋ before and ⌈t/2⌉ after, t = (out − 1)·s + k − in): ⟨conv(x), y⟩ = ⟨x, convᵀ(y)⟩."""
+    from cockpit.benchmark.problems.small_nets import _SameConvTranspose
+
+    torch.manual_seed(0)
+    layer = _SameConvTranspose(3, 5, 4, stride).double()
+    torch.nn.init.zeros_(layer.conv.bias)
+    y = torch.randn(2, 3, size, size, dtype=torch.float64)
+    out = layer(y)
+    assert out.shape == (2, 5, size * stride, size * stride)
+    x = torch.randn_like(out)
+    total = (size - 1) * stride + 4 - size * stride
+    padded = F.pad(x, (total // 2, total - total // 2, total // 2, total - total // 2))
+    forward = F.conv2d(padded, layer.conv.weight, stride=stride)  # weight [in, out, k, k]
+    assert forward.shape == y.shape
+    torch.testing.assert_close((forward * y).sum(), (x * out).sum())

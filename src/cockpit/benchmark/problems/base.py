@@ -18,7 +18,7 @@ regularizer()``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +125,7 @@ class TestProblem:
             *is* the individual losses: 2-D functions and the quadratic), ``"vae"``, ``"lm"``.
         model: the network (``torch.nn.Module``), initialized as DeepOBS does.
         train_loader, train_eval_loader, valid_loader, test_loader: iterables of ``(x, y)``.
+        source: where the definition comes from (and which settings are ours).
     """
 
     __test__ = False  # not a pytest test class
@@ -140,7 +141,7 @@ class TestProblem:
     data: str = "synthetic"
     label_smoothing: float = 0.0
     aux_weight: float = 0.0
-    notes: list[str] = field(default_factory=list)
+    source: str = "DeepOBS"
 
     def __post_init__(self):
         if self.task not in TASKS:

@@ -214,4 +214,5 @@ def get_problem(name: str, *, data: str = "synthetic", data_dir: str | None = No
     return TestProblem(name=name, batch_size=batch_size, num_epochs=spec.num_epochs,
                        l2=spec.l2, task=spec.task, model=model, splits=splits,
                        num_classes=spec.num_classes, data=data,
-                       label_smoothing=spec.label_smoothing, aux_weight=spec.aux_weight)
+                       label_smoothing=spec.label_smoothing, aux_weight=spec.aux_weight,
+                       source=spec.source)
