@@ -219,7 +219,7 @@ def _check_l2(problem, regularizer):
     if "vgg" in problem.name or "inception" in problem.name:
         assert all(w.dim() == 4 for w in weights)
     expected = 0.5 * problem.l2 * sum(float(w.detach().double().pow(2).sum()) for w in weights)
-    assert float(regularizer) == pytest.approx(expected, rel=1e-5)
+    assert float(regularizer.detach()) == pytest.approx(expected, rel=1e-5)
 
 
 DEEPOBS_SETTINGS = {  # deepobs/config.py DEFAULT_TEST_PROBLEMS_SETTINGS, and the problems' L2
