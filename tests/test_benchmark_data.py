@@ -414,3 +414,19 @@ def test_data_root_precedence(tmp_path, monkeypatch):
     _write_mnist(tmp_path / "env" / "mnist")
     monkeypatch.setenv("COCKPIT_DATA", str(tmp_path / "env"))
     assert get_problem("mnist_logreg", data="real", batch_size=4).test_loader.num_samples == 8
+
+
+def test_tolstoi_reads_deepobs_preprocessed_arrays(tmp_path):
+    """DeepOBS's own tolstoi/train.npy and test.npy (character ids) are read as they are."""
+    rng = np.random.RandomState(1)
+    (tmp_path / "tolstoi").mkdir()
+    train, test = rng.randint(0, 83, 900), rng.randint(0, 83, 301)
+    np.save(tmp_path / "tolstoi" / "train.npy", train)
+    np.save(tmp_path / "tolstoi" / "test.npy", test)
+    problem = get_problem("tolstoi_char_rnn", data="real", data_dir=tmp_path, batch_size=3)
+    x, y = next(iter(problem.test_loader))
+    rows = len(problem.test_loader) * 50
+    assert x[1].tolist() == test[rows:rows + 50].tolist()
+    assert y[1].tolist() == test[rows + 1:rows + 51].tolist()
+    x, _ = next(iter(problem.valid_loader))
+    assert x[0].tolist() == train[:50].tolist()

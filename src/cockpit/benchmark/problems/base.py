@@ -18,7 +18,7 @@ regularizer()``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -135,8 +135,8 @@ class TestProblem:
     num_epochs: int
     l2: float | None
     task: str
-    model: nn.Module
-    splits: Splits
+    model: nn.Module = field(repr=False)
+    splits: Splits = field(repr=False)
     num_classes: int | None = None
     data: str = "synthetic"
     label_smoothing: float = 0.0

@@ -12,7 +12,8 @@ Fashion-MNIST   ``fmnist/`` the same four idx files
 CIFAR-10        ``cifar10/cifar-10-batches-py/{data_batch_1..5,test_batch}`` (pickles)
 CIFAR-100       ``cifar100/cifar-100-python/{train,test}`` (pickles)
 SVHN            ``svhn/{train_32x32.mat,test_32x32.mat}`` (format 2, MATLAB)
-Tolstoi         ``tolstoi/input.txt`` (War and Peace, plain UTF-8 text)
+Tolstoi         ``tolstoi/input.txt`` (War and Peace, plain UTF-8 text), or DeepOBS's
+                ``tolstoi/{train,test}.npy``
 ImageNet        ``imagenet/{train,val}/<wnid>/*.JPEG`` (one folder per class)
 ==============  ===================================================================
 """
@@ -188,8 +189,17 @@ def encode_tolstoi(text: str, test_fraction: float = 0.2) -> dict[str, object]:
 
 
 def read_tolstoi(root: Path) -> dict[str, object]:
+    """``tolstoi/input.txt`` (encoded and split here), or DeepOBS's own preprocessed
+    ``tolstoi/train.npy`` and ``test.npy`` (character ids) if there is no text file."""
     folder = root / "tolstoi"
     path = folder / "input.txt"
+    if not path.exists() and (folder / "train.npy").exists() and (folder / "test.npy").exists():
+        train = np.load(folder / "train.npy")
+        test = np.load(folder / "test.npy")
+        vocab_size = int(max(train.max(initial=0), test.max(initial=0))) + 1
+        return {"train": torch.from_numpy(train.astype(np.int64)),
+                "test": torch.from_numpy(test.astype(np.int64)),
+                "vocab": [None] * vocab_size}
     if not path.exists():
         raise _missing("Tolstoi (War and Peace)", folder, ["input.txt"],
                        "War and Peace as plain UTF-8 text, e.g. Project Gutenberg eBook #2600; "
