@@ -203,7 +203,7 @@ def read_tolstoi(root: Path) -> dict[str, object]:
     if not path.exists():
         raise _missing("Tolstoi (War and Peace)", folder, ["input.txt"],
                        "War and Peace as plain UTF-8 text, e.g. Project Gutenberg eBook #2600; "
-                       "DeepOBS used the copy of Karpathy's char-rnn data set")
+                       "DeepOBS's preprocessed train.npy and test.npy work too")
     return encode_tolstoi(path.read_text(encoding="utf-8"))
 
 
