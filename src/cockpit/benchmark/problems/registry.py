@@ -3,8 +3,8 @@
 Batch sizes and epochs are DeepOBS's defaults (``deepobs/config.py``,
 ``DEFAULT_TEST_PROBLEMS_SETTINGS``) where DeepOBS defines them; the others (marked
 "ours" in ``source``) follow the closest DeepOBS problem. L2 factors λ are those of the
-DeepOBS test-problem classes (weight decay 0.002 for 3C3D, 5·10⁻⁴ for VGG, All-CNN-C and
-Wide ResNets, 4·10⁻⁵ for Inception-v3; none for the rest).
+DeepOBS test-problem classes (weight decay 0.002 for 3C3D, 5·10⁻⁴ for VGG, All-CNN-C, Wide
+ResNets and Inception-v3; none for the rest).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def register(spec: ProblemSpec) -> ProblemSpec:
 
 
 # --- split builders ----------------------------------------------------------------------
-def _function_splits(train, valid, test, *, train_eval_is_train: bool = True):
+def _function_splits(train, valid, test):
+    """Noise splits of the analytic problems; train_eval is the whole train set (DeepOBS)."""
     def build(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
         def loader(x, train_mode=False):
             return BatchLoader(x, torch.zeros(len(x)), batch_size, shuffle=train_mode,
