@@ -430,3 +430,48 @@ def test_tolstoi_reads_deepobs_preprocessed_arrays(tmp_path):
     assert y[1].tolist() == test[rows + 1:rows + 51].tolist()
     x, _ = next(iter(problem.valid_loader))
     assert x[0].tolist() == train[:50].tolist()
+
+
+def test_batch_loader_lengths_and_seeded_epochs():
+    from cockpit.benchmark.problems import BatchLoader
+
+    x, y = torch.arange(10.0)[:, None], torch.arange(10)
+    train = BatchLoader(x, y, 4, shuffle=True, drop_last=True, seed=3)
+    assert len(train) == 2 and sum(len(b[1]) for b in train) == 8
+    full = BatchLoader(x, y, 4)
+    assert len(full) == 3 and torch.equal(_all(full)[1], y)
+    again = BatchLoader(x, y, 4, shuffle=True, drop_last=True, seed=3)
+    epoch_a = [b[1].tolist() for b in again]
+    epoch_b = [b[1].tolist() for b in BatchLoader(x, y, 4, shuffle=True, drop_last=True,
+                                                  seed=3)]
+    assert epoch_a == epoch_b  # same seed, same order
+    with pytest.raises(ValueError, match="batch_size"):
+        BatchLoader(x, y, 0)
+
+
+def test_sequence_loader_too_short_text_is_refused():
+    from cockpit.benchmark.problems import SequenceLoader
+
+    with pytest.raises(ValueError, match="too few"):
+        SequenceLoader(torch.arange(100), batch_size=2, seq_length=50)
+    loader = SequenceLoader(torch.arange(101), batch_size=2, seq_length=50)
+    (x, y), = list(loader)
+    assert x.tolist() == [list(range(50)), list(range(50, 100))]
+    assert y.tolist() == [list(range(1, 51)), list(range(51, 101))]
+
+
+def test_tf_same_max_pool_against_brute_force():
+    """3C3D's pooling: 3×3 windows, stride 2, TensorFlow "same" (⌈n/2⌉ outputs, padding at
+    the end only for even n), checked window by window."""
+    from cockpit.benchmark.problems.small_nets import TFSamePool
+
+    x = torch.randn(1, 2, 8, 7)
+    out = TFSamePool(3, 2)(x)
+    assert out.shape == (1, 2, 4, 4)
+    for i in range(4):
+        for j in range(4):
+            # total padding: rows (4−1)·2+3−8 = 1 → 0 before; cols (4−1)·2+3−7 = 2 → 1 before
+            rows = range(max(2 * i, 0), min(2 * i + 3, 8))
+            cols = range(max(2 * j - 1, 0), min(2 * j - 1 + 3, 7))
+            window = x[0, :, rows.start:rows.stop, cols.start:cols.stop]
+            torch.testing.assert_close(out[0, :, i, j], window.amax(dim=(1, 2)))
