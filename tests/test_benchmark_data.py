@@ -278,7 +278,8 @@ def test_imagenet_folder_loader(tmp_path):
     from PIL import Image
 
     written = _write_imagenet(tmp_path)
-    problem = get_problem("imagenet_inception_v3", data="real", data_dir=tmp_path, batch_size=1)
+    problem = get_problem("imagenet_inception_v3", data="real", data_dir=tmp_path,
+                          batch_size=3)  # several images per batch: decoded in threads
     val = sorted(p for p in written if "val" in p.parts)
     x, y = _all(problem.test_loader)
     assert y.tolist() == [1, 2, 2]  # label = 1 + class index (0 is background)
@@ -295,7 +296,7 @@ def test_imagenet_folder_loader(tmp_path):
     # train: 6 images, the first N_test = 3 (sorted) held out as valid
     assert problem.valid_loader.num_samples == 3 and problem.train_loader.num_samples == 3
     xt, yt = next(iter(problem.train_loader))
-    assert xt.shape == (1, 3, 224, 224) and yt.item() in (1, 2)
+    assert xt.shape == (3, 3, 224, 224) and set(yt.tolist()) <= {1, 2}
 
 
 # --- augmentation against references ---------------------------------------------------------
@@ -475,3 +476,14 @@ def test_tf_same_max_pool_against_brute_force():
             cols = range(max(2 * j - 1, 0), min(2 * j - 1 + 3, 7))
             window = x[0, :, rows.start:rows.stop, cols.start:cols.stop]
             torch.testing.assert_close(out[0, :, i, j], window.amax(dim=(1, 2)))
+
+
+def test_torchvision_layouts_are_accepted(tmp_path):
+    """Files where torchvision (and so DeepOBS's PyTorch version) puts them are read too."""
+    arrays = _write_mnist(tmp_path / "MNIST" / "raw")
+    problem = get_problem("mnist_logreg", data="real", data_dir=tmp_path, batch_size=4)
+    assert _all(problem.test_loader)[1].tolist() == arrays["t10k-labels-idx1-ubyte"].tolist()
+    _, _, _, test_y = _write_cifar(tmp_path / "tv", 10)
+    (tmp_path / "tv" / "cifar10" / "cifar-10-batches-py").rename(tmp_path / "cifar-10-batches-py")
+    problem = get_problem("cifar10_3c3d", data="real", data_dir=tmp_path, batch_size=3)
+    assert _all(problem.test_loader)[1].tolist() == test_y.tolist()

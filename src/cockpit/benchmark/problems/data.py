@@ -13,7 +13,9 @@ learnable labels: image x of class y is noise plus a fixed random pattern of cla
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -145,13 +147,21 @@ def svhn(data: str, data_dir, batch_size: int, seed: int, device,
 
 
 class _LazyImages:
-    """``idx -> uint8 [len(idx), 3, 256, 256]``, reading image files on demand."""
+    """``idx -> uint8 [len(idx), 3, 256, 256]``, reading image files on demand; decoding and
+    resizing run in a few threads (PIL releases the GIL while it works)."""
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], threads: int | None = None):
         self.files = files
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
 
     def __call__(self, idx: Tensor) -> Tensor:
-        return torch.stack([readers.load_image(self.files[i]) for i in idx.tolist()])
+        paths = [self.files[i] for i in idx.tolist()]
+        if self.threads <= 1 or len(paths) <= 1:
+            return torch.stack([readers.load_image(p) for p in paths])
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="cockpit-images")
+        return torch.stack(list(self._pool.map(readers.load_image, paths)))
 
 
 class _SyntheticLazyImages:

@@ -89,10 +89,24 @@ def _find(folder: Path, name: str) -> Path | None:
     return None
 
 
+# torchvision's layout (what DeepOBS's PyTorch version downloads) is accepted too
+TORCHVISION_FOLDERS = {"mnist": "MNIST/raw", "fmnist": "FashionMNIST/raw"}
+
+
+def _first_complete(candidates: list[Path], files: list[str]) -> Path:
+    """The first candidate folder holding all ``files`` (``.gz`` or not), else the first."""
+    for folder in candidates:
+        if all(_find(folder, f) is not None for f in files):
+            return folder
+    return candidates[0]
+
+
 def read_mnist(root: Path, name: str = "mnist") -> dict[str, Tensor]:
     """``{"train_x", "train_y", "test_x", "test_y"}``: images ``uint8 [N, 1, 28, 28]``,
-    labels ``int64 [N]``. ``name``: ``"mnist"`` or ``"fmnist"``."""
-    folder = root / name
+    labels ``int64 [N]``. ``name``: ``"mnist"`` or ``"fmnist"``; files in ``root/name/``
+    or torchvision's ``root/MNIST/raw/`` (``FashionMNIST/raw/``)."""
+    folder = _first_complete([root / name, root / TORCHVISION_FOLDERS[name]],
+                             list(IDX_FILES.values()))
     paths = {key: _find(folder, fname) for key, fname in IDX_FILES.items()}
     if any(p is None for p in paths.values()):
         missing = [f"{IDX_FILES[k]}.gz" for k, p in paths.items() if p is None]
@@ -135,6 +149,9 @@ def read_cifar(root: Path, num_classes: int = 10) -> dict[str, Tensor]:
         folder = root / "cifar100" / "cifar-100-python"
         train_files, test_files, key = ["train"], ["test"], b"fine_labels"
         source = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz, unpacked"
+    # also accepted: the unpacked folder directly under the root (torchvision's layout)
+    folder = next((f for f in (folder, root / folder.name)
+                   if all((f / n).exists() for n in train_files + test_files)), folder)
     missing = [f for f in train_files + test_files if not (folder / f).exists()]
     if missing:
         raise _missing(f"CIFAR-{num_classes}", folder, missing, source)
