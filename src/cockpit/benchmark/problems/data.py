@@ -46,7 +46,7 @@ def train_eval_subset(train_idx: Tensor, size: int, seed: int) -> Tensor:
 def image_splits(
     train_x, train_y: Tensor, test_x, test_y: Tensor, batch_size: int, *, seed: int,
     device, prepare_train: Callable | None, prepare_eval: Callable | None,
-    augment: aug.Callable | None = None,
+    augment: Callable | None = None,
 ) -> Splits:
     """Splits of an image classification set (``train_x`` may be a lazy loader callable)."""
     n_test = len(test_y)
