@@ -307,24 +307,27 @@ class InceptionV3(nn.Module):
 
 # --- character RNN -----------------------------------------------------------------------------
 class CharRNN(nn.Module):
-    """DeepOBS's char-RNN on Tolstoi: embedding 83 → 128, a two-layer LSTM with 128 units
-    (dropout 0.2 on its input, between the layers and on its output, i.e. keep probability
-    0.8 as in DeepOBS), dense 128 → 83 per position. Output ``[B, T, 83]`` logits.
+    """DeepOBS's char-RNN on Tolstoi: embedding 83 → 128, a two-layer LSTM with 128 units,
+    dense 128 → 83 per position. Output ``[B, T, 83]`` logits.
+
+    Dropout as DeepOBS's TensorFlow cells (each layer keeps its inputs and its outputs with
+    probability 0.8): 0.2 on the embedding, 1 − 0.8² = 0.36 between the layers (two masks
+    in a row), 0.2 on the LSTM's output.
 
     Stateful as DeepOBS's TensorFlow model: the final (h, c) of a batch (detached) is the
     initial state of the next batch of the same size; :meth:`reset_state` (called when a
     loader starts an epoch) sets it to zero. 285,523 parameters (PyTorch's LSTM has two bias
-    vectors per layer)."""
+    vectors per layer, as in DeepOBS's PyTorch version)."""
 
     def __init__(self, vocab_size: int = 83, hidden: int = 128, num_layers: int = 2,
-                 dropout: float = 0.2):
+                 keep: float = 0.8):
         super().__init__()
         self.embedding = nn.Embedding(vocab_size, hidden)
-        self.lstm = nn.LSTM(hidden, hidden, num_layers=num_layers, dropout=dropout,
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=num_layers, dropout=1 - keep**2,
                             batch_first=True)
         self.dense = nn.Linear(hidden, vocab_size)
-        self.input_dropout = nn.Dropout(dropout)
-        self.output_dropout = nn.Dropout(dropout)
+        self.input_dropout = nn.Dropout(1 - keep)
+        self.output_dropout = nn.Dropout(1 - keep)
         self._state: tuple[Tensor, Tensor] | None = None
 
     def reset_state(self) -> None:
