@@ -417,3 +417,13 @@ def test_vae_transposed_convolution_is_the_adjoint_of_tf_same_convolution(stride
     forward = F.conv2d(padded, layer.conv.weight, stride=stride)  # weight [in, out, k, k]
     assert forward.shape == y.shape
     torch.testing.assert_close((forward * y).sum(), (x * out).sum())
+
+
+def test_cockpit_refuses_batchnorm_problems_with_the_way_out():
+    """WRNs and Inception-v3 use BatchNorm in training mode: individual gradients are
+    undefined, and Cockpit says so (and how to proceed) instead of returning numbers."""
+    problem = get_problem("svhn_wrn164", batch_size=2)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="BatchNorm") as info:
+        Cockpit(problem.model, configuration("economy"), optimizer=opt)
+    assert "eval mode" in str(info.value) or "GroupNorm" in str(info.value)
