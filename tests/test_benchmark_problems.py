@@ -419,11 +419,22 @@ def test_vae_transposed_convolution_is_the_adjoint_of_tf_same_convolution(stride
     torch.testing.assert_close((forward * y).sum(), (x * out).sum())
 
 
-def test_cockpit_refuses_batchnorm_problems_with_the_way_out():
-    """WRNs and Inception-v3 use BatchNorm in training mode: individual gradients are
-    undefined, and Cockpit says so (and how to proceed) instead of returning numbers."""
+def test_cockpit_watches_batchnorm_problems_without_per_sample_instruments():
+    """WRNs use BatchNorm in training mode: individual gradients are undefined. Cockpit says so
+    once (with the way out), records the per-sample instruments as None with the reason and
+    computes the others (the run is never stopped)."""
     problem = get_problem("svhn_wrn164", batch_size=2)
     opt = torch.optim.SGD(problem.model.parameters(), lr=1e-3)
-    with pytest.raises(ValueError, match="BatchNorm") as info:
-        Cockpit(problem.model, configuration("economy"), optimizer=opt)
-    assert "eval mode" in str(info.value) or "GroupNorm" in str(info.value)
+    with pytest.warns(RuntimeWarning, match="BatchNorm.*(eval mode|GroupNorm)"):
+        cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt)
+    x, y = next(iter(problem.train_loader))
+    opt.zero_grad()
+    losses = problem.losses(problem.model(x), y)
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    grad_norm = torch.cat([p.grad.reshape(-1).double() for p in problem.model.parameters()]).norm()
+    opt.step()
+    cockpit.close()
+    out, notes = cockpit.get_output()[0], cockpit.get_notes()[0]
+    assert out["GradNorm"] == pytest.approx(float(grad_norm), rel=1e-5)
+    assert out["NormTest"] is None and "BatchNorm" in notes["NormTest"]
