@@ -44,6 +44,7 @@ PANEL_TITLES: dict[str, str] = {
     "HessMaxEV": "Largest Hessian eigenvalue λ_max(H_B): sharpness",
     "HessTrace": "Hessian trace Tr(H_B): average curvature",
     "TIC": "Takeuchi information criterion (TIC)",
+    "Layers": "Individual gradient elements per layer",
     "Loss": "Mini-batch loss L_B(θ)",
     "LearningRate": "Learning rate",
     "BatchSize": "Batch size",

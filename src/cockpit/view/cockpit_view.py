@@ -9,7 +9,6 @@ instruments that were not tracked are left out and the grid closes up.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,9 @@ from matplotlib.figure import Figure
 
 from cockpit.view import _style as S
 from cockpit.view import instruments as I
-from cockpit.view._data import Output, is_tracked, normalize_output, per_param_names
+from cockpit.view._data import Output, is_tracked, normalize_output
 from cockpit.view._source import load_run
+from cockpit.view.layers import plot_layer_histograms, plot_layers
 
 __all__ = [
     "COLUMNS",
@@ -28,6 +28,7 @@ __all__ = [
     "figure_size",
     "plot_cockpit",
     "plot_layer_histograms",
+    "plot_layers",
     "plot_run",
     "save_figure",
     "show",
@@ -190,39 +191,6 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
             drawers[key](fig, sub[j], out, **options)
     fig.text(0.995, 0.005, info, ha="right", va="bottom", fontsize=S.FONT_SIZES["small"],
              color=S.GRAY)
-    return fig
-
-
-def plot_layer_histograms(output: Mapping, step: int | None = None, *,
-                          fig: Figure | None = None,
-                          hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
-                          max_cols: int = 4) -> Figure:
-    """Per-layer histograms of individual gradient elements (paper Figure 4b).
-
-    One small panel per parameter ``p`` with a ``"GradHist1d/p"`` entry, log counts, at
-    ``step`` (default: each parameter's last tracked step).
-    """
-    out = normalize_output(output)
-    params = per_param_names(out, "GradHist1d")
-    n = len(params)
-    ncols = max(1, min(max_cols, n))
-    nrows = max(1, math.ceil(n / ncols))
-    if fig is None:
-        fig = Figure(figsize=(3.3 * ncols + 0.4, 2.3 * nrows + 0.8), dpi=100)
-    else:
-        fig.clear()
-    fig.set_layout_engine("constrained")
-    where = f"step {step}" if step is not None else "last tracked step"
-    fig.suptitle(f"Per-layer histograms of individual gradient elements ({where})",
-                 fontsize=S.FONT_SIZES["title"] + 1, fontweight="bold")
-    if n == 0:
-        fig.text(0.5, 0.5, "no per-parameter GradHist1d values in this run", ha="center",
-                 va="center", color=S.GRAY, fontsize=S.FONT_SIZES["title"])
-        return fig
-    grid = fig.add_gridspec(nrows, ncols)
-    for k, param in enumerate(params):
-        I.draw_grad_hist_1d(fig, grid[k // ncols, k % ncols], out, name=f"GradHist1d/{param}",
-                            step=step, title=param, hist_range=hist_range, compact=True)
     return fig
 
 
