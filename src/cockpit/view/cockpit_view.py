@@ -9,7 +9,7 @@ instruments that were not tracked are left out and the grid closes up.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +17,10 @@ from matplotlib.figure import Figure
 
 from cockpit.view import _style as S
 from cockpit.view import instruments as I
-from cockpit.view._data import Output, is_tracked, normalize_output
-from cockpit.view._source import load_run
-from cockpit.view.layers import plot_layer_histograms, plot_layers
+from cockpit.view._data import Output, is_tracked, normalize_output, per_param_names
+from cockpit.view._source import load_notes, load_run
+from cockpit.view.findings_panel import draw_findings, run_diagnosis
+from cockpit.view.layers import draw_layers_panel, plot_layer_histograms, plot_layers
 
 __all__ = [
     "COLUMNS",
@@ -46,6 +47,7 @@ COLUMNS: dict[str, list[tuple[str, Drawer, tuple[str, ...]]]] = {
     "gradients": [
         ("GradientTests", I.draw_gradient_tests, ("NormTest", "InnerTest", "OrthoTest")),
         ("GradHist1d", I.draw_grad_hist_1d, ("GradHist1d",)),
+        ("Layers", draw_layers_panel, ()),  # shown when GradHist1d/<param> was recorded
         ("GradHist2d", I.draw_grad_hist_2d, ("GradHist2d",)),
     ],
     "curvature": [
@@ -57,16 +59,34 @@ COLUMNS: dict[str, list[tuple[str, Drawer, tuple[str, ...]]]] = {
         ("Loss", I.draw_loss, ("Loss",)),
         ("LearningRate", I.draw_learning_rate, ("LearningRate",)),
         ("BatchSize", I.draw_batch_size, ("BatchSize",)),
+        ("Findings", draw_findings, ()),  # shown when diagnosis=True and steps exist
     ],
 }
+# Gray panels shown only when their instrument changes during the run; a constant learning
+# rate or batch size is written into the loss panel instead of taking a third of the row.
+_ONLY_IF_VARYING = {"LearningRate", "BatchSize"}
+_PANEL_HEIGHT = {"Layers": 0.8, "GradHist2d": 1.25}  # relative heights within a column
+_GRAY_WIDTH = {"Loss": 1.6, "LearningRate": 1.0, "BatchSize": 1.0, "Findings": 1.7}
 _COLUMN_WIDTH = {"step size": 1.0, "gradients": 1.3, "curvature": 1.0}
 
 
-def active_panels(output: Mapping) -> dict[str, list[str]]:
-    """Column → keys of the panels shown for this output (instruments that were tracked)."""
+def _shown(out: Output, key: str, names: tuple[str, ...], diagnosis: bool) -> bool:
+    if key == "Layers":
+        return bool(per_param_names(out, "GradHist1d"))
+    if key == "Findings":
+        return diagnosis and bool(out)
+    if key in _ONLY_IF_VARYING:
+        return is_tracked(out, key) and I.varies(out, key)
+    return any(is_tracked(out, n) for n in names)
+
+
+def active_panels(output: Mapping, *, diagnosis: bool = True) -> dict[str, list[str]]:
+    """Column → keys of the panels shown for this output: instruments that were tracked
+    (learning rate and batch size only if they change), the per-layer panel if per-layer
+    histograms were recorded, and the diagnosis panel if ``diagnosis``."""
     out = normalize_output(output)
     return {
-        column: [key for key, _, names in panels if any(is_tracked(out, n) for n in names)]
+        column: [key for key, _, names in panels if _shown(out, key, names, diagnosis)]
         for column, panels in COLUMNS.items()
     }
 
@@ -123,9 +143,9 @@ def _step_range(output: Output) -> tuple[float, float] | None:
     return (lo, hi)
 
 
-def figure_size(output: Mapping) -> tuple[float, float]:
+def figure_size(output: Mapping, *, diagnosis: bool = True) -> tuple[float, float]:
     """Size in inches that gives every panel of the cockpit view a readable size."""
-    panels = active_panels(output)
+    panels = active_panels(output, diagnosis=diagnosis)
     upper = [c for c in ("step size", "gradients", "curvature") if panels[c]]
     rows = max((len(panels[c]) for c in upper), default=0)
     width = max(8.0, sum(5.4 * _COLUMN_WIDTH[c] for c in upper) + 0.8)
@@ -136,7 +156,8 @@ def figure_size(output: Mapping) -> tuple[float, float]:
 def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
                  fig: Figure | None = None,
                  hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
-                 title: str | None = None) -> Figure:
+                 title: str | None = None, notes: Mapping[int, Mapping[str, str]] | None = None,
+                 diagnosis: bool = True, findings: Sequence[Any] | None = None) -> Figure:
     """Draw the cockpit view of a run's output ``{step: {name: value}}``.
 
     Args:
@@ -147,9 +168,13 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
             panels (not registered with pyplot, so it is safe in threads and servers).
         hist_range: x range of the gradient-element histogram (None: its edges).
         title: Overrides the title made from ``meta``.
+        notes: ``{step: {name: reason}}`` (``Cockpit.get_notes()``, the run log's notes):
+            a panel without values says why.
+        diagnosis: show the diagnosis panel (findings of :func:`cockpit.diagnose.diagnose`
+            on ``output``, or the given ``findings``).
     """
     out = normalize_output(output)
-    panels = active_panels(out)
+    panels = active_panels(out, diagnosis=diagnosis)
     upper = [c for c in ("step size", "gradients", "curvature") if panels[c]]
     gray = panels["gray"]
     rows = max((len(panels[c]) for c in upper), default=0)
@@ -172,7 +197,11 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
 
     xlim = _step_range(out)
     drawers = {key: fn for column in COLUMNS.values() for key, fn, _ in column}
-    options = {"xlim": xlim, "hist_range": hist_range}
+    options: dict[str, Any] = {"xlim": xlim, "hist_range": hist_range, "notes": notes,
+                               "meta": meta}
+    if "Findings" in gray:
+        options["findings"], options["diagnosis_error"] = (
+            (list(findings), None) if findings is not None else run_diagnosis(out))
     if upper and gray:
         outer = fig.add_gridspec(2, 1, height_ratios=[2.9 * rows, 2.3])
         top_spec, bottom_spec = outer[0], outer[1]
@@ -182,11 +211,12 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
         cols = top_spec.subgridspec(1, len(upper), width_ratios=[_COLUMN_WIDTH[c] for c in upper])
         for i, column in enumerate(upper):
             keys = panels[column]
-            sub = cols[i].subgridspec(len(keys), 1)
+            sub = cols[i].subgridspec(len(keys), 1,
+                                      height_ratios=[_PANEL_HEIGHT.get(k, 1.0) for k in keys])
             for j, key in enumerate(keys):
                 drawers[key](fig, sub[j], out, **options)
     if gray:
-        sub = bottom_spec.subgridspec(1, len(gray))
+        sub = bottom_spec.subgridspec(1, len(gray), width_ratios=[_GRAY_WIDTH[k] for k in gray])
         for j, key in enumerate(gray):
             drawers[key](fig, sub[j], out, **options)
     fig.text(0.995, 0.005, info, ha="right", va="bottom", fontsize=S.FONT_SIZES["small"],
@@ -214,6 +244,7 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110) -> Path:
 def plot_run(logdir: str | Path, out_path: str | Path | None = None, **kwargs: Any) -> Figure:
     """Cockpit view of the run in ``logdir`` (or a JSON export); saved if ``out_path``."""
     output, meta = load_run(logdir)
+    kwargs.setdefault("notes", load_notes(logdir))
     fig = plot_cockpit(output, meta, **kwargs)
     if out_path is not None:
         save_figure(fig, out_path)
@@ -227,6 +258,7 @@ def show(source: Any, meta: Mapping[str, Any] | None = None, **kwargs: Any) -> F
     inline, as the cell's result.
     """
     output, run_meta = load_run(source, meta)
+    kwargs.setdefault("notes", load_notes(source))
     _register_inline_png()
     return plot_cockpit(output, run_meta, **kwargs)
 

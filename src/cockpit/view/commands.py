@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cockpit.view._source import load_run
+from cockpit.view._source import load_notes, load_run
 
 
 def _plot_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,8 @@ def main_plot(argv: Sequence[str] | None = None) -> int:
     default = run.with_suffix(".png") if run.is_file() else run / "cockpit_view.png"
     target = Path(args.output) if args.output else default
     try:
-        written = [save_figure(plot_cockpit(output, meta), target, dpi=args.dpi)]
+        written = [save_figure(plot_cockpit(output, meta, notes=load_notes(run)), target,
+                               dpi=args.dpi)]
         if args.layers is not None:
             layers_default = (run.with_name(run.stem + "_layers.png") if run.is_file()
                               else run / "cockpit_layers.png")
