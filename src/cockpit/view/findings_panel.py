@@ -36,7 +36,8 @@ def run_diagnosis(source: Any) -> tuple[list[Any], str | None]:
 def finding_lines(findings: Sequence[Any], width: int) -> list[tuple[str, str, bool]]:
     """``(text, color, bold)`` lines of the panel: problems first with their advice, then
     informational findings, the list of skipped checks last and short."""
-    problems = [f for f in findings if f.severity in ("error", "warning")]
+    problems = sorted((f for f in findings if f.severity in ("error", "warning")),
+                      key=lambda f: f.severity != "error")  # stable: errors first
     infos = [f for f in findings if f.severity == "info"]
     lines: list[tuple[str, str, bool]] = []
     if not problems:
