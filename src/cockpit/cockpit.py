@@ -64,6 +64,11 @@ class Cockpit:
             sinks (default: only rank 0; every rank computes the same global values).
         strict: re-raise errors inside Cockpit's hooks instead of recording "not computed"
             (useful in tests; never set it in a production run).
+        diagnose: read the recorded values while training runs (:func:`cockpit.diagnose`)
+            and warn once per new finding (a ``RuntimeWarning`` naming the bug, its
+            evidence and advice); sinks with ``write_findings`` log the findings as text.
+            The checks re-run after every tracked step early on, then as the run grows by
+            10 %; they read recorded numbers only and never interrupt training.
 
     Gradient accumulation: all backward passes of one optimizer step go inside
     ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values
@@ -90,6 +95,7 @@ class Cockpit:
         grad_accumulation: bool = False,
         write_on_all_ranks: bool = False,
         strict: bool = False,
+        diagnose: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Cockpit needs a torch.nn.Module, got {type(model).__name__}")
@@ -156,6 +162,7 @@ class Cockpit:
         self._last_step: int | None = None
         self._consecutive = True
         self._closed = False
+        self._diagnosis = _LiveDiagnosis(self) if diagnose else None
 
     # ------------------------------------------------------------------ public API
     def __call__(self, step: int, losses: Tensor | None = None) -> _StepContext:
@@ -183,6 +190,8 @@ class Cockpit:
             return
         self._finalize_open_step()
         self._finish_pending_update()
+        if self._diagnosis is not None:
+            self._diagnosis.feed(final=True)
         self.tracker.remove()
         release_workspace()
         for handle in self._handles:
@@ -225,6 +234,8 @@ class Cockpit:
             self._finalize_open_step()
         if not continues:
             self._finish_pending_update()
+            if self._diagnosis is not None:
+                self._diagnosis.feed()
             if self._last_step is not None and step != self._last_step + 1:
                 self._consecutive = False
             self._last_step = step
@@ -459,6 +470,8 @@ class Cockpit:
             self._notes.setdefault(step, {}).update(notes)
         for sink in self._sinks:
             self._guard(sink.write_step, step, values, dict(notes))
+        if self._diagnosis is not None:
+            self._diagnosis.pending.setdefault(step, {}).update(values)
 
     def _learning_rate(self) -> float | None:
         if self.optimizer is None:
@@ -531,6 +544,50 @@ class _OpenStep:
         first = self.request
         return StepRequest(first.needs, gradient_scale=gradient_scale, split=first.split,
                            union_gram=first.union_gram, defer=first.defer)
+
+
+class _LiveDiagnosis:
+    """``Cockpit(..., diagnose=True)``: feeds recorded steps to a
+    :class:`cockpit.diagnose.Diagnoser` and warns once per new finding."""
+
+    def __init__(self, cockpit: Cockpit):
+        from cockpit.diagnose import Diagnoser
+
+        self.cockpit = cockpit
+        self.diagnoser = Diagnoser(meta={"parameters": {
+            k: list(p.shape) for k, p in cockpit._params.items()}})
+        self.pending: dict[int, dict[str, Value]] = {}  # recorded since the last feed
+        self.evaluated_at = 0  # number of steps at the last evaluation
+
+    def feed(self, final: bool = False) -> None:
+        try:
+            self._feed(final)
+        except Exception as error:  # a diagnosis never stops training
+            if self.cockpit.strict:
+                raise
+            self.cockpit._warn(f"Cockpit diagnosis failed: {error}", key="diagnosis-failed")
+
+    def _feed(self, final: bool) -> None:
+        new, self.pending = self.pending, {}
+        if new:  # also late values of earlier steps (Alpha of step t comes at t + 1)
+            self.diagnoser.record.add(new)
+        n = len(self.diagnoser.record.steps)
+        if n == 0:
+            return
+        if not final and n - self.evaluated_at < max(1, self.evaluated_at // 10):
+            return
+        self.evaluated_at = n
+        findings = self.diagnoser.evaluate()
+        if not findings:
+            return
+        step = self.diagnoser.record.last_step
+        for finding in findings:
+            self.cockpit._warn(f"Cockpit diagnosis at step {step}: {finding}",
+                               key=f"diagnosis:{finding.code}:{finding.parameters}")
+        for sink in self.cockpit._sinks:
+            write = getattr(sink, "write_findings", None)
+            if write is not None:
+                self.cockpit._guard(write, step, findings)
 
 
 def _sample_sum_keys(quantities: list[Quantity]) -> tuple[str, ...]:
