@@ -182,9 +182,23 @@ class Cockpit:
         return {step: dict(values) for step, values in sorted(self._output.items())}
 
     def get_notes(self) -> dict[int, dict[str, str]]:
-        """Why a value is None (not computed), per step and instrument."""
+        """Why a value is None or missing, per recorded step and instrument: the reasons
+        recorded with the values, and for an instrument without a value at a recorded step
+        "not scheduled at this step: <schedule>" or why it is still pending (Alpha needs the
+        next step). The last two are derived from the schedules here, not stored in the run
+        log (a name missing from a step of the run log was not scheduled there)."""
         self._finalize_open_step()
-        return {step: dict(n) for step, n in sorted(self._notes.items()) if n}
+        notes = {step: dict(n) for step, n in self._notes.items() if n}
+        for step, values in self._output.items():
+            for quantity in self.quantities:
+                name = quantity.name
+                if name in notes.get(step, {}) or _has_value(values, name):
+                    continue
+                reason = (f"pending: {_PENDING.get(name, _PENDING_OTHER)}"
+                          if _scheduled(quantity, step)
+                          else f"not scheduled at this step: {quantity.schedule!r}")
+                notes.setdefault(step, {})[name] = reason
+        return dict(sorted(notes.items()))
 
     def close(self) -> None:
         """Finish pending work, remove every hook and close the sinks. Idempotent."""
@@ -192,6 +206,7 @@ class Cockpit:
             return
         self._finalize_open_step()
         self._finish_pending_update()
+        self._record_unfinished()
         self._watch.reset()
         self.tracker.remove()
         release_workspace()
@@ -543,6 +558,17 @@ class Cockpit:
         self._record(step, values, data.notes)
         self._record_late(data)
 
+    def _record_unfinished(self) -> None:
+        """At close: an instrument scheduled at a recorded step that never got its value
+        (Alpha at the last step needs the next one) is recorded as None with the reason."""
+        for step, values in sorted(self._output.items()):
+            missing = {q.name: f"not computed: {_PENDING.get(q.name, _PENDING_OTHER)}; the "
+                       "run ended before it" for q in self.quantities
+                       if _scheduled(q, step) and not _has_value(values, q.name)
+                       and q.name not in self._notes.get(step, {})}
+            if missing:
+                self._record(step, dict.fromkeys(missing), missing)
+
     def _record_late(self, data: StepData) -> None:
         """Values that instruments computed now for earlier steps (Alpha), and warnings."""
         for step, values in data.late.items():
@@ -615,6 +641,25 @@ def _jsonable(value: Any) -> bool:
     return isinstance(value, bool | int | float | str | type(None)) or (
         isinstance(value, tuple | list) and all(isinstance(v, int | float) for v in value)
     )
+
+
+_PENDING = {
+    "Alpha": "α at step t fits the loss and its slope at θ_t and θ_(t+1), and the latter are "
+             "measured at the next step",
+}
+_PENDING_OTHER = "the instrument completes this step's value at a later step"
+
+
+def _scheduled(quantity: Quantity, step: int) -> bool:
+    """Whether the instrument's schedule gives it a value at ``step`` (Alpha also tracks
+    the step after each of its steps, for the fit: ``starts``)."""
+    starts = getattr(quantity, "starts", None)
+    return bool(starts(step)) if callable(starts) else quantity.should_track(step)
+
+
+def _has_value(values: dict[str, Value], name: str) -> bool:
+    """Whether ``values`` hold instrument ``name`` (or only its per-parameter entries)."""
+    return name in values or any(key.startswith(name + "/") for key in values)
 
 
 def _names(names: list[str], limit: int = 4) -> str:
