@@ -1,0 +1,94 @@
+"""The README's figure is the demo's figure, drawn by the current view code.
+
+Every PNG the view saves carries the hash of its drawing modules and the panels it drew
+(``save_figure``). The README image must carry the current hash (else: regenerate it with
+``python docs/make_readme_figure.py``), and the demo must write its figure through the same
+code, with the same panels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+
+from cockpit.demo import run_demo
+from cockpit.view.cockpit_view import (
+    CODE_KEY,
+    DRAWING_MODULES,
+    PANELS_KEY,
+    drawing_code_hash,
+    plot_cockpit,
+    read_png_text,
+    save_figure,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+README_IMAGE = ROOT / "docs" / "cockpit_view_demo.png"
+
+
+@pytest.fixture(scope="module")
+def demo_png(tmp_path_factory) -> dict[str, str]:
+    logdir = tmp_path_factory.mktemp("demo") / "run"
+    assert run_demo(["--steps", "4", "--logdir", str(logdir)]) == 0
+    return read_png_text(logdir / "cockpit_view.png")
+
+
+def test_readme_shows_the_image() -> None:
+    assert "](docs/cockpit_view_demo.png)" in (ROOT / "README.md").read_text()
+
+
+def test_readme_image_was_drawn_by_the_current_view_code() -> None:
+    stored = read_png_text(README_IMAGE)
+    assert stored.get(CODE_KEY) == drawing_code_hash(), (
+        "docs/cockpit_view_demo.png was drawn by other view code than the current one: "
+        "run `python docs/make_readme_figure.py`")
+
+
+def test_demo_figure_comes_from_the_same_code_and_panels(demo_png) -> None:
+    readme = read_png_text(README_IMAGE)
+    assert demo_png[CODE_KEY] == drawing_code_hash()
+    assert demo_png[PANELS_KEY] == readme[PANELS_KEY]
+    assert set(readme[PANELS_KEY].split(",")) >= {"Alpha", "GradHist1d", "Layers", "Findings",
+                                                   "Loss"}
+
+
+def test_provenance_changes_with_the_drawing_code(tmp_path) -> None:
+    path = save_figure(plot_cockpit({0: {"Loss": 1.0}}, diagnosis=False), tmp_path / "v.png")
+    text = read_png_text(path)
+    assert text[CODE_KEY] == drawing_code_hash() and text[PANELS_KEY] == "Loss"
+    copy = tmp_path / "view"
+    copy.mkdir()
+    package = ROOT / "src" / "cockpit" / "view"
+    for name in DRAWING_MODULES:
+        (copy / name).write_bytes((package / name).read_bytes())
+    assert drawing_code_hash(copy) == text[CODE_KEY]
+    with (copy / "instruments.py").open("ab") as f:
+        f.write(b"# an edit\n")
+    assert drawing_code_hash(copy) != text[CODE_KEY]
+
+
+def test_make_readme_figure_copies_the_demo_figure(tmp_path, monkeypatch) -> None:
+    spec = importlib.util.spec_from_file_location("make_readme_figure",
+                                                  ROOT / "docs" / "make_readme_figure.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "TARGET", tmp_path / "readme.png")
+    calls = []
+
+    def short_demo(argv):
+        calls.append(argv)
+        return run_demo([*argv, "--steps", "3"])
+
+    import cockpit.demo
+
+    monkeypatch.setattr(cockpit.demo, "run_demo", short_demo)
+    assert script.main() == 0
+    assert calls and "--logdir" in calls[0]
+    made = read_png_text(tmp_path / "readme.png")
+    assert made[CODE_KEY] == drawing_code_hash() and "Findings" in made[PANELS_KEY]
