@@ -475,7 +475,7 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
     if recorded is not None and recorded > hist.step:
         _corner_note(ax, f"step {hist.step} is the last with finite gradients:\nthe "
                      f"histograms of steps {hist.step + 1}–{recorded} hold no finite element",
-                     loc="lower left", color=S.RED, y=0.22)
+                     loc="upper left", color=S.RED, y=0.80)
     if not compact:
         _draw_zoom(ax, hist, lo, hi)
     return ax
