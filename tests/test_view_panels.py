@@ -234,3 +234,26 @@ def test_findings_panel_reads_diagnose() -> None:
         assert finding.code in shown
     if not expected:
         assert "no problem named by diagnose()" in shown
+
+
+def test_findings_that_do_not_fit_end_in_a_count_and_the_command() -> None:
+    out = synthetic_output("economy", num_steps=20, every=10, seed=12)
+    many = [Finding("noise_dominated", "warning", f"Finding number {k} in plain words.",
+                    advice="Use a larger batch.") for k in range(40)]
+    shown = texts(panel(plot_cockpit(out, findings=many), "Findings"))
+    assert 3 <= len(shown) < 80
+    assert shown[-1].startswith("… ") and "cockpit diagnose RUN_DIR" in shown[-1]
+    left = int(shown[-1].split()[1])
+    assert left + len(shown) - 1 == 80  # two lines per finding: message and advice
+
+
+def test_gradient_tests_without_any_value_use_the_whole_panel() -> None:
+    out = {t: {"NormTest": None, "InnerTest": None, "OrthoTest": None, "Loss": 1.0}
+           for t in range(5)}
+    notes = {t: {"NormTest": "undefined for a batch of one sample"} for t in range(5)}
+    fig = plot_cockpit(out, notes=notes, diagnosis=False)
+    ax = panel(fig, "GradientTests")
+    assert [t.replace("\n", " ") for t in texts(ax)] == [
+        "not computed: undefined for a batch of one sample"]
+    assert not any(a.get_title(loc="left").startswith(S.SUB_TITLES["TestGeometry"])
+                   for a in fig.axes)

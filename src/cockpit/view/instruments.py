@@ -346,10 +346,18 @@ def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
     al. Values above a threshold mean the mini-batch gradient is too noisy for that test.
     The norm test is drawn on top (the others slightly transparent), so it stays visible
     where the lines are close; the legend sits above the axes, off the data."""
+    tracked = [(n, lab, thr) for n, lab, thr in _TESTS if is_tracked(output, n)]
+    if not any(finite_part(*scalar_series(output, n))[0].size for n, _, _ in tracked):
+        # nothing to draw a geometry of: the panel's whole width says why
+        ax = _new_axes(fig, spec, "GradientTests")
+        for name, label, _ in tracked:
+            plot_series(ax, output, name, label=label)  # red crosses of non-finite values
+        _no_data(ax, _missing_message(output, [n for n, _, _ in tracked], notes))
+        _time_axis(ax, xlim)
+        return ax
     sub = spec.subgridspec(1, 2, width_ratios=[1.0, 2.1], wspace=0.12)
     geo = fig.add_subplot(sub[0, 0])
     ax = _new_axes(fig, sub[0, 1], "GradientTests")
-    tracked = [(n, lab, thr) for n, lab, thr in _TESTS if is_tracked(output, n)]
     drawn, last, last_step = [], {}, None
     for name, label, _ in tracked:
         first = len(ax.get_lines())
@@ -365,10 +373,6 @@ def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
         if steps.size:
             last[name] = float(allv[-1])
             last_step = int(steps[-1]) if last_step is None else max(last_step, int(steps[-1]))
-    if not last:
-        _no_data(ax, _missing_message(output, [n for n, _, _ in tracked], notes))
-        geo.set_axis_off()
-        return ax
     _auto_log(ax, drawn)
     _time_axis(ax, xlim)
     lo, hi = ax.get_ylim()
