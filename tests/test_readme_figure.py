@@ -99,6 +99,23 @@ def test_make_readme_figure_copies_the_demo_figure(tmp_path, monkeypatch) -> Non
     import cockpit.demo
 
     monkeypatch.setattr(cockpit.demo, "run_demo", stand_in_demo)
-    assert script.main() == 0
+    assert script.main([]) == 0
     assert (tmp_path / "readme.png").read_bytes() == written["png"]
     assert read_png_text(tmp_path / "readme.png")[CODE_KEY] == drawing_code_hash()
+
+
+def test_make_readme_figure_redraws_a_kept_demo_run(tmp_path, monkeypatch) -> None:
+    from cockpit.store import RunLogWriter
+
+    spec = importlib.util.spec_from_file_location("make_readme_figure_redraw",
+                                                  ROOT / "docs" / "make_readme_figure.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "TARGET", tmp_path / "readme.png")
+    writer = RunLogWriter(tmp_path / "kept")
+    writer.write_step(0, {"Loss": 2.0, "LearningRate": 0.1})
+    writer.close()
+    assert script.main(["--redraw", str(tmp_path / "kept")]) == 0
+    made = (tmp_path / "readme.png").read_bytes()
+    assert made == (tmp_path / "kept" / "cockpit_view.png").read_bytes()
+    assert read_png_text(tmp_path / "readme.png")[PANELS_KEY] == "Loss,Findings"
