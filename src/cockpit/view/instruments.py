@@ -353,7 +353,6 @@ def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
         for name, label, _ in tracked:
             plot_series(ax, output, name, label=label)  # red crosses of non-finite values
         _no_data(ax, _missing_message(output, [n for n, _, _ in tracked], notes))
-        _time_axis(ax, xlim)
         return ax
     sub = spec.subgridspec(1, 2, width_ratios=[1.0, 2.1], wspace=0.12)
     geo = fig.add_subplot(sub[0, 0])
