@@ -33,7 +33,7 @@ from cockpit import Cockpit, configuration, diagnose, quantities
 from cockpit.problems.deepobs import INPUT_SHAPES
 from cockpit.problems.digits import digits_cnn, load_digits_tensors
 
-STEPS = 80
+STEPS = 60
 Batches = Iterator[tuple[Tensor, Tensor]]
 
 
@@ -165,9 +165,9 @@ CASES: list[Case] = [
     Case("healthy: digits CNN, AdamW", None,
          _seeded(lambda s: (m := digits_cnn(),
                             Setup(m, torch.optim.AdamW(m.parameters()), digits_batches(s)))[1])),
-    Case("healthy: synthetic logreg 784→10, SGD momentum", None,
+    Case("healthy: synthetic logreg 784→10, SGD lr 0.01 momentum", None,
          _seeded(lambda s: (m := mlp(784, []),
-                            Setup(m, _sgd(m, 0.1), teacher_batches("mnist_logreg", s)))[1])),
+                            Setup(m, _sgd(m, 0.01), teacher_batches("mnist_logreg", s)))[1])),
     Case("healthy: synthetic MLP 784-64-64-10, Adam", None,
          _seeded(lambda s: (m := mlp(784, [64, 64]),
                             Setup(m, _adam(m), teacher_batches("mnist_mlp", s)))[1])),
@@ -242,9 +242,13 @@ CASES: list[Case] = [
     Case("batch of 2, SGD lr 0.1 momentum, digits MLP", "noise_dominated",
          _seeded(lambda s: (m := mlp(64, [64, 64]),
                             Setup(m, _sgd(m, 0.1), digits_batches(s, batch_size=2)))[1])),
-    Case("batch of 2, Adam lr 3e-3, digits CNN", "noise_dominated",
+    Case("batch of 2, SGD lr 0.05 momentum, digits CNN", "noise_dominated",
          _seeded(lambda s: (m := digits_cnn(),
-                            Setup(m, _adam(m, 3e-3), digits_batches(s, batch_size=2)))[1])),
+                            Setup(m, _sgd(m, 0.05), digits_batches(s, batch_size=2)))[1])),
+    Case("batch of 4, Adam lr 1e-2, synthetic MLP", "noise_dominated",
+         _seeded(lambda s: (m := mlp(784, [64, 64]),
+                            Setup(m, _adam(m, 1e-2), teacher_batches("mnist_mlp", s,
+                                                                     batch_size=4)))[1])),
 ]
 
 
@@ -290,17 +294,36 @@ def judge(case: Case, output: dict) -> tuple[bool, list[str]]:
     return case.expected in raised, raised
 
 
+def _run_one(job: tuple[int, int, int | None]) -> tuple[int, int, bool, list[str]]:
+    index, seed, steps = job
+    torch.set_num_threads(1)
+    case = CASES[index]
+    passed, raised = judge(case, train(case, seed, steps))
+    return index, seed, passed, raised
+
+
 def run_zoo(cases: list[Case], seeds: list[int], steps: int | None = None,
-            progress: bool = True) -> list[tuple[Case, int, bool, list[str]]]:
+            progress: bool = True, jobs: int = 1) -> list[tuple[Case, int, bool, list[str]]]:
+    """Train and judge every case × seed (in ``jobs`` worker processes)."""
     from tqdm.auto import tqdm
 
-    jobs = [(c, s) for c in cases for s in seeds]
-    results = []
-    for case, seed in tqdm(jobs, desc="bug zoo", unit="run", disable=not progress):
-        output = train(case, seed, steps)
-        passed, raised = judge(case, output)
-        results.append((case, seed, passed, raised))
-    return results
+    work = [(CASES.index(c), s, steps) for c in cases for s in seeds]
+    bar = tqdm(total=len(work), desc="bug zoo", unit="run", disable=not progress)
+    done = []
+    if jobs > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            for result in pool.imap_unordered(_run_one, work):
+                done.append(result)
+                bar.update()
+    else:
+        for job in work:
+            done.append(_run_one(job))
+            bar.update()
+    bar.close()
+    done.sort(key=lambda r: (r[0], r[1]))
+    return [(CASES[i], seed, passed, raised) for i, seed, passed, raised in done]
 
 
 def table(results) -> str:
@@ -331,12 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help=f"steps (default {STEPS})")
     parser.add_argument("--only", nargs="*", default=None,
                         help="codes to run ('healthy' for the healthy runs)")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cases = [c for c in CASES if args.only is None
              or (c.expected or "healthy") in args.only]
-    results = run_zoo(cases, list(range(args.seeds)), args.steps)
+    results = run_zoo(cases, list(range(args.seeds)), args.steps, jobs=args.jobs)
     if args.verbose:
         for case, seed, passed, raised in results:
             print(f"{'ok  ' if passed else 'MISS'} {case.name} (seed {seed}): {raised}")

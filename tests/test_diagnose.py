@@ -155,10 +155,20 @@ def test_learning_rate_checks_on_alpha_and_loss():
     over = _series(Alpha=lambda s: 1.5 + 0.3 * rng.standard_normal(),
                    Loss=lambda s: 2.0 + 0.5 * (s % 2))
     assert "lr_too_large" in _codes(over)
-    crawl = _series(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 - 1e-4 * s)
+    # Σ‖g‖‖s‖ = 40 · 0.5 · 1e-3 = 0.02 of the loss: the steps cannot move it
+    crawl = _series(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 - 1e-4 * s,
+                    GradNorm=lambda s: 0.5, UpdateSize=lambda s: 1e-3)
     assert _codes(crawl) == ["lr_too_small"]
-    progress = _series(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 * 0.97**s)
-    assert "lr_too_small" not in _codes(progress)  # α ≈ −1 but the loss falls
+    progress = _series(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 * 0.97**s,
+                       GradNorm=lambda s: 0.5, UpdateSize=lambda s: 1e-3)
+    assert "lr_too_small" not in _codes(progress)  # short steps, but the loss falls
+    plateau = _series(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 - 1e-4 * s,
+                      GradNorm=lambda s: 0.5, UpdateSize=lambda s: 0.1)
+    assert "lr_too_small" not in _codes(plateau)  # long steps that do not help: not lr
+    spike = _series(Alpha=lambda s: 3.0 if s == 9 else 0.0,
+                    Loss=lambda s: 9.0 if s == 10 else 2.0)
+    (finding,) = [f for f in diagnose(spike) if f.code == "lr_too_large"]
+    assert finding.step == 9
     healthy = _series(Alpha=lambda s: 0.1 * rng.standard_normal(), Loss=lambda s: 2.3 * 0.98**s)
     assert _codes(healthy) == []
     sharp = _series(HessMaxEV=lambda s: 50.0, LearningRate=lambda s: 0.1)
@@ -170,7 +180,7 @@ def test_vanishing_and_exploding_gradients():
     out = _series(GradNorm=lambda s: 1.0, **layers)
     (finding,) = [f for f in diagnose(out) if f.code == "vanishing_gradients"]
     # recorded in backward order: GradNorm/4 first → model order reversed
-    assert set(finding.parameters) == {"4.weight"}
+    assert set(finding.parameters) == {"3.weight", "4.weight"}  # ≥ 100× below 0.weight
     growing = _series(GradNorm=lambda s: 1.3**s)
     assert _codes(growing) == ["exploding_gradients"]
     huge = _series(GradNorm=lambda s: 5e3)

@@ -32,14 +32,14 @@ def check(record: RunRecord) -> list[Finding]:
     loss = loss[np.isfinite(loss)]
     if loss.size < T.MIN_STEPS:
         return []
-    jitter = float(np.median(np.abs(np.diff(loss))) / max(np.median(np.abs(loss)), 1e-300))
+    jitter = float(np.mean(np.abs(np.diff(loss))) / max(np.mean(np.abs(loss)), 1e-300))
     if jitter < T.LOSS_JITTER:
         return []
     evidence = [Evidence("NormTest", *pick(steps, theta),
                          f"θ ≥ {T.NORM_TEST_NOISE:g} at {noisy:.0%} of the steps: the batch "
                          "gradient is mostly sampling noise"),
                 Evidence("Loss", *pick(s_l[np.isfinite(record.series('Loss')[1])], loss),
-                         f"median step-to-step change {jitter:.0%} of the loss")]
+                         f"mean step-to-step change {jitter:.0%} of the loss")]
     s_b, b = record.series("BatchSize")
     size = f" of {int(np.median(b))}" if b.size else ""
     return [Finding(
