@@ -565,8 +565,8 @@ def draw_loss(fig: Figure, spec: SubplotSpec, output: Output, *,
     learning rate or batch size that stays constant is written here (no panel of its own)."""
     ax = _series_panel(fig, spec, output, "Loss", ["Loss"], gray=True, xlim=xlim)
     constant = constant_settings(output)
-    if constant:
-        _corner_note(ax, constant, loc="lower left")
+    if constant:  # under the axis, where it never covers the curve
+        ax.set_xlabel(f"step          {constant}", fontsize=S.FONT_SIZES["small"], labelpad=1)
     steps, vals = scalar_series(output, "Loss")
     bad = steps[~np.isfinite(vals)]
     if bad.size:
