@@ -46,11 +46,19 @@ def main(argv=None) -> dict:
     cockpit.close()
 
     output = cockpit.get_output()
-    last = max(output)
-    print(f"step {last}: loss {output[last]['Loss']:.3f}, "
-          f"norm test {output[last]['NormTest']:.3f}, GSNR {output[last]['MeanGSNR']:.3g}")
+    # each instrument has its own schedule: report its last tracked step, not the run's
+    for name in ("Loss", "NormTest", "MeanGSNR", "HessTrace", "HessMaxEV"):
+        step, value = last_value(output, name)
+        print(f"{name:>10}: {value:.4g} at step {step}" if step is not None
+              else f"{name:>10}: not computed ({cockpit.get_notes().get(max(output), {})})")
     print(f"run log in {args.logdir}: cockpit plot {args.logdir} -o view.png")
     return output
+
+
+def last_value(output: dict, name: str) -> tuple[int | None, float | None]:
+    """The last step at which ``name`` was computed, and its value."""
+    steps = [s for s in sorted(output) if output[s].get(name) is not None]
+    return (steps[-1], output[steps[-1]][name]) if steps else (None, None)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def test_demo_writes_run_log_figure_and_summary(tmp_path, capsys):
 
     assert main(["export", str(logdir), "--format", "json", "-o", str(tmp_path / "r.json")]) == 0
     exported = json.loads((tmp_path / "r.json").read_text())
-    assert exported["3"]["Loss"] == output[3]["Loss"]
+    assert exported["steps"]["3"]["Loss"] == output[3]["Loss"]
     assert main(["plot", str(logdir), "-o", str(tmp_path / "v.svg")]) == 0
     assert (tmp_path / "v.svg").read_text().lstrip().startswith("<?xml")
 

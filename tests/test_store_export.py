@@ -42,6 +42,8 @@ def test_json_export_round_trips_to_output(run, tmp_path):
     path = export_run(run, tmp_path / "out.json", "json")
     text = path.read_text()
     doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))
+    assert doc["format"] == "cockpit-run/1"
+    doc = doc["steps"]
     assert list(doc) == ["0", "1", "2"]
     assert doc["0"]["GradNorm"] == "NaN" and doc["0"]["HessMaxEV"] is None
     assert doc["0"]["Alpha"] == "Infinity" and doc["1"]["Alpha"] == "-Infinity"

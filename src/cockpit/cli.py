@@ -15,13 +15,21 @@ commands:
   diagnose say what is wrong with a run:      cockpit diagnose RUN
   bench    DeepOBS problems, runs, sweeps:    cockpit bench run|sweep|analyze ...
 
-'cockpit COMMAND --help' describes each command."""
+'cockpit COMMAND --help' describes each command; 'cockpit --version' prints the version."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:  # a command is required: usage on stderr, exit status 2 (as argparse)
+        print(USAGE, file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         print(USAGE)
+        return 0
+    if args[0] in ("-V", "--version", "version"):
+        import cockpit
+
+        print(f"cockpit {cockpit.__version__}")
         return 0
     command, rest = args[0], args[1:]
     if command == "demo":

@@ -32,6 +32,12 @@ from cockpit.engine.reduction import StepReduction
 from cockpit.engine.request import StepRequest
 from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
 from cockpit.engine.workspace import release_workspace
+from cockpit.loop_checks import (
+    ONLY_OUTSIDE,
+    OutsideBackwardWatch,
+    gradient_mismatch,
+    parameters_holding_gradient,
+)
 from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.store.arena import ArrayArena
 
@@ -64,6 +70,11 @@ class Cockpit:
             sinks (default: only rank 0; every rank computes the same global values).
         strict: re-raise errors inside Cockpit's hooks instead of recording "not computed"
             (useful in tests; never set it in a production run).
+        diagnose: read the recorded values while training runs (:func:`cockpit.diagnose`)
+            and warn once per new finding (a ``RuntimeWarning`` naming the bug, its
+            evidence and advice); sinks with ``write_findings`` log the findings as text.
+            The checks re-run after every tracked step early on, then as the run grows by
+            10 %; they read recorded numbers only and never interrupt training.
 
     Gradient accumulation: all backward passes of one optimizer step go inside
     ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values
@@ -90,6 +101,7 @@ class Cockpit:
         grad_accumulation: bool = False,
         write_on_all_ranks: bool = False,
         strict: bool = False,
+        diagnose: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Cockpit needs a torch.nn.Module, got {type(model).__name__}")
@@ -122,6 +134,9 @@ class Cockpit:
         self.hist2d_specs = hist2d_bins
         self.tracker = ModuleTracker(model, hist_bins, hist2d_bins, strict=strict)
         self._params = dict(self.tracker.params)
+        self._check_optimizer_owns_parameters()
+        self._watch = OutsideBackwardWatch(
+            self._params, lambda: self.tracker._suspended or self.tracker._probing)
         self._initial = (
             {k: p.detach().clone() for k, p in self._params.items()}
             if any(q.name == "Distance" for q in quantities)
@@ -151,6 +166,7 @@ class Cockpit:
         self._last_step: int | None = None
         self._consecutive = True
         self._closed = False
+        self._diagnosis = _LiveDiagnosis(self) if diagnose else None
         if self._needs_per_sample_anywhere():
             for problem in self.tracker.check_batch_norm()[:1]:
                 # a debugger never stops a run it can still partly watch: the per-sample
@@ -174,9 +190,23 @@ class Cockpit:
         return {step: dict(values) for step, values in sorted(self._output.items())}
 
     def get_notes(self) -> dict[int, dict[str, str]]:
-        """Why a value is None (not computed), per step and instrument."""
+        """Why a value is None or missing, per recorded step and instrument: the reasons
+        recorded with the values, and for an instrument without a value at a recorded step
+        "not scheduled at this step: <schedule>" or why it is still pending (Alpha needs the
+        next step). The last two are derived from the schedules here, not stored in the run
+        log (a name missing from a step of the run log was not scheduled there)."""
         self._finalize_open_step()
-        return {step: dict(n) for step, n in sorted(self._notes.items()) if n}
+        notes = {step: dict(n) for step, n in self._notes.items() if n}
+        for step, values in self._output.items():
+            for quantity in self.quantities:
+                name = quantity.name
+                if name in notes.get(step, {}) or _has_value(values, name):
+                    continue
+                reason = (f"pending: {_PENDING.get(name, _PENDING_OTHER)}"
+                          if _scheduled(quantity, step)
+                          else f"not scheduled at this step: {quantity.schedule!r}")
+                notes.setdefault(step, {})[name] = reason
+        return dict(sorted(notes.items()))
 
     def close(self) -> None:
         """Finish pending work, remove every hook and close the sinks. Idempotent."""
@@ -184,6 +214,10 @@ class Cockpit:
             return
         self._finalize_open_step()
         self._finish_pending_update()
+        self._record_unfinished()
+        self._watch.reset()
+        if self._diagnosis is not None:
+            self._diagnosis.feed(final=True)
         self.tracker.remove()
         release_workspace()
         for handle in self._handles:
@@ -214,10 +248,13 @@ class Cockpit:
     def _enter(self, step: int, losses: Tensor | None) -> None:
         if self._in_block:
             raise RuntimeError("cockpit(step) blocks cannot be nested; close the previous one")
+        self._watch.disarm()  # a block is open: its backward passes are seen
         open_step = self._open
         continues = open_step is not None and open_step.step == step
+        unstepped = False  # the previous tracked step had no optimizer step
         if open_step is not None and not continues:
             if self.optimizer is not None and self.grad_scaler is None:
+                unstepped = True
                 self._warn(
                     f"step {open_step.step} was not followed by optimizer.step() before step "
                     f"{step} began: if these backward passes are micro-batches of one "
@@ -226,6 +263,8 @@ class Cockpit:
             self._finalize_open_step()
         if not continues:
             self._finish_pending_update()
+            if self._diagnosis is not None:
+                self._diagnosis.feed()
             if self._last_step is not None and step != self._last_step + 1:
                 self._consecutive = False
             self._last_step = step
@@ -236,7 +275,9 @@ class Cockpit:
             self.tracker.capturing = self._capture_next(step)
             return
         if any(q.needs_losses for q in tracked):
-            losses = self._check_losses(losses, step)
+            losses = self._check_losses(losses, step, tracked)
+        if not continues and not unstepped:  # (unstepped: said more precisely above)
+            self._check_gradients_zeroed(step)
         if losses is not None and losses.requires_grad:
             losses.register_hook(self.tracker.losses_hook)
             self.tracker.drop_calls_outside(losses)
@@ -293,12 +334,47 @@ class Cockpit:
             self._prepare_failures[quantity.name] = f"failed: {message}"
             self._warn(f"{quantity.name} failed at step {step}: {message}", key=quantity.name)
 
-    def _check_losses(self, losses: Tensor | None, step: int) -> Tensor:
+    def _check_optimizer_owns_parameters(self) -> None:
+        """Say at construction which of the model's trainable parameters the optimizer does
+        not own; its settings are recorded only for the groups holding the model's."""
+        if self.optimizer is None:
+            return
+        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        missing = [name for name, p in self._params.items() if id(p) not in owned]
+        kind = type(self.optimizer).__name__
+        if self._params and len(missing) == len(self._params):
+            warnings.warn(
+                f"the optimizer passed to Cockpit ({kind}) owns none of the model's parameters: "
+                "pass the optimizer that trains this model (Cockpit(model, ..., optimizer=opt)). "
+                "Its learning rate and settings are not recorded as the model's, and the "
+                "update instruments (UpdateSize, Alpha) measure steps that do not change this "
+                "model", RuntimeWarning, stacklevel=3)
+        elif missing:
+            warnings.warn(
+                f"the optimizer passed to Cockpit ({kind}) does not own {len(missing)} of the "
+                f"model's {len(self._params)} trainable parameters: {_names(missing, 8)}. "
+                "If another optimizer trains them, Cockpit sees only this one's steps (Alpha "
+                "and UpdateSize describe the parameters this optimizer moves; its learning rate "
+                "is recorded for its own parameters only); freeze them (requires_grad=False) "
+                "if nothing should train them", RuntimeWarning, stacklevel=3)
+
+    def _model_param_groups(self) -> list[dict]:
+        """The optimizer's parameter groups that hold parameters of the model."""
+        if self.optimizer is None:
+            return []
+        ids = {id(p) for p in self._params.values()}
+        return [g for g in self.optimizer.param_groups if any(id(p) in ids for p in g["params"])]
+
+    def _check_losses(self, losses: Tensor | None, step: int,
+                      tracked: list[Quantity] = ()) -> Tensor:
         if losses is None:
+            names = sorted({q.name for q in tracked if q.needs_losses})
             raise ValueError(
-                "these instruments need the individual losses: call "
-                "cockpit(step, losses=losses) with losses = loss_fn(output, target, "
-                "reduction='none') of shape [batch], and backpropagate losses.mean()"
+                f"{', '.join(names) or 'these instruments'} need the individual losses at "
+                f"step {step}: call cockpit(step, losses=losses) with losses = loss_fn(output, "
+                "target, reduction='none') of shape [batch], and backpropagate losses.mean() "
+                "(or track only instruments that need no losses, e.g. GradNorm, Distance, "
+                "UpdateSize)"
             )
         if not isinstance(losses, Tensor) or losses.dim() != 1:
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
@@ -335,8 +411,28 @@ class Cockpit:
                 "Cockpit(..., grad_accumulation=True) to say so from the start)",
                 key="accumulation-learned")
         open_step.reduction.add(stats, calls, self.tracker.request)
+        open_step.weights.append(self.tracker.loss_weight)
+        # until the optimizer step (or the next block): see backward passes outside a block
+        reduced = open_step.reduction.stats
+        self._watch.arm(blocks_saw_gradient=reduced is not None and bool(reduced.batch_grads))
+
+    def _check_gradients_zeroed(self, step: int) -> None:
+        """Definite misuse: the parameters hold a gradient before the step's first block."""
+        held = parameters_holding_gradient(self._params)
+        if held:
+            self._warn(
+                f"step {step}: {_names(held)} already hold a gradient when the first "
+                f"`with cockpit({step}, ...)` block opens: zero the gradients before each step "
+                "(optimizer.zero_grad()) and call backward inside `with cockpit(step, ...)`; "
+                "the optimizer steps on more than the backward passes Cockpit sees",
+                key="gradients-not-zeroed", stacklevel=5)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        open_step = self._open
+        if open_step is not None and not self._in_block and self._ranks == 1:
+            reduced = open_step.reduction.stats
+            mean = {} if reduced is None else reduced.batch_grads
+            open_step.mismatch = gradient_mismatch(self._params, mean, open_step.weights)
         self._finalize_open_step()
 
     def _finalize_open_step(self) -> None:
@@ -348,6 +444,8 @@ class Cockpit:
         if self._in_block:  # get_output() inside a block: nothing is complete yet
             self._open = open_step
             return
+        evidence = self._watch.evidence
+        self._watch.reset()
         if open_step.reduction.micro_batches == 0:
             return
         self.tracker.capturing = self._capture_next(open_step.step)
@@ -363,15 +461,44 @@ class Cockpit:
             values["LearningRate"] = data.learning_rate
         if stats.losses is not None:
             values["BatchSize"] = float(stats.num_samples)
+        if open_step.mismatch is not None:
+            values["GradientMismatch"] = open_step.mismatch
         split = open_step.request.split or stats.micro_batches > 1 or stats.ranks > 1
+        no_gradient = self._report_backward_outside(step, evidence, not stats.batch_grads)
         for quantity in tracked:
+            if no_gradient and _reads_gradient(quantity):
+                data.notes[quantity.name] = no_gradient
+                values[quantity.name] = None
+                continue
             values.update(self._compute(quantity, data, stats, split))
         self._record(step, values, data.notes)
         self._record_late(data)
-        later = [q for q in tracked if q.needs_update]
+        later = [q for q in tracked if q.needs_update
+                 and not (no_gradient and _reads_gradient(q))]
         if later:
             snapshot = {k: p.detach().clone() for k, p in self._params.items()}
             self._pending_update = (step, data, snapshot, later)
+
+    def _report_backward_outside(self, step: int, evidence: str | None,
+                                 no_gradient: bool) -> str | None:
+        """Warn about a backward pass outside the blocks of ``step``; the note for the
+        gradient instruments if the blocks saw no gradient at all (else None)."""
+        if no_gradient:
+            outside = (" (a backward pass outside the block did)" if evidence == ONLY_OUTSIDE
+                       else "")
+            message = (f"no backward pass reached the parameters inside `with cockpit({step}, "
+                       f"...)`{outside}: call backward inside `with cockpit(step, ...)`")
+            self._warn(f"step {step}: {message}; the step's gradient instruments are not "
+                       "recorded", key="backward-outside")
+            return message
+        if evidence is not None:
+            self._warn(
+                f"step {step}: a backward pass outside `with cockpit({step}, ...)` added to "
+                "the gradient of the backward passes inside it: call every backward pass of "
+                "a step (every micro-batch) inside `with cockpit(step, ...)`; the step's "
+                "values describe only the backward passes inside the block",
+                key="backward-outside")
+        return None
 
     def _step_data(self, step: int, stats: BackwardStatistics, elapsed: float) -> StepData:
         return StepData(
@@ -445,6 +572,17 @@ class Cockpit:
         self._record(step, values, data.notes)
         self._record_late(data)
 
+    def _record_unfinished(self) -> None:
+        """At close: an instrument scheduled at a recorded step that never got its value
+        (Alpha at the last step needs the next one) is recorded as None with the reason."""
+        for step, values in sorted(self._output.items()):
+            missing = {q.name: f"not computed: {_PENDING.get(q.name, _PENDING_OTHER)}; the "
+                       "run ended before it" for q in self.quantities
+                       if _scheduled(q, step) and not _has_value(values, q.name)
+                       and q.name not in self._notes.get(step, {})}
+            if missing:
+                self._record(step, dict.fromkeys(missing), missing)
+
     def _record_late(self, data: StepData) -> None:
         """Values that instruments computed now for earlier steps (Alpha), and warnings."""
         for step, values in data.late.items():
@@ -462,11 +600,11 @@ class Cockpit:
             self._notes.setdefault(step, {}).update(notes)
         for sink in self._sinks:
             self._guard(sink.write_step, step, values, dict(notes))
+        if self._diagnosis is not None:
+            self._diagnosis.pending.setdefault(step, {}).update(values)
 
     def _learning_rate(self) -> float | None:
-        if self.optimizer is None:
-            return None
-        rates = {float(group["lr"]) for group in self.optimizer.param_groups if "lr" in group}
+        rates = {float(group["lr"]) for group in self._model_param_groups() if "lr" in group}
         return rates.pop() if len(rates) == 1 else None
 
     def _guard(self, fn, *args) -> None:
@@ -477,11 +615,11 @@ class Cockpit:
                 raise
             self._warn(f"Cockpit sink failed: {error}", key=f"sink:{type(error).__name__}")
 
-    def _warn(self, message: str, key: str | None = None) -> None:
+    def _warn(self, message: str, key: str | None = None, stacklevel: int = 4) -> None:
         key = key or message
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
     def _metadata(self) -> dict[str, Any]:
         import platform
@@ -489,18 +627,20 @@ class Cockpit:
         import cockpit
 
         params = self._params
+        groups = self._model_param_groups()
+        owned = {id(p) for g in groups for p in g["params"]}
         return {
             "model": repr(self.model),
             "model_class": type(self.model).__name__,
             "num_parameters": int(sum(p.numel() for p in params.values())),
             "parameters": {k: list(p.shape) for k, p in params.items()},
-            "optimizer": None if self.optimizer is None else type(self.optimizer).__name__,
-            "optimizer_hyperparameters": None
-            if self.optimizer is None
-            else [
-                {k: v for k, v in g.items() if k != "params" and _jsonable(v)}
-                for g in self.optimizer.param_groups
-            ],
+            # only an optimizer that trains (some of) this model, only its groups that do
+            "optimizer": type(self.optimizer).__name__ if groups else None,
+            "optimizer_hyperparameters": [
+                {k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in groups
+            ] if groups else None,
+            "parameters_not_in_optimizer": [n for n, p in params.items() if id(p) not in owned]
+            if self.optimizer is not None else [],
             "quantities": [q.name for q in self.quantities],
             "schedules": {q.name: repr(q.schedule) for q in self.quantities},
             "versions": {
@@ -519,6 +659,37 @@ def _jsonable(value: Any) -> bool:
     )
 
 
+_PENDING = {
+    "Alpha": "α at step t fits the loss and its slope at θ_t and θ_(t+1), and the latter are "
+             "measured at the next step",
+}
+_PENDING_OTHER = "the instrument completes this step's value at a later step"
+
+
+def _scheduled(quantity: Quantity, step: int) -> bool:
+    """Whether the instrument's schedule gives it a value at ``step`` (Alpha also tracks
+    the step after each of its steps, for the fit: ``starts``)."""
+    starts = getattr(quantity, "starts", None)
+    return bool(starts(step)) if callable(starts) else quantity.should_track(step)
+
+
+def _has_value(values: dict[str, Value], name: str) -> bool:
+    """Whether ``values`` hold instrument ``name`` (or only its per-parameter entries)."""
+    return name in values or any(key.startswith(name + "/") for key in values)
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    """'a, b and 3 more' for messages."""
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def _reads_gradient(quantity: Quantity) -> bool:
+    """Whether an instrument reads the user's backward pass (the batch gradient or the
+    individual gradients), so it has nothing to describe without one."""
+    return bool(quantity.needs & PER_SAMPLE_STATS) or quantity.name == "GradNorm"
+
+
 class _OpenStep:
     """A tracked step whose backward passes (micro-batches) are still coming in."""
 
@@ -527,6 +698,8 @@ class _OpenStep:
         self.step, self.tracked, self.request = step, tracked, request
         self.elapsed, self.reduction = elapsed, reduction
         self.prepare_failures: dict[str, str] = {}
+        self.weights: list[float | None] = []  # loss weight w of each backward pass
+        self.mismatch: float | None = None  # GradientMismatch, set at optimizer.step()
 
     def new_request(self, gradient_scale: float) -> StepRequest:
         """The request of one more backward pass of this step: the same statistics; the
@@ -534,6 +707,50 @@ class _OpenStep:
         first = self.request
         return StepRequest(first.needs, gradient_scale=gradient_scale, split=first.split,
                            union_gram=first.union_gram, defer=first.defer)
+
+
+class _LiveDiagnosis:
+    """``Cockpit(..., diagnose=True)``: feeds recorded steps to a
+    :class:`cockpit.diagnose.Diagnoser` and warns once per new finding."""
+
+    def __init__(self, cockpit: Cockpit):
+        from cockpit.diagnose import Diagnoser
+
+        self.cockpit = cockpit
+        self.diagnoser = Diagnoser(meta={"parameters": {
+            k: list(p.shape) for k, p in cockpit._params.items()}})
+        self.pending: dict[int, dict[str, Value]] = {}  # recorded since the last feed
+        self.evaluated_at = 0  # number of steps at the last evaluation
+
+    def feed(self, final: bool = False) -> None:
+        try:
+            self._feed(final)
+        except Exception as error:  # a diagnosis never stops training
+            if self.cockpit.strict:
+                raise
+            self.cockpit._warn(f"Cockpit diagnosis failed: {error}", key="diagnosis-failed")
+
+    def _feed(self, final: bool) -> None:
+        new, self.pending = self.pending, {}
+        if new:  # also late values of earlier steps (Alpha of step t comes at t + 1)
+            self.diagnoser.record.add(new)
+        n = len(self.diagnoser.record.steps)
+        if n == 0:
+            return
+        if not final and n - self.evaluated_at < max(1, self.evaluated_at // 10):
+            return
+        self.evaluated_at = n
+        findings = self.diagnoser.evaluate()
+        if not findings:
+            return
+        step = self.diagnoser.record.last_step
+        for finding in findings:
+            self.cockpit._warn(f"Cockpit diagnosis at step {step}: {finding}",
+                               key=f"diagnosis:{finding.code}:{finding.parameters}")
+        for sink in self.cockpit._sinks:
+            write = getattr(sink, "write_findings", None)
+            if write is not None:
+                self.cockpit._guard(write, step, findings)
 
 
 def _sample_sum_keys(quantities: list[Quantity]) -> tuple[str, ...]:

@@ -2,12 +2,16 @@
 
 Formats (``export_run(logdir, out_path, fmt)``):
 
-* ``json`` — the layout of the original ``Cockpit.write``: ``{"<step>": {name: value}}``,
-  step keys as strings in ascending order, dict values keep their field names, arrays
-  become nested lists. The file is strict JSON: NaN, +inf and -inf (also inside arrays)
-  are written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``, and ``null``
-  means ``None`` (not computed), so the two stay distinct. :func:`load_json_export` reads
-  such a file back into the ``output()`` layout (lists become numpy arrays).
+* ``json`` — the whole run: ``{"format": "cockpit-run/1", "meta": {...}, "notes":
+  {"<step>": {name: reason}}, "steps": {"<step>": {name: value}}}``. ``meta`` is the run's
+  metadata (model, optimizer and its settings, instruments and schedules, versions),
+  ``notes`` say why a value is ``null``, ``steps`` is the layout of the original
+  ``Cockpit.write``: step keys as strings in ascending order, dict values keep their field
+  names, arrays become nested lists. The file is strict JSON: NaN, +inf and -inf (also
+  inside arrays) are written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``, and
+  ``null`` means ``None`` (not computed), so the two stay distinct. :func:`load_json_export`
+  reads such a file (or one of the older steps-only layout) back into the ``output()``
+  layout (lists become numpy arrays).
 * ``csv`` — the scalar instruments in wide form: a ``step`` column, then one column per
   scalar name (as :meth:`RunLogReader.scalars`). Cells: the float (shortest round-trip
   repr), ``nan``, ``inf``, ``-inf``, or empty when the value is ``None`` or was not
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +39,7 @@ from cockpit.store.reader import RunLogReader
 __all__ = ["add_export_subcommand", "export_run", "load_json_export", "main_export"]
 
 FORMATS = ("json", "csv", "parquet")
+JSON_FORMAT = "cockpit-run/1"
 _NONFINITE_TO_TEXT = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 _TEXT_TO_FLOAT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -71,6 +77,8 @@ def _from_json_list(x: list) -> list:
 def load_json_export(path: str | Path) -> dict[int, dict[str, Any]]:
     """Read a JSON export back into the ``{step: {name: value}}`` layout of ``output()``."""
     raw = json.loads(Path(path).read_text())
+    if isinstance(raw.get("steps"), dict) and "format" in raw:
+        raw = raw["steps"]
     out: dict[int, dict[str, Any]] = {}
     for step, values in raw.items():
         out[int(step)] = {name: _from_json(v) for name, v in values.items()}
@@ -132,14 +140,30 @@ def export_run(
         elif fmt == "csv":
             _write_csv(reader, out_path)
         else:
-            doc = {str(step): _jsonable(vals) for step, vals in reader.output().items()}
+            doc = {
+                "format": JSON_FORMAT,
+                "meta": _jsonable(reader.meta()),
+                "notes": {str(step): notes for step, notes in reader.notes().items()},
+                "steps": {str(step): _jsonable(vals) for step, vals in reader.output().items()},
+            }
             out_path.write_text(json.dumps(doc, allow_nan=False))
     return out_path
 
 
+DESCRIPTION = """Export the run log of RUN (a directory with cockpit.sqlite) to a file.
+
+  json     the whole run: metadata, notes (why a value is null) and every recorded value,
+           histograms included; NaN/inf as the strings "NaN", "Infinity", "-Infinity"
+  csv      the scalar instruments, one row per step, one column per name
+  parquet  the same table as csv (needs pyarrow)"""
+
+
 def _configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("run", help="run directory containing cockpit.sqlite")
-    parser.add_argument("--format", "-f", choices=FORMATS, default="json", dest="fmt")
+    parser.add_argument("--format", "-f", choices=FORMATS, default="json", dest="fmt",
+                        help="output format (default: json)")
     parser.add_argument(
         "-o", "--output", default=None, help="output file (default: <run>/cockpit.<format>)"
     )
@@ -149,7 +173,11 @@ def _configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def _run_from_args(args: argparse.Namespace) -> int:
     out = args.output or str(Path(args.run) / f"cockpit.{args.fmt}")
-    print(export_run(args.run, out, args.fmt))
+    try:
+        print(export_run(args.run, out, args.fmt))
+    except (FileNotFoundError, ImportError, ValueError, OSError) as err:
+        print(f"cockpit export: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -158,10 +186,7 @@ def add_export_subcommand(subparsers: Any) -> argparse.ArgumentParser:
 
     The sub-parser sets ``func``: call ``args.func(args)`` (returns an exit code).
     """
-    parser = subparsers.add_parser(
-        "export", help="export a run log to JSON, CSV or Parquet", description=__doc__
-    )
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser = subparsers.add_parser("export", help="export a run log to JSON, CSV or Parquet")
     return _configure_parser(parser)
 
 

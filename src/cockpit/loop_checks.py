@@ -1,0 +1,148 @@
+"""Checks of the training loop around Cockpit: the gradient the optimizer steps on against
+the backward passes Cockpit's hooks saw.
+
+* **GradientMismatch** (a recorded value, never a warning): 1 − cos∠(p.grad, ḡ) over all
+  parameters at ``optimizer.step()``, where p.grad is the gradient the optimizer steps on
+  and ḡ = (1/N) Σ_n g_n the step's batch gradient from the backward passes inside
+  ``with cockpit(step, ...)``. When every backward pass of the step weighted its samples
+  alike (w = ∂L/∂ℓ_n), p.grad = w·N·ḡ in exact arithmetic, so the value is 0 up to
+  rounding (below 1e-10 in float32), also after a global rescaling (clip_grad_norm_, a
+  GradScaler). Editing gradients between backward and step (clip_grad_value_, per-parameter
+  clipping, gradient noise, SAM, manual weight decay, a penalty outside ``losses``) makes it
+  positive legitimately, so it is only recorded; a run-level reading of it belongs to the
+  diagnosis.
+* **Definite misuse** (a warning): a parameter already holds a non-zero gradient when the
+  first block of a tracked step opens (gradients not zeroed, or a backward pass before the
+  block); a backward pass accumulated into p.grad outside the blocks of an open tracked step,
+  onto the very gradient the blocks left (a micro-batch outside the block), or in a step
+  whose blocks saw no gradient at all (backward after the block). A gradient that was reset
+  or edited in between (SAM's second pass after ``zero_grad``) is no evidence and gives no
+  warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+ADDED = "added"  # a backward outside the blocks added to the gradient the blocks left
+ONLY_OUTSIDE = "only_outside"  # the blocks saw no gradient; a backward outside them did
+
+
+def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
+                      weights: list[float | None]) -> float | None:
+    """1 − cos∠(p.grad, ḡ) = ½ Σ_params ‖p.grad/‖p.grad‖ − sign(w)·ḡ/‖ḡ‖‖² over all
+    parameters (the half squared distance of unit vectors: no cancellation near 0).
+
+    ``mean``: ḡ per parameter name; ``weights``: the loss weight w of each backward pass of
+    the step. None where it cannot be checked: weights unknown or unequal (then p.grad is
+    not a multiple of ḡ), a zero ḡ, a parameter without a dense p.grad. A zero p.grad
+    against a non-zero ḡ gives 1.
+    """
+    if not mean or not weights or any(w is None for w in weights):
+        return None
+    known = [float(w) for w in weights if w is not None]
+    if max(known) - min(known) > 1e-6 * max(abs(w) for w in known) or known[0] == 0.0:
+        return None
+    sign = 1.0 if known[0] > 0 else -1.0
+    pairs = []
+    for name, g in mean.items():
+        p = params.get(name)
+        if p is None or p.grad is None or p.grad.layout != torch.strided:
+            return None
+        pairs.append((p.grad.detach(), g.detach()))
+    grad_sq = sum(_sq(a) for a, _ in pairs)
+    mean_sq = sum(_sq(b) for _, b in pairs)
+    if not (math.isfinite(grad_sq) and math.isfinite(mean_sq)) or mean_sq == 0.0:
+        return None
+    if grad_sq == 0.0:
+        return 1.0
+    ia, ib = 1.0 / math.sqrt(grad_sq), sign / math.sqrt(mean_sq)
+    half_sq = 0.5 * sum(_sq(a * ia - b.to(a.dtype) * ib) for a, b in pairs)
+    return min(half_sq, 2.0)
+
+
+def _sq(x: Tensor) -> float:
+    flat = x.reshape(-1)
+    return float(torch.dot(flat, flat)) if flat.is_floating_point() else float(flat.pow(2).sum())
+
+
+def parameters_holding_gradient(params: dict[str, Tensor]) -> list[str]:
+    """Names of the parameters whose p.grad is non-zero (one device sync in all)."""
+    named = [(n, p.grad) for n, p in params.items() if p.grad is not None]
+    if not named:
+        return []
+    dense = [(n, g.detach()) for n, g in named if g.layout == torch.strided]
+    sparse = [(n, g.detach().coalesce()) for n, g in named if g.layout == torch.sparse_coo]
+    norms = torch._foreach_norm([g for _, g in dense]) if dense else []
+    held = [n for (n, _), v in zip(dense, torch.stack(norms).tolist() if dense else [],
+                                   strict=True) if v != 0.0]
+    held += [n for n, g in sparse if bool(g.values().any())]
+    return held
+
+
+class OutsideBackwardWatch:
+    """Hooks on the parameters, armed only while a tracked step is open and no block is:
+    they see a backward pass that accumulates into p.grad outside ``with cockpit(step)``.
+
+    A pre-hook sees p.grad before the accumulation (whether it is still the gradient the
+    blocks left, unchanged), the post-accumulate hook confirms that p.grad was written (a
+    ``torch.autograd.grad`` call fires only the first).
+    """
+
+    def __init__(self, params: dict[str, Tensor], busy: Callable[[], bool]):
+        self.params = params
+        self.busy = busy  # True while Cockpit runs backward passes of its own
+        self.evidence: str | None = None
+        self._handles: list = []
+        self._left: dict[str, tuple[weakref.ref | None, int]] = {}
+        self._onto_left: dict[str, bool] = {}
+        self._blocks_saw_gradient = True
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def arm(self, blocks_saw_gradient: bool) -> None:
+        """Start watching; p.grad as it is now is what the blocks left."""
+        self.disarm()
+        self._blocks_saw_gradient = blocks_saw_gradient
+        for name, p in self.params.items():
+            g = p.grad
+            self._left[name] = (None, 0) if g is None else (weakref.ref(g), g._version)
+            self._handles.append(p.register_hook(functools.partial(self._before, name)))
+            self._handles.append(p.register_post_accumulate_grad_hook(
+                functools.partial(self._after, name)))
+
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._left = {}
+        self._onto_left = {}
+
+    def reset(self) -> None:
+        self.disarm()
+        self.evidence = None
+
+    def _before(self, name: str, grad: Tensor) -> None:
+        if self.busy():
+            return
+        ref, version = self._left.get(name, (None, 0))
+        current = self.params[name].grad
+        self._onto_left[name] = (ref is not None and current is not None
+                                 and ref() is current and current._version == version)
+
+    def _after(self, name: str, param: Tensor) -> None:
+        if self.busy() or name not in self._onto_left:
+            return
+        onto_left = self._onto_left.pop(name)
+        if not self._blocks_saw_gradient:
+            self.evidence = ONLY_OUTSIDE
+        elif onto_left and self.evidence is None:
+            self.evidence = ADDED

@@ -1,0 +1,191 @@
+"""Checks of the training loop around Cockpit (cockpit/loop_checks.py): GradientMismatch
+against 1 − cos computed here from the gradients, definite misuse warned about, legitimate
+gradient edits never."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from cockpit import Cockpit, quantities
+from tests.models import make_problem
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def one_minus_cos(a: dict, b: dict) -> float:
+    x = torch.cat([a[k].reshape(-1) for k in sorted(a)]).double()
+    y = torch.cat([b[k].reshape(-1) for k in sorted(a)]).double()
+    return float(1 - x @ y / (x.norm() * y.norm()))
+
+
+def whole_batch_gradient(problem) -> dict:
+    params = dict(problem.model.named_parameters())
+    grads = torch.autograd.grad(problem.losses().mean(), list(params.values()))
+    return dict(zip(params, grads, strict=True))
+
+
+EDITS = {
+    "clip_grad_value_": lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 0.01),
+    "clip_grad_norm_": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01),
+    "gradient noise": lambda m: [p.grad.add_(0.05 * torch.randn_like(p)) for p in
+                                 m.parameters()],
+    "manual weight decay": lambda m: [p.grad.add_(p.detach(), alpha=0.1) for p in
+                                      m.parameters()],
+    "per-parameter clipping": lambda m: [p.grad.mul_(min(1.0, 0.05 / float(p.grad.norm())))
+                                         for p in m.parameters()],
+    None: lambda m: None,
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS), ids=lambda e: str(e))
+def test_gradient_mismatch_is_recorded_and_legitimate_edits_raise_no_warning(edit):
+    problem = make_problem("cnn", 12)
+    opt = sgd(problem.model)
+    cockpit = Cockpit(problem.model, [quantities.GradNorm(), quantities.NormTest()],
+                      optimizer=opt)
+    expected = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(3):
+            opt.zero_grad()
+            reference = whole_batch_gradient(problem)
+            losses = problem.losses()
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            EDITS[edit](problem.model)
+            stepped = {k: p.grad.clone() for k, p in problem.model.named_parameters()}
+            expected.append(one_minus_cos(stepped, reference))
+            opt.step()
+        output = cockpit.get_output()
+    cockpit.close()
+    for step in range(3):
+        got = output[step]["GradientMismatch"]
+        if edit in (None, "clip_grad_norm_"):  # a global factor: 0 up to rounding
+            assert 0.0 <= got < 1e-12 and expected[step] < 1e-12
+        else:
+            assert expected[step] > 1e-4  # the edit changed the direction
+            assert got == pytest.approx(expected[step], rel=1e-6)
+
+
+def test_sam_second_backward_after_zero_grad_is_no_misuse():
+    """SAM: the gradient at θ + ρ·g/‖g‖ is backpropagated after zero_grad, outside the
+    block; the optimizer steps on it. Recorded as GradientMismatch, never warned about."""
+    problem = make_problem("mlp_relu", 16)
+    opt = sgd(problem.model)
+    cockpit = Cockpit(problem.model, [quantities.GradNorm(), quantities.NormTest()],
+                      optimizer=opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(3):
+            opt.zero_grad()
+            losses = problem.losses()
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            params = list(problem.model.parameters())
+            norm = torch.sqrt(sum((p.grad ** 2).sum() for p in params))
+            shifts = [0.05 * p.grad / norm for p in params]
+            with torch.no_grad():
+                for p, e in zip(params, shifts, strict=True):
+                    p.add_(e)
+            opt.zero_grad()
+            problem.losses().mean().backward()
+            with torch.no_grad():
+                for p, e in zip(params, shifts, strict=True):
+                    p.sub_(e)
+            opt.step()
+        output = cockpit.get_output()
+    cockpit.close()
+    assert all(output[s]["GradientMismatch"] > 1e-6 for s in range(3))
+
+
+def test_equal_micro_batches_match_and_unequal_weights_are_not_checked():
+    problem = make_problem("mlp_relu", 16)
+    opt = sgd(problem.model)
+    cockpit = Cockpit(problem.model, [quantities.GradNorm()], optimizer=opt,
+                      grad_accumulation=True)
+    for step, weighting in enumerate(["mean/k", "sum/part"]):
+        opt.zero_grad()
+        for part in (slice(0, 8), slice(8, 16)):
+            losses = problem.loss_fn(problem.model(problem.x[part]), problem.y[part])
+            with cockpit(step, losses=losses):
+                (losses.mean() / 2 if weighting == "mean/k" else losses.sum() / (
+                    3 if part.start == 0 else 1)).backward()
+        opt.step()
+    output = cockpit.get_output()
+    cockpit.close()
+    assert output[0]["GradientMismatch"] < 1e-12
+    assert "GradientMismatch" not in output[1]  # p.grad is not a multiple of the mean
+
+
+def run_misused(misuse: str, steps: int = 2):
+    problem = make_problem("mlp_relu", 16)
+    opt = sgd(problem.model)
+    cockpit = Cockpit(problem.model, [quantities.Loss(), quantities.GradNorm(),
+                                      quantities.NormTest(), quantities.Alpha()],
+                      optimizer=opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            if misuse != "no zero_grad" or step == 0:
+                opt.zero_grad()
+            losses = problem.losses()
+            if misuse == "backward before the block":
+                losses.mean().backward()
+            with cockpit(step, losses=losses):
+                if misuse in ("micro-batch outside", "no zero_grad"):
+                    losses.mean().backward()
+            if misuse == "backward after the block":
+                losses.mean().backward()
+            if misuse == "micro-batch outside":
+                problem.loss_fn(problem.model(problem.x[:4]), problem.y[:4]).mean().backward()
+            opt.step()
+    cockpit.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return cockpit.get_output(), cockpit.get_notes(), messages
+
+
+@pytest.mark.parametrize("misuse", ["backward after the block", "backward before the block"])
+def test_backward_outside_the_block_records_no_gradient_numbers(misuse):
+    output, notes, messages = run_misused(misuse)
+    assert any("call backward inside `with cockpit(step, ...)`" in m for m in messages)
+    if misuse == "backward before the block":
+        assert any("already hold a gradient" in m for m in messages)
+    for step in range(2):
+        assert output[step]["Loss"] is not None  # the losses were seen
+        for name in ("GradNorm", "NormTest", "Alpha"):
+            assert output[step][name] is None, (step, name)
+            assert "call backward inside `with cockpit(step, ...)`" in notes[step][name]
+        assert not any(k.startswith("GradNorm/") for k in output[step])
+
+
+def test_a_micro_batch_outside_the_block_is_reported():
+    output, _, messages = run_misused("micro-batch outside")
+    assert any("outside `with cockpit(0, ...)` added to the gradient" in m for m in messages)
+    assert output[0]["GradientMismatch"] > 1e-3
+
+
+def test_gradients_not_zeroed_are_reported_at_the_next_block():
+    output, _, messages = run_misused("no zero_grad", steps=3)
+    assert sum("already hold a gradient" in m for m in messages) == 1  # once per run
+    assert "step 1:" in next(m for m in messages if "already hold a gradient" in m)
+    assert output[0]["GradientMismatch"] < 1e-12 < output[2]["GradientMismatch"]
+
+
+def test_a_correct_loop_with_zeroed_tensors_raises_no_warning():
+    problem = make_problem("cnn", 8)
+    opt = sgd(problem.model)
+    cockpit = Cockpit(problem.model, "economy", optimizer=opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(3):
+            opt.zero_grad(set_to_none=False)  # zero tensors, not None
+            losses = problem.losses()
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            opt.step()
+        cockpit.close()
