@@ -156,6 +156,9 @@ class Cockpit:
         self._last_step: int | None = None
         self._consecutive = True
         self._closed = False
+        # integrations whose trainer runs the backward inside optimizer.step(closure) turn
+        # this off and call end_step() between the last backward pass and the update
+        self.ends_steps_at_optimizer_step = True
 
     # ------------------------------------------------------------------ public API
     def __call__(self, step: int, losses: Tensor | None = None) -> _StepContext:
@@ -176,6 +179,36 @@ class Cockpit:
         """Why a value is None (not computed), per step and instrument."""
         self._finalize_open_step()
         return {step: dict(n) for step, n in sorted(self._notes.items()) if n}
+
+    def end_step(self) -> None:
+        """Record the open tracked step now: all of its backward passes are done.
+
+        Cockpit does this by itself in ``optimizer.step()``'s pre-hook. A trainer that runs
+        the backward pass inside ``optimizer.step(closure)`` (Lightning) calls it after that
+        hook; its integration sets ``ends_steps_at_optimizer_step = False`` and calls
+        ``end_step()`` after the last backward pass of the step, before the update."""
+        self._finalize_open_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a run resumed from a checkpoint needs to continue with the same values:
+        θ_0 of Distance (on the CPU) and the last step seen (step numbering)."""
+        initial = (None if self._initial is None
+                   else {k: v.detach().cpu().clone() for k, v in self._initial.items()})
+        return {"initial_params": initial, "last_step": self._last_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a run saved by :meth:`state_dict` (call it before the first step)."""
+        initial = state.get("initial_params")
+        if initial is not None and self._initial is not None:
+            missing = set(self._initial) - set(initial)
+            if missing:
+                raise ValueError(
+                    f"the saved Cockpit state lacks θ_0 of {sorted(missing)[:3]}: it was saved "
+                    "for another model")
+            self._initial = {k: initial[k].to(device=v.device, dtype=v.dtype)
+                             for k, v in self._initial.items()}
+        last = state.get("last_step")
+        self._last_step = None if last is None else int(last)
 
     def close(self) -> None:
         """Finish pending work, remove every hook and close the sinks. Idempotent."""
@@ -336,7 +369,8 @@ class Cockpit:
         open_step.reduction.add(stats, calls, self.tracker.request)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._finalize_open_step()
+        if self.ends_steps_at_optimizer_step:
+            self._finalize_open_step()
 
     def _finalize_open_step(self) -> None:
         """Record the open tracked step: reduce its backward passes (micro-batches, then
