@@ -68,12 +68,14 @@ def micro_batches(batches: list[tuple], micro: int, part: slice | None = None) -
 
 def fit(problem, items: list[tuple], make_optimizer, steps: int, accumulate: int = 1,
         callback: CockpitCallback | None = None, ckpt_path: str | None = None,
-        extra_callbacks: tuple = (), **trainer_kwargs) -> tuple[CockpitCallback, StepRecorder, pl.Trainer]:
+        extra_callbacks: tuple = (), **trainer_kwargs
+        ) -> tuple[CockpitCallback, StepRecorder, pl.Trainer]:
     callback = callback or CockpitCallback(instruments(), strict=True)
     recorder = StepRecorder()
     trainer_kwargs.setdefault("logger", False)
     trainer = pl.Trainer(
-        max_steps=steps, accumulate_grad_batches=accumulate, callbacks=[callback, recorder, *extra_callbacks],
+        max_steps=steps, accumulate_grad_batches=accumulate,
+        callbacks=[callback, recorder, *extra_callbacks],
         accelerator="cpu", enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, **trainer_kwargs)
     module = Module(problem.model, problem.loss_fn, make_optimizer)

@@ -28,8 +28,9 @@ Step numbers are ``trainer.global_step`` (optimizer steps); the micro-batches of
 share it. With the DDP strategy every rank's values describe the global batch (Cockpit's own
 reduction); only rank 0 writes. Scalars go to the trainer's loggers as ``cockpit/<name>``,
 the run log (``logdir=``) and ``sinks=`` get everything. Cockpit watches the network the
-LightningModule holds (its only child with parameters, see :func:`network_of`). The callback's ``state_dict`` keeps
-θ_0 (Distance) and the step numbering across a checkpoint resume.
+LightningModule holds (its only child with parameters, see :func:`network_of`). The
+callback's ``state_dict`` keeps θ_0 (Distance) and the step numbering across a checkpoint
+resume.
 """
 
 from __future__ import annotations
