@@ -146,6 +146,47 @@ def test_bf16_autocast_and_clipping_see_the_unclipped_gradient():
         assert output[step]["GradNorm"] > 0.1
 
 
+def test_float16_with_a_grad_scaler_sees_unscaled_gradients():
+    """A MixedPrecision plugin with a GradScaler (float16 autocast; the backward pass of the
+    scaled loss): the callback hands the scaler to Cockpit, whose values equal a plain loop's
+    with the same scaler — and Alpha's Adam prediction is exact despite the scaling."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    name = "mlp_relu"
+    problem = make_problem(name, 48, dtype=torch.float32)
+    batches = batches_of(problem, STEPS, 24)
+
+    def chosen():
+        return [quantities.Loss(), quantities.GradNorm(), quantities.NormTest(),
+                quantities.Alpha(), quantities.UpdateSize()]
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    callback = CockpitCallback(chosen(), strict=True)
+    fit(problem, micro_batches(batches, 1), adam, STEPS, callback=callback,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert callback.cockpit.grad_scaler is scaler
+    output = callback.cockpit.get_output()
+
+    reference = make_problem(name, 48, dtype=torch.float32)
+    model = reference.model
+    opt = adam(model)
+    own = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    cockpit = Cockpit(model, chosen(), optimizer=opt, grad_scaler=own, strict=True)
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            losses = reference.loss_fn(model(x), y)
+        with cockpit(step, losses=losses):
+            own.scale(losses.mean()).backward()
+        own.step(opt)
+        own.update()
+    cockpit.close()
+    expected = cockpit.get_output()
+    assert assert_same_values(output, expected, range(STEPS), rtol=1e-5) >= 4 * STEPS
+    assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
+    assert output[0]["GradNorm"] < 10  # unscaled (the scale is 1024)
+
+
 class ParameterRecorder(pl.Callback):
     """θ_t at the start of each step t."""
 
