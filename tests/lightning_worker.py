@@ -37,6 +37,10 @@ class Module(pl.LightningModule):
         losses = self.loss_fn(self.model(x), y)
         return {"loss": losses.mean(), "losses": losses}
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", self.loss_fn(self.model(x), y).mean())
+
     def configure_optimizers(self):
         return self.make_optimizer(self.model)
 
@@ -68,11 +72,13 @@ def micro_batches(batches: list[tuple], micro: int, part: slice | None = None) -
 
 def fit(problem, items: list[tuple], make_optimizer, steps: int, accumulate: int = 1,
         callback: CockpitCallback | None = None, ckpt_path: str | None = None,
-        extra_callbacks: tuple = (), **trainer_kwargs
+        extra_callbacks: tuple = (), val_items: list[tuple] | None = None, **trainer_kwargs
         ) -> tuple[CockpitCallback, StepRecorder, pl.Trainer]:
     callback = callback or CockpitCallback(instruments(), strict=True)
     recorder = StepRecorder()
     trainer_kwargs.setdefault("logger", False)
+    if val_items is None:
+        trainer_kwargs.setdefault("limit_val_batches", 0)
     trainer = pl.Trainer(
         max_steps=steps, accumulate_grad_batches=accumulate,
         callbacks=[callback, recorder, *extra_callbacks],
@@ -80,7 +86,10 @@ def fit(problem, items: list[tuple], make_optimizer, steps: int, accumulate: int
         enable_model_summary=False, num_sanity_val_steps=0, **trainer_kwargs)
     module = Module(problem.model, problem.loss_fn, make_optimizer)
     loader = DataLoader(Batches(items), batch_size=None, shuffle=False)
-    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+    validation = (None if val_items is None
+                  else DataLoader(Batches(val_items), batch_size=None, shuffle=False))
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=validation,
+                ckpt_path=ckpt_path)
     return callback, recorder, trainer
 
 

@@ -59,9 +59,11 @@ def strip(output: dict) -> dict:
 def test_accumulate_grad_batches_equals_the_whole_batch(tmp_path, name, micro, make_optimizer):
     problem = make_problem(name, 48)
     batches = batches_of(problem, STEPS, 24)
+    # a validation loop after every optimizer step: its forward passes leave Cockpit alone
     callback, _, trainer = fit(problem, micro_batches(batches, micro), make_optimizer, STEPS,
-                               accumulate=micro,
-                               logger=pl_csv_logger(tmp_path))
+                               accumulate=micro, logger=pl_csv_logger(tmp_path),
+                               val_items=[(problem.x[:8], problem.y[:8])],
+                               val_check_interval=micro)
     output = strip(callback.cockpit.get_output())
     expected, _ = whole_batch_run(make_problem(name, 48), batches, make_optimizer)
     assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
@@ -70,7 +72,9 @@ def test_accumulate_grad_batches_equals_the_whole_batch(tmp_path, name, micro, m
     # the scalars reached the trainer's logger (a CSV file written by Lightning)
     trainer.loggers[0].save()
     with open(trainer.loggers[0].experiment.metrics_file_path) as file:
-        rows = [row for row in csv.DictReader(file) if row.get("cockpit/GradNorm")]
+        table = list(csv.DictReader(file))
+    assert sum(1 for row in table if row.get("val_loss")) == STEPS  # validation ran
+    rows = [row for row in table if row.get("cockpit/GradNorm")]
     logged = {int(row["step"]): float(row["cockpit/GradNorm"]) for row in rows}
     assert sorted(logged) == list(range(STEPS))
     for step, value in logged.items():
