@@ -102,14 +102,15 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
 
 
-def hf_train(model, items, micro, tmp_path, chosen, max_grad_norm):
+def hf_train(model, items, micro, tmp_path, chosen, max_grad_norm, ddp=False):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=1,
         gradient_accumulation_steps=micro, learning_rate=0.01, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=max_grad_norm, optim="adamw_torch",
         report_to=["tensorboard"], logging_steps=1,
         save_strategy="no", use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0)
+        dataloader_num_workers=0, ddp_backend="gloo" if ddp else None,
+        accelerator_config={"dispatch_batches": False} if ddp else None)
     callback = CockpitCallback(chosen, strict=True)
     stepped = []
     trainer = transformers.Trainer(model=model, args=args, train_dataset=MicroBatches(items),
@@ -204,3 +205,54 @@ def test_without_attach_the_way_in_is_named(tmp_path):
                                    callbacks=[CockpitCallback("economy")])
     with pytest.raises(RuntimeError, match="attach"):
         trainer.train()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+DDP_MICRO, DDP_SIZE = 2, 8
+
+
+def ddp_data() -> tuple[list[tuple], list[list[dict]]]:
+    """The steps' batches, and each rank's micro-batches (half of each batch, cut in two)."""
+    generator = torch.Generator().manual_seed(6)
+    batches = [token_batch(DDP_SIZE, generator, lm=False) for _ in range(STEPS)]
+    shards: list[list[dict]] = [[], []]
+    half = DDP_SIZE // 2
+    for inputs, labels in batches:
+        for rank, part in enumerate((slice(0, half), slice(half, DDP_SIZE))):
+            shard = {k: v[part] for k, v in inputs.items()}
+            shards[rank].extend(cut(shard, labels[part], DDP_MICRO))
+    return batches, shards
+
+
+def ddp_instruments() -> list:
+    return [q for q in instruments() if q.name != "HessMaxEV"]
+
+
+def test_trainer_with_ddp_and_accumulation_gives_every_rank_the_global_batch(tmp_path):
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    from tests import hf_ddp_worker
+
+    mp.start_processes(hf_ddp_worker.run, args=(2, free_port(), str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    ranks = []
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
+            ranks.append(pickle.load(file))
+    batches, _ = ddp_data()
+    problem = Problem("bert", HFNet(bert()), None, None, sequence_losses)
+    expected, _ = whole_batch_run(problem, batches, adamw, gradients=ranks[0]["stepped"])
+    for result in ranks:
+        output = result["output"]
+        assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
+        for step in range(STEPS):
+            assert output[step]["BatchSize"] == DDP_SIZE
