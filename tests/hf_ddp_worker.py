@@ -20,6 +20,6 @@ def run(rank: int, world: int, port: int, outdir: str) -> None:
     # the Trainer's IterableDatasetShard hands process r the items r, r + world, …
     items = [item for group in zip(*shards, strict=True) for item in group]
     callback, stepped = hf_train(bert(), items, DDP_MICRO, Path(outdir) / f"r{rank}",
-                                 ddp_instruments(), max_grad_norm=0.1, ddp=True)
+                                 ddp_instruments(), max_grad_norm=0.0, ddp=True)
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
         pickle.dump({"output": callback.cockpit.get_output(), "stepped": stepped}, file)
