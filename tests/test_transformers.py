@@ -12,6 +12,7 @@ import transformers
 from torch import nn
 from torch.utils.data import IterableDataset
 
+from cockpit import quantities
 from cockpit.integrations.transformers import CockpitCallback, sequence_losses
 from tests.models import Problem
 from tests.split_reference import assert_same_values, instruments, whole_batch_run
@@ -170,6 +171,42 @@ def test_trainer_with_accumulation_and_clipping_equals_the_whole_batch(tmp_path,
     assert sorted(logged) == list(range(STEPS))
     for step in range(STEPS):
         assert logged[step] == pytest.approx(output[step]["GradNorm"], rel=1e-6)
+
+
+def test_resume_from_checkpoint_keeps_distance(tmp_path):
+    """Cockpit's state rides in the Trainer's checkpoint folder: after
+    ``train(resume_from_checkpoint=True)`` Distance is measured from the first run's θ_0."""
+    generator = torch.Generator().manual_seed(8)
+    items = [cut(*token_batch(4, generator, lm=False), 1)[0] for _ in range(4)]
+
+    def chosen():
+        return [quantities.Loss(), quantities.GradNorm(), quantities.Distance()]
+
+    def trainer_for(steps, callback, outdir, save):
+        args = transformers.TrainingArguments(
+            output_dir=str(outdir), max_steps=steps, per_device_train_batch_size=1,
+            learning_rate=0.01, lr_scheduler_type="constant", weight_decay=0.0,
+            max_grad_norm=0.0, optim="sgd", report_to=[], use_cpu=True, disable_tqdm=True,
+            remove_unused_columns=False, save_strategy="steps" if save else "no",
+            save_steps=2)
+        trainer = transformers.Trainer(model=bert(), args=args,
+                                       train_dataset=MicroBatches(items),
+                                       data_collator=lambda batch: batch[0])
+        callback.attach(trainer)
+        return trainer
+
+    whole = CockpitCallback(chosen(), strict=True)
+    trainer_for(4, whole, tmp_path / "whole", save=False).train()
+    trainer_for(2, CockpitCallback(chosen(), strict=True), tmp_path / "run", save=True).train()
+    assert (tmp_path / "run" / "checkpoint-2" / "cockpit_state.pt").exists()
+    resumed = CockpitCallback(chosen(), strict=True)
+    trainer_for(4, resumed, tmp_path / "run", save=False).train(resume_from_checkpoint=True)
+    got, want = resumed.cockpit.get_output(), whole.cockpit.get_output()
+    assert sorted(got) == [2, 3]
+    for step in (2, 3):
+        for key in ("Loss", "GradNorm", "Distance"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-9), (step, key)
+    assert got[2]["Distance"] > 0
 
 
 def test_sequence_losses_against_one_sequence_at_a_time():

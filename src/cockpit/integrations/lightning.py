@@ -40,7 +40,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import lightning.pytorch as pl
+try:
+    import lightning.pytorch as pl
+except ImportError as error:  # pragma: no cover - the extra is part of [test]
+    raise ImportError(
+        "cockpit.integrations.lightning needs lightning: pip install 'cockpit[lightning]'"
+    ) from error
 import torch
 from torch import Tensor
 

@@ -29,7 +29,9 @@ How the Trainer's loop maps onto a plain loop:
   gradients) leaves it — before the Trainer clips the gradients;
 - ``optimizer.step()`` records the step (Cockpit's optimizer hooks, as in a plain loop).
 
-Step numbers are ``state.global_step`` (optimizer steps). With DDP every rank's values
+Step numbers are ``state.global_step`` (optimizer steps). Checkpoints written in
+``output_dir`` carry Cockpit's state (θ_0 of Distance, the step numbering) for
+``train(resume_from_checkpoint=...)``. With DDP every rank's values
 describe the global batch. Scalars go to the loggers of ``report_to`` (TensorBoard, W&B, …)
 as ``cockpit/<name>`` at Cockpit's step number; the run log (``logdir=``) and ``sinks=`` get
 everything.
@@ -38,6 +40,7 @@ everything.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -45,7 +48,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import TrainerCallback
+
+try:
+    from transformers import TrainerCallback
+except ImportError as error:  # pragma: no cover - the extra is part of [test]
+    raise ImportError(
+        "cockpit.integrations.transformers needs transformers: pip install 'cockpit[transformers]'"
+    ) from error
 
 from cockpit.cockpit import Cockpit
 from cockpit.integrations._common import LoggerSink, check_cockpit_kwargs
@@ -54,6 +63,7 @@ from cockpit.quantities.base import Quantity
 __all__ = ["CockpitCallback", "sequence_losses"]
 
 IGNORE_INDEX = -100
+STATE_FILE = "cockpit_state.pt"  # in each checkpoint folder: θ_0 (Distance), step numbering
 
 
 def sequence_losses(logits: Tensor, labels: Tensor, *, shift: bool = False) -> Tensor:
@@ -139,6 +149,21 @@ class CockpitCallback(TrainerCallback):
             self.cockpit.close()
         self.cockpit = Cockpit(model, self.quantities, optimizer=optimizer, grad_scaler=scaler,
                                **kwargs)
+        if state.global_step > 0:  # resumed from a checkpoint
+            path = os.path.join(_checkpoint_folder(args, state), STATE_FILE)
+            if os.path.exists(path):
+                self.cockpit.load_state_dict(torch.load(path, weights_only=True))
+            else:
+                warnings.warn(
+                    f"training resumed at step {state.global_step} without Cockpit's state "
+                    f"({path} is missing): Distance is measured from the resumed parameters",
+                    RuntimeWarning, stacklevel=2)
+
+    def on_save(self, args, state, control, **kwargs):
+        """Cockpit's state goes into the checkpoint folder the Trainer just wrote."""
+        folder = _checkpoint_folder(args, state)
+        if self.cockpit is not None and state.is_world_process_zero and os.path.isdir(folder):
+            torch.save(self.cockpit.state_dict(), os.path.join(folder, STATE_FILE))
 
     def on_train_end(self, args, state, control, **kwargs):
         self._leave(failed=False)
@@ -226,3 +251,9 @@ class CockpitCallback(TrainerCallback):
                 except Exception as error:  # a logger never stops training
                     warnings.warn(f"Cockpit could not log to {type(callback).__name__}: "
                                   f"{error}", RuntimeWarning, stacklevel=2)
+
+
+def _checkpoint_folder(args, state) -> str:
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
