@@ -42,6 +42,8 @@ def check_supported_wrapper(model) -> None:
         if kind in ("FullyShardedDataParallel", "FSDPModule") or kind.startswith("FSDP"):
             raise NotImplementedError(
                 f"Cockpit does not support sharded models ({kind}) yet: {_SUPPORTED_HINT}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # sharded (DTensor) parameters live on a device mesh of a process group
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch without distributed tensors
