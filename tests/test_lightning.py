@@ -256,3 +256,17 @@ def test_individual_losses_missing_gives_the_way_out():
 def test_trainer_owned_arguments_are_refused():
     with pytest.raises(TypeError, match="optimizer"):
         CockpitCallback("economy", optimizer=None)
+
+
+def test_lightning_example_runs(tmp_path):
+    import runpy
+    from pathlib import Path
+
+    from cockpit.store import read_output
+
+    path = Path(__file__).parents[1] / "examples" / "lightning_example.py"
+    output = runpy.run_path(str(path))["main"](["--steps", "4", "--logdir", str(tmp_path)])
+    assert sorted(output) == [0, 1, 2, 3]
+    assert all(output[step]["BatchSize"] == 64 for step in output)  # 2 micro-batches of 32
+    assert output[2]["Alpha"] is not None
+    assert read_output(tmp_path)[3]["NormTest"] == output[3]["NormTest"]
