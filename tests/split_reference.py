@@ -34,14 +34,16 @@ def instruments(curvature: str = "diag_ggn_exact") -> list:
 
 def whole_batch_run(problem: Problem, batches: list[tuple], make_optimizer,
                     gradients: list[dict[str, torch.Tensor]] | None = None,
-                    curvature: str = "diag_ggn_exact") -> tuple[dict, dict]:
+                    curvature: str = "diag_ggn_exact",
+                    chosen: list | None = None) -> tuple[dict, dict]:
     """One ``with`` block per step on the whole batch (x, y). ``gradients``: the gradient
     the split run's optimizer stepped on, per step (used instead of the whole batch's mean
     when the split run weighted its micro-batches unequally); Alpha then measures the real
-    update by its general path, which is exact for any update."""
+    update by its general path, which is exact for any update. ``chosen``: the instruments
+    (default: :func:`instruments`)."""
     model = copy.deepcopy(problem.model)
     opt = make_optimizer(model)
-    chosen = instruments(curvature)
+    chosen = instruments(curvature) if chosen is None else chosen
     if gradients is not None:
         for q in chosen:
             if isinstance(q, quantities.Alpha):
@@ -54,7 +56,8 @@ def whole_batch_run(problem: Problem, batches: list[tuple], make_optimizer,
             losses.mean().backward()
         if gradients is not None:
             for name, p in model.named_parameters():
-                p.grad.copy_(gradients[step][name])
+                if p.requires_grad:
+                    p.grad.copy_(gradients[step][name])
         opt.step()
     cockpit.close()
     return cockpit.get_output(), cockpit.get_notes()

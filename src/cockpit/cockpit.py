@@ -173,6 +173,9 @@ class Cockpit:
                 # instruments are None (with this reason) at steps where BatchNorm mixes samples
                 self._warn(problem + " The other instruments are computed.",
                            key=f"per-sample:{problem}")
+        # integrations whose trainer runs the backward inside optimizer.step(closure) turn
+        # this off and call end_step() between the last backward pass and the update
+        self.ends_steps_at_optimizer_step = True
 
     # ------------------------------------------------------------------ public API
     def __call__(self, step: int, losses: Tensor | None = None) -> _StepContext:
@@ -207,6 +210,37 @@ class Cockpit:
                           else f"not scheduled at this step: {quantity.schedule!r}")
                 notes.setdefault(step, {})[name] = reason
         return dict(sorted(notes.items()))
+
+    def end_step(self) -> None:
+        """Record the open tracked step now: all of its backward passes are done.
+
+        Cockpit does this by itself in ``optimizer.step()``'s pre-hook. A trainer that runs
+        the backward pass inside ``optimizer.step(closure)`` (Lightning) calls it after that
+        hook; its integration sets ``ends_steps_at_optimizer_step = False`` and calls
+        ``end_step()`` after the last backward pass of the step, before the update."""
+        self._measure_gradient_mismatch()
+        self._finalize_open_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a run resumed from a checkpoint needs to continue with the same values:
+        θ_0 of Distance (on the CPU) and the last step seen (step numbering)."""
+        initial = (None if self._initial is None
+                   else {k: v.detach().cpu().clone() for k, v in self._initial.items()})
+        return {"initial_params": initial, "last_step": self._last_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a run saved by :meth:`state_dict` (call it before the first step)."""
+        initial = state.get("initial_params")
+        if initial is not None and self._initial is not None:
+            missing = set(self._initial) - set(initial)
+            if missing:
+                raise ValueError(
+                    f"the saved Cockpit state lacks θ_0 of {sorted(missing)[:3]}: it was saved "
+                    "for another model")
+            self._initial = {k: initial[k].to(device=v.device, dtype=v.dtype)
+                             for k, v in self._initial.items()}
+        last = state.get("last_step")
+        self._last_step = None if last is None else int(last)
 
     def close(self) -> None:
         """Finish pending work, remove every hook and close the sinks. Idempotent."""
@@ -428,12 +462,18 @@ class Cockpit:
                 key="gradients-not-zeroed", stacklevel=5)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self.ends_steps_at_optimizer_step:
+            self._measure_gradient_mismatch()
+            self._finalize_open_step()
+
+    def _measure_gradient_mismatch(self) -> None:
+        """GradientMismatch of the open step: the gradient the optimizer is about to step on
+        against the batch gradient of the backward passes Cockpit saw (single process)."""
         open_step = self._open
         if open_step is not None and not self._in_block and self._ranks == 1:
             reduced = open_step.reduction.stats
             mean = {} if reduced is None else reduced.batch_grads
             open_step.mismatch = gradient_mismatch(self._params, mean, open_step.weights)
-        self._finalize_open_step()
 
     def _finalize_open_step(self) -> None:
         """Record the open tracked step: reduce its backward passes (micro-batches, then

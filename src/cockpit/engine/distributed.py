@@ -42,6 +42,17 @@ def check_supported_wrapper(model) -> None:
         if kind in ("FullyShardedDataParallel", "FSDPModule") or kind.startswith("FSDP"):
             raise NotImplementedError(
                 f"Cockpit does not support sharded models ({kind}) yet: {_SUPPORTED_HINT}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # sharded (DTensor) parameters live on a device mesh of a process group
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed tensors
+        return
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"Cockpit does not support sharded parameters ({name} is a DTensor, e.g. of a "
+                f"model sharded by fully_shard or tensor parallelism) yet: {_SUPPORTED_HINT}")
 
 OTHER_RANK_PROBLEM = (
     "another process could not form its individual gradients (see the warnings of that "
