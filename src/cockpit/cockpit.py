@@ -445,7 +445,7 @@ class Cockpit:
         data.project = reduction.project_samples if reduction.keeps_calls else None
         data.unmerged = reduction.unmerged
         values: dict[str, Value] = {}
-        if self.optimizer is not None:
+        if data.learning_rate is not None:  # one rate for the model's parameters
             values["LearningRate"] = data.learning_rate
         if stats.losses is not None:
             values["BatchSize"] = float(stats.num_samples)
