@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
         cockpit = Cockpit(model, instruments(), optimizer=opt, strict=True,
                           write_on_all_ranks=True, grad_accumulation=micro > 1)
         stepped = []
+        caught = warnings.catch_warnings(record=True)
+        recorded = caught.__enter__()
+        warnings.simplefilter("always")
         for step, (x, y) in enumerate(batches):
             opt.zero_grad()
             part = shards(len(x), config["shard_sizes"], rank)
@@ -53,8 +57,10 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
                             for k, p in model.named_parameters()})
             opt.step()
         cockpit.close()
+        caught.__exit__(None, None, None)
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
             pickle.dump({"output": cockpit.get_output(), "notes": cockpit.get_notes(),
-                         "stepped": stepped}, file)
+                         "stepped": stepped,
+                         "warnings": [str(w.message) for w in recorded]}, file)
     finally:
         dist.destroy_process_group()
