@@ -5,6 +5,7 @@ and saves what Cockpit recorded on this rank."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import warnings
@@ -62,5 +63,12 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
             pickle.dump({"output": cockpit.get_output(), "notes": cockpit.get_notes(),
                          "stepped": stepped,
                          "warnings": [str(w.message) for w in recorded]}, file)
+        # Orderly shutdown: DDP's reducer keeps the process group (and gloo's worker threads)
+        # alive after destroy_process_group(); freed at interpreter exit instead, they can
+        # abort the process (torch's teardown, not Cockpit's). Free them while both ranks
+        # are still here.
+        del cockpit, opt, model
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()

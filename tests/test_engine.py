@@ -232,11 +232,28 @@ def test_frozen_parameters_are_skipped():
     cockpit.close()
 
 
-def test_batchnorm_in_training_mode_gives_a_clear_error_and_eval_mode_works():
+def test_batchnorm_in_training_mode_is_watched_with_the_other_instruments():
+    """BatchNorm in training mode: one warning naming the way out, the per-sample instruments
+    None with the reason, every other instrument computed — the run is never stopped."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3)).double()
-    with pytest.raises(ValueError, match=r"BatchNorm1d '1'.*GroupNorm"):
-        Cockpit(model, configuration("economy"))
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    loss_fn = make_problem("mlp_relu", 1).loss_fn
+    with pytest.warns(RuntimeWarning, match=r"BatchNorm1d '1'.*GroupNorm") as caught:
+        cockpit = Cockpit(model, [quantities.Loss(), quantities.GradNorm(),
+                                  quantities.NormTest(), quantities.GradHist1d()], strict=True)
+        losses = loss_fn(model(x), y)
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+        output, notes = cockpit.get_output()[0], cockpit.get_notes()[0]
+    assert len([w for w in caught if "BatchNorm1d" in str(w.message)]) == 1  # said once
+    cockpit.close()
+    reference = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm().item()
+    assert rel_close(output["GradNorm"], reference, 1e-12)
+    assert rel_close(output["Loss"], losses.mean().item(), 1e-12)
+    assert output["NormTest"] is None and output["GradHist1d"] is None
+    assert "BatchNorm1d" in notes["NormTest"] and "BatchNorm1d" in notes["GradHist1d"]
+    model.zero_grad()
     Cockpit(model, [quantities.Loss(), quantities.GradNorm()]).close()  # no per-sample needs
     model.train()
     for _ in range(3):  # give the running statistics some values

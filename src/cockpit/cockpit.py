@@ -127,11 +127,6 @@ class Cockpit:
         self.hist_spec = hist_bins
         self.hist2d_specs = hist2d_bins
         self.tracker = ModuleTracker(model, hist_bins, hist2d_bins, strict=strict)
-        if self._needs_per_sample_anywhere():
-            problems = self.tracker.check_batch_norm()
-            if problems:
-                self.tracker.remove()
-                raise ValueError(problems[0])
         self._params = dict(self.tracker.params)
         self._check_optimizer_owns_parameters()
         self._watch = OutsideBackwardWatch(
@@ -165,6 +160,12 @@ class Cockpit:
         self._last_step: int | None = None
         self._consecutive = True
         self._closed = False
+        if self._needs_per_sample_anywhere():
+            for problem in self.tracker.check_batch_norm()[:1]:
+                # a debugger never stops a run it can still partly watch: the per-sample
+                # instruments are None (with this reason) at steps where BatchNorm mixes samples
+                self._warn(problem + " The other instruments are computed.",
+                           key=f"per-sample:{problem}")
 
     # ------------------------------------------------------------------ public API
     def __call__(self, step: int, losses: Tensor | None = None) -> _StepContext:
@@ -520,8 +521,10 @@ class Cockpit:
                 and not quantity.handles_invalid_statistics):
             reason = "; ".join(stats.problems)
             data.notes[quantity.name] = reason
-            self._warn(f"{quantity.name} not computed at step {data.step}: {reason}",
-                       key=f"{quantity.name}:{reason}")
+            names = [q.name for q in self.quantities
+                     if q.needs & PER_SAMPLE_STATS and not q.handles_invalid_statistics]
+            self._warn(f"{', '.join(names)} not computed at step {data.step}: {reason}",
+                       key=f"per-sample:{reason}")
             return {quantity.name: None}
         try:
             return quantity.compute(data)

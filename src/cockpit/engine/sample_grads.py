@@ -76,12 +76,12 @@ class SampleGrads(ABC):
         return v.reshape(self.shape)
 
     def sq_norms(self) -> Tensor:
-        norms = [torch.linalg.vector_norm(c.flatten(1), dim=1) for c in self.chunks()]
+        norms = [torch.linalg.vector_norm(_rows(c), dim=1) for c in self.chunks()]
         return torch.cat(norms) ** 2
 
     def batch_mean(self) -> Tensor:
         # 1ᵀG is a BLAS matrix-vector product: twice as fast as a reduction over dim 0
-        total = sum(c.new_ones(c.shape[0]) @ c.flatten(1) for c in self.chunks())
+        total = sum(c.new_ones(c.shape[0]) @ _rows(c) for c in self.chunks())
         return self.from_rows(total) / self.num_samples
 
     def gram_mean(self) -> Tensor:
@@ -89,12 +89,12 @@ class SampleGrads(ABC):
 
     def dots(self, u: Tensor) -> Tensor:
         flat_u = self.to_rows(u)
-        return torch.cat([c.flatten(1) @ flat_u.to(c.dtype) for c in self.chunks()])
+        return torch.cat([_rows(c) @ flat_u.to(c.dtype) for c in self.chunks()])
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         """[g_nᵀ u_k]_{k,n} for several directions in one pass over the gradients."""
         stacked = torch.stack([self.to_rows(u) for u in us])  # [K, D]
-        return torch.cat([stacked.to(c.dtype) @ c.flatten(1).T for c in self.chunks()], dim=1)
+        return torch.cat([stacked.to(c.dtype) @ _rows(c).T for c in self.chunks()], dim=1)
 
     def sum_sq(self) -> Tensor:
         return self.from_rows(sum(_sum_sq_64(c) for c in self.chunks()))
@@ -123,9 +123,14 @@ class SampleGrads(ABC):
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
         flat_theta = self.to_rows(theta)
         return sum(
-            histogram2d_dense(c.flatten(1), flat_theta, spec_g, spec_theta)[0]
+            histogram2d_dense(_rows(c), flat_theta, spec_g, spec_theta)[0]
             for c in self.chunks()
         )
+
+
+def _rows(c: Tensor) -> Tensor:
+    """A chunk [n, *shape] as rows [n, D] (also for a 0-dim parameter: chunk [n] → [n, 1])."""
+    return c.reshape(c.shape[0], -1)
 
 
 def _sum_sq_64(c: Tensor) -> Tensor:

@@ -135,7 +135,9 @@ def fallback_rule(
         per_sample = vmap(one_sample, in_dims=(None, arg_dims, kwarg_dims, delta_dims))(
             frozen, detached_args, detached_kwargs, tuple(grad_outputs)
         )
-    return {name: DenseSampleGrads(g) for name, g in per_sample.items()}
+    # a module whose children own other parameters (e.g. a scale around a Linear) is called
+    # with those real parameters: the result must not carry a graph to them
+    return {name: DenseSampleGrads(g.detach()) for name, g in per_sample.items()}
 
 
 

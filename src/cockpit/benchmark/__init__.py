@@ -1,0 +1,2 @@
+"""Benchmarking optimizers with Cockpit: DeepOBS test problems (``problems``), runner, sweeps
+and analysis."""
