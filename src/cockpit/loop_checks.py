@@ -39,8 +39,9 @@ WATCHED = 4  # parameters watched for backward passes outside the blocks
 
 def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
                       weights: list[float | None]) -> float | None:
-    """1 − cos∠(p.grad, ḡ) = ½ Σ_params ‖p.grad/‖p.grad‖ − sign(w)·ḡ/‖ḡ‖‖² over all
-    parameters (the half squared distance of unit vectors: no cancellation near 0).
+    """1 − cos∠(p.grad, ḡ) = ½ Σ_params ‖p.grad/‖p.grad‖ − sign(w)·ḡ/‖ḡ‖‖² over the
+    parameters the step's backward passes reached (the keys of ``mean``), as one vector
+    (the half squared distance of unit vectors: no cancellation near 0).
 
     ``mean``: ḡ per parameter name; ``weights``: the loss weight w of each backward pass of
     the step. None where it cannot be checked: weights unknown or unequal (then p.grad is
@@ -67,7 +68,7 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         return 1.0
     # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖: one fused pass per parameter into
     # scratch memory (three temporaries per parameter cost 0.7 of an untracked
-    # forward-backward on mnist_mlp; this costs 0.15)
+    # forward-backward on mnist_mlp; this costs 0.1)
     c = sign * math.sqrt(grad_sq / mean_sq)
     half_sq = 0.0
     for a, b in pairs:
