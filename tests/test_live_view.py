@@ -4,6 +4,7 @@ headless Chromium sees the page follow a run log that grows while it is open."""
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import os
 import shutil
@@ -81,7 +82,8 @@ def test_live_plot_redraws_the_same_figure(tmp_path) -> None:
     assert live.update() is fig and live.num_updates == 2
     loss_ax = next(a for a in fig.axes if a.get_title(loc="left") == S.PANEL_TITLES["Loss"])
     assert loss_ax.get_lines()[0].get_xdata()[-1] == 100 and len(first) == 11
-    assert panel_titles(fig) == {S.PANEL_TITLES[k] for k in ("Distances", "GradNorm", "Loss")}
+    assert panel_titles(fig) == {S.PANEL_TITLES[k] for k in ("Distances", "GradNorm", "Loss",
+                                                             "Findings")}
     live.save(tmp_path / "live.png")
     assert (tmp_path / "live.png").read_bytes()[:4] == b"\x89PNG"
     live.close()
@@ -94,7 +96,7 @@ def test_live_plot_redraws_the_same_figure(tmp_path) -> None:
             return {0: {"Loss": 2.0}, 1: {"Loss": 1.5}}
 
     fig2 = LivePlot(FakeCockpit()).update()
-    assert panel_titles(fig2) == {S.PANEL_TITLES["Loss"]}
+    assert panel_titles(fig2) == {S.PANEL_TITLES["Loss"], S.PANEL_TITLES["Findings"]}
     assert fig2._suptitle.get_text() == "Cockpit · tiny · SGD"
 
 
@@ -160,6 +162,8 @@ def test_server_waits_for_a_missing_run_log(tmp_path) -> None:
         status, _, png = fetch(server, "/view.png")
         assert status == 200 and png[:4] == b"\x89PNG"
         assert b'id="last-step">\xe2\x80\x93<' in fetch(server, "/")[2]
+        assert json.loads(fetch(server, "/findings.json")[2]) == {"findings": [], "error": None}
+        assert json.loads(fetch(server, "/panels.json")[2]) == {"panels": [], "series": {}}
     finally:
         server.shutdown()
         server.server_close()
@@ -256,6 +260,7 @@ def test_browser_follows_a_growing_run(tmp_path) -> None:
             assert title == "Cockpit · run"
             first = _wait_for(lambda: (s := state())["loaded"] and s, 90, "the first image")
             assert first["last"] == "20" and first["steps"] == "5" and first["width"] > 500
+            _check_layout_and_hover(base, session)
             write_run(run, small_output(25, 45))
             new = _wait_for(lambda: (s := state())["last"] == "45" and s["loaded"]
                             and "45" in s["src"] and s, 90, "the page to show step 45")
@@ -277,6 +282,52 @@ def test_browser_follows_a_growing_run(tmp_path) -> None:
         shutil.rmtree(profile, ignore_errors=True)
 
 
+FIT_STATE = """
+const img = document.getElementById("view").getBoundingClientRect();
+const aside = document.querySelector("aside").getBoundingClientRect();
+return {inner: [window.innerWidth, window.innerHeight], img: [img.left, img.right, img.bottom],
+        aside: [aside.left, aside.right], scroll: document.documentElement.scrollHeight,
+        findings: document.querySelectorAll("#findings li").length,
+        panels: window.cockpitHover.panels.length};
+"""
+
+HOVER_LOSS = """
+const p = window.cockpitHover.panels.find(q => q.key === "Loss");
+const img = document.getElementById("view");
+const r = img.getBoundingClientRect();
+const fx = (p.box[0] + p.box[2]) / 2, fy = (p.box[1] + p.box[3]) / 2;
+img.dispatchEvent(new MouseEvent("mousemove", {clientX: r.left + fx * r.width,
+                                               clientY: r.top + fy * r.height, bubbles: true}));
+const rd = document.getElementById("readout");
+return {step: rd.dataset.step, xlim: p.xlim,
+        rows: [...rd.querySelectorAll("tr")].map(t => [t.dataset.name, t.children[1].textContent]),
+        hair: document.getElementById("hair").style.display};
+"""
+
+
+def _check_layout_and_hover(base: str, session: str) -> None:
+    """At 1400×1000 the whole view (bottom row included) and the side panel fit without
+    scrolling; pointing at the middle of the loss panel reads out the loss there."""
+    _wd(base, "POST", f"/session/{session}/window/rect", {"width": 1400, "height": 1000})
+
+    def run(script: str) -> dict:
+        return _wd(base, "POST", f"/session/{session}/execute/sync",
+                   {"script": script, "args": []})["value"]
+
+    fit = _wait_for(lambda: (s := run(FIT_STATE))["panels"] > 0 and s["findings"] > 0 and s,
+                    60, "hover data and findings")
+    width, height = fit["inner"]
+    assert fit["img"][2] <= height + 1 and fit["scroll"] <= height + 1, fit
+    assert fit["img"][1] <= fit["aside"][0] and fit["aside"][1] <= width + 1, fit
+    hovered = run(HOVER_LOSS)
+    middle = sum(hovered["xlim"]) / 2
+    steps = sorted(small_output(0, 20))
+    nearest = min(steps, key=lambda t: abs(t - middle))
+    assert hovered["step"] == str(nearest) and hovered["hair"] == "block"
+    (loss,) = [v for name, v in hovered["rows"] if name == "Loss"]
+    assert float(loss) == pytest.approx(small_output(0, 20)[nearest]["Loss"], rel=1e-3)
+
+
 def _try(fn):
     try:
         return fn()
@@ -294,3 +345,43 @@ def _dump_dom_check(url: str, run: Path, profile: str) -> None:
     assert 'id="last-step">20<' in dump()
     write_run(run, small_output(25, 45))
     assert 'id="last-step">45<' in dump()
+
+
+def test_hover_data_locates_panels_and_reads_recorded_values(tmp_path) -> None:
+    """panels.json: boxes are the axes' positions in the image (top-left origin), series
+    the recorded values, the histogram the recorded counts; findings.json is diagnose()."""
+    from cockpit.diagnose import diagnose
+    from cockpit.view.live import hover_data
+
+    run = tmp_path / "run"
+    output = synthetic_output("economy", num_steps=40, every=5, seed=12)
+    output[20]["GradNorm"] = float("nan")
+    write_run(run, output, synthetic_meta())
+    server = make_server(run, port=0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        data = json.loads(fetch(server, "/panels.json")[2])
+        findings = json.loads(fetch(server, "/findings.json")[2])
+    finally:
+        server.shutdown()
+        server.server_close()
+    fig = plot_run(run, diagnosis=False)
+    fig.savefig(io.BytesIO(), format="png", dpi=90)  # as the server renders it
+    expected = hover_data(fig, output)
+    assert [p["key"] for p in expected["panels"]] == [p["key"] for p in data["panels"]]
+    for mine, served in zip(expected["panels"], data["panels"], strict=True):
+        assert served["box"] == pytest.approx(mine["box"], abs=1e-9)
+    assert expected["series"] == data["series"]
+    by_key = {p["key"]: p for p in data["panels"]}
+    loss_ax = next(a for a in fig.axes if a.get_title(loc="left") == S.PANEL_TITLES["Loss"])
+    pos = loss_ax.get_position()
+    assert by_key["Loss"]["box"] == pytest.approx([pos.x0, 1 - pos.y1, pos.x1, 1 - pos.y0])
+    assert by_key["Loss"]["xlim"] == [0, 40]
+    assert by_key["GradientTests"]["instruments"] == ["NormTest", "InnerTest", "OrthoTest"]
+    gn = data["series"]["GradNorm"]
+    assert gn["steps"] == sorted(output) and gn["values"][4] == "nan"
+    assert gn["values"][3] == output[15]["GradNorm"]
+    assert by_key["GradHist1d"]["hist"]["counts"] == output[40]["GradHist1d"]["counts"].tolist()
+    assert "Findings" not in by_key  # the page lists the findings beside the image
+    assert [f["code"] for f in findings["findings"]] == [f.code for f in diagnose(run)]

@@ -31,8 +31,10 @@ from cockpit.view.cockpit_view import (
 )
 from cockpit.view.synthetic import PARAMS_3C3D, synthetic_meta, synthetic_output
 
-ECONOMY_PANELS = {"Alpha", "Distances", "GradNorm", "GradientTests", "GradHist1d", "Loss",
-                  "LearningRate", "BatchSize"}
+# The synthetic run's learning rate changes (a panel), its batch size does not (written in
+# the loss panel); per-layer histograms give the per-layer panel; the diagnosis panel is on.
+ECONOMY_PANELS = {"Alpha", "Distances", "GradNorm", "GradientTests", "GradHist1d", "Layers",
+                  "Loss", "LearningRate", "Findings"}
 BUSINESS_PANELS = ECONOMY_PANELS | {"HessTrace", "TIC"}
 FULL_PANELS = BUSINESS_PANELS | {"HessMaxEV", "GradHist2d"}
 
@@ -45,11 +47,13 @@ def stairs_of(ax) -> tuple[np.ndarray, np.ndarray]:
 
 
 def titles(fig: Figure) -> list[str]:
+    """Panel titles (titles of parts of a panel, e.g. the test geometry, left out)."""
     found = []
     for ax in fig.axes:
         for loc in ("left", "center", "right"):
-            if ax.get_title(loc=loc):
-                found.append(ax.get_title(loc=loc))
+            text = ax.get_title(loc=loc)
+            if text and not text.startswith(tuple(S.SUB_TITLES.values())):
+                found.append(text)
     return found
 
 
@@ -115,7 +119,7 @@ def test_gradient_histogram_shows_last_step_counts_on_log_axis(economy: dict) ->
     np.testing.assert_allclose(drawn_edges, edges)
     assert ax.get_yscale() == "log"
     assert ax.get_xlim() == (-2.0, 2.0)
-    assert any(t.get_text() == f"step {last}" for t in ax.texts)
+    assert any(t.get_text().startswith(f"step {last}  ·  ") for t in ax.texts)
 
 
 def test_alpha_gauge_densities_and_means(economy: dict) -> None:
@@ -159,7 +163,8 @@ def test_gradient_histogram_2d_marginals_are_sums_of_counts() -> None:
     values, edges = stairs_of(right)
     np.testing.assert_array_equal(values, hist["counts"].sum(axis=1))
     np.testing.assert_allclose(edges, hist["edges_grad"])
-    (mesh,) = [c for a in fig.axes for c in a.collections if isinstance(c, QuadMesh)]
+    (mesh,) = [c for a in fig.axes for c in a.collections if isinstance(c, QuadMesh)
+               and a.get_title(loc="left") != S.PANEL_TITLES["Layers"]]
     np.testing.assert_array_equal(np.ma.filled(mesh.get_array(), 0).ravel(),
                                   hist["counts"].ravel())
 
@@ -169,6 +174,7 @@ def test_only_loss_and_grad_norm_gives_two_panels() -> None:
     output = {t: {"Loss": float(2 * np.exp(-t / 30) + 0.1 * rng.random()),
                   "GradNorm": float(1 + rng.random())} for t in range(0, 100, 2)}
     fig = plot_cockpit(output, {"model": "mlp", "optimizer": "Adam"})
+    fig = plot_cockpit(output, {"model": "mlp", "optimizer": "Adam"}, diagnosis=False)
     assert sorted(titles(fig)) == sorted([S.PANEL_TITLES["Loss"], S.PANEL_TITLES["GradNorm"]])
     assert len(fig.axes) == 2  # no empty axes, no twin axes without learning rate
     assert fig._suptitle.get_text() == "Cockpit · mlp · Adam"
@@ -206,7 +212,7 @@ def test_json_layout_and_empty_outputs() -> None:
          for s, vals in output.items()}))
     assert sorted(titles(plot_cockpit(as_json))) == sorted(titles(plot_cockpit(output)))
     empty = plot_cockpit({})
-    assert empty.axes == []
+    assert empty.axes == []  # no steps: not even the diagnosis panel
     single = plot_cockpit({7: {"Loss": 1.0, "Alpha": None}})
     assert axes_titled(single, "Loss").get_xlim() == (6.5, 7.5)
 

@@ -5,15 +5,18 @@ __version__ = "0.1.0"
 from cockpit import quantities, schedules
 from cockpit.cockpit import Cockpit
 from cockpit.configurations import configuration
+from cockpit.diagnose import Finding, diagnose
 from cockpit.engine.histogram import BinSpec
 from cockpit.schedules import at, every, logspaced
 
 __all__ = [
     "BinSpec",
     "Cockpit",
+    "Finding",
     "__version__",
     "at",
     "configuration",
+    "diagnose",
     "every",
     "logspaced",
     "quantities",

@@ -70,6 +70,11 @@ class Cockpit:
             sinks (default: only rank 0; every rank computes the same global values).
         strict: re-raise errors inside Cockpit's hooks instead of recording "not computed"
             (useful in tests; never set it in a production run).
+        diagnose: read the recorded values while training runs (:func:`cockpit.diagnose`)
+            and warn once per new finding (a ``RuntimeWarning`` naming the bug, its
+            evidence and advice); sinks with ``write_findings`` log the findings as text.
+            The checks re-run after every tracked step early on, then as the run grows by
+            10 %; they read recorded numbers only and never interrupt training.
 
     Gradient accumulation: all backward passes of one optimizer step go inside
     ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values
@@ -96,6 +101,7 @@ class Cockpit:
         grad_accumulation: bool = False,
         write_on_all_ranks: bool = False,
         strict: bool = False,
+        diagnose: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Cockpit needs a torch.nn.Module, got {type(model).__name__}")
@@ -160,6 +166,7 @@ class Cockpit:
         self._last_step: int | None = None
         self._consecutive = True
         self._closed = False
+        self._diagnosis = _LiveDiagnosis(self) if diagnose else None
         if self._needs_per_sample_anywhere():
             for problem in self.tracker.check_batch_norm()[:1]:
                 # a debugger never stops a run it can still partly watch: the per-sample
@@ -209,6 +216,8 @@ class Cockpit:
         self._finish_pending_update()
         self._record_unfinished()
         self._watch.reset()
+        if self._diagnosis is not None:
+            self._diagnosis.feed(final=True)
         self.tracker.remove()
         release_workspace()
         for handle in self._handles:
@@ -254,6 +263,8 @@ class Cockpit:
             self._finalize_open_step()
         if not continues:
             self._finish_pending_update()
+            if self._diagnosis is not None:
+                self._diagnosis.feed()
             if self._last_step is not None and step != self._last_step + 1:
                 self._consecutive = False
             self._last_step = step
@@ -589,6 +600,8 @@ class Cockpit:
             self._notes.setdefault(step, {}).update(notes)
         for sink in self._sinks:
             self._guard(sink.write_step, step, values, dict(notes))
+        if self._diagnosis is not None:
+            self._diagnosis.pending.setdefault(step, {}).update(values)
 
     def _learning_rate(self) -> float | None:
         rates = {float(group["lr"]) for group in self._model_param_groups() if "lr" in group}
@@ -694,6 +707,50 @@ class _OpenStep:
         first = self.request
         return StepRequest(first.needs, gradient_scale=gradient_scale, split=first.split,
                            union_gram=first.union_gram, defer=first.defer)
+
+
+class _LiveDiagnosis:
+    """``Cockpit(..., diagnose=True)``: feeds recorded steps to a
+    :class:`cockpit.diagnose.Diagnoser` and warns once per new finding."""
+
+    def __init__(self, cockpit: Cockpit):
+        from cockpit.diagnose import Diagnoser
+
+        self.cockpit = cockpit
+        self.diagnoser = Diagnoser(meta={"parameters": {
+            k: list(p.shape) for k, p in cockpit._params.items()}})
+        self.pending: dict[int, dict[str, Value]] = {}  # recorded since the last feed
+        self.evaluated_at = 0  # number of steps at the last evaluation
+
+    def feed(self, final: bool = False) -> None:
+        try:
+            self._feed(final)
+        except Exception as error:  # a diagnosis never stops training
+            if self.cockpit.strict:
+                raise
+            self.cockpit._warn(f"Cockpit diagnosis failed: {error}", key="diagnosis-failed")
+
+    def _feed(self, final: bool) -> None:
+        new, self.pending = self.pending, {}
+        if new:  # also late values of earlier steps (Alpha of step t comes at t + 1)
+            self.diagnoser.record.add(new)
+        n = len(self.diagnoser.record.steps)
+        if n == 0:
+            return
+        if not final and n - self.evaluated_at < max(1, self.evaluated_at // 10):
+            return
+        self.evaluated_at = n
+        findings = self.diagnoser.evaluate()
+        if not findings:
+            return
+        step = self.diagnoser.record.last_step
+        for finding in findings:
+            self.cockpit._warn(f"Cockpit diagnosis at step {step}: {finding}",
+                               key=f"diagnosis:{finding.code}:{finding.parameters}")
+        for sink in self.cockpit._sinks:
+            write = getattr(sink, "write_findings", None)
+            if write is not None:
+                self.cockpit._guard(write, step, findings)
 
 
 def _sample_sum_keys(quantities: list[Quantity]) -> tuple[str, ...]:

@@ -3,6 +3,7 @@
 from cockpit.quantities.alpha import Alpha
 from cockpit.quantities.base import Quantity, StepData
 from cockpit.quantities.cabs import CABS
+from cockpit.quantities.dead_units import DeadUnits
 from cockpit.quantities.distance import Distance, UpdateSize
 from cockpit.quantities.early_stopping import EarlyStopping
 from cockpit.quantities.grad_hist import GradHist1d, GradHist2d
@@ -21,6 +22,7 @@ from cockpit.quantities.time import Time
 __all__ = [
     "CABS",
     "Alpha",
+    "DeadUnits",
     "Distance",
     "EarlyStopping",
     "GradHist1d",

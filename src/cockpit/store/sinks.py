@@ -14,7 +14,7 @@ failing write warns once per episode of failures and is dropped.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -200,6 +200,18 @@ class TensorBoardSink(_SafeSink):
         if fig is not None:
             self.writer.add_figure(f"{self.prefix}/view", fig, global_step=step)
 
+    def write_findings(self, step: int, findings: Sequence[Any]) -> None:
+        """Log diagnosis findings (:class:`cockpit.Finding`) as text under
+        ``<prefix>/diagnosis/<code>`` (called by ``Cockpit(..., diagnose=True)``)."""
+
+        def write() -> None:
+            for finding in findings:
+                text = str(finding).replace("\n", "  \n")  # Markdown line breaks
+                self.writer.add_text(f"{self.prefix}/diagnosis/{finding.code}", text,
+                                     global_step=int(step))
+
+        self._guard(f"logging findings at step {step}", write)
+
     def close(self) -> None:
         """Flush, and close the writer if this sink created it."""
         self._guard("closing", self.writer.flush)
@@ -239,6 +251,7 @@ class WandbSink(_SafeSink):
         self.run = wandb.init(**init_kwargs) if run is None else run
         self.prefix = prefix
         self.step_metric = step_metric
+        self._findings: list[Any] = []
         if step_metric is not None:
             self.run.define_metric(step_metric)
             self.run.define_metric(f"{prefix}/*", step_metric=step_metric)
@@ -269,6 +282,28 @@ class WandbSink(_SafeSink):
                 self.run.log(payload)
 
         self._guard(f"logging step {step}", log)
+
+    def write_findings(self, step: int, findings: Sequence[Any]) -> None:
+        """Log diagnosis findings as text: a ``<prefix>/diagnosis`` string per finding
+        and a table of all findings so far (called by ``Cockpit(..., diagnose=True)``)."""
+
+        def log() -> None:
+            self._findings.extend(findings)
+            rows = [[int(step), f.code, f.severity, f.message, f.advice,
+                     ", ".join(f.parameters)] for f in self._findings]
+            payload: dict[str, Any] = {
+                f"{self.prefix}/diagnosis": "\n\n".join(str(f) for f in findings),
+                f"{self.prefix}/diagnosis_table": self._wandb.Table(
+                    columns=["step", "code", "severity", "message", "advice", "parameters"],
+                    data=rows),
+            }
+            if self.step_metric is None:
+                self.run.log(payload, step=int(step))
+            else:
+                payload[self.step_metric] = int(step)
+                self.run.log(payload)
+
+        self._guard(f"logging findings at step {step}", log)
 
     def close(self) -> None:
         """Finish the run if this sink started it."""

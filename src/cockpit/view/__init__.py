@@ -3,6 +3,7 @@
 from cockpit.view.cockpit_view import (
     plot_cockpit,
     plot_layer_histograms,
+    plot_layers,
     plot_run,
     save_figure,
     show,
@@ -16,6 +17,7 @@ __all__ = [
     "main_view",
     "plot_cockpit",
     "plot_layer_histograms",
+    "plot_layers",
     "plot_run",
     "save_figure",
     "serve",

@@ -49,6 +49,25 @@ def load_run(source: Any, meta: Mapping[str, Any] | None = None) -> tuple[Output
     )
 
 
+def load_notes(source: Any) -> dict[int, dict[str, str]]:
+    """``{step: {name: reason}}``: why values are missing (run log's notes table, a
+    Cockpit's ``get_notes()``); empty for output dicts and JSON exports without notes."""
+    if isinstance(source, str | Path):
+        path = Path(source)
+        if path.suffix == ".json" and path.is_file():
+            return {}
+        from cockpit.store import RunLogReader
+
+        try:
+            with RunLogReader(path) as reader:
+                return {int(s): dict(n) for s, n in reader.notes().items()}
+        except FileNotFoundError:
+            return {}
+    if hasattr(source, "get_notes"):
+        return {int(s): dict(n) for s, n in source.get_notes().items()}
+    return {}
+
+
 def run_status(logdir: str | Path) -> dict[str, Any]:
     """``{"last_step", "num_steps", "version"}`` of a run log, cheap enough to poll.
 

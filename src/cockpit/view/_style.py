@@ -44,9 +44,17 @@ PANEL_TITLES: dict[str, str] = {
     "HessMaxEV": "Largest Hessian eigenvalue λ_max(H_B): sharpness",
     "HessTrace": "Hessian trace Tr(H_B): average curvature",
     "TIC": "Takeuchi information criterion (TIC)",
+    "Layers": "Individual gradient elements per layer",
+    "Findings": "Diagnosis: what the instruments say",
     "Loss": "Mini-batch loss L_B(θ)",
     "LearningRate": "Learning rate",
     "BatchSize": "Batch size",
+}
+
+# Titles of parts of a panel (not panels of their own).
+SUB_TITLES: dict[str, str] = {
+    "TestGeometry": "Test geometry",
+    "HistZoom": "Zoom on the data",
 }
 
 # Thresholds of the gradient tests used by Bollapragada et al. (paper App. B.6).

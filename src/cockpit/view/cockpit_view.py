@@ -9,8 +9,8 @@ instruments that were not tracked are left out and the grid closes up.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,9 @@ from matplotlib.figure import Figure
 from cockpit.view import _style as S
 from cockpit.view import instruments as I
 from cockpit.view._data import Output, is_tracked, normalize_output, per_param_names
-from cockpit.view._source import load_run
+from cockpit.view._source import load_notes, load_run
+from cockpit.view.findings_panel import draw_findings, run_diagnosis
+from cockpit.view.layers import draw_layers_panel, plot_layer_histograms, plot_layers
 
 __all__ = [
     "COLUMNS",
@@ -28,6 +30,7 @@ __all__ = [
     "figure_size",
     "plot_cockpit",
     "plot_layer_histograms",
+    "plot_layers",
     "plot_run",
     "save_figure",
     "show",
@@ -45,6 +48,7 @@ COLUMNS: dict[str, list[tuple[str, Drawer, tuple[str, ...]]]] = {
     "gradients": [
         ("GradientTests", I.draw_gradient_tests, ("NormTest", "InnerTest", "OrthoTest")),
         ("GradHist1d", I.draw_grad_hist_1d, ("GradHist1d",)),
+        ("Layers", draw_layers_panel, ()),  # shown when GradHist1d/<param> was recorded
         ("GradHist2d", I.draw_grad_hist_2d, ("GradHist2d",)),
     ],
     "curvature": [
@@ -56,16 +60,34 @@ COLUMNS: dict[str, list[tuple[str, Drawer, tuple[str, ...]]]] = {
         ("Loss", I.draw_loss, ("Loss",)),
         ("LearningRate", I.draw_learning_rate, ("LearningRate",)),
         ("BatchSize", I.draw_batch_size, ("BatchSize",)),
+        ("Findings", draw_findings, ()),  # shown when diagnosis=True and steps exist
     ],
 }
+# Gray panels shown only when their instrument changes during the run; a constant learning
+# rate or batch size is written into the loss panel instead of taking a third of the row.
+_ONLY_IF_VARYING = {"LearningRate", "BatchSize"}
+_PANEL_HEIGHT = {"Layers": 0.8, "GradHist2d": 1.25}  # relative heights within a column
+_GRAY_WIDTH = {"Loss": 1.6, "LearningRate": 1.0, "BatchSize": 1.0, "Findings": 1.7}
 _COLUMN_WIDTH = {"step size": 1.0, "gradients": 1.3, "curvature": 1.0}
 
 
-def active_panels(output: Mapping) -> dict[str, list[str]]:
-    """Column → keys of the panels shown for this output (instruments that were tracked)."""
+def _shown(out: Output, key: str, names: tuple[str, ...], diagnosis: bool) -> bool:
+    if key == "Layers":
+        return bool(per_param_names(out, "GradHist1d"))
+    if key == "Findings":
+        return diagnosis and bool(out)
+    if key in _ONLY_IF_VARYING:
+        return is_tracked(out, key) and I.varies(out, key)
+    return any(is_tracked(out, n) for n in names)
+
+
+def active_panels(output: Mapping, *, diagnosis: bool = True) -> dict[str, list[str]]:
+    """Column → keys of the panels shown for this output: instruments that were tracked
+    (learning rate and batch size only if they change), the per-layer panel if per-layer
+    histograms were recorded, and the diagnosis panel if ``diagnosis``."""
     out = normalize_output(output)
     return {
-        column: [key for key, _, names in panels if any(is_tracked(out, n) for n in names)]
+        column: [key for key, _, names in panels if _shown(out, key, names, diagnosis)]
         for column, panels in COLUMNS.items()
     }
 
@@ -122,9 +144,9 @@ def _step_range(output: Output) -> tuple[float, float] | None:
     return (lo, hi)
 
 
-def figure_size(output: Mapping) -> tuple[float, float]:
+def figure_size(output: Mapping, *, diagnosis: bool = True) -> tuple[float, float]:
     """Size in inches that gives every panel of the cockpit view a readable size."""
-    panels = active_panels(output)
+    panels = active_panels(output, diagnosis=diagnosis)
     upper = [c for c in ("step size", "gradients", "curvature") if panels[c]]
     rows = max((len(panels[c]) for c in upper), default=0)
     width = max(8.0, sum(5.4 * _COLUMN_WIDTH[c] for c in upper) + 0.8)
@@ -135,7 +157,8 @@ def figure_size(output: Mapping) -> tuple[float, float]:
 def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
                  fig: Figure | None = None,
                  hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
-                 title: str | None = None) -> Figure:
+                 title: str | None = None, notes: Mapping[int, Mapping[str, str]] | None = None,
+                 diagnosis: bool = True, findings: Sequence[Any] | None = None) -> Figure:
     """Draw the cockpit view of a run's output ``{step: {name: value}}``.
 
     Args:
@@ -146,9 +169,13 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
             panels (not registered with pyplot, so it is safe in threads and servers).
         hist_range: x range of the gradient-element histogram (None: its edges).
         title: Overrides the title made from ``meta``.
+        notes: ``{step: {name: reason}}`` (``Cockpit.get_notes()``, the run log's notes):
+            a panel without values says why.
+        diagnosis: show the diagnosis panel (findings of :func:`cockpit.diagnose.diagnose`
+            on ``output``, or the given ``findings``).
     """
     out = normalize_output(output)
-    panels = active_panels(out)
+    panels = active_panels(out, diagnosis=diagnosis)
     upper = [c for c in ("step size", "gradients", "curvature") if panels[c]]
     gray = panels["gray"]
     rows = max((len(panels[c]) for c in upper), default=0)
@@ -171,7 +198,11 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
 
     xlim = _step_range(out)
     drawers = {key: fn for column in COLUMNS.values() for key, fn, _ in column}
-    options = {"xlim": xlim, "hist_range": hist_range}
+    options: dict[str, Any] = {"xlim": xlim, "hist_range": hist_range, "notes": notes,
+                               "meta": meta}
+    if "Findings" in gray:
+        options["findings"], options["diagnosis_error"] = (
+            (list(findings), None) if findings is not None else run_diagnosis(out))
     if upper and gray:
         outer = fig.add_gridspec(2, 1, height_ratios=[2.9 * rows, 2.3])
         top_spec, bottom_spec = outer[0], outer[1]
@@ -181,11 +212,12 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
         cols = top_spec.subgridspec(1, len(upper), width_ratios=[_COLUMN_WIDTH[c] for c in upper])
         for i, column in enumerate(upper):
             keys = panels[column]
-            sub = cols[i].subgridspec(len(keys), 1)
+            sub = cols[i].subgridspec(len(keys), 1,
+                                      height_ratios=[_PANEL_HEIGHT.get(k, 1.0) for k in keys])
             for j, key in enumerate(keys):
                 drawers[key](fig, sub[j], out, **options)
     if gray:
-        sub = bottom_spec.subgridspec(1, len(gray))
+        sub = bottom_spec.subgridspec(1, len(gray), width_ratios=[_GRAY_WIDTH[k] for k in gray])
         for j, key in enumerate(gray):
             drawers[key](fig, sub[j], out, **options)
     fig.text(0.995, 0.005, info, ha="right", va="bottom", fontsize=S.FONT_SIZES["small"],
@@ -193,44 +225,60 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
     return fig
 
 
-def plot_layer_histograms(output: Mapping, step: int | None = None, *,
-                          fig: Figure | None = None,
-                          hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
-                          max_cols: int = 4) -> Figure:
-    """Per-layer histograms of individual gradient elements (paper Figure 4b).
-
-    One small panel per parameter ``p`` with a ``"GradHist1d/p"`` entry, log counts, at
-    ``step`` (default: each parameter's last tracked step).
-    """
-    out = normalize_output(output)
-    params = per_param_names(out, "GradHist1d")
-    n = len(params)
-    ncols = max(1, min(max_cols, n))
-    nrows = max(1, math.ceil(n / ncols))
-    if fig is None:
-        fig = Figure(figsize=(3.3 * ncols + 0.4, 2.3 * nrows + 0.8), dpi=100)
-    else:
-        fig.clear()
-    fig.set_layout_engine("constrained")
-    where = f"step {step}" if step is not None else "last tracked step"
-    fig.suptitle(f"Per-layer histograms of individual gradient elements ({where})",
-                 fontsize=S.FONT_SIZES["title"] + 1, fontweight="bold")
-    if n == 0:
-        fig.text(0.5, 0.5, "no per-parameter GradHist1d values in this run", ha="center",
-                 va="center", color=S.GRAY, fontsize=S.FONT_SIZES["title"])
-        return fig
-    grid = fig.add_gridspec(nrows, ncols)
-    for k, param in enumerate(params):
-        I.draw_grad_hist_1d(fig, grid[k // ncols, k % ncols], out, name=f"GradHist1d/{param}",
-                            step=step, title=param, hist_range=hist_range, compact=True)
-    return fig
-
-
 _FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
+
+#: The modules that decide what the cockpit view draws (hashed into every saved PNG).
+DRAWING_MODULES = ("cockpit_view.py", "instruments.py", "layers.py", "findings_panel.py",
+                   "_style.py", "_hist.py", "_data.py")
+CODE_KEY = "cockpit-view-code"
+PANELS_KEY = "cockpit-panels"
+
+
+def drawing_code_hash(root: Path | None = None) -> str:
+    """SHA-256 (first 16 hex digits) of the view's drawing modules (in ``root``, default
+    this package): two PNGs with the same hash were drawn by the same code (line endings
+    normalized)."""
+    here = Path(__file__).resolve().parent if root is None else Path(root)
+    digest = hashlib.sha256()
+    for name in DRAWING_MODULES:
+        digest.update(name.encode())
+        digest.update((here / name).read_bytes().replace(b"\r\n", b"\n"))
+    return digest.hexdigest()[:16]
+
+
+def png_provenance(fig: Figure) -> dict[str, str]:
+    """PNG text chunks of a saved cockpit view: the drawing code's hash and the panels."""
+    from cockpit.view import _style as style
+
+    keys = {v: k for k, v in style.PANEL_TITLES.items()}
+    panels = [keys[ax.get_title(loc="left")] for ax in fig.axes
+              if ax.get_title(loc="left") in keys]
+    return {"Software": "cockpit.view", CODE_KEY: drawing_code_hash(),
+            PANELS_KEY: ",".join(panels)}
+
+
+def read_png_text(path: str | Path) -> dict[str, str]:
+    """The tEXt chunks of a PNG file (what :func:`save_figure` wrote into it)."""
+    data = Path(path).read_bytes()
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError(f"{str(path)!r} is not a PNG file")
+    found, pos = {}, 8
+    while pos + 8 <= len(data):
+        length = int.from_bytes(data[pos:pos + 4], "big")
+        kind = data[pos + 4:pos + 8]
+        if kind == b"tEXt":
+            key, _, value = data[pos + 8:pos + 8 + length].partition(b"\0")
+            found[key.decode("latin-1")] = value.decode("latin-1")
+        if kind == b"IEND":
+            break
+        pos += 12 + length
+    return found
 
 
 def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110) -> Path:
-    """Save ``fig`` as PNG, PDF or SVG, chosen by the file extension."""
+    """Save ``fig`` as PNG, PDF or SVG, chosen by the file extension. A PNG carries the
+    hash of the drawing code and the panels drawn (:func:`png_provenance`), so a figure
+    can be checked against the code that should have made it (README's figure)."""
     path = Path(path)
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
@@ -239,13 +287,15 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110) -> Path:
             f"use one of {', '.join(_FORMATS)}."
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format=fmt, dpi=dpi)
+    metadata = png_provenance(fig) if fmt == "png" else None
+    fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
     return path
 
 
 def plot_run(logdir: str | Path, out_path: str | Path | None = None, **kwargs: Any) -> Figure:
     """Cockpit view of the run in ``logdir`` (or a JSON export); saved if ``out_path``."""
     output, meta = load_run(logdir)
+    kwargs.setdefault("notes", load_notes(logdir))
     fig = plot_cockpit(output, meta, **kwargs)
     if out_path is not None:
         save_figure(fig, out_path)
@@ -259,6 +309,7 @@ def show(source: Any, meta: Mapping[str, Any] | None = None, **kwargs: Any) -> F
     inline, as the cell's result.
     """
     output, run_meta = load_run(source, meta)
+    kwargs.setdefault("notes", load_notes(source))
     _register_inline_png()
     return plot_cockpit(output, run_meta, **kwargs)
 

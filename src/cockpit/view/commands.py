@@ -1,6 +1,6 @@
 """Command-line entry points of the views (wired into ``cockpit`` by the CLI):
 
-* ``cockpit plot RUN [-o view.png] [--layers layers.png] [--step N]`` → :func:`main_plot`
+* ``cockpit plot RUN [-o view.png] [--layers [layers.png]] [--step N]`` → :func:`main_plot`
 * ``cockpit view RUN [--host H] [--port P] [--refresh S]`` → :func:`main_view`
 """
 
@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cockpit.view._source import load_run
+from cockpit.view._source import load_notes, load_run
 
 
 def _plot_parser() -> argparse.ArgumentParser:
@@ -20,8 +20,9 @@ def _plot_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run directory (with cockpit.sqlite) or a JSON export")
     p.add_argument("-o", "--output", help="figure file, .png/.pdf/.svg "
                    "(default: <run>/cockpit_view.png)")
-    p.add_argument("--layers", metavar="FILE",
-                   help="also draw the per-layer gradient histograms into FILE")
+    p.add_argument("--layers", metavar="FILE", nargs="?", const="",
+                   help="also draw the layer-wise view (per-parameter gradient histograms, "
+                   "paper Fig. 4) into FILE (default: <run>/cockpit_layers.png)")
     p.add_argument("--step", type=int, default=None,
                    help="step of the per-layer histograms (default: last tracked)")
     p.add_argument("--dpi", type=int, default=110, help="resolution of PNG files")
@@ -31,6 +32,7 @@ def _plot_parser() -> argparse.ArgumentParser:
 def main_plot(argv: Sequence[str] | None = None) -> int:
     """``cockpit plot``: write the cockpit view (and optionally per-layer histograms)."""
     from cockpit.view.cockpit_view import plot_cockpit, plot_layer_histograms, save_figure
+    from cockpit.view.layers import model_order
 
     args = _plot_parser().parse_args(argv)
     run = Path(args.run)
@@ -42,10 +44,13 @@ def main_plot(argv: Sequence[str] | None = None) -> int:
     default = run.with_suffix(".png") if run.is_file() else run / "cockpit_view.png"
     target = Path(args.output) if args.output else default
     try:
-        written = [save_figure(plot_cockpit(output, meta), target, dpi=args.dpi)]
-        if args.layers:
-            fig = plot_layer_histograms(output, step=args.step)
-            written.append(save_figure(fig, args.layers, dpi=args.dpi))
+        written = [save_figure(plot_cockpit(output, meta, notes=load_notes(run)), target,
+                               dpi=args.dpi)]
+        if args.layers is not None:
+            layers_default = (run.with_name(run.stem + "_layers.png") if run.is_file()
+                              else run / "cockpit_layers.png")
+            fig = plot_layer_histograms(output, step=args.step, order=model_order(meta))
+            written.append(save_figure(fig, args.layers or layers_default, dpi=args.dpi))
     except ValueError as err:
         print(f"cockpit plot: {err}", file=sys.stderr)
         return 2

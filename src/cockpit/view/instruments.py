@@ -9,6 +9,8 @@ left out of lines; non-finite values are marked by red crosses at the top of the
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -16,7 +18,7 @@ from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.gridspec import SubplotSpec
-from matplotlib.patches import Circle
+from matplotlib.patches import Circle, Patch
 from matplotlib.transforms import blended_transform_factory
 
 from cockpit.view import _style as S
@@ -28,8 +30,10 @@ from cockpit.view._data import (
     spans_decades,
     structured_at,
 )
+from cockpit.view._hist import Histogram, histogram_at, last_recorded_step
 
 # ---------------------------------------------------------------------------- helpers
+Notes = Mapping[int, Mapping[str, str]]  # step -> instrument -> why it has no value
 _LOG_BASELINE = 0.5  # histogram baseline on log count axes (which start at 0.8)
 
 def _new_axes(fig: Figure, spec: SubplotSpec, key: str, *, gray: bool = False) -> Axes:
@@ -43,10 +47,42 @@ def _new_axes(fig: Figure, spec: SubplotSpec, key: str, *, gray: bool = False) -
 
 
 def _no_data(ax: Axes, message: str = "tracked, but not computed yet") -> None:
-    ax.text(0.5, 0.5, message, transform=ax.transAxes, ha="center", va="center",
+    ax.text(0.5, 0.5, _wrap(message), transform=ax.transAxes, ha="center", va="center",
             color=S.GRAY, fontsize=S.FONT_SIZES["base"], style="italic")
     ax.set_xticks([])
     ax.set_yticks([])
+
+
+def note_for(notes: Notes | None, names: list[str] | tuple[str, ...]) -> str | None:
+    """The recorded reason why ``names`` have no value: the most frequent note of these
+    instruments over the run (ties: the latest), or None without notes."""
+    if not notes:
+        return None
+    seen: dict[str, tuple[int, int]] = {}
+    for step in sorted(notes):
+        for name in names:
+            reason = notes[step].get(name)
+            if reason:
+                count, _ = seen.get(reason, (0, step))
+                seen[reason] = (count + 1, step)
+    if not seen:
+        return None
+    return max(seen.items(), key=lambda kv: kv[1])[0]
+
+
+def _missing_message(output: Output, names: list[str], notes: Notes | None) -> str:
+    """What an instrument panel without finite values says: non-finite values, the
+    recorded reason (notes), or that nothing was computed yet."""
+    if any(scalar_series(output, n)[0].size for n in names):
+        return "only non-finite values (red ×)"
+    reason = note_for(notes, names)
+    if reason:
+        return "not computed: " + reason
+    return "tracked, but not computed yet"
+
+
+def _wrap(text: str, width: int = 48) -> str:
+    return "\n".join(textwrap.wrap(text, width)) or text
 
 
 def _corner_note(ax: Axes, text: str, *, loc: str = "upper right", color: str = S.GRAY,
@@ -95,23 +131,33 @@ def _time_axis(ax: Axes, xlim: tuple[float, float] | None) -> None:
 def _series_panel(fig: Figure, spec: SubplotSpec, output: Output, key: str,
                   names: list[str], *, labels: list[str] | None = None, gray: bool = False,
                   xlim: tuple[float, float] | None = None,
-                  drawstyle: str = "default") -> Axes:
+                  drawstyle: str = "default", notes: Notes | None = None) -> Axes:
     ax = _new_axes(fig, spec, key, gray=gray)
     names = [n for n in names if is_tracked(output, n)]
     labels = labels or names
     drawn = [plot_series(ax, output, n, label=lab, drawstyle=drawstyle)
              for n, lab in zip(names, labels, strict=False)]
     if not any(v.size for v in drawn):
-        nonfinite = any(scalar_series(output, n)[0].size for n in names)
-        _no_data(ax, "only non-finite values (red ×)" if nonfinite else
-                 "tracked, but not computed yet")
+        _no_data(ax, _missing_message(output, names, notes))
         _time_axis(ax, xlim)
         return ax
     _auto_log(ax, drawn)
     _time_axis(ax, xlim)
     if len(names) > 1:
-        ax.legend(fontsize=S.FONT_SIZES["small"], loc="best", framealpha=0.8)
+        legend_above(ax)
     return ax
+
+
+def legend_above(ax: Axes, ncol: int | None = None) -> None:
+    """The legend in one row between the panel's title and its axes: never on the data."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles:
+        return
+    ax.legend(handles, labels, loc="lower left", bbox_to_anchor=(0.0, 1.0),
+              ncol=ncol or len(handles), fontsize=S.FONT_SIZES["small"], frameon=False,
+              borderaxespad=0.1, handlelength=1.6, columnspacing=1.0, borderpad=0.1)
+    ax.set_title(ax.get_title(loc="left"), loc="left", fontsize=S.FONT_SIZES["title"],
+                 pad=16)
 
 
 # ------------------------------------------------------------------- step-size column
@@ -134,7 +180,8 @@ def _kde(x: np.ndarray, grid: np.ndarray) -> np.ndarray:
     return np.exp(-0.5 * z**2).sum(axis=1) / (x.size * bw * np.sqrt(2 * np.pi))
 
 
-def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, **_: Any) -> Axes:
+def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, *,
+               notes: Notes | None = None, **_: Any) -> Axes:
     """α-gauge (paper Sec. 2.1, eq. 10): distribution of α over the run and its last 10 %.
 
     α = −1: the step ended where it started on the local parabola (no progress),
@@ -144,7 +191,9 @@ def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, **_: Any) -> Axes
     ax = _new_axes(fig, spec, "Alpha")
     steps, vals = finite_part(*scalar_series(output, "Alpha"))
     if vals.size == 0:
-        _no_data(ax, "α not computed yet (needs the step after a tracked step)")
+        reason = note_for(notes, ["Alpha"])
+        _no_data(ax, f"α not computed: {reason}" if reason else
+                 "α not computed yet (needs the step after a tracked step)")
         return ax
     r = S.ALPHA_RANGE
     bins = np.linspace(-r, r, 25)
@@ -178,8 +227,7 @@ def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, **_: Any) -> Axes
             fontsize=S.FONT_SIZES["base"], color=S.GRAY)
     ax.text(0.98, 0.96, "overshoot ▶", transform=ax.transAxes, ha="right", va="top",
             fontsize=S.FONT_SIZES["base"], color=S.GRAY)
-    ax.legend(fontsize=S.FONT_SIZES["small"], loc="upper center", bbox_to_anchor=(0.5, 0.86),
-              framealpha=0.85)
+    legend_above(ax)
     outside = int(np.sum(np.abs(vals) > r))
     if outside:
         _corner_note(ax, f"{outside} beyond ±{r:g} (in edge bins)", loc="lower left")
@@ -187,7 +235,8 @@ def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, **_: Any) -> Axes
 
 
 def draw_distances(fig: Figure, spec: SubplotSpec, output: Output, *,
-                   xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
+                   xlim: tuple[float, float] | None = None, notes: Notes | None = None,
+                   **_: Any) -> Axes:
     """Distance ‖θ_t − θ_0‖ (left axis) and update size ‖θ_t+1 − θ_t‖ (right axis)."""
     ax = _new_axes(fig, spec, "Distances")
     have_dist, have_upd = is_tracked(output, "Distance"), is_tracked(output, "UpdateSize")
@@ -197,7 +246,7 @@ def draw_distances(fig: Figure, spec: SubplotSpec, output: Output, *,
         del d  # linear axes: the distance starts at 0, a log axis would only show the start
     if not any(finite_part(*scalar_series(output, n))[0].size
                for n in ("Distance", "UpdateSize")):
-        _no_data(ax, "tracked, but not computed yet")
+        _no_data(ax, _missing_message(output, ["Distance", "UpdateSize"], notes))
         return ax
     if have_upd:
         target = ax.twinx() if have_dist else ax
@@ -207,31 +256,49 @@ def draw_distances(fig: Figure, spec: SubplotSpec, output: Output, *,
         target.tick_params(labelsize=S.FONT_SIZES["small"])
         _auto_log(target, [u])
         if have_dist:
-            ax.legend(handles=[*ax.get_lines()[:1], *target.get_lines()[:1]],
-                      fontsize=S.FONT_SIZES["small"], loc="upper left", framealpha=0.8)
+            ax.plot([], [], color=S.COLORS["UpdateSize"], label="update size (right axis)")
+            ax.get_lines()[0].set_label("distance (left axis)")
+            legend_above(ax)
     _time_axis(ax, xlim)
     return ax
 
 
+def varies(output: Output, name: str) -> bool:
+    """Whether a scalar instrument takes more than one finite value over the run."""
+    vals = finite_part(*scalar_series(output, name))[1]
+    return bool(vals.size) and bool(np.ptp(vals) > 1e-12 * max(abs(vals).max(), 1e-300))
+
+
 def draw_grad_norm(fig: Figure, spec: SubplotSpec, output: Output, *,
-                   xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
-    """Mini-batch gradient norm ‖g_B‖ with the learning rate (dashed, right axis)."""
-    ax = _series_panel(fig, spec, output, "GradNorm", ["GradNorm"], xlim=xlim)
+                   xlim: tuple[float, float] | None = None, notes: Notes | None = None,
+                   **_: Any) -> Axes:
+    """Mini-batch gradient norm ‖g_B‖; a learning rate that changes during the run is
+    drawn as a thin gray step line on the right axis (a constant one is not drawn: a flat
+    line would read like a threshold)."""
+    ax = _series_panel(fig, spec, output, "GradNorm", ["GradNorm"], xlim=xlim, notes=notes)
     ax.set_ylabel("‖g_B‖", color=S.COLORS["GradNorm"], fontsize=S.FONT_SIZES["small"])
-    if is_tracked(output, "LearningRate") and scalar_series(output, "LearningRate")[0].size:
+    if is_tracked(output, "LearningRate") and varies(output, "LearningRate"):
         twin = ax.twinx()
-        lr = plot_series(twin, output, "LearningRate", linestyle="--", drawstyle="steps-post")
+        lr = plot_series(twin, output, "LearningRate", drawstyle="steps-post",
+                         label="learning rate (right axis)")
+        for line in twin.get_lines():
+            line.set_alpha(0.6)
+            line.set_linewidth(1.0)
         _auto_log(twin, [lr])
         _from_zero(twin, output, "LearningRate")
         twin.set_ylabel("learning rate", color=S.COLORS["LearningRate"],
                         fontsize=S.FONT_SIZES["small"])
         twin.tick_params(labelsize=S.FONT_SIZES["small"])
+        ax.plot([], [], color=S.COLORS["LearningRate"], alpha=0.6, linewidth=1.0,
+                label="learning rate (right axis)")
+        ax.get_lines()[0].set_label("‖g_B‖ (left axis)")
+        legend_above(ax)
     return ax
 
 
 # -------------------------------------------------------------------- gradient column
-_TESTS = (("NormTest", "norm test", S.THETA_NORM), ("InnerTest", "inner product test",
-          S.THETA_INNER), ("OrthoTest", "orthogonality test", S.NU_ORTHO))
+_TESTS = (("NormTest", "norm", S.THETA_NORM), ("InnerTest", "inner product",
+          S.THETA_INNER), ("OrthoTest", "orthogonality", S.NU_ORTHO))
 
 
 def _draw_test_geometry(ax: Axes, last: dict[str, float], step: int) -> None:
@@ -258,33 +325,53 @@ def _draw_test_geometry(ax: Axes, last: dict[str, float], step: int) -> None:
     ax.set_xticks([0, 1])
     ax.set_xticklabels(["0", "g_B/‖g_B‖"], fontsize=S.FONT_SIZES["small"])
     ax.tick_params(labelsize=S.FONT_SIZES["small"])
-    ax.set_xlabel(f"test geometry, step {step}", fontsize=S.FONT_SIZES["small"], labelpad=1)
+    ax.set_title(f"{S.SUB_TITLES['TestGeometry']}, step {step}",
+                 fontsize=S.FONT_SIZES["small"] + 0.5, loc="left")
+    ax.set_anchor("N")  # at the top of its cell, level with the series' axes
+    shapes = [(n, lab, c) for n, lab, c in (
+        ("NormTest", "ball: norm test", S.COLORS["NormTest"]),
+        ("InnerTest", "band ∥ g: inner product test", S.COLORS["InnerTest"]),
+        ("OrthoTest", "band ⊥ g: orthogonality test", S.COLORS["OrthoTest"])) if n in last]
+    ax.legend(handles=[Patch(facecolor=c, alpha=0.3, label=lab) for _, lab, c in shapes],
+              loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False,
+              fontsize=S.FONT_SIZES["small"] - 0.5, handlelength=1.2, borderaxespad=0)
 
 
 def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
-                        xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
+                        xlim: tuple[float, float] | None = None, notes: Notes | None = None,
+                        **_: Any) -> Axes:
     """Gradient tests gauge (paper Fig. 9b; eqs. 19c, 22c, 25b): the test geometry at
-    the last step (left) and the three standardized widths over steps (right), with the
-    thresholds θ_norm = θ_inner = 0.9 and ν_ortho = tan 80° ≈ 5.84 of Bollapragada et al.
-    Values above a threshold mean the mini-batch gradient is too noisy for that test."""
-    sub = spec.subgridspec(1, 2, width_ratios=[1.0, 1.9], wspace=0.18)
+    the last step (left, titled) and the three standardized widths over steps (right), with
+    the thresholds θ_norm = θ_inner = 0.9 and ν_ortho = tan 80° ≈ 5.84 of Bollapragada et
+    al. Values above a threshold mean the mini-batch gradient is too noisy for that test.
+    The norm test is drawn on top (the others slightly transparent), so it stays visible
+    where the lines are close; the legend sits above the axes, off the data."""
+    tracked = [(n, lab, thr) for n, lab, thr in _TESTS if is_tracked(output, n)]
+    if not any(finite_part(*scalar_series(output, n))[0].size for n, _, _ in tracked):
+        # nothing to draw a geometry of: the panel's whole width says why
+        ax = _new_axes(fig, spec, "GradientTests")
+        for name, label, _ in tracked:
+            plot_series(ax, output, name, label=label)  # red crosses of non-finite values
+        _no_data(ax, _missing_message(output, [n for n, _, _ in tracked], notes))
+        return ax
+    sub = spec.subgridspec(1, 2, width_ratios=[1.0, 2.1], wspace=0.12)
     geo = fig.add_subplot(sub[0, 0])
     ax = _new_axes(fig, sub[0, 1], "GradientTests")
-    tracked = [(n, lab, thr) for n, lab, thr in _TESTS if is_tracked(output, n)]
     drawn, last, last_step = [], {}, None
     for name, label, _ in tracked:
+        first = len(ax.get_lines())
         vals = plot_series(ax, output, name, label=label)
+        line = ax.get_lines()[first]  # the finite values (red crosses come after)
+        if name == "NormTest":
+            line.set_zorder(3.5)
+        else:
+            line.set_alpha(0.8)
+            line.set_linewidth(1.1)
         drawn.append(vals)
         steps, allv = finite_part(*scalar_series(output, name))
         if steps.size:
             last[name] = float(allv[-1])
             last_step = int(steps[-1]) if last_step is None else max(last_step, int(steps[-1]))
-    if not last:
-        _no_data(ax, "only non-finite values (red ×)" if drawn and any(
-            scalar_series(output, n)[0].size for n, _, _ in tracked)
-            else "tracked, but not computed yet")
-        geo.set_axis_off()
-        return ax
     _auto_log(ax, drawn)
     _time_axis(ax, xlim)
     lo, hi = ax.get_ylim()
@@ -292,53 +379,109 @@ def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
     for _, _, thr in tracked:
         if lo <= thr <= hi and thr not in shown:
             shown.add(thr)
-            ax.axhline(thr, color=S.GRAY, linestyle=":", linewidth=1.4,
-                       label=f"threshold {thr:g}")
+            ax.axhline(thr, color=S.GRAY, linestyle=":", linewidth=1.4, zorder=1,
+                       label="threshold" if len(shown) == 1 else "_nolegend_")
     ax.set_ylim(lo, hi)
-    ax.legend(fontsize=S.FONT_SIZES["small"], loc="best", framealpha=0.8, ncol=2)
+    legend_above(ax)
     ax.set_ylabel("standardized width", fontsize=S.FONT_SIZES["small"])
     _draw_test_geometry(geo, last, last_step if last_step is not None else 0)
     return ax
+
+
+def hist_range_notes(hist: Histogram, lo: float, hi: float) -> list[str]:
+    """What the whole-network histogram says about elements outside its x range [lo, hi].
+
+    With the recorded range shown, elements beyond it were clamped into the two edge bins,
+    so their number is *at most* the edge bins' counts (exactly 0 if those are empty). A
+    narrower view hides the bins wholly outside it, counted exactly."""
+    notes = []
+    e0, e1 = float(hist.edges[0]), float(hist.edges[-1])
+    reach = f"±{e1:g}" if e0 == -e1 else f"[{e0:g}, {e1:g}]"
+    edge = hist.edge_bins()
+    if lo <= e0 and hi >= e1:
+        notes.append(f"≤{edge:,} elements ({edge / hist.total:.2%}) beyond {reach}, "
+                     "in the edge bins" if edge else f"no element beyond {reach}")
+    else:
+        hidden = hist.outside(lo, hi)
+        notes.append(f"{hidden:,} elements ({hidden / hist.total:.2%}) outside the view"
+                     if hidden else "no element outside the view")
+        if edge:
+            notes.append(f"(≤{edge:,} of them beyond {reach}: edge bins)")
+    return notes
+
+
+def _draw_zoom(ax: Axes, hist: Histogram, lo: float, hi: float) -> Axes | None:
+    """Inset on the data's own range (the span of the non-empty bins, one bin either side)
+    when that span is under 40 % of the shown range; it says when the data fill so few
+    bins that their shape is below the recorded resolution."""
+    occ_lo, occ_hi, n_bins = hist.occupied()
+    if n_bins == 0 or (occ_hi - occ_lo) >= 0.4 * (hi - lo):
+        return None
+    w = hist.bin_width
+    inset = ax.inset_axes((0.60, 0.30, 0.38, 0.50))
+    inset.stairs(hist.counts, hist.edges, fill=True, baseline=_LOG_BASELINE,
+                 color=S.COLORS["GradHist1d"], alpha=0.85, linewidth=0)
+    inset.set_yscale("log")
+    inset.set_ylim(0.8, hist.counts.max() * 2.5)
+    inset.set_xlim(max(occ_lo - w, hist.edges[0]), min(occ_hi + w, hist.edges[-1]))
+    inset.tick_params(labelsize=S.FONT_SIZES["small"] - 1)
+    inset.set_title(f"{S.SUB_TITLES['HistZoom']}: [{occ_lo:.3g}, {occ_hi:.3g})",
+                    fontsize=S.FONT_SIZES["small"], loc="left", pad=2)
+    if n_bins <= 3:
+        reach = f"{max(abs(occ_lo), abs(occ_hi)):.2g}"
+        inset.set_xlabel(f"all in {n_bins} bin{'s' * (n_bins > 1)} of width {w:.3g}: finer "
+                         f"shape not recorded;\nfor it: Cockpit(..., hist_bins=cockpit."
+                         f"BinSpec(-{reach}, {reach}, 100))", fontsize=S.FONT_SIZES["small"] - 1.5,
+                         labelpad=1, color=S.GRAY)
+    ax.indicate_inset((occ_lo, 0.8, occ_hi - occ_lo, float(hist.counts.max())), inset,
+                      edgecolor=S.GRAY, alpha=0.6)
+    return inset
 
 
 def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
                       hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
                       step: int | None = None, name: str = "GradHist1d",
                       title: str | None = None, compact: bool = False, **_: Any) -> Axes:
-    """Histogram of the |B|×D individual gradient elements (eq. 15) at one step (default:
-    the last tracked one), log count axis. ``hist_range`` limits the x axis (None: the
-    histogram's own edges)."""
+    """Histogram of the |B|×D individual gradient elements (eq. 15), log count axis, at
+    ``step`` (default: the last step with any finite element, so a run whose gradients
+    became NaN shows its last finite step and says so).
+
+    ``hist_range`` is the x range (default the paper's deliberate [−2, 2], so badly scaled
+    data stand out; None: the recorded edges). The panel says how many elements lie
+    beyond that range (:func:`hist_range_notes`) and zooms on the data's own range in an
+    inset when the data occupy a small part of it (:func:`_draw_zoom`)."""
     ax = fig.add_subplot(spec)
     ax.set_title(title or S.PANEL_TITLES["GradHist1d"],
                  fontsize=S.FONT_SIZES["small" if compact else "title"], loc="left")
     ax.tick_params(labelsize=S.FONT_SIZES["small"])
-    found = structured_at(output, name, ("counts", "edges"), step)
-    if found is None:
-        _no_data(ax, "no histogram yet")
-        return ax
-    at, hist = found
-    counts = np.asarray(hist["counts"], dtype=np.float64).ravel()
-    edges = np.asarray(hist["edges"], dtype=np.float64).ravel()
-    if counts.size + 1 != edges.size or counts.sum() <= 0:
-        _no_data(ax, "empty histogram")
+    hist = histogram_at(output, name, step)
+    if hist is None or hist.total == 0:
+        recorded = last_recorded_step(output, name)
+        _no_data(ax, "no histogram yet" if recorded is None else
+                 f"no finite gradient element recorded (last recorded step {recorded})")
         return ax
     # One step artist (not one bar per bin): empty bins fall to the baseline below the axis.
-    ax.stairs(counts, edges, fill=True, baseline=_LOG_BASELINE, color=S.COLORS["GradHist1d"],
-              alpha=0.85, linewidth=0)
+    ax.stairs(hist.counts, hist.edges, fill=True, baseline=_LOG_BASELINE,
+              color=S.COLORS["GradHist1d"], alpha=0.85, linewidth=0)
     ax.set_yscale("log")
-    ax.set_ylim(bottom=0.8, top=counts.max() * 2.5)
-    lo, hi = edges[0], edges[-1]
+    ax.set_ylim(bottom=0.8, top=hist.counts.max() * 60)  # headroom for the notes
+    lo, hi = float(hist.edges[0]), float(hist.edges[-1])
     if hist_range is not None:
-        lo, hi = max(lo, hist_range[0]), min(hi, hist_range[1])
-        hidden = counts[(edges[1:] <= lo) | (edges[:-1] >= hi)].sum()
-        if hidden > 0:
-            _corner_note(ax, f"{hidden / counts.sum():.1%} outside view", loc="upper left")
+        lo, hi = hist_range
     ax.set_xlim(lo, hi)
     ax.grid(True, axis="y", alpha=0.3, linewidth=0.6)
     if not compact:
         ax.set_xlabel("gradient element value", fontsize=S.FONT_SIZES["small"], labelpad=1)
         ax.set_ylabel("count", fontsize=S.FONT_SIZES["small"])
-    _corner_note(ax, f"step {at}")
+    recorded = last_recorded_step(output, name)
+    lines = [f"step {hist.step}  ·  {hist.total:,} elements", *hist_range_notes(hist, lo, hi)]
+    _corner_note(ax, "\n".join(lines), loc="upper left")
+    if recorded is not None and recorded > hist.step:
+        _corner_note(ax, f"step {hist.step} is the last with finite gradients:\nthe "
+                     f"histograms of steps {hist.step + 1}–{recorded} hold no finite element",
+                     loc="upper left", color=S.RED, y=0.80)
+    if not compact:
+        _draw_zoom(ax, hist, lo, hi)
     return ax
 
 
@@ -418,8 +561,12 @@ def draw_tic(fig: Figure, spec: SubplotSpec, output: Output, *,
 # ------------------------------------------------------------------------ gray panels
 def draw_loss(fig: Figure, spec: SubplotSpec, output: Output, *,
               xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
-    """Mini-batch loss over steps; non-finite losses are marked in red with a note."""
+    """Mini-batch loss over steps; non-finite losses are marked in red with a note. A
+    learning rate or batch size that stays constant is written here (no panel of its own)."""
     ax = _series_panel(fig, spec, output, "Loss", ["Loss"], gray=True, xlim=xlim)
+    constant = constant_settings(output)
+    if constant:  # under the axis, where it never covers the curve
+        ax.set_xlabel(f"step          {constant}", fontsize=S.FONT_SIZES["small"], labelpad=1)
     steps, vals = scalar_series(output, "Loss")
     bad = steps[~np.isfinite(vals)]
     if bad.size:
@@ -427,6 +574,17 @@ def draw_loss(fig: Figure, spec: SubplotSpec, output: Output, *,
                      + (f" and {bad.size - 1} more" if bad.size > 1 else ""),
                      loc="upper right", color=S.RED, y=0.88)
     return ax
+
+
+def constant_settings(output: Output) -> str:
+    """"learning rate 0.05 · batch size 64 (constant)" for the tracked ones that never
+    change (empty if none)."""
+    parts = []
+    for name, label in (("LearningRate", "learning rate"), ("BatchSize", "batch size")):
+        vals = finite_part(*scalar_series(output, name))[1]
+        if vals.size and not varies(output, name):
+            parts.append(f"{label} {vals[0]:g}")
+    return " · ".join(parts) + " (constant)" if parts else ""
 
 
 def draw_learning_rate(fig: Figure, spec: SubplotSpec, output: Output, *,

@@ -4,10 +4,16 @@ page served with the standard library only (:func:`serve`).
 The web view reads the run log of another process (training writes it, the viewer only
 reads), so it works during training, after a crash and for finished runs. Routes:
 
-* ``/``            an HTML page showing ``/view.png``; an inline script polls
-                   ``/status.json`` and reloads the image when the last step changes,
-* ``/view.png``    the cockpit view rendered from the run log (cached per run-log state),
-* ``/status.json`` ``{"last_step", "num_steps", "run"}``.
+* ``/``              an HTML page: the cockpit view (``/view.png``) fitted to the window
+                     (a button shows it at full size, the page then scrolls), and beside
+                     it the diagnosis and a read-out of the values under the pointer; an
+                     inline script polls ``/status.json`` and reloads what changed,
+* ``/view.png``      the cockpit view rendered from the run log (cached per run-log state),
+* ``/status.json``   ``{"last_step", "num_steps", "run"}``,
+* ``/panels.json``   where each panel of ``/view.png`` is (fractions of the image) with its
+                     x range and instruments, the recorded values of those instruments,
+                     and the histogram shown, for the hover read-out,
+* ``/findings.json`` :func:`cockpit.diagnose.diagnose` of the run log.
 
 Nothing else is served (no files at all); every other path is a 404.
 """
@@ -18,7 +24,9 @@ import contextlib
 import html
 import io
 import json
+import math
 import threading
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -27,10 +35,13 @@ from urllib.parse import urlsplit
 from matplotlib.figure import Figure
 
 from cockpit.view import _style as S
-from cockpit.view._source import load_run, run_status
+from cockpit.view._data import is_tracked, normalize_output, scalar_series
+from cockpit.view._hist import histogram_at
+from cockpit.view._source import load_notes, load_run, run_status
 from cockpit.view.cockpit_view import figure_size, plot_cockpit, save_figure
+from cockpit.view.findings_panel import run_diagnosis
 
-__all__ = ["LivePlot", "make_server", "render_png", "serve"]
+__all__ = ["LivePlot", "findings_data", "hover_data", "make_server", "render_png", "serve"]
 
 
 class LivePlot:
@@ -57,7 +68,7 @@ class LivePlot:
     def update(self) -> Figure:
         """Re-read the data and redraw the figure (created through pyplot on first use)."""
         output, meta = load_run(self.source, self.meta)
-        size = figure_size(output)
+        size = figure_size(output, diagnosis=self.plot_kwargs.get("diagnosis", True))
         if self.fig is None:
             import matplotlib.pyplot as plt
 
@@ -66,7 +77,8 @@ class LivePlot:
                 plt.show(block=False)
         elif tuple(self.fig.get_size_inches()) != size:
             self.fig.set_size_inches(*size, forward=True)
-        plot_cockpit(output, meta, fig=self.fig, **self.plot_kwargs)
+        kwargs = {"notes": load_notes(self.source), **self.plot_kwargs}
+        plot_cockpit(output, meta, fig=self.fig, **kwargs)
         self.fig.canvas.draw_idle()
         self.fig.canvas.flush_events()
         self.num_updates += 1
@@ -86,42 +98,259 @@ class LivePlot:
 
 
 # ------------------------------------------------------------------------ web view
-def render_png(logdir: str | Path, *, dpi: int = 90) -> bytes:
-    """PNG bytes of the cockpit view of ``logdir`` (a message figure if it has no log)."""
+def _render(logdir: str | Path, *, dpi: int = 90) -> tuple[bytes, dict[str, Any]]:
+    """PNG bytes of the cockpit view of ``logdir`` and its hover data (panels.json)."""
     try:
         output, meta = load_run(logdir)
     except FileNotFoundError:
         fig = Figure(figsize=(8, 3))
         fig.text(0.5, 0.5, f"Waiting for a run log in {Path(logdir).name!r} …", ha="center",
                  va="center", fontsize=S.FONT_SIZES["title"], color=S.GRAY)
+        output = {}
     else:
-        fig = plot_cockpit(output, meta)
+        # the findings are shown beside the image (findings.json), not inside it
+        fig = plot_cockpit(output, meta, notes=load_notes(logdir), diagnosis=False)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
+    fig.savefig(buf, format="png", dpi=dpi)  # lays the figure out: positions are final
+    return buf.getvalue(), hover_data(fig, output)
+
+
+def render_png(logdir: str | Path, *, dpi: int = 90) -> bytes:
+    """PNG bytes of the cockpit view of ``logdir`` (a message figure if it has no log)."""
+    return _render(logdir, dpi=dpi)[0]
+
+
+# Instruments read out when the pointer is over a panel with a step axis.
+PANEL_INSTRUMENTS: dict[str, tuple[str, ...]] = {
+    "Distances": ("Distance", "UpdateSize"),
+    "GradNorm": ("GradNorm", "LearningRate"),
+    "GradientTests": ("NormTest", "InnerTest", "OrthoTest"),
+    "HessMaxEV": ("HessMaxEV",),
+    "HessTrace": ("HessTrace",),
+    "TIC": ("TICDiag", "TICTrace"),
+    "Loss": ("Loss", "LearningRate", "BatchSize"),
+    "LearningRate": ("LearningRate",),
+    "BatchSize": ("BatchSize",),
+}
+
+
+def _json_float(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)  # "nan", "inf": JSON has no such numbers
+
+
+def hover_data(fig: Figure, output: Mapping) -> dict[str, Any]:
+    """Where the panels of a drawn cockpit view are and what to read out under the pointer.
+
+    ``panels``: ``{key, title, box: [left, top, right, bottom]}`` as fractions of the image
+    (origin top left), with ``xlim`` and ``instruments`` for panels over steps, or
+    ``hist: {step, edges, counts}`` for the gradient-element histogram. ``series``: the
+    recorded values of those instruments (steps with a number; non-finite as strings).
+    """
+    out = normalize_output(output)
+    keys = {title: key for key, title in S.PANEL_TITLES.items()}
+    panels, names = [], set()
+    for ax in fig.axes:
+        key = keys.get(ax.get_title(loc="left"))
+        if key is None:
+            continue
+        pos = ax.get_position()
+        entry: dict[str, Any] = {"key": key, "title": S.PANEL_TITLES[key],
+                                 "box": [pos.x0, 1 - pos.y1, pos.x1, 1 - pos.y0]}
+        if key in PANEL_INSTRUMENTS:
+            shown = [n for n in PANEL_INSTRUMENTS[key] if is_tracked(out, n)]
+            entry.update(xlim=list(ax.get_xlim()), instruments=shown)
+            names.update(shown)
+        elif key == "GradHist1d":
+            hist = histogram_at(out, "GradHist1d")
+            if hist is not None and hist.total > 0:
+                entry.update(xlim=list(ax.get_xlim()), hist={
+                    "step": hist.step, "edges": hist.edges.tolist(),
+                    "counts": [int(c) for c in hist.counts]})
+        panels.append(entry)
+    series = {}
+    for name in sorted(names):
+        steps, vals = scalar_series(out, name)
+        series[name] = {"steps": steps.tolist(), "values": [_json_float(v) for v in vals]}
+    return {"panels": panels, "series": series}
+
+
+def findings_data(logdir: str | Path) -> dict[str, Any]:
+    """``{"findings": [...], "error"}``: the diagnosis of the run log as plain data."""
+    if not run_status(logdir)["num_steps"]:
+        return {"findings": [], "error": None}
+    findings, error = run_diagnosis(logdir)
+    return {"findings": [{"code": f.code, "severity": f.severity, "message": f.message,
+                          "advice": f.advice, "parameters": list(f.parameters),
+                          "evidence": [str(e) for e in f.evidence]} for f in findings],
+            "error": error}
 
 
 _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <title>Cockpit · {run}</title>
 <style>
- body {{ font-family: system-ui, sans-serif; margin: 0; background: #f6f6f6; color: #222; }}
- header {{ padding: 8px 16px; background: #1f5fa8; color: white; display: flex;
+ html, body {{ margin: 0; }}
+ body {{ font-family: system-ui, sans-serif; background: #f6f6f6; color: #222;
+        display: flex; flex-direction: column; }}
+ body.fit {{ height: 100vh; overflow: hidden; }}
+ header {{ flex: none; padding: 6px 16px; background: #1f5fa8; color: white; display: flex;
           gap: 24px; align-items: baseline; }}
  header h1 {{ font-size: 18px; margin: 0; }}
+ header button {{ font: inherit; font-size: 13px; padding: 1px 8px; cursor: pointer; }}
  #conn {{ margin-left: auto; font-size: 13px; opacity: 0.9; }}
- main {{ padding: 8px; text-align: center; }}
- img {{ max-width: 100%; height: auto; background: white; box-shadow: 0 1px 4px #0003; }}
+ main {{ flex: 1; min-height: 0; display: flex; gap: 10px; padding: 8px;
+        box-sizing: border-box; }}
+ #figure {{ flex: 1; min-width: 0; position: relative; }}
+ body.fit #figure {{ display: flex; justify-content: center; align-items: flex-start; }}
+ body.full #figure {{ overflow-x: auto; }}
+ #view {{ display: block; background: white; box-shadow: 0 1px 4px #0003; }}
+ body.fit #view {{ max-width: 100%; max-height: 100%; width: auto; height: auto; }}
+ #hair {{ position: absolute; width: 0; border-left: 1px solid #d62728; pointer-events: none;
+         display: none; }}
+ aside {{ flex: 0 0 320px; display: flex; flex-direction: column; gap: 10px; min-height: 0; }}
+ body.fit aside {{ overflow-y: auto; }}
+ aside section {{ background: white; box-shadow: 0 1px 4px #0003; padding: 8px 10px;
+                 font-size: 13px; }}
+ aside h2 {{ font-size: 14px; margin: 0 0 6px 0; }}
+ #readout table {{ border-collapse: collapse; width: 100%; }}
+ #readout td {{ padding: 1px 4px; }} #readout td.v {{ text-align: right;
+   font-variant-numeric: tabular-nums; }}
+ #findings {{ list-style: none; padding: 0; margin: 0; }}
+ #findings li {{ margin-bottom: 8px; }} #findings .error {{ color: #d62728; }}
+ #findings .warning {{ color: #b35f00; }} #findings .info, .muted {{ color: #6e6e6e; }}
+ #findings .ok {{ color: #2e8b57; font-weight: bold; }}
+ #findings .advice {{ color: #444; display: block; margin-left: 1em; }}
 </style></head>
-<body>
+<body class="fit">
 <header><h1>Cockpit · {run}</h1>
  <span>last step: <b id="last-step">{last_step}</b></span>
  <span>tracked steps: <b id="num-steps">{num_steps}</b></span>
+ <button id="size" type="button" title="fit the view to the window or show it at full size">
+ full size</button>
  <span id="conn">live, refreshing every {refresh:g} s</span></header>
-<main><img id="view" src="view.png?v={key}" alt="Cockpit view of {run}"></main>
+<main>
+ <div id="figure"><img id="view" src="view.png?v={key}" alt="Cockpit view of {run}">
+  <div id="hair"></div></div>
+ <aside>
+  <section><h2>Under the pointer</h2>
+   <div id="readout" class="muted">Point at a panel to read its values.</div></section>
+  <section><h2>Diagnosis</h2><ul id="findings"><li class="muted">…</li></ul></section>
+ </aside>
+</main>
 <script>
 const REFRESH_MS = {refresh_ms};
 let shown = {key_json};
+window.cockpitHover = {{panels: [], series: {{}}}};
+const img = document.getElementById("view");
+const hair = document.getElementById("hair");
+const readout = document.getElementById("readout");
+
+document.getElementById("size").addEventListener("click", (ev) => {{
+  const fit = document.body.classList.toggle("fit");
+  document.body.classList.toggle("full", !fit);
+  ev.target.textContent = fit ? "full size" : "fit to window";
+}});
+
+function el(tag, text, cls) {{
+  const e = document.createElement(tag);
+  if (text !== undefined) e.textContent = text;
+  if (cls) e.className = cls;
+  return e;
+}}
+function fmt(v) {{
+  if (typeof v === "string") return v;
+  const a = Math.abs(v);
+  return (a !== 0 && (a < 1e-3 || a >= 1e5)) ? v.toExponential(3) : String(+v.toPrecision(4));
+}}
+function nearestIndex(steps, x) {{
+  let lo = 0, hi = steps.length - 1;
+  while (hi - lo > 1) {{
+    const mid = (lo + hi) >> 1;
+    if (steps[mid] <= x) lo = mid; else hi = mid;
+  }}
+  return Math.abs(steps[hi] - x) < Math.abs(steps[lo] - x) ? hi : lo;
+}}
+function showRows(title, caption, rows) {{
+  readout.className = "";
+  readout.replaceChildren(el("b", title), el("div", caption, "muted"));
+  const table = el("table");
+  for (const [name, value] of rows) {{
+    const tr = el("tr"); tr.dataset.name = name;
+    tr.append(el("td", name), el("td", value, "v"));
+    table.append(tr);
+  }}
+  readout.append(table);
+}}
+function hover(ev) {{
+  const r = img.getBoundingClientRect();
+  const fx = (ev.clientX - r.left) / r.width, fy = (ev.clientY - r.top) / r.height;
+  const data = window.cockpitHover;
+  const p = data.panels.find(q => fx >= q.box[0] && fx <= q.box[2] && fy >= q.box[1]
+                                  && fy <= q.box[3]);
+  if (!p || !p.xlim) {{ hair.style.display = "none"; return; }}
+  const w = p.box[2] - p.box[0];
+  const x = p.xlim[0] + (fx - p.box[0]) / w * (p.xlim[1] - p.xlim[0]);
+  let at = x;
+  if (p.instruments) {{
+    let best = null;
+    for (const n of p.instruments) {{
+      const s = data.series[n];
+      if (!s || !s.steps.length) continue;
+      const st = s.steps[nearestIndex(s.steps, x)];
+      if (best === null || Math.abs(st - x) < Math.abs(best - x)) best = st;
+    }}
+    if (best === null) return;
+    at = best;
+    readout.dataset.step = best;
+    showRows(p.title, "step " + best, p.instruments.map(n => {{
+      const s = data.series[n];
+      const i = s ? s.steps.indexOf(best) : -1;
+      return [n, i < 0 ? "—" : fmt(s.values[i])];
+    }}));
+  }} else if (p.hist) {{
+    const e = p.hist.edges;
+    let k = 0;
+    while (k < e.length - 2 && e[k + 1] <= x) k++;
+    delete readout.dataset.step;
+    showRows(p.title, "step " + p.hist.step, [["bin", "[" + fmt(e[k]) + ", " + fmt(e[k + 1])
+      + ")"], ["elements", String(p.hist.counts[k])]]);
+  }}
+  const box = document.getElementById("figure").getBoundingClientRect();
+  const px = r.left + (p.box[0] + (at - p.xlim[0]) / (p.xlim[1] - p.xlim[0]) * w) * r.width;
+  hair.style.left = (px - box.left) + "px";
+  hair.style.top = (r.top - box.top + p.box[1] * r.height) + "px";
+  hair.style.height = ((p.box[3] - p.box[1]) * r.height) + "px";
+  hair.style.display = "block";
+}}
+img.addEventListener("mousemove", hover);
+img.addEventListener("mouseleave", () => {{ hair.style.display = "none"; }});
+
+async function loadPanels() {{
+  const r = await fetch("panels.json?v=" + encodeURIComponent(shown), {{cache: "no-store"}});
+  window.cockpitHover = await r.json();
+}}
+async function loadFindings() {{
+  const r = await fetch("findings.json?v=" + encodeURIComponent(shown), {{cache: "no-store"}});
+  const d = await r.json();
+  const list = document.getElementById("findings");
+  const items = [];
+  if (d.error) items.push(el("li", d.error, "info"));
+  const problems = d.findings.filter(f => f.severity !== "info");
+  if (!d.error && !problems.length)
+    items.push(el("li", "✓ no problem named by diagnose()", "ok"));
+  for (const f of d.findings) {{
+    const li = el("li", undefined, f.severity);
+    li.dataset.code = f.code;
+    const where = f.parameters.length ? " (" + f.parameters.join(", ") + ")" : "";
+    li.append(el("b", f.code + where + ": "), document.createTextNode(f.message));
+    if (f.advice) li.append(el("span", "try: " + f.advice, "advice"));
+    li.title = f.evidence.join("\\n");
+    items.push(li);
+  }}
+  list.replaceChildren(...items);
+}}
+img.addEventListener("load", () => {{ loadPanels(); }});
 async function poll() {{
   try {{
     const response = await fetch("status.json", {{cache: "no-store"}});
@@ -131,7 +360,8 @@ async function poll() {{
     const key = s.last_step + ":" + s.num_steps;
     if (key !== shown) {{
       shown = key;
-      document.getElementById("view").src = "view.png?v=" + encodeURIComponent(key);
+      img.src = "view.png?v=" + encodeURIComponent(key);
+      loadFindings();
     }}
     document.getElementById("conn").textContent = "live, refreshing every {refresh:g} s";
   }} catch (err) {{
@@ -139,6 +369,7 @@ async function poll() {{
   }}
   setTimeout(poll, REFRESH_MS);
 }}
+loadPanels(); loadFindings();
 setTimeout(poll, REFRESH_MS);
 </script>
 </body></html>
@@ -146,7 +377,8 @@ setTimeout(poll, REFRESH_MS);
 
 
 class _ViewState:
-    """What the server knows: the run directory and the last rendered PNG."""
+    """What the server knows: the run directory and what was rendered for its last state
+    (PNG, hover data, findings), each made once per run-log state."""
 
     def __init__(self, logdir: Path, refresh_seconds: float) -> None:
         self.logdir = logdir
@@ -154,21 +386,43 @@ class _ViewState:
         self.lock = threading.Lock()
         self.cache_key: tuple | None = None
         self.cache_png: bytes | None = None
+        self.cache_hover: dict[str, Any] | None = None
+        self.findings_key: tuple | None = None
+        self.cache_findings: dict[str, Any] | None = None
         self.renders = 0
 
     def status(self) -> dict[str, Any]:
         return run_status(self.logdir)
 
-    def png(self) -> bytes:
-        """The cockpit view for the run log's current state, rendered once per state."""
+    @staticmethod
+    def _key(status: dict[str, Any]) -> tuple:
+        return (status["last_step"], status["num_steps"], status["version"])
+
+    def _rendered(self) -> tuple[bytes, dict[str, Any]]:
         with self.lock:
-            status = self.status()
-            key = (status["last_step"], status["num_steps"], status["version"])
-            if key != self.cache_key or self.cache_png is None:
-                self.cache_png = render_png(self.logdir)
+            key = self._key(self.status())
+            if key != self.cache_key or self.cache_png is None or self.cache_hover is None:
+                self.cache_png, self.cache_hover = _render(self.logdir)
                 self.cache_key = key
                 self.renders += 1
-            return self.cache_png
+            return self.cache_png, self.cache_hover
+
+    def png(self) -> bytes:
+        """The cockpit view for the run log's current state, rendered once per state."""
+        return self._rendered()[0]
+
+    def hover(self) -> dict[str, Any]:
+        """Panel positions and values of the image :meth:`png` returns for this state."""
+        return self._rendered()[1]
+
+    def findings(self) -> dict[str, Any]:
+        """The diagnosis of the run log's current state (once per state)."""
+        with self.lock:
+            key = self._key(self.status())
+            if key != self.findings_key or self.cache_findings is None:
+                self.cache_findings = findings_data(self.logdir)
+                self.findings_key = key
+            return self.cache_findings
 
     def page(self) -> str:
         status = self.status()
@@ -203,6 +457,12 @@ def _make_handler(state: _ViewState) -> type[BaseHTTPRequestHandler]:
                     self._send(200, state.page().encode(), "text/html; charset=utf-8", head)
                 elif path == "/view.png":
                     self._send(200, state.png(), "image/png", head)
+                elif path == "/panels.json":
+                    body = json.dumps(state.hover()).encode()
+                    self._send(200, body, "application/json", head)
+                elif path == "/findings.json":
+                    body = json.dumps(state.findings()).encode()
+                    self._send(200, body, "application/json", head)
                 elif path == "/status.json":
                     status = state.status()
                     body = {"last_step": status["last_step"], "num_steps": status["num_steps"],

@@ -1,0 +1,142 @@
+"""``diagnose(source)`` and the incremental :class:`Diagnoser`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cockpit.diagnose.finding import CHECKS_SKIPPED, CODES, Evidence, Finding
+from cockpit.diagnose.record import RunRecord
+from cockpit.diagnose.rule import Rule
+
+
+def all_rules() -> list[Rule]:
+    """The checks, one per code of the vocabulary (order of :data:`CODES`)."""
+    from cockpit.diagnose.rules import RULES
+
+    return sorted(RULES, key=lambda r: CODES.index(r.code))
+
+
+class Diagnoser:
+    """Incremental diagnosis: feed it new steps while training runs.
+
+    ``update(output)`` appends the steps of ``output`` (``{step: {name: value}}``; steps
+    already seen may come again with late values) and re-evaluates every check on the
+    record so far. The checks work on per-name float series (histograms are reduced to two
+    numbers on arrival), so one evaluation costs a few numpy passes over the steps.
+
+    ``findings`` is the current list; :meth:`update` returns the findings that are new
+    (a code and set of parameters not reported before).
+    """
+
+    def __init__(self, rules: list[Rule] | None = None, *, since_step: int | None = None,
+                 meta: Mapping[str, Any] | None = None) -> None:
+        self.rules = all_rules() if rules is None else list(rules)
+        self.record = RunRecord()
+        self.record.meta = dict(meta or {})
+        self.since_step = since_step
+        self.findings: list[Finding] = []
+        self.skipped: dict[str, str] = {}  # code → instruments that would enable its check
+        self._reported: set[tuple[str, tuple[str, ...]]] = set()
+
+    def update(self, output: Mapping[int, Mapping[str, Any]]) -> list[Finding]:
+        """Add recorded steps and re-evaluate; returns the findings not reported before."""
+        if self.since_step is not None:
+            output = {s: v for s, v in output.items() if s > self.since_step}
+        self.record.add(output)
+        return self.evaluate()
+
+    def evaluate(self) -> list[Finding]:
+        """Run every enabled check on the record; returns the new findings."""
+        findings: list[Finding] = []
+        self.skipped = {}
+        if not self.record.steps:
+            self.findings = []
+            return []
+        for rule in self.rules:
+            if not rule.enabled(self.record):
+                self.skipped[rule.code] = rule.missing()
+                continue
+            findings.extend(rule.check(self.record))
+        if self.skipped:
+            findings.append(_skipped_finding(self.skipped))
+        self.findings = findings
+        new = []
+        for finding in findings:
+            key = (finding.code, finding.parameters)
+            if finding.code != CHECKS_SKIPPED and key not in self._reported:
+                self._reported.add(key)
+                new.append(finding)
+        return new
+
+
+def _skipped_finding(skipped: dict[str, str]) -> Finding:
+    listed = "; ".join(f"{code} needs {needs}" for code, needs in skipped.items())
+    return Finding(
+        code=CHECKS_SKIPPED,
+        severity="info",
+        message=f"{len(skipped)} check(s) could not run because their instruments were not "
+                f"recorded: {', '.join(skipped)}.",
+        evidence=tuple(Evidence(instrument=needs, summary=f"would enable {code}")
+                       for code, needs in skipped.items()),
+        advice=f"Track the missing instruments to enable them ({listed}).",
+    )
+
+
+def diagnose(source: Any, *, since_step: int | None = None) -> list[Finding]:
+    """Name likely training bugs from the recorded instruments of a run.
+
+    Args:
+        source: a :class:`~cockpit.Cockpit`, a run-log directory (``str`` or ``Path``), or
+            ``Cockpit.get_output()``'s dict ``{step: {name: value}}``.
+        since_step: read only steps after this one (None: all).
+
+    Returns:
+        The findings, most severe first. Checks whose instruments were not recorded are
+        skipped; they are listed in one ``info`` finding with code ``"checks_skipped"``
+        whose evidence names the instruments that would enable each check.
+    """
+    output, meta = _read_source(source)
+    diagnoser = Diagnoser(since_step=since_step, meta=meta)
+    diagnoser.update(output)
+    return sort_findings(diagnoser.findings)
+
+
+def sort_findings(findings: list[Finding]) -> list[Finding]:
+    """Errors first, then warnings, then info; within a severity, the vocabulary's order."""
+    from cockpit.diagnose.finding import SEVERITY_RANK
+
+    def key(f: Finding) -> tuple[int, int]:
+        order = CODES.index(f.code) if f.code in CODES else len(CODES)
+        return (-SEVERITY_RANK[f.severity], order)
+
+    return sorted(findings, key=key)
+
+
+def _read_source(source: Any) -> tuple[Mapping[int, Mapping[str, Any]], dict[str, Any]]:
+    from cockpit.cockpit import Cockpit
+
+    if isinstance(source, Cockpit):
+        return source.get_output(), {"parameters": {k: list(p.shape)
+                                                    for k, p in source._params.items()}}
+    if isinstance(source, str | Path):
+        from cockpit.store import RunLogReader
+
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"no such run directory: {str(source)!r}")
+        with RunLogReader(path) as reader:
+            return reader.output(), reader.meta()
+    if isinstance(source, Mapping):
+        bad = [k for k in list(source)[:3] if not isinstance(k, int)]
+        if bad:
+            raise TypeError(
+                "diagnose() expects get_output()'s dict {step: {name: value}} with integer "
+                f"steps, got key {bad[0]!r}"
+            )
+        return source, {}
+    raise TypeError(
+        "diagnose() reads a Cockpit, a run-log directory or get_output()'s dict, got "
+        f"{type(source).__name__}"
+    )

@@ -1,0 +1,81 @@
+"""Every threshold of the diagnosis, with the reason for its value.
+
+Calibrated on the bug zoo (``benchmarks/diagnosis.py``, table in benchmarks/RESULTS.md):
+runs of 60–80 steps, economy tracked every step. Change a value here and re-run the zoo.
+"""
+
+# ---------------------------------------------------------------------- general
+#: A check needs at least this many recorded steps: a statistic of two or three steps is
+#: one noisy sample, not a trend.
+MIN_STEPS = 8
+#: The first share of the steps is left out where a check looks for persistent behaviour:
+#: the first steps from a random initialisation are atypical (α, gradient norms settle).
+WARMUP_SHARE = 0.2
+#: "Persistently" means at this share of the remaining steps or more: a majority, so that
+#: a few noisy steps neither raise nor suppress a finding.
+PERSISTENT_SHARE = 0.6
+
+# ---------------------------------------------------------------------- learning rate
+#: α > 1: the step ended higher up the other side of the fitted parabola than it started
+#: (eq. 10); healthy runs stay mostly in [−1, 1] (paper Fig. 5: the best runs have mean α
+#: slightly above 0).
+ALPHA_OVERSHOOT = 1.0
+#: Share of steps with α above ALPHA_OVERSHOOT that names an overshooting learning rate.
+ALPHA_OVERSHOOT_SHARE = 0.5
+#: lr·λ_max > 2: gradient descent on a quadratic diverges along the sharpest direction.
+LR_TIMES_LAMBDA_MAX = 2.0
+#: A loss at this multiple of its start (median of the first three steps) right after a
+#: step with α > ALPHA_OVERSHOOT is an overshoot; healthy runs in the zoo never exceed 1.1×,
+#: overshooting ones reach 3.9–5×.
+LOSS_SPIKE = 1.5
+#: How many steps before the loss spike a step with α > ALPHA_OVERSHOOT is looked for
+#: (momentum carries an overshoot over a few steps).
+SPIKE_LOOKBACK = 3
+#: Σ_t ‖g_B,t‖·‖s_t‖ (the first-order bound on what the steps can change) below this share
+#: of the loss: even straight downhill, the whole run could not move the loss by 20 %.
+#: Zoo: crawling runs 6e-5–0.07; healthy runs ≥ 1.4; plateaus of other bugs ≥ 0.38.
+LR_SMALL_REACH = 0.2
+#: "The loss barely moves": it fell by less than this share from the first to the last fifth
+#: of the run. A run whose loss falls by more is making progress, whatever α says.
+LOSS_PROGRESS = 0.05
+
+# ---------------------------------------------------------------------- gradient scale
+#: Root-mean-square of one input element seen by the first layer (standardized data: ≈ 1;
+#: raw 8-bit pixels: ≈ 100; the digits' raw 0…16 pixels: ≈ 7). Above 4 the inputs are
+#: several times their standardized scale.
+INPUT_RMS = 4.0
+#: A weight layer whose mini-batch gradient elements are this many times smaller (RMS,
+#: median over the run) than the largest layer's "barely learns": two orders of magnitude.
+#: Healthy MLPs and CNNs in the zoo stay within a factor 6 (21 for a CNN trained without
+#: zero_grad); sigmoid stacks of 6–8 layers reach 10^3–10^6.
+VANISHING_RATIO = 100.0
+#: ‖g_B‖ persistently above this is huge for the usual losses (cross-entropy's gradient
+#: w.r.t. the logits has norm ≤ √2 per sample; healthy runs in the zoo stay below 5).
+GRADNORM_HUGE = 100.0
+#: ‖g_B‖ growing this many times over its start is exploding, whatever its absolute size.
+GRADNORM_GROWTH = 1e3
+
+# ---------------------------------------------------------------------- units
+#: A layer with at least this share of dead units (zero gradient for every sample).
+DEAD_UNIT_SHARE = 0.5
+#: Steps with fewer samples are not read for dead units: with a handful of samples a living
+#: ReLU unit is inactive on all of them by chance (probability ≈ 2^−|B| for a unit active
+#: half of the time, and far more for a sparse layer).
+DEAD_MIN_BATCH = 16
+#: frozen_parameters needs at least this many recorded updates of exactly zero.
+FROZEN_MIN_STEPS = 5
+
+# ---------------------------------------------------------------------- accumulation
+#: GradientMismatch = 1 − cos∠(gradient stepped on, batch gradient); a loop that zeroes its
+#: gradients gives 0 up to rounding (≈ 1e-7 in float32). 1e-3 is an angle of 2.6°.
+GRADIENT_MISMATCH = 1e-3
+
+# ---------------------------------------------------------------------- noise
+#: NormTest θ at or above this: the mini-batch gradient's squared norm is ≥ 90 % noise
+#: (θ² is the noise share, see rules/noise.py).
+NORM_TEST_NOISE = 0.95
+#: Mean |Δloss| between consecutive steps above this share of the mean loss: the
+#: mini-batch loss itself jumps by a quarter of its value from batch to batch. Healthy runs
+#: in the zoo (|B| = 64) stay at or below 0.12; a plateau where θ ≈ 1 because there is
+#: little left to learn has a smooth loss (≤ 0.02) and is not a too-small batch.
+LOSS_JITTER = 0.25

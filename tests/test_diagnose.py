@@ -1,0 +1,294 @@
+"""Diagnosis: the DeadUnits instrument against brute force, every check on outputs built by
+hand, the sources diagnose() reads, the CLI, the sinks and Cockpit(..., diagnose=True)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cockpit import Cockpit, Finding, configuration, diagnose, quantities
+from cockpit.diagnose import CHECKS_SKIPPED, CODES, Diagnoser
+from cockpit.diagnose import thresholds as T
+from cockpit.diagnose.cli import main_diagnose
+from cockpit.diagnose.rules.scale import input_rms
+
+
+def _train(model, steps, x, y, *, quantities_=None, opt=None, logdir=None, diagnose_=False,
+           sinks=()):
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.05)
+    cockpit = Cockpit(model, quantities_ or configuration("economy"), optimizer=opt,
+                      logdir=logdir, diagnose=diagnose_, sinks=sinks)
+    for step in range(steps):
+        opt.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    return cockpit
+
+
+# ---------------------------------------------------------------------- DeadUnits
+def test_dead_units_against_brute_force_per_sample_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.Flatten(),
+        nn.Linear(6 * 5 * 5, 12), nn.ReLU(), nn.Linear(12, 4),
+    ).double()
+    with torch.no_grad():
+        model[0].bias[:2] = -100.0  # two dead channels
+        model[3].bias[:5] = -100.0  # five dead units
+        model[3].bias[5] = -1.5  # active on a few samples only: alive
+    x = torch.randn(16, 1, 5, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (16,))
+    cockpit = Cockpit(model, [quantities.DeadUnits()], strict=True)
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    out = cockpit.get_output()[0]
+    cockpit.close()
+
+    params = dict(model.named_parameters())
+
+    def loss_one(p, xi, yi):
+        logits = torch.func.functional_call(model, p, (xi[None],))
+        return F.cross_entropy(logits, yi[None])
+
+    per_sample = torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+    total_dead = total_units = 0
+    for name in ("0.weight", "3.weight", "5.weight"):
+        g = per_sample[name].reshape(16, params[name].shape[0], -1)
+        dead = int((g.abs().amax(dim=(0, 2)) == 0).sum())  # zero for every sample
+        units = params[name].shape[0]
+        assert out[f"DeadUnits/{name}"] == pytest.approx(dead / units)
+        total_dead, total_units = total_dead + dead, total_units + units
+    assert out["DeadUnits/0.weight"] >= 2 / 6  # the planted dead units are counted
+    assert 5 / 12 <= out["DeadUnits/3.weight"] < 1
+    assert out["DeadUnits"] == pytest.approx(total_dead / total_units)
+    assert "DeadUnits/0.bias" not in out
+
+
+# ---------------------------------------------------------------------- input RMS
+def test_input_rms_equals_weighted_input_norms_of_a_linear_layer():
+    """unscaled_inputs reads Σ‖g_n(W)‖²/Σ‖g_n(b)‖² = Σ‖δ_n‖²‖x_n‖²/Σ‖δ_n‖² (per input
+    element) from recorded values; compare with the per-sample δ_n computed directly."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x = 7.0 + 3.0 * torch.randn(32, 8, dtype=torch.float64)
+    y = torch.randint(0, 3, (32,))
+    cockpit = _train(model, T.MIN_STEPS, x, y, opt=torch.optim.SGD(model.parameters(), lr=0.0))
+    weight, steps, rms = input_rms(_record(cockpit))
+    assert weight == "0.weight" and len(steps) == T.MIN_STEPS
+    pre = model[0](x).detach().requires_grad_()
+    loss = F.cross_entropy(model[2](torch.tanh(pre)), y, reduction="sum")
+    (delta,) = torch.autograd.grad(loss, pre)  # δ_n (the sum makes it per sample)
+    w = delta.pow(2).sum(1)
+    expected = math.sqrt(float((w * x.pow(2).sum(1)).sum() / w.sum() / 8))
+    np.testing.assert_allclose(rms, expected, rtol=1e-6)
+
+
+def _record(cockpit):
+    diagnoser = Diagnoser(meta={"parameters": {k: list(p.shape)
+                                               for k, p in cockpit._params.items()}})
+    diagnoser.update(cockpit.get_output())
+    return diagnoser.record
+
+
+# ---------------------------------------------------------------------- checks on built outputs
+def _series(n=40, **per_step):
+    """{step: values}; each keyword is a function step -> value."""
+    return {s: {k: f(s) for k, f in per_step.items()} for s in range(n)}
+
+
+def _codes(output, severity=("warning", "error")):
+    return [f.code for f in diagnose(output) if f.severity in severity]
+
+
+def test_finding_contract():
+    f = Finding("dead_units", "warning", "Units are dead.", advice="Check the init.",
+                parameters=("0.weight",))
+    assert f.is_problem and "dead_units" in str(f) and "Check the init." in str(f)
+    assert f.to_dict()["parameters"] == ("0.weight",)
+    with pytest.raises(ValueError, match="unknown finding code"):
+        Finding("bad_code", "warning", "x")
+    with pytest.raises(ValueError, match="severity"):
+        Finding("dead_units", "fatal", "x")
+    assert len(CODES) == 10
+
+
+def test_non_finite_names_first_step_and_parameters():
+    out = _series(Loss=lambda s: math.nan if s >= 7 else 1.0,
+                  GradNorm=lambda s: math.nan if s >= 7 else 1.0,
+                  **{"GradNorm/a.weight": lambda s: math.inf if s >= 7 else 1.0,
+                     "GradNorm/b.weight": lambda s: 1.0})
+    (finding,) = [f for f in diagnose(out) if f.code == "non_finite"]
+    assert finding.severity == "error" and finding.step == 7
+    assert finding.parameters == ("a.weight",)
+    assert _codes(_series(Loss=lambda s: 1.0, GradNorm=lambda s: 1.0)) == []
+
+
+def test_frozen_parameters_needs_gradient_and_no_change():
+    out = _series(**{"GradNorm/a.weight": lambda s: 0.5, "UpdateSize/a.weight": lambda s: 0.0,
+                     "GradNorm/b.weight": lambda s: 0.5, "UpdateSize/b.weight": lambda s: 0.1,
+                     "GradNorm/c.weight": lambda s: 0.0, "UpdateSize/c.weight": lambda s: 0.0,
+                     "GradNorm": lambda s: 1.0, "UpdateSize": lambda s: 0.1})
+    (finding,) = [f for f in diagnose(out) if f.code == "frozen_parameters"]
+    assert finding.parameters == ("a.weight",)  # c gets no gradient: not frozen
+
+
+def test_missing_zero_grad_reads_gradient_mismatch():
+    clean = _series(GradientMismatch=lambda s: 1e-8)
+    assert "missing_zero_grad" not in _codes(clean)
+    broken = _series(GradientMismatch=lambda s: 0.0 if s == 0 else 0.3)
+    (finding,) = [f for f in diagnose(broken) if f.code == "missing_zero_grad"]
+    assert finding.step == 1
+
+
+def test_learning_rate_checks_on_alpha_and_loss():
+    rng = np.random.default_rng(0)
+    over = _series(Alpha=lambda s: 1.5 + 0.3 * rng.standard_normal(),
+                   Loss=lambda s: 2.0 + 0.5 * (s % 2))
+    assert "lr_too_large" in _codes(over)
+    # Σ‖g‖‖s‖ = 40 · 0.5 · 1e-3 = 0.02 of the loss: the steps cannot move it
+    crawl = _series(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 - 1e-4 * s,
+                    GradNorm=lambda s: 0.5, UpdateSize=lambda s: 1e-3)
+    assert _codes(crawl) == ["lr_too_small"]
+    progress = _series(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 * 0.97**s,
+                       GradNorm=lambda s: 0.5, UpdateSize=lambda s: 1e-3)
+    assert "lr_too_small" not in _codes(progress)  # short steps, but the loss falls
+    plateau = _series(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 - 1e-4 * s,
+                      GradNorm=lambda s: 0.5, UpdateSize=lambda s: 0.1)
+    assert "lr_too_small" not in _codes(plateau)  # long steps that do not help: not lr
+    spike = _series(Alpha=lambda s: 3.0 if s == 9 else 0.0,
+                    Loss=lambda s: 9.0 if s == 10 else 2.0)
+    (finding,) = [f for f in diagnose(spike) if f.code == "lr_too_large"]
+    assert finding.step == 9
+    healthy = _series(Alpha=lambda s: 0.1 * rng.standard_normal(), Loss=lambda s: 2.3 * 0.98**s)
+    assert _codes(healthy) == []
+    sharp = _series(HessMaxEV=lambda s: 50.0, LearningRate=lambda s: 0.1)
+    assert _codes(sharp) == ["lr_too_large"]
+
+
+def test_vanishing_and_exploding_gradients():
+    layers = {f"GradNorm/{i}.weight": (lambda s, i=i: 10.0 ** -i) for i in range(5)}
+    out = _series(GradNorm=lambda s: 1.0, **layers)
+    (finding,) = [f for f in diagnose(out) if f.code == "vanishing_gradients"]
+    # recorded in backward order: GradNorm/4 first → model order reversed
+    assert set(finding.parameters) == {"3.weight", "4.weight"}  # ≥ 100× below 0.weight
+    growing = _series(GradNorm=lambda s: 1.3**s)
+    assert _codes(growing) == ["exploding_gradients"]
+    huge = _series(GradNorm=lambda s: 5e3)
+    assert _codes(huge) == ["exploding_gradients"]
+
+
+def test_noise_dominated_needs_saturated_norm_test_and_jumping_loss():
+    rng = np.random.default_rng(1)
+    noisy = _series(NormTest=lambda s: 1.0 + 0.05 * rng.standard_normal() ** 2,
+                    Loss=lambda s: float(rng.uniform(0.2, 4.0)), BatchSize=lambda s: 2.0)
+    assert "noise_dominated" in _codes(noisy)
+    smooth = _series(NormTest=lambda s: 1.0, Loss=lambda s: 2.0 - 0.01 * s)
+    assert "noise_dominated" not in _codes(smooth)
+
+
+def test_skipped_checks_are_named_with_the_instruments_that_enable_them():
+    findings = diagnose(_series(Loss=lambda s: 1.0))
+    (skipped,) = [f for f in findings if f.code == CHECKS_SKIPPED]
+    assert skipped.severity == "info"
+    enabled_by = {e.summary.removeprefix("would enable "): e.instrument
+                  for e in skipped.evidence}
+    assert enabled_by["dead_units"] == "DeadUnits"
+    assert enabled_by["missing_zero_grad"] == "GradientMismatch"
+    assert "non_finite" not in enabled_by
+
+
+def test_bad_sources_get_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such run directory"):
+        diagnose(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="cockpit.sqlite"):
+        diagnose(tmp_path)
+    with pytest.raises(TypeError, match="get_output"):
+        diagnose({"0": {}})
+    with pytest.raises(TypeError, match="Cockpit"):
+        diagnose(3.0)
+
+
+# ---------------------------------------------------------------------- real runs
+def _frozen_run(tmp_path=None, **kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)  # first layer left out
+    logdir = None if tmp_path is None else str(tmp_path / "run")
+    return _train(model, 12, x, y, opt=opt, logdir=logdir, **kwargs), logdir
+
+
+def test_sources_agree_and_cli_reports(tmp_path, capsys):
+    cockpit, logdir = _frozen_run(tmp_path)
+    from_cockpit = diagnose(cockpit)
+    from_dir = diagnose(logdir)
+    from_dict = diagnose(cockpit.get_output())
+    assert [f.code for f in from_cockpit] == [f.code for f in from_dir]
+    assert "frozen_parameters" in [f.code for f in from_dict]
+    (frozen,) = [f for f in from_dir if f.code == "frozen_parameters"]
+    assert frozen.parameters == ("0.weight", "0.bias")
+    assert main_diagnose([logdir]) == 1
+    printed = capsys.readouterr().out
+    assert "frozen_parameters" in printed and "0.weight" in printed and "try:" in printed
+    assert "dead_units: needs DeadUnits" in printed
+    assert main_diagnose([str(tmp_path / "nothing")]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main_diagnose(["--help"])
+    assert exit_.value.code == 0
+
+
+def test_cli_clean_run_exits_zero(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    x = torch.randn(64, 6)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, 20, x, y, opt=opt, logdir=str(tmp_path / "ok"))
+    code = main_diagnose([str(tmp_path / "ok")])
+    assert code == 0, capsys.readouterr().out
+    assert "No problem found" in capsys.readouterr().out
+
+
+def test_cockpit_diagnose_true_warns_once_and_logs_text(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    from cockpit.store import TensorBoardSink
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _frozen_run(diagnose_=True, sinks=[sink])
+    messages = [str(w.message) for w in caught if "Cockpit diagnosis" in str(w.message)]
+    assert len([m for m in messages if "frozen_parameters" in m]) == 1
+    acc = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={ea.TENSORS: 0})
+    acc.Reload()
+    tag = "cockpit/diagnosis/frozen_parameters/text_summary"
+    assert tag in acc.Tags()["tensors"]
+    text = acc.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+    assert "0.weight" in text
+
+
+def test_live_diagnosis_never_crashes_training(monkeypatch):
+    from cockpit.diagnose import diagnoser as module
+
+    def broken(self):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(module.Diagnoser, "evaluate", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cockpit, _ = _frozen_run(diagnose_=True)
+    assert len(cockpit.get_output()) == 12
+    assert any("diagnosis failed" in str(w.message) for w in caught)
