@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import pickle
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
         cockpit = Cockpit(model, instruments(), optimizer=opt, strict=True,
                           write_on_all_ranks=True, grad_accumulation=micro > 1)
         stepped = []
+        caught = warnings.catch_warnings(record=True)
+        recorded = caught.__enter__()
+        warnings.simplefilter("always")
         for step, (x, y) in enumerate(batches):
             opt.zero_grad()
             part = shards(len(x), config["shard_sizes"], rank)
@@ -54,9 +58,11 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
                             for k, p in model.named_parameters()})
             opt.step()
         cockpit.close()
+        caught.__exit__(None, None, None)
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
             pickle.dump({"output": cockpit.get_output(), "notes": cockpit.get_notes(),
-                         "stepped": stepped}, file)
+                         "stepped": stepped,
+                         "warnings": [str(w.message) for w in recorded]}, file)
         # Orderly shutdown: DDP's reducer keeps the process group (and gloo's worker threads)
         # alive after destroy_process_group(); freed at interpreter exit instead, they can
         # abort the process (torch's teardown, not Cockpit's). Free them while both ranks

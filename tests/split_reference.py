@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+import warnings
 
 import numpy as np
 import torch
@@ -18,6 +20,13 @@ NOT_SPLIT = {"HessMaxEV"}  # needs the whole batch's graph: None with a note whe
 # Cockpit's batch gradient (the reference run copies the split run's gradient into p.grad;
 # not checked with several processes)
 LOOP = {"Time", "GradientMismatch"}
+# warnings of misuse of the loop (cockpit/loop_checks.py): a correct loop never gets them,
+# also when it edits p.grad between backward and step (the reference run copies gradients)
+MISUSE = re.compile(r"already hold a gradient|outside `with cockpit|no backward pass reached")
+
+
+def misuse_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if MISUSE.search(str(w.message))]
 
 
 def instruments(curvature: str = "diag_ggn_exact") -> list:
@@ -49,17 +58,20 @@ def whole_batch_run(problem: Problem, batches: list[tuple], make_optimizer,
             if isinstance(q, quantities.Alpha):
                 q._general = True
     cockpit = Cockpit(model, chosen, optimizer=opt, strict=True)
-    for step, (x, y) in enumerate(batches):
-        opt.zero_grad()
-        losses = problem.loss_fn(model(x), y)
-        with cockpit(step, losses=losses):
-            losses.mean().backward()
-        if gradients is not None:
-            for name, p in model.named_parameters():
-                if p.requires_grad:
-                    p.grad.copy_(gradients[step][name])
-        opt.step()
-    cockpit.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            losses = problem.loss_fn(model(x), y)
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            if gradients is not None:
+                for name, p in model.named_parameters():
+                    if p.requires_grad:
+                        p.grad.copy_(gradients[step][name])
+            opt.step()
+        cockpit.close()
+    assert not misuse_warnings(caught)
     return cockpit.get_output(), cockpit.get_notes()
 
 

@@ -141,7 +141,11 @@ def test_alpha_with_gradient_clipping(opt):
 def test_alpha_with_sparse_schedules(schedule, steps):
     problem = make_problem("mlp_sigmoid", 5)
     rec = Recorder(problem, OPTIMIZERS["adam"], schedule, 10)
-    assert sorted(s for s, v in rec.cockpit.get_output().items() if "Alpha" in v) == steps
+    output = rec.cockpit.get_output()
+    assert sorted(s for s, v in output.items() if v.get("Alpha") is not None) == steps
+    # a scheduled step without the next one (the last) is None with the reason
+    assert all(output[s]["Alpha"] is None and "next step" in rec.cockpit.get_notes()[s]["Alpha"]
+               for s, v in output.items() if "Alpha" in v and s not in steps)
     check(rec, steps)
 
 

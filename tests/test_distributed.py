@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from cockpit import Cockpit
 from tests import ddp_worker
 from tests.models import make_problem
-from tests.split_reference import assert_same_values, whole_batch_run
+from tests.split_reference import MISUSE, assert_same_values, whole_batch_run
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -68,6 +68,7 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
     expected, _ = whole_batch_run(make_problem(name, 48), batches, make_optimizer,
                                   gradients=None if uniform else ranks[0]["stepped"])
     for result in ranks:
+        assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
         output = strip(result["output"])
         assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
         for step in range(STEPS):

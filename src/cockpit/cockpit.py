@@ -447,8 +447,8 @@ class Cockpit:
         open_step.reduction.add(stats, calls, self.tracker.request)
         open_step.weights.append(self.tracker.loss_weight)
         # until the optimizer step (or the next block): see backward passes outside a block
-        reduced = open_step.reduction.stats
-        self._watch.arm(blocks_saw_gradient=reduced is not None and bool(reduced.batch_grads))
+        reached = list(open_step.reduction.stats.batch_grads) if open_step.reduction.stats else []
+        self._watch.arm(blocks_saw_gradient=bool(reached), candidates=reached)
 
     def _check_gradients_zeroed(self, step: int) -> None:
         """Definite misuse: the parameters hold a gradient before the step's first block."""
@@ -497,7 +497,7 @@ class Cockpit:
         data.project = reduction.project_samples if reduction.keeps_calls else None
         data.unmerged = reduction.unmerged
         values: dict[str, Value] = {}
-        if self.optimizer is not None:
+        if data.learning_rate is not None:  # one rate for the model's parameters
             values["LearningRate"] = data.learning_rate
         if stats.losses is not None:
             values["BatchSize"] = float(stats.num_samples)

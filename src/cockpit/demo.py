@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from cockpit import Cockpit, configuration
 from cockpit.problems.digits import digits_cnn, load_digits_tensors, minibatches
 
-
 DESCRIPTION = """Train a small CNN on scikit-learn's digits with Cockpit attached.
 
 Real data shipped with a package (no download): 1,437 training images of 8x8 digits, SGD
