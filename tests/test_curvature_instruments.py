@@ -255,11 +255,22 @@ def test_exact_hessian_diagonal_with_smooth_activations(which, curvature):
     assert not rel_close(ggn_trace, diag.sum().item(), 1e-3)  # the residual terms matter here
 
 
-def test_hessian_diagonal_not_applicable_is_clear_and_auto_falls_back_to_ggn():
+def test_hessian_diagonal_not_applicable_is_clear_and_auto_falls_back():
+    """Attention is not covered by the exact diagonal: HessTrace falls back to Hutchinson
+    (unbiased for the Hessian), TICDiag to the GGN, each with a warning and a note."""
     problem = make_problem("transformer", 4)
-    quantity = quantities.HessTrace(curvature="auto")
-    one_step(problem, [quantity])
-    assert quantity.method_used == "diag_ggn_exact"
+    trace, tic = quantities.HessTrace(curvature="auto"), quantities.TICDiag(curvature="auto")
+    with pytest.warns(RuntimeWarning, match="cannot use the exact Hessian diagonal"):
+        cockpit = Cockpit(problem.model, [trace, tic])
+        with math_attention():
+            losses = problem.losses()
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+        cockpit.close()
+    assert trace.method_used == "hutchinson" and tic.method_used == "diag_ggn_exact"
+    notes = cockpit.get_notes()[0]
+    assert "Hutchinson" in notes["HessTrace"] and "BmmBackward0" in notes["HessTrace"]
+    assert "GGN" in notes["TICDiag"]
     cockpit = Cockpit(problem.model, [quantities.HessTrace(curvature="diag_hessian")])
     losses = problem.losses()
     with pytest.warns(RuntimeWarning, match="cannot apply"), cockpit(0, losses=losses):
