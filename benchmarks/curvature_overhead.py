@@ -70,8 +70,8 @@ for step in range(total):
 hvps = None
 if cockpit is not None:
     cockpit.close()
-    counts = [v.get("HessMaxEV.num_hvp") for v in cockpit.get_output().values()]
-    counts = [c for c in counts if c is not None]
+    counts = [r["num_hvp"] for q in cockpit.quantities if q.name == "HessMaxEV"
+              for r in q.solver.values()]
     hvps = statistics.mean(counts) if counts else None
 untracked = [t for s, t in times if s not in tracked_steps] or [t for _, t in times]
 tracked = [t for s, t in times if s in tracked_steps]

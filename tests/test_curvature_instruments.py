@@ -13,7 +13,7 @@ from torch.func import functional_call, hessian, jacrev, vmap
 
 from cockpit import Cockpit, configuration, quantities
 from cockpit.curvature.diagonal import diagonal_curvature
-from tests.models import make_problem, train
+from tests.models import make_problem
 from tests.reference import individual_gradients, rel_close
 
 
@@ -115,35 +115,23 @@ def test_hess_max_ev_matches_eigvalsh(name):
     problem = make_problem(name, 4)
     H, _, _ = dense_hessian(problem)
     expected = torch.linalg.eigvalsh(H)[-1].item()
-    out = one_step(problem, [quantities.HessMaxEV(tol=1e-8, max_iter=400)])
+    quantity = quantities.HessMaxEV(tol=1e-8, max_iter=400)
+    out = one_step(problem, [quantity])
     assert rel_close(out["HessMaxEV"], expected, 1e-5), (out["HessMaxEV"], expected)
-    assert out["HessMaxEV.num_hvp"] >= 1
+    assert quantity.solver[0]["num_hvp"] >= 1
+    assert "HessMaxEV.num_hvp" not in out  # solver bookkeeping is no instrument
 
 
 @pytest.mark.parametrize("name", ["mlp_relu", "cnn"])
 def test_hess_max_ev_default_tolerance_bounds_the_error(name):
-    """Default tol = 3e-2 on the Ritz residual: θ lies within 3 % of an eigenvalue."""
+    """Default tol = 1e-3 on λ_max itself."""
     problem = make_problem(name, 4)
     H, _, _ = dense_hessian(problem)
     eigenvalues = torch.linalg.eigvalsh(H)
     out = one_step(problem, [quantities.HessMaxEV()])
     value = out["HessMaxEV"]
-    assert (eigenvalues - value).abs().min().item() <= 3e-2 * abs(value)
-    assert value <= eigenvalues[-1].item() * (1 + 1e-9)  # a Ritz value never overshoots
-    assert rel_close(value, eigenvalues[-1].item(), 3e-2)
-
-
-def test_hess_max_ev_warm_start_saves_hessian_vector_products():
-    counts = {}
-    for warm in (True, False):
-        problem = make_problem("mlp_relu", 16, seed=3)
-        opt = torch.optim.SGD(problem.model.parameters(), lr=1e-3)
-        cockpit = Cockpit(problem.model, [quantities.HessMaxEV(warm_start=warm, tol=1e-4)],
-                          optimizer=opt)
-        train(problem, cockpit, 6, opt)
-        cockpit.close()
-        counts[warm] = sum(v["HessMaxEV.num_hvp"] for v in cockpit.get_output().values())
-    assert counts[True] < counts[False]
+    assert value <= eigenvalues[-1].item() * (1 + 1e-6)  # a Ritz value never overshoots
+    assert rel_close(value, eigenvalues[-1].item(), 1e-3)
 
 
 def test_user_gradients_unchanged_and_no_graph_left_on_grad():
@@ -267,11 +255,22 @@ def test_exact_hessian_diagonal_with_smooth_activations(which, curvature):
     assert not rel_close(ggn_trace, diag.sum().item(), 1e-3)  # the residual terms matter here
 
 
-def test_hessian_diagonal_not_applicable_is_clear_and_auto_falls_back_to_ggn():
+def test_hessian_diagonal_not_applicable_is_clear_and_auto_falls_back():
+    """Attention is not covered by the exact diagonal: HessTrace falls back to Hutchinson
+    (unbiased for the Hessian), TICDiag to the GGN, each with a warning and a note."""
     problem = make_problem("transformer", 4)
-    quantity = quantities.HessTrace(curvature="auto")
-    one_step(problem, [quantity])
-    assert quantity.method_used == "diag_ggn_exact"
+    trace, tic = quantities.HessTrace(curvature="auto"), quantities.TICDiag(curvature="auto")
+    with pytest.warns(RuntimeWarning, match="cannot use the exact Hessian diagonal"):
+        cockpit = Cockpit(problem.model, [trace, tic])
+        with math_attention():
+            losses = problem.losses()
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+        cockpit.close()
+    assert trace.method_used == "hutchinson" and tic.method_used == "diag_ggn_exact"
+    notes = cockpit.get_notes()[0]
+    assert "Hutchinson" in notes["HessTrace"] and "BmmBackward0" in notes["HessTrace"]
+    assert "GGN" in notes["TICDiag"]
     cockpit = Cockpit(problem.model, [quantities.HessTrace(curvature="diag_hessian")])
     losses = problem.losses()
     with pytest.warns(RuntimeWarning, match="cannot apply"), cockpit(0, losses=losses):

@@ -8,19 +8,29 @@ Methods (``curvature=`` of HessTrace and TICDiag):
   diag G = (1/|B|) Σ_k Σ_n (J_nᵀ s_{n,k})^{⊙2}: one vector backpropagation per column k,
   each reduced per layer by the engine's rules (individual "gradients" J_nᵀ s_{n,k}).
 * ``"diag_ggn_mc"``: the same with a Monte-Carlo factor (targets sampled from the model's
-  predictive distribution; ``num_samples`` columns, default 1): unbiased for diag G.
+  predictive distribution; ``num_samples`` columns): unbiased for diag G.
 * ``"hutchinson"``: diag H ≈ (1/M) Σ_m v_m ⊙ H v_m with Rademacher v_m, for any model and
   loss; unbiased for the Hessian's diagonal itself.
 * ``"diag_hessian"``: the exact Hessian diagonal, the GGN plus the residual terms of
-  activation modules that are not piecewise linear (sigmoid, tanh, GELU, SiLU, softplus,
-  ELU), for networks whose structure :mod:`cockpit.curvature.diag_hessian` covers (checked
-  on the autograd graph; two vector backpropagations per activation unit).
+  activation modules that are not piecewise linear (sigmoid, tanh, GELU also with
+  approximate="tanh", SiLU, softplus, ELU) and of LayerNorm and RMSNorm, for networks whose
+  structure :mod:`cockpit.curvature.diag_hessian` covers (checked on the autograd graph; two
+  vector backpropagations per activation unit).
 * ``"auto"`` (default): the exact Hessian diagonal where available — for networks whose
   nonlinearities are all piecewise linear (ReLU, max-pooling) the GGN *is* the Hessian, and
-  for small networks with smooth activations ``"diag_hessian"`` fits in the budget of
-  ``max_backprops`` (512) vector backpropagations — otherwise the exact GGN diagonal, or
-  its Monte-Carlo estimate when the output has more than ``mc_threshold`` (32) dimensions.
-  The method used is recorded in the run's notes.
+  for small networks with smooth activations and normalization layers ``"diag_hessian"``
+  fits in the budget of ``max_backprops`` (512) vector backpropagations. Otherwise each
+  instrument falls back (with a warning, once) to an estimator of its own kind: HessTrace
+  and TICTrace, which read only the trace, to ``"hutchinson"`` (unbiased for the Hessian,
+  ``mc_samples`` = 8 products, standard error recorded); TICDiag, which divides by the
+  diagonal elementwise, to the exact GGN diagonal (or its Monte-Carlo estimate for more
+  than ``mc_threshold`` = 32 outputs), labelled as the GGN's.
+
+The method used is recorded at every step: in the notes (``Cockpit.get_notes()``, the run
+log) and, for HessTrace computed from a GGN, as ``"HessTrace.ggn" = 1.0`` beside the value
+(the view labels the panel "Tr(GGN)"). Stochastic values carry their standard error as
+``"<Instrument>.stderr"`` (from the spread of the ``mc_samples`` independent replicates; the
+delta method for the TIC ratios).
 
 The GGN methods need the per-sample loss to be cross-entropy on the model's logits
 (``F.cross_entropy(out, y, reduction="none")``) or a squared error
@@ -30,9 +40,11 @@ Cockpit recognizes both from the autograd graph of ``losses``, or takes ``loss=`
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 
-from cockpit.curvature.diag_hessian import check_graph, residual_diagonal
+from cockpit.curvature.diag_hessian import check_graph, num_backprops, residual_diagonal
 from cockpit.curvature.hutchinson import hutchinson_diagonal
 from cockpit.curvature.hvp import HessianVectorProduct
 from cockpit.curvature.loss_factors import exact_sqrt_factor, mc_sqrt_factor
@@ -92,22 +104,105 @@ def detect_loss(losses: Tensor, output: Tensor | None) -> tuple[str, str]:
     )
 
 
-def resolve_method(method: str, tracker, mc_threshold: int, max_backprops: int) -> str:
+DESCRIPTIONS = {
+    "diag_hessian": "the exact Hessian diagonal",
+    "diag_ggn_exact": "the exact GGN diagonal (generalized Gauss-Newton: the Hessian without "
+                      "the second-derivative terms of the network, not the Hessian's)",
+    "diag_ggn_mc": "a Monte-Carlo estimate of the GGN diagonal (generalized Gauss-Newton, "
+                   "not the Hessian's)",
+    "hutchinson": "a Hutchinson estimate of the Hessian diagonal (unbiased)",
+}
+STOCHASTIC = ("diag_ggn_mc", "hutchinson")
+GGN = ("diag_ggn_exact", "diag_ggn_mc")
+
+
+def resolve_method(method: str, tracker, mc_threshold: int, max_backprops: int,
+                   fallback: str = "ggn") -> tuple[str, str | None]:
+    """(method, why the exact Hessian diagonal is not used or None) for this step.
+
+    ``"auto"``: the exact Hessian diagonal where the graph is covered and the residual terms
+    fit in ``max_backprops``; otherwise ``fallback``: ``"hutchinson"`` (unbiased for the
+    Hessian, for instruments that read only the trace) or ``"ggn"`` (the exact GGN
+    diagonal, or its Monte-Carlo estimate for more than ``mc_threshold`` outputs)."""
     check_method(method)
     if method != "auto":
-        return method
+        return method, None
     output = tracker.model_output
     if output is None:
-        return "hutchinson"
+        return "hutchinson", "Cockpit did not see the model's output"
     try:
-        check_graph(output, {a.grad_fn for _, _, a in tracker.activation_calls})
-        units = sum(2 * z[0].numel() for _, z, _ in tracker.activation_calls)
+        check_graph(output, tracker.activation_calls)
+        units = num_backprops(tracker.activation_calls)
         if units <= max_backprops:
-            return "diag_hessian"
-    except ValueError:
-        pass
+            return "diag_hessian", None
+        reason = (f"its residual terms need {units} vector backpropagations, more than "
+                  f"max_backprops={max_backprops}")
+    except ValueError as error:
+        reason = str(error)
+    if fallback == "hutchinson":
+        return "hutchinson", reason
     outputs_per_sample = output[0].numel() if output.dim() > 0 else 1
-    return "diag_ggn_mc" if outputs_per_sample > mc_threshold else "diag_ggn_exact"
+    return ("diag_ggn_mc" if outputs_per_sample > mc_threshold else "diag_ggn_exact"), reason
+
+
+def diagonal_replicates(
+    method: str,
+    tracker,
+    losses: Tensor,
+    params: dict[str, Tensor],
+    *,
+    loss: str | None = None,
+    mse_reduction: str = "mean",
+    num_samples: int = 1,
+    generator=None,
+    max_backprops: int = 512,
+) -> list[dict[str, Tensor]]:
+    """Estimates of the diagonal curvature of the mean loss, per parameter: one exact value
+    for the exact methods, ``num_samples`` independent unbiased replicates for the stochastic
+    ones (Hutchinson: v_m ⊙ H v_m; MC GGN: one sampled factor column each). Their mean is
+    the estimate; their spread gives its standard error."""
+    n = losses.shape[0]
+    if method == "hutchinson":
+        if num_samples < 1:
+            raise ValueError("num_samples must be at least 1.")
+        hvp = hessian_vector_product(tracker, losses, params)
+        with tracker.suspended():
+            return [dict(zip(params, hutchinson_diagonal(hvp, list(params.values()), 1,
+                                                         generator), strict=True))
+                    for _ in range(num_samples)]
+    if method == "diag_ggn_mc":
+        output = _model_output(tracker)
+        kind, mse_reduction = _loss_kind(losses, output, loss, mse_reduction)
+        f = output.detach()
+        factor = mc_sqrt_factor(f, kind, num_samples=num_samples, generator=generator,
+                                mse_reduction=mse_reduction) * math.sqrt(num_samples)
+        replicates = []
+        for column in factor:
+            sums = tracker.sum_sq_of_backprops(output, column.reshape(1, *f.shape))
+            replicates.append({k: sums[k].to(p.dtype) / n if k in sums else p.new_zeros(p.shape)
+                               for k, p in params.items()})
+        return replicates
+    return [diagonal_curvature(method, tracker, losses, params, loss=loss,
+                               mse_reduction=mse_reduction, num_samples=num_samples,
+                               generator=generator, max_backprops=max_backprops)]
+
+
+def _model_output(tracker) -> Tensor:
+    output = tracker.model_output
+    if output is None:
+        raise CurvatureError(
+            "the GGN needs the model's output of this step's forward pass, which Cockpit "
+            "did not see; call the model on the batch after the previous cockpit(...) "
+            "context, or use curvature='hutchinson'"
+        )
+    return output
+
+
+def _loss_kind(losses: Tensor, output: Tensor, loss: str | None,
+               mse_reduction: str) -> tuple[str, str]:
+    if loss is None:
+        return detect_loss(losses, output)
+    return loss, mse_reduction
 
 
 def diagonal_curvature(
@@ -129,7 +224,7 @@ def diagonal_curvature(
         if output is None:
             raise CurvatureError("curvature='diag_hessian' needs the model's output")
         try:
-            check_graph(output, {a.grad_fn for _, _, a in tracker.activation_calls})
+            check_graph(output, tracker.activation_calls)
         except ValueError as error:
             raise CurvatureError(
                 f"curvature='diag_hessian' cannot apply to this model: {error}. Use "

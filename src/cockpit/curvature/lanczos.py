@@ -7,28 +7,42 @@ with orthonormal Krylov basis Q_k = [q_1, …, q_k] the operator satisfies
 
     H Q_k = Q_k T_k + β_k q_{k+1} e_kᵀ,      T_k = tridiag(β, α, β),
 
-and the largest Ritz pair (θ, s) of T_k gives the estimate θ ≤ λ_max with Ritz vector
-y = Q_k s. Its residual is ‖H y − θ y‖ = |β_k · s_k| (last component of s), and the
-iteration stops once |β_k s_k| ≤ atol + tol · |θ| (atol = 0 by default). For a
-symmetric operator the residual r bounds the distance of θ to the spectrum, and the
-eigenvalue error is typically far smaller, ≈ r²/gap. So ``tol`` is conservative: on
-cifar10_3c3d (benchmarks/hessmaxev_solvers.py) tol=1e-3 gave relative errors ≈ 2e-5 and
-tol=3e-2 gave ≈ 1–3e-3, the accuracy that power iteration's default stopping rule
-actually reaches, with about 3× fewer Hessian-vector products.
+and the largest Ritz pair (θ₁, s) of T_k gives the estimate θ₁ ≤ λ_max with Ritz vector
+y = Q_k s.
+
+Stopping rule: it bounds the error of λ_max itself, not the distance of θ₁ to *some*
+eigenvalue (a small Ritz residual only says the latter: on a logistic regression with
+λ₁ = 7.84, λ₂ = 7.42, the rule "residual ≤ 3e-2·θ₁" stopped at θ₁ = 7.13, 9 % low). The
+Lanczos vectors are q_{j+1} = P_j(H) q_1 with the polynomials of the three-term recurrence
+(P_0 = 1, β_j P_j(x) = (x − α_j) P_{j−1}(x) − β_{j−1} P_{j−2}(x)). For an eigenvector u with
+H u = λ u and start component c = uᵀq_1, orthonormality of q_1 … q_{k+1} gives
+
+    c² · S_k(λ) ≤ 1,     S_k(λ) = Σ_{j=0}^{k} P_j(λ)²,
+
+and S_k grows monotonically above the largest Ritz value. So every eigenvalue above
+λ* = θ₁ + atol + tol·|θ₁| has c² ≤ 1 / S_k(λ*). A random unit start has a component along
+any fixed direction of |z|/√D (z ~ N(0, 1)), which is that small with probability at most
+√(2D / (π S_k(λ*))). The iteration stops once this is ≤ ``miss_probability`` δ (1e-3):
+then λ_max ∈ [θ₁, λ*] except with probability δ, i.e. the relative error is ≤ ``tol``.
+The smallest such relative accuracy (on a 1-2-5 grid) is returned as ``rel_error``. The
+rule adapts to the spectrum: a well-separated λ_max is certified in a few steps, a
+cluster of close top eigenvalues takes more. Checked against dense eigenvalues on
+logistic regression (784→10, |B| = 32: 26 products on average, error ≤ 4e-7 at tol 1e-3
+over 72 steps where the residual rule erred by up to 9 %), MLPs and CNNs (tests).
 
 It returns the LARGEST ALGEBRAIC eigenvalue, as eq. (26) defines λ_max. The original
 Cockpit package (like PyHessian) used power iteration, which returns the eigenvalue of
 largest MAGNITUDE, i.e. a negative number when the Hessian's most negative eigenvalue
 dominates; :func:`power_iteration` reproduces that method for comparison.
 
-Warm start: a previous eigenvector passed as ``v0`` is used (normalized) as the first
-Lanczos vector q_1. When the Hessian changes little between steps, q_1 already lies
-close to the top eigenvector and few steps suffice. Like any Krylov method, the result
-can only contain eigen-directions present in q_1: if the Krylov space becomes invariant
-(breakdown, β_k ≈ 0) before the space is exhausted, the iteration continues with a
-fresh random vector orthogonal to the basis, so a warm start that misses the top
-eigenvector entirely is still corrected. A breakdown after such a random vector (or with
-a random start) means the top eigenvalue was found exactly (with probability one).
+Warm start: a previous eigenvector passed as ``v0`` is mixed in equal parts with a random
+unit vector to form q_1: the previous direction speeds up the convergence of θ₁, and the
+random half keeps the guarantee above (with twice the S_k threshold). If the Krylov space
+becomes invariant (breakdown, β_k ≈ 0) before the space is exhausted, the iteration
+continues with a fresh random vector orthogonal to the basis and the rule restarts for it.
+A breakdown with a random start means the top eigenvalue was found exactly (with
+probability one). Full reorthogonalization keeps the basis orthonormal in floating point
+(the basis holds up to ``max_iter`` vectors of length D).
 """
 
 from __future__ import annotations
@@ -54,12 +68,17 @@ class EigResult:
         vector: Unit-norm eigenvector estimate (dtype and device of the iteration).
         num_matvecs: Number of operator applications used.
         converged: Whether the stopping criterion was met before ``max_iter``.
+        rel_error: Estimated relative error |λ_max − value| / |value| at the stop
+            (Lanczos; NaN for power iteration, whose rule bounds no error).
+        second: Second-largest Ritz value (Lanczos), for the gap λ₁ − λ₂.
     """
 
     value: float
     vector: Tensor
     num_matvecs: int
     converged: bool
+    rel_error: float = math.nan
+    second: float = math.nan
 
 
 def _random_vector(
@@ -116,6 +135,7 @@ def lanczos_max_eigenvalue(
     v0: Tensor | None = None,
     tol: float = 1e-3,
     atol: float = 0.0,
+    miss_probability: float = 1e-3,
     max_iter: int = 100,
     generator: torch.Generator | None = None,
     dtype: torch.dtype | None = None,
@@ -126,10 +146,15 @@ def lanczos_max_eigenvalue(
     Args:
         matvec: v ↦ H v for flat vectors of length D; H must be symmetric.
         dim: D. Needed only without ``v0``.
-        v0: Warm start (e.g. the previous eigenvector), used as the first Lanczos
-            vector. Sets dtype and device of the iteration. Random start if None.
-        tol: Stop when the Ritz residual |β_k s_k| ≤ atol + tol · |θ|.
+        v0: Warm start (e.g. the previous eigenvector). It is mixed in equal parts with a
+            random vector (module docstring), which keeps the stopping rule's guarantee.
+            Sets dtype and device of the iteration. Random start if None.
+        tol: Relative accuracy asked of λ_max: stop once, with probability ≥ 1 −
+            ``miss_probability``, no eigenvalue lies above θ₁ + atol + tol · |θ₁| (θ₁ ≤ λ_max
+            always, so then |λ_max − θ₁| ≤ atol + tol · |θ₁|).
         atol: Absolute part of the tolerance (useful when λ_max may be ≈ 0).
+        miss_probability: The probability δ that the random start hides an eigenvalue above that
+            bound (module docstring).
         max_iter: Maximum number of matrix-vector products (= Krylov dimension). The
             basis holds up to ``max_iter`` vectors of length D (full reorthogonalization).
         generator: Random generator for the start vector and breakdown restarts.
@@ -138,19 +163,32 @@ def lanczos_max_eigenvalue(
 
     Returns:
         EigResult with the largest Ritz value, its unit Ritz vector, the number of
-        operator applications and whether the tolerance was met. A non-finite product
-        H v gives ``value=nan, converged=False``.
+        operator applications, whether the tolerance was met and the relative accuracy
+        reached (``rel_error``). A non-finite product H v gives ``value=nan,
+        converged=False``.
     """
     if max_iter < 1:
         raise ValueError("max_iter must be at least 1.")
+    if not tol > 0 or atol < 0 or not 0 < miss_probability < 1:
+        raise ValueError("Lanczos needs tol > 0, atol >= 0 and 0 < miss_probability < 1.")
     q, is_random = _start_vector(dim, v0, dtype, device, generator)
     dim = q.numel()
+    # squared start component that a hidden eigenvector exceeds with probability 1 − δ
+    # (a random unit vector's component along a fixed direction is ≈ z/√D, z ~ N(0, 1):
+    # P(|z|/√D ≤ c) ≤ c·√(2D/π)); the warm mix halves the random part's weight
+    if not is_random:
+        mix = _random_vector(dim, q.dtype, q.device, generator)
+        q = q + mix / torch.linalg.vector_norm(mix)
+        q = q / torch.linalg.vector_norm(q)
+    weight = 1.0 if is_random else 2.0
+    required = weight * 2.0 * dim / (math.pi * miss_probability**2)
     eps = torch.finfo(q.dtype).eps
     basis: list[Tensor] = []
     alphas: list[float] = []
     betas: list[float] = []  # betas[i] couples basis[i] and basis[i + 1]
-    theta, s_top = 0.0, torch.ones(1, dtype=torch.float64)
-    residual = math.inf
+    block = 0  # first Lanczos vector of the current Krylov sequence (after a breakdown)
+    theta, second, s_top = 0.0, -math.inf, torch.ones(1, dtype=torch.float64)
+    rel_error = math.inf
     num_matvecs = 0
     converged = False
 
@@ -171,21 +209,24 @@ def lanczos_max_eigenvalue(
             T += torch.diag(off, 1) + torch.diag(off, -1)
         evals, evecs = torch.linalg.eigh(T)
         theta, s_top = evals[-1].item(), evecs[:, -1]
-        residual = abs(beta * s_top[-1].item())
+        second = evals[-2].item() if len(alphas) > 1 else -math.inf
         scale = max(abs(evals[0].item()), abs(theta))  # ‖T_k‖₂, estimates ‖H‖₂
 
         breakdown = beta <= 1e3 * eps * max(scale, 1e-300) or beta == 0.0
         if len(basis) == dim or (breakdown and is_random):
-            converged = True  # invariant subspace containing all directions of a random vector
+            converged, rel_error = True, 0.0  # invariant subspace with all of a random vector
             break
         if breakdown:
             # Warm start spans an invariant subspace: continue with a random direction.
             q = _orthogonalize(_random_vector(dim, q.dtype, q.device, generator), basis)
             q = q / torch.linalg.vector_norm(q)
             betas.append(0.0)
-            is_random = True
+            is_random, block = True, len(basis)
+            required = 2.0 * dim / (math.pi * miss_probability**2)
             continue
-        if residual <= atol + tol * abs(theta):
+        a, b = alphas[block:], [*betas[block:], beta]
+        rel_error = _accuracy_reached(a, b, theta, atol, required)
+        if rel_error <= tol:
             converged = True
             break
         q = w / beta
@@ -195,7 +236,36 @@ def lanczos_max_eigenvalue(
     for coefficient, q in zip(s_top.tolist(), basis, strict=True):
         ritz.add_(q, alpha=coefficient)
     ritz = ritz / torch.linalg.vector_norm(ritz)
-    return EigResult(value=theta, vector=ritz, num_matvecs=num_matvecs, converged=converged)
+    return EigResult(value=theta, vector=ritz, num_matvecs=num_matvecs, converged=converged,
+                     rel_error=rel_error, second=second)
+
+
+def _krylov_weight(alphas: list[float], betas: list[float], x: float) -> float:
+    """S_k(x) = Σ_{j=0}^{k} P_j(x)² for the Lanczos polynomials q_{j+1} = P_j(H) q_1
+    (P_0 = 1, β_j P_j(x) = (x − α_j) P_{j−1}(x) − β_{j−1} P_{j−2}(x))."""
+    previous, current, total = 0.0, 1.0, 1.0
+    beta_before = 0.0
+    for alpha, beta in zip(alphas, betas, strict=True):
+        previous, current = current, ((x - alpha) * current - beta_before * previous) / beta
+        beta_before = beta
+        total += current * current
+        if total > 1e300:
+            return math.inf
+    return total
+
+
+def _accuracy_reached(alphas: list[float], betas: list[float], theta: float, atol: float,
+                      required: float) -> float:
+    """The smallest relative ε (on a grid) such that every eigenvector with eigenvalue above
+    θ₁ + atol + ε·|θ₁| has a start component c with c² ≤ 1/``required``, i.e. that no such
+    eigenvalue went unseen, except with probability ``miss_probability``."""
+    magnitude = max(abs(theta), 1e-300)
+    for exponent in range(-12, 1):
+        for mantissa in (1.0, 2.0, 5.0):
+            epsilon = mantissa * 10.0**exponent
+            if _krylov_weight(alphas, betas, theta + atol + epsilon * magnitude) >= required:
+                return epsilon
+    return math.inf
 
 
 def power_iteration(

@@ -4,21 +4,42 @@ the ``curvature=`` option and one computation per backward pass, shared between 
 The diagonal is computed on each backward pass's graph (before the user's backward) for the
 mean loss of its N_k samples, and added to the step's statistics as N_k · diag_k: the
 diagonal of the mean loss over a step split into micro-batches or processes is then
-Σ_k N_k diag_k / N, exactly (the Hessian and the GGN of a mean are the weighted means)."""
+Σ_k N_k diag_k / N, exactly (the Hessian and the GGN of a mean are the weighted means).
+
+Every computed value says what it was computed from: the method goes into the step's note
+(:data:`cockpit.curvature.diagonal.DESCRIPTIONS`); a stochastic value (Hutchinson, MC GGN)
+carries its standard error as ``"<Instrument>.stderr"``, estimated from the spread of the
+``mc_samples`` independent replicates (merged over micro-batches; not formed across
+processes, where the note says so). When ``curvature="auto"`` cannot use the exact Hessian
+diagonal, the instrument warns once and names the reason in the note.
+"""
 
 from __future__ import annotations
+
+import math
+import warnings
 
 import torch
 from torch import Tensor
 
-from cockpit.curvature.diagonal import check_method, diagonal_curvature, resolve_method
-from cockpit.quantities.base import Quantity
+from cockpit.curvature.diagonal import (
+    DESCRIPTIONS,
+    STOCHASTIC,
+    check_method,
+    diagonal_replicates,
+    resolve_method,
+)
+from cockpit.quantities.base import Quantity, StepData
 from cockpit.schedules import Schedule
+
+NON_FINITE = "non-finite loss at this step: the curvature was not computed"
 
 
 class DiagonalCurvatureQuantity(Quantity):
     """An instrument that reads the diagonal curvature of L_B (see
     :mod:`cockpit.curvature.diagonal` for the methods)."""
+
+    fallback = "ggn"  # what "auto" uses where the exact Hessian diagonal is not available
 
     def __init__(
         self,
@@ -26,7 +47,7 @@ class DiagonalCurvatureQuantity(Quantity):
         curvature: str = "auto",
         *,
         loss: str | None = None,
-        mc_samples: int = 1,
+        mc_samples: int = 8,
         mc_threshold: int = 32,
         max_backprops: int = 512,
         seed: int = 0,
@@ -39,30 +60,83 @@ class DiagonalCurvatureQuantity(Quantity):
                 f"loss must be 'cross_entropy', 'mse' or None (recognize), got {loss!r}; "
                 "for other losses use curvature='hutchinson'"
             )
+        if mc_samples < 1:
+            raise ValueError(f"mc_samples must be at least 1, got {mc_samples}")
         self.curvature, self.loss = curvature, loss
         self.mc_samples, self.mc_threshold = mc_samples, mc_threshold
         self.max_backprops = max_backprops
         self.generator = torch.Generator().manual_seed(seed)
         self.method_used: str | None = None
+        self.fallback_reason: str | None = None
+        self._warned = False
+        self._replicate_step: int | None = None
+        self._replicates: list[dict[str, Tensor]] = []
+        self._nonfinite = False
         self.sample_sum_keys = (
-            f"diagonal/{curvature}/{loss}/{mc_samples}/{mc_threshold}/{max_backprops}",)
+            f"diagonal/{curvature}/{self.fallback}/{loss}/{mc_samples}/{mc_threshold}/"
+            f"{max_backprops}",)
 
     def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
+        if self._replicate_step != step:  # the first backward pass of a new step
+            self._replicate_step, self._replicates, self._nonfinite = step, [], False
         if losses is None:
             return
-        method = resolve_method(self.curvature, tracker, self.mc_threshold, self.max_backprops)
+        if not bool(torch.isfinite(losses.detach()).all()):
+            self._nonfinite = True
+            return
+        method, reason = resolve_method(self.curvature, tracker, self.mc_threshold,
+                                        self.max_backprops, self.fallback)
+        try:
+            replicates = self._shared(method, tracker, losses)
+        except RuntimeError as error:  # e.g. a kernel without double backward
+            if self.curvature != "auto" or method != "hutchinson":
+                raise
+            method, reason = resolve_method("auto", tracker, self.mc_threshold,
+                                            self.max_backprops, "ggn")
+            reason = f"{reason}; Hessian-vector products failed: {error}"
+            replicates = self._shared(method, tracker, losses)
+        self.method_used, self.fallback_reason = method, reason
+        if reason is not None and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self.name}: curvature='auto' cannot use the exact Hessian diagonal for this "
+                f"model ({reason}); it uses {DESCRIPTIONS[method]} instead (recorded in the "
+                "notes). Pass curvature= to choose.", RuntimeWarning, stacklevel=2)
+        n = losses.shape[0]
+        if method in STOCHASTIC:  # merge the replicates over the step's backward passes
+            if not self._replicates:
+                self._replicates = [{} for _ in replicates]
+            for total, replicate in zip(self._replicates, replicates, strict=True):
+                for k, d in replicate.items():
+                    total[k] = total[k] + n * d if k in total else n * d
+
+    def _shared(self, method: str, tracker, losses: Tensor) -> list[dict[str, Tensor]]:
+        """The replicates of this backward pass, computed once for all instruments."""
         key = ("diagonal", method, self.loss, self.mc_samples)
-        if key not in tracker.step_cache:  # shared by the instruments of this backward
-            diagonal = diagonal_curvature(
+        if key not in tracker.step_cache:
+            replicates = diagonal_replicates(
                 method, tracker, losses, tracker.params, loss=self.loss,
                 num_samples=self.mc_samples, generator=self.generator,
                 max_backprops=self.max_backprops,
             )
+            tracker.step_cache[key] = replicates
+        replicates = tracker.step_cache[key]
+        sums_key = (key, self.sample_sum_keys[0])
+        if sums_key not in tracker.step_cache:
             n = losses.shape[0]
-            tracker.step_cache[key] = diagonal
-            tracker.add_sample_sums(self.sample_sum_keys[0],
-                                    {k: d * n for k, d in diagonal.items()})
-        self.method_used = method
+            mean = {k: sum(r[k] for r in replicates) / len(replicates) for k in replicates[0]}
+            tracker.add_sample_sums(self.sample_sum_keys[0], {k: d * n for k, d in mean.items()})
+            tracker.step_cache[sums_key] = True
+        return replicates
+
+    # ------------------------------------------------------------------ for compute()
+    def skip_non_finite(self, data: StepData) -> bool:
+        """At a step with a non-finite loss no curvature is computed: note it."""
+        nonfinite = self._nonfinite or (
+            data.losses is not None and not bool(torch.isfinite(data.losses).all()))
+        if nonfinite:
+            data.notes[self.name] = NON_FINITE
+        return nonfinite
 
     def take_diagonal(self, data) -> dict[str, Tensor]:
         """diag(curvature) of the step's mean loss, from the step's statistics."""
@@ -71,3 +145,37 @@ class DiagonalCurvatureQuantity(Quantity):
             raise RuntimeError("the curvature of this step was not computed")
         n = data.stats.num_samples
         return {k: s / n for k, s in sums.items()}
+
+    def replicate_diagonals(self, data) -> list[dict[str, Tensor]] | None:
+        """The stochastic method's independent replicate diagonals of the step's mean loss
+        (None if exact, fewer than two, or split over processes)."""
+        stats = data.stats
+        if (self.method_used not in STOCHASTIC or len(self._replicates) < 2
+                or stats is None or getattr(stats, "ranks", 1) > 1):
+            return None
+        n = stats.num_samples
+        return [{k: s / n for k, s in r.items()} for r in self._replicates]
+
+    def describe(self, data: StepData, value_name: str, stderr: float | None) -> str:
+        """The note on how this step's value was computed."""
+        method = self.method_used or "?"
+        text = f"computed from {DESCRIPTIONS.get(method, method)}"
+        if method in STOCHASTIC:
+            text += f", {self.mc_samples} samples"
+            if stderr is not None:
+                text += f"; standard error {stderr:.3g} ({value_name}.stderr)"
+            elif self.mc_samples < 2:
+                text += "; no standard error from a single sample (mc_samples ≥ 2 gives one)"
+            else:
+                text += "; no standard error across processes"
+        if self.fallback_reason is not None:
+            text += (f" — curvature='auto': the exact Hessian diagonal is not available "
+                     f"({self.fallback_reason})")
+        return text
+
+
+def standard_error(values: list[float]) -> float:
+    """Standard error of the mean of independent replicates: std (ddof 1) / √M."""
+    m = len(values)
+    mean = math.fsum(values) / m
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (m - 1) / m)

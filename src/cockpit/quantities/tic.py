@@ -3,18 +3,27 @@
     TICTrace = ( (1/|B|) Σ_n ‖g_n‖² ) / ( Tr(H_B) + ε )                         (eq. 28)
     TICDiag  = (1/|B|) Σ_j [Σ_n g_n ⊙ g_n]_j / ( max([H_B]_jj, 0) + ε )         (eq. 29)
 
-with H_B's diagonal from ``curvature=`` (exact GGN by default) and ε = 1e-7 (``eps=``),
-which keeps directions without curvature finite; negative diagonal entries (possible for
-Hutchinson estimates or non-convex Hessians) are clamped to 0 before adding ε.
+with H_B's diagonal from ``curvature=`` and ε = 1e-7 (``eps=``), which keeps directions
+without curvature finite; negative diagonal entries (possible for Hutchinson estimates or
+non-convex Hessians) are clamped to 0 before adding ε. ``curvature="auto"`` uses the exact
+Hessian diagonal where available; otherwise TICTrace falls back to the Hutchinson trace
+(unbiased), TICDiag to the GGN diagonal (an elementwise ratio of a noisy estimate would be
+biased), each with a warning and a note (:mod:`cockpit.curvature.diagonal`).
+
+With a stochastic diagonal, ``"<Instrument>.stderr"`` is the delta-method standard error:
+TICTrace · SE(Tr) / (Tr + ε) for TICTrace; for TICDiag the standard error of the replicates'
+projections ∇f(ĥ)ᵀ h_m, f(h) = (1/|B|) Σ_j s_j / (max(h_j, 0) + ε).
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
+
 from cockpit.engine.tracker import SQ_NORMS, SUM_SQ
 from cockpit.quantities.base import StepData, Value, to_float
-from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity
+from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity, standard_error
 
 
 class _TIC(DiagonalCurvatureQuantity):
@@ -29,23 +38,51 @@ class TICDiag(_TIC):
     needs = frozenset({SUM_SQ})
 
     def compute(self, data: StepData) -> dict[str, Value]:
+        if self.skip_non_finite(data):
+            return {"TICDiag": math.nan}
         diagonal = self.take_diagonal(data)
         stats = data.stats
         assert stats is not None
+        n = stats.num_samples
         total = 0.0
+        slopes: dict[str, torch.Tensor] = {}
         for name, second_moment in stats.sum_sq.items():
-            curvature = diagonal[name].double().clamp(min=0) + self.eps
+            h = diagonal[name].double()
+            curvature = h.clamp(min=0) + self.eps
             total += to_float((second_moment.double() / curvature).sum())
-        return {"TICDiag": total / stats.num_samples}
+            slopes[name] = -(second_moment.double() / curvature.pow(2)) * (h > 0) / n
+        out: dict[str, Value] = {"TICDiag": total / n}
+        stderr = None
+        replicates = self.replicate_diagonals(data)
+        if replicates is not None:
+            stderr = standard_error([
+                math.fsum(to_float((slopes[k] * r[k].double()).sum()) for k in slopes)
+                for r in replicates])
+            out["TICDiag.stderr"] = stderr
+        data.notes["TICDiag"] = self.describe(data, "TICDiag", stderr)
+        return out
 
 
 class TICTrace(_TIC):
     needs = frozenset({SQ_NORMS})
+    fallback = "hutchinson"
 
     def compute(self, data: StepData) -> dict[str, Value]:
+        if self.skip_non_finite(data):
+            return {"TICTrace": math.nan}
         diagonal = self.take_diagonal(data)
         stats = data.stats
         assert stats is not None
         trace = math.fsum(to_float(d.double().sum()) for d in diagonal.values())
         mean_sq_norm = sum(to_float(v.double().sum()) for v in stats.sq_norms.values())
-        return {"TICTrace": mean_sq_norm / stats.num_samples / (trace + self.eps)}
+        value = mean_sq_norm / stats.num_samples / (trace + self.eps)
+        out: dict[str, Value] = {"TICTrace": value}
+        stderr = None
+        replicates = self.replicate_diagonals(data)
+        if replicates is not None:
+            trace_se = standard_error(
+                [math.fsum(to_float(d.double().sum()) for d in r.values()) for r in replicates])
+            stderr = abs(value) * trace_se / abs(trace + self.eps)
+            out["TICTrace.stderr"] = stderr
+        data.notes["TICTrace"] = self.describe(data, "TICTrace", stderr)
+        return out

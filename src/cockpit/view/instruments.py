@@ -545,7 +545,12 @@ def draw_hess_trace(fig: Figure, spec: SubplotSpec, output: Output, *,
                     xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
     """Tr(H_B) over steps (App. B.8)."""
     ax = _series_panel(fig, spec, output, "HessTrace", ["HessTrace"], xlim=xlim)
-    ax.set_ylabel("Tr(H_B)", fontsize=S.FONT_SIZES["small"])
+    # recorded beside the value when it is the GGN's trace (curvature="diag_ggn_*")
+    ggn = any(values.get("HessTrace.ggn") == 1.0 for values in output.values())
+    if ggn:
+        ax.set_title("GGN trace Tr(GGN) (not the Hessian's)", fontsize=S.FONT_SIZES["title"],
+                     loc="left")
+    ax.set_ylabel("Tr(GGN)" if ggn else "Tr(H_B)", fontsize=S.FONT_SIZES["small"])
     return ax
 
 
