@@ -4,7 +4,11 @@ shipped with scikit-learn, nothing downloaded) and a small CNN."""
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+from cockpit.benchmark.problems.digits import digits_cnn
+
+__all__ = ["digits_cnn", "load_digits_tensors", "minibatches"]
 
 
 def load_digits_tensors(seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -24,18 +28,6 @@ def load_digits_tensors(seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     split = int(0.8 * len(y))
     train, test = order[:split], order[split:]
     return x[train], y[train], x[test], y[test]
-
-
-def digits_cnn(num_classes: int = 10) -> nn.Sequential:
-    """Conv(1→16, 3×3) – ReLU – Conv(16→32, 3×3) – ReLU – MaxPool 2 – Linear(512→64) – ReLU –
-    Linear(64→10)."""
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(32 * 4 * 4, 64), nn.ReLU(),
-        nn.Linear(64, num_classes),
-    )
 
 
 def minibatches(x: Tensor, y: Tensor, batch_size: int, seed: int = 0):

@@ -1,0 +1,201 @@
+"""The four DeepOBS splits of each data set, from real files or a synthetic stand-in.
+
+Splits (DeepOBS 1.2): ``valid`` is the first N_test samples of the training file (in file
+order), ``train`` the remaining ones; ``train_eval`` is a fixed random subset of ``train``
+of size N_test (drawn once with the problem's seed, evaluated without augmentation);
+``test`` is the test file. Training batches are reshuffled every epoch and the incomplete
+last batch is dropped (as DeepOBS); evaluation loaders keep every sample.
+
+Synthetic data (``data="synthetic"``) has the real data's shapes, dtypes, classes and
+preprocessing, but few samples (8 training and 2 evaluation batches by default) and
+learnable labels: image x of class y is noise plus a fixed random pattern of class y.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from cockpit.benchmark.problems import augment as aug
+from cockpit.benchmark.problems import readers
+from cockpit.benchmark.problems.base import BatchLoader, Splits
+
+SYNTHETIC_TRAIN_BATCHES = 8
+SYNTHETIC_EVAL_BATCHES = 2
+
+
+def split_train_valid(n_train: int, n_valid: int) -> tuple[Tensor, Tensor]:
+    """(train indices, valid indices): the first ``n_valid`` samples are held out."""
+    if n_valid >= n_train:
+        raise ValueError(f"cannot hold out {n_valid} validation samples of {n_train}")
+    return torch.arange(n_valid, n_train), torch.arange(n_valid)
+
+
+def train_eval_subset(train_idx: Tensor, size: int, seed: int) -> Tensor:
+    """A fixed random subset of ``train_idx`` of ``min(size, len)`` samples (sorted)."""
+    perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(seed + 1))
+    return train_idx[perm[:min(size, len(train_idx))].sort().values]
+
+
+def image_splits(
+    train_x, train_y: Tensor, test_x, test_y: Tensor, batch_size: int, *, seed: int,
+    device, prepare_train: Callable | None, prepare_eval: Callable | None,
+    augment: aug.Callable | None = None,
+) -> Splits:
+    """Splits of an image classification set (``train_x`` may be a lazy loader callable)."""
+    n_test = len(test_y)
+    train_idx, valid_idx = split_train_valid(len(train_y), n_test)
+    eval_idx = train_eval_subset(train_idx, n_test, seed)
+
+    def loader(x, y, idx=None, *, train=False):
+        return BatchLoader(x, y, batch_size, shuffle=train, drop_last=train, seed=seed,
+                           indices=idx, prepare=prepare_train if train else prepare_eval,
+                           augment=augment if train else None, device=device)
+
+    return Splits(
+        train=loader(train_x, train_y, train_idx, train=True),
+        train_eval=loader(train_x, train_y, eval_idx),
+        valid=loader(train_x, train_y, valid_idx),
+        test=loader(test_x, test_y),
+    )
+
+
+def synthetic_images(n: int, shape: tuple[int, ...], num_classes: int, seed: int,
+                     *, label_offset: int = 0) -> tuple[Tensor, Tensor]:
+    """``uint8`` images: 128 + 40·(noise + pattern_y), clipped; labels uniform (+offset)."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(num_classes, *shape, generator=g)
+    y = torch.randint(0, num_classes, (n,), generator=g)
+    x = 128 + 40 * (torch.randn(n, *shape, generator=g) + patterns[y])
+    return x.clamp(0, 255).to(torch.uint8), y + label_offset
+
+
+def synthetic_counts(batch_size: int) -> tuple[int, int]:
+    """(training samples incl. the held-out valid part, test samples)."""
+    n_eval = SYNTHETIC_EVAL_BATCHES * batch_size
+    return SYNTHETIC_TRAIN_BATCHES * batch_size + n_eval, n_eval
+
+
+def _scaled(x: Tensor) -> Tensor:
+    return x.float() / 255.0
+
+
+def _standardized(x: Tensor) -> Tensor:
+    return aug.per_image_standardization(x.float())
+
+
+def _float(x: Tensor) -> Tensor:
+    return x.float()
+
+
+# --- data sets ---------------------------------------------------------------------------
+def mnist_like(name: str, data: str, data_dir, batch_size: int, seed: int, device,
+               *, autoencoder: bool = False) -> Splits:
+    """MNIST / Fashion-MNIST (``name`` ``"mnist"`` / ``"fmnist"``): images scaled to [0, 1],
+    ``[N, 1, 28, 28]``. ``autoencoder``: targets are the images themselves (VAE)."""
+    if data == "real":
+        d = readers.read_mnist(readers.data_root(data_dir), name)
+        train_x, train_y, test_x, test_y = d["train_x"], d["train_y"], d["test_x"], d["test_y"]
+    else:
+        n_train, n_test = synthetic_counts(batch_size)
+        train_x, train_y = synthetic_images(n_train, (1, 28, 28), 10, seed)
+        test_x, test_y = synthetic_images(n_test, (1, 28, 28), 10, seed + 7)
+    splits = image_splits(train_x, train_y, test_x, test_y, batch_size, seed=seed,
+                          device=device, prepare_train=_scaled, prepare_eval=_scaled)
+    if autoencoder:
+        for loader in (splits.train, splits.train_eval, splits.valid, splits.test):
+            loader.target_is_input = True
+    return splits
+
+
+def cifar(num_classes: int, data: str, data_dir, batch_size: int, seed: int, device,
+          *, augment: bool = True) -> Splits:
+    """CIFAR-10/100 with DeepOBS's training augmentation (crop, flip, colour)."""
+    if data == "real":
+        d = readers.read_cifar(readers.data_root(data_dir), num_classes)
+        train_x, train_y, test_x, test_y = d["train_x"], d["train_y"], d["test_x"], d["test_y"]
+    else:
+        n_train, n_test = synthetic_counts(batch_size)
+        train_x, train_y = synthetic_images(n_train, (3, 32, 32), num_classes, seed)
+        test_x, test_y = synthetic_images(n_test, (3, 32, 32), num_classes, seed + 7)
+    return image_splits(train_x, train_y, test_x, test_y, batch_size, seed=seed,
+                        device=device, prepare_train=_float if augment else _standardized,
+                        prepare_eval=_standardized,
+                        augment=aug.cifar_train_augmentation(flip=True) if augment else None)
+
+
+def svhn(data: str, data_dir, batch_size: int, seed: int, device,
+         *, augment: bool = True) -> Splits:
+    """SVHN (train_32x32 only, as DeepOBS) with crop and colour augmentation, no flip."""
+    if data == "real":
+        d = readers.read_svhn(readers.data_root(data_dir))
+        train_x, train_y, test_x, test_y = d["train_x"], d["train_y"], d["test_x"], d["test_y"]
+    else:
+        n_train, n_test = synthetic_counts(batch_size)
+        train_x, train_y = synthetic_images(n_train, (3, 32, 32), 10, seed)
+        test_x, test_y = synthetic_images(n_test, (3, 32, 32), 10, seed + 7)
+    return image_splits(train_x, train_y, test_x, test_y, batch_size, seed=seed,
+                        device=device, prepare_train=_float if augment else _standardized,
+                        prepare_eval=_standardized,
+                        augment=aug.cifar_train_augmentation(flip=False) if augment else None)
+
+
+class _LazyImages:
+    """``idx -> uint8 [len(idx), 3, 256, 256]``, reading image files on demand."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+
+    def __call__(self, idx: Tensor) -> Tensor:
+        return torch.stack([readers.load_image(self.files[i]) for i in idx.tolist()])
+
+
+class _SyntheticLazyImages:
+    """Synthetic 256×256 images generated per index (nothing held in memory)."""
+
+    def __init__(self, labels: Tensor, seed: int, num_classes: int = 1001, size: int = 256):
+        self.labels, self.seed, self.size = labels, seed, size
+        g = torch.Generator().manual_seed(seed)
+        # one low-resolution pattern per class, upsampled (cheap to hold for 1,001 classes)
+        self.patterns = torch.randn(num_classes, 3, 8, 8, generator=g)
+
+    def __call__(self, idx: Tensor) -> Tensor:
+        images = []
+        for i in idx.tolist():
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+            pattern = self.patterns[self.labels[i]].repeat_interleave(self.size // 8, 1)
+            pattern = pattern.repeat_interleave(self.size // 8, 2)
+            noise = torch.randn(3, self.size, self.size, generator=g)
+            images.append((128 + 40 * (noise + pattern)).clamp(0, 255).to(torch.uint8))
+        return torch.stack(images)
+
+
+def imagenet(data: str, data_dir, batch_size: int, seed: int, device,
+             *, augment: bool = True) -> Splits:
+    """ImageNet from a folder of class folders: 1,001 outputs (label 0 = background, unused),
+    valid = the first N_test training images in sorted order (DeepOBS: 50,000)."""
+    if data == "real":
+        d = readers.read_imagenet(readers.data_root(data_dir))
+        train_x, train_y = _LazyImages(d["train_files"]), d["train_y"]
+        test_x, test_y = _LazyImages(d["test_files"]), d["test_y"]
+    else:
+        n_train, n_test = synthetic_counts(batch_size)
+        g = torch.Generator().manual_seed(seed)
+        train_y = torch.randint(1, 1001, (n_train,), generator=g)
+        test_y = torch.randint(1, 1001, (n_test,), generator=g)
+        train_x = _SyntheticLazyImages(train_y, seed)
+        test_x = _SyntheticLazyImages(test_y, seed + 7)
+
+    def prepare_train(x: Tensor) -> Tensor:
+        return x.float()
+
+    def prepare_eval(x: Tensor) -> Tensor:
+        return aug.imagenet_eval_preparation(x.float())
+
+    return image_splits(train_x, train_y, test_x, test_y, batch_size, seed=seed,
+                        device=device, prepare_train=prepare_train if augment else prepare_eval,
+                        prepare_eval=prepare_eval,
+                        augment=aug.imagenet_train_augmentation if augment else None)

@@ -1,0 +1,172 @@
+"""The catalogue of test problems: one :class:`ProblemSpec` per name.
+
+Batch sizes and epochs are DeepOBS's defaults (``deepobs/config.py``,
+``DEFAULT_TEST_PROBLEMS_SETTINGS``) where DeepOBS defines them; the others (marked
+"ours" in ``source``) follow the closest DeepOBS problem. L2 factors λ are those of the
+DeepOBS test-problem classes (weight decay 0.002 for 3C3D, 5·10⁻⁴ for VGG, All-CNN-C and
+Wide ResNets, 4·10⁻⁵ for Inception-v3; none for the rest).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cockpit.benchmark.problems import data as datasets
+from cockpit.benchmark.problems import functions, small_nets
+from cockpit.benchmark.problems.base import BatchLoader, Splits, TestProblem
+from cockpit.benchmark.problems.digits import (
+    digits_cnn,
+    digits_logreg,
+    digits_mlp,
+    digits_splits,
+)
+
+SplitBuilder = Callable[..., Splits]
+
+
+@dataclass(frozen=True)
+class ProblemSpec:
+    name: str
+    task: str
+    batch_size: int
+    num_epochs: int
+    l2: float | None
+    build_model: Callable[[], nn.Module]
+    build_splits: SplitBuilder  # (data, data_dir, batch_size, seed, device, model) -> Splits
+    num_classes: int | None = None
+    source: str = "DeepOBS"
+
+
+REGISTRY: dict[str, ProblemSpec] = {}
+
+
+def register(spec: ProblemSpec) -> ProblemSpec:
+    if spec.name in REGISTRY:
+        raise ValueError(f"test problem {spec.name!r} is already registered")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+# --- split builders ----------------------------------------------------------------------
+def _function_splits(train, valid, test, *, train_eval_is_train: bool = True):
+    def build(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+        def loader(x, train_mode=False):
+            return BatchLoader(x, torch.zeros(len(x)), batch_size, shuffle=train_mode,
+                               drop_last=train_mode, seed=seed, device=device)
+        return Splits(train=loader(train, True), train_eval=loader(train), valid=loader(valid),
+                      test=loader(test))
+    return build
+
+
+def _two_d_splits(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+    return _function_splits(*functions.two_d_data())(data, data_dir, batch_size, seed, device)
+
+
+def _quadratic_splits(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+    return _function_splits(*functions.quadratic_data())(data, data_dir, batch_size, seed,
+                                                         device)
+
+
+def _mnist(name: str, autoencoder: bool = False) -> SplitBuilder:
+    def build(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+        return datasets.mnist_like(name, data, data_dir, batch_size, seed, device,
+                                   autoencoder=autoencoder)
+    return build
+
+
+def _cifar(num_classes: int) -> SplitBuilder:
+    def build(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+        return datasets.cifar(num_classes, data, data_dir, batch_size, seed, device)
+    return build
+
+
+def _svhn(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+    return datasets.svhn(data, data_dir, batch_size, seed, device)
+
+
+def _digits(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+    return digits_splits(data, data_dir, batch_size, seed, device)
+
+
+# --- the problems ------------------------------------------------------------------------
+for _kind in ("beale", "branin", "rosenbrock"):
+    register(ProblemSpec(
+        f"two_d_{_kind}", "function", 128, 100, None,
+        (lambda kind=_kind: functions.NoisyFunction2D(kind)), _two_d_splits,
+        source="DeepOBS two_d_*; batch size and epochs ours (DeepOBS sets none)"))
+
+register(ProblemSpec(
+    "quadratic_deep", "function", 128, 100, None,
+    lambda: functions.NoisyQuadratic(functions.deep_learning_hessian()), _quadratic_splits))
+
+for _data in ("mnist", "fmnist"):
+    register(ProblemSpec(f"{_data}_logreg", "classification", 128, 50, None,
+                         small_nets.mnist_logreg, _mnist(_data), 10,
+                         source="DeepOBS" if _data == "mnist" else "DeepOBS; epochs as mnist"))
+    register(ProblemSpec(f"{_data}_mlp", "classification", 128, 100, None,
+                         small_nets.mnist_mlp, _mnist(_data), 10))
+    register(ProblemSpec(f"{_data}_2c2d", "classification", 128, 100, None,
+                         small_nets.fmnist_2c2d, _mnist(_data), 10))
+    register(ProblemSpec(f"{_data}_vae", "vae", 64, 50 if _data == "mnist" else 100, None,
+                         small_nets.mnist_vae, _mnist(_data, autoencoder=True)))
+
+register(ProblemSpec("cifar10_3c3d", "classification", 128, 100, 0.002,
+                     small_nets.cifar10_3c3d, _cifar(10), 10))
+register(ProblemSpec("cifar100_3c3d", "classification", 128, 350, 0.002,
+                     small_nets.cifar100_3c3d, _cifar(100), 100,
+                     source="DeepOBS; epochs ours (as cifar100_allcnnc)"))
+register(ProblemSpec("svhn_3c3d", "classification", 128, 100, 0.002,
+                     small_nets.svhn_3c3d, _svhn, 10,
+                     source="DeepOBS; epochs ours (as cifar10_3c3d)"))
+
+register(ProblemSpec("digits_logreg", "classification", 64, 20, None, digits_logreg,
+                     _digits, 10, source="ours (scikit-learn digits)"))
+register(ProblemSpec("digits_mlp", "classification", 64, 20, None, digits_mlp,
+                     _digits, 10, source="ours (scikit-learn digits)"))
+register(ProblemSpec("digits_cnn", "classification", 64, 20, None, digits_cnn,
+                     _digits, 10, source="ours (scikit-learn digits)"))
+
+
+# --- public API --------------------------------------------------------------------------
+def list_problems() -> list[str]:
+    """Names of all test problems, sorted."""
+    return sorted(REGISTRY)
+
+
+def get_problem(name: str, *, data: str = "synthetic", data_dir: str | None = None,
+                batch_size: int | None = None, seed: int = 0, device="cpu") -> TestProblem:
+    """Build test problem ``name``: model initialized from ``seed`` (the global RNG is left
+    untouched), loss, regularizer and the four data loaders.
+
+    ``data="synthetic"``: a seeded stand-in of the same shapes and classes (tests, demos);
+    ``data="real"``: the published files under ``data_dir`` / ``$COCKPIT_DATA`` /
+    ``~/.cockpit/data`` (see :mod:`cockpit.benchmark.problems.readers`); a missing file
+    raises :class:`~cockpit.benchmark.problems.readers.MissingDataError` saying where to
+    put which file. The 2-D functions and the quadratic define their own data: both modes
+    give the same problem. ``batch_size`` overrides DeepOBS's default.
+    """
+    if name not in REGISTRY:
+        close = difflib.get_close_matches(name, REGISTRY, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise KeyError(f"unknown test problem {name!r}.{hint} Available: "
+                       f"{', '.join(list_problems())}")
+    if data not in ("synthetic", "real"):
+        raise ValueError(f"data must be 'synthetic' or 'real', got {data!r}")
+    spec = REGISTRY[name]
+    batch_size = spec.batch_size if batch_size is None else int(batch_size)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = spec.build_model()
+    model.to(device)
+    splits = spec.build_splits(data, data_dir, batch_size, seed, device, model=model)
+    return TestProblem(name=name, batch_size=batch_size, num_epochs=spec.num_epochs,
+                       l2=spec.l2, task=spec.task, model=model, splits=splits,
+                       num_classes=spec.num_classes, data=data)
