@@ -99,8 +99,9 @@ class RayExecutor:
             ) from error
         self._ray = ray
         if not ray.is_initialized():
+            path = os.environ.get("PYTHONPATH")
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+                     runtime_env={"env_vars": {"PYTHONPATH": path}} if path else None)
         cpus = int(ray.cluster_resources().get("CPU", 1))
         self.capacity = int(workers) if workers else max(1, cpus)
         self._remote = ray.remote(num_cpus=1)(_ray_run)

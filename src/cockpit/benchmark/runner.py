@@ -174,7 +174,7 @@ def run(spec: RunSpec, *, progress: bool = True, overwrite: bool = False) -> dic
         f"{split}_{kind}": [] for split in ("train", "valid", "test")
         for kind in ("losses", "accuracies")
     }
-    learning_rates: list[float] = []
+    learning_rates: list[float | None] = []
     minibatch_losses: list[float | None] = []
     eval_time = 0.0
 
@@ -238,6 +238,7 @@ def run(spec: RunSpec, *, progress: bool = True, overwrite: bool = False) -> dic
             cockpit.close()
     for values in curves.values():  # epochs not reached after a divergence
         values.extend([None] * (epochs + 1 - len(values)))
+    learning_rates.extend([None] * (epochs + 1 - len(learning_rates)))
     wall = time.perf_counter() - start
     task = getattr(problem, "task", "classification")
     has_accuracy = any(a is not None for a in curves["test_accuracies"])
