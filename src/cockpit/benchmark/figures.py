@@ -46,8 +46,8 @@ def learning_curves(best_runs: dict[tuple, list[dict]], out: Path, formats) -> l
         if has_acc:
             panels += [("test_accuracies", "test accuracy"),
                        ("train_accuracies", "train-eval accuracy")]
-        fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.0),
-                                 squeeze=False)
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.8 * len(panels), 3.2),
+                                 squeeze=False, layout="constrained")
         for ax, (key, title) in zip(axes[0], panels, strict=True):
             for (_, optimizer, schedule), runs in sorted(groups.items()):
                 curves = _curves(runs, key)
@@ -66,7 +66,6 @@ def learning_curves(best_runs: dict[tuple, list[dict]], out: Path, formats) -> l
                 ax.set_yscale("log")
         axes[0][0].legend(fontsize=7)
         fig.suptitle(f"{problem}: best settings, mean and min–max over seeds")
-        fig.tight_layout()
         paths += _save(fig, out, f"learning_curves_{problem}", formats)
     return paths
 
@@ -77,11 +76,13 @@ def lr_sensitivity(runs, out: Path, formats) -> list[Path]:
     plt = _plt()
     paths = []
     problems = sorted(runs["problem"].unique())
-    fig, axes = plt.subplots(1, len(problems), figsize=(4.2 * len(problems), 3.2),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(problems), figsize=(4.4 * len(problems), 3.4),
+                             squeeze=False, layout="constrained")
     for ax, problem in zip(axes[0], problems, strict=True):
         frame = runs[runs["problem"] == problem]
         metric = frame["metric"].iloc[0]
+        if metric == "loss" and (frame["final_test"].dropna() > 0).all():
+            ax.set_yscale("log")
         for optimizer, group in frame.groupby("optimizer"):
             per_setting = group.groupby("setting").agg(
                 lr=("lr", "first"), value=("final_test", "mean"), n=("seed", "count"))
@@ -98,7 +99,6 @@ def lr_sensitivity(runs, out: Path, formats) -> list[Path]:
         ax.set_title(problem)
         ax.legend(fontsize=7)
     fig.suptitle("learning-rate sensitivity (marker size: seeds; ×: diverged)")
-    fig.tight_layout()
     paths += _save(fig, out, "lr_sensitivity", formats)
     return paths
 
@@ -111,8 +111,8 @@ def alpha_vs_performance(runs, out: Path, formats, stem: str = "alpha_vs_perform
     plt = _plt()
     frame = runs[runs["mean_alpha"].notna()]
     problems = sorted(frame["problem"].unique())
-    fig, axes = plt.subplots(1, len(problems), figsize=(4.2 * len(problems), 3.4),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(problems), figsize=(4.4 * len(problems) + 1, 3.6),
+                             squeeze=False, layout="constrained")
     markers = "osD^v<>"
     lrs = np.log10(frame["lr"].astype(float))
     vmin, vmax = float(np.nanmin(lrs)), float(np.nanmax(lrs))
@@ -126,7 +126,10 @@ def alpha_vs_performance(runs, out: Path, formats, stem: str = "alpha_vs_perform
                                  linewidths=0.4)
         ax.axvline(0.0, color="grey", lw=0.8, ls="--")
         ax.set_xlabel("mean α")
-        ax.set_ylabel(f"final test {part['metric'].iloc[0]}")
+        metric = part["metric"].iloc[0]
+        if metric == "loss" and (part["final_test"].dropna() > 0).all():
+            ax.set_yscale("log")
+        ax.set_ylabel(f"final test {metric}")
         ax.set_title(problem)
         ax.legend(fontsize=7)
     if scatter is not None:
