@@ -125,6 +125,8 @@ def alpha_vs_performance(runs, out: Path, formats, stem: str = "alpha_vs_perform
                                  vmin=vmin, vmax=vmax, label=optimizer, edgecolors="k",
                                  linewidths=0.4)
         ax.axvline(0.0, color="grey", lw=0.8, ls="--")
+        if part["mean_alpha"].abs().max() > 5:  # a few runs far uphill: keep [-1, 1] legible
+            ax.set_xscale("symlog", linthresh=1.0)
         ax.set_xlabel("mean α")
         metric = part["metric"].iloc[0]
         if metric == "loss" and (part["final_test"].dropna() > 0).all():
