@@ -125,6 +125,7 @@ class TestProblem:
             *is* the individual losses: 2-D functions and the quadratic), ``"vae"``, ``"lm"``.
         model: the network (``torch.nn.Module``), initialized as DeepOBS does.
         train_loader, train_eval_loader, valid_loader, test_loader: iterables of ``(x, y)``.
+        source: where the definition comes from (and which settings are ours).
     """
 
     __test__ = False  # not a pytest test class
@@ -134,11 +135,13 @@ class TestProblem:
     num_epochs: int
     l2: float | None
     task: str
-    model: nn.Module
-    splits: Splits
+    model: nn.Module = field(repr=False)
+    splits: Splits = field(repr=False)
     num_classes: int | None = None
     data: str = "synthetic"
-    notes: list[str] = field(default_factory=list)
+    label_smoothing: float = 0.0
+    aux_weight: float = 0.0
+    source: str = "DeepOBS"
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -164,12 +167,19 @@ class TestProblem:
     def losses(self, output, target: Tensor) -> Tensor:
         """Individual losses ℓ_n, shape ``[batch]`` (without the regularizer).
 
-        classification: cross-entropy −log softmax(z_n)[y_n]; lm: the cross-entropy averaged
-        over the sequence's positions; vae: ‖x̂_n − x_n‖² + KL(q(z|x_n) ‖ N(0, I)) (the
-        negative ELBO up to constants, as DeepOBS); function: the model output itself.
+        classification: cross-entropy −log softmax(z_n)[y_n] (with ``label_smoothing`` ε the
+        target is (1 − ε)·onehot + ε/K); a model with an auxiliary head (Inception-v3 in
+        training mode) outputs ``(logits, aux_logits)`` and ℓ_n adds ``aux_weight`` times the
+        auxiliary cross-entropy; lm: the cross-entropy averaged over the sequence's
+        positions; vae: ‖x̂_n − x_n‖² + KL(q(z|x_n) ‖ N(0, I)) (the negative ELBO up to
+        constants, as DeepOBS); function: the model output itself.
         """
         if self.task == "classification":
-            return F.cross_entropy(output, target, reduction="none")
+            if isinstance(output, tuple):
+                main, aux = output
+                return (self._cross_entropy(main, target)
+                        + self.aux_weight * self._cross_entropy(aux, target))
+            return self._cross_entropy(output, target)
         if self.task == "lm":
             per_token = F.cross_entropy(output.transpose(1, 2), target, reduction="none")
             return per_token.mean(dim=1)
@@ -178,6 +188,10 @@ class TestProblem:
         if self.task == "vae":
             return vae_losses(output, target)
         return output  # function: the model returns the individual losses
+
+    def _cross_entropy(self, logits: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(logits, target, reduction="none",
+                               label_smoothing=self.label_smoothing)
 
     def regularizer(self) -> Tensor:
         """R(θ) = (λ/2) Σ_W ‖W‖² over conv / linear weights; a 0-dim zero without L2."""
@@ -191,7 +205,8 @@ class TestProblem:
         """Fraction of correct predictions in the batch (per character for ``lm``);
         ``None`` for problems without accuracy."""
         if self.task == "classification":
-            return (output.argmax(dim=1) == target).float().mean()
+            logits = output[0] if isinstance(output, tuple) else output
+            return (logits.argmax(dim=1) == target).float().mean()
         if self.task == "lm":
             return (output.argmax(dim=2) == target).float().mean()
         return None
@@ -201,7 +216,10 @@ class TestProblem:
 
 
 def regularized_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Weights of the convolution and fully-connected layers (what DeepOBS regularizes)."""
+    """Weights of the convolution and fully-connected layers (what DeepOBS regularizes), or
+    ``model.l2_parameters()`` where the model says otherwise (VGG, Inception-v3)."""
+    if hasattr(model, "l2_parameters"):
+        return list(model.l2_parameters())
     kinds = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d)
     return [m.weight for m in model.modules() if isinstance(m, kinds)]
 

@@ -13,9 +13,12 @@ learnable labels: image x of class y is noise plus a fixed random pattern of cla
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -43,7 +46,7 @@ def train_eval_subset(train_idx: Tensor, size: int, seed: int) -> Tensor:
 def image_splits(
     train_x, train_y: Tensor, test_x, test_y: Tensor, batch_size: int, *, seed: int,
     device, prepare_train: Callable | None, prepare_eval: Callable | None,
-    augment: aug.Callable | None = None,
+    augment: Callable | None = None,
 ) -> Splits:
     """Splits of an image classification set (``train_x`` may be a lazy loader callable)."""
     n_test = len(test_y)
@@ -144,13 +147,21 @@ def svhn(data: str, data_dir, batch_size: int, seed: int, device,
 
 
 class _LazyImages:
-    """``idx -> uint8 [len(idx), 3, 256, 256]``, reading image files on demand."""
+    """``idx -> uint8 [len(idx), 3, 256, 256]``, reading image files on demand; decoding and
+    resizing run in a few threads (PIL releases the GIL while it works)."""
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], threads: int | None = None):
         self.files = files
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
 
     def __call__(self, idx: Tensor) -> Tensor:
-        return torch.stack([readers.load_image(self.files[i]) for i in idx.tolist()])
+        paths = [self.files[i] for i in idx.tolist()]
+        if self.threads <= 1 or len(paths) <= 1:
+            return torch.stack([readers.load_image(p) for p in paths])
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="cockpit-images")
+        return torch.stack(list(self._pool.map(readers.load_image, paths)))
 
 
 class _SyntheticLazyImages:
@@ -199,3 +210,54 @@ def imagenet(data: str, data_dir, batch_size: int, seed: int, device,
                         device=device, prepare_train=prepare_train if augment else prepare_eval,
                         prepare_eval=prepare_eval,
                         augment=aug.imagenet_train_augmentation if augment else None)
+
+
+# --- Tolstoi ---------------------------------------------------------------------------------
+TOLSTOI_VOCAB = 83
+TOLSTOI_SEQ_LENGTH = 50
+
+
+def synthetic_text(n: int, seed: int, vocab: int = TOLSTOI_VOCAB) -> Tensor:
+    """Character ids from a fixed random first-order Markov chain (learnable, unlike noise)."""
+    rng = np.random.RandomState(seed)
+    logits = 3 * rng.normal(size=(vocab, vocab))
+    transitions = np.exp(logits - logits.max(axis=1, keepdims=True))
+    cumulative = np.cumsum(transitions / transitions.sum(axis=1, keepdims=True), axis=1)
+    uniforms = rng.uniform(size=n)
+    ids = np.zeros(n, dtype=np.int64)
+    for i in range(1, n):
+        ids[i] = min(int(np.searchsorted(cumulative[ids[i - 1]], uniforms[i])), vocab - 1)
+    return torch.from_numpy(ids)
+
+
+def tolstoi(data: str, data_dir, batch_size: int, seed: int, device,
+            on_start: Callable[[], None] | None = None) -> Splits:
+    """War and Peace as character ids (80 % train / 20 % test, as DeepOBS's preprocessing);
+    valid = the first N_test characters of the training part, train the rest; train_eval =
+    the first N_test characters of train. Sequences of 50 characters."""
+    from cockpit.benchmark.problems.base import SequenceLoader
+
+    t = TOLSTOI_SEQ_LENGTH
+    if data == "real":
+        d = readers.read_tolstoi(readers.data_root(data_dir))
+        if len(d["vocab"]) > TOLSTOI_VOCAB:
+            raise ValueError(
+                f"the text has {len(d['vocab'])} distinct characters; DeepOBS's War and Peace "
+                f"(and the char-RNN's embedding) has {TOLSTOI_VOCAB}. Use the plain War and "
+                f"Peace text DeepOBS uses.")
+        train_all, test = d["train"], d["test"]
+    else:
+        n_eval = SYNTHETIC_EVAL_BATCHES * batch_size * t + 1
+        text = synthetic_text(SYNTHETIC_TRAIN_BATCHES * batch_size * t + 3 * n_eval, seed)
+        test, train_all = text[:n_eval], text[n_eval:]
+    n_test = len(test)
+    if len(train_all) <= n_test:
+        raise ValueError(f"the training text ({len(train_all)} characters) must be longer "
+                         f"than the test text ({n_test})")
+    valid, train = train_all[:n_test], train_all[n_test:]
+
+    def loader(ids: Tensor) -> SequenceLoader:
+        return SequenceLoader(ids, batch_size, t, device=device, on_start=on_start)
+
+    return Splits(train=loader(train), train_eval=loader(train[:n_test]), valid=loader(valid),
+                  test=loader(test))

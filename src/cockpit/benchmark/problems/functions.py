@@ -38,8 +38,10 @@ class NoisyFunction2D(nn.Module):
             raise ValueError(f"unknown 2-D function {kind!r}; choose from {sorted(STARTS_2D)}")
         self.kind = kind
         u0, v0 = STARTS_2D[kind]
-        self.u = nn.Parameter(torch.tensor(u0))
-        self.v = nn.Parameter(torch.tensor(v0))
+        # shape [1] rather than DeepOBS's scalars: Cockpit's per-sample statistics need a
+        # parameter axis (0-dim parameters are not supported by its engine yet)
+        self.u = nn.Parameter(torch.tensor([u0]))
+        self.v = nn.Parameter(torch.tensor([v0]))
 
     def deterministic(self, u: Tensor, v: Tensor) -> Tensor:
         """f(u, v) without noise."""
@@ -53,7 +55,9 @@ class NoisyFunction2D(nn.Module):
         return (1 - u) ** 2 + 100 * (v - u**2) ** 2
 
     def forward(self, noise: Tensor) -> Tensor:
-        return self.deterministic(self.u, self.v) + self.u * noise[:, 0] + self.v * noise[:, 1]
+        u, v = self.u[0], self.v[0]
+        # indexing the last axis keeps per-sample evaluation (torch.func.vmap) working
+        return self.deterministic(u, v) + u * noise[..., 0] + v * noise[..., 1]
 
 
 STARTS_2D = {"beale": (-4.5, 4.5), "branin": (2.5, 12.5), "rosenbrock": (-0.5, 1.5)}
@@ -69,7 +73,7 @@ class NoisyQuadratic(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         diff = self.theta - x
-        return 0.5 * ((diff @ self.hessian) * diff).sum(dim=1)
+        return 0.5 * ((diff @ self.hessian) * diff).sum(dim=-1)
 
 
 def deep_learning_hessian(dim: int = 100, seed: int = 42) -> Tensor:

@@ -12,7 +12,8 @@ Fashion-MNIST   ``fmnist/`` the same four idx files
 CIFAR-10        ``cifar10/cifar-10-batches-py/{data_batch_1..5,test_batch}`` (pickles)
 CIFAR-100       ``cifar100/cifar-100-python/{train,test}`` (pickles)
 SVHN            ``svhn/{train_32x32.mat,test_32x32.mat}`` (format 2, MATLAB)
-Tolstoi         ``tolstoi/input.txt`` (War and Peace, plain UTF-8 text)
+Tolstoi         ``tolstoi/input.txt`` (War and Peace, plain UTF-8 text), or DeepOBS's
+                ``tolstoi/{train,test}.npy``
 ImageNet        ``imagenet/{train,val}/<wnid>/*.JPEG`` (one folder per class)
 ==============  ===================================================================
 """
@@ -88,10 +89,24 @@ def _find(folder: Path, name: str) -> Path | None:
     return None
 
 
+# torchvision's layout (what DeepOBS's PyTorch version downloads) is accepted too
+TORCHVISION_FOLDERS = {"mnist": "MNIST/raw", "fmnist": "FashionMNIST/raw"}
+
+
+def _first_complete(candidates: list[Path], files: list[str]) -> Path:
+    """The first candidate folder holding all ``files`` (``.gz`` or not), else the first."""
+    for folder in candidates:
+        if all(_find(folder, f) is not None for f in files):
+            return folder
+    return candidates[0]
+
+
 def read_mnist(root: Path, name: str = "mnist") -> dict[str, Tensor]:
     """``{"train_x", "train_y", "test_x", "test_y"}``: images ``uint8 [N, 1, 28, 28]``,
-    labels ``int64 [N]``. ``name``: ``"mnist"`` or ``"fmnist"``."""
-    folder = root / name
+    labels ``int64 [N]``. ``name``: ``"mnist"`` or ``"fmnist"``; files in ``root/name/``
+    or torchvision's ``root/MNIST/raw/`` (``FashionMNIST/raw/``)."""
+    folder = _first_complete([root / name, root / TORCHVISION_FOLDERS[name]],
+                             list(IDX_FILES.values()))
     paths = {key: _find(folder, fname) for key, fname in IDX_FILES.items()}
     if any(p is None for p in paths.values()):
         missing = [f"{IDX_FILES[k]}.gz" for k, p in paths.items() if p is None]
@@ -134,6 +149,9 @@ def read_cifar(root: Path, num_classes: int = 10) -> dict[str, Tensor]:
         folder = root / "cifar100" / "cifar-100-python"
         train_files, test_files, key = ["train"], ["test"], b"fine_labels"
         source = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz, unpacked"
+    # also accepted: the unpacked folder directly under the root (torchvision's layout)
+    folder = next((f for f in (folder, root / folder.name)
+                   if all((f / n).exists() for n in train_files + test_files)), folder)
     missing = [f for f in train_files + test_files if not (folder / f).exists()]
     if missing:
         raise _missing(f"CIFAR-{num_classes}", folder, missing, source)
@@ -188,12 +206,21 @@ def encode_tolstoi(text: str, test_fraction: float = 0.2) -> dict[str, object]:
 
 
 def read_tolstoi(root: Path) -> dict[str, object]:
+    """``tolstoi/input.txt`` (encoded and split here), or DeepOBS's own preprocessed
+    ``tolstoi/train.npy`` and ``test.npy`` (character ids) if there is no text file."""
     folder = root / "tolstoi"
     path = folder / "input.txt"
+    if not path.exists() and (folder / "train.npy").exists() and (folder / "test.npy").exists():
+        train = np.load(folder / "train.npy")
+        test = np.load(folder / "test.npy")
+        vocab_size = int(max(train.max(initial=0), test.max(initial=0))) + 1
+        return {"train": torch.from_numpy(train.astype(np.int64)),
+                "test": torch.from_numpy(test.astype(np.int64)),
+                "vocab": [None] * vocab_size}
     if not path.exists():
         raise _missing("Tolstoi (War and Peace)", folder, ["input.txt"],
                        "War and Peace as plain UTF-8 text, e.g. Project Gutenberg eBook #2600; "
-                       "DeepOBS used the copy of Karpathy's char-rnn data set")
+                       "DeepOBS's preprocessed train.npy and test.npy work too")
     return encode_tolstoi(path.read_text(encoding="utf-8"))
 
 

@@ -3,8 +3,8 @@
 Batch sizes and epochs are DeepOBS's defaults (``deepobs/config.py``,
 ``DEFAULT_TEST_PROBLEMS_SETTINGS``) where DeepOBS defines them; the others (marked
 "ours" in ``source``) follow the closest DeepOBS problem. L2 factors λ are those of the
-DeepOBS test-problem classes (weight decay 0.002 for 3C3D, 5·10⁻⁴ for VGG, All-CNN-C and
-Wide ResNets, 4·10⁻⁵ for Inception-v3; none for the rest).
+DeepOBS test-problem classes (weight decay 0.002 for 3C3D, 5·10⁻⁴ for VGG, All-CNN-C, Wide
+ResNets and Inception-v3; none for the rest).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from cockpit.benchmark.problems import data as datasets
-from cockpit.benchmark.problems import functions, small_nets
+from cockpit.benchmark.problems import functions, large_nets, small_nets
 from cockpit.benchmark.problems.base import BatchLoader, Splits, TestProblem
 from cockpit.benchmark.problems.digits import (
     digits_cnn,
@@ -37,9 +37,13 @@ class ProblemSpec:
     num_epochs: int
     l2: float | None
     build_model: Callable[[], nn.Module]
-    build_splits: SplitBuilder  # (data, data_dir, batch_size, seed, device, model) -> Splits
+    # (data, data_dir, batch_size, seed, device, on_start) -> Splits; on_start() is called
+    # when a loader begins an epoch (resets a stateful model)
+    build_splits: SplitBuilder
     num_classes: int | None = None
     source: str = "DeepOBS"
+    label_smoothing: float = 0.0
+    aux_weight: float = 0.0
 
 
 REGISTRY: dict[str, ProblemSpec] = {}
@@ -53,8 +57,9 @@ def register(spec: ProblemSpec) -> ProblemSpec:
 
 
 # --- split builders ----------------------------------------------------------------------
-def _function_splits(train, valid, test, *, train_eval_is_train: bool = True):
-    def build(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+def _function_splits(train, valid, test):
+    """Noise splits of the analytic problems; train_eval is the whole train set (DeepOBS)."""
+    def build(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
         def loader(x, train_mode=False):
             return BatchLoader(x, torch.zeros(len(x)), batch_size, shuffle=train_mode,
                                drop_last=train_mode, seed=seed, device=device)
@@ -63,33 +68,41 @@ def _function_splits(train, valid, test, *, train_eval_is_train: bool = True):
     return build
 
 
-def _two_d_splits(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+def _two_d_splits(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
     return _function_splits(*functions.two_d_data())(data, data_dir, batch_size, seed, device)
 
 
-def _quadratic_splits(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+def _quadratic_splits(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
     return _function_splits(*functions.quadratic_data())(data, data_dir, batch_size, seed,
                                                          device)
 
 
 def _mnist(name: str, autoencoder: bool = False) -> SplitBuilder:
-    def build(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+    def build(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
         return datasets.mnist_like(name, data, data_dir, batch_size, seed, device,
                                    autoencoder=autoencoder)
     return build
 
 
 def _cifar(num_classes: int) -> SplitBuilder:
-    def build(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+    def build(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
         return datasets.cifar(num_classes, data, data_dir, batch_size, seed, device)
     return build
 
 
-def _svhn(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+def _svhn(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
     return datasets.svhn(data, data_dir, batch_size, seed, device)
 
 
-def _digits(data, data_dir, batch_size, seed, device, model=None) -> Splits:
+def _imagenet(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
+    return datasets.imagenet(data, data_dir, batch_size, seed, device)
+
+
+def _tolstoi(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
+    return datasets.tolstoi(data, data_dir, batch_size, seed, device, on_start=on_start)
+
+
+def _digits(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
     return digits_splits(data, data_dir, batch_size, seed, device)
 
 
@@ -123,6 +136,30 @@ register(ProblemSpec("cifar100_3c3d", "classification", 128, 350, 0.002,
 register(ProblemSpec("svhn_3c3d", "classification", 128, 100, 0.002,
                      small_nets.svhn_3c3d, _svhn, 10,
                      source="DeepOBS; epochs ours (as cifar10_3c3d)"))
+
+for _depth in (16, 19):
+    for _classes in (10, 100):
+        register(ProblemSpec(
+            f"cifar{_classes}_vgg{_depth}", "classification", 128, 350, 5e-4,
+            (lambda d=_depth, c=_classes: large_nets.VGG(d, c)), _cifar(_classes), _classes,
+            source="DeepOBS; batch size and epochs ours"))
+    register(ProblemSpec(
+        f"imagenet_vgg{_depth}", "classification", 128, 100, 5e-4,
+        (lambda d=_depth: large_nets.VGG(d, 1001)), _imagenet, 1001,
+        source="DeepOBS; batch size and epochs ours"))
+register(ProblemSpec("cifar100_allcnnc", "classification", 256, 350, 5e-4,
+                     large_nets.all_cnn_c, _cifar(100), 100))
+register(ProblemSpec("cifar100_wrn404", "classification", 128, 160, 5e-4,
+                     lambda: large_nets.wide_resnet(40, 4, 100), _cifar(100), 100,
+                     source="DeepOBS; epochs ours (as svhn_wrn164)"))
+register(ProblemSpec("svhn_wrn164", "classification", 128, 160, 5e-4,
+                     lambda: large_nets.wide_resnet(16, 4, 10), _svhn, 10))
+register(ProblemSpec("imagenet_inception_v3", "classification", 128, 100, 5e-4,
+                     large_nets.InceptionV3, _imagenet, 1001,
+                     source="DeepOBS (label smoothing 0.1, auxiliary loss 0.4); batch size and "
+                            "epochs ours", label_smoothing=0.1, aux_weight=0.4))
+register(ProblemSpec("tolstoi_char_rnn", "lm", 50, 200, None, large_nets.CharRNN, _tolstoi,
+                     83))
 
 register(ProblemSpec("digits_logreg", "classification", 64, 20, None, digits_logreg,
                      _digits, 10, source="ours (scikit-learn digits)"))
@@ -162,11 +199,21 @@ def get_problem(name: str, *, data: str = "synthetic", data_dir: str | None = No
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     device = torch.device(device)
+    built: dict[str, nn.Module] = {}
+
+    def on_start() -> None:
+        reset = getattr(built.get("model"), "reset_state", None)
+        if reset is not None:
+            reset()
+
+    # data first: a missing file is reported before an expensive model is built
+    splits = spec.build_splits(data, data_dir, batch_size, seed, device, on_start=on_start)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = spec.build_model()
-    model.to(device)
-    splits = spec.build_splits(data, data_dir, batch_size, seed, device, model=model)
+    built["model"] = model.to(device)
     return TestProblem(name=name, batch_size=batch_size, num_epochs=spec.num_epochs,
                        l2=spec.l2, task=spec.task, model=model, splits=splits,
-                       num_classes=spec.num_classes, data=data)
+                       num_classes=spec.num_classes, data=data,
+                       label_smoothing=spec.label_smoothing, aux_weight=spec.aux_weight,
+                       source=spec.source)

@@ -127,8 +127,8 @@ class VAE(nn.Module):
     followed by leaky ReLU (slope 0.3) and dropout 0.2; then two dense heads giving the
     latent mean μ and log σ (= ½ · dense) of an 8-dimensional Gaussian.
     Decoder: z = μ + σ ⊙ ε, dense 24 and 49 with leaky ReLU, reshaped to 1×7×7, three 4×4
-    transposed convolutions with 64 filters (strides 2, 1, 1) with leaky ReLU and dropout
-    0.2, then dense 784 with a sigmoid, reshaped to 1×28×28.
+    transposed convolutions with 64 filters (strides 2, 1, 1) with ReLU, dropout 0.2 after
+    the first two, then dense 784 with a sigmoid, reshaped to 1×28×28.
     Weights Glorot-uniform, biases zero (TensorFlow's defaults, which DeepOBS uses).
     ``forward`` returns (reconstruction, μ, log σ); 10,151,489 parameters.
     """
@@ -148,9 +148,9 @@ class VAE(nn.Module):
         self.decoder = nn.Sequential(
             nn.Linear(latent, 24), act, nn.Linear(24, 49), act,
             nn.Unflatten(1, (1, 7, 7)),
-            _SameConvTranspose(1, 64, 4, 2), act, nn.Dropout(dropout),
-            _SameConvTranspose(64, 64, 4, 1), act, nn.Dropout(dropout),
-            _SameConvTranspose(64, 64, 4, 1), act,
+            _SameConvTranspose(1, 64, 4, 2), nn.ReLU(), nn.Dropout(dropout),
+            _SameConvTranspose(64, 64, 4, 1), nn.ReLU(), nn.Dropout(dropout),
+            _SameConvTranspose(64, 64, 4, 1), nn.ReLU(),
             nn.Flatten(),
             nn.Linear(14 * 14 * 64, 28 * 28), nn.Sigmoid(),
             nn.Unflatten(1, (1, 28, 28)),
