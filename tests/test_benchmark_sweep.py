@@ -101,12 +101,14 @@ def test_sweep_on_local_ray(tmp_path):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        summary = sweep(["two_d_branin"], ["sgd", "adam"], output=str(tmp_path), budget=3,
-                        seeds=2, executor="ray", progress=False, **RUN)
+        summary = sweep(["two_d_branin", "digits_logreg"], ["sgd", "adam"],
+                        output=str(tmp_path), budget=3, seeds=2, executor="ray", data="real",
+                        progress=False, **RUN)
     finally:
         ray.shutdown()
-    assert summary.failures == [] and summary.executed == 2 * 4
-    _check_sweep(tmp_path, ["two_d_branin"], ["sgd", "adam"], trials=3, seeds=2)
+    assert summary.failures == [] and summary.executed == 2 * 2 * 4
+    _check_sweep(tmp_path, ["two_d_branin", "digits_logreg"], ["sgd", "adam"], trials=3,
+                 seeds=2)
 
 
 def test_killed_sweep_resumes(tmp_path):
