@@ -142,3 +142,22 @@ def test_killed_sweep_resumes(tmp_path):
         assert path.stat().st_mtime_ns == mtime and path.read_bytes() == content
     assert summary.executed + len(before) == 4 + 1  # 4 tuning runs + seed 1 of the best
     _check_sweep(tmp_path, ["digits_logreg"], [optimizer], trials=4, seeds=2)
+
+
+def test_pool_replaces_a_dead_worker_and_retries_its_run(tmp_path):
+    from cockpit.benchmark.executors import PoolExecutor
+    from cockpit.benchmark.runner import RunSpec
+
+    spec = RunSpec("two_d_branin", "tests.bench_helpers:SlowSGD", {"lr": 1e-3, "delay": 0.2},
+                   epochs=1, output=str(tmp_path), max_steps_per_epoch=5)
+    pool = PoolExecutor(1)
+    try:
+        pool.submit("run", spec)
+        time.sleep(1.0)
+        for process in list(pool._pool._processes.values()):
+            process.kill()  # the worker dies while importing or running
+        ((key, outcome),) = pool.wait()
+    finally:
+        pool.close()
+    assert key == "run" and isinstance(outcome, dict), outcome
+    assert outcome["minibatch_train_losses"] and spec.path.exists()

@@ -58,29 +58,45 @@ class SerialExecutor:
 
 
 class PoolExecutor:
-    """A local pool of ``workers`` spawned processes."""
+    """A local pool of ``workers`` spawned processes.
+
+    If a worker process dies (killed, out of memory), the pool is replaced by a fresh one and
+    each run that was in flight is retried once; a run that breaks the pool again is reported
+    as failed.
+    """
 
     def __init__(self, workers: int) -> None:
         import multiprocessing
 
         self.capacity = int(workers)
         threads = max(1, (os.cpu_count() or 1) // self.capacity)
-        self._pool = futures.ProcessPoolExecutor(
+        self._make = lambda: futures.ProcessPoolExecutor(
             max_workers=self.capacity, mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker, initargs=(threads,),
         )
-        self._futures: dict[futures.Future, Any] = {}
+        self._pool = self._make()
+        self._futures: dict[futures.Future, tuple[Any, RunSpec, int]] = {}
 
-    def submit(self, key: Any, spec: RunSpec) -> None:
-        self._futures[self._pool.submit(run_quietly, spec)] = key
+    def submit(self, key: Any, spec: RunSpec, retries: int = 1) -> None:
+        self._futures[self._pool.submit(run_quietly, spec)] = (key, spec, retries)
 
     def wait(self) -> list[tuple[Any, dict | BaseException]]:
-        done, _ = futures.wait(list(self._futures), return_when=futures.FIRST_COMPLETED)
-        out = []
-        for future in done:
-            key = self._futures.pop(future)
-            error = future.exception()
-            out.append((key, error if error is not None else future.result()))
+        out: list[tuple[Any, dict | BaseException]] = []
+        while not out:
+            done, _ = futures.wait(list(self._futures), return_when=futures.FIRST_COMPLETED)
+            broken = []
+            for future in done:
+                key, spec, retries = self._futures.pop(future)
+                error = future.exception()
+                if isinstance(error, futures.process.BrokenProcessPool) and retries > 0:
+                    broken.append((key, spec, retries - 1))
+                else:
+                    out.append((key, error if error is not None else future.result()))
+            if broken:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = self._make()
+                for key, spec, retries in broken:
+                    self.submit(key, spec, retries)
         return out
 
     def close(self) -> None:
