@@ -1,0 +1,275 @@
+"""Tuning sweeps in the Crowded Valley protocol, with Optuna for search and storage.
+
+For each problem and optimizer, a study (Optuna, SQLite storage ``<output>/sweep.sqlite3``,
+named ``problem/optimizer/schedule/budget``) proposes settings; each is trained with seed 0
+and scored by its final validation metric (accuracy, or −loss for problems ranked by loss;
+a run that diverged scores −∞). Each study's sampler is seeded with ``sampler_seed`` plus a
+hash of the study's name (plus the number of trials already stored, when resuming).
+The one-shot budget runs the optimizer's defaults. When the
+budget is spent, the best setting is rerun with seeds 1 … ``seeds`` − 1, so it has ``seeds``
+runs in all.
+
+Search: ``sampler="random"`` (Optuna's ``RandomSampler``) is the protocol's random search;
+``"tpe"`` and ``"qmc"`` are alternatives. All Optuna calls happen in this process; runs go to
+an executor (:mod:`cockpit.benchmark.executors`), so only one process writes the storage.
+
+Resuming: run the same command again. Finished trials stay as they are; a trial that was
+running when the sweep stopped is finished from its result file if the run completed, and
+run again with the same hyperparameters otherwise; new trials are asked only until the
+budget is reached. Seed runs whose result files exist are not rerun.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import zlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from cockpit.benchmark.executors import make_executor
+from cockpit.benchmark.results import read_result
+from cockpit.benchmark.runner import RunSpec, final_metric
+from cockpit.benchmark.search_spaces import Dist, budget_trials, defaults, search_space
+
+HP_ATTR = "hyperparameters"
+STORAGE_NAME = "sweep.sqlite3"
+
+
+def score(result: dict[str, Any]) -> float:
+    """What the study maximizes: final validation accuracy, or −(final validation loss)."""
+    value = final_metric(result, "valid")
+    if result.get("diverged") or value is None or not math.isfinite(value):
+        return -math.inf
+    return value if result["metric"] == "accuracy" else -value
+
+
+def _sampler(name: str, seed: int):
+    import optuna
+
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    if name == "qmc":
+        return optuna.samplers.QMCSampler(seed=seed, scramble=True)
+    raise ValueError(f"unknown sampler {name!r}; choose random, tpe or qmc")
+
+
+@dataclass
+class StudyPlan:
+    """One problem × optimizer of a sweep."""
+
+    problem: str
+    optimizer: str
+    space: dict[str, Dist]
+    n_trials: int
+    template: RunSpec
+    study: Any = None
+    in_flight: int = 0
+    best: dict[str, Any] | None = None
+    seed_specs: list[RunSpec] = field(default_factory=list)
+
+
+@dataclass
+class SweepSummary:
+    """What a sweep did: runs executed now, reused from files, failures, best settings."""
+
+    executed: int = 0
+    reused: int = 0
+    failures: list[str] = field(default_factory=list)
+    best: dict[str, dict[str, Any]] = field(default_factory=dict)
+    results: list[str] = field(default_factory=list)
+
+
+def sweep(problems: list[str], optimizers: list[str], *, output: str = "results",
+          budget: str | int = "small", scale: float = 1.0, seeds: int = 10,
+          sampler: str = "random", sampler_seed: int = 0, executor: str = "pool",
+          workers: int = 1, ray_address: str | None = None,
+          space_overrides: dict[str, Dist] | None = None, progress: bool = True,
+          **run_options: Any) -> SweepSummary:
+    """Tune every optimizer on every problem, then rerun each best setting with more seeds.
+
+    ``run_options`` are :class:`RunSpec` fields shared by all runs (epochs, batch_size, data,
+    data_dir, schedule, cockpit, cockpit_every, max_steps_per_epoch, device).
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(logging.WARNING)
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    storage = f"sqlite:///{(out / STORAGE_NAME).resolve()}"
+    n_trials = budget_trials(budget, scale)
+    plans: list[StudyPlan] = []
+    for problem in problems:
+        for optimizer in optimizers:
+            space = {} if budget == "one-shot" else search_space(optimizer, space_overrides)
+            template = RunSpec(problem=problem, optimizer=optimizer, seed=0,
+                               output=str(out), **run_options)
+            RunSpec(**{**template.__dict__, "hyperparameters": defaults(optimizer)}).validate()
+            plans.append(StudyPlan(problem, optimizer, space, n_trials, template))
+
+    summary = SweepSummary()
+    pool = make_executor(executor, workers, ray_address)
+    bar = None
+    try:
+        for plan in plans:
+            name = f"{plan.problem}/{plan.optimizer}/{plan.template.schedule}/{budget}"
+            existing = _existing_trials(storage, name)
+            plan.study = optuna.create_study(
+                study_name=name, storage=storage, direction="maximize", load_if_exists=True,
+                sampler=_sampler(sampler, sampler_seed + zlib.crc32(name.encode()) + existing),
+            )
+            plan.study.set_user_attr("space", {k: str(v) for k, v in plan.space.items()})
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(plans) * (n_trials + max(seeds - 1, 0)), unit="run",
+                       desc="sweep")
+        _tune(plans, pool, summary, bar, budget)
+        _seed_runs(plans, pool, summary, bar, seeds)
+    finally:
+        if bar is not None:
+            bar.close()
+        pool.close()
+    return summary
+
+
+def _existing_trials(storage: str, name: str) -> int:
+    import optuna
+
+    try:
+        return len(optuna.load_study(study_name=name, storage=storage).trials)
+    except KeyError:
+        return 0
+
+
+def _spec_for(plan: StudyPlan, hyperparameters: dict[str, Any], seed: int = 0) -> RunSpec:
+    return replace(plan.template, hyperparameters=dict(hyperparameters), seed=seed)
+
+
+def _tune(plans: list[StudyPlan], pool, summary: SweepSummary, bar, budget) -> None:
+    from optuna.trial import TrialState
+
+    queue: list[tuple[StudyPlan, int, RunSpec]] = []
+    for plan in plans:
+        _tick(bar, _finished(plan))  # finished before this call
+        for trial in plan.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            spec = _spec_for(plan, json.loads(trial.user_attrs[HP_ATTR]))
+            if spec.path.exists():  # the run finished, the sweep stopped before telling
+                result = read_result(spec.path)
+                plan.study.tell(trial.number, score(result))
+                summary.reused += 1
+                summary.results.append(str(spec.path))
+                _tick(bar)
+            else:
+                queue.append((plan, trial.number, spec))
+    for plan in plans:
+        plan.in_flight = sum(1 for p, _, _ in queue if p is plan)
+
+    def next_run() -> tuple[StudyPlan, int, RunSpec] | None:
+        if queue:
+            return queue.pop(0)
+        for plan in plans:
+            if _finished(plan) + plan.in_flight < plan.n_trials:
+                plan.in_flight += 1
+                return _ask(plan, budget)
+        return None
+
+    in_flight = 0
+    while True:
+        while in_flight < pool.capacity:
+            item = next_run()
+            if item is None:
+                break
+            plan, number, spec = item
+            reused = spec.path.exists()
+            pool.submit((plan, number, spec, reused), spec)
+            in_flight += 1
+        if in_flight == 0:
+            break
+        for (plan, number, spec, reused), outcome in pool.wait():
+            in_flight -= 1
+            plan.in_flight -= 1
+            if isinstance(outcome, BaseException):
+                plan.study.tell(number, state=TrialState.FAIL)
+                summary.failures.append(f"{spec.path}: {type(outcome).__name__}: {outcome}")
+            else:
+                plan.study.tell(number, score(outcome))
+                summary.results.append(str(spec.path))
+                if reused:
+                    summary.reused += 1
+                else:
+                    summary.executed += 1
+            _tick(bar)
+
+
+def _finished(plan: StudyPlan) -> int:
+    from optuna.trial import TrialState
+
+    finished = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+    return len(plan.study.get_trials(deepcopy=False, states=finished))
+
+
+def _ask(plan: StudyPlan, budget) -> tuple[StudyPlan, int, RunSpec]:
+    trial = plan.study.ask()
+    if budget == "one-shot":
+        hyperparameters = defaults(plan.optimizer)
+    else:
+        hyperparameters = {
+            name: trial.suggest_float(name, dist.low, dist.high, log=dist.log)
+            for name, dist in plan.space.items()
+        }
+        for key, value in defaults(plan.optimizer).items():  # fixed, untuned entries
+            hyperparameters.setdefault(key, value)
+    trial.set_user_attr(HP_ATTR, json.dumps(hyperparameters))
+    return plan, trial.number, _spec_for(plan, hyperparameters)
+
+
+def _seed_runs(plans: list[StudyPlan], pool, summary: SweepSummary, bar, seeds: int) -> None:
+    from optuna.trial import TrialState
+
+    specs: list[RunSpec] = []
+    for plan in plans:
+        complete = plan.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if not complete:
+            summary.failures.append(f"{plan.problem}/{plan.optimizer}: no trial completed")
+            continue
+        best = max(complete, key=lambda t: t.value)
+        hyperparameters = json.loads(best.user_attrs[HP_ATTR])
+        summary.best[f"{plan.problem}/{plan.optimizer}"] = {
+            "hyperparameters": hyperparameters, "score": best.value, "trial": best.number,
+        }
+        specs += [_spec_for(plan, hyperparameters, seed) for seed in range(1, seeds)]
+    waiting = 0
+    for spec in specs:
+        if spec.path.exists():
+            summary.reused += 1
+            summary.results.append(str(spec.path))
+            _tick(bar)
+            continue
+        if waiting >= pool.capacity:
+            waiting -= _collect(pool, summary, bar)
+        pool.submit(spec, spec)
+        waiting += 1
+    while waiting:
+        waiting -= _collect(pool, summary, bar)
+
+
+def _collect(pool, summary: SweepSummary, bar) -> int:
+    finished = pool.wait()
+    for spec, outcome in finished:
+        if isinstance(outcome, BaseException):
+            summary.failures.append(f"{spec.path}: {type(outcome).__name__}: {outcome}")
+        else:
+            summary.executed += 1
+            summary.results.append(str(spec.path))
+        _tick(bar)
+    return len(finished)
+
+
+def _tick(bar, n: int = 1) -> None:
+    if bar is not None and n:
+        bar.update(n)

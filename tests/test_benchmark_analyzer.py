@@ -1,0 +1,98 @@
+"""The analyzer's tables hold exactly the numbers of the result files: results with known
+curves are written here in the runner's JSON format, and every entry of summary.csv is
+computed again by hand below (selection by the seed-mean final validation metric, a diverged
+setting, a best setting with one seed, speed and tuneability thresholds)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from cockpit.benchmark.analyzer import analyze
+from cockpit.benchmark.results import RESULT_SCHEMA, result_path, setting_name, write_result
+
+
+def _write(root, problem, optimizer, lr, seed, valid, test, metric="accuracy"):
+    hyperparameters = {"lr": lr}
+    setting = setting_name(hyperparameters)
+    n = len(test)
+    diverged = any(v is None for v in test)
+    kind = "accuracies" if metric == "accuracy" else "losses"
+    other = "losses" if metric == "accuracy" else "accuracies"
+    result = {
+        "schema": RESULT_SCHEMA, "problem": problem, "optimizer": optimizer,
+        "hyperparameters": hyperparameters, "seed": seed, "schedule": "constant",
+        "setting": setting, "metric": metric, "diverged": diverged,
+        f"valid_{kind}": valid, f"test_{kind}": test, f"train_{kind}": test,
+        f"valid_{other}": [1.0] * n if metric == "accuracy" else [None] * n,
+        f"test_{other}": [1.0] * n if metric == "accuracy" else [None] * n,
+        f"train_{other}": [1.0] * n if metric == "accuracy" else [None] * n,
+        "wall_time": 1.0, "cockpit_logdir": None,
+    }
+    write_result(result_path(root, problem, optimizer, setting, seed), result)
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    w = _write
+    # problem pA (accuracy), sgd: S1 two seeds, S2 one seed but the best validation, S3 diverged
+    w(tmp_path, "pA", "sgd", 0.1, 0, [.1, .5, .7, .80], [.1, .5, .72, .82])
+    w(tmp_path, "pA", "sgd", 0.1, 1, [.1, .4, .6, .78], [.1, .45, .70, .80])
+    w(tmp_path, "pA", "sgd", 0.01, 0, [.1, .3, .6, .85], [.1, .3, .5, .6])
+    w(tmp_path, "pA", "sgd", 1.0, 0, [.1, None, None, None], [.1, None, None, None])
+    # pA, adam: T1 three seeds (best), T2 one seed
+    w(tmp_path, "pA", "adam", 1e-3, 0, [.1, .6, .8, .90], [.1, .6, .85, .88])
+    w(tmp_path, "pA", "adam", 1e-3, 1, [.1, .6, .8, .92], [.1, .7, .86, .90])
+    w(tmp_path, "pA", "adam", 1e-3, 2, [.1, .6, .8, .94], [.1, .8, .90, .95])
+    w(tmp_path, "pA", "adam", 1e-2, 0, [.1, .3, .4, .50], [.1, .3, .4, .45])
+    # problem pL (loss), sgd: U1 two seeds (best: lower validation loss), U2 one seed
+    w(tmp_path, "pL", "sgd", 0.1, 0, [2.0, 1.0, 0.5], [2.0, 1.0, 0.6], "loss")
+    w(tmp_path, "pL", "sgd", 0.1, 1, [2.0, 1.2, 0.7], [2.0, 1.2, 0.8], "loss")
+    w(tmp_path, "pL", "sgd", 0.01, 0, [2.0, 1.5, 0.9], [2.0, 1.5, 1.0], "loss")
+    return tmp_path
+
+
+def test_summary_holds_the_numbers_of_the_results(results_dir):
+    report = analyze(results_dir, results_dir / "out", formats=("png",))
+    table = pd.read_csv(results_dir / "out" / "summary.csv").set_index(["problem", "optimizer"])
+    assert len(table) == 3
+
+    best_pa = 0.91  # adam's (0.88 + 0.90 + 0.95) / 3 beats sgd's 0.6
+    threshold_pa = 0.95 * best_pa
+    sgd = table.loc[("pA", "sgd")]
+    assert sgd.best_setting == "lr=0.01__schedule=constant"  # valid 0.85 > (0.80 + 0.78) / 2
+    assert sgd.performance == pytest.approx(0.6) and sgd.performance_std == 0 and sgd.seeds == 1
+    assert math.isnan(sgd.speed)  # [.1, .3, .5, .6] never reaches 0.8645
+    assert sgd.settings == 3 and sgd.good_share == 0  # 0.81, 0.6 and a diverged setting
+    assert sgd.spread == pytest.approx(np.std([0.81, 0.6]))
+    assert sgd.best_lr == 0.01
+
+    adam = table.loc[("pA", "adam")]
+    assert adam.best_setting == "lr=0.001__schedule=constant"
+    assert adam.performance == pytest.approx(best_pa)
+    assert adam.performance_std == pytest.approx(np.std([0.88, 0.90, 0.95]))
+    assert adam.seeds == 3
+    # seed-mean test curve [.1, .7, .87, .91]: 0.87 >= 0.8645 first at epoch 2
+    assert 0.87 >= threshold_pa > 0.7 and adam.speed == 2
+    assert adam.good_share == 0.5 and adam.spread == pytest.approx(np.std([0.91, 0.45]))
+
+    loss = table.loc[("pL", "sgd")]
+    assert loss.metric == "loss" and loss.best_setting == "lr=0.1__schedule=constant"
+    assert loss.performance == pytest.approx(0.7) and loss.performance_std == pytest.approx(0.1)
+    # threshold 0.7 + 0.05 * 0.7 = 0.735; seed-mean curve [2.0, 1.1, 0.7]
+    assert loss.speed == 2 and loss.good_share == 0.5
+
+    runs = pd.read_csv(results_dir / "out" / "runs.csv")
+    assert len(runs) == 11 and runs["diverged"].sum() == 1
+    assert "| pA | adam | constant | 91.00% ± " in report.markdown
+    names = {p.name for p in report.files}
+    assert {"learning_curves_pA.png", "learning_curves_pL.png", "lr_sensitivity.png"} <= names
+    assert "alpha_vs_performance.png" not in names  # no Cockpit logs here
+
+
+def test_no_results_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no benchmark results"):
+        analyze(tmp_path)
