@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cockpit.benchmark.problems.small_nets import xavier_init
+
 # --- VGG ---------------------------------------------------------------------------------
 VGG_BLOCKS = {16: (2, 2, 3, 3, 3), 19: (2, 2, 4, 4, 4)}
 
@@ -40,13 +42,7 @@ class VGG(nn.Module):
             nn.Linear(4096, num_classes),
         )
         self.resize = resize
-        for module in self.modules():
-            if isinstance(module, nn.Conv2d):
-                nn.init.xavier_normal_(module.weight)
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
+        xavier_init(self)
 
     def l2_parameters(self) -> list[nn.Parameter]:
         """The convolution kernels (what DeepOBS's VGG regularizes)."""

@@ -8,6 +8,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def xavier_init(model: nn.Module) -> nn.Module:
+    """DeepOBS's initialization of the 3C3D and VGG networks: convolutions Xavier-normal,
+    dense layers Xavier-uniform, biases zero."""
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            nn.init.xavier_normal_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            nn.init.zeros_(module.bias)
+    return model
+
 class TFSamePool(nn.Module):
     """Max-pooling with TensorFlow's "same" padding: pad right/bottom so that the output has
     ⌈input / stride⌉ positions (for 3×3 windows with stride 2 on even sizes: pad by 1)."""
@@ -37,14 +49,7 @@ def cifar10_3c3d(num_classes: int = 10) -> nn.Sequential:
         nn.Linear(512, 256), nn.ReLU(),
         nn.Linear(256, num_classes),
     )
-    for module in model.modules():
-        if isinstance(module, nn.Conv2d):
-            nn.init.xavier_normal_(module.weight)
-            nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Linear):
-            nn.init.xavier_uniform_(module.weight)
-            nn.init.zeros_(module.bias)
-    return model
+    return xavier_init(model)
 
 
 def fmnist_2c2d(num_classes: int = 10) -> nn.Sequential:
