@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
 from cockpit.curvature.diag_hessian import is_activation
@@ -657,11 +658,16 @@ class ModuleTracker:
             )
         bd = batch_dim_of(unit.module)
         first = call.grads[0]
-        if first is not None and first.dim() > bd and first.shape[bd] != stats.num_samples:
+        packed = isinstance(unit.module, nn.RNNBase) and any(
+            isinstance(v, PackedSequence) for v in (*call.args, *call.kwargs.values()))
+        if (first is not None and first.dim() > bd and first.shape[bd] != stats.num_samples
+                and not packed):
             raise ValueError(batch_size_message(first.shape[bd], stats.num_samples))
         rule = unit.rule
         scale = 1.0
-        if getattr(rule, "takes_scale", False) and not self.keep_calls:
+        if packed:  # a packed output has no batch dimension; the weights are uniform
+            grads = [g / self._weight_value for g in call.grads]
+        elif getattr(rule, "takes_scale", False) and not self.keep_calls:
             # δ_n = ∂L/∂y_n / w with one uniform w (checked): the rule folds 1/w into its
             # smallest intermediate instead of dividing the whole output gradient
             grads, scale = list(call.grads), 1.0 / self._weight_value
