@@ -45,6 +45,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -94,13 +95,36 @@ class BinSpec:
     def edges(self, dtype: torch.dtype = torch.float64, device=None) -> Tensor:
         return torch.linspace(self.lo, self.hi, self.bins + 1, dtype=dtype, device=device)
 
+    @property
+    def zero_bin(self) -> int | None:
+        """m with e_m = 0 exactly (lo·bins/(hi − lo) = −m), if zero is an inner edge (used
+        where ``scale`` is finite in the values' dtype)."""
+        return _zero_bin(self.lo, self.hi, self.bins)
+
     def bin_index(self, x: Tensor) -> Tensor:
         """k(x) for finite x (int64), following the module docstring's definition."""
-        idx = torch.floor((x - self.lo) * self.scale)
-        return idx.clamp_(0, self.bins - 1).long()
+        return self.bin_values(x.clone() if x.is_floating_point() else x.double()).long()
+
+    def bin_values(self, y: Tensor) -> Tensor:
+        """k(y) as integral floats, computed in place in y's dtype (the kernels' formula):
+        ⌊y·scale⌋ + m with zero as the edge e_m (sign-aware: a negative y, however
+        small, is below e_m), else ⌊(y − lo)·scale⌋; clamped to [0, bins − 1]."""
+        m = self.zero_bin
+        if m is not None and self.scale <= torch.finfo(y.dtype).max:
+            y.mul_(self.scale).floor_().add_(m)
+        else:
+            y.sub_(self.lo).mul_(self.scale).floor_()
+        return y.clamp_(0, self.bins - 1)
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_bin(lo: float, hi: float, bins: int) -> int | None:
+    """m with lo + m·(hi − lo)/bins = 0 in exact (rational) arithmetic, 0 < m < bins."""
+    m = -Fraction(lo) * bins / (Fraction(hi) - Fraction(lo))
+    return int(m) if m.denominator == 1 and 0 < m < bins else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -228,8 +252,14 @@ def _bin_chunk(chunk: Tensor, spec: BinSpec, work: Tensor, index: Tensor) -> Ten
     Returns None, with ``index`` untouched, when the chunk holds a value whose scaled
     position is not finite (NaN/±inf input or overflow): the caller takes the masked path.
     """
-    y = torch.sub(chunk, spec.lo, out=work)
-    y.mul_(spec.scale)
+    m = spec.zero_bin
+    if m is not None:  # sign-aware: ⌊y·scale⌋ + m keeps tiny negative y below the zero edge
+        y = torch.mul(chunk, spec.scale, out=work)
+        y.floor_()
+        y.add_(m)
+    else:
+        y = torch.sub(chunk, spec.lo, out=work)
+        y.mul_(spec.scale)
     low, high = torch.stack(torch.aminmax(y)).tolist()
     if not (math.isfinite(low) and math.isfinite(high)):
         return None
