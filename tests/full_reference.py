@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from cockpit import Cockpit, configuration
-from tests.reference import gradient_tests, per_sample_backward, rel_close
+from tests.reference import bin_indices, gradient_tests, per_sample_backward, rel_close
 from tests.test_alpha import reference_alpha
 
 LR = 0.05
@@ -37,8 +37,7 @@ def dense_hessian(model: nn.Module, loss) -> torch.Tensor:
 
 def bin_index(values: torch.Tensor, edges) -> torch.Tensor:
     edges = torch.as_tensor(edges, dtype=torch.float64)
-    lo, hi, k = edges[0].item(), edges[-1].item(), edges.numel() - 1
-    return torch.floor((values.double() - lo) * (k / (hi - lo))).clamp(0, k - 1).long()
+    return bin_indices(values, edges[0].item(), edges[-1].item(), edges.numel() - 1)
 
 
 def run_full(model: nn.Module, loss_of, batches: list, context=None) -> tuple[dict, list, list]:
