@@ -14,7 +14,7 @@ import transformers
 from torch import nn
 
 from cockpit import Cockpit, quantities
-from tests.full_reference import check_full
+from tests.full_reference import check_full, ggn_diagonal
 from tests.reference import gradient_tests, per_sample_backward, rel_close
 
 VOCAB = 7
@@ -190,3 +190,29 @@ def test_sequence_length_equal_to_batch_size_is_not_taken_for_the_batch():
         losses.mean().backward()
     cockpit.close()
     assert rel_close(cockpit.get_output()[0]["NormTest"], expected["NormTest"], 1e-10)
+
+
+def test_ggn_diagonal_alone_sees_each_samples_share_of_a_broadcast():
+    """HessTrace without any per-sample instrument: the GGN backprops of a position
+    embedding of ids [1, T] must also be split per sample (summed, the trace was 10 % high)."""
+    torch.manual_seed(0)
+
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.positions = nn.Embedding(7, 4), nn.Embedding(5, 4)
+            self.out = nn.Linear(4, 3)
+
+        def forward(self, x):
+            ids = torch.arange(x.shape[1]).unsqueeze(0)
+            return self.out(torch.tanh(self.tokens(x) + self.positions(ids)).mean(1))
+
+    model = Positions().double()
+    x, y = torch.randint(0, 7, (6, 5)), torch.randint(0, 3, (6,))
+    expected = ggn_diagonal(model, lambda m, inputs: m(inputs), x)
+    cockpit = Cockpit(model, [quantities.HessTrace(curvature="diag_ggn_exact")], strict=True)
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    assert rel_close(cockpit.get_output()[0]["HessTrace"], expected.sum().item(), 1e-10)

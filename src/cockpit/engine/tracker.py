@@ -291,8 +291,9 @@ class ModuleTracker:
         self._pending_provided = {}
         self.kept_calls = []
         self.release_step_cache()
-        if (losses is not None and losses.grad_fn is not None and num_samples > 1
-                and self.needs & PER_SAMPLE_STATS):
+        if losses is not None and losses.grad_fn is not None and num_samples > 1:
+            # also without per-sample instruments: the diagonal curvature's backprops
+            # (sum_sq_of_backprops) need each sample's share of a broadcast output too
             self._tap_broadcasts(losses, num_samples)
         self.active = True
         return self.stats
