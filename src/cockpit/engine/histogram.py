@@ -21,8 +21,8 @@ elsewhere as ⌊fl(fl(x − lo) · scale)⌋. Against exact (rational) arithmeti
 difference left: a value within one rounding of x·scale *below* a non-zero edge (relative
 distance ≤ 2⁻²⁴ in float32, at most the one float next to the edge: 58 of the 99 inner
 edges of the default spec) is counted one bin high. Making those exact needs x·scale
-without rounding (float64 arithmetic: ~3× the binning arithmetic in a micro-benchmark). Every fast kernel
-below reproduces the evaluation bit for bit:
+without rounding (float64 arithmetic: ~3× the binning arithmetic in a micro-benchmark).
+Every fast kernel below reproduces the evaluation bit for bit:
 
 * :func:`histogram_dense` runs the same two float operations chunk by chunk in a cache-sized
   buffer; ``clamp`` followed by the truncating cast to a small integer type equals
