@@ -4,6 +4,7 @@ computed from them by the paper's formulas in float64, histograms by materializi
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 from torch import Tensor, nn
@@ -104,10 +105,37 @@ def cabs(G: Tensor, lr: float, loss: float) -> float:
     return lr * (G - g).pow(2).sum(1).mean().item() / loss
 
 
+def bin_indices(values: Tensor, lo: float, hi: float, bins: int) -> Tensor:
+    """Bin of each value by comparison with the edges lo + k·(hi − lo)/bins in float64
+    (right-closed search: bin k holds [e_k, e_{k+1}); a negative value, however small, is
+    below the edge 0)."""
+    width = (Fraction(hi) - Fraction(lo)) / bins
+    edges = torch.tensor([float(Fraction(lo) + k * width) for k in range(1, bins)],
+                         dtype=torch.float64)  # correctly rounded; 0 exactly where an edge
+    return torch.bucketize(values.double(), edges, right=True)
+
+
 def histogram(values: Tensor, lo=-2.0, hi=2.0, bins=100) -> Tensor:
+    return torch.bincount(bin_indices(values.reshape(-1), lo, hi, bins), minlength=bins)
+
+
+def same_histogram(counts, values: Tensor, lo=-2.0, hi=2.0, bins=100,
+                   noise: float = 1e-14) -> bool:
+    """Whether ``counts`` (Cockpit's) equal the histogram of the reference ``values`` [N, D],
+    allowing for the sign of rounding noise: elements with |v| ≤ noise·max|v| (zero up to
+    rounding in both computations) may sit on either side of the edge 0."""
+    counts = torch.as_tensor(counts)
+    expected = histogram(values, lo, hi, bins)
+    if torch.equal(counts, expected):
+        return True
     v = values.double().reshape(-1)
-    idx = torch.floor((v - lo) * (bins / (hi - lo))).clamp(0, bins - 1).long()
-    return torch.bincount(idx, minlength=bins)
+    ambiguous = int(((v != 0) & (v.abs() <= noise * v.abs().max())).sum())
+    zero = bin_indices(torch.zeros(1), lo, hi, bins).item()
+    diff = counts - expected
+    others = torch.ones(bins, dtype=torch.bool)
+    others[[zero - 1, zero]] = False
+    return (bool((diff[others] == 0).all()) and int(diff[zero - 1] + diff[zero]) == 0
+            and abs(int(diff[zero])) <= ambiguous)
 
 
 def rel_close(actual: float, expected: float, rtol: float, atol: float = 0.0) -> bool:

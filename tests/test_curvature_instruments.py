@@ -14,7 +14,7 @@ from torch.func import functional_call, hessian, jacrev, vmap
 from cockpit import Cockpit, configuration, quantities
 from cockpit.curvature.diagonal import diagonal_curvature
 from tests.models import make_problem
-from tests.reference import individual_gradients, rel_close
+from tests.reference import bin_indices, individual_gradients, rel_close
 
 
 def dense_hessian(problem) -> tuple[torch.Tensor, list[str], list[torch.Size]]:
@@ -187,7 +187,7 @@ def test_grad_hist_2d_counts_equal_brute_force():
     out = one_step(problem, [quantities.GradHist2d()])
 
     def bins(v, lo, hi, k):
-        return torch.floor((v - lo) * (k / (hi - lo))).clamp(0, k - 1).long()
+        return bin_indices(v, lo, hi, k)
 
     total = torch.zeros(40, 50, dtype=torch.long)
     for name, g in grads.items():

@@ -422,25 +422,6 @@ def test_nested_outputs_of_a_custom_layer_are_all_followed(dependent):
         assert rel_close(cockpit.get_output()[0]["NormTest"], expected["NormTest"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
-def test_recurrent_layers_are_reported_not_wrong(cell):
-    rnn = getattr(nn, cell)(5, 7, batch_first=True)
-    head = nn.Linear(7, 3)
-    cockpit = Cockpit(nn.ModuleList([rnn, head]), [quantities.NormTest(), quantities.GradNorm()])
-    x, y = torch.randn(6, 4, 5), torch.randint(0, 3, (6,))
-    _, h = rnn(x)
-    h = h[0] if isinstance(h, tuple) else h
-    losses = nn.functional.cross_entropy(head(h[-1]), y, reduction="none")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with cockpit(0, losses=losses):
-            losses.mean().backward()
-    cockpit.close()
-    assert cockpit.get_output()[0]["NormTest"] is None
-    assert "recurrent" in cockpit.get_notes()[0]["NormTest"]
-    assert cockpit.get_output()[0]["GradNorm"] > 0
-
-
 def test_sparse_embedding_gradients():
     """nn.Embedding(sparse=True) makes p.grad sparse; the instruments failed on it
     ('reshape is not implemented for sparse tensors'). The user's gradient stays sparse."""

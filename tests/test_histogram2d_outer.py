@@ -5,6 +5,7 @@ evaluated independently in numpy (same dtype), count the pairs with the θ bins.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -33,10 +34,15 @@ SPECS = [
 
 
 def np_bins(x: np.ndarray, spec: BinSpec) -> np.ndarray:
-    """k(x) = clamp(floor((x − lo)·scale), 0, bins − 1) in x's dtype; −1 for non-finite."""
+    """k(x) = clamp(floor(x·scale) + m, 0, bins − 1) where zero is the edge e_m, else
+    clamp(floor((x − lo)·scale), 0, bins − 1), in x's dtype; −1 for non-finite."""
     t = x.dtype.type
+    m = -Fraction(spec.lo) * spec.bins / (Fraction(spec.hi) - Fraction(spec.lo))
     with np.errstate(over="ignore", invalid="ignore"):
-        pos = np.floor((x - t(spec.lo)) * t(spec.scale))
+        if m.denominator == 1 and 0 < m < spec.bins and np.isfinite(t(spec.scale)):
+            pos = np.floor(x * t(spec.scale)) + int(m)
+        else:
+            pos = np.floor((x - t(spec.lo)) * t(spec.scale))
     idx = np.clip(np.nan_to_num(pos, nan=0.0), 0, spec.bins - 1).astype(np.int64)
     return np.where(np.isfinite(x), idx, -1)
 

@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import threading
 from collections.abc import Callable
 
@@ -229,10 +228,9 @@ def _theta_bins(theta: Tensor, spec: BinSpec) -> Tensor:
     """k_θ of every parameter; non-finite θ get the extra bin ``spec.bins``. The smallest
     integer type that holds bins + 1 values keeps the table small for the gathers."""
     dtype = _index_dtype(spec.bins + 1)
-    if theta.dtype in (torch.float32, torch.float64) and theta.numel():
-        y = torch.sub(theta, spec.lo).mul_(spec.scale)
-        if all(map(math.isfinite, torch.stack(torch.aminmax(y)).tolist())):
-            return y.clamp_(0, spec.bins - 1).to(dtype)
+    if (theta.dtype in (torch.float32, torch.float64) and theta.numel()
+            and bool(torch.isfinite(theta).all())):
+        return spec.bin_values(theta.clone()).to(dtype)
     k = spec.bin_index(theta).masked_fill_(~torch.isfinite(theta), spec.bins)
     return k.to(dtype)
 
@@ -240,10 +238,9 @@ def _theta_bins(theta: Tensor, spec: BinSpec) -> Tensor:
 def _bin_(y: Tensor, spec: BinSpec, out: Tensor) -> Tensor:
     """k(y) into the integer tensor ``out`` for y without NaN, overwriting y.
 
-    clamp to [0, bins − 1] (±inf included) and the truncating cast equal clamp(⌊·⌋).
+    :meth:`BinSpec.bin_values` (±inf clamped into the edge bins).
     """
-    y.sub_(spec.lo).mul_(spec.scale).clamp_(0, spec.bins - 1)
-    return out.copy_(y)
+    return out.copy_(spec.bin_values(y))
 
 
 # --------------------------------------------------------------------------- dense

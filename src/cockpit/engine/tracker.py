@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
 from cockpit.curvature.diag_hessian import is_activation
+from cockpit.engine.broadcast import BroadcastTap, consumers_of, find_paths, per_sample_delta
 from cockpit.engine.histogram import BinSpec
 from cockpit.engine.request import StepRequest
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
@@ -91,6 +93,8 @@ class Call:
     output_versions: list[int] = field(default_factory=list)
     # positions of ``outputs`` among all tensors of the module's (flattened) output
     output_positions: list[int] = field(default_factory=list)
+    # outputs shared by the batch (position embeddings, …): output index → its tap
+    taps: dict[int, BroadcastTap] = field(default_factory=dict)
 
     def outputs_unchanged(self) -> bool:
         """Whether no output was modified in place after the call (e.g. by ReLU(inplace))."""
@@ -98,6 +102,9 @@ class Call:
 
     def release(self) -> None:
         """Drop the references to the layer's inputs, outputs and gradients."""
+        for tap in self.taps.values():
+            tap.remove()
+        self.taps = {}
         self.args = self.kwargs = None
         self.outputs, self.grads = [], []
 
@@ -284,8 +291,66 @@ class ModuleTracker:
         self._pending_provided = {}
         self.kept_calls = []
         self.release_step_cache()
+        if losses is not None and losses.grad_fn is not None and num_samples > 1:
+            # also without per-sample instruments: the diagonal curvature's backprops
+            # (sum_sq_of_backprops) need each sample's share of a broadcast output too
+            self._tap_broadcasts(losses, num_samples)
         self.active = True
         return self.stats
+
+    def _tap_broadcasts(self, losses: Tensor, n: int) -> None:
+        """Find the layer outputs shared by the batch (see :mod:`cockpit.engine.broadcast`)
+        and hook the nodes that broadcast them, so that their δ_n arrive per sample.
+
+        Candidates: outputs without the batch size at the batch dimension, and outputs of
+        layers whose inputs are all integer tensors (index inputs such as position ids
+        [T, T] may have T = N by coincidence); the graph decides."""
+        consumers = None
+        for call in self._calls:
+            if call.args is None or isinstance(call.unit.module, nn.RNNBase) or call.taps:
+                continue
+            inputs = [v for v in (*call.args, *call.kwargs.values()) if isinstance(v, Tensor)]
+            index_inputs = bool(inputs) and not any(v.is_floating_point() or v.is_complex()
+                                                    for v in inputs)
+            dims = output_batch_dims(call.unit.module, call.output_positions)
+            for k, (y, bd) in enumerate(zip(call.outputs, dims, strict=True)):
+                mismatch = y.dim() <= bd or y.shape[bd] != n
+                if y.grad_fn is None or not (mismatch or index_inputs):
+                    continue
+                if consumers is None:
+                    consumers = consumers_of(losses.grad_fn)
+                paths, others = find_paths(y, consumers, bd, n)
+                if not paths:
+                    continue
+                tap = BroadcastTap(tuple(y.shape), bd, n, paths)
+                if others:
+                    tap.problem = (
+                        f"its output is shared by the batch, but part of its gradient flows "
+                        f"through {sorted(set(others))[:3]} where Cockpit cannot separate the "
+                        "samples' shares: expand the layer's input over the batch by hand")
+                else:
+                    for path in paths:
+                        tap.handles.append(path.consumer.register_prehook(
+                            self._make_broadcast_hook(tap, path)))
+                if not call.taps:
+                    call.args, call.kwargs = tap.expand_inputs(call.args, call.kwargs)
+                call.taps[k] = tap
+
+    def _make_broadcast_hook(self, tap: BroadcastTap, path):
+        def hook(grad_outputs):
+            probing = self._probing
+            if not probing and (not self.active or self._suspended):
+                return None
+            if tap.problem is None:
+                try:
+                    with torch.no_grad():
+                        delta = per_sample_delta(path, grad_outputs, tap.batch_dim)
+                    tap.add(delta, probing)
+                except Exception as error:  # never raised into the user's backward
+                    tap.problem = f"its output is shared by the batch: {error}"
+            return None
+
+        return hook
 
     def losses_hook(self, grad: Tensor) -> None:
         """Hook on the per-sample losses: record w_n = ∂L/∂ℓ_n."""
@@ -335,6 +400,10 @@ class ModuleTracker:
                                         allow_unused=True)
                 finally:
                     self._probing = False
+                for call in calls:
+                    for tap in call.taps.values():
+                        if tap.problem is not None:
+                            raise ValueError(f"{call.unit.name}: {tap.problem}")
                 accumulated: dict[str, SampleGrads] = {}
                 for call in calls:
                     deltas, call.probe_grads = call.probe_grads, None
@@ -398,13 +467,14 @@ class ModuleTracker:
 
     def _make_output_hook(self, call: Call, k: int):
         def hook(grad: Tensor):
+            tap = call.taps.get(k)
             if self._probing:
                 if call.probe_grads is not None:
-                    call.probe_grads[k] = grad.detach()
+                    call.probe_grads[k] = grad.detach() if tap is None else tap.take(True, grad)
                 return None
             if not self.active or self._suspended or call.args is None:
                 return None
-            call.grads[k] = grad.detach()
+            call.grads[k] = grad.detach() if tap is None else tap.take(False, grad)
             call.received += 1
             if (call.received == len(call.outputs) and not call.unit.deferred
                     and not self.request.defer):
@@ -577,6 +647,9 @@ class ModuleTracker:
             raise RuntimeError(
                 "an input of this layer was modified in place after the layer used it"
             )
+        for tap in call.taps.values():
+            if tap.problem is not None:
+                raise ValueError(tap.problem)
         unit = call.unit
         if unit.rule is None and len(call.outputs) > 1 and outputs_feed_each_other(call):
             raise ValueError(
@@ -586,11 +659,16 @@ class ModuleTracker:
             )
         bd = batch_dim_of(unit.module)
         first = call.grads[0]
-        if first is not None and first.dim() > bd and first.shape[bd] != stats.num_samples:
+        packed = isinstance(unit.module, nn.RNNBase) and any(
+            isinstance(v, PackedSequence) for v in (*call.args, *call.kwargs.values()))
+        if (first is not None and first.dim() > bd and first.shape[bd] != stats.num_samples
+                and not packed):
             raise ValueError(batch_size_message(first.shape[bd], stats.num_samples))
         rule = unit.rule
         scale = 1.0
-        if getattr(rule, "takes_scale", False) and not self.keep_calls:
+        if packed:  # a packed output has no batch dimension; the weights are uniform
+            grads = [g / self._weight_value for g in call.grads]
+        elif getattr(rule, "takes_scale", False) and not self.keep_calls:
             # δ_n = ∂L/∂y_n / w with one uniform w (checked): the rule folds 1/w into its
             # smallest intermediate instead of dividing the whole output gradient
             grads, scale = list(call.grads), 1.0 / self._weight_value

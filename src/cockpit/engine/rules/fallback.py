@@ -18,7 +18,14 @@ import warnings
 
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
+from torch.nn.utils.rnn import PackedSequence
 
+from cockpit.engine.rules.recurrent import (
+    packed_output_grad,
+    recurrent_forward,
+    recurrent_message,
+    unpack_input,
+)
 from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
 
 # Start of the warning torch.func.vmap gives for an operator without a batching rule.
@@ -96,12 +103,7 @@ def fallback_rule(
     the gradients ``grad_outputs`` belong to (already those of the individual losses).
     """
     if isinstance(module, nn.RNNBase):
-        raise NotImplementedError(
-            f"{type(module).__name__}: Cockpit cannot form individual gradients of recurrent "
-            "layers yet (torch.func.vmap does not batch their fused kernels): instruments "
-            "that need them are not computed for this model (Loss, GradNorm, Distance and "
-            "UpdateSize are); freezing the layer (requires_grad_(False)) leaves it out"
-        )
+        return recurrent_rule(module, args, kwargs, positions, grad_outputs, params)
     n = grad_outputs[0].shape[batch_dim_of(module)]
     arg_dims, kwarg_dims = _input_dims(module, args, kwargs, n)
     detached_args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
@@ -138,6 +140,78 @@ def fallback_rule(
     # a module whose children own other parameters (e.g. a scale around a Linear) is called
     # with those real parameters: the result must not carry a graph to them
     return {name: DenseSampleGrads(g.detach()) for name, g in per_sample.items()}
+
+
+def _detached(value):
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, tuple | list):
+        return tuple(_detached(v) for v in value)
+    return value
+
+
+def recurrent_rule(
+    module: nn.RNNBase,
+    args: tuple,
+    kwargs: dict,
+    positions: list[int],
+    grad_outputs: list[Tensor],
+    params: dict[str, Tensor],
+) -> dict[str, SampleGrads]:
+    """Individual gradients of a recurrent layer: vmap over the vjp of the unrolled
+    recurrence (:mod:`cockpit.engine.rules.recurrent`) instead of the fused kernel.
+
+    The flattened output is [output (or a PackedSequence's tensors), h_n(, c_n)]: position
+    0 is the output, the last one or two are the final states (batch at dim 1)."""
+    message = recurrent_message(module, args, kwargs)
+    if message is not None:
+        raise ValueError(message)
+    x, lengths, hx = unpack_input(module, args, kwargs)
+    packed = args[0] if args and isinstance(args[0], PackedSequence) else kwargs.get("input")
+    num_states = 2 if module.mode == "LSTM" else 1
+    first_state = (len(output_tensors(packed)) if isinstance(packed, PackedSequence) else 1)
+    bd = batch_dim_of(module)
+    n = x.shape[bd]
+    deltas: list[Tensor | None] = [None] * (1 + num_states)
+    for position, grad in zip(positions, grad_outputs, strict=True):
+        if position == 0:
+            if isinstance(packed, PackedSequence):
+                grad = packed_output_grad(module, packed, grad, x.shape[1 - bd])
+            deltas[0] = grad
+        elif position >= first_state:
+            deltas[1 + position - first_state] = grad
+    frozen = {k: v.detach() for k, v in params.items()}
+    x = x.detach()
+    hx = _detached(hx)
+    hx_dims = None if hx is None else ((1, 1) if module.mode == "LSTM" else 1)
+    used = [k for k, d in enumerate(deltas) if d is not None]
+    delta_dims = tuple(bd if k == 0 else 1 for k in used)
+
+    def one_sample(theta, x_n, lengths_n, hx_n, sample_deltas):
+        def with_batch(value, dim):
+            if value is None:
+                return None
+            if isinstance(value, tuple):
+                return tuple(with_batch(v, d) for v, d in zip(value, dim, strict=True))
+            return value.unsqueeze(dim)
+
+        def forward(p):
+            output, states = recurrent_forward(module, p, with_batch(x_n, bd),
+                                               with_batch(lengths_n, 0), with_batch(hx_n, hx_dims))
+            flat = [output, *(states if isinstance(states, tuple) else (states,))]
+            return tuple(flat[k] for k in used)
+
+        _, vjp_fn = vjp(forward, theta)
+        cotangents = tuple(d.unsqueeze(dim) for d, dim in zip(sample_deltas, delta_dims,
+                                                              strict=True))
+        return vjp_fn(cotangents)[0]
+
+    per_sample = vmap(one_sample, in_dims=(None, bd, None if lengths is None else 0, hx_dims,
+                                           delta_dims))(
+        frozen, x, lengths, hx, tuple(deltas[k] for k in used))
+    if per_sample and next(iter(per_sample.values())).shape[0] != n:
+        raise ValueError("internal: recurrent individual gradients have the wrong batch size")
+    return {name: DenseSampleGrads(g) for name, g in per_sample.items()}
 
 
 
