@@ -187,13 +187,21 @@ def test_vanishing_and_exploding_gradients():
     assert _codes(huge) == ["exploding_gradients"]
 
 
-def test_noise_dominated_needs_saturated_norm_test_and_jumping_loss():
+def test_noise_dominated_needs_saturated_norm_test_and_inner_test_spread():
     rng = np.random.default_rng(1)
-    noisy = _series(NormTest=lambda s: 1.0 + 0.05 * rng.standard_normal() ** 2,
-                    Loss=lambda s: float(rng.uniform(0.2, 4.0)), BatchSize=lambda s: 2.0)
-    assert "noise_dominated" in _codes(noisy)
-    smooth = _series(NormTest=lambda s: 1.0, Loss=lambda s: 2.0 - 0.01 * s)
-    assert "noise_dominated" not in _codes(smooth)
+    small_batch = _series(NormTest=lambda s: 1.0 + 0.05 * rng.standard_normal() ** 2,
+                          InnerTest=lambda s: 0.3, BatchSize=lambda s: 2.0,
+                          Loss=lambda s: float(rng.uniform(1.0, 3.0)))
+    (finding,) = [f for f in diagnose(small_batch) if f.code == "noise_dominated"]
+    assert "batch of 2" in finding.message
+    jumping = {"Loss": lambda s: float(rng.uniform(1.0, 3.0))}
+    plateau = _series(NormTest=lambda s: 1.0, InnerTest=lambda s: 0.03, **jumping)
+    assert "noise_dominated" not in _codes(plateau)
+    resolved = _series(NormTest=lambda s: 0.7, InnerTest=lambda s: 0.3, **jumping)
+    assert "noise_dominated" not in _codes(resolved)
+    same_batch = _series(NormTest=lambda s: 1.0, InnerTest=lambda s: 0.3,
+                         Loss=lambda s: 2.0 - 0.01 * s)  # full batch: a smooth loss
+    assert "noise_dominated" not in _codes(same_batch)
 
 
 def test_skipped_checks_are_named_with_the_instruments_that_enable_them():
@@ -240,7 +248,7 @@ def test_sources_agree_and_cli_reports(tmp_path, capsys):
     assert main_diagnose([logdir]) == 1
     printed = capsys.readouterr().out
     assert "frozen_parameters" in printed and "0.weight" in printed and "try:" in printed
-    assert "dead_units: needs DeadUnits" in printed
+    assert "Not checked" not in printed  # economy enables every check
     assert main_diagnose([str(tmp_path / "nothing")]) == 2
     assert "no such run directory" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:

@@ -1,6 +1,7 @@
 """Case study (a), paper §3.1 / Fig. 3: incorrectly scaled data.
 
-The same network is trained on the same digits images twice: once on the raw pixel values
+The same network (the digits CNN, Adam with its default learning rate, which copes with
+either scale) is trained on the same digits images twice: once on the raw pixel values
 0…16 as scikit-learn ships them, once standardized. The whole-network histogram of the
 individual gradients (paper's deliberate range [−2, 2]) is much wider for the raw data, and
 the layer-wise view shows where: the first layer, whose individual gradients δ_n x_nᵀ carry
@@ -33,7 +34,7 @@ def run(steps: int = 60, out: str | Path = "case-studies/data_scaling", seed: in
     for name, raw in (("raw", True), ("normalized", False)):
         torch.manual_seed(seed)  # the same initial weights for both runs
         model = digits_cnn()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         x, y = digits(raw, seed)
         output = train(model, x, y, optimizer, steps, out / name, seed=seed)
         result[name] = {
