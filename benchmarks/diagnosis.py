@@ -20,6 +20,7 @@ be learned (uniform random labels would leave a healthy run nothing to learn).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -75,7 +76,7 @@ def mlp(inputs: int, widths: list[int], act: type[nn.Module] = nn.ReLU,
     """Flatten – (Linear – act)* – Linear(→10). ``gain``: weights drawn N(0, gain²/fan_in)."""
     layers: list[nn.Module] = [nn.Flatten()]
     sizes = [inputs, *widths]
-    for a, b in zip(sizes[:-1], sizes[1:], strict=True):
+    for a, b in itertools.pairwise(sizes):
         layers += [nn.Linear(a, b), act()]
     layers.append(nn.Linear(sizes[-1], 10))
     if gain is not None:
@@ -157,7 +158,8 @@ def _frozen_synth(seed: int) -> Setup:
 CASES: list[Case] = [
     # healthy runs: tuned SGD with momentum, default Adam/AdamW
     Case("healthy: digits MLP, SGD momentum", None,
-         _seeded(lambda s: (m := mlp(64, [64, 64]), Setup(m, _sgd(m, 0.05), digits_batches(s)))[1])),
+         _seeded(lambda s: (m := mlp(64, [64, 64]),
+                            Setup(m, _sgd(m, 0.05), digits_batches(s)))[1])),
     Case("healthy: digits CNN, SGD momentum", None,
          _seeded(lambda s: (m := digits_cnn(), Setup(m, _sgd(m, 0.05), digits_batches(s)))[1])),
     Case("healthy: digits MLP, Adam", None,
@@ -204,7 +206,8 @@ CASES: list[Case] = [
                             Setup(m, _adam(m), digits_batches(s, raw=True)))[1])),
     Case("synthetic inputs ·50 + 100, MLP, Adam", "unscaled_inputs",
          _seeded(lambda s: (m := mlp(784, [64, 64]),
-                            Setup(m, _adam(m), teacher_batches("mnist_mlp", s, scale=50.0, shift=100.0)))[1])),
+                            Setup(m, _adam(m), teacher_batches("mnist_mlp", s, scale=50.0,
+                                                               shift=100.0)))[1])),
     # vanishing_gradients
     Case("deep sigmoid MLP (8 layers), digits, SGD", "vanishing_gradients",
          _seeded(lambda s: (m := mlp(64, [64] * 8, nn.Sigmoid),

@@ -218,7 +218,7 @@ def test_skipped_checks_are_named_with_the_instruments_that_enable_them():
 def test_bad_sources_get_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such run directory"):
         diagnose(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="cockpit.sqlite"):
+    with pytest.raises(FileNotFoundError, match=r"cockpit\.sqlite"):
         diagnose(tmp_path)
     with pytest.raises(TypeError, match="get_output"):
         diagnose({"0": {}})
@@ -300,3 +300,46 @@ def test_live_diagnosis_never_crashes_training(monkeypatch):
         cockpit, _ = _frozen_run(diagnose_=True)
     assert len(cockpit.get_output()) == 12
     assert any("diagnosis failed" in str(w.message) for w in caught)
+
+
+def test_wandb_sink_logs_findings_as_text_and_table(monkeypatch):
+    import sys
+    import types
+
+    logged = []
+
+    class Run:
+        def log(self, payload, step=None):
+            logged.append((step, payload))
+
+        def define_metric(self, *args, **kwargs):
+            pass
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    fake = types.SimpleNamespace(init=lambda **kw: Run(), Table=Table, Histogram=None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    from cockpit.store import WandbSink
+
+    sink = WandbSink(Run())
+    finding = Finding("frozen_parameters", "warning", "0.weight never changes.",
+                      advice="Pass it to the optimizer.", parameters=("0.weight",))
+    sink.write_findings(7, [finding])
+    ((step, payload),) = logged
+    assert step == 7 and "0.weight never changes." in payload["cockpit/diagnosis"]
+    table = payload["cockpit/diagnosis_table"]
+    assert table.data == [[7, "frozen_parameters", "warning", "0.weight never changes.",
+                           "Pass it to the optimizer.", "0.weight"]]
+
+
+def test_cockpit_command_dispatches_diagnose(tmp_path, capsys):
+    from cockpit.cli import main
+
+    _, logdir = _frozen_run(tmp_path)
+    assert main(["diagnose", logdir, "--json"]) == 1
+    import json
+
+    codes = [f["code"] for f in json.loads(capsys.readouterr().out)]
+    assert "frozen_parameters" in codes

@@ -36,7 +36,7 @@ def check(record: RunRecord) -> list[Finding]:
     noisy = share(theta >= T.NORM_TEST_NOISE)
     if noisy < T.PERSISTENT_SHARE:
         return []
-    s_i, inner = record.series("InnerTest")
+    _, inner = record.series("InnerTest")
     inner = inner[np.isfinite(inner)]
     if inner.size < T.MIN_STEPS:
         return []
@@ -58,7 +58,7 @@ def check(record: RunRecord) -> list[Finding]:
         return []
     evidence.append(Evidence("Loss", *pick(s_l, loss),
                              f"the mini-batch loss jumps by {jitter:.0%} of itself per step"))
-    s_b, b = record.series("BatchSize")
+    _, b = record.series("BatchSize")
     size = f" of {int(np.median(b))}" if b.size else ""
     return [Finding(
         code="noise_dominated", severity="warning",
