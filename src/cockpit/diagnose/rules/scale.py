@@ -17,8 +17,6 @@ in the paper's Fig. 3: they carry a factor ‖x_n‖ no other layer carries.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from cockpit.diagnose import thresholds as T
@@ -172,4 +170,3 @@ RULES = [
     Rule("vanishing_gradients", (("GradNorm",),), check_vanishing),
     Rule("exploding_gradients", (("GradNorm",),), check_exploding),
 ]
-_ = math
