@@ -343,3 +343,14 @@ def test_cockpit_command_dispatches_diagnose(tmp_path, capsys):
 
     codes = [f["code"] for f in json.loads(capsys.readouterr().out)]
     assert "frozen_parameters" in codes
+
+
+def test_since_step_reads_only_later_steps_and_diagnoser_reports_new_findings_once():
+    out = _series(Loss=lambda s: math.nan if s == 3 else 1.0, GradNorm=lambda s: 1.0)
+    assert "non_finite" in _codes(out)
+    assert [f.code for f in diagnose(out, since_step=10) if f.is_problem] == []
+    diagnoser = Diagnoser()
+    first = diagnoser.update({s: out[s] for s in range(5)})
+    assert [f.code for f in first] == ["non_finite"]
+    assert diagnoser.update({s: out[s] for s in range(5, 40)}) == []  # reported already
+    assert [f.code for f in diagnoser.findings if f.is_problem] == ["non_finite"]
