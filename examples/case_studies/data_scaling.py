@@ -20,11 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import digits, element_rms, median_over_steps, outside_share, train  # noqa: E402
-
-from cockpit import diagnose  # noqa: E402
-from cockpit.problems.digits import digits_cnn  # noqa: E402
-
+from _common import digits, element_rms, median_over_steps, outside_share, train
+from cockpit import diagnose
+from cockpit.problems.digits import digits_cnn
 
 COMPARE_STEPS = 10  # widths are compared over the first steps, from the same weights
 
