@@ -10,7 +10,7 @@ the demo CNN; DeepOBS-shaped synthetic problems (``cockpit.problems.deepobs`` in
 standard-normal inputs) whose labels come from a fixed random linear teacher so that they can
 be learned (uniform random labels would leave a healthy run nothing to learn).
 
-    python benchmarks/diagnosis.py                # the full zoo, a table at the end
+    python benchmarks/diagnosis.py --jobs 3       # the full zoo (2 seeds), a table at the end
     python benchmarks/diagnosis.py --seeds 1      # one seed per case (quicker)
     python benchmarks/diagnosis.py --only dead_units healthy
 
@@ -352,7 +352,7 @@ def table(results) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per case (default 3)")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds per case (default 2)")
     parser.add_argument("--steps", type=int, default=None, help=f"steps (default {STEPS})")
     parser.add_argument("--only", nargs="*", default=None,
                         help="codes to run ('healthy' for the healthy runs)")
