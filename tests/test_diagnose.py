@@ -187,13 +187,21 @@ def test_vanishing_and_exploding_gradients():
     assert _codes(huge) == ["exploding_gradients"]
 
 
-def test_noise_dominated_needs_saturated_norm_test_and_jumping_loss():
+def test_noise_dominated_needs_saturated_norm_test_and_inner_test_spread():
     rng = np.random.default_rng(1)
-    noisy = _series(NormTest=lambda s: 1.0 + 0.05 * rng.standard_normal() ** 2,
-                    Loss=lambda s: float(rng.uniform(0.2, 4.0)), BatchSize=lambda s: 2.0)
-    assert "noise_dominated" in _codes(noisy)
-    smooth = _series(NormTest=lambda s: 1.0, Loss=lambda s: 2.0 - 0.01 * s)
-    assert "noise_dominated" not in _codes(smooth)
+    small_batch = _series(NormTest=lambda s: 1.0 + 0.05 * rng.standard_normal() ** 2,
+                          InnerTest=lambda s: 0.3, BatchSize=lambda s: 2.0,
+                          Loss=lambda s: float(rng.uniform(1.0, 3.0)))
+    (finding,) = [f for f in diagnose(small_batch) if f.code == "noise_dominated"]
+    assert "batch of 2" in finding.message
+    jumping = {"Loss": lambda s: float(rng.uniform(1.0, 3.0))}
+    plateau = _series(NormTest=lambda s: 1.0, InnerTest=lambda s: 0.03, **jumping)
+    assert "noise_dominated" not in _codes(plateau)
+    resolved = _series(NormTest=lambda s: 0.7, InnerTest=lambda s: 0.3, **jumping)
+    assert "noise_dominated" not in _codes(resolved)
+    same_batch = _series(NormTest=lambda s: 1.0, InnerTest=lambda s: 0.3,
+                         Loss=lambda s: 2.0 - 0.01 * s)  # full batch: a smooth loss
+    assert "noise_dominated" not in _codes(same_batch)
 
 
 def test_skipped_checks_are_named_with_the_instruments_that_enable_them():
@@ -210,7 +218,7 @@ def test_skipped_checks_are_named_with_the_instruments_that_enable_them():
 def test_bad_sources_get_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such run directory"):
         diagnose(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="cockpit.sqlite"):
+    with pytest.raises(FileNotFoundError, match=r"cockpit\.sqlite"):
         diagnose(tmp_path)
     with pytest.raises(TypeError, match="get_output"):
         diagnose({"0": {}})
@@ -240,7 +248,7 @@ def test_sources_agree_and_cli_reports(tmp_path, capsys):
     assert main_diagnose([logdir]) == 1
     printed = capsys.readouterr().out
     assert "frozen_parameters" in printed and "0.weight" in printed and "try:" in printed
-    assert "dead_units: needs DeadUnits" in printed
+    assert "Not checked" not in printed  # economy enables every check
     assert main_diagnose([str(tmp_path / "nothing")]) == 2
     assert "no such run directory" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
@@ -292,3 +300,57 @@ def test_live_diagnosis_never_crashes_training(monkeypatch):
         cockpit, _ = _frozen_run(diagnose_=True)
     assert len(cockpit.get_output()) == 12
     assert any("diagnosis failed" in str(w.message) for w in caught)
+
+
+def test_wandb_sink_logs_findings_as_text_and_table(monkeypatch):
+    import sys
+    import types
+
+    logged = []
+
+    class Run:
+        def log(self, payload, step=None):
+            logged.append((step, payload))
+
+        def define_metric(self, *args, **kwargs):
+            pass
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    fake = types.SimpleNamespace(init=lambda **kw: Run(), Table=Table, Histogram=None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    from cockpit.store import WandbSink
+
+    sink = WandbSink(Run())
+    finding = Finding("frozen_parameters", "warning", "0.weight never changes.",
+                      advice="Pass it to the optimizer.", parameters=("0.weight",))
+    sink.write_findings(7, [finding])
+    ((step, payload),) = logged
+    assert step == 7 and "0.weight never changes." in payload["cockpit/diagnosis"]
+    table = payload["cockpit/diagnosis_table"]
+    assert table.data == [[7, "frozen_parameters", "warning", "0.weight never changes.",
+                           "Pass it to the optimizer.", "0.weight"]]
+
+
+def test_cockpit_command_dispatches_diagnose(tmp_path, capsys):
+    from cockpit.cli import main
+
+    _, logdir = _frozen_run(tmp_path)
+    assert main(["diagnose", logdir, "--json"]) == 1
+    import json
+
+    codes = [f["code"] for f in json.loads(capsys.readouterr().out)]
+    assert "frozen_parameters" in codes
+
+
+def test_since_step_reads_only_later_steps_and_diagnoser_reports_new_findings_once():
+    out = _series(Loss=lambda s: math.nan if s == 3 else 1.0, GradNorm=lambda s: 1.0)
+    assert "non_finite" in _codes(out)
+    assert [f.code for f in diagnose(out, since_step=10) if f.is_problem] == []
+    diagnoser = Diagnoser()
+    first = diagnoser.update({s: out[s] for s in range(5)})
+    assert [f.code for f in first] == ["non_finite"]
+    assert diagnoser.update({s: out[s] for s in range(5, 40)}) == []  # reported already
+    assert [f.code for f in diagnoser.findings if f.is_problem] == ["non_finite"]

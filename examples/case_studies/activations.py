@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import digits, element_rms, median_over_steps, train  # noqa: E402
-
-from cockpit import diagnose  # noqa: E402
+from _common import digits, element_rms, median_over_steps, train
+from cockpit import diagnose
 
 WEIGHTS = ["0.weight", "3.weight", "6.weight", "9.weight", "11.weight", "13.weight"]
 

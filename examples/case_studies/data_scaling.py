@@ -1,6 +1,7 @@
 """Case study (a), paper §3.1 / Fig. 3: incorrectly scaled data.
 
-The same network is trained on the same digits images twice: once on the raw pixel values
+The same network (the digits CNN, Adam with its default learning rate, which copes with
+either scale) is trained on the same digits images twice: once on the raw pixel values
 0…16 as scikit-learn ships them, once standardized. The whole-network histogram of the
 individual gradients (paper's deliberate range [−2, 2]) is much wider for the raw data, and
 the layer-wise view shows where: the first layer, whose individual gradients δ_n x_nᵀ carry
@@ -19,29 +20,33 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import digits, element_rms, median_over_steps, outside_share, train  # noqa: E402
+from _common import digits, element_rms, median_over_steps, outside_share, train
+from cockpit import diagnose
+from cockpit.problems.digits import digits_cnn
 
-from cockpit import diagnose  # noqa: E402
-from cockpit.problems.digits import digits_cnn  # noqa: E402
+COMPARE_STEPS = 10  # widths are compared over the first steps, from the same weights
 
 
 def run(steps: int = 60, out: str | Path = "case-studies/data_scaling", seed: int = 0,
         figure: bool = True) -> dict:
-    """Train both runs; returns their outputs, findings and the measured widths."""
+    """Train both runs; returns their outputs, findings and the measured widths (median
+    over the first COMPARE_STEPS steps: both runs start from the same initial weights, so
+    there the histograms differ only by the data's scale)."""
     out = Path(out)
     result: dict = {}
     for name, raw in (("raw", True), ("normalized", False)):
         torch.manual_seed(seed)  # the same initial weights for both runs
         model = digits_cnn()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         x, y = digits(raw, seed)
         output = train(model, x, y, optimizer, steps, out / name, seed=seed)
+        start = {s: output[s] for s in sorted(output)[:COMPARE_STEPS]}
         result[name] = {
             "output": output,
             "findings": diagnose(out / name),
-            "rms": median_over_steps(output, element_rms),
-            "first_layer_rms": median_over_steps(output, lambda v: element_rms(v, "0.weight")),
-            "outside": median_over_steps(output, outside_share),
+            "rms": median_over_steps(start, element_rms),
+            "first_layer_rms": median_over_steps(start, lambda v: element_rms(v, "0.weight")),
+            "outside": median_over_steps(start, outside_share),
         }
     result["width_factor"] = result["raw"]["rms"] / result["normalized"]["rms"]
     if figure:
@@ -50,8 +55,8 @@ def run(steps: int = 60, out: str | Path = "case-studies/data_scaling", seed: in
 
 
 def draw(result: dict, out: Path) -> list[Path]:
-    """Fig. 3: the two whole-network histograms at the last step; then each run's
-    layer-wise view (cockpit.view.plot_layers)."""
+    """Fig. 3: the two whole-network histograms at the last compared step; then each
+    run's layer-wise view (cockpit.view.plot_layers)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,11 +68,12 @@ def draw(result: dict, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=False)
     for ax, name in zip(axes, ("raw", "normalized"), strict=True):
         output = result[name]["output"]
-        hist = output[max(output)]["GradHist1d"]
+        hist = output[sorted(output)[COMPARE_STEPS - 1]]["GradHist1d"]
         counts, edges = np.asarray(hist["counts"]), np.asarray(hist["edges"])
         ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", color="C0")
         ax.set_yscale("log")
-        ax.set_title(f"{name} inputs: RMS of g_n,j = {result[name]['rms']:.3g}\n"
+        ax.set_title(f"{name} inputs, step {COMPARE_STEPS - 1}: RMS of g_n,j = "
+                     f"{result[name]['rms']:.3g}\n"
                      f"{result[name]['outside']:.2%} of elements in the edge bins (beyond ±2)",
                      fontsize=9)
         ax.set_xlabel("individual gradient element")
@@ -96,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>10}: RMS of individual gradient elements {r['rms']:.3g} (first layer "
               f"{r['first_layer_rms']:.3g}), {r['outside']:.1%} beyond ±2; diagnose names "
               f"{', '.join(codes)}")
-    print(f"raw-data histogram is {result['width_factor']:.1f}× wider")
+    print(f"raw-data histogram is {result['width_factor']:.1f}× wider (first "
+          f"{COMPARE_STEPS} steps, same initial weights)")
     print("figures: " + ", ".join(str(p) for p in result["figures"]))
     return 0
 

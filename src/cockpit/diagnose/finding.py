@@ -77,7 +77,8 @@ class Finding:
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITY_RANK:
-            raise ValueError(f"severity must be 'info', 'warning' or 'error', got {self.severity!r}")
+            raise ValueError(
+                f"severity must be 'info', 'warning' or 'error', got {self.severity!r}")
         if self.code not in CODES and self.code != CHECKS_SKIPPED:
             raise ValueError(f"unknown finding code {self.code!r}; known: {', '.join(CODES)}")
 

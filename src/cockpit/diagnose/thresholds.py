@@ -74,8 +74,11 @@ GRADIENT_MISMATCH = 1e-3
 #: NormTest θ at or above this: the mini-batch gradient's squared norm is ≥ 90 % noise
 #: (θ² is the noise share, see rules/noise.py).
 NORM_TEST_NOISE = 0.95
-#: Mean |Δloss| between consecutive steps above this share of the mean loss: the
-#: mini-batch loss itself jumps by a quarter of its value from batch to batch. Healthy runs
-#: in the zoo (|B| = 64) stay at or below 0.12; a plateau where θ ≈ 1 because there is
-#: little left to learn has a smooth loss (≤ 0.02) and is not a too-small batch.
-LOSS_JITTER = 0.25
+#: Median InnerTest at or above this with θ ≈ 1: the samples disagree along the batch
+#: gradient, so it is a too-small batch and not a plateau (pure noise gives ≈ 0, see
+#: rules/noise.py). Zoo: plateaus 0.02–0.10, batches of 2–4: 0.13–0.28.
+INNER_TEST_SIGNAL = 0.12
+#: Mean |Δloss| between consecutive steps at or above this share of the mean loss: the
+#: mini-batch loss jumps by a tenth of itself from batch to batch. Zoo: batches of 2–4:
+#: 0.12–0.41; the same batch every step (no sampling noise) or a plateau: ≤ 0.02.
+LOSS_JITTER = 0.1

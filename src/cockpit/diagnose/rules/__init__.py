@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from cockpit.diagnose.rule import Rule
-from cockpit.diagnose.rules import dead_units, frozen, learning_rate, noise, non_finite, scale
-from cockpit.diagnose.rules import zero_grad
+from cockpit.diagnose.rules import (
+    dead_units,
+    frozen,
+    learning_rate,
+    noise,
+    non_finite,
+    scale,
+    zero_grad,
+)
 
 RULES: list[Rule] = [
     non_finite.RULE,

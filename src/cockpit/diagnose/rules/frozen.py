@@ -15,7 +15,7 @@ from cockpit.diagnose.rules._common import layer_order
 def check(record: RunRecord) -> list[Finding]:
     frozen, evidence = [], []
     for param in layer_order(record):
-        s_g, g = record.series(f"GradNorm/{param}")
+        _, g = record.series(f"GradNorm/{param}")
         moved_name = f"UpdateSize/{param}" if record.has(f"UpdateSize/{param}") \
             else f"Distance/{param}"
         s_u, u = record.series(moved_name)

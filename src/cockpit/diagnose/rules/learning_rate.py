@@ -128,7 +128,7 @@ def check_too_small(record: RunRecord) -> list[Finding]:
                  "straight downhill the steps could barely change it"),
         Evidence("Loss", *pick(s_l, loss), f"loss changed by only {rel:+.1%} over the run"),
     ]
-    steps, alpha = record.series("Alpha")
+    _, alpha = record.series("Alpha")
     alpha = alpha[np.isfinite(alpha)]
     if alpha.size:
         evidence.append(Evidence("Alpha", (), (), f"median α {float(np.median(alpha)):.2f} "

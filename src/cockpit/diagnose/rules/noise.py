@@ -3,9 +3,17 @@
 NormTest (eq. 19c) is θ with θ² = tr Σ̂ / (|B| ‖g_B‖²): the share of the mini-batch
 gradient's squared norm that is sampling noise (tr Σ̂/|B| is the variance of g_B). Because
 E‖g_B‖² = ‖∇L‖² + tr Σ/|B|, the signal ‖∇L‖² is estimated without bias by ‖g_B‖²(1 − θ²);
-when θ ≥ 1 the batch gradient is indistinguishable from noise. A run is noise-dominated when
-θ stays near or above 1 *and* the loss is as noisy from step to step as it is high: the
-steps are driven by the sampling noise of a too-small batch, not by the gradient.
+θ ≥ 1 says the batch gradient is indistinguishable from noise.
+
+θ ≈ 1 also holds on a plateau where there is nothing left to learn, whatever the batch
+size. InnerTest (eq. 22c) tells the two apart: it is the spread of the projections
+g_nᵀg_B / ‖g_B‖² around 1. For pure noise in D ≫ |B| dimensions g_nᵀg_B ≈ ‖g_n‖²/|B| and
+‖g_B‖² ≈ Σ_m‖g_m‖²/|B|², so every projection is ≈ 1 and InnerTest ≈ 0 (the zoo's plateaus:
+0.02–0.10). With a too-small batch the samples still pull along different directions with
+different strength (InnerTest 0.14–0.3 at |B| = 2–4). A third sign guards small models
+(D not ≫ |B|) and full-batch loops: a too-small batch makes the mini-batch loss itself jump
+from step to step (mean |Δloss| ≥ LOSS_JITTER of the loss). So: θ ≥ NORM_TEST_NOISE at most
+steps, InnerTest ≥ INNER_TEST_SIGNAL (median) and a jumping loss.
 """
 
 from __future__ import annotations
@@ -28,19 +36,29 @@ def check(record: RunRecord) -> list[Finding]:
     noisy = share(theta >= T.NORM_TEST_NOISE)
     if noisy < T.PERSISTENT_SHARE:
         return []
+    _, inner = record.series("InnerTest")
+    inner = inner[np.isfinite(inner)]
+    if inner.size < T.MIN_STEPS:
+        return []
+    spread = float(np.median(inner))
+    if spread < T.INNER_TEST_SIGNAL:
+        return []
+    evidence = [Evidence("NormTest", *pick(steps, theta),
+                         f"θ ≥ {T.NORM_TEST_NOISE:g} at {noisy:.0%} of the steps: the batch "
+                         "gradient is mostly sampling noise"),
+                Evidence("InnerTest", (), (), f"median {spread:.2f}: the samples still pull "
+                         "along the gradient with different strength (not a plateau)")]
     s_l, loss = record.series("Loss")
-    loss = loss[np.isfinite(loss)]
+    finite = np.isfinite(loss)
+    s_l, loss = s_l[finite], loss[finite]
     if loss.size < T.MIN_STEPS:
         return []
     jitter = float(np.mean(np.abs(np.diff(loss))) / max(np.mean(np.abs(loss)), 1e-300))
     if jitter < T.LOSS_JITTER:
         return []
-    evidence = [Evidence("NormTest", *pick(steps, theta),
-                         f"θ ≥ {T.NORM_TEST_NOISE:g} at {noisy:.0%} of the steps: the batch "
-                         "gradient is mostly sampling noise"),
-                Evidence("Loss", *pick(s_l[np.isfinite(record.series('Loss')[1])], loss),
-                         f"mean step-to-step change {jitter:.0%} of the loss")]
-    s_b, b = record.series("BatchSize")
+    evidence.append(Evidence("Loss", *pick(s_l, loss),
+                             f"the mini-batch loss jumps by {jitter:.0%} of itself per step"))
+    _, b = record.series("BatchSize")
     size = f" of {int(np.median(b))}" if b.size else ""
     return [Finding(
         code="noise_dominated", severity="warning",
@@ -52,4 +70,4 @@ def check(record: RunRecord) -> list[Finding]:
     )]
 
 
-RULE = Rule("noise_dominated", (("NormTest", "Loss"),), check)
+RULE = Rule("noise_dominated", (("NormTest", "InnerTest", "Loss"),), check)

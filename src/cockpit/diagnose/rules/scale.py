@@ -17,8 +17,6 @@ in the paper's Fig. 3: they carry a factor ‖x_n‖ no other layer carries.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from cockpit.diagnose import thresholds as T
@@ -87,7 +85,8 @@ def check_unscaled(record: RunRecord) -> list[Finding]:
     if steps_e.size:
         s, v = pick(steps_e, edge)
         evidence.append(Evidence("GradHist1d", s, v, "share of individual gradient elements "
-                                 "outside the histogram's range"))
+                                 "in the histogram's edge bins (at most this share lies beyond "
+                                 "its range)"))
     return [Finding(
         code="unscaled_inputs", severity="warning", parameters=(weight,),
         message=f"The input data seem not normalised: the first layer ({weight}) sees input "
@@ -121,13 +120,13 @@ def check_vanishing(record: RunRecord) -> list[Finding]:
         return []
     top_name = max(levels, key=levels.get)
     evidence = tuple(Evidence(f"GradNorm/{w}", (), (), f"{w}: gradient element RMS "
-                              f"{levels[w]:.2g}, {top / max(levels[w], 1e-300):.2g}× below "
+                              f"{levels[w]:.2g}, {top / max(levels[w], 1e-300):,.0f}× below "
                               f"{top_name} ({top:.2g})") for w in small[:4])
     ratio = top / max(min(levels[w] for w in small), 1e-300)
     return [Finding(
         code="vanishing_gradients", severity="warning", parameters=tuple(small),
         message=f"The gradients of {len(small)} layer(s) ({', '.join(small[:3])}"
-                f"{' …' if len(small) > 3 else ''}) are up to {ratio:.2g} times smaller than "
+                f"{' …' if len(small) > 3 else ''}) are up to {ratio:,.0f} times smaller than "
                 f"those of {top_name}: they barely learn.",
         evidence=evidence,
         advice="Use activations that do not saturate (ReLU, GELU) instead of sigmoid/tanh in "
@@ -142,7 +141,7 @@ def check_exploding(record: RunRecord) -> list[Finding]:
     steps, g = steps[finite], g[finite]
     if len(steps) < T.MIN_STEPS:
         return []
-    late_s, late = after_warmup(steps, g, T.WARMUP_SHARE)
+    _, late = after_warmup(steps, g, T.WARMUP_SHARE)
     huge = share(late > T.GRADNORM_HUGE) >= T.PERSISTENT_SHARE
     head = max(float(np.median(g[: max(len(g) // 10, 1)])), 1e-300)
     growth = float(np.max(g)) / head
@@ -171,4 +170,3 @@ RULES = [
     Rule("vanishing_gradients", (("GradNorm",),), check_vanishing),
     Rule("exploding_gradients", (("GradNorm",),), check_exploding),
 ]
-_ = math
