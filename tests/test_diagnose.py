@@ -142,12 +142,50 @@ def test_frozen_parameters_needs_gradient_and_no_change():
     assert finding.parameters == ("a.weight",)  # c gets no gradient: not frozen
 
 
-def test_missing_zero_grad_reads_gradient_mismatch():
-    clean = _series(GradientMismatch=lambda s: 1e-8)
+def test_missing_zero_grad_reads_gradient_held_not_an_edited_gradient():
+    clean = _series(GradientHeld=lambda s: 0.0, GradientMismatch=lambda s: 1e-8)
     assert "missing_zero_grad" not in _codes(clean)
-    broken = _series(GradientMismatch=lambda s: 0.0 if s == 0 else 0.3)
+    # clip_grad_value_ (or gradient noise, SAM, L2 added to p.grad): a persistent mismatch
+    # but the gradients are zeroed before every step: no finding
+    edited = _series(GradientHeld=lambda s: 0.0, GradientMismatch=lambda s: 0.37)
+    assert "missing_zero_grad" not in _codes(edited)
+    broken = _series(GradientHeld=lambda s: 0.0 if s == 0 else 1.0,
+                     GradientMismatch=lambda s: 0.0 if s == 0 else 0.3)
     (finding,) = [f for f in diagnose(broken) if f.code == "missing_zero_grad"]
     assert finding.step == 1
+    assert [e.instrument for e in finding.evidence] == ["GradientHeld", "GradientMismatch"]
+
+
+def test_gradient_held_is_recorded_and_ignores_parameters_outside_the_optimizer():
+    """GradientHeld is 1 exactly at the steps whose parameters held a gradient before the
+    first block; parameters the optimizer does not step on (never zeroed by it) neither
+    count there nor in GradientMismatch."""
+    import warnings
+
+    import torch
+
+    from cockpit import Cockpit, quantities
+    from tests.models import make_problem
+
+    problem = make_problem("mlp_relu", 8)
+    first = next(iter(problem.model.parameters()))
+    others = [p for p in problem.model.parameters() if p is not first]
+    opt = torch.optim.SGD(others, lr=0.1)  # the first weight is left out: never zeroed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cockpit = Cockpit(problem.model, [quantities.GradNorm()], optimizer=opt)
+        for step in range(4):
+            if step != 2:  # step 2 forgets zero_grad
+                opt.zero_grad()
+            losses = problem.losses()
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            opt.step()
+        cockpit.close()
+    out = cockpit.get_output()
+    assert [out[s]["GradientHeld"] for s in range(4)] == [0.0, 0.0, 1.0, 0.0]
+    assert out[1]["GradientMismatch"] < 1e-10  # the left-out weight's pile-up is not read
+    assert out[2]["GradientMismatch"] > 1e-6
 
 
 def test_learning_rate_checks_on_alpha_and_loss():
@@ -211,7 +249,7 @@ def test_skipped_checks_are_named_with_the_instruments_that_enable_them():
     enabled_by = {e.summary.removeprefix("would enable "): e.instrument
                   for e in skipped.evidence}
     assert enabled_by["dead_units"] == "DeadUnits"
-    assert enabled_by["missing_zero_grad"] == "GradientMismatch"
+    assert enabled_by["missing_zero_grad"] == "GradientHeld"
     assert "non_finite" not in enabled_by
 
 

@@ -310,8 +310,9 @@ class Cockpit:
             return
         if any(q.needs_losses for q in tracked):
             losses = self._check_losses(losses, step, tracked)
+        held = None
         if not continues and not unstepped:  # (unstepped: said more precisely above)
-            self._check_gradients_zeroed(step)
+            held = self._check_gradients_zeroed(step)
         if losses is not None and losses.requires_grad:
             losses.register_hook(self.tracker.losses_hook)
             self.tracker.drop_calls_outside(losses)
@@ -334,6 +335,7 @@ class Cockpit:
             open_step = _OpenStep(step, tracked, request, time.perf_counter() - self._start_time,
                                   StepReduction(self.tracker, needs, request,
                                                 _sample_sum_keys(tracked)))
+            open_step.gradient_held = held
             self._open = open_step
         stats = self.tracker.begin(request, losses)
         self._in_block = True
@@ -450,9 +452,19 @@ class Cockpit:
         reached = list(open_step.reduction.stats.batch_grads) if open_step.reduction.stats else []
         self._watch.arm(blocks_saw_gradient=bool(reached), candidates=reached)
 
-    def _check_gradients_zeroed(self, step: int) -> None:
-        """Definite misuse: the parameters hold a gradient before the step's first block."""
-        held = parameters_holding_gradient(self._params)
+    def _stepped_params(self) -> dict[str, Tensor]:
+        """The model's parameters the optimizer steps on (all of them without an optimizer):
+        ``optimizer.zero_grad()`` never clears the others, so they are not read by the loop
+        checks (frozen_parameters is the finding for those)."""
+        if self.optimizer is None:
+            return self._params
+        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        return {name: p for name, p in self._params.items() if id(p) in owned}
+
+    def _check_gradients_zeroed(self, step: int) -> bool:
+        """Definite misuse: the parameters hold a gradient before the step's first block
+        (recorded as GradientHeld, and warned about once)."""
+        held = parameters_holding_gradient(self._stepped_params())
         if held:
             self._warn(
                 f"step {step}: {_names(held)} already hold a gradient when the first "
@@ -460,6 +472,7 @@ class Cockpit:
                 "(optimizer.zero_grad()) and call backward inside `with cockpit(step, ...)`; "
                 "the optimizer steps on more than the backward passes Cockpit sees",
                 key="gradients-not-zeroed", stacklevel=5)
+        return bool(held)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self.ends_steps_at_optimizer_step:
@@ -473,7 +486,9 @@ class Cockpit:
         if open_step is not None and not self._in_block and self._ranks == 1:
             reduced = open_step.reduction.stats
             mean = {} if reduced is None else reduced.batch_grads
-            open_step.mismatch = gradient_mismatch(self._params, mean, open_step.weights)
+            stepped = self._stepped_params()
+            mean = {k: g for k, g in mean.items() if k in stepped}
+            open_step.mismatch = gradient_mismatch(stepped, mean, open_step.weights)
 
     def _finalize_open_step(self) -> None:
         """Record the open tracked step: reduce its backward passes (micro-batches, then
@@ -503,6 +518,8 @@ class Cockpit:
             values["BatchSize"] = float(stats.num_samples)
         if open_step.mismatch is not None:
             values["GradientMismatch"] = open_step.mismatch
+        if open_step.gradient_held is not None:
+            values["GradientHeld"] = float(open_step.gradient_held)
         split = open_step.request.split or stats.micro_batches > 1 or stats.ranks > 1
         no_gradient = self._report_backward_outside(step, evidence, not stats.batch_grads)
         for quantity in tracked:
@@ -740,6 +757,7 @@ class _OpenStep:
         self.prepare_failures: dict[str, str] = {}
         self.weights: list[float | None] = []  # loss weight w of each backward pass
         self.mismatch: float | None = None  # GradientMismatch, set at optimizer.step()
+        self.gradient_held: bool | None = None  # GradientHeld, checked at the first block
 
     def new_request(self, gradient_scale: float) -> StepRequest:
         """The request of one more backward pass of this step: the same statistics; the

@@ -66,9 +66,9 @@ DEAD_MIN_BATCH = 16
 FROZEN_MIN_STEPS = 5
 
 # ---------------------------------------------------------------------- accumulation
-#: GradientMismatch = 1 − cos∠(gradient stepped on, batch gradient); a loop that zeroes its
-#: gradients gives 0 up to rounding (≈ 1e-7 in float32). 1e-3 is an angle of 2.6°.
-GRADIENT_MISMATCH = 1e-3
+#: missing_zero_grad reads GradientHeld (0 or 1 per tracked step: direct evidence), so it
+#: needs no threshold of its own beyond PERSISTENT_SHARE: GradientMismatch is not thresholded
+#: because editing gradients on purpose (clip_grad_value_ gives ≈ 0.37) makes it positive too.
 
 # ---------------------------------------------------------------------- noise
 #: NormTest θ at or above this: the mini-batch gradient's squared norm is ≥ 90 % noise
