@@ -65,3 +65,20 @@ def outside_share(values: dict, key: str = "GradHist1d") -> float:
     beyond its range (values outside are clamped into the edge bins)."""
     counts = np.asarray(values[key]["counts"], dtype=np.float64)
     return float((counts[0] + counts[-1]) / counts.sum())
+
+
+def save_figures(fig, out: Path, stem: str, runs: tuple[str, ...]) -> list[Path]:
+    """Save the case study's figure as ``out/stem.png`` and the layer-wise view
+    (:func:`cockpit.view.plot_layers`) of each run's log ``out/<run>`` beside it."""
+    import matplotlib.pyplot as plt
+
+    from cockpit.view import plot_layers
+
+    paths = [out / f"{stem}.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+    for name in runs:
+        path = out / f"layers_{name}.png"
+        plt.close(plot_layers(out / name, path))
+        paths.append(path)
+    return paths

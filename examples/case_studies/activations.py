@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import digits, element_rms, median_over_steps, train
+from _common import digits, element_rms, median_over_steps, save_figures, train
 from cockpit import diagnose
+from cockpit.benchmark.problems.small_nets import xavier_init
 
 WEIGHTS = ["0.weight", "3.weight", "6.weight", "9.weight", "11.weight", "13.weight"]
 
@@ -39,14 +40,7 @@ def digits_3c3d(activation: type[nn.Module]) -> nn.Sequential:
         nn.Linear(64, 32), activation(),
         nn.Linear(32, 10),
     )
-    for module in model.modules():
-        if isinstance(module, nn.Conv2d):
-            nn.init.xavier_normal_(module.weight)
-            nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Linear):
-            nn.init.xavier_uniform_(module.weight)
-            nn.init.zeros_(module.bias)
-    return model
+    return xavier_init(model)  # DeepOBS's 3C3D initialization
 
 
 def center_share(hist: dict) -> float:
@@ -94,7 +88,6 @@ def draw(result: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cockpit.view import plot_layers
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.3))
     for ax, name in zip(axes[:2], ("relu", "sigmoid"), strict=True):
@@ -115,14 +108,7 @@ def draw(result: dict, out: Path) -> list[Path]:
     fig.suptitle("Whole-network histograms alike (a spike at zero); first layer's gradients "
                  f"{result['first_layer_factor']:.0f}× smaller with sigmoid", fontsize=10)
     fig.tight_layout()
-    paths = [out / "activations.png"]
-    fig.savefig(paths[0], dpi=120)
-    plt.close(fig)
-    for name in ("relu", "sigmoid"):
-        path = out / f"layers_{name}.png"
-        plt.close(plot_layers(out / name, path))
-        paths.append(path)
-    return paths
+    return save_figures(fig, out, "activations", ("relu", "sigmoid"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import digits, element_rms, median_over_steps, outside_share, train
+from _common import digits, element_rms, median_over_steps, outside_share, save_figures, train
 from cockpit import diagnose
 from cockpit.problems.digits import digits_cnn
 
@@ -63,7 +63,6 @@ def draw(result: dict, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from cockpit.view import plot_layers
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=False)
     for ax, name in zip(axes, ("raw", "normalized"), strict=True):
@@ -80,14 +79,7 @@ def draw(result: dict, out: Path) -> list[Path]:
     fig.suptitle(f"Same images, raw vs normalised: histogram {result['width_factor']:.1f}× "
                  "wider for raw data", fontsize=10)
     fig.tight_layout()
-    paths = [out / "data_scaling.png"]
-    fig.savefig(paths[0], dpi=120)
-    plt.close(fig)
-    for name in ("raw", "normalized"):
-        path = out / f"layers_{name}.png"
-        plt.close(plot_layers(out / name, path))
-        paths.append(path)
-    return paths
+    return save_figures(fig, out, "data_scaling", ("raw", "normalized"))
 
 
 def main(argv: list[str] | None = None) -> int:
