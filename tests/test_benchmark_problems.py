@@ -10,16 +10,16 @@ in which torch modules register parameters differs from TensorFlow's variable or
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cockpit import Cockpit, configuration
+from cockpit import Cockpit, configuration, quantities
 from cockpit.benchmark.problems import get_problem, list_problems
 from cockpit.benchmark.problems.base import regularized_parameters
+from tests.reference import gradient_tests
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -370,25 +370,32 @@ def test_economy_cockpit_runs_on_problem(name):
         assert first[key] is not None, key
 
 
-def test_cockpit_on_char_rnn_explains_missing_per_sample_instruments():
-    """Cockpit cannot form individual gradients of LSTMs yet: per-sample instruments are
-    None with a note naming the layer and the reason; the others are computed."""
-    problem = get_problem("tolstoi_char_rnn", batch_size=2)
-    opt = torch.optim.SGD(problem.model.parameters(), lr=1e-3)
-    cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt)
+def test_cockpit_on_char_rnn_gives_exact_per_sample_instruments():
+    """The char-RNN's LSTMs (dropout drawn between them, outside the recurrent layers) get
+    individual gradients: NormTest against one backward pass per sequence, with the same
+    dropout masks (replayed from the same seed) and the same initial state."""
+    problem = get_problem("tolstoi_char_rnn", batch_size=3)
+    model = problem.model.double()
     x, y = next(iter(problem.train_loader))
-    losses = problem.losses(problem.model(x), y)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with cockpit(0, losses=losses):
-            losses.mean().backward()
-        opt.step()
-        cockpit.close()
-    out, notes = cockpit.get_output()[0], cockpit.get_notes()[0]
-    assert out["Loss"] == pytest.approx(float(losses.detach().mean()), rel=1e-6)
-    assert out["GradNorm"] is not None
-    assert out["NormTest"] is None
-    assert "lstm" in notes["NormTest"] and "recurrent" in notes["NormTest"]
+    cockpit = Cockpit(model, [quantities.Loss(), quantities.GradNorm(),
+                              quantities.NormTest()], strict=True)
+    torch.manual_seed(5)
+    losses = problem.losses(model(x), y)
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    out = cockpit.get_output()[0]
+    rows = []
+    for n in range(len(x)):  # the same masks: dropout of sample n in the batch call
+        model.zero_grad()
+        model.reset_state()
+        torch.manual_seed(5)
+        (problem.losses(model(x), y)[n]).backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    G = torch.stack(rows)
+    expected = gradient_tests(G)["NormTest"]
+    assert out["NormTest"] == pytest.approx(expected, rel=1e-8)
+    assert out["GradNorm"] == pytest.approx(float(G.mean(0).norm()), rel=1e-8)
 
 
 def test_cross_entropy_reference_on_cifar_batch():

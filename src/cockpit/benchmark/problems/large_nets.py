@@ -313,26 +313,37 @@ class CharRNN(nn.Module):
     Stateful as DeepOBS's TensorFlow model: the final (h, c) of a batch (detached) is the
     initial state of the next batch of the same size; :meth:`reset_state` (called when a
     loader starts an epoch) sets it to zero. 285,523 parameters (PyTorch's LSTM has two bias
-    vectors per layer, as in DeepOBS's PyTorch version)."""
+    vectors per layer, as in DeepOBS's PyTorch version).
+
+    The layers are single-layer LSTMs with an ``nn.Dropout`` between them: the same function
+    as ``nn.LSTM(num_layers=2, dropout=0.36)``, but the dropout masks are drawn outside the
+    recurrent layers, so Cockpit can form their individual gradients."""
 
     def __init__(self, vocab_size: int = 83, hidden: int = 128, num_layers: int = 2,
                  keep: float = 0.8):
         super().__init__()
         self.embedding = nn.Embedding(vocab_size, hidden)
-        self.lstm = nn.LSTM(hidden, hidden, num_layers=num_layers, dropout=1 - keep**2,
-                            batch_first=True)
+        self.lstm = nn.ModuleList(nn.LSTM(hidden, hidden, batch_first=True)
+                                  for _ in range(num_layers))
         self.dense = nn.Linear(hidden, vocab_size)
         self.input_dropout = nn.Dropout(1 - keep)
+        self.between_dropout = nn.Dropout(1 - keep**2)
         self.output_dropout = nn.Dropout(1 - keep)
-        self._state: tuple[Tensor, Tensor] | None = None
+        self._state: list[tuple[Tensor, Tensor]] | None = None
 
     def reset_state(self) -> None:
         self._state = None
 
     def forward(self, x: Tensor) -> Tensor:
         state = self._state
-        if state is not None and state[0].shape[1] != x.shape[0]:
+        if state is not None and state[0][0].shape[1] != x.shape[0]:
             state = None
-        out, (h, c) = self.lstm(self.input_dropout(self.embedding(x)), state)
-        self._state = (h.detach(), c.detach())
+        out = self.input_dropout(self.embedding(x))
+        new_state = []
+        for i, layer in enumerate(self.lstm):
+            if i:
+                out = self.between_dropout(out)
+            out, (h, c) = layer(out, None if state is None else state[i])
+            new_state.append((h.detach(), c.detach()))
+        self._state = new_state
         return self.dense(self.output_dropout(out))
