@@ -140,11 +140,13 @@ def tensorboard_scalars(logdir) -> dict[str, dict[int, float]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["bert", "gpt2"])
-def test_trainer_with_accumulation_and_clipping_equals_the_whole_batch(tmp_path, kind):
+@pytest.mark.parametrize(("kind", "micro"), [("bert", 2), ("gpt2", 2), ("bert", 1)])
+def test_trainer_with_accumulation_and_clipping_equals_the_whole_batch(tmp_path, kind, micro):
+    """micro = 1: clipping before AdamW without accumulation — Alpha measures the real
+    update from the first step (a predicted Adam step from the unclipped gradient fails)."""
     lm = kind == "gpt2"
     make = gpt2 if lm else bert
-    micro, size = 2, 6
+    size = 6
     generator = torch.Generator().manual_seed(4)
     batches = [token_batch(size, generator, lm) for _ in range(STEPS)]
     items = [item for inputs, labels in batches for item in cut(inputs, labels, micro)]

@@ -50,7 +50,11 @@ import torch
 from torch import Tensor
 
 from cockpit.cockpit import Cockpit
-from cockpit.integrations._common import LoggerSink, check_cockpit_kwargs
+from cockpit.integrations._common import (
+    LoggerSink,
+    check_cockpit_kwargs,
+    measure_clipped_updates,
+)
 from cockpit.quantities.base import Quantity
 
 __all__ = ["CockpitCallback"]
@@ -104,6 +108,7 @@ class CockpitCallback(pl.Callback):
             kwargs.setdefault("grad_accumulation", True)
         self.cockpit = Cockpit(network_of(pl_module), self.quantities, optimizer=optimizer,
                                grad_scaler=scaler, **kwargs)
+        measure_clipped_updates(self.cockpit, clips=bool(trainer.gradient_clip_val))
         # Lightning's backward runs inside optimizer.step(closure): the step ends here
         self.cockpit.ends_steps_at_optimizer_step = False
         if self._restored is not None:

@@ -57,7 +57,11 @@ except ImportError as error:  # pragma: no cover - the extra is part of [test]
     ) from error
 
 from cockpit.cockpit import Cockpit
-from cockpit.integrations._common import LoggerSink, check_cockpit_kwargs
+from cockpit.integrations._common import (
+    LoggerSink,
+    check_cockpit_kwargs,
+    measure_clipped_updates,
+)
 from cockpit.quantities.base import Quantity
 
 __all__ = ["CockpitCallback", "sequence_losses"]
@@ -149,6 +153,7 @@ class CockpitCallback(TrainerCallback):
             self.cockpit.close()
         self.cockpit = Cockpit(model, self.quantities, optimizer=optimizer, grad_scaler=scaler,
                                **kwargs)
+        measure_clipped_updates(self.cockpit, clips=bool(args.max_grad_norm))
         if state.global_step > 0:  # resumed from a checkpoint
             path = os.path.join(_checkpoint_folder(args, state), STATE_FILE)
             if os.path.exists(path):

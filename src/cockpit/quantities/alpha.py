@@ -80,12 +80,25 @@ class Alpha(Quantity):
     needs_update = True
     handles_invalid_statistics = True
 
-    def __init__(self, schedule: Schedule | int | None = None, rtol: float = 1e-3):
+    def __init__(self, schedule: Schedule | int | None = None, rtol: float = 1e-3,
+                 predict: bool = True):
+        """``predict=False`` takes the general path from the first step: for a loop that
+        changes the gradient after the backward pass in a way that is not a global rescaling
+        of the update (clipping before an Adam step), where every prediction would fail."""
         super().__init__(schedule)
         self.rtol = rtol
-        self._general = False  # switched on after a failed prediction
+        self._general = not predict  # also switched on after a failed prediction
         self._open: _OpenStep | None = None
         self._starting: _OpenStep | None = None
+
+    @property
+    def predict(self) -> bool:
+        """Whether the next steps try the predicted (fast) path."""
+        return not self._general
+
+    @predict.setter
+    def predict(self, value: bool) -> None:
+        self._general = not value
 
     def starts(self, step: int) -> bool:
         return bool(self.schedule(step))
