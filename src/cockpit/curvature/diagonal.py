@@ -243,17 +243,8 @@ def diagonal_curvature(
         return {k: ggn[k] + residual[k].to(ggn[k].dtype) if k in residual else ggn[k]
                 for k in ggn}
     if method in ("diag_ggn_exact", "diag_ggn_mc"):
-        output = tracker.model_output
-        if output is None:
-            raise CurvatureError(
-                "the GGN needs the model's output of this step's forward pass, which Cockpit "
-                "did not see; call the model on the batch after the previous cockpit(...) "
-                "context, or use curvature='hutchinson'"
-            )
-        if loss is None:
-            kind, mse_reduction = detect_loss(losses, output)
-        else:
-            kind = loss
+        output = _model_output(tracker)
+        kind, mse_reduction = _loss_kind(losses, output, loss, mse_reduction)
         f = output.detach()
         if method == "diag_ggn_exact":
             factor = exact_sqrt_factor(f, kind, mse_reduction=mse_reduction)
