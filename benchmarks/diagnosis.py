@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from cockpit import Cockpit, configuration, diagnose, quantities
 from cockpit.problems.deepobs import INPUT_SHAPES
-from cockpit.problems.digits import digits_cnn, load_digits_tensors
+from cockpit.problems.digits import digits_cnn, load_digits_tensors, minibatches
 
 STEPS = 60
 Batches = Iterator[tuple[Tensor, Tensor]]
@@ -49,12 +49,7 @@ def digits_batches(seed: int, batch_size: int = 64, raw: bool = False) -> Batche
         y = torch.tensor(data.target, dtype=torch.long)
     else:
         x, y, _, _ = load_digits_tensors(seed)
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        order = torch.randperm(len(y), generator=generator)
-        for start in range(0, len(y) - batch_size + 1, batch_size):
-            idx = order[start:start + batch_size]
-            yield x[idx], y[idx]
+    yield from minibatches(x, y, batch_size, seed)
 
 
 def teacher_batches(problem: str, seed: int, batch_size: int = 64, scale: float = 1.0,
