@@ -18,6 +18,7 @@ from cockpit.benchmark.problems.data import (
     synthetic_images,
     train_eval_subset,
 )
+from cockpit.benchmark.problems.small_nets import logistic_regression
 
 N_TEST = 360
 
@@ -63,10 +64,7 @@ def digits_splits(data: str, data_dir, batch_size: int, seed: int, device) -> Sp
 
 def digits_logreg(num_classes: int = 10) -> nn.Sequential:
     """Logistic regression 64 → 10, zero-initialized (650 parameters)."""
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))
-    nn.init.zeros_(model[1].weight)
-    nn.init.zeros_(model[1].bias)
-    return model
+    return logistic_regression(64, num_classes)
 
 
 def digits_mlp(num_classes: int = 10) -> nn.Sequential:

@@ -82,12 +82,17 @@ def mnist_mlp(num_classes: int = 10) -> nn.Sequential:
     return model
 
 
-def mnist_logreg(num_classes: int = 10) -> nn.Sequential:
-    """Logistic regression 784 → 10 (7,850 parameters)."""
-    model = nn.Sequential(nn.Flatten(), nn.Linear(784, num_classes))
+def logistic_regression(inputs: int, num_classes: int) -> nn.Sequential:
+    """Flatten, then one zero-initialized linear layer (DeepOBS's logistic regressions)."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(inputs, num_classes))
     nn.init.zeros_(model[1].weight)
     nn.init.zeros_(model[1].bias)
     return model
+
+
+def mnist_logreg(num_classes: int = 10) -> nn.Sequential:
+    """Logistic regression 784 → 10 (7,850 parameters)."""
+    return logistic_regression(784, num_classes)
 
 
 def svhn_3c3d(num_classes: int = 10) -> nn.Sequential:
