@@ -41,6 +41,15 @@ def instruments(curvature: str = "diag_ggn_exact") -> list:
     ]
 
 
+def batches_of(problem, steps: int, size: int, seed: int = 1) -> list[tuple]:
+    """``steps`` batches of ``size`` samples drawn from the problem's data (seeded)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        index = torch.randint(0, problem.x.shape[0], (size,), generator=generator)
+        out.append((problem.x[index], problem.y[index]))
+    return out
+
 def whole_batch_run(problem: Problem, batches: list[tuple], make_optimizer,
                     gradients: list[dict[str, torch.Tensor]] | None = None,
                     curvature: str = "diag_ggn_exact",

@@ -11,18 +11,9 @@ import torch
 
 from cockpit import Cockpit, quantities
 from tests.models import make_problem
-from tests.split_reference import assert_same_values, instruments, whole_batch_run
+from tests.split_reference import assert_same_values, batches_of, instruments, whole_batch_run
 
 STEPS = 4
-
-
-def batches_of(problem, steps: int, size: int, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        index = torch.randint(0, problem.x.shape[0], (size,), generator=generator)
-        out.append((problem.x[index], problem.y[index]))
-    return out
 
 
 def sgd(model):

@@ -20,14 +20,7 @@ from cockpit.benchmark.problems import MissingDataError, data_root, get_problem
 from cockpit.benchmark.problems import augment as aug
 from cockpit.benchmark.problems.readers import encode_tolstoi, read_idx
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny batches run faster on one thread (and do not fight other processes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _all(loader):

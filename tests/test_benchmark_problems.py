@@ -21,14 +21,7 @@ from cockpit.benchmark.problems import get_problem, list_problems
 from cockpit.benchmark.problems.base import regularized_parameters
 from tests.reference import gradient_tests
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny batches run faster on one thread (and do not fight other processes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _conv(c_in, c_out, kh, kw=None):

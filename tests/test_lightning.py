@@ -19,7 +19,7 @@ from cockpit.integrations.lightning import CockpitCallback
 from tests import lightning_worker
 from tests.lightning_worker import fit, micro_batches
 from tests.models import make_problem
-from tests.split_reference import assert_same_values, whole_batch_run
+from tests.split_reference import assert_same_values, batches_of, whole_batch_run
 
 STEPS = 3
 
@@ -30,15 +30,6 @@ def sgd(model):
 
 def adam(model):
     return torch.optim.Adam(model.parameters(), lr=0.01)
-
-
-def batches_of(problem, steps: int, size: int, seed: int = 1) -> list[tuple]:
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        index = torch.randint(0, problem.x.shape[0], (size,), generator=generator)
-        out.append((problem.x[index], problem.y[index]))
-    return out
 
 
 def shard(sizes: list[int], rank: int) -> slice:
