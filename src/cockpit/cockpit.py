@@ -375,8 +375,8 @@ class Cockpit:
         not own; its settings are recorded only for the groups holding the model's."""
         if self.optimizer is None:
             return
-        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        missing = [name for name, p in self._params.items() if id(p) not in owned]
+        stepped = self._stepped_params()
+        missing = [name for name in self._params if name not in stepped]
         kind = type(self.optimizer).__name__
         if self._params and len(missing) == len(self._params):
             warnings.warn(
