@@ -685,7 +685,7 @@ class Cockpit:
 
         params = self._params
         groups = self._model_param_groups()
-        owned = {id(p) for g in groups for p in g["params"]}
+        stepped = self._stepped_params()
         return {
             "model": repr(self.model),
             "model_class": type(self.model).__name__,
@@ -696,8 +696,7 @@ class Cockpit:
             "optimizer_hyperparameters": [
                 {k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in groups
             ] if groups else None,
-            "parameters_not_in_optimizer": [n for n, p in params.items() if id(p) not in owned]
-            if self.optimizer is not None else [],
+            "parameters_not_in_optimizer": [n for n in params if n not in stepped],
             "quantities": [q.name for q in self.quantities],
             "schedules": {q.name: repr(q.schedule) for q in self.quantities},
             "versions": {
