@@ -65,7 +65,7 @@ def whole_batch_run(problem: Problem, batches: list[tuple], make_optimizer,
     if gradients is not None:
         for q in chosen:
             if isinstance(q, quantities.Alpha):
-                q._general = True
+                q.predict = False
     cockpit = Cockpit(model, chosen, optimizer=opt, strict=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -194,7 +194,7 @@ def test_alpha_under_float16_autocast_with_a_grad_scaler(optimizer):
             scaler.step(opt)
             scaler.update()
         cockpit.close()
-        assert not alpha._general
+        assert alpha.predict
         return [cockpit.get_output()[s]["Alpha"] for s in range(3)]
 
     scaled, plain = alphas(True), alphas(False)
