@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from cockpit import Cockpit
+from cockpit.engine.reduction import StepReduction
 from tests.models import make_problem
 from tests.split_reference import instruments
 
@@ -22,6 +23,20 @@ from tests.split_reference import instruments
 def shards(total: int, sizes: list[int], rank: int) -> slice:
     start = sum(sizes[:rank])
     return slice(start, start + sizes[rank])
+
+
+def _count_union_projections() -> list[int]:
+    """Count the reduction point's passes over kept layer calls that form g_nᵀḡ (taken
+    when the synchronized gradient is not proportional to the global mean)."""
+    count = [0]
+    original = StepReduction._gram_over_union
+
+    def counted(self, mean):
+        count[0] += 1
+        return original(self, mean)
+
+    StepReduction._gram_over_union = counted
+    return count
 
 
 def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
@@ -32,7 +47,9 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
     try:
         problem = make_problem(config["problem"], 48)  # the same initial model everywhere
         batches = config["batches"]
-        model = DistributedDataParallel(problem.model)
+        manual = config.get("manual_allreduce", False)
+        model = problem.model if manual else DistributedDataParallel(problem.model)
+        projections = _count_union_projections()
         opt = config["make_optimizer"](model)
         micro = config.get("micro_batches", 1)
         cockpit = Cockpit(model, instruments(), optimizer=opt, strict=True,
@@ -54,6 +71,10 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
                     losses = problem.loss_fn(model(xb), yb)
                     with cockpit(step, losses=losses):
                         (losses.sum() / len(xs)).backward()
+                        if manual:  # gradients all-reduced by hand, inside the block
+                            for param in model.parameters():
+                                dist.all_reduce(param.grad)
+                                param.grad /= world
             stepped.append({k.removeprefix("module."): p.grad.clone()
                             for k, p in model.named_parameters()})
             opt.step()
@@ -61,7 +82,7 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
         caught.__exit__(None, None, None)
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
             pickle.dump({"output": cockpit.get_output(), "notes": cockpit.get_notes(),
-                         "stepped": stepped,
+                         "stepped": stepped, "union_projections": projections[0],
                          "warnings": [str(w.message) for w in recorded]}, file)
         # Orderly shutdown: DDP's reducer keeps the process group (and gloo's worker threads)
         # alive after destroy_process_group(); freed at interpreter exit instead, they can

@@ -43,13 +43,15 @@ def strip(output: dict) -> dict:
             for step, values in output.items()}
 
 
-@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer"), [
-    ("mlp_relu", [12, 12], 1, sgd),
-    ("cnn", [7, 13], 1, adam),  # uneven shards: DDP's mean of shard means is not uniform
-    ("mlp_relu", [10, 14], 2, sgd),  # accumulation inside each process (no_sync)
+@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "manual"), [
+    # DDP's gradient is (w·N/2)·ḡ: g_nᵀḡ from the dots with it, no pass over kept calls
+    ("mlp_relu", [12, 12], 1, sgd, False),
+    ("cnn", [7, 13], 1, adam, False),  # uneven shards: DDP's mean of shard means is not uniform
+    ("mlp_relu", [10, 14], 2, sgd, False),  # accumulation inside each process (no_sync)
+    ("cnn", [12, 12], 1, sgd, True),  # no DDP: gradients all-reduced by hand in the block
 ])
 def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
-                                             make_optimizer):
+                                             make_optimizer, manual):
     problem = make_problem(name, 48)
     generator = torch.Generator().manual_seed(3)
     batches = []
@@ -57,7 +59,8 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
         index = torch.randint(0, 48, (sum(shard_sizes),), generator=generator)
         batches.append((problem.x[index], problem.y[index]))
     config = {"problem": name, "batches": batches, "shard_sizes": shard_sizes,
-              "micro_batches": micro, "make_optimizer": make_optimizer}
+              "micro_batches": micro, "make_optimizer": make_optimizer,
+              "manual_allreduce": manual}
     mp.start_processes(ddp_worker.run, args=(2, free_port(), config, str(tmp_path)),
                        nprocs=2, join=True, start_method="spawn")
     ranks = []
@@ -75,6 +78,8 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
             assert output[step]["BatchSize"] == sum(shard_sizes)
             assert output[step]["HessMaxEV"] is None
         assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
+        # the shortcut for g_nᵀḡ is taken exactly where the gradient seen is ∝ the global ḡ
+        assert (result["union_projections"] == 0) == uniform
 
 
 def test_sharded_models_are_refused_with_the_way_out():
@@ -83,3 +88,36 @@ def test_sharded_models_are_refused_with_the_way_out():
 
     with pytest.raises(NotImplementedError, match="DistributedDataParallel"):
         Cockpit(torch.nn.Sequential(FSDPLinear(2, 2)))
+
+
+def _statistics_with_gradient(gradient: dict, dots: dict, n: int = 4):
+    from cockpit.engine.statistics import BackwardStatistics, GradientDots
+    stats = BackwardStatistics(n)
+    stats.gradient_dots = GradientDots(gradient, dots)
+    return stats
+
+
+def test_gram_from_the_synchronized_gradient_only_where_it_is_proportional():
+    """g_nᵀḡ = g_nᵀG / c where G = c·ḡ to rounding; otherwise None (the caller projects)."""
+    from cockpit.engine.reduction import gram_from_gradient
+    generator = torch.Generator().manual_seed(0)
+    g = {name: torch.randn(4, *shape, generator=generator, dtype=torch.float64)
+         for name, shape in (("w", (3, 5)), ("b", (3,)))}
+    mean = {name: value.mean(0) for name, value in g.items()}
+    c = 24 * 0.5 / 2  # DDP with loss weight w = 0.5 on N = 24 samples, R = 2 processes
+    gradient = {name: c * value for name, value in mean.items()}
+    dots = {name: g[name].flatten(1) @ gradient[name].flatten() for name in g}
+    gram = gram_from_gradient(_statistics_with_gradient(gradient, dots), mean)
+    assert gram is not None
+    for name in g:
+        torch.testing.assert_close(gram[name], g[name].flatten(1) @ mean[name].flatten(),
+                                   rtol=1e-12, atol=0)
+    # one parameter's gradient off the line through ḡ (e.g. unequal loss weights): refused
+    bent = dict(gradient, b=gradient["b"] + 1e-6 * gradient["b"].norm() * torch.tensor(
+        [1.0, -1.0, 0.0], dtype=torch.float64))
+    assert gram_from_gradient(_statistics_with_gradient(bent, dots), mean) is None
+    # a parameter without a recorded gradient, or ḡ = 0: refused
+    assert gram_from_gradient(_statistics_with_gradient({"w": gradient["w"]}, dots),
+                              mean) is None
+    zero = {name: torch.zeros_like(value) for name, value in mean.items()}
+    assert gram_from_gradient(_statistics_with_gradient(gradient, dots), zero) is None

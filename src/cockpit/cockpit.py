@@ -84,7 +84,9 @@ class Cockpit:
 
     torch.distributed: with a process group initialised (e.g. a model wrapped in
     ``DistributedDataParallel``), every rank's values describe the global batch; the
-    per-rank statistics are combined with two all-reduces per tracked step.
+    per-rank statistics are combined with two all-reduces per tracked step. Gradients
+    all-reduced by hand instead of by DDP: do it inside the ``with`` block, after the
+    backward pass, so that Cockpit sees the gradient the optimizer steps on.
     """
 
     def __init__(

@@ -96,7 +96,9 @@ class StepReduction:
         else:
             result, counts = local, [local.num_samples]
         if self.split and GRAM_MEAN in self.needs and not result.problems:
-            local.gram_mean = self._gram_over_union(result.batch_grads)
+            gram = gram_from_gradient(local, result.batch_grads) if ranks > 1 else None
+            local.gram_mean = (gram if gram is not None
+                               else self._gram_over_union(result.batch_grads))
         if ranks > 1:
             kinds = {k for k in (SQ_NORMS, GRAM_MEAN) if k in self.needs}
             distributed.gather_samples(local, result, counts, list(params), kinds, directions,
@@ -139,6 +141,41 @@ class StepReduction:
                                              device=mean[name].device))
             out[name] = torch.cat(rows)
         return out
+
+
+def gram_from_gradient(local: BackwardStatistics, mean: dict[str, Tensor]
+                       ) -> dict[str, Tensor] | None:
+    """g_nᵀḡ for this process' samples from g_nᵀG, G the gradient the optimizer steps on,
+    where G = c·ḡ: DistributedDataParallel averages the processes' gradients, so with the
+    same loss weight w on every process (a sum over the global batch divided by anything,
+    or means over equal shards) G = (w·N/R)·ḡ. c is fitted by least squares,
+    c = Σ⟨G, ḡ⟩ / Σ‖ḡ‖², and the shortcut is taken only if every parameter satisfies
+    ‖G − c·ḡ‖ ≤ 256·ε·‖G‖ (ε of G's dtype, i.e. G and c·ḡ agree to rounding); then
+    g_nᵀḡ = g_nᵀG / c with an error below 256·ε·‖g_n‖‖ḡ‖. Otherwise (unequal weights over
+    uneven shards, gradients all-reduced by hand after the backward pass, compressed
+    communication, gradients held from an earlier step) None: the caller projects the kept
+    layer calls on ḡ instead (exact, one more pass over the layers)."""
+    synced = local.gradient_dots
+    if synced is None or set(synced.dots) != set(mean) or not mean:
+        return None
+    if set(synced.gradient) != set(mean):
+        return None
+    inner = sq_mean = 0.0
+    for name, g_bar in mean.items():
+        grad = synced.gradient[name].reshape(-1)
+        g_bar = g_bar.reshape(-1).to(grad.dtype)
+        inner += float(torch.dot(grad, g_bar))
+        sq_mean += float(torch.dot(g_bar, g_bar))
+    if not sq_mean > 0.0 or inner == 0.0:
+        return None
+    c = inner / sq_mean
+    for name, g_bar in mean.items():
+        grad = synced.gradient[name].reshape(-1)
+        tolerance = 256 * torch.finfo(grad.dtype).eps * float(grad.norm())
+        residual = float((grad - c * g_bar.reshape(-1).to(grad.dtype)).norm())
+        if not residual <= tolerance:
+            return None
+    return {name: synced.dots[name].double() / c for name in mean}
 
 
 def _device(params: dict[str, Tensor]) -> torch.device:

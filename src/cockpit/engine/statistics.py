@@ -17,7 +17,10 @@ weighted by N_k / N, and centered sums combined by the parallel-variance identit
 
 ``gram_mean`` is relative to the mean of the backward that formed it; for a split batch the
 engine forms it over the union instead (:meth:`Cockpit`'s reduction point projects the kept
-layer calls on the union's ḡ), so merging two ``gram_mean`` is refused.
+layer calls on the union's ḡ), so merging two ``gram_mean`` is refused. With one backward
+per process (DistributedDataParallel), the engine also records g_nᵀG for the gradient G the
+optimizer steps on (``gradient_dots``): where G = c·ḡ, that gives g_nᵀḡ = g_nᵀG / c without
+a second pass over the layers (:func:`cockpit.engine.reduction.gram_from_gradient`).
 :mod:`cockpit.engine.distributed` reduces the same value over processes.
 """
 
@@ -27,6 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+
+@dataclass
+class GradientDots:
+    """g_nᵀG per parameter ([N] each) and G, the gradient the optimizer will step on as it
+    was when the backward pass ended (a copy: clipping may rescale ``p.grad`` in place)."""
+
+    gradient: dict[str, Tensor]
+    dots: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,6 +60,9 @@ class BackwardStatistics:
     projections: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     # key → parameter → Σ_n of a per-sample quantity (instruments' own additive values)
     sample_sums: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    # g_nᵀG ([N] per parameter) for the gradient G = p.grad after this backward pass, and a
+    # copy of G; only for one backward per process (deferred layer processing), else None
+    gradient_dots: GradientDots | None = None
     losses: Tensor | None = None  # ℓ_n, detached, [N]
     problems: list[str] = field(default_factory=list)  # reasons per-sample stats are invalid
     micro_batches: int = 1

@@ -44,7 +44,7 @@ from cockpit.engine.rules.fallback import (
 from cockpit.engine.rules.norms import SampleMixingError, batch_norm_message, uses_batch_statistics
 from cockpit.engine.rules.registry import ATOMIC_MODULES, Rule, find_rule
 from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
-from cockpit.engine.statistics import BackwardStatistics
+from cockpit.engine.statistics import BackwardStatistics, GradientDots
 
 __all__ = ["GRADIENT", "PER_SAMPLE_STATS", "BackwardStatistics", "ModuleTracker", "StepRequest"]
 
@@ -582,12 +582,20 @@ class ModuleTracker:
         """Deferred processing: the gradient the optimizer will step on is ``p.grad`` after
         the backward pass (synchronized over processes by DistributedDataParallel)."""
         self._pure_grads = set()
-        if not (self.direction_providers or GRAM_MEAN in self.needs):
+        synced = self.request.union_gram
+        if not (self.direction_providers or GRAM_MEAN in self.needs or synced):
             return
+        assert self.stats is not None
+        if synced:
+            self.stats.gradient_dots = GradientDots({})
         for name, param in self.params.items():
             if param.grad is not None:
                 grad = param.grad.detach()
-                self._seen_grads[name] = grad.to_dense() if grad.layout != torch.strided else grad
+                grad = grad.to_dense() if grad.layout != torch.strided else grad
+                if synced:  # g_nᵀG for the reduction point, against G as it is now
+                    grad = grad.clone()
+                    self.stats.gradient_dots.gradient[name] = grad
+                self._seen_grads[name] = grad
 
     def _check_output_gradients_arrived(self) -> None:
         """A layer whose parameters received gradients although no output gradient of any
@@ -766,6 +774,9 @@ class ModuleTracker:
                 gram_row = gradient_ref = row(seen)
             else:
                 gram_row = row(sg.batch_mean())
+        synced = stats.gradient_dots
+        synced_row = (row(seen) if synced is not None and seen is not None
+                      and name in synced.gradient else None)
 
         def gradient() -> int | Tensor:
             nonlocal gradient_ref
@@ -792,6 +803,9 @@ class ModuleTracker:
         if gram_row is not None:
             assert dots is not None
             stats.gram_mean[name] = dots[gram_row] / w_n if w_n else dots[gram_row]
+        if synced_row is not None:
+            assert dots is not None and synced is not None
+            synced.dots[name] = dots[synced_row]
         for key, refs in projections:
             stats.projections.setdefault(key, {})[name] = torch.stack(
                 [dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
