@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cockpit.engine.statistics import BackwardStatistics
+from cockpit.engine.workspace import workspace
 
 _SUPPORTED_HINT = (
     "use DistributedDataParallel (each process holds the whole model), or attach Cockpit to "
@@ -123,15 +124,19 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
         for name in shapes:
             layout.add("directions:" + key, name, [1])
             layout.add("directions:" + key + "?", name, [1])
-    buffer = torch.zeros(layout.size, dtype=torch.float64, device=device)
+    # reused from step to step (fresh 7 MB buffers cost page faults); every value read
+    # from it below is copied out
+    buffer = workspace().take("rank_sums", (layout.size,), torch.float64, device)[0].zero_()
     n = stats.num_samples
     layout.view(buffer, "header", "samples")[me] = n
     layout.view(buffer, "header", "problems")[me] = float(bool(stats.problems))
     for name, mean in stats.batch_grads.items():
         if name not in shapes:
             continue
-        total = mean.double() * n if n else mean.double()
-        layout.view(buffer, "batch_grads", name).copy_(total.reshape(shapes[name]))
+        summed = layout.view(buffer, "batch_grads", name)
+        summed.copy_(mean.reshape(shapes[name]))
+        if n:
+            summed.mul_(n)
         layout.view(buffer, "batch_grads?", name).fill_(1)
         if "var_sum" in kinds and name in stats.var_sum:
             second = stats.var_sum[name].double().reshape(shapes[name]) + n * mean.double().pow(2)
@@ -177,9 +182,10 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
         like = stats.batch_grads.get(name)
         dtype = like.dtype if like is not None else torch.float32
         summed = layout.view(buffer, "batch_grads", name)
-        mean = summed / total if total else summed / size
-        out.batch_grads[name] = mean.to(dtype)
+        divisor = total if total else size
+        out.batch_grads[name] = summed.to(dtype, copy=True).div_(divisor)
         if "var_sum" in kinds and present("var_sum", name):
+            mean = summed / divisor
             second = layout.view(buffer, "var_sum", name)
             out.var_sum[name] = (second - total * mean.pow(2)).clamp_(min=0)
         if "sum_sq" in kinds and present("sum_sq", name):

@@ -6,8 +6,11 @@ A tracked step may consist of several backward passes (gradient accumulation: se
 :class:`StepReduction` merges them as they come (:meth:`BackwardStatistics.merge`) and, when
 the step is complete, combines the ranks (:mod:`cockpit.engine.distributed`) and forms the
 statistics that need the whole batch's mean gradient ḡ: g_nᵀḡ for every sample, by
-projecting each backward's kept layer calls on ḡ (the engine's :meth:`project`). The
-instruments then read one value and never learn whether the batch was split.
+projecting each backward's kept layer calls on ḡ (the engine's :meth:`project`) — or, with
+one backward per process where the synchronized gradient G is c·ḡ (DistributedDataParallel
+with the same loss weight on every process), from the dots g_nᵀG the layers formed anyway
+(:func:`gram_from_gradient`). The instruments then read one value and never learn whether
+the batch was split.
 """
 
 from __future__ import annotations
