@@ -124,3 +124,9 @@ def test_real_run_directory_and_cli(tmp_path) -> None:
     assert main_plot([str(tmp_path), "--layers"]) == 0
     assert (tmp_path / "cockpit_layers.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "cockpit_view.png").is_file()
+    # the options first: the run directory is not taken for the layers' figure file
+    (tmp_path / "cockpit_layers.png").unlink()
+    assert main_plot(["--layers", str(tmp_path), "--dpi", "40"]) == 0
+    assert (tmp_path / "cockpit_layers.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):  # a figure file and no run: the usual usage error
+        main_plot(["--layers", str(tmp_path / "figure.png")])

@@ -17,7 +17,7 @@ from cockpit.view._source import load_notes, load_run
 def _plot_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cockpit plot",
                                 description="Draw the cockpit view of a run into a file.")
-    p.add_argument("run", help="run directory (with cockpit.sqlite) or a JSON export")
+    p.add_argument("run", nargs="?", help="run directory (with cockpit.sqlite) or a JSON export")
     p.add_argument("-o", "--output", help="figure file, .png/.pdf/.svg "
                    "(default: <run>/cockpit_view.png)")
     p.add_argument("--layers", metavar="FILE", nargs="?", const="",
@@ -34,7 +34,14 @@ def main_plot(argv: Sequence[str] | None = None) -> int:
     from cockpit.view.cockpit_view import plot_cockpit, plot_layer_histograms, save_figure
     from cockpit.view.layers import model_order
 
-    args = _plot_parser().parse_args(argv)
+    parser = _plot_parser()
+    args = parser.parse_args(argv)
+    if args.run is None:
+        # `cockpit plot --layers RUN`: argparse hands RUN to --layers' optional FILE
+        if args.layers and _is_run(Path(args.layers)):
+            args.run, args.layers = args.layers, ""
+        else:
+            parser.error("the following arguments are required: run")
     run = Path(args.run)
     try:
         output, meta = load_run(run)
@@ -57,6 +64,11 @@ def main_plot(argv: Sequence[str] | None = None) -> int:
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+def _is_run(path: Path) -> bool:
+    """A run directory or a JSON export (never a figure file to write)."""
+    return path.is_dir() or (path.is_file() and path.suffix == ".json")
 
 
 def _view_parser() -> argparse.ArgumentParser:
