@@ -198,10 +198,6 @@ class CockpitCallback(TrainerCallback):
         if self.cockpit is None:
             return loss
         self._leave(failed=True)  # a previous backward pass that never ran
-        if self.cockpit.tracker.model_output is None and isinstance(logits, Tensor):
-            # a Hugging Face model returns a ModelOutput; the logits are the network output
-            # that curvature instruments (GGN) backpropagate from
-            self.cockpit.tracker.model_output = logits
         context = self.cockpit(trainer.state.global_step, losses=losses)
         context.__enter__()
         self._context = context
