@@ -61,14 +61,18 @@ def check_method(method: str) -> None:
         raise ValueError(f"unknown curvature {method!r}; choose one of {', '.join(METHODS)}")
 
 
+def _past_casts(node):
+    """``node``, or the node it casts, past dtype casts (``out.float()``, autocast's own
+    cast to float32 before a loss, accelerate's conversion of a bf16 model's outputs to
+    float32): a cast does not change the loss's Hessian with respect to the model output."""
+    while node is not None and type(node).__name__ == "ToCopyBackward0":
+        node = node.next_functions[0][0]
+    return node
+
+
 def _skip_casts(node):
-    """The node feeding ``node``'s first input, past dtype casts (``out.float()`` or
-    autocast's own cast to float32 before a loss): a cast does not change the loss's
-    Hessian with respect to the model output."""
-    source = node.next_functions[0][0]
-    while source is not None and type(source).__name__ == "ToCopyBackward0":
-        source = source.next_functions[0][0]
-    return source
+    """The node feeding ``node``'s first input, past dtype casts (:func:`_past_casts`)."""
+    return _past_casts(node.next_functions[0][0])
 
 
 def detect_loss(losses: Tensor, output: Tensor | None) -> tuple[str, str]:
@@ -92,9 +96,10 @@ def detect_loss(losses: Tensor, output: Tensor | None) -> tuple[str, str]:
     if kind == "NllLossBackward0" and output is not None:
         log_softmax = node.next_functions[0][0]
         if (type(log_softmax).__name__ == "LogSoftmaxBackward0"
-                and output.grad_fn is _skip_casts(log_softmax)):
+                and _past_casts(output.grad_fn) is _skip_casts(log_softmax)):
             return "cross_entropy", "mean"
-    if kind == "MseLossBackward0" and output is not None and output.grad_fn is _skip_casts(node):
+    if (kind == "MseLossBackward0" and output is not None
+            and _past_casts(output.grad_fn) is _skip_casts(node)):
         return "mse", reduction
     raise CurvatureError(
         "the GGN needs per-sample losses that are cross-entropy of the model's output "
