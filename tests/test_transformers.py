@@ -12,7 +12,7 @@ import transformers
 from torch import nn
 from torch.utils.data import IterableDataset
 
-from cockpit import quantities
+from cockpit import Cockpit, quantities
 from cockpit.integrations.transformers import CockpitCallback, sequence_losses
 from tests.models import Problem
 from tests.split_reference import assert_same_values, instruments, whole_batch_run
@@ -50,7 +50,7 @@ class MicroBatches(IterableDataset):
 # any two ways of summing. The tests keep it out of training.
 
 
-def bert():
+def bert(dtype: torch.dtype = torch.float64):
     config = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
@@ -58,7 +58,7 @@ def bert():
     torch.manual_seed(0)
     # eager attention: the reference's HessMaxEV differentiates twice through it
     model = transformers.BertForSequenceClassification._from_config(
-        config, attn_implementation="eager").double()
+        config, attn_implementation="eager").to(dtype)
     for layer in model.bert.encoder.layer:
         layer.attention.self.key.bias.requires_grad_(False)  # see freeze_key_bias
     return model
@@ -103,14 +103,14 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
 
 
-def hf_train(model, items, micro, tmp_path, chosen, max_grad_norm, ddp=False):
+def hf_train(model, items, micro, tmp_path, chosen, max_grad_norm, ddp=False, bf16=False):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=1,
         gradient_accumulation_steps=micro, learning_rate=0.01, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=max_grad_norm, optim="adamw_torch",
         report_to=["tensorboard"], logging_steps=1,
         save_strategy="no", use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, ddp_backend="gloo" if ddp else None,
+        dataloader_num_workers=0, ddp_backend="gloo" if ddp else None, bf16=bf16,
         accelerator_config={"dispatch_batches": False} if ddp else None)
     callback = CockpitCallback(chosen, strict=True)
     stepped = []
@@ -173,6 +173,81 @@ def test_trainer_with_accumulation_and_clipping_equals_the_whole_batch(tmp_path,
     assert sorted(logged) == list(range(STEPS))
     for step in range(STEPS):
         assert logged[step] == pytest.approx(output[step]["GradNorm"], rel=1e-6)
+
+
+class Autocast(HFNet):
+    """The reference's forward pass as accelerate runs it under ``bf16=True`` on the CPU:
+    the model under torch.autocast("cpu", torch.bfloat16), its outputs cast to float32."""
+
+    def forward(self, inputs: dict) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = self.hf_forward(**inputs).logits
+        return logits.float()
+
+
+def test_bf16_autocast_and_clipping_see_the_unclipped_gradient(tmp_path):
+    """``bf16=True`` on the CPU (accelerate: the forward pass under bf16 autocast, float32
+    parameters and gradients, no GradScaler) with max_grad_norm before AdamW. Mirrors the
+    Lightning bf16-mixed test: every value equals a plain loop on the same float32 model
+    under the same autocast to rtol 1e-5 (float32 arithmetic, the same operations; not 1e-6:
+    float32 sums), so Cockpit sees the backward pass before clipping. The callback makes Alpha
+    measure the real (clipped AdamW) update from the first step, as the reference does with
+    Alpha(predict=False). The GGN instruments take the logits behind accelerate's cast to
+    float32 as the network output. Against float32 without autocast, Loss and GradNorm at
+    step 0 differ by bf16 rounding: less than 2e-2 (about five units of bf16 roundoff
+    2⁻⁸ ≈ 3.9e-3, accumulated over the network's layers; measured: 3e-6 for the loss, which
+    is flat near log 3 at initialization, 7e-4 for GradNorm), and GradNorm by more than 1e-5
+    (autocast was on).
+
+    ``fp16=True`` is no alternative on the CPU: transformers 5.24 accepts it, but accelerate
+    1.15 enables neither autocast nor a GradScaler there (float32 training)."""
+    size, clip = 6, 0.05
+    generator = torch.Generator().manual_seed(4)
+    batches = [token_batch(size, generator, lm=False) for _ in range(STEPS)]
+    items = [item for inputs, labels in batches for item in cut(inputs, labels, 1)]
+
+    def chosen():
+        return [q for q in instruments() if q.name != "HessMaxEV"]
+
+    callback, stepped = hf_train(bert(torch.float32), items, 1, tmp_path, chosen(),
+                                 max_grad_norm=clip, bf16=True)
+    assert callback.trainer.accelerator.native_amp and callback.cockpit.grad_scaler is None
+    alpha = next(q for q in callback.cockpit.quantities if q.name == "Alpha")
+    assert alpha.predict is False  # set by the callback: clipping before AdamW
+    output = callback.cockpit.get_output()
+
+    model = Autocast(bert(torch.float32))
+    opt = adamw(model)
+    reference = chosen()
+    next(q for q in reference if q.name == "Alpha").predict = False
+    cockpit = Cockpit(model, reference, optimizer=opt, strict=True)
+    for step, (inputs, labels) in enumerate(batches):
+        opt.zero_grad()
+        losses = sequence_losses(model(inputs), labels)
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        assert norm > clip
+        opt.step()
+    cockpit.close()
+    expected = cockpit.get_output()
+    assert assert_same_values(output, expected, range(STEPS), rtol=1e-5) > 30 * STEPS
+    assert output[0]["Alpha"] is not None and output[0]["HessTrace"] is not None
+    for step in range(STEPS):  # the clipped gradient is not what Cockpit reports
+        stepped_norm = torch.cat([g.flatten() for g in stepped[step].values()]).norm()
+        assert float(stepped_norm) == pytest.approx(clip, rel=1e-4)
+        assert output[step]["GradNorm"] > 2 * clip
+
+    plain = bert(torch.float32)  # θ_0 without autocast
+    inputs, labels = batches[0]
+    loss = sequence_losses(plain(**inputs).logits, labels).mean()
+    loss.backward()
+    norm = float(torch.cat([p.grad.flatten() for p in plain.parameters()
+                            if p.grad is not None]).norm())
+    deviation = {name: abs(output[0][name] - value) / abs(value)
+                 for name, value in (("Loss", float(loss)), ("GradNorm", norm))}
+    assert max(deviation.values()) < 2e-2, deviation
+    assert deviation["GradNorm"] > 1e-5, deviation  # (the loss near log 3 is flat in bf16)
 
 
 def test_resume_from_checkpoint_keeps_distance(tmp_path):
@@ -254,12 +329,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-DDP_MICRO, DDP_SIZE = 1, 8
+DDP_SIZE = 8
 
 
-def ddp_data() -> tuple[list[tuple], list[list[dict]]]:
+def ddp_data(micro: int = 1) -> tuple[list[tuple], list[list[dict]]]:
     """The steps' batches, and each rank's micro-batches (half of each batch, cut in
-    DDP_MICRO)."""
+    ``micro``)."""
     generator = torch.Generator().manual_seed(6)
     batches = [token_batch(DDP_SIZE, generator, lm=False) for _ in range(STEPS)]
     shards: list[list[dict]] = [[], []]
@@ -267,7 +342,7 @@ def ddp_data() -> tuple[list[tuple], list[list[dict]]]:
     for inputs, labels in batches:
         for rank, part in enumerate((slice(0, half), slice(half, DDP_SIZE))):
             shard = {k: v[part] for k, v in inputs.items()}
-            shards[rank].extend(cut(shard, labels[part], DDP_MICRO))
+            shards[rank].extend(cut(shard, labels[part], micro))
     return batches, shards
 
 
@@ -275,27 +350,34 @@ def ddp_instruments() -> list:
     return [q for q in instruments() if q.name != "HessMaxEV"]
 
 
-def test_trainer_with_ddp_gives_every_rank_the_global_batch(tmp_path):
-    """One micro-batch per process: Cockpit processes the layers against the gradient DDP
-    synchronized, which the callback's end-of-backward exit must wait for; Alpha predicts the
-    update on its fast path (no clipping: clipped Adam is not a rescaled Adam step)."""
+@pytest.mark.parametrize("micro", [1, 2])
+def test_trainer_with_ddp_gives_every_rank_the_global_batch(tmp_path, micro):
+    """micro = 1, one micro-batch per process: Cockpit processes the layers against the
+    gradient DDP synchronized, which the callback's end-of-backward exit must wait for.
+    micro = 2 (gradient_accumulation_steps=2, micro-batches of 2 sequences per process): the
+    first backward pass runs under DDP's no_sync (a local gradient), the second one
+    synchronizes; the micro-batches merge, then the ranks. In both Alpha predicts the update
+    on its fast path (no clipping: clipped Adam is not a rescaled Adam step) and is compared
+    with the reference's general path (the real update)."""
     import pickle
 
     import torch.multiprocessing as mp
 
     from tests import hf_ddp_worker
 
-    mp.start_processes(hf_ddp_worker.run, args=(2, free_port(), str(tmp_path)),
+    mp.start_processes(hf_ddp_worker.run, args=(2, free_port(), str(tmp_path), micro),
                        nprocs=2, join=True, start_method="spawn")
     ranks = []
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
             ranks.append(pickle.load(file))
-    batches, _ = ddp_data()
+    batches, _ = ddp_data(micro)
     problem = Problem("bert", HFNet(bert()), None, None, sequence_losses)
-    expected, _ = whole_batch_run(problem, batches, adamw, gradients=ranks[0]["stepped"])
+    expected, _ = whole_batch_run(problem, batches, adamw, gradients=ranks[0]["stepped"],
+                                  chosen=ddp_instruments())
     for result in ranks:
         output = result["output"]
         assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
         for step in range(STEPS):
             assert output[step]["BatchSize"] == DDP_SIZE
+            assert step == STEPS - 1 or output[step]["Alpha"] is not None
