@@ -103,20 +103,30 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
 
 
-def hf_train(model, items, micro, tmp_path, chosen, max_grad_norm, ddp=False, bf16=False):
+FP16_SCALE = 2.0 ** 10  # the GradScaler's initial scale in the fp16 tests
+
+
+def hf_train(model, items, micro, tmp_path, chosen, max_grad_norm, ddp=False,
+             precision: str = "no"):
+    """``precision="fp16"`` emulates accelerate's fp16 on a GPU (which it does not enable on
+    the CPU): float16 autocast and a GradScaler, set on the Trainer's accelerator."""
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=1,
         gradient_accumulation_steps=micro, learning_rate=0.01, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=max_grad_norm, optim="adamw_torch",
         report_to=["tensorboard"], logging_steps=1,
         save_strategy="no", use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, ddp_backend="gloo" if ddp else None, bf16=bf16,
+        dataloader_num_workers=0, ddp_backend="gloo" if ddp else None,
+        bf16=precision == "bf16", fp16=precision == "fp16",
         accelerator_config={"dispatch_batches": False} if ddp else None)
     callback = CockpitCallback(chosen, strict=True)
     stepped = []
     trainer = transformers.Trainer(model=model, args=args, train_dataset=MicroBatches(items),
                                    data_collator=lambda batch: batch[0], callbacks=[callback])
     callback.attach(trainer)
+    if precision == "fp16":  # what accelerate sets up for fp16 on a GPU
+        trainer.accelerator.native_amp = True
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE)
 
     class Recorder(transformers.TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
@@ -176,32 +186,40 @@ def test_trainer_with_accumulation_and_clipping_equals_the_whole_batch(tmp_path,
 
 
 class Autocast(HFNet):
-    """The reference's forward pass as accelerate runs it under ``bf16=True`` on the CPU:
-    the model under torch.autocast("cpu", torch.bfloat16), its outputs cast to float32."""
+    """The reference's forward pass as accelerate runs it with mixed precision: the model
+    under torch.autocast("cpu", dtype), its outputs cast to float32."""
+
+    def __init__(self, model, dtype: torch.dtype):
+        super().__init__(model)
+        self.dtype = dtype
 
     def forward(self, inputs: dict) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=self.dtype):
             logits = self.hf_forward(**inputs).logits
         return logits.float()
 
 
-def test_bf16_autocast_and_clipping_see_the_unclipped_gradient(tmp_path):
-    """``bf16=True`` on the CPU (accelerate: the forward pass under bf16 autocast, float32
-    parameters and gradients, no GradScaler) with max_grad_norm before AdamW. Mirrors the
-    Lightning bf16-mixed test: every value equals a plain loop on the same float32 model
-    under the same autocast to rtol 1e-5 (float32 arithmetic, the same operations; not 1e-6:
-    float32 sums), so Cockpit sees the backward pass before clipping. The callback makes Alpha
-    measure the real (clipped AdamW) update from the first step, as the reference does with
-    Alpha(predict=False). The GGN instruments take the logits behind accelerate's cast to
-    float32 as the network output. Against float32 without autocast, Loss and GradNorm at
-    step 0 differ by bf16 rounding: less than 2e-2 (about five units of bf16 roundoff
-    2⁻⁸ ≈ 3.9e-3, accumulated over the network's layers; measured: 3e-6 for the loss, which
-    is flat near log 3 at initialization, 7e-4 for GradNorm), and GradNorm by more than 1e-5
-    (autocast was on).
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_and_clipping_see_the_unscaled_unclipped_gradient(tmp_path, precision):
+    """Mixed precision with max_grad_norm before AdamW. ``bf16=True`` on the CPU (accelerate:
+    the forward pass under bf16 autocast, float32 parameters and gradients, no GradScaler).
+    ``fp16=True`` as accelerate runs it on a GPU (float16 autocast, the backward pass of the
+    scaled loss, the gradients unscaled before clipping): on the CPU transformers 5.24 accepts
+    ``fp16=True`` but accelerate 1.15 enables neither autocast nor a GradScaler (float32
+    training), so the test sets both on the Trainer's accelerator.
 
-    ``fp16=True`` is no alternative on the CPU: transformers 5.24 accepts it, but accelerate
-    1.15 enables neither autocast nor a GradScaler there (float32 training)."""
+    Mirrors the Lightning bf16-mixed test: every value equals a plain loop on the same float32
+    model under the same autocast (and the same scaler) to rtol 1e-5 (float32 arithmetic,
+    the same operations; not 1e-6: float32 sums), so Cockpit sees the backward pass unscaled
+    and before clipping. The callback makes Alpha measure the real (clipped AdamW) update
+    from the first step, as the reference does with Alpha(predict=False). The GGN
+    instruments take the logits behind accelerate's cast to float32 as the network output.
+    Against float32 without autocast, Loss and GradNorm at step 0 differ by rounding: less
+    than 2e-2 (about five units of bf16 roundoff 2⁻⁸ ≈ 3.9e-3, accumulated over the
+    network's layers; measured for bf16: 3e-6 for the loss, which is flat near log 3 at
+    initialization, 7e-4 for GradNorm), and GradNorm by more than 1e-6 (autocast was on)."""
     size, clip = 6, 0.05
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     generator = torch.Generator().manual_seed(4)
     batches = [token_batch(size, generator, lm=False) for _ in range(STEPS)]
     items = [item for inputs, labels in batches for item in cut(inputs, labels, 1)]
@@ -210,25 +228,32 @@ def test_bf16_autocast_and_clipping_see_the_unclipped_gradient(tmp_path):
         return [q for q in instruments() if q.name != "HessMaxEV"]
 
     callback, stepped = hf_train(bert(torch.float32), items, 1, tmp_path, chosen(),
-                                 max_grad_norm=clip, bf16=True)
-    assert callback.trainer.accelerator.native_amp and callback.cockpit.grad_scaler is None
+                                 max_grad_norm=clip, precision=precision)
+    assert callback.trainer.accelerator.native_amp
+    scaler = callback.cockpit.grad_scaler  # the Trainer's, handed over by the callback
+    assert scaler is callback.trainer.accelerator.scaler
+    assert (scaler is None) == (precision == "bf16")
     alpha = next(q for q in callback.cockpit.quantities if q.name == "Alpha")
     assert alpha.predict is False  # set by the callback: clipping before AdamW
     output = callback.cockpit.get_output()
 
-    model = Autocast(bert(torch.float32))
+    model = Autocast(bert(torch.float32), dtype)
     opt = adamw(model)
+    own = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE, enabled=scaler is not None)
     reference = chosen()
     next(q for q in reference if q.name == "Alpha").predict = False
-    cockpit = Cockpit(model, reference, optimizer=opt, strict=True)
+    cockpit = Cockpit(model, reference, optimizer=opt, grad_scaler=own if scaler else None,
+                      strict=True)
     for step, (inputs, labels) in enumerate(batches):
         opt.zero_grad()
         losses = sequence_losses(model(inputs), labels)
         with cockpit(step, losses=losses):
-            losses.mean().backward()
+            own.scale(losses.mean()).backward()
+        own.unscale_(opt)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         assert norm > clip
-        opt.step()
+        own.step(opt)
+        own.update()
     cockpit.close()
     expected = cockpit.get_output()
     assert assert_same_values(output, expected, range(STEPS), rtol=1e-5) > 30 * STEPS
@@ -237,6 +262,7 @@ def test_bf16_autocast_and_clipping_see_the_unclipped_gradient(tmp_path):
         stepped_norm = torch.cat([g.flatten() for g in stepped[step].values()]).norm()
         assert float(stepped_norm) == pytest.approx(clip, rel=1e-4)
         assert output[step]["GradNorm"] > 2 * clip
+        assert output[step]["GradNorm"] < 10  # unscaled (the scale is 1024)
 
     plain = bert(torch.float32)  # θ_0 without autocast
     inputs, labels = batches[0]
@@ -245,9 +271,9 @@ def test_bf16_autocast_and_clipping_see_the_unclipped_gradient(tmp_path):
     norm = float(torch.cat([p.grad.flatten() for p in plain.parameters()
                             if p.grad is not None]).norm())
     deviation = {name: abs(output[0][name] - value) / abs(value)
-                 for name, value in (("Loss", float(loss)), ("GradNorm", norm))}
+                 for name, value in (("Loss", float(loss.detach())), ("GradNorm", norm))}
     assert max(deviation.values()) < 2e-2, deviation
-    assert deviation["GradNorm"] > 1e-5, deviation  # (the loss near log 3 is flat in bf16)
+    assert deviation["GradNorm"] > 1e-6, deviation  # (the loss near log 3 is flat)
 
 
 def test_resume_from_checkpoint_keeps_distance(tmp_path):
