@@ -1,8 +1,9 @@
 """Cockpit's Hugging Face Trainer callback against a plain loop with Cockpit on the whole
 batch (tests/split_reference.py): a tiny BERT for sequence classification and a tiny GPT-2
 language model (2 layers, hidden size 32, built from configs), with gradient accumulation and
-gradient clipping; the per-sequence losses against one sequence at a time; the scalars in the
-TensorBoard files of ``report_to``."""
+gradient clipping; DDP on 2 gloo processes with and without accumulation; bf16 and fp16 mixed
+precision against a plain loop under the same autocast; the per-sequence losses against one
+sequence at a time; the scalars in the TensorBoard files of ``report_to``."""
 
 from __future__ import annotations
 
