@@ -76,9 +76,11 @@ def ggn_diagonal(model: nn.Module, logits_of, x) -> torch.Tensor:
 
 
 def check_full(model: nn.Module, loss_of, batches: list, rtol: float = 1e-7,
-               logits_of=None) -> dict:
+               logits_of=None, ggn_loss: bool = True) -> dict:
     """Run :func:`run_full` and compare every value of step 0 with the references.
-    ``logits_of(model, x)``: the logits of a cross-entropy loss, for the GGN reference."""
+    ``logits_of(model, x)``: the logits of a cross-entropy loss, for the GGN reference;
+    ``ggn_loss=False``: the losses are not cross-entropy (or squared error) of the model's
+    whole output (e.g. a language model's shifted token losses): the GGN does not apply."""
     reference_model = copy.deepcopy(model)
     out, thetas, instruments, notes = run_full(model, loss_of, batches)
     names = [k for k, p in reference_model.named_parameters() if p.requires_grad]
@@ -125,18 +127,31 @@ def check_full(model: nn.Module, loss_of, batches: list, rtol: float = 1e-7,
     assert rel_close(out["HessMaxEV"], torch.linalg.eigvalsh(H)[-1].item(), 3e-2)
     trace = torch.diagonal(H).sum().item()
     by_name = {q.name: q for q in instruments}
+    n = G.shape[0]
+
+    def exact_diagonal(method: str) -> torch.Tensor:
+        return (torch.diagonal(H) if method == "diag_hessian"
+                else ggn_diagonal(reference_model, logits_of, x))
+
     method = getattr(by_name["HessTrace"], "method_used", None)
     if method in ("diag_hessian", "diag_ggn_exact"):
-        diag = (torch.diagonal(H) if method == "diag_hessian"
-                else ggn_diagonal(reference_model, logits_of, x))
-        assert rel_close(out["HessTrace"], diag.sum().item(), 1e-6)
-        n = G.shape[0]
-        tic = (G.pow(2).sum(0) / (diag.clamp(min=0) + 1e-7)).sum().item() / n
-        assert rel_close(out["TICDiag"], tic, 1e-6)
+        assert rel_close(out["HessTrace"], exact_diagonal(method).sum().item(), 1e-6)
     else:  # Hutchinson with Rademacher probes: Var(vᵀHv) = 2(‖H‖_F² − Σ_i H_ii²)
         assert method == "hutchinson", method
         samples = getattr(by_name["HessTrace"], "mc_samples", 1)
         sigma = math.sqrt(2 * (H.pow(2).sum() - torch.diagonal(H).pow(2).sum()).item() / samples)
         assert abs(out["HessTrace"] - trace) <= 6 * sigma, (out["HessTrace"], trace, sigma)
+    # TICDiag falls back to the GGN diagonal, not to Hutchinson (curvature_base)
+    method = getattr(by_name["TICDiag"], "method_used", None)
+    if method in ("diag_hessian", "diag_ggn_exact"):
+        diag = exact_diagonal(method)
+        tic = (G.pow(2).sum(0) / (diag.clamp(min=0) + 1e-7)).sum().item() / n
+        assert rel_close(out["TICDiag"], tic, 1e-6)
+    elif ggn_loss:
+        assert method == "hutchinson", method
         assert out["TICDiag"] is not None and math.isfinite(out["TICDiag"])
+    else:  # the GGN needs cross-entropy or squared error on the model's whole output
+        assert out["TICDiag"] is None, out["TICDiag"]
+        assert "not recognized" in notes["TICDiag"], notes.get("TICDiag")
+        assert "curvature='hutchinson'" in notes["TICDiag"], notes["TICDiag"]
     return out

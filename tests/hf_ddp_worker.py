@@ -8,18 +8,20 @@ import pickle
 from pathlib import Path
 
 
-def run(rank: int, world: int, port: int, outdir: str) -> None:
+def run(rank: int, world: int, port: int, outdir: str, micro: int = 1) -> None:
+    """``micro``: the Trainer's gradient_accumulation_steps (each rank's half of a batch cut
+    in ``micro`` micro-batches)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                       RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import torch
 
     torch.set_num_threads(1)
-    from tests.test_transformers import DDP_MICRO, bert, ddp_data, ddp_instruments, hf_train
+    from tests.test_transformers import bert, ddp_data, ddp_instruments, hf_train
 
-    _, shards = ddp_data()
+    _, shards = ddp_data(micro)
     # the Trainer's IterableDatasetShard hands process r the items r, r + world, …
     items = [item for group in zip(*shards, strict=True) for item in group]
-    callback, stepped = hf_train(bert(), items, DDP_MICRO, Path(outdir) / f"r{rank}",
+    callback, stepped = hf_train(bert(), items, micro, Path(outdir) / f"r{rank}",
                                  ddp_instruments(), max_grad_norm=0.0, ddp=True)
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
         pickle.dump({"output": callback.cockpit.get_output(), "stepped": stepped}, file)

@@ -201,3 +201,31 @@ def test_non_finite_step_computes_no_curvature():
     for q in qs:
         assert math.isnan(out[q.name]) and "non-finite loss" in notes[q.name]
         assert q.method_used is None  # nothing was resolved or computed
+
+
+def test_ggn_recognizes_the_loss_behind_a_cast_of_the_model_output():
+    """A model whose output is cast after its last layer (accelerate casts a bf16 model's
+    outputs to float32): the loss is still cross-entropy of the network output, and the exact
+    GGN diagonal equals the one of the uncast float64 network (float32 factor: rtol 1e-5)."""
+    from tests.full_reference import ggn_diagonal
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+    class CastOutput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(x).float()
+
+    model = CastOutput()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    cockpit = Cockpit(model, [quantities.HessTrace(curvature="diag_ggn_exact")], strict=True)
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    expected = ggn_diagonal(net, lambda m, inputs: m(inputs), x).sum().item()
+    assert rel_close(cockpit.get_output()[0]["HessTrace"], expected, 1e-5)

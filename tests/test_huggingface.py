@@ -6,6 +6,7 @@ implementation: the curvature instruments need its second derivatives."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -88,6 +89,10 @@ def vit():
 
 
 MODELS = {"gpt2": gpt2, "bert": bert, "t5": t5, "vit": vit}
+# the logits of the classifiers' cross-entropy, for the GGN reference; the language models'
+# losses (shifted or flattened token losses) are not a loss of the whole output the GGN covers
+LOGITS = {"bert": lambda model, x: model(input_ids=x).logits,
+          "vit": lambda model, x: model(pixel_values=x).logits}
 
 
 def build(name: str):
@@ -104,11 +109,46 @@ def test_full_configuration_on_hugging_face_models(name):
     relative-position bias [1, H, T, T] computed once and reused in every layer; ViT's
     position embeddings and class token are parameters broadcast over the batch. Every value
     of configuration("full") equals the float64 reference (T5 computes its layer norms'
-    variance in float32, hence its tolerance)."""
+    variance in float32, hence its tolerance). Cockpit takes the ``logits`` of the model's
+    ``ModelOutput`` as the network output: TICDiag of the classifiers is the exact GGN's,
+    against the GGN from the logits' Jacobians."""
     model, loss_of, batches = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        check_full(model, loss_of, batches, rtol=1e-6 if name == "t5" else 1e-9)
+        check_full(model, loss_of, batches, rtol=1e-6 if name == "t5" else 1e-9,
+                   logits_of=LOGITS.get(name), ggn_loss=name in LOGITS)
+
+
+def test_curvature_reads_the_logits_of_a_model_output():
+    """A Hugging Face model returns a ModelOutput, not a tensor: Cockpit takes its
+    ``logits`` as the network output f(x), so the instruments built on the GGN
+    (1/|B|) Σ_n J_nᵀ ∇²_f ℓ_n J_n work in a plain loop: HessTrace and TICTrace on the exact
+    GGN, and TICDiag with curvature="auto" (attention is not covered by the exact Hessian
+    diagonal, so TICDiag falls back to the GGN). Against the GGN diagonal from the logits'
+    Jacobians and one backward pass per sample (float64)."""
+    model, loss_of, batches = build("bert")
+    x, y = batches[0]
+    reference = copy.deepcopy(model)
+    tic_diag = quantities.TICDiag()
+    chosen = [quantities.HessTrace(curvature="diag_ggn_exact"), tic_diag,
+              quantities.TICTrace(curvature="diag_ggn_exact")]
+    cockpit = Cockpit(model, chosen, strict=True)
+    losses = loss_of(model, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TICDiag's note: auto uses the GGN
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+    cockpit.close()
+    out = cockpit.get_output()[0]
+    assert tic_diag.method_used == "diag_ggn_exact"
+    diag = ggn_diagonal(reference, LOGITS["bert"], x)
+    G = per_sample_backward(reference, x, y, loss_of=lambda xn, yn: loss_of(reference, xn, yn))
+    n = G.shape[0]
+    assert rel_close(out["HessTrace"], diag.sum().item(), 1e-9)
+    expected = (G.pow(2).sum(0) / (diag.clamp(min=0) + 1e-7)).sum().item() / n
+    assert rel_close(out["TICDiag"], expected, 1e-9)
+    expected = G.pow(2).sum(1).mean().item() / (diag.sum().item() + 1e-7)
+    assert rel_close(out["TICTrace"], expected, 1e-9)
 
 
 class _SharedPositions(nn.Module):

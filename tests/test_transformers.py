@@ -1,8 +1,9 @@
 """Cockpit's Hugging Face Trainer callback against a plain loop with Cockpit on the whole
 batch (tests/split_reference.py): a tiny BERT for sequence classification and a tiny GPT-2
 language model (2 layers, hidden size 32, built from configs), with gradient accumulation and
-gradient clipping; the per-sequence losses against one sequence at a time; the scalars in the
-TensorBoard files of ``report_to``."""
+gradient clipping; DDP on 2 gloo processes with and without accumulation; bf16 and fp16 mixed
+precision against a plain loop under the same autocast; the per-sequence losses against one
+sequence at a time; the scalars in the TensorBoard files of ``report_to``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import transformers
 from torch import nn
 from torch.utils.data import IterableDataset
 
-from cockpit import quantities
+from cockpit import Cockpit, quantities
 from cockpit.integrations.transformers import CockpitCallback, sequence_losses
 from tests.models import Problem
 from tests.split_reference import assert_same_values, instruments, whole_batch_run
@@ -50,7 +51,7 @@ class MicroBatches(IterableDataset):
 # any two ways of summing. The tests keep it out of training.
 
 
-def bert():
+def bert(dtype: torch.dtype = torch.float64):
     config = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
@@ -58,7 +59,7 @@ def bert():
     torch.manual_seed(0)
     # eager attention: the reference's HessMaxEV differentiates twice through it
     model = transformers.BertForSequenceClassification._from_config(
-        config, attn_implementation="eager").double()
+        config, attn_implementation="eager").to(dtype)
     for layer in model.bert.encoder.layer:
         layer.attention.self.key.bias.requires_grad_(False)  # see freeze_key_bias
     return model
@@ -103,7 +104,13 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
 
 
-def hf_train(model, items, micro, tmp_path, chosen, max_grad_norm, ddp=False):
+FP16_SCALE = 2.0 ** 10  # the GradScaler's initial scale in the fp16 tests
+
+
+def hf_train(model, items, micro, tmp_path, chosen, max_grad_norm, ddp=False,
+             precision: str = "no"):
+    """``precision="fp16"`` emulates accelerate's fp16 on a GPU (which it does not enable on
+    the CPU): float16 autocast and a GradScaler, set on the Trainer's accelerator."""
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=1,
         gradient_accumulation_steps=micro, learning_rate=0.01, lr_scheduler_type="constant",
@@ -111,12 +118,16 @@ def hf_train(model, items, micro, tmp_path, chosen, max_grad_norm, ddp=False):
         report_to=["tensorboard"], logging_steps=1,
         save_strategy="no", use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
         dataloader_num_workers=0, ddp_backend="gloo" if ddp else None,
+        bf16=precision == "bf16", fp16=precision == "fp16",
         accelerator_config={"dispatch_batches": False} if ddp else None)
     callback = CockpitCallback(chosen, strict=True)
     stepped = []
     trainer = transformers.Trainer(model=model, args=args, train_dataset=MicroBatches(items),
                                    data_collator=lambda batch: batch[0], callbacks=[callback])
     callback.attach(trainer)
+    if precision == "fp16":  # what accelerate sets up for fp16 on a GPU
+        trainer.accelerator.native_amp = True
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE)
 
     class Recorder(transformers.TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
@@ -173,6 +184,97 @@ def test_trainer_with_accumulation_and_clipping_equals_the_whole_batch(tmp_path,
     assert sorted(logged) == list(range(STEPS))
     for step in range(STEPS):
         assert logged[step] == pytest.approx(output[step]["GradNorm"], rel=1e-6)
+
+
+class Autocast(HFNet):
+    """The reference's forward pass as accelerate runs it with mixed precision: the model
+    under torch.autocast("cpu", dtype), its outputs cast to float32."""
+
+    def __init__(self, model, dtype: torch.dtype):
+        super().__init__(model)
+        self.dtype = dtype
+
+    def forward(self, inputs: dict) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=self.dtype):
+            logits = self.hf_forward(**inputs).logits
+        return logits.float()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_and_clipping_see_the_unscaled_unclipped_gradient(tmp_path, precision):
+    """Mixed precision with max_grad_norm before AdamW. ``bf16=True`` on the CPU (accelerate:
+    the forward pass under bf16 autocast, float32 parameters and gradients, no GradScaler).
+    ``fp16=True`` as accelerate runs it on a GPU (float16 autocast, the backward pass of the
+    scaled loss, the gradients unscaled before clipping): on the CPU transformers 5.24 accepts
+    ``fp16=True`` but accelerate 1.15 enables neither autocast nor a GradScaler (float32
+    training), so the test sets both on the Trainer's accelerator.
+
+    Mirrors the Lightning bf16-mixed test: every value equals a plain loop on the same float32
+    model under the same autocast (and the same scaler) to rtol 1e-5 (float32 arithmetic,
+    the same operations; not 1e-6: float32 sums), so Cockpit sees the backward pass unscaled
+    and before clipping. The callback makes Alpha measure the real (clipped AdamW) update
+    from the first step, as the reference does with Alpha(predict=False). The GGN
+    instruments take the logits behind accelerate's cast to float32 as the network output.
+    Against float32 without autocast, Loss and GradNorm at step 0 differ by rounding: less
+    than 2e-2 (about five units of bf16 roundoff 2⁻⁸ ≈ 3.9e-3, accumulated over the
+    network's layers; measured for bf16: 3e-6 for the loss, which is flat near log 3 at
+    initialization, 7e-4 for GradNorm), and GradNorm by more than 1e-6 (autocast was on)."""
+    size, clip = 6, 0.05
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    generator = torch.Generator().manual_seed(4)
+    batches = [token_batch(size, generator, lm=False) for _ in range(STEPS)]
+    items = [item for inputs, labels in batches for item in cut(inputs, labels, 1)]
+
+    def chosen():
+        return [q for q in instruments() if q.name != "HessMaxEV"]
+
+    callback, stepped = hf_train(bert(torch.float32), items, 1, tmp_path, chosen(),
+                                 max_grad_norm=clip, precision=precision)
+    assert callback.trainer.accelerator.native_amp
+    scaler = callback.cockpit.grad_scaler  # the Trainer's, handed over by the callback
+    assert scaler is callback.trainer.accelerator.scaler
+    assert (scaler is None) == (precision == "bf16")
+    alpha = next(q for q in callback.cockpit.quantities if q.name == "Alpha")
+    assert alpha.predict is False  # set by the callback: clipping before AdamW
+    output = callback.cockpit.get_output()
+
+    model = Autocast(bert(torch.float32), dtype)
+    opt = adamw(model)
+    own = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE, enabled=scaler is not None)
+    reference = chosen()
+    next(q for q in reference if q.name == "Alpha").predict = False
+    cockpit = Cockpit(model, reference, optimizer=opt, grad_scaler=own if scaler else None,
+                      strict=True)
+    for step, (inputs, labels) in enumerate(batches):
+        opt.zero_grad()
+        losses = sequence_losses(model(inputs), labels)
+        with cockpit(step, losses=losses):
+            own.scale(losses.mean()).backward()
+        own.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        assert norm > clip
+        own.step(opt)
+        own.update()
+    cockpit.close()
+    expected = cockpit.get_output()
+    assert assert_same_values(output, expected, range(STEPS), rtol=1e-5) > 30 * STEPS
+    assert output[0]["Alpha"] is not None and output[0]["HessTrace"] is not None
+    for step in range(STEPS):  # the clipped gradient is not what Cockpit reports
+        stepped_norm = torch.cat([g.flatten() for g in stepped[step].values()]).norm()
+        assert float(stepped_norm) == pytest.approx(clip, rel=1e-4)
+        assert output[step]["GradNorm"] > 2 * clip
+        assert output[step]["GradNorm"] < 10  # unscaled (the scale is 1024)
+
+    plain = bert(torch.float32)  # θ_0 without autocast
+    inputs, labels = batches[0]
+    loss = sequence_losses(plain(**inputs).logits, labels).mean()
+    loss.backward()
+    norm = float(torch.cat([p.grad.flatten() for p in plain.parameters()
+                            if p.grad is not None]).norm())
+    deviation = {name: abs(output[0][name] - value) / abs(value)
+                 for name, value in (("Loss", float(loss.detach())), ("GradNorm", norm))}
+    assert max(deviation.values()) < 2e-2, deviation
+    assert deviation["GradNorm"] > 1e-6, deviation  # (the loss near log 3 is flat)
 
 
 def test_resume_from_checkpoint_keeps_distance(tmp_path):
@@ -254,12 +356,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-DDP_MICRO, DDP_SIZE = 1, 8
+DDP_SIZE = 8
 
 
-def ddp_data() -> tuple[list[tuple], list[list[dict]]]:
+def ddp_data(micro: int = 1) -> tuple[list[tuple], list[list[dict]]]:
     """The steps' batches, and each rank's micro-batches (half of each batch, cut in
-    DDP_MICRO)."""
+    ``micro``)."""
     generator = torch.Generator().manual_seed(6)
     batches = [token_batch(DDP_SIZE, generator, lm=False) for _ in range(STEPS)]
     shards: list[list[dict]] = [[], []]
@@ -267,7 +369,7 @@ def ddp_data() -> tuple[list[tuple], list[list[dict]]]:
     for inputs, labels in batches:
         for rank, part in enumerate((slice(0, half), slice(half, DDP_SIZE))):
             shard = {k: v[part] for k, v in inputs.items()}
-            shards[rank].extend(cut(shard, labels[part], DDP_MICRO))
+            shards[rank].extend(cut(shard, labels[part], micro))
     return batches, shards
 
 
@@ -275,27 +377,34 @@ def ddp_instruments() -> list:
     return [q for q in instruments() if q.name != "HessMaxEV"]
 
 
-def test_trainer_with_ddp_gives_every_rank_the_global_batch(tmp_path):
-    """One micro-batch per process: Cockpit processes the layers against the gradient DDP
-    synchronized, which the callback's end-of-backward exit must wait for; Alpha predicts the
-    update on its fast path (no clipping: clipped Adam is not a rescaled Adam step)."""
+@pytest.mark.parametrize("micro", [1, 2])
+def test_trainer_with_ddp_gives_every_rank_the_global_batch(tmp_path, micro):
+    """micro = 1, one micro-batch per process: Cockpit processes the layers against the
+    gradient DDP synchronized, which the callback's end-of-backward exit must wait for.
+    micro = 2 (gradient_accumulation_steps=2, micro-batches of 2 sequences per process): the
+    first backward pass runs under DDP's no_sync (a local gradient), the second one
+    synchronizes; the micro-batches merge, then the ranks. In both Alpha predicts the update
+    on its fast path (no clipping: clipped Adam is not a rescaled Adam step) and is compared
+    with the reference's general path (the real update)."""
     import pickle
 
     import torch.multiprocessing as mp
 
     from tests import hf_ddp_worker
 
-    mp.start_processes(hf_ddp_worker.run, args=(2, free_port(), str(tmp_path)),
+    mp.start_processes(hf_ddp_worker.run, args=(2, free_port(), str(tmp_path), micro),
                        nprocs=2, join=True, start_method="spawn")
     ranks = []
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
             ranks.append(pickle.load(file))
-    batches, _ = ddp_data()
+    batches, _ = ddp_data(micro)
     problem = Problem("bert", HFNet(bert()), None, None, sequence_losses)
-    expected, _ = whole_batch_run(problem, batches, adamw, gradients=ranks[0]["stepped"])
+    expected, _ = whole_batch_run(problem, batches, adamw, gradients=ranks[0]["stepped"],
+                                  chosen=ddp_instruments())
     for result in ranks:
         output = result["output"]
         assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
         for step in range(STEPS):
             assert output[step]["BatchSize"] == DDP_SIZE
+            assert step == STEPS - 1 or output[step]["Alpha"] is not None

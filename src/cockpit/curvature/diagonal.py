@@ -61,14 +61,26 @@ def check_method(method: str) -> None:
         raise ValueError(f"unknown curvature {method!r}; choose one of {', '.join(METHODS)}")
 
 
-def _skip_casts(node):
-    """The node feeding ``node``'s first input, past dtype casts (``out.float()`` or
-    autocast's own cast to float32 before a loss): a cast does not change the loss's
-    Hessian with respect to the model output."""
-    source = node.next_functions[0][0]
-    while source is not None and type(source).__name__ == "ToCopyBackward0":
-        source = source.next_functions[0][0]
-    return source
+# Autograd nodes that pass a tensor on unchanged up to its dtype: a dtype cast (``out.float()``,
+# autocast's own cast to float32 before a loss, accelerate's cast of a bf16 model's outputs to
+# float32) and DistributedDataParallel's identity on its outputs (with
+# find_unused_parameters). They do not change the loss's Hessian with respect to the output.
+PASS_THROUGH = ("ToCopyBackward0", "_DDPSinkBackward")
+
+
+def _origin(node, index: int = 0) -> tuple:
+    """(node, output index) that produced the tensor of edge (``node``, ``index``), past
+    :data:`PASS_THROUGH` nodes (output k of DDP's identity is its input k)."""
+    while node is not None and type(node).__name__ in PASS_THROUGH:
+        node, index = node.next_functions[index if len(node.next_functions) > 1 else 0]
+    return node, index
+
+
+def _is_output(edge: tuple, output: Tensor) -> bool:
+    """Whether the autograd edge (node, index) carries the model output (up to casts)."""
+    got = _origin(*edge)
+    want = _origin(output.grad_fn, output.output_nr)
+    return got[0] is want[0] and got[1] == want[1]
 
 
 def detect_loss(losses: Tensor, output: Tensor | None) -> tuple[str, str]:
@@ -92,9 +104,10 @@ def detect_loss(losses: Tensor, output: Tensor | None) -> tuple[str, str]:
     if kind == "NllLossBackward0" and output is not None:
         log_softmax = node.next_functions[0][0]
         if (type(log_softmax).__name__ == "LogSoftmaxBackward0"
-                and output.grad_fn is _skip_casts(log_softmax)):
+                and _is_output(log_softmax.next_functions[0], output)):
             return "cross_entropy", "mean"
-    if kind == "MseLossBackward0" and output is not None and output.grad_fn is _skip_casts(node):
+    if (kind == "MseLossBackward0" and output is not None
+            and _is_output(node.next_functions[0], output)):
         return "mse", reduction
     raise CurvatureError(
         "the GGN needs per-sample losses that are cross-entropy of the model's output "

@@ -61,6 +61,17 @@ PER_SAMPLE_STATS = frozenset(
 )
 
 
+def network_output(output) -> Tensor | None:
+    """The network output f(x) the curvature instruments backpropagate from (the GGN's
+    J_nᵀ s_n, the Hessian diagonal's graph): the model's output if it is a tensor, the
+    ``logits`` of an output object that has them (a Hugging Face ``ModelOutput``, also after
+    accelerate's conversion to float32), else None (Cockpit then did not see it)."""
+    if isinstance(output, Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    return logits if isinstance(logits, Tensor) else None
+
+
 @dataclass
 class Unit:
     """A module whose calls the tracker reduces, with the parameters it is responsible for."""
@@ -226,7 +237,7 @@ class ModuleTracker:
 
     def _record_model_output(self, module, args, output) -> None:
         if self.capturing and not self._suspended and torch.is_grad_enabled():
-            self.model_output = output if isinstance(output, Tensor) else None
+            self.model_output = network_output(output)
 
     def _record_activation(self, module, args, output) -> None:
         if (self.capturing and not self._suspended and torch.is_grad_enabled()

@@ -32,9 +32,17 @@ How the Trainer's loop maps onto a plain loop:
 Step numbers are ``state.global_step`` (optimizer steps). Checkpoints written in
 ``output_dir`` carry Cockpit's state (θ_0 of Distance, the step numbering) for
 ``train(resume_from_checkpoint=...)``. With DDP every rank's values
-describe the global batch. Scalars go to the loggers of ``report_to`` (TensorBoard, W&B, …)
-as ``cockpit/<name>`` at Cockpit's step number; the run log (``logdir=``) and ``sinks=`` get
-everything.
+describe the global batch (also with ``gradient_accumulation_steps``: the micro-batches under
+DDP's ``no_sync`` merge with the synchronizing one, then the ranks). Mixed precision:
+``bf16=True`` runs the forward pass under autocast; Cockpit reads the float32 gradients before
+clipping, and the curvature instruments the logits behind accelerate's cast to float32 (the
+engine takes a ``ModelOutput``'s ``logits`` as the network output). With ``fp16=True`` the
+Trainer's GradScaler is handed to Cockpit, which unscales (on the CPU accelerate 1.15
+enables neither autocast nor a scaler for ``fp16``: float32 training). With
+``max_grad_norm`` before an Adam-like optimizer Alpha measures the real update
+(:func:`~cockpit.integrations._common.measure_clipped_updates`). Scalars go to the loggers
+of ``report_to`` (TensorBoard, W&B, …) as ``cockpit/<name>`` at Cockpit's step number; the
+run log (``logdir=``) and ``sinks=`` get everything.
 """
 
 from __future__ import annotations
@@ -198,10 +206,6 @@ class CockpitCallback(TrainerCallback):
         if self.cockpit is None:
             return loss
         self._leave(failed=True)  # a previous backward pass that never ran
-        if self.cockpit.tracker.model_output is None and isinstance(logits, Tensor):
-            # a Hugging Face model returns a ModelOutput; the logits are the network output
-            # that curvature instruments (GGN) backpropagate from
-            self.cockpit.tracker.model_output = logits
         context = self.cockpit(trainer.state.global_step, losses=losses)
         context.__enter__()
         self._context = context
