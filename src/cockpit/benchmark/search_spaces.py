@@ -9,8 +9,10 @@ Override any of them with ``--space name=LU(low,high)``.
 The spaces and defaults below are read off the authors' public results repository
 (github.com/SirRob1997/Crowded-Valley---Results), whose result paths spell out every run's
 hyperparameters (``.../<optimizer>/...__beta1__9.65e-01__...__learning_rate__3.15e-03/
-random_seed__42__<time>.json``). The settings read (one-shot runs and the tuning runs of 9
-optimizers on quadratic_deep / no schedule and cifar10_3c3d / cosine) are committed in
+random_seed__42__<time>.json``). The settings read — 375 tuning settings: of 9 optimizers
+on quadratic_deep (constant learning rate), of SGD, Momentum, RMSProp and Adam on
+cifar10_3c3d (cosine), of SGD on mnist_vae (cosine with warm restarts) and of Adam on
+tolstoi_char_rnn; and the one-shot runs — are committed in
 ``benchmarks/data/crowded_valley_settings.txt``; ``python benchmarks/crowded_valley_spaces.py``
 rebuilds the evidence table ``benchmarks/data/crowded_valley_spaces.csv`` from them and
 ``tests/test_crowded_valley_spaces.py`` checks the spaces below against it. What they show:
@@ -33,21 +35,24 @@ rebuilds the evidence table ``benchmarks/data/crowded_valley_spaces.csv`` from t
   numbers are taken over as they are; where TensorFlow's formula differs from torch's they
   do not mean exactly the same (RMSProp adds ε inside the square root and starts the mean
   square at 1; TF's Adam adds ε before the bias correction).
-* The repository has one-shot runs and one tuning budget, ``large_budget``, with 50 tuning
-  runs per problem, schedule and optimizer (draw indices 0 … 49), all from the same fixed
-  distributions: no refinement of the space for larger budgets was found, and the sweep
-  here uses the same spaces for every budget.
+* The repository has one-shot runs and one tuning folder, ``large_budget``, with 50 tuning
+  runs per problem, schedule and optimizer: the draws used go up to run 49 and no further in
+  any folder read, all from the same fixed distributions. In quadratic_deep / Momentum runs
+  0 … 24 date from December 2019 and runs 25 … 49 from April 2020: a 25-run budget extended
+  to 50, i.e. the small and medium budgets below.
 
 Not verified: ``adamw`` (AdamW is not in the benchmark; its space copies Adam's and its
-weight decay stays at torch's default), and the budget sizes below beyond the repository's
-50-run budget (of which the small budget's 25 runs are the first half).
+weight decay stays at torch's default), and the large budget's refined search spaces (not in
+the repository).
 
-Budgets (number of tuning runs with seed 0): ``one-shot`` 1 (defaults), ``small`` 25,
-``medium`` 50, ``large`` 75 — the paper's numbers as remembered (see above). ``scale``
-multiplies them (at least one run), e.g. ``scale=0.2`` gives 5 / 10 / 15 for quick studies.
-With one random sampler seed the medium budget's first 25 runs are the small budget's runs
-(medium ⊇ small), as in the results repository. The best setting (best final validation
-metric) is then rerun with further seeds (the repository: 9 more, seeds 43 … 51).
+Budgets (number of tuning runs with seed 0), as the talk in this project's references lists
+them: ``one-shot`` 1 (defaults), ``small`` 25, ``medium`` 50 (a superset of small), ``large``
+75 "with refined search spaces". How the paper refines them is not known here: the large
+budget uses the same spaces (stated, not hidden). ``scale`` multiplies the numbers (at least
+one run), e.g. ``scale=0.2`` gives 5 / 10 / 15 for quick studies. With one random sampler
+seed the medium budget's first 25 runs are the small budget's runs (medium ⊇ small), as in
+the results repository. The best setting (best final validation metric) is then rerun with
+further seeds (the repository: 9 more, seeds 43 … 51).
 """
 
 from __future__ import annotations
