@@ -117,11 +117,18 @@ def test_one_shot_defaults_are_the_authors_one_shot_run(row):
 
 def test_adamw_copies_adam_and_every_default_builds_its_optimizer():
     assert SEARCH_SPACES["adamw"] == SEARCH_SPACES["adam"]
-    from cockpit.benchmark.optimizers import optimizer_kwargs
+    import torch
+
+    from cockpit.benchmark.optimizers import build_optimizer
 
     for name in SEARCH_SPACES:
-        optimizer_kwargs(name, DEFAULTS[name])  # every key is a constructor argument
-        optimizer_kwargs(name, {k: d.low for k, d in SEARCH_SPACES[name].items()})
+        for end in ("low", "high"):
+            corner = {k: getattr(d, end) for k, d in SEARCH_SPACES[name].items()}
+            parameter = torch.ones(3, dtype=torch.float64, requires_grad=True)
+            optimizer = build_optimizer(name, [parameter], {**DEFAULTS[name], **corner})
+            parameter.grad = torch.full((3,), 0.5, dtype=torch.float64)
+            optimizer.step()  # every key is a constructor argument the optimizer accepts
+            assert torch.isfinite(parameter).all() and (parameter < 1).all(), (name, end)
 
 
 def test_space_overrides_replace_and_add_and_unknown_optimizers_need_one():
