@@ -105,29 +105,35 @@ class BinSpec:
     def edges(self, dtype: torch.dtype = torch.float64, device=None) -> Tensor:
         return torch.linspace(self.lo, self.hi, self.bins + 1, dtype=dtype, device=device)
 
+    def exact_edges(self) -> tuple[Fraction, ...]:
+        """e_0 … e_bins in exact rational arithmetic."""
+        return _exact_edges(self.lo, self.hi, self.bins)
+
     @property
     def zero_bin(self) -> int | None:
-        """m with e_m = 0 exactly (lo·bins/(hi − lo) = −m), if zero is an inner edge (used
-        where ``scale`` is finite in the values' dtype)."""
+        """m with e_m = 0 exactly, if zero is an inner edge (then [e_(m−1), 0) holds every
+        negative value and [0, e_(m+1)) every non-negative one, however small)."""
         return _zero_bin(self.lo, self.hi, self.bins)
 
     def bin_index(self, x: Tensor) -> Tensor:
-        """k(x) for finite x (int64), following the module docstring's definition."""
-        return self.bin_values(x.clone() if x.is_floating_point() else x.double()).long()
-
-    def bin_values(self, y: Tensor) -> Tensor:
-        """k(y) as integral floats, computed in place in y's dtype (the kernels' formula):
-        ⌊y·scale⌋ + m with zero as the edge e_m (sign-aware: a negative y, however
-        small, is below e_m), else ⌊(y − lo)·scale⌋; clamped to [0, bins − 1]."""
-        m = self.zero_bin
-        if m is not None and self.scale <= torch.finfo(y.dtype).max:
-            y.mul_(self.scale).floor_().add_(m)
-        else:
-            y.sub_(self.lo).mul_(self.scale).floor_()
-        return y.clamp_(0, self.bins - 1)
+        """k(x) = #{k ≥ 1 : x ≥ e_k} (int64) for finite x, exact (module docstring);
+        ±inf fall into the edge bins, NaN into an unspecified bin."""
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.double()  # exact for float16, bfloat16 and integers up to 2^53
+        edges = _edges(self, x.dtype, x.device)
+        if not edges.fast:
+            return torch.bucketize(x, edges.thresholds, right=True)
+        x = torch.where(torch.isnan(x), 0.0, x)
+        return _bins_into(x, edges, torch.empty(x.shape, dtype=torch.long, device=x.device))
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- exact edges
+
+
+@functools.lru_cache(maxsize=256)
+def _exact_edges(lo: float, hi: float, bins: int) -> tuple[Fraction, ...]:
+    low, width = Fraction(lo), Fraction(hi) - Fraction(lo)
+    return tuple(low + k * width / bins for k in range(bins + 1))
 
 
 @functools.lru_cache(maxsize=256)
@@ -137,13 +143,161 @@ def _zero_bin(lo: float, hi: float, bins: int) -> int | None:
     return int(m) if m.denominator == 1 and 0 < m < bins else None
 
 
-@functools.lru_cache(maxsize=256)
+_NUMPY_FLOAT = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _round_up(value: Fraction, dtype: torch.dtype) -> float:
+    """The smallest float of ``dtype`` ≥ value (+inf above the largest finite float)."""
+    kind = _NUMPY_FLOAT[dtype]
+    largest = Fraction(float(np.finfo(kind).max))
+    if value > largest:
+        return math.inf
+    if value <= -largest:
+        return -float(largest)
+    c = kind(float(value))  # within a rounding or two of value
+    while Fraction(float(c)) < value:
+        c = np.nextafter(c, kind(np.inf))
+    while Fraction(float(below := np.nextafter(c, kind(-np.inf)))) >= value:
+        c = below
+    return float(c)
+
+
+def _round_down(value: Fraction, dtype: torch.dtype) -> float:
+    """The largest float of ``dtype`` ≤ value (−inf below the smallest finite float)."""
+    return -_round_up(-value, dtype)
+
+
+@dataclass(frozen=True)
+class _Edges:
+    """A BinSpec's exact edges in one float dtype (module docstring, "Exact bins").
+
+    ``thresholds``: T_k = e_k rounded up to the dtype, k = 1 … bins − 1 (x ≥ e_k ⟺ x ≥ T_k
+    for every x of the dtype). ``upper``: T_(k+1) for k = 0 … bins − 2 and NaN for the last
+    bin (the correction table). ``offset``, ``scale``: c and s of the estimate
+    fl(c + s·x) ≤ (x − lo)·bins/(hi − lo) (exact value). ``fast``: the estimate is never
+    more than one bin low (else every kernel uses ``thresholds`` by bisection).
+    """
+
+    thresholds: Tensor
+    upper: Tensor
+    offset: Tensor
+    scale: float
+    fast: bool
+
+    def to(self, device: torch.device) -> _Edges:
+        return _Edges(self.thresholds.to(device), self.upper.to(device),
+                      self.offset.to(device), self.scale, self.fast)
+
+
+@functools.lru_cache(maxsize=64)
+def _edges_cpu(spec: BinSpec, dtype: torch.dtype) -> _Edges:
+    """The tables of :class:`_Edges`, with the error bound that decides ``fast``.
+
+    For finite x in [lo, hi] let p = S·(x − lo), S = bins/(hi − lo), R = max(|lo|, |hi|),
+    s = S rounded to the dtype and u its unit roundoff. fl(c + s·x), with or without a
+    fused multiply-add, differs from c + S·x by at most
+    ε = |s − S|·R + u·(S + |s − S|)·R + u·(bins + 1) + 2·(smallest subnormal).
+    With c = ⌊−S·lo − 2ε⌋ (rounded down to the dtype) the estimate lies in [p − Δ, p],
+    Δ = (−S·lo − c) + ε. Below lo the estimate is at most its value at ⌈lo⌉ (monotone), so
+    below 1 if S·(⌈lo⌉ − lo) < 1; above hi at least its value at ⌊hi⌋, so above bins − 2 if
+    Δ + S·(hi − ⌊hi⌋) < 1. Both are required with margin 1/2; then the estimated bin
+    clamp(⌊fl(c + s·x)⌋, 0, bins − 1) is the exact bin or one below it.
+    """
+    edges = spec.exact_edges()
+    thresholds = [_round_up(e, dtype) for e in edges[1:-1]]
+    upper = [*thresholds, math.nan]
+    kind = _NUMPY_FLOAT[dtype]
+    finfo = np.finfo(kind)
+    u = Fraction(float(finfo.eps)) / 2
+    tiny = Fraction(float(finfo.smallest_subnormal))
+    lo, hi = Fraction(spec.lo), Fraction(spec.hi)
+    exact = spec.bins / (hi - lo)
+    radius = max(abs(lo), abs(hi))
+    largest = Fraction(float(finfo.max))
+    fast = False
+    scale = offset = math.nan
+    if exact <= largest and radius <= largest and exact * radius <= largest / 4:
+        scale = float(kind(float(exact)))
+        err = abs(Fraction(scale) - exact)
+        eps = err * radius + u * (exact + err) * radius + u * (spec.bins + 1) + 2 * tiny
+        offset = _round_down(-exact * lo - 2 * eps, dtype)
+        if math.isfinite(offset) and scale > 0:
+            deficit = (-exact * lo - Fraction(offset)) + eps
+            below = exact * (Fraction(_round_up(lo, dtype)) - lo)
+            above = deficit + exact * (hi - Fraction(_round_down(hi, dtype)))
+            fast = (below <= Fraction(1, 2) and above <= Fraction(1, 2)
+                    and Fraction(float(finfo.tiny)) <= Fraction(scale) and hi <= largest)
+    return _Edges(torch.tensor(thresholds, dtype=dtype), torch.tensor(upper, dtype=dtype),
+                  torch.tensor(offset, dtype=dtype), scale, fast)
+
+
+@functools.lru_cache(maxsize=64)
+def _edges(spec: BinSpec, dtype: torch.dtype, device: torch.device) -> _Edges:
+    return _edges_cpu(spec, dtype).to(device)
+
+
 def _fast_path_ok(spec: BinSpec, dtype: torch.dtype) -> bool:
-    """The fast kernels need lo, scale (> 0) and bins − 1 exactly usable in ``dtype``."""
-    if dtype not in (torch.float32, torch.float64):
-        return False
-    lo, scale, top = torch.tensor([spec.lo, spec.scale, spec.bins - 1], dtype=dtype).tolist()
-    return math.isfinite(lo) and math.isfinite(scale) and scale > 0 and top == spec.bins - 1
+    """Whether the fast kernels (estimate and one correction) are exact for ``dtype``."""
+    return dtype in _NUMPY_FLOAT and _edges_cpu(spec, dtype).fast
+
+
+_LOCAL = threading.local()
+
+
+def _scratch(slot: str, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A flat buffer of n elements, reused by the calling thread (CPU), else new."""
+    if device.type != "cpu":
+        return torch.empty(n, dtype=dtype, device=device)
+    if n > 4 * _CPU_CHUNK:  # not kept: a one-off large call
+        return torch.empty(n, dtype=dtype)
+    buffers = _LOCAL.__dict__.setdefault("buffers", {})
+    buf = buffers.get((slot, dtype))
+    if buf is None or buf.numel() < n:
+        buf = buffers[(slot, dtype)] = torch.empty(max(n, _CPU_CHUNK), dtype=dtype)
+    return buf[:n]
+
+
+def _bins_into(
+    x: Tensor, edges: _Edges, out: Tensor, work: Tensor | None = None, strict: bool = False
+) -> Tensor | None:
+    """k(x) of every element of x (float32/float64, no NaN; ±inf into the edge bins)
+    written to the integer tensor ``out`` (same shape), exact.
+
+    Estimate i = clamp(⌊fl(c + s·x)⌋, 0, bins − 1) (one fused pass; never above the exact
+    bin and at most one below it, see :func:`_edges_cpu`), then i += [x ≥ T_(i+1)] with the
+    rounded-up edge gathered from ``edges.upper``. ``work`` (contiguous, x's shape and
+    dtype, not x itself) receives the estimate; ``strict``: return None, with ``out``
+    untouched, if an estimate is not finite (NaN/±inf input or overflow).
+    """
+    bins = edges.upper.numel()
+    n = x.numel()
+    if n == 0:
+        return out
+    if work is None:
+        work = _scratch("work", n, x.dtype, x.device).view(x.shape)
+    y = torch.add(edges.offset, x, alpha=edges.scale, out=work)
+    low, high = torch.stack(torch.aminmax(y)).tolist()
+    if strict and not (math.isfinite(low) and math.isfinite(high)):
+        return None
+    if low < 0 or high >= bins or not (math.isfinite(low) and math.isfinite(high)):
+        y.clamp_(0, bins - 1)  # for y ≥ 0 the truncating cast below is ⌊y⌋
+    wide = out.dtype in (torch.int32, torch.int64) and out.is_contiguous()
+    index = out if wide else _scratch("index", n, torch.int32, x.device).view(x.shape)
+    index.copy_(y)
+    upper = torch.index_select(edges.upper, 0, index.view(-1), out=y.view(-1)).view(x.shape)
+    reached = _scratch("bool", n, torch.bool, x.device).view(x.shape)
+    if x.device.type == "cpu":  # NumPy's comparison loop: ~1.5× torch's on one core
+        np.greater_equal(x.detach().numpy(), upper.numpy(), out=reached.numpy())
+    else:
+        torch.ge(x, upper, out=reached)
+    if index is not out:
+        out.copy_(index)
+    if out.dtype in (torch.int8, torch.uint8):
+        return out.add_(reached.view(out.dtype))  # same dtype: the vectorized loop
+    return out.add_(reached.to(out.dtype))
+
+
+# --------------------------------------------------------------------------- helpers
 
 
 def _sorted_rows(x: Tensor) -> Tensor:
@@ -256,27 +410,15 @@ def _reference_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
 
 
 def _bin_chunk(chunk: Tensor, spec: BinSpec, work: Tensor, index: Tensor) -> Tensor | None:
-    """k(x) of every element of ``chunk`` written to ``index`` (a small int type).
+    """Exact k(x) of every element of ``chunk`` (float32/float64, fast spec) written to
+    ``index`` (an integer type).
 
-    ``work`` (same shape as ``chunk``, may be ``chunk`` itself) receives (x − lo)·scale.
-    Returns None, with ``index`` untouched, when the chunk holds a value whose scaled
-    position is not finite (NaN/±inf input or overflow): the caller takes the masked path.
+    ``work`` (contiguous, same shape as ``chunk``, not ``chunk`` itself) receives the
+    estimated positions. Returns None, with ``index`` untouched, when the chunk holds a value
+    whose estimated position is not finite (NaN/±inf input or overflow): the caller takes
+    the masked path.
     """
-    m = spec.zero_bin
-    if m is not None:  # sign-aware: ⌊y·scale⌋ + m keeps tiny negative y below the zero edge
-        y = torch.mul(chunk, spec.scale, out=work)
-        y.floor_()
-        y.add_(m)
-    else:
-        y = torch.sub(chunk, spec.lo, out=work)
-        y.mul_(spec.scale)
-    low, high = torch.stack(torch.aminmax(y)).tolist()
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return None
-    if low < 0 or high >= spec.bins:
-        y.clamp_(0, spec.bins - 1)  # for y ≥ 0 the truncating cast below is ⌊y⌋
-    index.copy_(y)
-    return index
+    return _bins_into(chunk, _edges(spec, chunk.dtype, chunk.device), index, work, strict=True)
 
 
 # --------------------------------------------------------------------------- dense 1d
@@ -317,41 +459,10 @@ def _float_to_ordered(x: Tensor) -> Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFFFFFFFFFF, bits)
 
 
-def _ordered_to_float(key: Tensor, dtype: torch.dtype) -> Tensor:
-    """Inverse of :func:`_float_to_ordered`."""
-    mask = 0x7FFFFFFF if dtype == torch.float32 else 0x7FFFFFFFFFFFFFFF
-    bits = torch.where(key < 0, key ^ mask, key)
-    if dtype == torch.float32:
-        return bits.to(torch.int32).view(torch.float32)
-    return bits.view(torch.float64)
-
-
-@functools.lru_cache(maxsize=64)
-def _thresholds_cpu(spec: BinSpec, dtype: torch.dtype) -> Tensor:
-    """t_k = min{finite p of ``dtype`` : bin_index(p) ≥ k} for k = 1 … bins − 1.
-
-    bin_index is monotone, so bin_index(p) = #{k : t_k ≤ p} for every finite p. Bisection
-    over the ordered bit patterns between −max and +max, with bin_index itself as the test.
-    """
-    k = torch.arange(1, spec.bins)
-    finfo = torch.finfo(dtype)
-    ends = _float_to_ordered(torch.tensor([-finfo.max, finfo.max], dtype=dtype))
-    low = ends[0].repeat(k.numel())  # bin_index(low) = 0 < k
-    high = ends[1].repeat(k.numel())  # bin_index(high) = bins − 1 ≥ k
-    for _ in range(70):
-        active = low + 1 != high
-        if not bool(active.any()):
-            break
-        mid = (low >> 1) + (high >> 1) + (low & high & 1)  # ⌊(low + high)/2⌋, no overflow
-        reached = spec.bin_index(_ordered_to_float(mid, dtype)) >= k
-        high = torch.where(active & reached, mid, high)
-        low = torch.where(active & ~reached, mid, low)
-    return _ordered_to_float(high, dtype)
-
-
 def _thresholds(spec: BinSpec, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return _thresholds_cpu(spec, dtype).to(device)
-
+    """T_k = e_k rounded up to ``dtype``, k = 1 … bins − 1: for finite p of the dtype,
+    k(p) = #{k : T_k ≤ p} (the thresholds of the searches)."""
+    return _edges(spec, dtype, device).thresholds
 
 def _sample_keys(values32: Tensor, sample: Tensor) -> Tensor:
     """Keys sample·2³² + rank32(value) that sort (sample, float32 value) pairs as int64."""
@@ -414,7 +525,8 @@ def _outer_materialized(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor
     def buffers() -> tuple[Tensor, ...]:
         m = rows_n * rows_i * J
         return (torch.empty(m, dtype=dtype, device=device),
-                torch.empty(m, dtype=_counting_dtype(spec.bins), device=device))
+                torch.empty(m, dtype=_counting_dtype(spec.bins), device=device),
+                torch.empty(m, dtype=dtype, device=device))
 
     def task(c: int, bufs: tuple[Tensor, ...]) -> tuple[Tensor, int]:
         n0, i0 = (c // blocks_i) * rows_n, (c % blocks_i) * rows_i
@@ -424,7 +536,8 @@ def _outer_materialized(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor
         idx = None
         if fast:
             products = torch.mul(d, x, out=bufs[0][:m].view(d.shape[0], d.shape[1], J))
-            idx = _bin_chunk(products, spec, products, bufs[1][:m].view_as(products))
+            work = bufs[2][:m].view_as(products)
+            idx = _bin_chunk(products, spec, work, bufs[1][:m].view_as(products))
         if idx is None:
             return _reference_dense(d * x, spec)
         return _count(idx, spec.bins), 0
@@ -442,14 +555,15 @@ def _outer_rows_materialized(
 
     def buffers() -> tuple[Tensor, ...]:
         return (torch.empty(rows, J, dtype=a.dtype, device=a.device),
-                torch.empty(rows, J, dtype=_counting_dtype(spec.bins), device=a.device))
+                torch.empty(rows, J, dtype=_counting_dtype(spec.bins), device=a.device),
+                torch.empty(rows, J, dtype=a.dtype, device=a.device))
 
     def task(c: int, bufs: tuple[Tensor, ...]) -> tuple[Tensor, int]:
         d = delta_rows[c * rows : (c + 1) * rows, None]
         picked = sample[c * rows : (c + 1) * rows]
         w = torch.index_select(a, 0, picked, out=bufs[0][: d.shape[0]])
         w.mul_(d)
-        idx = _bin_chunk(w, spec, w, bufs[1][: d.shape[0]])
+        idx = _bin_chunk(w, spec, bufs[2][: d.shape[0]], bufs[1][: d.shape[0]])
         if idx is None:  # cannot happen for screened samples; stay exact regardless
             return _reference_dense(d * a[picked], spec)
         return _count(idx, spec.bins), 0

@@ -77,7 +77,9 @@ from torch import Tensor
 from cockpit.engine.histogram import (
     _MAX_WORKERS,
     BinSpec,
+    _bins_into,
     _chunk_size,
+    _edges,
     _fast_path_ok,
     _index_dtype,
     _pool,
@@ -228,19 +230,16 @@ def _theta_bins(theta: Tensor, spec: BinSpec) -> Tensor:
     """k_θ of every parameter; non-finite θ get the extra bin ``spec.bins``. The smallest
     integer type that holds bins + 1 values keeps the table small for the gathers."""
     dtype = _index_dtype(spec.bins + 1)
-    if (theta.dtype in (torch.float32, torch.float64) and theta.numel()
-            and bool(torch.isfinite(theta).all())):
-        return spec.bin_values(theta.clone()).to(dtype)
-    k = spec.bin_index(theta).masked_fill_(~torch.isfinite(theta), spec.bins)
+    k = spec.bin_index(theta)
+    if theta.is_floating_point() and not bool(torch.isfinite(theta).all()):
+        k.masked_fill_(~torch.isfinite(theta), spec.bins)
     return k.to(dtype)
 
 
 def _bin_(y: Tensor, spec: BinSpec, out: Tensor) -> Tensor:
-    """k(y) into the integer tensor ``out`` for y without NaN, overwriting y.
-
-    :meth:`BinSpec.bin_values` (±inf clamped into the edge bins).
-    """
-    return out.copy_(spec.bin_values(y))
+    """Exact k(y) into the integer tensor ``out`` for float32/float64 y without NaN of a
+    spec with the fast kernels (±inf into the edge bins); y is left unchanged."""
+    return _bins_into(y, _edges(spec, y.dtype, y.device), out)
 
 
 # --------------------------------------------------------------------------- dense
@@ -484,7 +483,7 @@ def _hit_counts(s: _Side, k_theta: Tensor, spec_g: BinSpec, T: int) -> Tensor:
     I, J = k_theta.shape
     dump = spec_g.bins * T
     kt = k_theta.view(-1).index_select(0, (rows % I) * J + cols).long()
-    plus = _bin_(products.clone(), spec_g, torch.empty_like(kt)).mul_(T).add_(kt)
+    plus = _bin_(products, spec_g, torch.empty_like(kt)).mul_(T).add_(kt)
     base = s.cls.base.index_select(0, rows)
     counts = torch.bincount(plus, minlength=dump)
     counts -= torch.bincount(base.mul_(T).add_(kt), minlength=dump)
