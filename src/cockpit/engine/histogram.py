@@ -172,10 +172,20 @@ class _Edges:
     """A BinSpec's exact edges in one float dtype (module docstring, "Exact bins").
 
     ``thresholds``: T_k = e_k rounded up to the dtype, k = 1 … bins − 1 (x ≥ e_k ⟺ x ≥ T_k
-    for every x of the dtype). ``upper``: T_(k+1) for k = 0 … bins − 2 and NaN for the last
-    bin (the correction table). ``offset``, ``scale``: c and s of the estimate
-    fl(c + s·x) ≤ (x − lo)·bins/(hi − lo) (exact value). ``fast``: the estimate is never
-    more than one bin low (else every kernel uses ``thresholds`` by bisection).
+    for every x of the dtype).
+
+    Zero-edge form (``zero`` = m, zero is the edge e_m): estimate ⌊fl(x·s↑)⌋ + m with s↑ a
+    little above bins/(hi − lo), exact in the bins m − 1 and m and otherwise at most one bin
+    too far from zero; ``outer``[k] is the edge to compare with: T_k for k > m (the estimate
+    is one too high iff x < T_k), T_(k+1) for k < m − 1 (one too low iff x ≥ T_(k+1)), NaN
+    for the two exact bins.
+
+    General form (``zero`` None): estimate ⌊fl(c + s·x)⌋ (``offset`` c, ``scale`` s) never
+    above the exact bin and at most one below; ``upper``[k] = T_(k+1) (NaN for the last bin):
+    the estimate is one too low iff x ≥ T_(k+1).
+
+    ``fast``: one of the two forms is exact for every float of the dtype (else every kernel
+    bisects ``thresholds``).
     """
 
     thresholds: Tensor
@@ -183,21 +193,35 @@ class _Edges:
     offset: Tensor
     scale: float
     fast: bool
+    zero: int | None = None
+    zero_scale: float = math.nan
+    outer: Tensor | None = None
 
     def to(self, device: torch.device) -> _Edges:
         return _Edges(self.thresholds.to(device), self.upper.to(device),
-                      self.offset.to(device), self.scale, self.fast)
+                      self.offset.to(device), self.scale, self.fast, self.zero,
+                      self.zero_scale, None if self.outer is None else self.outer.to(device))
 
 
 @functools.lru_cache(maxsize=64)
 def _edges_cpu(spec: BinSpec, dtype: torch.dtype) -> _Edges:
-    """The tables of :class:`_Edges`, with the error bound that decides ``fast``.
+    """The tables of :class:`_Edges`, with the error bounds that decide the form.
 
-    For finite x in [lo, hi] let p = S·(x − lo), S = bins/(hi − lo), R = max(|lo|, |hi|),
-    s = S rounded to the dtype and u its unit roundoff. fl(c + s·x), with or without a
-    fused multiply-add, differs from c + S·x by at most
-    ε = |s − S|·R + u·(S + |s − S|)·R + u·(bins + 1) + 2·(smallest subnormal).
-    With c = ⌊−S·lo − 2ε⌋ (rounded down to the dtype) the estimate lies in [p − Δ, p],
+    Let S = bins/(hi − lo), R = max(|lo|, |hi|), u the unit roundoff of the dtype.
+
+    Zero-edge form (zero = e_m exactly): s↑ = S/(1 − u) rounded up to the dtype. For x > 0,
+    fl(x·s↑) ≥ x·s↑·(1 − u) ≥ x·S where the product is normal (where it is subnormal it is
+    below 1 and so is x·S), and fl(x·s↑) ≤ x·S + Δ₀ with Δ₀ = R·(s↑·(1 + u) − S) for
+    x ≤ R; symmetrically for x < 0. With Δ₀ ≤ 1/2 the estimate ⌊fl(x·s↑)⌋ + m equals the
+    exact bin or lies one further from m, and never across zero: fl keeps the sign of x·s↑
+    when s↑ > 1/2 (no nonzero product rounds to ±0), so ⌊·⌋ + m is m − 1 for every
+    negative x with |x·S| < 1 and m for every non-negative one. Values beyond lo or hi
+    are estimated at least as far out and clamped into the edge bins.
+
+    General form: for finite x in [lo, hi] let p = S·(x − lo) and s = S rounded to the
+    dtype. fl(c + s·x), with or without a fused multiply-add, differs from c + S·x by at
+    most ε = |s − S|·R + u·(S + |s − S|)·R + u·(bins + 1) + 2·(smallest subnormal). With
+    c = −S·lo − 2ε rounded down to the dtype the estimate lies in [p − Δ, p],
     Δ = (−S·lo − c) + ε. Below lo the estimate is at most its value at ⌈lo⌉ (monotone), so
     below 1 if S·(⌈lo⌉ − lo) < 1; above hi at least its value at ⌊hi⌋, so above bins − 2 if
     Δ + S·(hi − ⌊hi⌋) < 1. Both are required with margin 1/2; then the estimated bin
@@ -214,9 +238,21 @@ def _edges_cpu(spec: BinSpec, dtype: torch.dtype) -> _Edges:
     exact = spec.bins / (hi - lo)
     radius = max(abs(lo), abs(hi))
     largest = Fraction(float(finfo.max))
+    usable = (exact <= largest and radius <= largest and exact * radius <= largest / 4
+              and hi <= largest)
+    m = spec.zero_bin
+    if usable and m is not None:
+        zero_scale = _round_up(exact / (1 - u), dtype)
+        overshoot = radius * (Fraction(zero_scale) * (1 + u) - exact)
+        if zero_scale > 0.5 and math.isfinite(zero_scale) and overshoot <= Fraction(1, 2):
+            outer = [thresholds[k - 1] if k > m else thresholds[k] if k < m - 1 else math.nan
+                     for k in range(spec.bins)]
+            return _Edges(torch.tensor(thresholds, dtype=dtype), torch.tensor(upper, dtype=dtype),
+                          torch.tensor(math.nan, dtype=dtype), math.nan, True, m, zero_scale,
+                          torch.tensor(outer, dtype=dtype))
     fast = False
     scale = offset = math.nan
-    if exact <= largest and radius <= largest and exact * radius <= largest / 4:
+    if usable:
         scale = float(kind(float(exact)))
         err = abs(Fraction(scale) - exact)
         eps = err * radius + u * (exact + err) * radius + u * (spec.bins + 1) + 2 * tiny
@@ -226,7 +262,7 @@ def _edges_cpu(spec: BinSpec, dtype: torch.dtype) -> _Edges:
             below = exact * (Fraction(_round_up(lo, dtype)) - lo)
             above = deficit + exact * (hi - Fraction(_round_down(hi, dtype)))
             fast = (below <= Fraction(1, 2) and above <= Fraction(1, 2)
-                    and Fraction(float(finfo.tiny)) <= Fraction(scale) and hi <= largest)
+                    and Fraction(float(finfo.tiny)) <= Fraction(scale))
     return _Edges(torch.tensor(thresholds, dtype=dtype), torch.tensor(upper, dtype=dtype),
                   torch.tensor(offset, dtype=dtype), scale, fast)
 
@@ -260,14 +296,18 @@ def _scratch(slot: str, n: int, dtype: torch.dtype, device: torch.device) -> Ten
 def _bins_into(
     x: Tensor, edges: _Edges, out: Tensor, work: Tensor | None = None, strict: bool = False
 ) -> Tensor | None:
-    """k(x) of every element of x (float32/float64, no NaN; ±inf into the edge bins)
-    written to the integer tensor ``out`` (same shape), exact.
+    """Exact k(x) of every element of x (float32/float64 of a fast spec, no NaN; ±inf into
+    the edge bins) written to the contiguous integer tensor ``out`` of x's shape.
 
-    Estimate i = clamp(⌊fl(c + s·x)⌋, 0, bins − 1) (one fused pass; never above the exact
-    bin and at most one below it, see :func:`_edges_cpu`), then i += [x ≥ T_(i+1)] with the
-    rounded-up edge gathered from ``edges.upper``. ``work`` (contiguous, x's shape and
-    dtype, not x itself) receives the estimate; ``strict``: return None, with ``out``
-    untouched, if an estimate is not finite (NaN/±inf input or overflow).
+    Zero-edge form: i = clamp(⌊fl(x·s↑)⌋ + m, 0, bins − 1), exact in the bins m − 1 and m
+    (the bulk of a gradient's elements) and at most one bin too far from zero elsewhere,
+    corrected with the rounded-up edge ``edges.outer``[i] for the elements outside those
+    two bins (:func:`_fix_outer`). General form: i = clamp(⌊fl(c + s·x)⌋, 0, bins − 1),
+    never above the exact bin and at most one below, then i += [x ≥ T_(i+1)] for every
+    element with T_(i+1) gathered from ``edges.upper``. See :func:`_edges_cpu` for the
+    bounds. ``work`` (contiguous, x's shape and dtype, not x itself) receives the
+    estimate; ``strict``: return None, with ``out`` untouched, if an estimate is not
+    finite (NaN/±inf input or overflow).
     """
     bins = edges.upper.numel()
     n = x.numel()
@@ -275,26 +315,118 @@ def _bins_into(
         return out
     if work is None:
         work = _scratch("work", n, x.dtype, x.device).view(x.shape)
-    y = torch.add(edges.offset, x, alpha=edges.scale, out=work)
+    m = edges.zero
+    if m is not None:  # the old kernel's three passes, with s rounded up
+        y = torch.mul(x, edges.zero_scale, out=work)
+        y.floor_()
+        y.add_(m)
+    else:
+        y = torch.add(edges.offset, x, alpha=edges.scale, out=work)
     low, high = torch.stack(torch.aminmax(y)).tolist()
-    if strict and not (math.isfinite(low) and math.isfinite(high)):
+    finite = math.isfinite(low) and math.isfinite(high)
+    if strict and not finite:
         return None
-    if low < 0 or high >= bins or not (math.isfinite(low) and math.isfinite(high)):
+    if low < 0 or high >= bins or not finite:
         y.clamp_(0, bins - 1)  # for y ≥ 0 the truncating cast below is ⌊y⌋
-    wide = out.dtype in (torch.int32, torch.int64) and out.is_contiguous()
+    if m is not None:
+        out.copy_(y)
+        if low >= m - 1 and high <= m:
+            return out
+        return _fix_outer(x, edges, out, y)
+    wide = out.dtype in (torch.int32, torch.int64)
     index = out if wide else _scratch("index", n, torch.int32, x.device).view(x.shape)
     index.copy_(y)
     upper = torch.index_select(edges.upper, 0, index.view(-1), out=y.view(-1)).view(x.shape)
-    reached = _scratch("bool", n, torch.bool, x.device).view(x.shape)
-    if x.device.type == "cpu":  # NumPy's comparison loop: ~1.5× torch's on one core
-        np.greater_equal(x.detach().numpy(), upper.numpy(), out=reached.numpy())
-    else:
-        torch.ge(x, upper, out=reached)
+    reached = _greater_equal(x, upper)
     if index is not out:
         out.copy_(index)
-    if out.dtype in (torch.int8, torch.uint8):
-        return out.add_(reached.view(out.dtype))  # same dtype: the vectorized loop
-    return out.add_(reached.to(out.dtype))
+    return _add_flags(out, reached, 1)
+
+
+def _greater_equal(x: Tensor, y: Tensor) -> Tensor:
+    """x ≥ y into a reused bool buffer (NumPy's loop on CPU: ~1.5× torch's on one core)."""
+    flags = _scratch("bool", x.numel(), torch.bool, x.device).view(x.shape)
+    if x.device.type == "cpu":
+        np.greater_equal(x.detach().numpy(), y.detach().numpy(), out=flags.numpy())
+    else:
+        torch.ge(x, y, out=flags)
+    return flags
+
+
+def _add_flags(out: Tensor, flags: Tensor, sign: int) -> Tensor:
+    """out += sign·flags (bool), in out's integer type."""
+    step = flags.view(out.dtype) if out.dtype in (torch.int8, torch.uint8) else flags.to(out.dtype)
+    return out.add_(step) if sign > 0 else out.sub_(step)
+
+
+# Up to this many candidates per block are located by successive argmax scans.
+_SCANNED_CANDIDATES = 64
+_UNSIGNED = {torch.int8: np.uint8, torch.uint8: np.uint8, torch.int16: np.uint16,
+             torch.int32: np.uint32, torch.int64: np.uint64}
+
+
+def _outer_candidates(index: Tensor, m: int) -> Tensor | None:
+    """Flat positions (int64) of the estimates outside the bins m − 1 and m, or None when
+    they are more than an eighth of all.
+
+    On CPU: one unsigned comparison (i − (m − 1) wraps for i < m − 1) into a byte mask and
+    its count; a few positions (the usual case: elements outside the two central bins are
+    rare in gradients) are found by successive ``argmax`` scans that stop at the next one.
+    """
+    flat = index.reshape(-1)
+    n = flat.numel()
+    if index.device.type != "cpu":
+        outside = (flat < m - 1) | (flat > m)
+        return None if int(outside.sum()) > n // 8 else outside.nonzero().squeeze(1)
+    kind = _UNSIGNED[flat.dtype]
+    shifted = np.subtract(flat.numpy().view(kind), kind(m - 1),
+                          out=_scratch("shifted", n, index.dtype, index.device).numpy().view(kind))
+    mask = np.greater(shifted, 1, out=_scratch("mask", n, torch.bool, index.device).numpy())
+    count = int(np.count_nonzero(mask))
+    if count > n // 8:
+        return None
+    if count > _SCANNED_CANDIDATES:
+        return torch.from_numpy(np.flatnonzero(mask))
+    positions = np.empty(count, dtype=np.int64)
+    start = 0
+    for k in range(count):
+        start += int(mask[start:].argmax())
+        positions[k] = start
+        start += 1
+    return torch.from_numpy(positions)
+
+
+def _fix_outer(x: Tensor, edges: _Edges, out: Tensor, work: Tensor) -> Tensor:
+    """Zero-edge form: the estimates i outside the bins m − 1 and m become i − [i > m] +
+    [x ≥ outer[i]] (for i > m: one too high iff x < T_i; for i < m − 1: one too low iff
+    x ≥ T_(i+1)). Few such elements are corrected one by one, many with one gather."""
+    m = edges.zero
+    candidates = _outer_candidates(out, m)
+    n = out.numel()
+    if candidates is not None:
+        if candidates.numel() == 0:
+            return out
+        candidates = candidates.to(out.device)
+        flat = out.view(-1)
+        est = flat.index_select(0, candidates).long()
+        if x.is_contiguous():
+            values = x.reshape(-1).index_select(0, candidates)
+        else:
+            values = x[torch.unravel_index(candidates, x.shape)]
+        edge = edges.outer.index_select(0, est)
+        fixed = est - (est > m).long() + (values >= edge).long()
+        flat.index_copy_(0, candidates, fixed.to(out.dtype))
+        return out
+    above = _scratch("above", n, torch.bool, x.device).view(x.shape)
+    if x.device.type == "cpu":
+        np.greater(out.numpy(), m, out=above.numpy())
+    else:
+        torch.gt(out, m, out=above)
+    index = _scratch("index", n, torch.int32, x.device).view(x.shape)
+    index.copy_(out)
+    edge = torch.index_select(edges.outer, 0, index.view(-1), out=work.view(-1)).view(x.shape)
+    _add_flags(out, _greater_equal(x, edge), 1)
+    return _add_flags(out, above, -1)
 
 
 # --------------------------------------------------------------------------- helpers
