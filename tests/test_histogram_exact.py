@@ -107,25 +107,30 @@ def test_dense_paths_at_every_edge(dtype, spec, path, monkeypatch):
     assert bad == (x.numel() // 2 if path == "masked" else 0)
 
 
-@pytest.mark.parametrize("outside", [0, 5, 300, 4000])
+@pytest.mark.parametrize(("outside", "clustered"), [(0, False), (5, False), (150, True),
+                                                   (30000, False)])
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("spec", [SPECS[0], SPECS[5]], ids=[IDS[0], IDS[5]])
-def test_zero_edge_corrections_few_and_many(dtype, spec, outside):
-    """Zero-edge specs bin the two bins at zero directly and correct the elements outside
-    them: none, a few (located one by one), a few hundred (located by one scan) or more
-    than an eighth of the block (corrected with one gather). Edge values sit among
-    gradient-like values inside the two central bins, and tiny values of both signs."""
+def test_zero_edge_corrections_few_and_many(dtype, spec, outside, clustered):
+    """Zero-edge specs bin the two bins at zero directly and correct only the elements
+    outside them: none; a few (found one by one in the blocks whose range leaves the two
+    bins); 150 in the last blocks (found by one scan, the shorter last block included);
+    a large share (corrected with one gather). Edge values sit among gradient-like values
+    inside the two central bins, exact zeros and tiny values of both signs."""
     assert hmod._edges(spec, dtype, torch.device("cpu")).zero == spec.zero_bin
     gen = torch.Generator().manual_seed(outside)
     w = (spec.hi - spec.lo) / spec.bins
-    inner = (torch.rand(20000, generator=gen, dtype=F64) * 1.98 - 0.99) * w
+    inner = (torch.rand(100_003, generator=gen, dtype=F64) * 1.98 - 0.99) * w
     inner[::7] = 0.0
-    inner[1::7] = torch.tensor([-1e-30, 1e-30, -1e-44, 1e-44], dtype=F64).repeat(20000)[
-        : inner[1::7].numel()]
+    tiny = torch.tensor([-1e-30, 1e-30, -1e-44, 1e-44, -0.0], dtype=F64)
+    inner[1::7] = tiny.repeat(inner[1::7].numel())[: inner[1::7].numel()]
     e = edge_values(spec, dtype)
     picked = e[torch.randint(0, e.numel(), (outside,), generator=gen)]
-    x = torch.cat([inner.to(dtype), picked])
-    x = x[torch.randperm(x.numel(), generator=gen)]
+    x = inner.to(dtype)
+    if clustered:
+        x = torch.cat([x, picked])
+    else:
+        x[torch.randperm(x.numel(), generator=gen)[:outside]] = picked
     assert torch.equal(histogram_dense(x, spec)[0], exact_counts(x, spec))
     assert torch.equal(spec.bin_index(x), exact_bins(x, spec))
     theta = x.flip(0)
