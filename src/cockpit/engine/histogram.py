@@ -123,8 +123,10 @@ class BinSpec:
         edges = _edges(self, x.dtype, x.device)
         if not edges.fast:
             return torch.bucketize(x, edges.thresholds, right=True)
-        x = torch.where(torch.isnan(x), 0.0, x)
-        return _bins_into(x, edges, torch.empty(x.shape, dtype=torch.long, device=x.device))
+        out = torch.empty(x.shape, dtype=torch.long, device=x.device)
+        if _bins_into(x, edges, out, strict=True) is not None:
+            return out
+        return _bins_into(torch.where(torch.isnan(x), 0.0, x), edges, out)
 
 
 # --------------------------------------------------------------------------- exact edges

@@ -230,8 +230,12 @@ def _theta_bins(theta: Tensor, spec: BinSpec) -> Tensor:
     """k_θ of every parameter; non-finite θ get the extra bin ``spec.bins``. The smallest
     integer type that holds bins + 1 values keeps the table small for the gathers."""
     dtype = _index_dtype(spec.bins + 1)
+    if theta.numel() and _fast_path_ok(spec, theta.dtype):
+        out = torch.empty(theta.shape, dtype=dtype, device=theta.device)
+        if _bins_into(theta, _edges(spec, theta.dtype, theta.device), out, strict=True) is not None:
+            return out  # all finite
     k = spec.bin_index(theta)
-    if theta.is_floating_point() and not bool(torch.isfinite(theta).all()):
+    if theta.is_floating_point():
         k.masked_fill_(~torch.isfinite(theta), spec.bins)
     return k.to(dtype)
 
