@@ -199,6 +199,10 @@ class _Edges:
     zero_scale: float = math.nan
     outer: Tensor | None = None
 
+    @functools.cached_property
+    def outer_numpy(self) -> np.ndarray:
+        return self.outer.cpu().numpy()
+
     def to(self, device: torch.device) -> _Edges:
         return _Edges(self.thresholds.to(device), self.upper.to(device),
                       self.offset.to(device), self.scale, self.fast, self.zero,
@@ -389,9 +393,9 @@ def _block_ranges(y: Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 def _outer_candidates(
     index: Tensor, m: int, ranges: tuple[np.ndarray, np.ndarray] | None
-) -> Tensor | None:
-    """Flat positions (int64) of the estimates outside the bins m − 1 and m, or None when
-    they are many (then one gather over all elements is cheaper).
+) -> np.ndarray | Tensor | None:
+    """Flat positions of the estimates outside the bins m − 1 and m (int64, a NumPy array
+    on CPU), or None when they are many (then one gather over all elements is cheaper).
 
     On CPU only the blocks whose estimates leave the two bins (``ranges``: their minimum
     and maximum, few in a gradient) are searched, with one unsigned comparison
@@ -408,21 +412,22 @@ def _outer_candidates(
     kind = _UNSIGNED[flat.dtype]
     values = flat.numpy().view(kind)
     full = n // _BLOCK
-    inner = blocks[blocks < full]
-    found = []
-    if inner.size:
-        picked = values[: full * _BLOCK].reshape(full, _BLOCK)[inner]
-        offsets = _flat_nonzero(np.subtract(picked, kind(m - 1), out=picked).reshape(-1) > 1)
-        found.append(inner[offsets // _BLOCK] * _BLOCK + offsets % _BLOCK)
-    if blocks.size and blocks[-1] == full:  # the shorter last block
-        found.append(full * _BLOCK + _flat_nonzero(values[full * _BLOCK:] - kind(m - 1) > 1))
-    positions = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-    return None if positions.size > n // 16 else torch.from_numpy(positions.astype(np.int64))
+    if blocks.size and blocks[-1] == full:  # the shorter last block: search it whole
+        tail = full * _BLOCK + _flat_nonzero(values[full * _BLOCK:] - kind(m - 1) > 1)
+        blocks = blocks[:-1]
+    else:
+        tail = None
+    picked = values[: full * _BLOCK].reshape(full, _BLOCK)[blocks]
+    offsets = _flat_nonzero(np.subtract(picked, kind(m - 1), out=picked).reshape(-1) > 1)
+    positions = blocks[offsets // _BLOCK] * _BLOCK + offsets % _BLOCK
+    if tail is not None:
+        positions = np.concatenate([positions, tail])
+    return None if positions.size > n // 16 else positions
 
 
 def _flat_nonzero(mask: np.ndarray) -> np.ndarray:
     """np.flatnonzero, by successive ``argmax`` scans when the count is small (each stops
-    at the next true entry; ~10× faster than flatnonzero for a few hits)."""
+    at the next true entry)."""
     count = int(np.count_nonzero(mask))
     if count > 64:
         return np.flatnonzero(mask)
@@ -445,16 +450,20 @@ def _fix_outer(
     m = edges.zero
     candidates = _outer_candidates(out, m, ranges)
     n = out.numel()
+    if isinstance(candidates, np.ndarray):  # CPU, few: in NumPy (small calls are cheaper)
+        if candidates.size:
+            flat = out.numpy().reshape(-1)
+            est = flat[candidates].astype(np.int64)
+            values = x.detach().numpy().flat[candidates]
+            edge = edges.outer_numpy[est]
+            flat[candidates] = est - (est > m) + (values >= edge)
+        return out
     if candidates is not None:
         if candidates.numel() == 0:
             return out
-        candidates = candidates.to(out.device)
         flat = out.view(-1)
         est = flat.index_select(0, candidates).long()
-        if x.is_contiguous():
-            values = x.reshape(-1).index_select(0, candidates)
-        else:
-            values = x[torch.unravel_index(candidates, x.shape)]
+        values = x[torch.unravel_index(candidates, x.shape)]
         edge = edges.outer.index_select(0, est)
         fixed = est - (est > m).long() + (values >= edge).long()
         flat.index_copy_(0, candidates, fixed.to(out.dtype))
