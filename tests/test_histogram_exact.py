@@ -87,6 +87,17 @@ def test_bin_index_and_thresholds_at_every_edge(dtype, spec):
     # the values at (rounded up), just below and just above every edge
     on = torch.cat([t, below, torch.nextafter(t, torch.full_like(t, math.inf))])
     assert torch.equal(spec.bin_index(on), exact_bins(on, spec))
+    # both estimates of the fast kernel: the zero-edge form (where zero is an edge) and the
+    # general form (taken for values spread over many bins), into narrow and wide integers
+    edges = hmod._edges(spec, dtype, torch.device("cpu"))
+    assert edges.fast and (edges.zero is not None) == (spec.zero_bin is not None)
+    for spread in (False, True):
+        for index_dtype in (torch.uint8, torch.int16, torch.int32):
+            if spec.bins > 255 and index_dtype == torch.uint8:
+                continue
+            out = torch.empty(x.shape, dtype=index_dtype)
+            hmod._bins_into(x, edges, out, spread=spread)
+            assert torch.equal(out.long(), want), (spread, index_dtype)
 
 
 @pytest.mark.parametrize("path", ["fast", "chunked", "masked"])

@@ -186,8 +186,8 @@ class _Edges:
     above the exact bin and at most one below; ``upper``[k] = T_(k+1) (NaN for the last bin):
     the estimate is one too low iff x ≥ T_(k+1).
 
-    ``fast``: one of the two forms is exact for every float of the dtype (else every kernel
-    bisects ``thresholds``).
+    ``general``: the general form is exact for every float of the dtype; ``fast``: one of
+    the two forms is (else every kernel bisects ``thresholds``).
     """
 
     thresholds: Tensor
@@ -198,6 +198,7 @@ class _Edges:
     zero: int | None = None
     zero_scale: float = math.nan
     outer: Tensor | None = None
+    general: bool = False
 
     @functools.cached_property
     def outer_numpy(self) -> np.ndarray:
@@ -206,7 +207,8 @@ class _Edges:
     def to(self, device: torch.device) -> _Edges:
         return _Edges(self.thresholds.to(device), self.upper.to(device),
                       self.offset.to(device), self.scale, self.fast, self.zero,
-                      self.zero_scale, None if self.outer is None else self.outer.to(device))
+                      self.zero_scale, None if self.outer is None else self.outer.to(device),
+                      self.general)
 
 
 @functools.lru_cache(maxsize=64)
@@ -246,17 +248,7 @@ def _edges_cpu(spec: BinSpec, dtype: torch.dtype) -> _Edges:
     largest = Fraction(float(finfo.max))
     usable = (exact <= largest and radius <= largest and exact * radius <= largest / 4
               and hi <= largest)
-    m = spec.zero_bin
-    if usable and m is not None:
-        zero_scale = _round_up(exact / (1 - u), dtype)
-        overshoot = radius * (Fraction(zero_scale) * (1 + u) - exact)
-        if zero_scale > 0.5 and math.isfinite(zero_scale) and overshoot <= Fraction(1, 2):
-            outer = [thresholds[k - 1] if k > m else thresholds[k] if k < m - 1 else math.nan
-                     for k in range(spec.bins)]
-            return _Edges(torch.tensor(thresholds, dtype=dtype), torch.tensor(upper, dtype=dtype),
-                          torch.tensor(math.nan, dtype=dtype), math.nan, True, m, zero_scale,
-                          torch.tensor(outer, dtype=dtype))
-    fast = False
+    general = False
     scale = offset = math.nan
     if usable:
         scale = float(kind(float(exact)))
@@ -267,10 +259,19 @@ def _edges_cpu(spec: BinSpec, dtype: torch.dtype) -> _Edges:
             deficit = (-exact * lo - Fraction(offset)) + eps
             below = exact * (Fraction(_round_up(lo, dtype)) - lo)
             above = deficit + exact * (hi - Fraction(_round_down(hi, dtype)))
-            fast = (below <= Fraction(1, 2) and above <= Fraction(1, 2)
-                    and Fraction(float(finfo.tiny)) <= Fraction(scale))
+            general = (below <= Fraction(1, 2) and above <= Fraction(1, 2)
+                       and Fraction(float(finfo.tiny)) <= Fraction(scale))
+    m = spec.zero_bin
+    zero_scale, outer = math.nan, None
+    if usable and m is not None:
+        zero_scale = _round_up(exact / (1 - u), dtype)
+        overshoot = radius * (Fraction(zero_scale) * (1 + u) - exact)
+        if zero_scale > 0.5 and math.isfinite(zero_scale) and overshoot <= Fraction(1, 2):
+            outer = torch.tensor([thresholds[k - 1] if k > m else thresholds[k] if k < m - 1
+                                  else math.nan for k in range(spec.bins)], dtype=dtype)
     return _Edges(torch.tensor(thresholds, dtype=dtype), torch.tensor(upper, dtype=dtype),
-                  torch.tensor(offset, dtype=dtype), scale, fast)
+                  torch.tensor(offset, dtype=dtype), scale, general or outer is not None,
+                  m if outer is not None else None, zero_scale, outer, general)
 
 
 @functools.lru_cache(maxsize=64)
@@ -300,7 +301,8 @@ def _scratch(slot: str, n: int, dtype: torch.dtype, device: torch.device) -> Ten
 
 
 def _bins_into(
-    x: Tensor, edges: _Edges, out: Tensor, work: Tensor | None = None, strict: bool = False
+    x: Tensor, edges: _Edges, out: Tensor, work: Tensor | None = None, strict: bool = False,
+    spread: bool = False,
 ) -> Tensor | None:
     """Exact k(x) of every element of x (float32/float64 of a fast spec, no NaN; ±inf into
     the edge bins) written to the contiguous integer tensor ``out`` of x's shape.
@@ -313,7 +315,8 @@ def _bins_into(
     element with T_(i+1) gathered from ``edges.upper``. See :func:`_edges_cpu` for the
     bounds. ``work`` (contiguous, x's shape and dtype, not x itself) receives the
     estimate; ``strict``: return None, with ``out`` untouched, if an estimate is not
-    finite (NaN/±inf input or overflow).
+    finite (NaN/±inf input or overflow); ``spread``: the caller expects values spread over
+    many bins (the general form then costs fewer passes).
     """
     bins = edges.upper.numel()
     n = x.numel()
@@ -321,7 +324,7 @@ def _bins_into(
         return out
     if work is None:
         work = _scratch("work", n, x.dtype, x.device).view(x.shape)
-    m = edges.zero
+    m = edges.zero if not (spread and edges.general) else None
     if m is not None:  # the old kernel's three passes, with s rounded up
         y = torch.mul(x, edges.zero_scale, out=work)
         y.floor_()
@@ -599,7 +602,9 @@ def _reference_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
     return torch.bincount(spec.bin_index(flat), minlength=spec.bins), num_nonfinite
 
 
-def _bin_chunk(chunk: Tensor, spec: BinSpec, work: Tensor, index: Tensor) -> Tensor | None:
+def _bin_chunk(
+    chunk: Tensor, spec: BinSpec, work: Tensor, index: Tensor, spread: bool = False
+) -> Tensor | None:
     """Exact k(x) of every element of ``chunk`` (float32/float64, fast spec) written to
     ``index`` (an integer type).
 
@@ -608,7 +613,8 @@ def _bin_chunk(chunk: Tensor, spec: BinSpec, work: Tensor, index: Tensor) -> Ten
     whose estimated position is not finite (NaN/±inf input or overflow): the caller takes
     the masked path.
     """
-    return _bins_into(chunk, _edges(spec, chunk.dtype, chunk.device), index, work, strict=True)
+    edges = _edges(spec, chunk.dtype, chunk.device)
+    return _bins_into(chunk, edges, index, work, strict=True, spread=spread)
 
 
 # --------------------------------------------------------------------------- dense 1d
@@ -753,7 +759,7 @@ def _outer_rows_materialized(
         picked = sample[c * rows : (c + 1) * rows]
         w = torch.index_select(a, 0, picked, out=bufs[0][: d.shape[0]])
         w.mul_(d)
-        idx = _bin_chunk(w, spec, bufs[2][: d.shape[0]], bufs[1][: d.shape[0]])
+        idx = _bin_chunk(w, spec, bufs[2][: d.shape[0]], bufs[1][: d.shape[0]], spread=True)
         if idx is None:  # cannot happen for screened samples; stay exact regardless
             return _reference_dense(d * a[picked], spec)
         return _count(idx, spec.bins), 0

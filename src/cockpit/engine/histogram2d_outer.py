@@ -240,10 +240,11 @@ def _theta_bins(theta: Tensor, spec: BinSpec) -> Tensor:
     return k.to(dtype)
 
 
-def _bin_(y: Tensor, spec: BinSpec, out: Tensor) -> Tensor:
+def _bin_(y: Tensor, spec: BinSpec, out: Tensor, spread: bool = False) -> Tensor:
     """Exact k(y) into the integer tensor ``out`` for float32/float64 y without NaN of a
-    spec with the fast kernels (±inf into the edge bins); y is left unchanged."""
-    return _bins_into(y, _edges(spec, y.dtype, y.device), out)
+    spec with the fast kernels (±inf into the edge bins); y is left unchanged. ``spread``:
+    values over many bins expected (see :func:`~cockpit.engine.histogram._bins_into`)."""
+    return _bins_into(y, _edges(spec, y.dtype, y.device), out, spread=spread)
 
 
 # --------------------------------------------------------------------------- dense
@@ -285,7 +286,7 @@ def _dense(
                 flat = spec_g.bin_index(products.masked_fill(~finite, 0)) * T + kt
                 flat = flat.masked_fill_(~finite, dump)
                 return torch.bincount(flat.view(-1), minlength=dump + 1)[:dump], bad
-        index = _bin_(products, spec_g, bufs[1][:m].view(shape))
+        index = _bin_(products, spec_g, bufs[1][:m].view(shape), spread=True)
         index.mul_(T).add_(kt)
         return torch.bincount(index.view(-1), minlength=dump), 0
 
@@ -725,7 +726,7 @@ def _heavy_tasks(
             row_base = c.base.index_select(0, r).to(torch.int32).unsqueeze(1)
             base = torch.where(c.mask.index_select(0, n), row_base, base)
         index = _bin_(values.mul_(flat_delta[r].unsqueeze(1)), spec_g,
-                      torch.empty_like(kt, dtype=torch.int32))
+                      torch.empty_like(kt, dtype=torch.int32), spread=True)
         counts = torch.bincount(index.mul_(T).add_(kt).view(-1), minlength=dump)
         counts -= torch.bincount(base.mul_(T).add_(kt).view(-1), minlength=dump)
         return counts
