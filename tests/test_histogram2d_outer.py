@@ -1,6 +1,7 @@
 """histogram2d_outer (2-D histogram of Linear-layer individual gradients δ_n a_nᵀ against θ)
-against brute force: materialize every product fl(δ·a), bin it with the documented formula
-evaluated independently in numpy (same dtype), count the pairs with the θ bins."""
+against brute force: materialize every product fl(δ·a), bin it exactly (compared with the
+rational edges rounded up to float64, tests.reference.bin_indices), count the pairs with the
+θ bins."""
 
 from __future__ import annotations
 

@@ -1,39 +1,47 @@
 """Exact histograms of individual-gradient elements (paper eq. 15 and 16).
 
-Bins: ``BinSpec(lo, hi, bins)`` has edges e_k = lo + k·(hi − lo)/bins. A finite value x
-falls into bin
+Bins: ``BinSpec(lo, hi, bins)`` has edges e_k = lo + k·(hi − lo)/bins, in exact rational
+arithmetic. A finite value x falls into bin
 
-    k(x) = clamp(⌊(x − lo) · bins / (hi − lo)⌋, 0, bins − 1),
+    k(x) = #{k ∈ 1 … bins − 1 : x ≥ e_k} = clamp(⌊(x − lo)·bins/(hi − lo)⌋, 0, bins − 1)
 
-so bin k holds [e_k, e_{k+1}), values below ``lo`` are clamped into the first and values at
-or above ``hi`` into the last bin ("outliers clamped into the edge bins", as in the paper).
-Non-finite values (NaN, ±inf) are counted in no bin; every function returns
-``(counts, num_nonfinite)``.
+(exact real arithmetic), so bin k holds e_k ≤ x < e_{k+1}, values below ``lo`` are clamped
+into the first and values at or above ``hi`` into the last bin ("outliers clamped into the
+edge bins", as in the paper); ±0 fall into the bin that holds 0. Non-finite values (NaN,
+±inf) are counted in no bin; every function returns ``(counts, num_nonfinite)``. The counts
+are exact at every edge, for float32 and float64 data on every path (tested against
+``fractions.Fraction`` at, just below and just above every edge).
 
-The formula is evaluated by :meth:`BinSpec.bin_values` in the dtype of ``x``, sign-aware:
-where zero is an edge e_m (exactly, e.g. the defaults (−2, 2, 100) and (−1, 1, 40)) as
+Exact bins. For x of a float dtype, x ≥ e_k ⟺ x ≥ T_k with T_k = e_k rounded *up* to the
+dtype (computed once per spec and dtype from the rational edge), so k(x) = #{k : x ≥ T_k}.
+The kernels first estimate the bin with one to three cheap float operations whose error is
+bounded (:func:`_edges_cpu` proves the bounds per spec and dtype) and then compare x with
+the one rounded-up edge that can be wrong:
 
-    k(x) = clamp(⌊fl(x · scale)⌋ + m, 0, bins − 1),
+* zero-edge form (zero is an edge e_m, e.g. the defaults (−2, 2, 100), (−1, 1, 40)):
+  i = clamp(⌊fl(x·s↑)⌋ + m, 0, bins − 1) with s↑ = bins/(hi − lo) rounded a little up. The
+  sign of x alone decides between [e_(m−1), 0) and [0, e_(m+1)) at every magnitude, and an
+  error can only put x one bin further from zero, so the two bins at zero (the bulk of a
+  gradient) are exact as estimated; an estimate i outside them is corrected to
+  i − [i > m] + [x ≥ outer(i)] (outer(i) = T_i above zero, T_(i+1) below). Blocks of 4096
+  whose estimates stay in the two bins are skipped; a few corrections are made one by one,
+  many with one gather over the block.
+* general form (other specs, and blocks of values spread over many bins):
+  i = clamp(⌊fl(c + s·x)⌋, 0, bins − 1), never above the exact bin and at most one below,
+  then i += [x ≥ T_(i+1)] with one gather of the rounded-up edges.
 
-so the sign of x alone decides between the bins [−w, 0) and [0, w) at every magnitude
-(fl(x − lo) rounds a negative x above −6e-8 to −lo in float32, which put it in [0, w));
-elsewhere as ⌊fl(fl(x − lo) · scale)⌋. Against exact (rational) arithmetic the only
-difference left: a value within one rounding of x·scale *below* a non-zero edge (relative
-distance ≤ 2⁻²⁴ in float32, at most the one float next to the edge: 58 of the 99 inner
-edges of the default spec) is counted one bin high. Making those exact needs x·scale
-without rounding (float64 arithmetic: ~3× the binning arithmetic in a micro-benchmark).
-Every fast kernel below reproduces the evaluation bit for bit:
+Specs for which neither bound holds (e.g. bins narrower than a few float spacings, or a
+scale outside the dtype's range) and other dtypes (converted to float64, exact for float16
+and bfloat16) bisect T directly (``torch.bucketize``), which is exact too. The kernels:
 
-* :func:`histogram_dense` runs the same two float operations chunk by chunk in a cache-sized
-  buffer; ``clamp`` followed by the truncating cast to a small integer type equals
-  ``clamp(floor(·))``; one ``aminmax`` per chunk detects NaN/±inf (and decides whether the
-  clamp is needed at all); only chunks that hold non-finite values take the masked path.
+* :func:`histogram_dense` bins chunk by chunk in cache-sized buffers; one range reduction
+  per chunk detects NaN/±inf (and decides whether the clamp is needed at all); only chunks
+  that hold non-finite values take the masked path.
 * :func:`histogram_outer` never forms the N·I·J products p = fl(δ_{n,i}·a_{n,j}). Because
-  k(·) is monotone, k(p) = #{k ≥ 1 : p ≥ t_k} with the exact thresholds
-  t_k = min{p of the dtype : k(p) ≥ k} (found once per spec by bisection over the bit
-  patterns). For a fixed row (n, i) the map j ↦ fl(δ·s_j) over the sorted a_n = s is
-  monotone, so #{j : fl(δ·s_j) ≥ t_k} is a boundary index in s: it is located with one
-  ``searchsorted`` at t_k/δ and then *verified* with the exact product on both sides of
+  k(·) is monotone, k(p) = #{k ≥ 1 : p ≥ T_k} with the rounded-up edges T_k as thresholds.
+  For a fixed row (n, i) the map j ↦ fl(δ·s_j) over the sorted a_n = s is monotone, so
+  #{j : fl(δ·s_j) ≥ T_k} is a boundary index in s: it is located with one
+  ``searchsorted`` at T_k/δ and then *verified* with the exact product on both sides of
   the boundary; the rare unverified queries are bisected with the exact product. A row
   whose products all fall into one bin costs O(1). Rows spanning many bins (|δ| large
   against the bin width), samples with non-finite entries or a possible overflow, and
@@ -42,8 +50,7 @@ Every fast kernel below reproduces the evaluation bit for bit:
   k_g·bins_θ + k_θ and one ``bincount`` per chunk.
 
 On CPU the chunks are shared by up to ``torch.get_num_threads()`` worker threads (so the
-serial ``bincount`` runs on every core); on other devices each call is one chunk. Dtypes
-other than float32/float64 use the plain definition.
+serial ``bincount`` runs on every core); on other devices each call is one chunk.
 """
 
 from __future__ import annotations
