@@ -93,13 +93,15 @@ def main() -> None:
            interleaved(call("old", "histogram_dense", wide), call("new", "histogram_dense", wide),
                        args.repeats))
 
-    for scale in (1e-2, 1e-1):
+    for scale in (1e-2, 1e-1, 1.0):
         delta = scale * torch.randn(128, 512, generator=gen)
         a = torch.randn(128, 1152, generator=gen).relu()
         n = delta.numel() * a.shape[1]
         report(f"`histogram_outer`, 3C3D fc1, δ = {scale:g}·randn", n, interleaved(
             call("old", "histogram_outer", delta, a), call("new", "histogram_outer", delta, a),
             args.repeats))
+        if scale == 1.0:
+            continue
         w = 0.05 * torch.randn(512, 1152, generator=gen)
         report(f"`histogram2d_outer`, 3C3D fc1, δ = {scale:g}·randn", n, interleaved(
             call("old", "histogram2d_outer", delta, a, w, two_d=True),

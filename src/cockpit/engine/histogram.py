@@ -614,12 +614,22 @@ def _looks_spread(flat: Tensor, spec: BinSpec) -> bool:
     bins at zero (then the general form of the estimate is cheaper; only a choice of cost,
     both forms are exact)."""
     m = spec.zero_bin
-    if m is None or flat.numel() < 2 * _BLOCK:
+    if m is None or flat.numel() < 1024:
         return False
-    sample = flat[:: flat.numel() // _BLOCK]
+    sample = flat[:: max(1, flat.numel() // _BLOCK)]
     edges = spec.exact_edges()
     outside = (sample < float(edges[m - 1])) | (sample >= float(edges[m + 1]))
     return int(outside.sum()) * 8 > sample.numel()
+
+
+def _sample_products(delta: Tensor, a: Tensor) -> Tensor:
+    """About 4·_BLOCK of the products δ[n, i]·a[n, j] on a strided grid (for
+    :func:`_looks_spread`)."""
+    N, I = delta.shape
+    step_n = max(1, N // 4)
+    d = delta[::step_n, :: max(1, I // 32)]
+    x = a[::step_n, :: max(1, a.shape[1] // 32)]
+    return (d[:, :, None] * x[:, None, :]).reshape(-1)
 
 
 def _bin_chunk(
@@ -738,6 +748,7 @@ def _outer_materialized(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor
     rows_n = max(1, size // (rows_i * J)) if rows_i == I else 1
     blocks_i = -(-I // rows_i)
     fast = _fast_path_ok(spec, dtype)
+    spread = fast and _looks_spread(_sample_products(delta, a), spec)
 
     def buffers() -> tuple[Tensor, ...]:
         m = rows_n * rows_i * J
@@ -754,7 +765,7 @@ def _outer_materialized(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor
         if fast:
             products = torch.mul(d, x, out=bufs[0][:m].view(d.shape[0], d.shape[1], J))
             work = bufs[2][:m].view_as(products)
-            idx = _bin_chunk(products, spec, work, bufs[1][:m].view_as(products))
+            idx = _bin_chunk(products, spec, work, bufs[1][:m].view_as(products), spread)
         if idx is None:
             return _reference_dense(d * x, spec)
         return _count(idx, spec.bins), 0
