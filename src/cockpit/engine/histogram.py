@@ -610,16 +610,18 @@ def _reference_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
 
 
 def _looks_spread(flat: Tensor, spec: BinSpec) -> bool:
-    """Whether more than an eighth of a strided sample of ~4096 values lies outside the two
-    bins at zero (then the general form of the estimate is cheaper; only a choice of cost,
-    both forms are exact)."""
+    """Whether more than 1 in 1000 of a strided sample of ~4096 values lies outside the two
+    bins at zero: then most blocks of the zero-edge form need the gathered correction and
+    the general form is cheaper (measured 2.0–2.4 against 2.6–3.2 ns/element from 0.5 %
+    outside on; the zero-edge form wins below ~0.01 %). Only a choice of cost: both forms
+    are exact."""
     m = spec.zero_bin
     if m is None or flat.numel() < 1024:
         return False
     sample = flat[:: max(1, flat.numel() // _BLOCK)]
     edges = spec.exact_edges()
     outside = (sample < float(edges[m - 1])) | (sample >= float(edges[m + 1]))
-    return int(outside.sum()) * 8 > sample.numel()
+    return int(outside.sum()) * 1000 > sample.numel()
 
 
 def _sample_products(delta: Tensor, a: Tensor) -> Tensor:
