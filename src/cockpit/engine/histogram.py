@@ -329,6 +329,11 @@ def _bins_into(
     n = x.numel()
     if n == 0:
         return out
+    if not out.is_contiguous():  # the corrections write through flat views of out
+        dense = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        if _bins_into(x, edges, dense, work, strict, spread) is None:
+            return None
+        return out.copy_(dense)
     if work is None:
         work = _scratch("work", n, x.dtype, x.device).view(x.shape)
     m = edges.zero if not (spread and edges.general) else None
