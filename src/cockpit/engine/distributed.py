@@ -16,10 +16,15 @@ The layout of both buffers comes from the parameter names and the requested stat
 same on every rank; a parameter without gradient on a rank contributes zeros (its individual
 gradients are zero there) and a presence flag. Works for any backend whose tensors live on
 the parameters' device (gloo on CPU, NCCL on CUDA).
+
+Every all-reduce goes through :func:`all_reduce_sum`, which returns only once the backend has
+let go of the buffer (see there: otherwise a process can abort at exit).
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Sequence
 
 import torch
@@ -71,6 +76,50 @@ def rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return 0
+
+
+# How long all_reduce_sum waits for the backend to release a buffer before it stops waiting
+# (for this and every later call): gloo releases within microseconds of the collective.
+_RELEASE_TIMEOUT = 1.0
+_release_waits = True
+
+
+def all_reduce_sum(buffer: Tensor) -> None:
+    """``dist.all_reduce(buffer)`` (sum), returning only after the backend has dropped its
+    references to ``buffer``, so that no backend thread has to touch the buffer's Python
+    object afterwards.
+
+    Why: gloo's worker thread marks the collective done first and drops its references to
+    the tensors a moment later; measured, after about 1 in 5 calls it still holds them when
+    ``all_reduce`` returns (torch 2.13). While it holds them, the tensor keeps a reference to
+    its Python object, and dropping the last C++ reference releases that one: the gloo
+    thread must take the GIL. If the process is exiting by then (interpreter finalization
+    has begun), CPython ≤ 3.13 ends that thread with ``pthread_exit``; the unwinding meets
+    torch's ``noexcept`` destructor and the process aborts: SIGABRT, "terminate called
+    without an active exception" (pytorch/pytorch#190489). Cockpit's reductions are often
+    the last collectives before a process exits, so they wait here until both counts —
+    the tensor's C++ references and its Python object's references — are back to what they
+    were before the call. That costs two reference-count reads when gloo was done already,
+    otherwise a few short sleeps (which hand the GIL and the CPU to gloo's thread).
+
+    Only CPU tensors are waited for: on CUDA (NCCL) the backend holds them until the GPU has
+    finished, which this function does not wait for.
+    """
+    global _release_waits
+    use_count = getattr(buffer, "_use_count", None)
+    if use_count is None or not _release_waits or buffer.device.type != "cpu":
+        dist.all_reduce(buffer)
+        return
+    before = (use_count(), sys.getrefcount(buffer))
+    dist.all_reduce(buffer)
+    deadline = time.monotonic() + _RELEASE_TIMEOUT
+    pause = 1e-5
+    while use_count() > before[0] or sys.getrefcount(buffer) > before[1]:
+        if time.monotonic() > deadline:
+            _release_waits = False  # this backend keeps references: waiting cannot help
+            return
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
 
 
 class _Layout:
@@ -159,7 +208,7 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
                 layout.view(buffer, "directions:" + key, name).fill_(value.shape[0])
                 layout.view(buffer, "directions:" + key + "?", name).fill_(1)
 
-    dist.all_reduce(buffer)
+    all_reduce_sum(buffer)
 
     counts = [int(c) for c in layout.view(buffer, "header", "samples").tolist()]
     total = sum(counts)
@@ -238,7 +287,7 @@ def gather_samples(local: BackwardStatistics, out: BackwardStatistics, counts: l
             buffer[offset: offset + k, total] = 1
         offset += k
 
-    dist.all_reduce(buffer)
+    all_reduce_sum(buffer)
 
     for index, (kind, name) in enumerate(rows):
         if buffer[index, total] == 0:
@@ -271,5 +320,5 @@ def gather_vector(local: Tensor, counts: list[int], device: torch.device) -> Ten
     start = sum(counts[:me])
     buffer = torch.zeros(sum(counts), dtype=torch.float64, device=device)
     buffer[start: start + counts[me]] = local.double().to(device)
-    dist.all_reduce(buffer)
+    all_reduce_sum(buffer)
     return buffer.cpu()

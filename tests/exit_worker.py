@@ -1,0 +1,122 @@
+"""One process of a 2-process gloo run that ends right after its last collective, started by
+tests/test_distributed_exit.py and scripts/ddp_exit_stress.py:
+
+    python -m tests.exit_worker RANK PORT [--last cockpit|tensor|ddp] [--pin] [--idle]
+                                          [--linger SECONDS] [--unsafe-release]
+                                          [--exit return|destroy|orderly]
+
+It trains a small MLP with DistributedDataParallel for a few steps and leaves. ``--last``
+chooses the last collective: Cockpit's reduction at the end of the last tracked step
+(``cockpit``), a ``dist.all_reduce`` of a tensor dropped at once without Cockpit (``tensor``),
+or DDP's own gradient all-reduce (``ddp``).
+
+The levers make the exit race of gloo's worker thread (see
+``cockpit.engine.distributed.all_reduce_sum``) happen on purpose instead of by chance under
+load: ``--pin`` puts all threads of rank r on one CPU, ``--idle`` gives gloo's worker threads
+the SCHED_IDLE policy, so a gloo thread that has just woken the main thread is preempted
+before it drops its references to the collective's tensors and runs again only when the
+main thread blocks; ``--linger`` makes interpreter finalization block (an object whose
+``__del__`` sleeps), as a slow finalizer would. ``--unsafe-release`` runs Cockpit's
+reductions with a plain ``dist.all_reduce`` (Cockpit before the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def gloo_worker_threads() -> list[int]:
+    """Thread ids of gloo's worker threads ("pt_gloo_runloop") of this process."""
+    time.sleep(0.1)  # the threads name themselves after they started
+    tids = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as file:
+            if file.read().startswith("pt_gloo"):
+                tids.append(int(tid))
+    return tids
+
+
+class Linger:
+    """Freed during interpreter finalization; its sleep releases the GIL and the CPU."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __del__(self):
+        time.sleep(self.seconds)
+
+
+def run(rank: int, port: int, options: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    if options.pin:  # gloo's threads, started below, inherit the CPU
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    if options.idle:
+        for tid in gloo_worker_threads():
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    model = DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    cockpit = None
+    if options.last == "cockpit":
+        import cockpit.engine.distributed as reduction
+        from cockpit import Cockpit, quantities
+
+        if options.unsafe_release:
+            reduction.all_reduce_sum = dist.all_reduce
+        cockpit = Cockpit(model, [quantities.GradNorm(), quantities.NormTest(),
+                                  quantities.GradHist1d(), quantities.Alpha()], optimizer=opt)
+    for step in range(options.steps):
+        x = torch.randn(16, 20, generator=generator)
+        y = torch.randint(0, 5, (16,), generator=generator)
+        opt.zero_grad()
+        losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        if cockpit is not None:
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+        else:
+            losses.mean().backward()
+        opt.step()
+    if cockpit is not None:
+        cockpit.close()
+    if options.last == "tensor":
+        dist.all_reduce(torch.zeros(4096))  # its only Python reference is dropped at once
+    if options.linger:
+        global _LINGER
+        _LINGER = Linger(options.linger)
+    if options.exit == "orderly":
+        import gc
+
+        del cockpit, opt, model, losses
+        gc.collect()
+        dist.barrier()
+    if options.exit in ("destroy", "orderly"):
+        dist.destroy_process_group()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--last", choices=["cockpit", "tensor", "ddp"], default="cockpit")
+    p.add_argument("--exit", choices=["return", "destroy", "orderly"], default="return")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--pin", action="store_true")
+    p.add_argument("--idle", action="store_true")
+    p.add_argument("--linger", type=float, default=0.0)
+    p.add_argument("--unsafe-release", action="store_true")
+    return p
+
+
+if __name__ == "__main__":
+    import sys
+
+    run(int(sys.argv[1]), int(sys.argv[2]), parser().parse_args(sys.argv[3:]))
