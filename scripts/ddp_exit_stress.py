@@ -19,48 +19,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import resource
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_pair(worker_args: list[str], cwd: Path | None = None, cores: bool = False,
-             timeout: float = 120.0) -> list[tuple[int, str]]:
-    """Both ranks of one run: [(exit code, stderr)] in rank order."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
-
-    def allow_cores():
-        resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY,) * 2)
-
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.exit_worker", str(r), port,
-                               *worker_args], env=env, cwd=cwd or ROOT,
-                              stderr=subprocess.PIPE, text=True,
-                              preexec_fn=allow_cores if cores else None)
-             for r in range(2)]
-    results = []
-    for proc in procs:
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        results.append((proc.returncode, err))
-    return results
+from tests.exit_worker import run_pair  # noqa: E402
 
 
 def main() -> None:

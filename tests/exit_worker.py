@@ -1,5 +1,5 @@
-"""One process of a 2-process gloo run that ends right after its last collective, started by
-tests/test_distributed_exit.py and scripts/ddp_exit_stress.py:
+"""One process of a 2-process gloo run that ends right after its last collective, started (with
+:func:`run_pair`) by tests/test_distributed_exit.py and scripts/ddp_exit_stress.py:
 
     python -m tests.exit_worker RANK PORT [--last cockpit|tensor|ddp] [--pin] [--idle]
                                           [--linger SECONDS] [--unsafe-release]
@@ -24,7 +24,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def gloo_worker_threads() -> list[int]:
@@ -104,6 +111,41 @@ def run(rank: int, port: int, options: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pair(worker_args: list[str], cwd: Path | None = None, cores: bool = False,
+             timeout: float = 120.0) -> list[tuple[int, str]]:
+    """Start both ranks (fresh processes) with ``worker_args`` and wait for them:
+    [(exit code, stderr)] in rank order. ``cores``: aborting processes dump core (in
+    ``cwd``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+
+    def allow_cores():
+        resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY,) * 2)
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.exit_worker", str(r), port,
+                               *worker_args], env=env, cwd=cwd or ROOT,
+                              stderr=subprocess.PIPE, text=True,
+                              preexec_fn=allow_cores if cores else None)
+             for r in range(2)]
+    results = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        results.append((proc.returncode, err))
+    return results
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--last", choices=["cockpit", "tensor", "ddp"], default="cockpit")
@@ -117,6 +159,4 @@ def parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    import sys
-
     run(int(sys.argv[1]), int(sys.argv[2]), parser().parse_args(sys.argv[3:]))
