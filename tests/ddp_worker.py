@@ -63,7 +63,7 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
             pickle.dump({"output": cockpit.get_output(), "notes": cockpit.get_notes(),
                          "stepped": stepped,
                          "warnings": [str(w.message) for w in recorded]}, file)
-        leave_process_group()  # a barrier first: no gloo thread still busy when we exit
+        leave_process_group()  # barrier, os._exit(0): no gloo thread can abort our exit
     except BaseException:
         dist.destroy_process_group()
         raise
