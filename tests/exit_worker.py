@@ -60,7 +60,7 @@ def run(rank: int, port: int, options: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(options.threads)
     if options.pin:  # gloo's threads, started below, inherit the CPU
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
@@ -70,7 +70,9 @@ def run(rank: int, port: int, options: argparse.Namespace) -> None:
         for tid in gloo_worker_threads():
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    width = options.width
+    net = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),
+                              torch.nn.Linear(width, 5))
     model = DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
@@ -81,10 +83,13 @@ def run(rank: int, port: int, options: argparse.Namespace) -> None:
 
         if options.unsafe_release:
             reduction.all_reduce_sum = dist.all_reduce
-        cockpit = Cockpit(model, [quantities.GradNorm(), quantities.NormTest(),
-                                  quantities.GradHist1d(), quantities.Alpha()], optimizer=opt)
+        instruments = [quantities.GradNorm(), quantities.NormTest(), quantities.GradHist1d(),
+                       quantities.Alpha()]
+        if options.threads > 1:  # its θ bins are a background job of the thread pool
+            instruments.append(quantities.GradHist2d())
+        cockpit = Cockpit(model, instruments, optimizer=opt)
     for step in range(options.steps):
-        x = torch.randn(16, 20, generator=generator)
+        x = torch.randn(16, width, generator=generator)
         y = torch.randint(0, 5, (16,), generator=generator)
         opt.zero_grad()
         losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
@@ -96,6 +101,12 @@ def run(rank: int, port: int, options: argparse.Namespace) -> None:
         opt.step()
     if cockpit is not None:
         cockpit.close()
+        if options.threads > 1:
+            from cockpit.engine import histogram
+
+            print(f"rank {rank}: Cockpit's histogram thread pool "
+                  f"{'ran' if histogram._POOL is not None else 'was not used'}",
+                  file=sys.stderr, flush=True)
     if options.last == "tensor":
         dist.all_reduce(torch.zeros(4096))  # its only Python reference is dropped at once
     if options.linger:
@@ -172,6 +183,10 @@ def parser() -> argparse.ArgumentParser:
                    help="leave without destroy_process_group, with it, or with "
                         "leave_process_group() (barrier, os._exit)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads; with more than one, GradHist2d joins the instruments "
+                        "and Cockpit's histograms use its thread pool")
+    p.add_argument("--width", type=int, default=32)
     p.add_argument("--pin", action="store_true")
     p.add_argument("--idle", action="store_true")
     p.add_argument("--linger", type=float, default=0.0)
