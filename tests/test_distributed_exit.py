@@ -3,19 +3,21 @@ last reduction.
 
 The abort this guards against (SIGABRT, "terminate called without an active exception"):
 gloo's worker thread marks a collective done, wakes the caller, and drops its references to
-the collective's tensors a moment later. Dropping the last one releases the tensor's Python
-object, for which the gloo thread takes the GIL; if the interpreter is finalizing by then,
-CPython ≤ 3.13 ends the thread with pthread_exit and the unwinding aborts the process in a
-``noexcept`` destructor of torch. ``cockpit.engine.distributed.all_reduce_sum`` waits until
-gloo has let go of Cockpit's buffers.
+the collective's tensors a moment later. While it holds them, a tensor holds its Python
+object, and the gloo thread takes the GIL to let go of it (core dump: runLoop →
+~AsyncAllreduceWork → TensorImpl::decref_pyobject → take_gil → pthread_exit →
+std::terminate). If the interpreter is finalizing by then, CPython ≤ 3.13 ends the thread
+with pthread_exit and the unwinding aborts the process in a ``noexcept`` destructor.
+``cockpit.engine.distributed.all_reduce_sum`` waits until gloo has let go of Cockpit's
+buffers.
 
-The exit test makes the race certain instead of rare (tests/exit_worker.py): all threads of a
-process on one CPU, gloo's worker threads with the SCHED_IDLE policy (preempted by the main
-thread they wake, before they drop the tensors) and a finalizer that sleeps 50 ms. Measured on
-the 2-core development machine (scripts/ddp_exit_stress.py, benchmarks/RESULTS.md): with
-Cockpit's reductions as plain ``dist.all_reduce`` (before the fix) 13 of 14 runs had an
-aborting process, 25 of 28 processes; with the fix 0 of 26 runs. Three runs here: the old
-code passes them with probability below 1e-3.
+The exit test makes the race nearly certain instead of rare (tests/exit_worker.py): all
+threads of a process on one CPU, gloo's worker threads with the SCHED_IDLE policy (preempted
+by the main thread they wake, before they drop the tensors) and a finalizer that sleeps
+50 ms. Measured on the 2-core development machine (scripts/ddp_exit_stress.py,
+benchmarks/RESULTS.md): with Cockpit's reductions as plain ``dist.all_reduce`` (before the
+fix) 28 of 30 runs had an aborting process (51 of 60 processes); with the fix 0 of 30. The
+old code passes the three runs here with probability about (2/30)³ ≈ 3e-4.
 """
 
 from __future__ import annotations
