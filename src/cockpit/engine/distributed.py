@@ -17,12 +17,13 @@ same on every rank; a parameter without gradient on a rank contributes zeros (it
 gradients are zero there) and a presence flag. Works for any backend whose tensors live on
 the parameters' device (gloo on CPU, NCCL on CUDA).
 
-Every all-reduce goes through :func:`all_reduce_sum`, which returns only once the backend has
-let go of the buffer (see there: otherwise a process can abort at exit).
+Every all-reduce goes through :func:`all_reduce_sum`, which keeps the buffer until the backend
+has let go of it (see there: otherwise a process can abort at exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import sys
 import time
 from collections.abc import Sequence
@@ -78,48 +79,67 @@ def rank() -> int:
     return 0
 
 
-# How long all_reduce_sum waits for the backend to release a buffer before it stops waiting
-# (for this and every later call): gloo releases within microseconds of the collective.
-_RELEASE_TIMEOUT = 1.0
-_release_waits = True
+# Buffers of recent all-reduces that gloo may still hold (see all_reduce_sum), and how long
+# settle() waits for them at most.
+_held: list[Tensor] = []
+_MAX_HELD = 16
+_SETTLE_TIMEOUT = 2.0
 
 
 def all_reduce_sum(buffer: Tensor) -> None:
-    """``dist.all_reduce(buffer)`` (sum), returning only after the backend has dropped its
-    references to ``buffer``, so that no backend thread has to touch the buffer's Python
-    object afterwards.
+    """``dist.all_reduce(buffer)`` (sum); the buffer is kept (not freed) until the backend has
+    let go of it, so that its Python object is never freed by a backend thread.
 
     Why: gloo's worker thread marks the collective done first and drops its references to
     the tensors a moment later; measured, after about 1 in 5 calls it still holds them when
-    ``all_reduce`` returns (torch 2.13). While it holds them, the tensor keeps a reference to
-    its Python object, and dropping the last C++ reference releases that one: the gloo
-    thread must take the GIL. If the process is exiting by then (interpreter finalization
-    has begun), CPython ≤ 3.13 ends that thread with ``pthread_exit``; the unwinding meets
-    torch's ``noexcept`` destructor and the process aborts: SIGABRT, "terminate called
-    without an active exception" (pytorch/pytorch#190489). Cockpit's reductions are often
-    the last collectives before a process exits, so they wait here until both counts —
-    the tensor's C++ references and its Python object's references — are back to what they
-    were before the call. That costs two reference-count reads when gloo was done already,
-    otherwise a few short sleeps (which hand the GIL and the CPU to gloo's thread).
+    ``all_reduce`` returns (torch 2.13). While it holds them, the tensor holds its Python
+    object, and the gloo thread takes the GIL to let go of it — and frees it, if the caller
+    has dropped the tensor meanwhile. If the process is exiting by then (interpreter
+    finalization has begun), CPython ≤ 3.13 ends that thread with ``pthread_exit``; the
+    unwinding meets torch's ``noexcept`` destructor and the process aborts: SIGABRT,
+    "terminate called without an active exception" (pytorch/pytorch#190489). Cockpit's
+    reductions are often the last collectives before a process exits.
 
-    Only CPU tensors are waited for: on CUDA (NCCL) the backend holds them until the GPU has
-    finished, which this function does not wait for.
+    So the buffer joins ``_held``; each later call frees the held buffers gloo is done with,
+    in the calling thread, and :func:`settle` (run by ``atexit``, before the interpreter
+    starts finalizing) waits for the rest. Between steps this
+    costs nothing: the training goes on while gloo finishes. The callers must not keep the
+    buffer (``gather_vector`` returns a copy), or it stays held until :func:`settle` gives
+    up. CUDA tensors are not held: NCCL keeps them until the GPU has finished.
     """
-    global _release_waits
-    use_count = getattr(buffer, "_use_count", None)
-    if use_count is None or not _release_waits or buffer.device.type != "cpu":
-        dist.all_reduce(buffer)
-        return
-    before = (use_count(), sys.getrefcount(buffer))
     dist.all_reduce(buffer)
-    deadline = time.monotonic() + _RELEASE_TIMEOUT
+    if buffer.device.type != "cpu" or not hasattr(buffer, "_use_count"):
+        return
+    _held[:] = [_held[i] for i in range(len(_held)) if not _let_go(i)]
+    del _held[:-_MAX_HELD]  # a buffer someone else keeps would be held for ever
+    _held.append(buffer)
+
+
+def _let_go(i: int) -> bool:
+    """Whether the backend is done with ``_held[i]``: no C++ reference besides the one of its
+    Python object, and the Python object referenced by the list alone (while the tensor is
+    shared in C++, it holds its Python object: one more reference). No other name may refer
+    to the buffer during the call (2 = the list's reference and getrefcount's argument)."""
+    return _held[i]._use_count() == 1 and sys.getrefcount(_held[i]) == 2
+
+
+def settle(timeout: float = _SETTLE_TIMEOUT) -> bool:
+    """Wait (sleeping, which hands the GIL and the CPU to gloo's thread) until the backend
+    has let go of every held buffer, then free them here. False if some were still held
+    after ``timeout`` seconds (they stay held)."""
+    deadline = time.monotonic() + timeout
     pause = 1e-5
-    while use_count() > before[0] or sys.getrefcount(buffer) > before[1]:
+    while True:
+        _held[:] = [_held[i] for i in range(len(_held)) if not _let_go(i)]
+        if not _held:
+            return True
         if time.monotonic() > deadline:
-            _release_waits = False  # this backend keeps references: waiting cannot help
-            return
+            return False
         time.sleep(pause)
         pause = min(2 * pause, 1e-3)
+
+
+atexit.register(settle)
 
 
 class _Layout:
@@ -321,4 +341,4 @@ def gather_vector(local: Tensor, counts: list[int], device: torch.device) -> Ten
     buffer = torch.zeros(sum(counts), dtype=torch.float64, device=device)
     buffer[start: start + counts[me]] = local.double().to(device)
     all_reduce_sum(buffer)
-    return buffer.cpu()
+    return buffer.to("cpu", copy=True)  # the buffer itself stays with all_reduce_sum
