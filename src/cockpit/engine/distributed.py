@@ -100,17 +100,21 @@ def all_reduce_sum(buffer: Tensor) -> None:
     "terminate called without an active exception" (pytorch/pytorch#190489). Cockpit's
     reductions are often the last collectives before a process exits.
 
-    So the buffer joins ``_held``; each later call frees the held buffers gloo is done with,
-    in the calling thread, and :func:`settle` (run by ``atexit``, before the interpreter
-    starts finalizing) waits for the rest. Between steps this
-    costs nothing: the training goes on while gloo finishes. The callers must not keep the
+    So a buffer gloo still holds when ``all_reduce`` returns joins ``_held``; each later call
+    frees the held buffers gloo is done with, in the calling thread, and :func:`settle` (run
+    by ``atexit``, before the interpreter starts finalizing) waits for the rest. Nothing
+    waits during training: it goes on while gloo finishes. The callers must not keep the
     buffer (``gather_vector`` returns a copy), or it stays held until :func:`settle` gives
     up. CUDA tensors are not held: NCCL keeps them until the GPU has finished.
     """
-    dist.all_reduce(buffer)
     if buffer.device.type != "cpu" or not hasattr(buffer, "_use_count"):
+        dist.all_reduce(buffer)
         return
+    before = (buffer._use_count(), sys.getrefcount(buffer))
+    dist.all_reduce(buffer)
     _held[:] = [_held[i] for i in range(len(_held)) if not _let_go(i)]
+    if (buffer._use_count(), sys.getrefcount(buffer)) == before:
+        return  # gloo has let go already (most calls): the caller frees the buffer
     del _held[:-_MAX_HELD]  # a buffer someone else keeps would be held for ever
     _held.append(buffer)
 
