@@ -16,7 +16,7 @@ threads of a process on one CPU, gloo's worker threads with the SCHED_IDLE polic
 by the main thread they wake, before they drop the tensors) and a finalizer that sleeps
 50 ms. Measured on the 2-core development machine (scripts/ddp_exit_stress.py,
 benchmarks/RESULTS.md): with Cockpit's reductions as plain ``dist.all_reduce`` (before the
-fix) 28 of 30 runs had an aborting process (51 of 60 processes); with the fix 0 of 12 (and
+fix) 28 of 30 runs had an aborting process (51 of 60 processes); with the fix 0 of 26 (and
 0 of 44 with two earlier versions of it). The old code passes the three
 runs here with probability about (2/30)³ ≈ 3e-4.
 """
