@@ -5,7 +5,6 @@ and saves what Cockpit recorded on this rank."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import pickle
 import warnings
@@ -16,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cockpit import Cockpit
 from cockpit.engine.reduction import StepReduction
+from tests.exit_worker import leave_process_group
 from tests.models import make_problem
 from tests.split_reference import instruments
 
@@ -84,12 +84,7 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
             pickle.dump({"output": cockpit.get_output(), "notes": cockpit.get_notes(),
                          "stepped": stepped, "union_projections": projections[0],
                          "warnings": [str(w.message) for w in recorded]}, file)
-        # Orderly shutdown: DDP's reducer keeps the process group (and gloo's worker threads)
-        # alive after destroy_process_group(); freed at interpreter exit instead, they can
-        # abort the process (torch's teardown, not Cockpit's). Free them while both ranks
-        # are still here.
-        del cockpit, opt, model
-        gc.collect()
-        dist.barrier()
-    finally:
+        leave_process_group()  # barrier, os._exit(0): no gloo thread can abort our exit
+    except BaseException:
         dist.destroy_process_group()
+        raise

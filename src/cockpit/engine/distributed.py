@@ -16,10 +16,16 @@ The layout of both buffers comes from the parameter names and the requested stat
 same on every rank; a parameter without gradient on a rank contributes zeros (its individual
 gradients are zero there) and a presence flag. Works for any backend whose tensors live on
 the parameters' device (gloo on CPU, NCCL on CUDA).
+
+Every all-reduce goes through :func:`all_reduce_sum`, which keeps the buffer until the backend
+has let go of it (see there: otherwise a process can abort at exit).
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
+import time
 from collections.abc import Sequence
 
 import torch
@@ -72,6 +78,73 @@ def rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return 0
+
+
+# Buffers of recent all-reduces that gloo may still hold (see all_reduce_sum), and how long
+# settle() waits for them at most.
+_held: list[Tensor] = []
+_MAX_HELD = 16
+_SETTLE_TIMEOUT = 2.0
+
+
+def all_reduce_sum(buffer: Tensor) -> None:
+    """``dist.all_reduce(buffer)`` (sum); the buffer is kept (not freed) until the backend has
+    let go of it, so that its Python object is never freed by a backend thread.
+
+    Why: gloo's worker thread marks the collective done first and drops its references to
+    the tensors a moment later; measured, after about 1 in 5 calls it still holds them when
+    ``all_reduce`` returns (torch 2.13). While it holds them, the tensor holds its Python
+    object, and the gloo thread takes the GIL to let go of it — and frees it, if the caller
+    has dropped the tensor meanwhile. If the process is exiting by then (interpreter
+    finalization has begun), CPython ≤ 3.13 ends that thread with ``pthread_exit``; the
+    unwinding meets torch's ``noexcept`` destructor and the process aborts: SIGABRT,
+    "terminate called without an active exception" (pytorch/pytorch#190489). Cockpit's
+    reductions are often the last collectives before a process exits.
+
+    So a buffer gloo still holds when ``all_reduce`` returns joins ``_held``; each later call
+    frees the held buffers gloo is done with, in the calling thread, and :func:`settle` (run
+    by ``atexit``, before the interpreter starts finalizing) waits for the rest. Nothing
+    waits during training: it goes on while gloo finishes. The callers must not keep the
+    buffer (``gather_vector`` returns a copy), or it stays held until :func:`settle` gives
+    up. CUDA tensors are not held: NCCL keeps them until the GPU has finished.
+    """
+    if buffer.device.type != "cpu" or not hasattr(buffer, "_use_count"):
+        dist.all_reduce(buffer)
+        return
+    before = (buffer._use_count(), sys.getrefcount(buffer))
+    dist.all_reduce(buffer)
+    _held[:] = [_held[i] for i in range(len(_held)) if not _let_go(i)]
+    if (buffer._use_count(), sys.getrefcount(buffer)) == before:
+        return  # gloo has let go already (most calls): the caller frees the buffer
+    del _held[:-_MAX_HELD]  # a buffer someone else keeps would be held for ever
+    _held.append(buffer)
+
+
+def _let_go(i: int) -> bool:
+    """Whether the backend is done with ``_held[i]``: no C++ reference besides the one of its
+    Python object, and the Python object referenced by the list alone (while the tensor is
+    shared in C++, it holds its Python object: one more reference). No other name may refer
+    to the buffer during the call (2 = the list's reference and getrefcount's argument)."""
+    return _held[i]._use_count() == 1 and sys.getrefcount(_held[i]) == 2
+
+
+def settle(timeout: float = _SETTLE_TIMEOUT) -> bool:
+    """Wait (sleeping, which hands the GIL and the CPU to gloo's thread) until the backend
+    has let go of every held buffer, then free them here. False if some were still held
+    after ``timeout`` seconds (they stay held)."""
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while True:
+        _held[:] = [_held[i] for i in range(len(_held)) if not _let_go(i)]
+        if not _held:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+
+
+atexit.register(settle)
 
 
 class _Layout:
@@ -164,7 +237,7 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
                 layout.view(buffer, "directions:" + key, name).fill_(value.shape[0])
                 layout.view(buffer, "directions:" + key + "?", name).fill_(1)
 
-    dist.all_reduce(buffer)
+    all_reduce_sum(buffer)
 
     counts = [int(c) for c in layout.view(buffer, "header", "samples").tolist()]
     total = sum(counts)
@@ -244,7 +317,7 @@ def gather_samples(local: BackwardStatistics, out: BackwardStatistics, counts: l
             buffer[offset: offset + k, total] = 1
         offset += k
 
-    dist.all_reduce(buffer)
+    all_reduce_sum(buffer)
 
     for index, (kind, name) in enumerate(rows):
         if buffer[index, total] == 0:
@@ -277,5 +350,5 @@ def gather_vector(local: Tensor, counts: list[int], device: torch.device) -> Ten
     start = sum(counts[:me])
     buffer = torch.zeros(sum(counts), dtype=torch.float64, device=device)
     buffer[start: start + counts[me]] = local.double().to(device)
-    dist.all_reduce(buffer)
-    return buffer.cpu()
+    all_reduce_sum(buffer)
+    return buffer.to("cpu", copy=True)  # the buffer itself stays with all_reduce_sum
