@@ -63,10 +63,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     old_hist, old_2d = load_old(args.before)
-    # each side bins with its own BinSpec class (the kernels call its methods)
-    old_spec = old_hist.BinSpec(SPEC.lo, SPEC.hi, SPEC.bins)
-    old_g = old_hist.BinSpec(SPEC_G.lo, SPEC_G.hi, SPEC_G.bins)
-    old_theta = old_hist.BinSpec(SPEC_THETA.lo, SPEC_THETA.hi, SPEC_THETA.bins)
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, median of "
           f"{args.repeats} interleaved runs; columns: old, new")
@@ -74,13 +70,13 @@ def main() -> None:
     x = 0.01 * torch.randn(16, 895_210, generator=gen)
     x[torch.rand(x.shape, generator=gen) < 0.3] = 0.0
     theta = torch.randn(895_210, generator=gen)
-    assert torch.equal(old_hist.histogram_dense(x, old_spec)[0].sum(), new_hist.histogram_dense(
+    assert torch.equal(old_hist.histogram_dense(x, SPEC)[0].sum(), new_hist.histogram_dense(
         x, SPEC)[0].sum())
     report("histogram_dense 16x895210 (3C3D), 0.01*randn", x.numel(), interleaved(
-        lambda: old_hist.histogram_dense(x, old_spec), lambda: new_hist.histogram_dense(x, SPEC),
+        lambda: old_hist.histogram_dense(x, SPEC), lambda: new_hist.histogram_dense(x, SPEC),
         args.repeats))
     report("histogram2d_dense, same g, theta ~ randn", x.numel(), interleaved(
-        lambda: old_hist.histogram2d_dense(x, theta, old_g, old_theta),
+        lambda: old_hist.histogram2d_dense(x, theta, SPEC_G, SPEC_THETA),
         lambda: new_hist.histogram2d_dense(x, theta, SPEC_G, SPEC_THETA), args.repeats))
 
     for scale in (1e-2, 1e-1):
@@ -88,11 +84,11 @@ def main() -> None:
         a = torch.randn(128, 1152, generator=gen).relu()
         n = delta.numel() * a.shape[1]
         report(f"histogram_outer 3C3D fc1, delta={scale:g}*randn", n, interleaved(
-            lambda: old_hist.histogram_outer(delta, a, old_spec),  # noqa: B023
+            lambda: old_hist.histogram_outer(delta, a, SPEC),  # noqa: B023
             lambda: new_hist.histogram_outer(delta, a, SPEC), args.repeats))  # noqa: B023
         w = 0.05 * torch.randn(512, 1152, generator=gen)
         report(f"histogram2d_outer 3C3D fc1, delta={scale:g}*randn", n, interleaved(
-            lambda: old_2d.histogram2d_outer(delta, a, w, old_g, old_theta),  # noqa: B023
+            lambda: old_2d.histogram2d_outer(delta, a, w, SPEC_G, SPEC_THETA),  # noqa: B023
             lambda: new_2d.histogram2d_outer(delta, a, w, SPEC_G, SPEC_THETA),  # noqa: B023
             args.repeats))
 

@@ -1,47 +1,39 @@
 """Exact histograms of individual-gradient elements (paper eq. 15 and 16).
 
-Bins: ``BinSpec(lo, hi, bins)`` has edges e_k = lo + k·(hi − lo)/bins, in exact rational
-arithmetic. A finite value x falls into bin
+Bins: ``BinSpec(lo, hi, bins)`` has edges e_k = lo + k·(hi − lo)/bins. A finite value x
+falls into bin
 
-    k(x) = #{k ∈ 1 … bins − 1 : x ≥ e_k} = clamp(⌊(x − lo)·bins/(hi − lo)⌋, 0, bins − 1)
+    k(x) = clamp(⌊(x − lo) · bins / (hi − lo)⌋, 0, bins − 1),
 
-(exact real arithmetic), so bin k holds e_k ≤ x < e_{k+1}, values below ``lo`` are clamped
-into the first and values at or above ``hi`` into the last bin ("outliers clamped into the
-edge bins", as in the paper); ±0 fall into the bin that holds 0. Non-finite values (NaN,
-±inf) are counted in no bin; every function returns ``(counts, num_nonfinite)``. The counts
-are exact at every edge, for float32 and float64 data on every path (tested against
-``fractions.Fraction`` at, just below and just above every edge).
+so bin k holds [e_k, e_{k+1}), values below ``lo`` are clamped into the first and values at
+or above ``hi`` into the last bin ("outliers clamped into the edge bins", as in the paper).
+Non-finite values (NaN, ±inf) are counted in no bin; every function returns
+``(counts, num_nonfinite)``.
 
-Exact bins. For x of a float dtype, x ≥ e_k ⟺ x ≥ T_k with T_k = e_k rounded *up* to the
-dtype (computed once per spec and dtype from the rational edge), so k(x) = #{k : x ≥ T_k}.
-The kernels first estimate the bin with one to three cheap float operations whose error is
-bounded (:func:`_edges_cpu` proves the bounds per spec and dtype) and then compare x with
-the one rounded-up edge that can be wrong:
+The formula is evaluated by :meth:`BinSpec.bin_values` in the dtype of ``x``, sign-aware:
+where zero is an edge e_m (exactly, e.g. the defaults (−2, 2, 100) and (−1, 1, 40)) as
 
-* zero-edge form (zero is an edge e_m, e.g. the defaults (−2, 2, 100), (−1, 1, 40)):
-  i = clamp(⌊fl(x·s↑)⌋ + m, 0, bins − 1) with s↑ = bins/(hi − lo) rounded a little up. The
-  sign of x alone decides between [e_(m−1), 0) and [0, e_(m+1)) at every magnitude, and an
-  error can only put x one bin further from zero, so the two bins at zero (the bulk of a
-  gradient) are exact as estimated; an estimate i outside them is corrected to
-  i − [i > m] + [x ≥ outer(i)] (outer(i) = T_i above zero, T_(i+1) below). Blocks of 4096
-  whose estimates stay in the two bins are skipped; a few corrections are made one by one,
-  many with one gather over the block.
-* general form (other specs, and blocks of values spread over many bins):
-  i = clamp(⌊fl(c + s·x)⌋, 0, bins − 1), never above the exact bin and at most one below,
-  then i += [x ≥ T_(i+1)] with one gather of the rounded-up edges.
+    k(x) = clamp(⌊fl(x · scale)⌋ + m, 0, bins − 1),
 
-Specs for which neither bound holds (e.g. bins narrower than a few float spacings, or a
-scale outside the dtype's range) and other dtypes (converted to float64, exact for float16
-and bfloat16) bisect T directly (``torch.bucketize``), which is exact too. The kernels:
+so the sign of x alone decides between the bins [−w, 0) and [0, w) at every magnitude
+(fl(x − lo) rounds a negative x above −6e-8 to −lo in float32, which put it in [0, w));
+elsewhere as ⌊fl(fl(x − lo) · scale)⌋. Against exact (rational) arithmetic the only
+difference left: a value within one rounding of x·scale *below* a non-zero edge (relative
+distance ≤ 2⁻²⁴ in float32, at most the one float next to the edge: 58 of the 99 inner
+edges of the default spec) is counted one bin high. Making those exact needs x·scale
+without rounding (float64 arithmetic: ~3× the binning arithmetic in a micro-benchmark).
+Every fast kernel below reproduces the evaluation bit for bit:
 
-* :func:`histogram_dense` bins chunk by chunk in cache-sized buffers; one range reduction
-  per chunk detects NaN/±inf (and decides whether the clamp is needed at all); only chunks
-  that hold non-finite values take the masked path.
+* :func:`histogram_dense` runs the same two float operations chunk by chunk in a cache-sized
+  buffer; ``clamp`` followed by the truncating cast to a small integer type equals
+  ``clamp(floor(·))``; one ``aminmax`` per chunk detects NaN/±inf (and decides whether the
+  clamp is needed at all); only chunks that hold non-finite values take the masked path.
 * :func:`histogram_outer` never forms the N·I·J products p = fl(δ_{n,i}·a_{n,j}). Because
-  k(·) is monotone, k(p) = #{k ≥ 1 : p ≥ T_k} with the rounded-up edges T_k as thresholds.
-  For a fixed row (n, i) the map j ↦ fl(δ·s_j) over the sorted a_n = s is monotone, so
-  #{j : fl(δ·s_j) ≥ T_k} is a boundary index in s: it is located with one
-  ``searchsorted`` at T_k/δ and then *verified* with the exact product on both sides of
+  k(·) is monotone, k(p) = #{k ≥ 1 : p ≥ t_k} with the exact thresholds
+  t_k = min{p of the dtype : k(p) ≥ k} (found once per spec by bisection over the bit
+  patterns). For a fixed row (n, i) the map j ↦ fl(δ·s_j) over the sorted a_n = s is
+  monotone, so #{j : fl(δ·s_j) ≥ t_k} is a boundary index in s: it is located with one
+  ``searchsorted`` at t_k/δ and then *verified* with the exact product on both sides of
   the boundary; the rare unverified queries are bisected with the exact product. A row
   whose products all fall into one bin costs O(1). Rows spanning many bins (|δ| large
   against the bin width), samples with non-finite entries or a possible overflow, and
@@ -50,7 +42,8 @@ and bfloat16) bisect T directly (``torch.bucketize``), which is exact too. The k
   k_g·bins_θ + k_θ and one ``bincount`` per chunk.
 
 On CPU the chunks are shared by up to ``torch.get_num_threads()`` worker threads (so the
-serial ``bincount`` runs on every core); on other devices each call is one chunk.
+serial ``bincount`` runs on every core); on other devices each call is one chunk. Dtypes
+other than float32/float64 use the plain definition.
 """
 
 from __future__ import annotations
@@ -112,37 +105,29 @@ class BinSpec:
     def edges(self, dtype: torch.dtype = torch.float64, device=None) -> Tensor:
         return torch.linspace(self.lo, self.hi, self.bins + 1, dtype=dtype, device=device)
 
-    def exact_edges(self) -> tuple[Fraction, ...]:
-        """e_0 … e_bins in exact rational arithmetic."""
-        return _exact_edges(self.lo, self.hi, self.bins)
-
     @property
     def zero_bin(self) -> int | None:
-        """m with e_m = 0 exactly, if zero is an inner edge (then [e_(m−1), 0) holds every
-        negative value and [0, e_(m+1)) every non-negative one, however small)."""
+        """m with e_m = 0 exactly (lo·bins/(hi − lo) = −m), if zero is an inner edge (used
+        where ``scale`` is finite in the values' dtype)."""
         return _zero_bin(self.lo, self.hi, self.bins)
 
     def bin_index(self, x: Tensor) -> Tensor:
-        """k(x) = #{k ≥ 1 : x ≥ e_k} (int64) for finite x, exact (module docstring);
-        ±inf fall into the edge bins, NaN into an unspecified bin."""
-        if x.dtype not in (torch.float32, torch.float64):
-            x = x.double()  # exact for float16, bfloat16 and integers up to 2^53
-        edges = _edges(self, x.dtype, x.device)
-        if not edges.fast:
-            return torch.bucketize(x, edges.thresholds, right=True)
-        out = torch.empty(x.shape, dtype=torch.long, device=x.device)
-        if _bins_into(x, edges, out, strict=True) is not None:
-            return out
-        return _bins_into(torch.where(torch.isnan(x), 0.0, x), edges, out)
+        """k(x) for finite x (int64), following the module docstring's definition."""
+        return self.bin_values(x.clone() if x.is_floating_point() else x.double()).long()
+
+    def bin_values(self, y: Tensor) -> Tensor:
+        """k(y) as integral floats, computed in place in y's dtype (the kernels' formula):
+        ⌊y·scale⌋ + m with zero as the edge e_m (sign-aware: a negative y, however
+        small, is below e_m), else ⌊(y − lo)·scale⌋; clamped to [0, bins − 1]."""
+        m = self.zero_bin
+        if m is not None and self.scale <= torch.finfo(y.dtype).max:
+            y.mul_(self.scale).floor_().add_(m)
+        else:
+            y.sub_(self.lo).mul_(self.scale).floor_()
+        return y.clamp_(0, self.bins - 1)
 
 
-# --------------------------------------------------------------------------- exact edges
-
-
-@functools.lru_cache(maxsize=256)
-def _exact_edges(lo: float, hi: float, bins: int) -> tuple[Fraction, ...]:
-    low, width = Fraction(lo), Fraction(hi) - Fraction(lo)
-    return tuple(low + k * width / bins for k in range(bins + 1))
+# --------------------------------------------------------------------------- helpers
 
 
 @functools.lru_cache(maxsize=256)
@@ -152,357 +137,13 @@ def _zero_bin(lo: float, hi: float, bins: int) -> int | None:
     return int(m) if m.denominator == 1 and 0 < m < bins else None
 
 
-_NUMPY_FLOAT = {torch.float32: np.float32, torch.float64: np.float64}
-
-
-def _round_up(value: Fraction, dtype: torch.dtype) -> float:
-    """The smallest float of ``dtype`` ≥ value (+inf above the largest finite float)."""
-    kind = _NUMPY_FLOAT[dtype]
-    largest = Fraction(float(np.finfo(kind).max))
-    if value > largest:
-        return math.inf
-    if value <= -largest:
-        return -float(largest)
-    c = kind(float(value))  # within a rounding or two of value
-    while Fraction(float(c)) < value:
-        c = np.nextafter(c, kind(np.inf))
-    while Fraction(float(below := np.nextafter(c, kind(-np.inf)))) >= value:
-        c = below
-    return float(c)
-
-
-def _round_down(value: Fraction, dtype: torch.dtype) -> float:
-    """The largest float of ``dtype`` ≤ value (−inf below the smallest finite float)."""
-    return -_round_up(-value, dtype)
-
-
-@dataclass(frozen=True)
-class _Edges:
-    """A BinSpec's exact edges in one float dtype (module docstring, "Exact bins").
-
-    ``thresholds``: T_k = e_k rounded up to the dtype, k = 1 … bins − 1 (x ≥ e_k ⟺ x ≥ T_k
-    for every x of the dtype).
-
-    Zero-edge form (``zero`` = m, zero is the edge e_m): estimate ⌊fl(x·s↑)⌋ + m with s↑ a
-    little above bins/(hi − lo), exact in the bins m − 1 and m and otherwise at most one bin
-    too far from zero; ``outer``[k] is the edge to compare with: T_k for k > m (the estimate
-    is one too high iff x < T_k), T_(k+1) for k < m − 1 (one too low iff x ≥ T_(k+1)), NaN
-    for the two exact bins.
-
-    General form (``zero`` None): estimate ⌊fl(c + s·x)⌋ (``offset`` c, ``scale`` s) never
-    above the exact bin and at most one below; ``upper``[k] = T_(k+1) (NaN for the last bin):
-    the estimate is one too low iff x ≥ T_(k+1).
-
-    ``general``: the general form is exact for every float of the dtype; ``fast``: one of
-    the two forms is (else every kernel bisects ``thresholds``).
-    """
-
-    thresholds: Tensor
-    upper: Tensor
-    offset: Tensor
-    scale: float
-    fast: bool
-    zero: int | None = None
-    zero_scale: float = math.nan
-    outer: Tensor | None = None
-    general: bool = False
-
-    @functools.cached_property
-    def outer_numpy(self) -> np.ndarray:
-        return self.outer.cpu().numpy()
-
-    def to(self, device: torch.device) -> _Edges:
-        return _Edges(self.thresholds.to(device), self.upper.to(device),
-                      self.offset.to(device), self.scale, self.fast, self.zero,
-                      self.zero_scale, None if self.outer is None else self.outer.to(device),
-                      self.general)
-
-
-@functools.lru_cache(maxsize=64)
-def _edges_cpu(spec: BinSpec, dtype: torch.dtype) -> _Edges:
-    """The tables of :class:`_Edges`, with the error bounds that decide the form.
-
-    Let S = bins/(hi − lo), R = max(|lo|, |hi|), u the unit roundoff of the dtype.
-
-    Zero-edge form (zero = e_m exactly): s↑ = S/(1 − u) rounded up to the dtype. For x > 0,
-    fl(x·s↑) ≥ x·s↑·(1 − u) ≥ x·S where the product is normal (where it is subnormal it is
-    below 1 and so is x·S), and fl(x·s↑) ≤ x·S + Δ₀ with Δ₀ = R·(s↑·(1 + u) − S) for
-    x ≤ R; symmetrically for x < 0. With Δ₀ ≤ 1/2 the estimate ⌊fl(x·s↑)⌋ + m equals the
-    exact bin or lies one further from m, and never across zero: fl keeps the sign of x·s↑
-    when s↑ > 1/2 (no nonzero product rounds to ±0), so ⌊·⌋ + m is m − 1 for every
-    negative x with |x·S| < 1 and m for every non-negative one. Values beyond lo or hi
-    are estimated at least as far out and clamped into the edge bins.
-
-    General form: for finite x in [lo, hi] let p = S·(x − lo) and s = S rounded to the
-    dtype. fl(c + s·x), with or without a fused multiply-add, differs from c + S·x by at
-    most ε = |s − S|·R + u·(S + |s − S|)·R + u·(bins + 1) + 2·(smallest subnormal). With
-    c = −S·lo − 2ε rounded down to the dtype the estimate lies in [p − Δ, p],
-    Δ = (−S·lo − c) + ε. Below lo the estimate is at most its value at ⌈lo⌉ (monotone), so
-    below 1 if S·(⌈lo⌉ − lo) < 1; above hi at least its value at ⌊hi⌋, so above bins − 2 if
-    Δ + S·(hi − ⌊hi⌋) < 1. Both are required with margin 1/2; then the estimated bin
-    clamp(⌊fl(c + s·x)⌋, 0, bins − 1) is the exact bin or one below it.
-    """
-    edges = spec.exact_edges()
-    thresholds = [_round_up(e, dtype) for e in edges[1:-1]]
-    upper = [*thresholds, math.nan]
-    kind = _NUMPY_FLOAT[dtype]
-    finfo = np.finfo(kind)
-    u = Fraction(float(finfo.eps)) / 2
-    tiny = Fraction(float(finfo.smallest_subnormal))
-    lo, hi = Fraction(spec.lo), Fraction(spec.hi)
-    exact = spec.bins / (hi - lo)
-    radius = max(abs(lo), abs(hi))
-    largest = Fraction(float(finfo.max))
-    usable = (exact <= largest and radius <= largest and exact * radius <= largest / 4
-              and hi <= largest)
-    general = False
-    scale = offset = math.nan
-    if usable:
-        scale = float(kind(float(exact)))
-        err = abs(Fraction(scale) - exact)
-        eps = err * radius + u * (exact + err) * radius + u * (spec.bins + 1) + 2 * tiny
-        offset = _round_down(-exact * lo - 2 * eps, dtype)
-        if math.isfinite(offset) and scale > 0:
-            deficit = (-exact * lo - Fraction(offset)) + eps
-            below = exact * (Fraction(_round_up(lo, dtype)) - lo)
-            above = deficit + exact * (hi - Fraction(_round_down(hi, dtype)))
-            general = (below <= Fraction(1, 2) and above <= Fraction(1, 2)
-                       and Fraction(float(finfo.tiny)) <= Fraction(scale))
-    m = spec.zero_bin
-    zero_scale, outer = math.nan, None
-    if usable and m is not None:
-        zero_scale = _round_up(exact / (1 - u), dtype)
-        overshoot = radius * (Fraction(zero_scale) * (1 + u) - exact)
-        if zero_scale > 0.5 and math.isfinite(zero_scale) and overshoot <= Fraction(1, 2):
-            outer = torch.tensor([thresholds[k - 1] if k > m else thresholds[k] if k < m - 1
-                                  else math.nan for k in range(spec.bins)], dtype=dtype)
-    return _Edges(torch.tensor(thresholds, dtype=dtype), torch.tensor(upper, dtype=dtype),
-                  torch.tensor(offset, dtype=dtype), scale, general or outer is not None,
-                  m if outer is not None else None, zero_scale, outer, general)
-
-
-@functools.lru_cache(maxsize=64)
-def _edges(spec: BinSpec, dtype: torch.dtype, device: torch.device) -> _Edges:
-    return _edges_cpu(spec, dtype).to(device)
-
-
+@functools.lru_cache(maxsize=256)
 def _fast_path_ok(spec: BinSpec, dtype: torch.dtype) -> bool:
-    """Whether the fast kernels (estimate and one correction) are exact for ``dtype``."""
-    return dtype in _NUMPY_FLOAT and _edges_cpu(spec, dtype).fast
-
-
-_LOCAL = threading.local()
-
-
-def _scratch(slot: str, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A flat buffer of n elements, reused by the calling thread (CPU), else new."""
-    if device.type != "cpu":
-        return torch.empty(n, dtype=dtype, device=device)
-    if n > 4 * _CPU_CHUNK:  # not kept: a one-off large call
-        return torch.empty(n, dtype=dtype)
-    buffers = _LOCAL.__dict__.setdefault("buffers", {})
-    buf = buffers.get((slot, dtype))
-    if buf is None or buf.numel() < n:
-        buf = buffers[(slot, dtype)] = torch.empty(max(n, _CPU_CHUNK), dtype=dtype)
-    return buf[:n]
-
-
-def _bins_into(
-    x: Tensor, edges: _Edges, out: Tensor, work: Tensor | None = None, strict: bool = False,
-    spread: bool = False,
-) -> Tensor | None:
-    """Exact k(x) of every element of x (float32/float64 of a fast spec, no NaN; ±inf into
-    the edge bins) written to the contiguous integer tensor ``out`` of x's shape.
-
-    Zero-edge form: i = clamp(⌊fl(x·s↑)⌋ + m, 0, bins − 1), exact in the bins m − 1 and m
-    (the bulk of a gradient's elements) and at most one bin too far from zero elsewhere,
-    corrected with the rounded-up edge ``edges.outer``[i] for the elements outside those
-    two bins (:func:`_fix_outer`). General form: i = clamp(⌊fl(c + s·x)⌋, 0, bins − 1),
-    never above the exact bin and at most one below, then i += [x ≥ T_(i+1)] for every
-    element with T_(i+1) gathered from ``edges.upper``. See :func:`_edges_cpu` for the
-    bounds. ``work`` (contiguous, x's shape and dtype, not x itself) receives the
-    estimate; ``strict``: return None, with ``out`` untouched, if an estimate is not
-    finite (NaN/±inf input or overflow); ``spread``: the caller expects values spread over
-    many bins (the general form then costs fewer passes).
-    """
-    bins = edges.upper.numel()
-    n = x.numel()
-    if n == 0:
-        return out
-    if not out.is_contiguous():  # the corrections write through flat views of out
-        dense = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        if _bins_into(x, edges, dense, work, strict, spread) is None:
-            return None
-        return out.copy_(dense)
-    if work is None:
-        work = _scratch("work", n, x.dtype, x.device).view(x.shape)
-    m = edges.zero if not (spread and edges.general) else None
-    if m is not None:  # the old kernel's three passes, with s rounded up
-        y = torch.mul(x, edges.zero_scale, out=work)
-        y.floor_()
-        y.add_(m)
-    else:
-        y = torch.add(edges.offset, x, alpha=edges.scale, out=work)
-    ranges = _block_ranges(y) if m is not None and y.device.type == "cpu" else None
-    if ranges is not None:
-        low, high = float(ranges[0].min()), float(ranges[1].max())
-    else:
-        low, high = torch.stack(torch.aminmax(y)).tolist()
-    finite = math.isfinite(low) and math.isfinite(high)
-    if strict and not finite:
-        return None
-    if low < 0 or high >= bins or not finite:
-        y.clamp_(0, bins - 1)  # for y ≥ 0 the truncating cast below is ⌊y⌋
-    if m is not None:
-        out.copy_(y)
-        if low >= m - 1 and high <= m:
-            return out
-        return _fix_outer(x, edges, out, y, ranges)
-    wide = out.dtype in (torch.int32, torch.int64)
-    index = out if wide else _scratch("index", n, torch.int32, x.device).view(x.shape)
-    index.copy_(y)
-    upper = torch.index_select(edges.upper, 0, index.view(-1), out=y.view(-1)).view(x.shape)
-    reached = _greater_equal(x, upper)
-    if index is not out:
-        out.copy_(index)
-    return _add_flags(out, reached)
-
-
-def _greater_equal(x: Tensor, y: Tensor) -> Tensor:
-    """x ≥ y into a reused bool buffer (NumPy's loop on CPU: ~1.5× torch's on one core)."""
-    flags = _scratch("bool", x.numel(), torch.bool, x.device).view(x.shape)
-    if x.device.type == "cpu":
-        np.greater_equal(x.detach().numpy(), y.detach().numpy(), out=flags.numpy())
-    else:
-        torch.ge(x, y, out=flags)
-    return flags
-
-
-def _add_flags(out: Tensor, flags: Tensor) -> Tensor:
-    """out += flags (bool), in out's integer type (same-type loops only: mixed types take
-    torch's slow casting loop)."""
-    if out.dtype in (torch.int8, torch.uint8):
-        return out.add_(flags.view(out.dtype))
-    step = _scratch("wide_step", out.numel(), out.dtype, out.device).view(out.shape)
-    return out.add_(step.copy_(flags))
-
-
-# Block length of the range check that locates the estimates outside the two bins at zero.
-_BLOCK = 4096
-_UNSIGNED = {torch.int8: np.uint8, torch.uint8: np.uint8, torch.int16: np.uint16,
-             torch.int32: np.uint32, torch.int64: np.uint64}
-
-
-def _block_ranges(y: Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Minimum and maximum of every block of ``_BLOCK`` elements of the contiguous CPU
-    tensor y (the last block may be shorter); NumPy's reductions, ~2× torch's aminmax."""
-    flat = y.detach().numpy().reshape(-1)
-    full = flat.size - flat.size % _BLOCK
-    blocks = flat[:full].reshape(-1, _BLOCK)
-    lows, highs = blocks.min(axis=1), blocks.max(axis=1)
-    if full < flat.size:
-        lows = np.append(lows, flat[full:].min())
-        highs = np.append(highs, flat[full:].max())
-    return lows, highs
-
-
-def _outer_candidates(
-    index: Tensor, m: int, ranges: tuple[np.ndarray, np.ndarray] | None
-) -> np.ndarray | Tensor | None:
-    """Flat positions of the estimates outside the bins m − 1 and m (int64, a NumPy array
-    on CPU), or None when they are many (then one gather over all elements is cheaper).
-
-    On CPU only the blocks whose estimates leave the two bins (``ranges``: their minimum
-    and maximum, few in a gradient) are searched, with one unsigned comparison
-    (i − (m − 1) wraps for i < m − 1)."""
-    flat = index.reshape(-1)
-    n = flat.numel()
-    if ranges is None or index.device.type != "cpu":
-        outside = (flat < m - 1) | (flat > m)
-        return None if int(outside.sum()) > n // 16 else outside.nonzero().squeeze(1)
-    lows, highs = ranges
-    blocks = np.flatnonzero((lows < m - 1) | (highs > m))
-    if blocks.size > lows.size // 4:
-        return None
-    kind = _UNSIGNED[flat.dtype]
-    values = flat.numpy().view(kind)
-    full = n // _BLOCK
-    if blocks.size and blocks[-1] == full:  # the shorter last block: search it whole
-        tail = full * _BLOCK + _flat_nonzero(values[full * _BLOCK:] - kind(m - 1) > 1)
-        blocks = blocks[:-1]
-    else:
-        tail = None
-    picked = values[: full * _BLOCK].reshape(full, _BLOCK)[blocks]
-    offsets = _flat_nonzero(np.subtract(picked, kind(m - 1), out=picked).reshape(-1) > 1)
-    positions = blocks[offsets // _BLOCK] * _BLOCK + offsets % _BLOCK
-    if tail is not None:
-        positions = np.concatenate([positions, tail])
-    return None if positions.size > n // 16 else positions
-
-
-def _flat_nonzero(mask: np.ndarray) -> np.ndarray:
-    """np.flatnonzero, by successive ``argmax`` scans when the count is small (each stops
-    at the next true entry)."""
-    count = int(np.count_nonzero(mask))
-    if count > 64:
-        return np.flatnonzero(mask)
-    positions = np.empty(count, dtype=np.int64)
-    start = 0
-    for k in range(count):
-        start += int(mask[start:].argmax())
-        positions[k] = start
-        start += 1
-    return positions
-
-
-def _fix_outer(
-    x: Tensor, edges: _Edges, out: Tensor, work: Tensor,
-    ranges: tuple[np.ndarray, np.ndarray] | None,
-) -> Tensor:
-    """Zero-edge form: the estimates i outside the bins m − 1 and m become i − [i > m] +
-    [x ≥ outer[i]] (for i > m: one too high iff x < T_i; for i < m − 1: one too low iff
-    x ≥ T_(i+1)). Few such elements are corrected one by one, many with one gather."""
-    m = edges.zero
-    candidates = _outer_candidates(out, m, ranges)
-    n = out.numel()
-    if isinstance(candidates, np.ndarray):  # CPU, few: in NumPy (small calls are cheaper)
-        if candidates.size:
-            flat = out.numpy().reshape(-1)
-            est = flat[candidates].astype(np.int64)
-            values = x.detach().numpy().flat[candidates]
-            edge = edges.outer_numpy[est]
-            flat[candidates] = est - (est > m) + (values >= edge)
-        return out
-    if candidates is not None:
-        if candidates.numel() == 0:
-            return out
-        flat = out.view(-1)
-        est = flat.index_select(0, candidates).long()
-        values = x[torch.unravel_index(candidates, x.shape)]
-        edge = edges.outer.index_select(0, est)
-        fixed = est - (est > m).long() + (values >= edge).long()
-        flat.index_copy_(0, candidates, fixed.to(out.dtype))
-        return out
-    # many: one gather; the step −[i > m] + [x ≥ outer[i]] ∈ {−1, 0, 1} as bytes
-    above = _scratch("above", n, torch.bool, x.device).view(x.shape)
-    if x.device.type == "cpu":
-        np.greater(out.numpy(), m, out=above.numpy())
-    else:
-        torch.gt(out, m, out=above)
-    wide = out.dtype in (torch.int32, torch.int64)
-    index = out if wide else _scratch("index", n, torch.int32, x.device).view(x.shape)
-    if not wide:
-        index.copy_(out)
-    edge = torch.index_select(edges.outer, 0, index.view(-1), out=work.view(-1)).view(x.shape)
-    reached = _greater_equal(x, edge)
-    step = torch.sub(reached.view(torch.int8), above.view(torch.int8),
-                     out=_scratch("step", n, torch.int8, x.device).view(x.shape))
-    if out.dtype in (torch.int8, torch.uint8):
-        return out.add_(step.view(out.dtype))
-    return out.add_(_scratch("wide_step", n, out.dtype, x.device).view(x.shape).copy_(step))
-
-
-# --------------------------------------------------------------------------- helpers
+    """The fast kernels need lo, scale (> 0) and bins − 1 exactly usable in ``dtype``."""
+    if dtype not in (torch.float32, torch.float64):
+        return False
+    lo, scale, top = torch.tensor([spec.lo, spec.scale, spec.bins - 1], dtype=dtype).tolist()
+    return math.isfinite(lo) and math.isfinite(scale) and scale > 0 and top == spec.bins - 1
 
 
 def _sorted_rows(x: Tensor) -> Tensor:
@@ -614,44 +255,28 @@ def _reference_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
     return torch.bincount(spec.bin_index(flat), minlength=spec.bins), num_nonfinite
 
 
-def _looks_spread(flat: Tensor, spec: BinSpec) -> bool:
-    """Whether more than 1 in 1000 of a strided sample of ~4096 values lies outside the two
-    bins at zero: then most blocks of the zero-edge form need the gathered correction and
-    the general form is cheaper (measured 2.0–2.4 against 2.6–3.2 ns/element from 0.5 %
-    outside on; the zero-edge form wins below ~0.01 %). Only a choice of cost: both forms
-    are exact."""
-    m = spec.zero_bin
-    if m is None or flat.numel() < 1024:
-        return False
-    sample = flat[:: max(1, flat.numel() // _BLOCK)]
-    edges = spec.exact_edges()
-    outside = (sample < float(edges[m - 1])) | (sample >= float(edges[m + 1]))
-    return int(outside.sum()) * 1000 > sample.numel()
+def _bin_chunk(chunk: Tensor, spec: BinSpec, work: Tensor, index: Tensor) -> Tensor | None:
+    """k(x) of every element of ``chunk`` written to ``index`` (a small int type).
 
-
-def _sample_products(delta: Tensor, a: Tensor) -> Tensor:
-    """About 4·_BLOCK of the products δ[n, i]·a[n, j] on a strided grid (for
-    :func:`_looks_spread`)."""
-    N, I = delta.shape
-    step_n = max(1, N // 4)
-    d = delta[::step_n, :: max(1, I // 32)]
-    x = a[::step_n, :: max(1, a.shape[1] // 32)]
-    return (d[:, :, None] * x[:, None, :]).reshape(-1)
-
-
-def _bin_chunk(
-    chunk: Tensor, spec: BinSpec, work: Tensor, index: Tensor, spread: bool = False
-) -> Tensor | None:
-    """Exact k(x) of every element of ``chunk`` (float32/float64, fast spec) written to
-    ``index`` (an integer type).
-
-    ``work`` (contiguous, same shape as ``chunk``, not ``chunk`` itself) receives the
-    estimated positions. Returns None, with ``index`` untouched, when the chunk holds a value
-    whose estimated position is not finite (NaN/±inf input or overflow): the caller takes
-    the masked path.
+    ``work`` (same shape as ``chunk``, may be ``chunk`` itself) receives (x − lo)·scale.
+    Returns None, with ``index`` untouched, when the chunk holds a value whose scaled
+    position is not finite (NaN/±inf input or overflow): the caller takes the masked path.
     """
-    edges = _edges(spec, chunk.dtype, chunk.device)
-    return _bins_into(chunk, edges, index, work, strict=True, spread=spread)
+    m = spec.zero_bin
+    if m is not None:  # sign-aware: ⌊y·scale⌋ + m keeps tiny negative y below the zero edge
+        y = torch.mul(chunk, spec.scale, out=work)
+        y.floor_()
+        y.add_(m)
+    else:
+        y = torch.sub(chunk, spec.lo, out=work)
+        y.mul_(spec.scale)
+    low, high = torch.stack(torch.aminmax(y)).tolist()
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return None
+    if low < 0 or high >= spec.bins:
+        y.clamp_(0, spec.bins - 1)  # for y ≥ 0 the truncating cast below is ⌊y⌋
+    index.copy_(y)
+    return index
 
 
 # --------------------------------------------------------------------------- dense 1d
@@ -664,7 +289,6 @@ def histogram_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
     if n == 0 or not _fast_path_ok(spec, flat.dtype):
         return _reference_dense(flat, spec)
     size = _chunk_size(flat.device, n)
-    spread = _looks_spread(flat, spec)
 
     def buffers() -> tuple[Tensor, ...]:
         return (torch.empty(size, dtype=flat.dtype, device=flat.device),
@@ -673,7 +297,7 @@ def histogram_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
     def task(c: int, bufs: tuple[Tensor, ...]) -> tuple[Tensor, int]:
         chunk = flat[c * size : (c + 1) * size]
         m = chunk.numel()
-        idx = _bin_chunk(chunk, spec, bufs[0][:m], bufs[1][:m], spread)
+        idx = _bin_chunk(chunk, spec, bufs[0][:m], bufs[1][:m])
         if idx is None:
             return _reference_dense(chunk, spec)
         return _count(idx, spec.bins), 0
@@ -693,10 +317,41 @@ def _float_to_ordered(x: Tensor) -> Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFFFFFFFFFF, bits)
 
 
+def _ordered_to_float(key: Tensor, dtype: torch.dtype) -> Tensor:
+    """Inverse of :func:`_float_to_ordered`."""
+    mask = 0x7FFFFFFF if dtype == torch.float32 else 0x7FFFFFFFFFFFFFFF
+    bits = torch.where(key < 0, key ^ mask, key)
+    if dtype == torch.float32:
+        return bits.to(torch.int32).view(torch.float32)
+    return bits.view(torch.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def _thresholds_cpu(spec: BinSpec, dtype: torch.dtype) -> Tensor:
+    """t_k = min{finite p of ``dtype`` : bin_index(p) ≥ k} for k = 1 … bins − 1.
+
+    bin_index is monotone, so bin_index(p) = #{k : t_k ≤ p} for every finite p. Bisection
+    over the ordered bit patterns between −max and +max, with bin_index itself as the test.
+    """
+    k = torch.arange(1, spec.bins)
+    finfo = torch.finfo(dtype)
+    ends = _float_to_ordered(torch.tensor([-finfo.max, finfo.max], dtype=dtype))
+    low = ends[0].repeat(k.numel())  # bin_index(low) = 0 < k
+    high = ends[1].repeat(k.numel())  # bin_index(high) = bins − 1 ≥ k
+    for _ in range(70):
+        active = low + 1 != high
+        if not bool(active.any()):
+            break
+        mid = (low >> 1) + (high >> 1) + (low & high & 1)  # ⌊(low + high)/2⌋, no overflow
+        reached = spec.bin_index(_ordered_to_float(mid, dtype)) >= k
+        high = torch.where(active & reached, mid, high)
+        low = torch.where(active & ~reached, mid, low)
+    return _ordered_to_float(high, dtype)
+
+
 def _thresholds(spec: BinSpec, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """T_k = e_k rounded up to ``dtype``, k = 1 … bins − 1: for finite p of the dtype,
-    k(p) = #{k : T_k ≤ p} (the thresholds of the searches)."""
-    return _edges(spec, dtype, device).thresholds
+    return _thresholds_cpu(spec, dtype).to(device)
+
 
 def _sample_keys(values32: Tensor, sample: Tensor) -> Tensor:
     """Keys sample·2³² + rank32(value) that sort (sample, float32 value) pairs as int64."""
@@ -755,13 +410,11 @@ def _outer_materialized(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor
     rows_n = max(1, size // (rows_i * J)) if rows_i == I else 1
     blocks_i = -(-I // rows_i)
     fast = _fast_path_ok(spec, dtype)
-    spread = fast and _looks_spread(_sample_products(delta, a), spec)
 
     def buffers() -> tuple[Tensor, ...]:
         m = rows_n * rows_i * J
         return (torch.empty(m, dtype=dtype, device=device),
-                torch.empty(m, dtype=_counting_dtype(spec.bins), device=device),
-                torch.empty(m, dtype=dtype, device=device))
+                torch.empty(m, dtype=_counting_dtype(spec.bins), device=device))
 
     def task(c: int, bufs: tuple[Tensor, ...]) -> tuple[Tensor, int]:
         n0, i0 = (c // blocks_i) * rows_n, (c % blocks_i) * rows_i
@@ -771,8 +424,7 @@ def _outer_materialized(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor
         idx = None
         if fast:
             products = torch.mul(d, x, out=bufs[0][:m].view(d.shape[0], d.shape[1], J))
-            work = bufs[2][:m].view_as(products)
-            idx = _bin_chunk(products, spec, work, bufs[1][:m].view_as(products), spread)
+            idx = _bin_chunk(products, spec, products, bufs[1][:m].view_as(products))
         if idx is None:
             return _reference_dense(d * x, spec)
         return _count(idx, spec.bins), 0
@@ -790,15 +442,14 @@ def _outer_rows_materialized(
 
     def buffers() -> tuple[Tensor, ...]:
         return (torch.empty(rows, J, dtype=a.dtype, device=a.device),
-                torch.empty(rows, J, dtype=_counting_dtype(spec.bins), device=a.device),
-                torch.empty(rows, J, dtype=a.dtype, device=a.device))
+                torch.empty(rows, J, dtype=_counting_dtype(spec.bins), device=a.device))
 
     def task(c: int, bufs: tuple[Tensor, ...]) -> tuple[Tensor, int]:
         d = delta_rows[c * rows : (c + 1) * rows, None]
         picked = sample[c * rows : (c + 1) * rows]
         w = torch.index_select(a, 0, picked, out=bufs[0][: d.shape[0]])
         w.mul_(d)
-        idx = _bin_chunk(w, spec, bufs[2][: d.shape[0]], bufs[1][: d.shape[0]], spread=True)
+        idx = _bin_chunk(w, spec, w, bufs[1][: d.shape[0]])
         if idx is None:  # cannot happen for screened samples; stay exact regardless
             return _reference_dense(d * a[picked], spec)
         return _count(idx, spec.bins), 0
@@ -930,7 +581,6 @@ def histogram2d_dense(
         c, bad = _reference_2d(g2, flat_theta, spec_g, spec_theta)
         return c.view(shape), bad
     index_dtype = _index_dtype(num_bins)
-    spread = _looks_spread(g2.reshape(-1), spec_g)
     theta_idx = spec_theta.bin_index(flat_theta).to(index_dtype)
     size = _chunk_size(g.device, N * D)
     cols = min(D, size)
@@ -945,8 +595,7 @@ def histogram2d_dense(
         r0, c0 = (c // blocks_c) * rows, (c % blocks_c) * cols
         block = g2[r0 : r0 + rows, c0 : c0 + cols]
         m = block.numel()
-        idx = _bin_chunk(block, spec_g, bufs[0][:m].view_as(block), bufs[1][:m].view_as(block),
-                         spread)
+        idx = _bin_chunk(block, spec_g, bufs[0][:m].view_as(block), bufs[1][:m].view_as(block))
         if idx is None:
             return _reference_2d(block, flat_theta[c0 : c0 + cols], spec_g, spec_theta)
         torch.add(theta_idx[c0 : c0 + cols], idx, alpha=spec_theta.bins, out=idx)

@@ -77,9 +77,7 @@ from torch import Tensor
 from cockpit.engine.histogram import (
     _MAX_WORKERS,
     BinSpec,
-    _bins_into,
     _chunk_size,
-    _edges,
     _fast_path_ok,
     _index_dtype,
     _pool,
@@ -230,21 +228,19 @@ def _theta_bins(theta: Tensor, spec: BinSpec) -> Tensor:
     """k_θ of every parameter; non-finite θ get the extra bin ``spec.bins``. The smallest
     integer type that holds bins + 1 values keeps the table small for the gathers."""
     dtype = _index_dtype(spec.bins + 1)
-    if theta.numel() and _fast_path_ok(spec, theta.dtype):
-        out = torch.empty(theta.shape, dtype=dtype, device=theta.device)
-        if _bins_into(theta, _edges(spec, theta.dtype, theta.device), out, strict=True) is not None:
-            return out  # all finite
-    k = spec.bin_index(theta)
-    if theta.is_floating_point():
-        k.masked_fill_(~torch.isfinite(theta), spec.bins)
+    if (theta.dtype in (torch.float32, torch.float64) and theta.numel()
+            and bool(torch.isfinite(theta).all())):
+        return spec.bin_values(theta.clone()).to(dtype)
+    k = spec.bin_index(theta).masked_fill_(~torch.isfinite(theta), spec.bins)
     return k.to(dtype)
 
 
-def _bin_(y: Tensor, spec: BinSpec, out: Tensor, spread: bool = False) -> Tensor:
-    """Exact k(y) into the integer tensor ``out`` for float32/float64 y without NaN of a
-    spec with the fast kernels (±inf into the edge bins); y is left unchanged. ``spread``:
-    values over many bins expected (see :func:`~cockpit.engine.histogram._bins_into`)."""
-    return _bins_into(y, _edges(spec, y.dtype, y.device), out, spread=spread)
+def _bin_(y: Tensor, spec: BinSpec, out: Tensor) -> Tensor:
+    """k(y) into the integer tensor ``out`` for y without NaN, overwriting y.
+
+    :meth:`BinSpec.bin_values` (±inf clamped into the edge bins).
+    """
+    return out.copy_(spec.bin_values(y))
 
 
 # --------------------------------------------------------------------------- dense
@@ -286,7 +282,7 @@ def _dense(
                 flat = spec_g.bin_index(products.masked_fill(~finite, 0)) * T + kt
                 flat = flat.masked_fill_(~finite, dump)
                 return torch.bincount(flat.view(-1), minlength=dump + 1)[:dump], bad
-        index = _bin_(products, spec_g, bufs[1][:m].view(shape), spread=True)
+        index = _bin_(products, spec_g, bufs[1][:m].view(shape))
         index.mul_(T).add_(kt)
         return torch.bincount(index.view(-1), minlength=dump), 0
 
@@ -488,7 +484,7 @@ def _hit_counts(s: _Side, k_theta: Tensor, spec_g: BinSpec, T: int) -> Tensor:
     I, J = k_theta.shape
     dump = spec_g.bins * T
     kt = k_theta.view(-1).index_select(0, (rows % I) * J + cols).long()
-    plus = _bin_(products, spec_g, torch.empty_like(kt)).mul_(T).add_(kt)
+    plus = _bin_(products.clone(), spec_g, torch.empty_like(kt)).mul_(T).add_(kt)
     base = s.cls.base.index_select(0, rows)
     counts = torch.bincount(plus, minlength=dump)
     counts -= torch.bincount(base.mul_(T).add_(kt), minlength=dump)
@@ -726,7 +722,7 @@ def _heavy_tasks(
             row_base = c.base.index_select(0, r).to(torch.int32).unsqueeze(1)
             base = torch.where(c.mask.index_select(0, n), row_base, base)
         index = _bin_(values.mul_(flat_delta[r].unsqueeze(1)), spec_g,
-                      torch.empty_like(kt, dtype=torch.int32), spread=True)
+                      torch.empty_like(kt, dtype=torch.int32))
         counts = torch.bincount(index.mul_(T).add_(kt).view(-1), minlength=dump)
         counts -= torch.bincount(base.mul_(T).add_(kt).view(-1), minlength=dump)
         return counts
