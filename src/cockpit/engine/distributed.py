@@ -113,11 +113,16 @@ def all_reduce_sum(buffer: Tensor) -> None:
         return
     before = (buffer._use_count(), sys.getrefcount(buffer))
     dist.all_reduce(buffer)
-    _held[:] = [_held[i] for i in range(len(_held)) if not _let_go(i)]
+    _release_let_go()
     if (buffer._use_count(), sys.getrefcount(buffer)) == before:
         return  # gloo has let go already (most calls): the caller frees the buffer
     del _held[:-_MAX_HELD]  # a buffer someone else keeps would be held for ever
     _held.append(buffer)
+
+
+def _release_let_go() -> None:
+    """Free, in this thread, the held buffers the backend is done with."""
+    _held[:] = [_held[i] for i in range(len(_held)) if not _let_go(i)]
 
 
 def _let_go(i: int) -> bool:
@@ -135,7 +140,7 @@ def settle(timeout: float = _SETTLE_TIMEOUT) -> bool:
     deadline = time.monotonic() + timeout
     pause = 1e-5
     while True:
-        _held[:] = [_held[i] for i in range(len(_held)) if not _let_go(i)]
+        _release_let_go()
         if not _held:
             return True
         if time.monotonic() > deadline:

@@ -159,24 +159,21 @@ def gram_from_gradient(local: BackwardStatistics, mean: dict[str, Tensor]
     communication, gradients held from an earlier step) None: the caller projects the kept
     layer calls on ḡ instead (exact, one more pass over the layers)."""
     synced = local.gradient_dots
-    if synced is None or set(synced.dots) != set(mean) or not mean:
+    if (synced is None or not mean
+            or not set(synced.dots) == set(synced.gradient) == set(mean)):
         return None
-    if set(synced.gradient) != set(mean):
-        return None
-    inner = sq_mean = 0.0
+    pairs = []  # (G, ḡ) per parameter, flat, in G's dtype
     for name, g_bar in mean.items():
         grad = synced.gradient[name].reshape(-1)
-        g_bar = g_bar.reshape(-1).to(grad.dtype)
-        inner += float(torch.dot(grad, g_bar))
-        sq_mean += float(torch.dot(g_bar, g_bar))
+        pairs.append((grad, g_bar.reshape(-1).to(grad.dtype)))
+    inner = sum(float(torch.dot(grad, g_bar)) for grad, g_bar in pairs)
+    sq_mean = sum(float(torch.dot(g_bar, g_bar)) for _, g_bar in pairs)
     if not sq_mean > 0.0 or inner == 0.0:
         return None
     c = inner / sq_mean
-    for name, g_bar in mean.items():
-        grad = synced.gradient[name].reshape(-1)
+    for grad, g_bar in pairs:
         tolerance = 256 * torch.finfo(grad.dtype).eps * float(grad.norm())
-        residual = float((grad - c * g_bar.reshape(-1).to(grad.dtype)).norm())
-        if not residual <= tolerance:
+        if not float((grad - c * g_bar).norm()) <= tolerance:
             return None
     return {name: synced.dots[name].double() / c for name in mean}
 
