@@ -136,14 +136,15 @@ class CockpitCallback(pl.Callback):
             self._wrapped = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._leave(failed=False)
-        self._unwrap_training_step()
-        if self.cockpit is not None:
-            self.cockpit.close()
+        self._stop(failed=False)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        self._leave(failed=True)
+        self._stop(failed=True)
+
+    def _stop(self, failed: bool) -> None:
+        """Leave an open tracked block, restore ``training_step``, close the Cockpit."""
+        self._leave(failed=failed)
         self._unwrap_training_step()
         if self.cockpit is not None:
             self.cockpit.close()
