@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
 
 
@@ -30,3 +31,35 @@ def run_worker(worker: str, *args: str) -> dict:
     if result.returncode != 0:
         sys.exit(f"worker failed ({' '.join(args)}):\n{result.stderr}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def load_old(commit: str) -> tuple[types.ModuleType, types.ModuleType]:
+    """The histogram kernels (``histogram``, ``histogram2d_outer``) as they were at ``commit``,
+    read from git and loaded as separate modules beside the current ones."""
+
+    def source(path: str) -> str:
+        return subprocess.run(["git", "show", f"{commit}:{path}"], check=True,
+                              capture_output=True, text=True).stdout
+
+    old_hist = types.ModuleType("_old_histogram")
+    sys.modules["_old_histogram"] = old_hist
+    exec(compile(source("src/cockpit/engine/histogram.py"), "old_histogram", "exec"),
+         old_hist.__dict__)
+    old_2d = types.ModuleType("_old_histogram2d_outer")
+    text = source("src/cockpit/engine/histogram2d_outer.py").replace(
+        "from cockpit.engine.histogram import", "from _old_histogram import")
+    exec(compile(text, "old_histogram2d_outer", "exec"), old_2d.__dict__)
+    return old_hist, old_2d
+
+
+def interleaved(old, new, repeats: int) -> tuple[float, float]:
+    """Median wall times of ``old()`` and ``new()``, called alternately ``repeats`` times
+    after one warm-up each (load on a shared machine hits both alike)."""
+    old(), new()  # warm-up
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    for _ in range(repeats):
+        for key, fn in (("old", old), ("new", new)):
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    return statistics.median(times["old"]), statistics.median(times["new"])

@@ -9,46 +9,15 @@ The previous kernels are read from git at COMMIT (default: the commit before the
 from __future__ import annotations
 
 import argparse
-import statistics
-import subprocess
-import sys
-import time
-import types
 
 import torch
 
+from _common import interleaved, load_old
 from cockpit.engine import histogram as new_hist
 from cockpit.engine import histogram2d_outer as new_2d
 
 SPEC = new_hist.BinSpec(-2.0, 2.0, 100)
 SPEC_G, SPEC_THETA = new_hist.BinSpec(-1.0, 1.0, 40), new_hist.BinSpec(-2.0, 2.0, 50)
-
-
-def load_old(commit: str) -> tuple[types.ModuleType, types.ModuleType]:
-    def source(path: str) -> str:
-        return subprocess.run(["git", "show", f"{commit}:{path}"], check=True,
-                              capture_output=True, text=True).stdout
-
-    old_hist = types.ModuleType("_old_histogram")
-    sys.modules["_old_histogram"] = old_hist
-    exec(compile(source("src/cockpit/engine/histogram.py"), "old_histogram", "exec"),
-         old_hist.__dict__)
-    old_2d = types.ModuleType("_old_histogram2d_outer")
-    text = source("src/cockpit/engine/histogram2d_outer.py").replace(
-        "from cockpit.engine.histogram import", "from _old_histogram import")
-    exec(compile(text, "old_histogram2d_outer", "exec"), old_2d.__dict__)
-    return old_hist, old_2d
-
-
-def interleaved(old, new, repeats: int) -> tuple[float, float]:
-    old(), new()  # warm-up
-    times: dict[str, list[float]] = {"old": [], "new": []}
-    for _ in range(repeats):
-        for key, fn in (("old", old), ("new", new)):
-            start = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - start)
-    return statistics.median(times["old"]), statistics.median(times["new"])
 
 
 def report(name: str, n: int, old_new: tuple[float, float]) -> None:

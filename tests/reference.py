@@ -3,9 +3,11 @@ computed from them by the paper's formulas in float64, histograms by materializi
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
@@ -105,14 +107,35 @@ def cabs(G: Tensor, lr: float, loss: float) -> float:
     return lr * (G - g).pow(2).sum(1).mean().item() / loss
 
 
-def bin_indices(values: Tensor, lo: float, hi: float, bins: int) -> Tensor:
-    """Bin of each value by comparison with the edges lo + k·(hi − lo)/bins in float64
-    (right-closed search: bin k holds [e_k, e_{k+1}); a negative value, however small, is
-    below the edge 0)."""
+@functools.lru_cache(maxsize=64)
+def edges_rounded_up(lo: float, hi: float, bins: int) -> tuple[float, ...]:
+    """The inner edges e_k = lo + k·(hi − lo)/bins (rational), each rounded *up* to float64."""
     width = (Fraction(hi) - Fraction(lo)) / bins
-    edges = torch.tensor([float(Fraction(lo) + k * width) for k in range(1, bins)],
-                         dtype=torch.float64)  # correctly rounded; 0 exactly where an edge
-    return torch.bucketize(values.double(), edges, right=True)
+    edges = []
+    for k in range(1, bins):
+        e = Fraction(lo) + k * width
+        up = float(e)  # correctly rounded (nearest)
+        edges.append(up if Fraction(up) >= e else math.nextafter(up, math.inf))
+    return tuple(edges)
+
+
+def bin_indices(values: Tensor, lo: float, hi: float, bins: int) -> Tensor:
+    """Exact bin of each value: #{k ≥ 1 : v ≥ e_k} with e_k = lo + k·(hi − lo)/bins in
+    rational arithmetic, by comparison in float64 with every inner edge rounded up to
+    float64 (for a float64 v, v ≥ e_k ⟺ v ≥ ⌈e_k⌉; float16/32 values are float64 values).
+    Bin k holds [e_k, e_{k+1}); values outside [lo, hi) fall into the edge bins."""
+    edges = torch.tensor(edges_rounded_up(lo, hi, bins), dtype=torch.float64)
+    return torch.bucketize(values.double().contiguous(), edges, right=True)
+
+
+def bin_indices_np(x: np.ndarray, spec: BinSpec) -> np.ndarray:
+    """:func:`bin_indices` of a NumPy array of any float dtype and shape, for a ``BinSpec``;
+    −1 for non-finite values."""
+    x = np.asarray(x)
+    finite = np.isfinite(x)
+    idx = bin_indices(torch.from_numpy(np.where(finite, x, 0).astype(np.float64)),
+                      spec.lo, spec.hi, spec.bins).numpy()
+    return np.where(finite, idx, -1)
 
 
 def histogram(values: Tensor, lo=-2.0, hi=2.0, bins=100) -> Tensor:

@@ -1,11 +1,11 @@
 """histogram2d_outer (2-D histogram of Linear-layer individual gradients δ_n a_nᵀ against θ)
-against brute force: materialize every product fl(δ·a), bin it with the documented formula
-evaluated independently in numpy (same dtype), count the pairs with the θ bins."""
+against brute force: materialize every product fl(δ·a), bin it exactly (compared with the
+rational edges rounded up to float64, tests.reference.bin_indices), count the pairs with the
+θ bins."""
 
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -18,6 +18,7 @@ from cockpit.engine.histogram import BinSpec, histogram2d_dense
 from cockpit.engine.histogram2d_outer import histogram2d_outer
 from cockpit.engine.sample_grads import OuterSampleGrads, SampleGrads
 from tests.models import make_problem
+from tests.reference import bin_indices_np as np_bins
 from tests.reference import edge_neighbours, individual_gradients
 
 F32, F64 = torch.float32, torch.float64
@@ -31,20 +32,6 @@ SPECS = [
 
 
 # --------------------------------------------------------------------------- references
-
-
-def np_bins(x: np.ndarray, spec: BinSpec) -> np.ndarray:
-    """k(x) = clamp(floor(x·scale) + m, 0, bins − 1) where zero is the edge e_m, else
-    clamp(floor((x − lo)·scale), 0, bins − 1), in x's dtype; −1 for non-finite."""
-    t = x.dtype.type
-    m = -Fraction(spec.lo) * spec.bins / (Fraction(spec.hi) - Fraction(spec.lo))
-    with np.errstate(over="ignore", invalid="ignore"):
-        if m.denominator == 1 and 0 < m < spec.bins and np.isfinite(t(spec.scale)):
-            pos = np.floor(x * t(spec.scale)) + int(m)
-        else:
-            pos = np.floor((x - t(spec.lo)) * t(spec.scale))
-    idx = np.clip(np.nan_to_num(pos, nan=0.0), 0, spec.bins - 1).astype(np.int64)
-    return np.where(np.isfinite(x), idx, -1)
 
 
 def brute_force(delta, a, theta, spec_g, spec_theta) -> tuple[np.ndarray, int]:

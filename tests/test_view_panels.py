@@ -98,7 +98,8 @@ def test_zoom_says_when_the_data_fill_too_few_bins_and_wide_data_get_no_zoom() -
     assert inset.get_xlabel().startswith(f"all in {n_bins} bin")
     assert "finer shape not recorded" in inset.get_xlabel()
     lo, hi = min(EDGES[np.flatnonzero(spike[0]["GradHist1d"]["counts"])]), 0.04
-    reach = f"{max(abs(lo), hi):.2g}"
+    reach = 0.048828125  # ≥ max(|lo|, hi) = 0.04, and bins of an exact width 1/1024
+    assert max(abs(lo), hi) == pytest.approx(0.04)
     assert f"hist_bins=cockpit.BinSpec(-{reach}, {reach}, 100)" in inset.get_xlabel()
     wide = hist_output({0: rng.normal(0.0, 1.0, 3000)})
     assert panel(plot_cockpit(wide, diagnosis=False), "GradHist1d").child_axes == []

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from cockpit.configurations import configuration
 from cockpit.engine import distributed
-from cockpit.engine.histogram import BinSpec
+from cockpit.engine.histogram import BinSpec, warn_if_slow
 from cockpit.engine.reduction import StepReduction
 from cockpit.engine.request import StepRequest
 from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
@@ -134,6 +134,12 @@ class Cockpit:
         self.strict = strict
         self.hist_spec = hist_bins
         self.hist2d_specs = hist2d_bins
+        used = {type(q).__name__ for q in quantities}
+        for spec, name, user in ((hist_bins, "hist_bins", "GradHist1d"),
+                                 (hist2d_bins[0], "hist2d_bins[0]", "GradHist2d"),
+                                 (hist2d_bins[1], "hist2d_bins[1]", "GradHist2d")):
+            if user in used:
+                warn_if_slow(spec, name)
         self.tracker = ModuleTracker(model, hist_bins, hist2d_bins, strict=strict)
         self._params = dict(self.tracker.params)
         self._check_optimizer_owns_parameters()

@@ -74,6 +74,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from cockpit.engine import rounding
 from cockpit.engine.histogram import (
     _MAX_WORKERS,
     BinSpec,
@@ -181,7 +182,8 @@ def _parallel(device: torch.device) -> bool:
 
 def _run(tasks: list[Callable[[], Tensor]], size: int, device: torch.device) -> Tensor:
     """Σ of the tasks' results (int64 [size]), tasks taken in order by up to
-    ``torch.get_num_threads()`` threads (the caller included)."""
+    ``torch.get_num_threads()`` of Cockpit's worker threads on CPU (in the caller elsewhere,
+    or when the caller is such a thread)."""
 
     def work() -> Tensor:
         total = torch.zeros(size, dtype=torch.long, device=device)
@@ -190,10 +192,14 @@ def _run(tasks: list[Callable[[], Tensor]], size: int, device: torch.device) -> 
         return total
 
     counter = itertools.count()  # next() is atomic under the GIL
-    workers = min(torch.get_num_threads(), len(tasks), _MAX_WORKERS) if _parallel(device) else 1
-    futures = [_pool().submit(work) for _ in range(workers - 1)]
-    total = work()
-    for f in futures:
+    if device.type != "cpu" or rounding.in_worker():
+        return work()
+    # The caller only waits: binning forms its products rounded toward −∞ in Cockpit's own
+    # threads (cockpit.engine.rounding), so work in the caller would hand every task over.
+    workers = min(torch.get_num_threads(), len(tasks), _MAX_WORKERS)
+    futures = [_pool().submit(work) for _ in range(max(1, workers))]
+    total = futures[0].result()
+    for f in futures[1:]:
         total += f.result()
     return total
 

@@ -21,6 +21,7 @@ from matplotlib.gridspec import SubplotSpec
 from matplotlib.patches import Circle, Patch
 from matplotlib.transforms import blended_transform_factory
 
+from cockpit.engine.histogram import symmetric_fast_spec
 from cockpit.view import _style as S
 from cockpit.view._data import (
     Output,
@@ -428,11 +429,11 @@ def _draw_zoom(ax: Axes, hist: Histogram, lo: float, hi: float) -> Axes | None:
     inset.set_title(f"{S.SUB_TITLES['HistZoom']}: [{occ_lo:.3g}, {occ_hi:.3g})",
                     fontsize=S.FONT_SIZES["small"], loc="left", pad=2)
     if n_bins <= 3:
-        reach = f"{max(abs(occ_lo), abs(occ_hi)):.2g}"
+        reach = symmetric_fast_spec(max(abs(occ_lo), abs(occ_hi), 1e-30)).hi
         inset.set_xlabel(f"all in {n_bins} bin{'s' * (n_bins > 1)} of width {w:.3g}: finer "
                          f"shape not recorded;\nfor it: Cockpit(..., hist_bins=cockpit."
-                         f"BinSpec(-{reach}, {reach}, 100))", fontsize=S.FONT_SIZES["small"] - 1.5,
-                         labelpad=1, color=S.GRAY)
+                         f"BinSpec({-reach!r}, {reach!r}, 100))",
+                         fontsize=S.FONT_SIZES["small"] - 1.5, labelpad=1, color=S.GRAY)
     ax.indicate_inset((occ_lo, 0.8, occ_hi - occ_lo, float(hist.counts.max())), inset,
                       edgecolor=S.GRAY, alpha=0.6)
     return inset
