@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import colorsys
 import gzip
+import multiprocessing as mp
 import pickle
 import struct
 from pathlib import Path
@@ -290,6 +291,29 @@ def test_imagenet_folder_loader(tmp_path):
     assert problem.valid_loader.num_samples == 3 and problem.train_loader.num_samples == 3
     xt, yt = next(iter(problem.train_loader))
     assert xt.shape == (3, 3, 224, 224) and set(yt.tolist()) <= {1, 2}
+
+
+def _batches_in_child(loader, queue):
+    queue.put([x.sum().item() for x, _ in loader])
+
+
+@pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="no fork here")
+def test_imagenet_loader_in_a_forked_process(tmp_path):
+    """A DataLoader worker forked after the parent decoded images in threads starts its own
+    decoding threads (the parent's pool, copied without its threads, would hang it)."""
+    _write_imagenet(tmp_path)
+    problem = get_problem("imagenet_inception_v3", data="real", data_dir=tmp_path, batch_size=3)
+    want = [x.sum().item() for x, _ in problem.test_loader]  # the parent's threads run
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_batches_in_child, args=(problem.test_loader, queue))
+    child.start()
+    try:
+        assert queue.get(timeout=60) == want
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
 
 
 # --- augmentation against references ---------------------------------------------------------

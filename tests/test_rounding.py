@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import multiprocessing as mp
 import threading
 import warnings
 from fractions import Fraction
@@ -145,3 +146,28 @@ def test_fenv_buffer_holds_the_c_library_environment():
     buffer = ctypes.create_string_buffer(rounding._FENV_BYTES)
     assert lib.fegetenv(buffer) == 0
     assert buffer.raw[64:] == bytes(rounding._FENV_BYTES - 64)  # fenv_t ≤ 64 bytes here
+
+
+def _histogram_in_child(x, queue):
+    queue.put(histogram_dense(x, BinSpec())[0].tolist())
+
+
+@pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="no fork here")
+def test_a_forked_child_bins_with_its_own_threads():
+    """After the parent used the worker pool, a forked child (Lightning's ddp_fork, a
+    notebook launcher) gets a copy of a pool whose threads do not exist: a task handed to it
+    never ran and the child hung. It now starts its own pool."""
+    x = torch.randn(3 * 2**19 + 5, generator=torch.Generator().manual_seed(3))
+    want = histogram_dense(x, BinSpec())[0]  # the parent's pool is running
+    assert torch.equal(want, torch.bincount(bin_indices(x, -2.0, 2.0, 100), minlength=100))
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_histogram_in_child, args=(x, queue))
+    child.start()
+    try:
+        got = queue.get(timeout=60)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert got == want.tolist()

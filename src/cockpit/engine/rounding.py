@@ -32,6 +32,7 @@ import ctypes
 import ctypes.util
 import functools
 import math
+import os
 import platform
 import sys
 import threading
@@ -51,6 +52,17 @@ _POOL_LOCK = threading.Lock()
 _FE_DOWNWARD = {"x86_64": 0x400, "amd64": 0x400, "i386": 0x400, "i686": 0x400,
                 "aarch64": 0x800000, "arm64": 0x800000}
 _FENV_BYTES = 512  # larger than fenv_t on every supported platform
+
+
+def _forget_pool_in_child() -> None:
+    """A forked process has none of its parent's threads, but a copy of the pool that looks
+    idle: a task handed to it would never run (the child would hang). It starts its own."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def pool() -> ThreadPoolExecutor:

@@ -154,13 +154,15 @@ class _LazyImages:
         self.files = files
         self.threads = threads or min(8, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0  # a forked DataLoader worker starts its own threads
 
     def __call__(self, idx: Tensor) -> Tensor:
         paths = [self.files[i] for i in idx.tolist()]
         if self.threads <= 1 or len(paths) <= 1:
             return torch.stack([readers.load_image(p) for p in paths])
-        if self._pool is None:
+        if self._pool is None or self._pool_pid != os.getpid():
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="cockpit-images")
+            self._pool_pid = os.getpid()
         return torch.stack(list(self._pool.map(readers.load_image, paths)))
 
 
