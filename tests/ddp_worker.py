@@ -39,6 +39,12 @@ def _count_union_projections() -> list[int]:
     return count
 
 
+def all_reduce_mean(model: torch.nn.Module, world: int) -> None:
+    for param in model.parameters():
+        dist.all_reduce(param.grad)
+        param.grad /= world
+
+
 def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -47,13 +53,16 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
     try:
         problem = make_problem(config["problem"], 48)  # the same initial model everywhere
         batches = config["batches"]
-        manual = config.get("manual_allreduce", False)
-        model = problem.model if manual else DistributedDataParallel(problem.model)
+        # "inside"/"after": no DDP, gradients all-reduced by hand inside or after the block;
+        # "never": each process trains on its own shards without synchronizing
+        by_hand = config.get("allreduce_by_hand")
+        model = problem.model if by_hand else DistributedDataParallel(problem.model)
         projections = _count_union_projections()
         opt = config["make_optimizer"](model)
         micro = config.get("micro_batches", 1)
         cockpit = Cockpit(model, instruments(), optimizer=opt, strict=True,
-                          write_on_all_ranks=True, grad_accumulation=micro > 1)
+                          write_on_all_ranks=True, grad_accumulation=micro > 1,
+                          **config.get("cockpit_kwargs", {}))
         stepped = []
         caught = warnings.catch_warnings(record=True)
         recorded = caught.__enter__()
@@ -71,10 +80,10 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
                     losses = problem.loss_fn(model(xb), yb)
                     with cockpit(step, losses=losses):
                         (losses.sum() / len(xs)).backward()
-                        if manual:  # gradients all-reduced by hand, inside the block
-                            for param in model.parameters():
-                                dist.all_reduce(param.grad)
-                                param.grad /= world
+                        if by_hand == "inside":
+                            all_reduce_mean(model, world)
+            if by_hand == "after":
+                all_reduce_mean(model, world)
             stepped.append({k.removeprefix("module."): p.grad.clone()
                             for k, p in model.named_parameters()})
             opt.step()

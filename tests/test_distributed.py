@@ -43,15 +43,15 @@ def strip(output: dict) -> dict:
             for step, values in output.items()}
 
 
-@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "manual"), [
+@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "by_hand"), [
     # DDP's gradient is (w·N/2)·ḡ: g_nᵀḡ from the dots with it, no pass over kept calls
-    ("mlp_relu", [12, 12], 1, sgd, False),
-    ("cnn", [7, 13], 1, adam, False),  # uneven shards: DDP's mean of shard means is not uniform
-    ("mlp_relu", [10, 14], 2, sgd, False),  # accumulation inside each process (no_sync)
-    ("cnn", [12, 12], 1, sgd, True),  # no DDP: gradients all-reduced by hand in the block
+    ("mlp_relu", [12, 12], 1, sgd, None),
+    ("cnn", [7, 13], 1, adam, None),  # uneven shards: DDP's mean of shard means is not uniform
+    ("mlp_relu", [10, 14], 2, sgd, None),  # accumulation inside each process (no_sync)
+    ("cnn", [12, 12], 1, sgd, "inside"),  # no DDP: gradients all-reduced by hand in the block
 ])
 def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
-                                             make_optimizer, manual):
+                                             make_optimizer, by_hand):
     problem = make_problem(name, 48)
     generator = torch.Generator().manual_seed(3)
     batches = []
@@ -60,7 +60,7 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
         batches.append((problem.x[index], problem.y[index]))
     config = {"problem": name, "batches": batches, "shard_sizes": shard_sizes,
               "micro_batches": micro, "make_optimizer": make_optimizer,
-              "manual_allreduce": manual}
+              "allreduce_by_hand": by_hand}
     mp.start_processes(ddp_worker.run, args=(2, free_port(), config, str(tmp_path)),
                        nprocs=2, join=True, start_method="spawn")
     ranks = []
@@ -80,6 +80,88 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
         assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
         # the shortcut for g_nᵀḡ is taken exactly where the gradient seen is ∝ the global ḡ
         assert (result["union_projections"] == 0) == uniform
+
+
+def _two_processes(tmp_path, config: dict) -> list[dict]:
+    mp.start_processes(ddp_worker.run, args=(2, free_port(), config, str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    ranks = []
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
+            ranks.append(pickle.load(file))
+    return ranks
+
+
+def _config(name: str, shard_sizes: list[int], **extra) -> dict:
+    problem = make_problem(name, 48)
+    generator = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(STEPS):
+        index = torch.randint(0, 48, (sum(shard_sizes),), generator=generator)
+        batches.append((problem.x[index], problem.y[index]))
+    return {"problem": name, "batches": batches, "shard_sizes": shard_sizes,
+            "micro_batches": 1, "make_optimizer": sgd, **extra}
+
+
+def test_gradients_all_reduced_after_the_block_give_the_global_batch(tmp_path):
+    """Against the advice, the gradients are averaged after the ``with`` block: at the
+    optimizer step every process holds the global gradient, so the values are the global
+    batch's. Alpha's update predicted inside the block (from the unsynchronized gradient)
+    misses the real one at the first step: None there with the reason, then the general path,
+    exact."""
+    config = _config("mlp_relu", [12, 12], allreduce_by_hand="after")
+    ranks = _two_processes(tmp_path, config)
+    expected, _ = whole_batch_run(make_problem("mlp_relu", 48), config["batches"], sgd)
+    for result in ranks:
+        assert not [m for m in result["warnings"] if "different gradients" in m]
+        output = result["output"]
+        assert assert_same_values(output, expected, range(STEPS), skip={"Alpha"}) > 30 * STEPS
+        assert output[0]["Alpha"] is None
+        assert "all-reduced after it" in result["notes"][0]["Alpha"]
+        assert assert_same_values(output, expected, range(1, STEPS)) > 30 * (STEPS - 1)
+
+
+def test_processes_stepping_apart_get_no_global_values(tmp_path):
+    """Each process trains its own copy on its own shards (a process group, but no
+    synchronization): the combined statistics would describe a batch no optimizer steps on.
+    The batch instruments are None with the reason and the way out; the process's own
+    Distance and UpdateSize are recorded."""
+    config = _config("mlp_relu", [12, 12], allreduce_by_hand="never")
+    for result in _two_processes(tmp_path, config):
+        said = [m for m in result["warnings"] if "different gradients" in m]
+        assert len(said) == 1 and "distributed=False" in said[0]
+        for step in range(STEPS):
+            values, notes = result["output"][step], result["notes"][step]
+            for name in ("Loss", "GradNorm", "NormTest", "InnerTest", "GradHist1d", "Alpha",
+                         "HessTrace", "TICDiag"):
+                assert values[name] is None, (step, name)
+                assert "different gradients" in notes[name]
+            assert "BatchSize" not in values
+            assert values["Distance"] is not None and values["UpdateSize"] is not None
+
+
+def test_distributed_false_watches_each_process_alone(tmp_path):
+    """Cockpit(..., distributed=False): every process's values are those of a single
+    process training on its own shards (its own reference run), and every process writes."""
+    shard_sizes = [10, 14]
+    config = _config("mlp_relu", shard_sizes, allreduce_by_hand="never",
+                     cockpit_kwargs={"distributed": False})
+    ranks = _two_processes(tmp_path, config)
+    for rank, result in enumerate(ranks):
+        part = ddp_worker.shards(sum(shard_sizes), shard_sizes, rank)
+        own = [(x[part], y[part]) for x, y in config["batches"]]
+        expected, _ = whole_batch_run(make_problem("mlp_relu", 48), own, sgd)
+        output = result["output"]
+        assert not [m for m in result["warnings"] if "different gradients" in m]
+        assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
+        assert all(output[step]["BatchSize"] == shard_sizes[rank] for step in range(STEPS))
+    # the two processes' values differ (their shards do)
+    assert ranks[0]["output"][0]["Loss"] != ranks[1]["output"][0]["Loss"]
+
+
+def test_distributed_takes_none_or_false():
+    with pytest.raises(ValueError, match="distributed must be None"):
+        Cockpit(torch.nn.Linear(2, 2), distributed=True)
 
 
 def test_sharded_models_are_refused_with_the_way_out():

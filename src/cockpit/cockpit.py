@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from cockpit.configurations import configuration
-from cockpit.engine import distributed
+from cockpit.engine import distributed as ranks
 from cockpit.engine.histogram import BinSpec, warn_if_slow
 from cockpit.engine.reduction import StepReduction
 from cockpit.engine.request import StepRequest
@@ -68,6 +68,10 @@ class Cockpit:
             micro-batch's layer inputs until the step is complete).
         write_on_all_ranks: with torch.distributed, every process writes the run log and the
             sinks (default: only rank 0; every rank computes the same global values).
+        distributed: with a process group initialised, combine the processes' statistics
+            into the global batch's (None, the default: data-parallel training, DDP); False:
+            describe this process's own batch only, as if it ran alone — for processes that
+            each train their own model (give each its own ``logdir``; every process writes).
         strict: re-raise errors inside Cockpit's hooks instead of recording "not computed"
             (useful in tests; never set it in a production run).
         diagnose: read the recorded values while training runs (:func:`cockpit.diagnose`)
@@ -86,7 +90,11 @@ class Cockpit:
     ``DistributedDataParallel``), every rank's values describe the global batch; the
     per-rank statistics are combined with two all-reduces per tracked step. Gradients
     all-reduced by hand instead of by DDP: do it inside the ``with`` block, after the
-    backward pass, so that Cockpit sees the gradient the optimizer steps on.
+    backward pass, so that Cockpit sees the gradient the optimizer steps on. At every
+    tracked step Cockpit checks that the processes step on the same gradient; where they
+    do not (each process trains its own model), the global values would describe a batch
+    no optimizer steps on: the batch instruments are then None with the reason, and
+    ``distributed=False`` watches each process on its own.
     """
 
     def __init__(
@@ -102,12 +110,13 @@ class Cockpit:
         grad_scaler: Any = None,
         grad_accumulation: bool = False,
         write_on_all_ranks: bool = False,
+        distributed: bool | None = None,
         strict: bool = False,
         diagnose: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Cockpit needs a torch.nn.Module, got {type(model).__name__}")
-        distributed.check_supported_wrapper(model)
+        ranks.check_supported_wrapper(model)
         if quantities is None:
             quantities = configuration("economy")
         elif isinstance(quantities, str):
@@ -159,12 +168,16 @@ class Cockpit:
         self._open: _OpenStep | None = None  # the tracked step whose backward passes come in
         self._in_block = False  # inside a tracked ``with`` block
         self._accumulating = grad_accumulation  # said, or learned at the first such step
-        self._ranks = distributed.world_size()
+        if distributed not in (None, False):
+            raise ValueError("distributed must be None (combine the processes of an "
+                             "initialised process group) or False (this process alone), "
+                             f"got {distributed!r}")
+        self._ranks = ranks.world_size() if distributed is None else 1
         self._handles: list = []
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
-        writes = write_on_all_ranks or distributed.rank() == 0
+        writes = write_on_all_ranks or self._ranks == 1 or ranks.rank() == 0
         self._sinks = list(sinks) if writes else []
         if logdir is not None and writes:
             from cockpit.store import RunLogWriter
@@ -342,7 +355,7 @@ class Cockpit:
                 request.needs, request.union_gram = needs - {GRAM_MEAN}, True
             open_step = _OpenStep(step, tracked, request, time.perf_counter() - self._start_time,
                                   StepReduction(self.tracker, needs, request,
-                                                _sample_sum_keys(tracked)))
+                                                _sample_sum_keys(tracked), ranks=self._ranks))
             open_step.gradient_held = held
             self._open = open_step
         stats = self.tracker.begin(request, losses)
@@ -515,6 +528,7 @@ class Cockpit:
         step, tracked = open_step.step, open_step.tracked
         reduction = open_step.reduction
         stats = reduction.finish()
+        not_global = self._ranks_step_apart(step)
         self._prepare_failures = open_step.prepare_failures
         data = self._step_data(step, stats, open_step.elapsed)
         data.project = reduction.project_samples if reduction.keeps_calls else None
@@ -522,7 +536,7 @@ class Cockpit:
         values: dict[str, Value] = {}
         if data.learning_rate is not None:  # one rate for the model's parameters
             values["LearningRate"] = data.learning_rate
-        if stats.losses is not None:
+        if stats.losses is not None and not_global is None:
             values["BatchSize"] = float(stats.num_samples)
         if open_step.mismatch is not None:
             values["GradientMismatch"] = open_step.mismatch
@@ -530,19 +544,39 @@ class Cockpit:
             values["GradientHeld"] = float(open_step.gradient_held)
         split = open_step.request.split or stats.micro_batches > 1 or stats.ranks > 1
         no_gradient = self._report_backward_outside(step, evidence, not stats.batch_grads)
+        skipped = set()
         for quantity in tracked:
-            if no_gradient and _reads_gradient(quantity):
-                data.notes[quantity.name] = no_gradient
+            reason = (not_global if not_global is not None and _describes_the_batch(quantity)
+                      else no_gradient if no_gradient and _reads_gradient(quantity) else None)
+            if reason is not None:
+                data.notes[quantity.name] = reason
                 values[quantity.name] = None
+                skipped.add(quantity.name)
                 continue
             values.update(self._compute(quantity, data, stats, split))
         self._record(step, values, data.notes)
         self._record_late(data)
-        later = [q for q in tracked if q.needs_update
-                 and not (no_gradient and _reads_gradient(q))]
+        later = [q for q in tracked if q.needs_update and q.name not in skipped]
         if later:
             snapshot = {k: p.detach().clone() for k, p in self._params.items()}
             self._pending_update = (step, data, snapshot, later)
+
+    def _ranks_step_apart(self, step: int) -> str | None:
+        """With combined processes: the reason the global values describe no step, if the
+        processes are about to step on different gradients (else None)."""
+        if self._ranks == 1:
+            return None
+        device = next(iter(self._params.values())).device
+        if not ranks.stepped_gradient_differs(self._stepped_params(), device):
+            return None
+        message = ("the processes step on different gradients (each trains its own model, or "
+                   "gradients are not synchronized), so the global batch's values describe no "
+                   "optimizer step: pass Cockpit(..., distributed=False) to watch each process "
+                   "on its own, or synchronize the gradients (DistributedDataParallel, or "
+                   "all-reduce them inside the `with` block)")
+        self._warn(f"step {step}: {message}; the step's batch instruments are not recorded",
+                   key="ranks-step-apart")
+        return message
 
     def _report_backward_outside(self, step: int, evidence: str | None,
                                  no_gradient: bool) -> str | None:
@@ -746,6 +780,14 @@ def _names(names: list[str], limit: int = 4) -> str:
     """'a, b and 3 more' for messages."""
     shown = ", ".join(names[:limit])
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+# instruments of this process's own parameters, update and clock, not of the batch
+_OWN_PROCESS = frozenset({"Distance", "UpdateSize", "Parameters", "Time"})
+
+
+def _describes_the_batch(quantity: Quantity) -> bool:
+    return quantity.name not in _OWN_PROCESS
 
 
 def _reads_gradient(quantity: Quantity) -> bool:

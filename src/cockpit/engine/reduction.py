@@ -37,8 +37,10 @@ class StepReduction:
     """
 
     def __init__(self, engine, needs: frozenset[str], request,
-                 sample_sum_keys: tuple[str, ...] = ()):
+                 sample_sum_keys: tuple[str, ...] = (), ranks: int | None = None):
         self.engine, self.needs, self.split = engine, needs, request.split
+        # processes whose statistics are combined (1: this process alone)
+        self.ranks = distributed.world_size() if ranks is None else ranks
         self.one_backward_expected = not request.split or request.defer
         self.sample_sum_keys = sample_sum_keys
         self.stats: BackwardStatistics | None = None
@@ -81,7 +83,7 @@ class StepReduction:
         """The statistics of the whole step, over every micro-batch and process."""
         local = self.stats
         assert local is not None
-        ranks = distributed.world_size()
+        ranks = self.ranks
         params = self.engine.params
         if ranks > 1:
             shapes = {name: p.shape for name, p in params.items()}

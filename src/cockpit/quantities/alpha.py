@@ -253,7 +253,8 @@ class Alpha(Quantity):
                 if coefficients is None:
                     return None, (
                         "the real update is not an SGD step of the predicted form (the "
-                        "optimizer's state or hyperparameters changed behind its back)"
+                        "optimizer's state or hyperparameters changed behind its back, or the "
+                        "gradient changed after the `with` block, e.g. all-reduced after it)"
                     )
                 projection = state.projections[k].double()
                 dots = (coefficients.double().to(projection.device)[:, None] * projection).sum(0)
