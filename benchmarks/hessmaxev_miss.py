@@ -122,7 +122,7 @@ def fresh_components(u: torch.Tensor, draws: int, seed: int) -> None:
         z = torch.randn(dim, generator=gen)
         values.append(torch.dot(u, z).item() / torch.linalg.vector_norm(z).item() * math.sqrt(dim))
     v = torch.tensor(values, dtype=torch.float64)
-    print(f"|u₁ᵀz|·√D over {draws} fresh draws (generator seed {seed}): variance "
+    print(f"|u₁ᵀz|·√D over {draws} draws of generator seed {seed}: variance "
           f"{v.pow(2).mean().item():.3f} (N(0,1): 1), fraction < 0.03: "
           f"{(v.abs() < 0.03).double().mean().item():.3f} (0.024), smallest "
           f"{v.abs().min().item():.1e}")
