@@ -178,3 +178,36 @@ def test_non_finite_operator_gives_nan():
     assert res.value != res.value and not res.converged and res.num_matvecs == 1
     power = power_iteration(lambda v: v * float("nan"), 5)
     assert power.value != power.value and not power.converged and power.num_matvecs == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_stopping_rule_errs_only_for_a_small_start_component(dtype):
+    """The guarantee itself, run by run: if λ₁ lies above θ₁·(1 + rel_error), the start had
+    |c| = |u₁ᵀq₁| ≤ δ/√(2D/π), and that happens in at most a fraction δ of the runs.
+
+    δ = 0.2 makes the event frequent enough to observe; the spectrum has an isolated λ₁ over a
+    large null space as mini-batch Hessians do. The rule is nearly tight here (the fraction is
+    ≈ δ), so a threshold half as large or a β paired with the wrong α is caught."""
+    dim, delta, runs = 1000, 0.2, 300
+    gen = torch.Generator().manual_seed(0)
+    eigenvalues = torch.zeros(dim, dtype=torch.float64)
+    eigenvalues[0], eigenvalues[1] = 1.0, 0.78
+    eigenvalues[2:62] = torch.rand(60, generator=gen, dtype=torch.float64) - 0.25
+    A = random_symmetric(dim, eigenvalues, seed=1).to(dtype)
+    evals, evecs = torch.linalg.eigh(A.double())  # of the operator actually applied
+    lam, u = evals[-1].item(), evecs[:, -1]
+    gen = torch.Generator().manual_seed(1)
+    erred = []
+    for _ in range(runs):
+        replay = torch.Generator().manual_seed(0)
+        replay.set_state(gen.get_state())
+        start = torch.randn(dim, generator=replay, dtype=dtype).double()  # Lanczos' q₁
+        c = abs(torch.dot(u, start).item()) / torch.linalg.vector_norm(start).item()
+        res = lanczos_max_eigenvalue(lambda v: A @ v, dim, tol=1e-2, miss_probability=delta,
+                                     generator=gen, dtype=dtype)
+        assert res.converged
+        if lam > res.value + res.rel_error * abs(res.value):
+            erred.append(c * (2 * dim / torch.pi) ** 0.5)
+    assert erred, "no run erred: the test would not see a broken rule"
+    assert max(erred) <= delta
+    assert len(erred) <= delta * runs + 3 * (runs * delta * (1 - delta)) ** 0.5
