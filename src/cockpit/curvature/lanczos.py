@@ -37,7 +37,9 @@ dominates; :func:`power_iteration` reproduces that method for comparison.
 
 Warm start: a previous eigenvector passed as ``v0`` is mixed in equal parts with a random
 unit vector to form q_1: the previous direction speeds up the convergence of θ₁, and the
-random half keeps the guarantee above (with twice the S_k threshold). If the Krylov space
+random half keeps the guarantee above with four times the S_k threshold: q_1 = (v + m)/‖v + m‖
+for unit v and random m, and ‖v + m‖ ≤ 2, so |uᵀq_1| ≤ t needs |uᵀv + uᵀm| ≤ 2t, which a
+fixed uᵀv makes no likelier than |uᵀm| ≤ 2t. If the Krylov space
 becomes invariant (breakdown, β_k ≈ 0) before the space is exhausted, the iteration
 continues with a fresh random vector orthogonal to the basis and the rule restarts for it.
 A breakdown with a random start means the top eigenvalue was found exactly (with
@@ -175,12 +177,12 @@ def lanczos_max_eigenvalue(
     dim = q.numel()
     # squared start component that a hidden eigenvector exceeds with probability 1 − δ
     # (a random unit vector's component along a fixed direction is ≈ z/√D, z ~ N(0, 1):
-    # P(|z|/√D ≤ c) ≤ c·√(2D/π)); the warm mix halves the random part's weight
+    # P(|z|/√D ≤ c) ≤ c·√(2D/π)); the warm mix shrinks the random part by up to 2
     if not is_random:
         mix = _random_vector(dim, q.dtype, q.device, generator)
         q = q + mix / torch.linalg.vector_norm(mix)
         q = q / torch.linalg.vector_norm(q)
-    weight = 1.0 if is_random else 2.0
+    weight = 1.0 if is_random else 4.0
     required = weight * 2.0 * dim / (math.pi * miss_probability**2)
     eps = torch.finfo(q.dtype).eps
     basis: list[Tensor] = []
