@@ -70,26 +70,23 @@ OTHER_RANK_PROBLEM = (
 def stepped_gradient_differs(params: dict[str, Tensor], device: torch.device) -> bool:
     """Whether the processes are about to step on different gradients, i.e. do not train one
     model data-parallel (DDP, or gradients all-reduced by hand): each process' fingerprint
-    (Σ‖p.grad‖², Σ_j p.grad_j, Σ_j |p.grad_j|) is gathered (one small collective)
-    and compared. Data-parallel gradients are the same on every rank (the all-reduce gives
-    every rank the same result); those of separately trained models are not."""
+    (‖g‖₂², ‖g‖₁ over the parameters' gradients) is gathered (one small collective) and
+    compared. Data-parallel gradients are the same on every rank (the all-reduce gives every
+    rank the same result); those of separately trained models differ at order 1. The norms
+    are taken in the gradients' dtype (1.3 ms on 3C3D against 7 ms in float64); 1e-4 leaves
+    room for reductions in another order on another rank."""
     grads = [p.grad.detach() for p in params.values() if p.grad is not None]
     grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
-    local = torch.zeros(3, dtype=torch.float64, device=device)
+    local = torch.zeros(2, dtype=torch.float64, device=device)
     if grads:  # a missing gradient counts as zero (DDP may leave unused ones None)
-        local[0] = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
-                                for g in grads]).sum()
-        local[1] = torch.stack([g.sum(dtype=torch.float64) for g in grads]).sum()
-        local[2] = torch.stack([torch.linalg.vector_norm(g, 1, dtype=torch.float64)
-                                for g in grads]).sum()
-    rows = gather_vector(local, [3] * world_size(), device).view(-1, 3)
+        local[0] = torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square().sum()
+        local[1] = torch.stack([torch.linalg.vector_norm(g, 1) for g in grads]).double().sum()
+    rows = gather_vector(local, [2] * world_size(), device).view(-1, 2)
     finite = torch.isfinite(rows)
     if not bool(finite.all()):  # DDP spreads a NaN to every rank; NaN on some only: differs
         return not bool((finite == finite[0]).all())
     spread = (rows - rows[0]).abs().amax(0)
-    # tolerance for rounding: relative to ‖g‖², and to Σ|g_j| for Σ g_j (which may cancel)
-    scale = rows.abs().amax(0)[[0, 2, 2]]
-    return bool((spread > 1e-6 * scale).any())
+    return bool((spread > 1e-4 * rows.abs().amax(0)).any())
 
 
 def world_size() -> int:
