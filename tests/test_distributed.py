@@ -43,6 +43,28 @@ def strip(output: dict) -> dict:
             for step, values in output.items()}
 
 
+def _two_processes(tmp_path, config: dict) -> list[dict]:
+    mp.start_processes(ddp_worker.run, args=(2, free_port(), config, str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    ranks = []
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
+            ranks.append(pickle.load(file))
+    return ranks
+
+
+def _config(name: str, shard_sizes: list[int], seed: int = 5, **extra) -> dict:
+    """A 2-process run of ``STEPS`` steps on batches drawn from the problem's data."""
+    problem = make_problem(name, 48)
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(STEPS):
+        index = torch.randint(0, 48, (sum(shard_sizes),), generator=generator)
+        batches.append((problem.x[index], problem.y[index]))
+    return {"problem": name, "batches": batches, "shard_sizes": shard_sizes,
+            "micro_batches": 1, "make_optimizer": sgd, **extra}
+
+
 @pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "by_hand"), [
     # DDP's gradient is (w·N/2)·ḡ: g_nᵀḡ from the dots with it, no pass over kept calls
     ("mlp_relu", [12, 12], 1, sgd, None),
@@ -52,21 +74,10 @@ def strip(output: dict) -> dict:
 ])
 def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
                                              make_optimizer, by_hand):
-    problem = make_problem(name, 48)
-    generator = torch.Generator().manual_seed(3)
-    batches = []
-    for _ in range(STEPS):
-        index = torch.randint(0, 48, (sum(shard_sizes),), generator=generator)
-        batches.append((problem.x[index], problem.y[index]))
-    config = {"problem": name, "batches": batches, "shard_sizes": shard_sizes,
-              "micro_batches": micro, "make_optimizer": make_optimizer,
-              "allreduce_by_hand": by_hand}
-    mp.start_processes(ddp_worker.run, args=(2, free_port(), config, str(tmp_path)),
-                       nprocs=2, join=True, start_method="spawn")
-    ranks = []
-    for rank in range(2):
-        with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
-            ranks.append(pickle.load(file))
+    config = _config(name, shard_sizes, seed=3, micro_batches=micro,
+                     make_optimizer=make_optimizer, allreduce_by_hand=by_hand)
+    batches = config["batches"]
+    ranks = _two_processes(tmp_path, config)
     uniform = len(set(shard_sizes)) == 1 and micro == 1
     expected, _ = whole_batch_run(make_problem(name, 48), batches, make_optimizer,
                                   gradients=None if uniform else ranks[0]["stepped"])
@@ -80,27 +91,6 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
         assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
         # the shortcut for g_nᵀḡ is taken exactly where the gradient seen is ∝ the global ḡ
         assert (result["union_projections"] == 0) == uniform
-
-
-def _two_processes(tmp_path, config: dict) -> list[dict]:
-    mp.start_processes(ddp_worker.run, args=(2, free_port(), config, str(tmp_path)),
-                       nprocs=2, join=True, start_method="spawn")
-    ranks = []
-    for rank in range(2):
-        with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
-            ranks.append(pickle.load(file))
-    return ranks
-
-
-def _config(name: str, shard_sizes: list[int], **extra) -> dict:
-    problem = make_problem(name, 48)
-    generator = torch.Generator().manual_seed(5)
-    batches = []
-    for _ in range(STEPS):
-        index = torch.randint(0, 48, (sum(shard_sizes),), generator=generator)
-        batches.append((problem.x[index], problem.y[index]))
-    return {"problem": name, "batches": batches, "shard_sizes": shard_sizes,
-            "micro_batches": 1, "make_optimizer": sgd, **extra}
 
 
 def test_gradients_all_reduced_after_the_block_give_the_global_batch(tmp_path):
