@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from cockpit import Cockpit
+from cockpit.engine import distributed as cockpit_distributed
 from cockpit.engine.reduction import StepReduction
 from tests.exit_worker import leave_process_group
 from tests.models import make_problem
@@ -60,13 +61,17 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
         projections = _count_union_projections()
         opt = config["make_optimizer"](model)
         micro = config.get("micro_batches", 1)
-        cockpit = Cockpit(model, instruments(), optimizer=opt, strict=True,
-                          write_on_all_ranks=True, grad_accumulation=micro > 1,
-                          **config.get("cockpit_kwargs", {}))
-        stepped = []
         caught = warnings.catch_warnings(record=True)
         recorded = caught.__enter__()
         warnings.simplefilter("always")
+        if "attach_timeout" in config:
+            cockpit_distributed.ATTACH_TIMEOUT = config["attach_timeout"]
+        # the processes that run Cockpit (default: all); the others train without it
+        watched = rank in config.get("cockpit_ranks", range(world))
+        cockpit = Cockpit(model, instruments(), optimizer=opt, strict=True,
+                          write_on_all_ranks=True, grad_accumulation=micro > 1,
+                          **config.get("cockpit_kwargs", {})) if watched else None
+        stepped = []
         for step, (x, y) in enumerate(batches):
             opt.zero_grad()
             part = shards(len(x), config["shard_sizes"], rank)
@@ -78,7 +83,7 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
                 context = model.no_sync() if not last else contextlib.nullcontext()
                 with context:
                     losses = problem.loss_fn(model(xb), yb)
-                    with cockpit(step, losses=losses):
+                    with cockpit(step, losses=losses) if watched else contextlib.nullcontext():
                         (losses.sum() / len(xs)).backward()
                         if by_hand == "inside":
                             all_reduce_mean(model, world)
@@ -87,10 +92,12 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
             stepped.append({k.removeprefix("module."): p.grad.clone()
                             for k, p in model.named_parameters()})
             opt.step()
-        cockpit.close()
+        if watched:
+            cockpit.close()
         caught.__exit__(None, None, None)
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
-            pickle.dump({"output": cockpit.get_output(), "notes": cockpit.get_notes(),
+            pickle.dump({"output": cockpit.get_output() if watched else None,
+                         "notes": cockpit.get_notes() if watched else None,
                          "stepped": stepped, "union_projections": projections[0],
                          "warnings": [str(w.message) for w in recorded]}, file)
         leave_process_group()  # barrier, os._exit(0): no gloo thread can abort our exit

@@ -149,6 +149,30 @@ def test_distributed_false_watches_each_process_alone(tmp_path):
     assert ranks[0]["output"][0]["Loss"] != ranks[1]["output"][0]["Loss"]
 
 
+def test_cockpit_on_rank_0_only_watches_its_own_batch_instead_of_hanging(tmp_path):
+    """Cockpit created on rank 0 only (a common `if rank == 0:` habit): its all-reduces
+    would never be answered and rank 0 would wait for ever. It waits a moment for the other
+    processes' Cockpits, then describes its own batch, exactly, with one warning."""
+    shard_sizes = [10, 14]
+    config = _config("mlp_relu", shard_sizes, cockpit_ranks=[0], attach_timeout=2.0)
+    ranks = _two_processes(tmp_path, config)  # returns: no process hung
+    assert ranks[1]["output"] is None
+    said = [m for m in ranks[0]["warnings"] if "only some of the 2 processes" in m]
+    assert len(said) == 1
+    part = ddp_worker.shards(sum(shard_sizes), shard_sizes, 0)
+    own = [(x[part], y[part]) for x, y in config["batches"]]
+    # DDP steps on the global gradient: the reference steps on what rank 0 stepped on
+    expected, _ = whole_batch_run(make_problem("mlp_relu", 48), own, sgd,
+                                  gradients=ranks[0]["stepped"])
+    output = strip(ranks[0]["output"])
+    # Alpha predicted rank 0's own SGD step; DDP stepped on the global gradient: None at the
+    # first step with the reason, the general path (exact) from then on
+    assert output[0]["Alpha"] is None and ranks[0]["notes"][0]["Alpha"]
+    assert assert_same_values(output, expected, range(STEPS), skip={"Alpha"}) > 30 * STEPS
+    assert assert_same_values(output, expected, range(1, STEPS)) > 30 * (STEPS - 1)
+    assert all(output[step]["BatchSize"] == shard_sizes[0] for step in range(STEPS))
+
+
 def test_distributed_takes_none_or_false():
     with pytest.raises(ValueError, match="distributed must be None"):
         Cockpit(torch.nn.Linear(2, 2), distributed=True)

@@ -173,6 +173,9 @@ class Cockpit:
                              "initialised process group) or False (this process alone), "
                              f"got {distributed!r}")
         self._ranks = ranks.world_size() if distributed is None else 1
+        # every process's Cockpit must take part in the collectives: checked at the first
+        # tracked step (None: checked, or nothing to check)
+        self._attachment = ranks.attach() if self._ranks > 1 else None
         self._handles: list = []
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
@@ -324,6 +327,8 @@ class Cockpit:
                 self._consecutive = False
             self._last_step = step
         tracked = self._tracked(step)
+        if tracked and self._attachment is not None:
+            self._check_every_rank_attached()
         if not tracked:
             self.tracker.clear_calls()
             self.tracker.drop_spare_gradients()
@@ -560,6 +565,20 @@ class Cockpit:
         if later:
             snapshot = {k: p.detach().clone() for k, p in self._params.items()}
             self._pending_update = (step, data, snapshot, later)
+
+    def _check_every_rank_attached(self) -> None:
+        """Combine the processes' statistics only if every process runs this Cockpit (else
+        the first all-reduce would wait for ever): otherwise this process alone."""
+        index, self._attachment = self._attachment, None
+        if ranks.every_rank_attached(index):
+            return
+        self._ranks = 1
+        warnings.warn(
+            f"Cockpit runs in only some of the {ranks.world_size()} processes (e.g. only on "
+            "rank 0): its values describe this process's own batch, not the global one. For "
+            "the global batch, create Cockpit in every process (each watches the same "
+            "training; only rank 0 writes); Cockpit(..., distributed=False) says 'this process "
+            "alone' without this check's wait", RuntimeWarning, stacklevel=4)
 
     def _ranks_step_apart(self, step: int) -> str | None:
         """With combined processes: the reason the global values describe no step, if the

@@ -24,6 +24,7 @@ has let go of it (see there: otherwise a process can abort at exit).
 from __future__ import annotations
 
 import atexit
+import itertools
 import sys
 import time
 from collections.abc import Sequence
@@ -87,6 +88,54 @@ def stepped_gradient_differs(params: dict[str, Tensor], device: torch.device) ->
         return not bool((finite == finite[0]).all())
     spread = (rows - rows[0]).abs().amax(0)
     return bool((spread > 1e-4 * rows.abs().amax(0)).any())
+
+
+# How long the first tracked step waits for every process's Cockpit to attach, before it
+# decides that only some processes run Cockpit (their collectives would never be answered).
+ATTACH_TIMEOUT = 60.0
+_instances = itertools.count()  # the i-th Cockpit of a process pairs with the i-th of every other
+
+
+def _default_store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def attach() -> int:
+    """Say, in the process group's key-value store, that this process runs a Cockpit; its
+    index (the i-th Cockpit of this process) pairs it with the i-th of every other process."""
+    index = next(_instances)
+    store = _default_store()
+    if store is not None:
+        store.add(f"cockpit/{index}/attached", 1)
+    return index
+
+
+def every_rank_attached(index: int, timeout: float | None = None) -> bool:
+    """Whether Cockpit number ``index`` runs in every process of the group, so that its
+    collectives are answered. Waits up to ``timeout`` (``ATTACH_TIMEOUT``) for all to attach;
+    the first process to decide writes the answer to the store and every process reads the
+    same answer (``compare_set``), so either all combine their statistics or none does.
+    A process that runs Cockpit alone would otherwise wait for ever in its first all-reduce.
+    Without a store (cannot tell) it assumes every process runs Cockpit."""
+    store = _default_store()
+    if store is None:
+        return True
+    key = f"cockpit/{index}"
+    world = world_size()
+    deadline = time.monotonic() + (ATTACH_TIMEOUT if timeout is None else timeout)
+    count = store.add(f"{key}/attached", 0)
+    while count < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+        count = store.add(f"{key}/attached", 0)
+    proposal = "all" if count >= world else "some"
+    try:
+        decided = store.compare_set(f"{key}/mode", "", proposal)
+    except RuntimeError:  # a store without compare_set: this process's own view
+        decided = proposal.encode()
+    return decided == b"all"
 
 
 def world_size() -> int:
