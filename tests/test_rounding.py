@@ -156,7 +156,10 @@ def _histogram_in_child(x, queue):
 def test_a_forked_child_bins_with_its_own_threads():
     """After the parent used the worker pool, a forked child (Lightning's ddp_fork, a
     notebook launcher) gets a copy of a pool whose threads do not exist: a task handed to it
-    never ran and the child hung. It now starts its own pool."""
+    never ran and the child hung; and torch ops in new threads of the child fail once the
+    parent set up torch's thread pool ("Invalid thread pool!"). The child now bins in the
+    calling thread, exactly (edges searched)."""
+    torch.set_num_threads(torch.get_num_threads())  # sets up torch's thread pool here
     x = torch.randn(3 * 2**19 + 5, generator=torch.Generator().manual_seed(3))
     want = histogram_dense(x, BinSpec())[0]  # the parent's pool is running
     assert torch.equal(want, torch.bincount(bin_indices(x, -2.0, 2.0, 100), minlength=100))

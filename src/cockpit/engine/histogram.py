@@ -245,7 +245,7 @@ def _sum_over_chunks(
         return counts, bad
 
     workers = max(1, min(torch.get_num_threads(), num_chunks, _MAX_WORKERS))
-    if rounding.in_worker() or num_chunks == 1:  # one chunk: its one product is handed over
+    if rounding.in_worker() or num_chunks == 1 or not rounding.threads_usable():
         return run(0, 1)
     futures = [_pool().submit(run, w, workers) for w in range(workers)]
     counts, bad = futures[0].result()

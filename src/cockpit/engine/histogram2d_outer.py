@@ -177,7 +177,8 @@ def _plain(
 def _parallel(device: torch.device) -> bool:
     """Whether independent work may run in the worker threads of cockpit.engine.histogram."""
     return (device.type == "cpu" and torch.get_num_threads() > 1
-            and not threading.current_thread().name.startswith("cockpit-hist"))
+            and not threading.current_thread().name.startswith("cockpit-hist")
+            and rounding.threads_usable())
 
 
 def _run(tasks: list[Callable[[], Tensor]], size: int, device: torch.device) -> Tensor:
@@ -192,7 +193,7 @@ def _run(tasks: list[Callable[[], Tensor]], size: int, device: torch.device) -> 
         return total
 
     counter = itertools.count()  # next() is atomic under the GIL
-    if device.type != "cpu" or rounding.in_worker():
+    if device.type != "cpu" or rounding.in_worker() or not rounding.threads_usable():
         return work()
     # The caller only waits: binning forms its products rounded toward −∞ in Cockpit's own
     # threads (cockpit.engine.rounding), so work in the caller would hand every task over.

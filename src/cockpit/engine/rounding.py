@@ -54,11 +54,16 @@ _FE_DOWNWARD = {"x86_64": 0x400, "amd64": 0x400, "i386": 0x400, "i686": 0x400,
 _FENV_BYTES = 512  # larger than fenv_t on every supported platform
 
 
+_FORKED = False  # this process was forked from one that had imported Cockpit
+
+
 def _forget_pool_in_child() -> None:
     """A forked process has none of its parent's threads, but a copy of the pool that looks
-    idle: a task handed to it would never run (the child would hang). It starts its own."""
-    global _POOL, _POOL_LOCK
-    _POOL, _POOL_LOCK = None, threading.Lock()
+    idle: a task handed to it would never run (the child would hang). Nor can it use torch
+    in new threads once the parent has set up torch's thread pool ("Invalid thread pool!"
+    at the first parallel op): Cockpit then works in the calling thread alone."""
+    global _POOL, _POOL_LOCK, _FORKED
+    _POOL, _POOL_LOCK, _FORKED = None, threading.Lock(), True
 
 
 if hasattr(os, "register_at_fork"):
@@ -72,6 +77,12 @@ def pool() -> ThreadPoolExecutor:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix=_WORKER_PREFIX)
         return _POOL
+
+
+def threads_usable() -> bool:
+    """Whether Cockpit may work in its own threads (not in a forked process, see
+    :func:`_forget_pool_in_child`)."""
+    return not _FORKED
 
 
 def in_worker() -> bool:
@@ -165,8 +176,9 @@ def _fenv() -> _Fenv | None:
 
 
 def available() -> bool:
-    """Whether :func:`scale_down_` works here (checked once, by the self-test)."""
-    return _fenv() is not None
+    """Whether :func:`scale_down_` works here (checked once, by the self-test); never in a
+    forked process, where Cockpit's threads are not used (the edges are searched instead)."""
+    return threads_usable() and _fenv() is not None
 
 
 def in_own_thread(fn, *args):
