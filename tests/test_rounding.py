@@ -149,6 +149,9 @@ def test_fenv_buffer_holds_the_c_library_environment():
 
 
 def _histogram_in_child(x, queue):
+    # as in every forked torch process (DataLoader workers do it): OpenMP's threads do not
+    # survive a fork, and a parallel op would wait for them for ever, with or without Cockpit
+    torch.set_num_threads(1)
     queue.put(histogram_dense(x, BinSpec())[0].tolist())
 
 
