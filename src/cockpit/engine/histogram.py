@@ -245,7 +245,7 @@ def _sum_over_chunks(
         return counts, bad
 
     workers = max(1, min(torch.get_num_threads(), num_chunks, _MAX_WORKERS))
-    if rounding.in_worker() or num_chunks == 1 or not rounding.threads_usable():
+    if num_chunks == 1 or rounding.work_here():
         return run(0, 1)
     futures = [_pool().submit(run, w, workers) for w in range(workers)]
     counts, bad = futures[0].result()
@@ -384,15 +384,6 @@ def _float_to_ordered(x: Tensor) -> Tensor:
         return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     bits = x.view(torch.int64)
     return torch.where(bits < 0, bits ^ 0x7FFFFFFFFFFFFFFF, bits)
-
-
-def _ordered_to_float(key: Tensor, dtype: torch.dtype) -> Tensor:
-    """Inverse of :func:`_float_to_ordered`."""
-    mask = 0x7FFFFFFF if dtype == torch.float32 else 0x7FFFFFFFFFFFFFFF
-    bits = torch.where(key < 0, key ^ mask, key)
-    if dtype == torch.float32:
-        return bits.to(torch.int32).view(torch.float32)
-    return bits.view(torch.float64)
 
 
 @functools.lru_cache(maxsize=64)

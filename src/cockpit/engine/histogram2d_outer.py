@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
 from collections.abc import Callable
 
 import torch
@@ -176,9 +175,7 @@ def _plain(
 
 def _parallel(device: torch.device) -> bool:
     """Whether independent work may run in the worker threads of cockpit.engine.histogram."""
-    return (device.type == "cpu" and torch.get_num_threads() > 1
-            and not threading.current_thread().name.startswith("cockpit-hist")
-            and rounding.threads_usable())
+    return device.type == "cpu" and torch.get_num_threads() > 1 and not rounding.work_here()
 
 
 def _run(tasks: list[Callable[[], Tensor]], size: int, device: torch.device) -> Tensor:
@@ -193,7 +190,7 @@ def _run(tasks: list[Callable[[], Tensor]], size: int, device: torch.device) -> 
         return total
 
     counter = itertools.count()  # next() is atomic under the GIL
-    if device.type != "cpu" or rounding.in_worker() or not rounding.threads_usable():
+    if device.type != "cpu" or rounding.work_here():
         return work()
     # The caller only waits: binning forms its products rounded toward −∞ in Cockpit's own
     # threads (cockpit.engine.rounding), so work in the caller would hand every task over.

@@ -89,6 +89,12 @@ def in_worker() -> bool:
     return threading.current_thread().name.startswith(_WORKER_PREFIX)
 
 
+def work_here() -> bool:
+    """Whether work is done in the calling thread rather than handed to Cockpit's threads:
+    it already is one of them, or a forked process cannot use them."""
+    return in_worker() or not threads_usable()
+
+
 class _Fenv:
     """fegetenv/fesetenv/fesetround of the C library, with the default environment."""
 
