@@ -144,6 +144,24 @@ def test_killed_sweep_resumes(tmp_path):
     _check_sweep(tmp_path, ["digits_logreg"], [optimizer], trials=4, seeds=2)
 
 
+def test_a_trial_stopped_before_its_settings_were_recorded_is_run_on_resume(tmp_path):
+    """A sweep killed between the sampler's ask() and recording the trial's settings leaves
+    a RUNNING trial without them (the resumed sweep failed with KeyError): it never ran, so
+    the resumed sweep draws its settings and runs it; every trial ends COMPLETE."""
+    sweep(["two_d_branin"], ["sgd"], output=str(tmp_path), budget=2, seeds=1, data="real",
+          progress=False, **RUN)
+    storage = f"sqlite:///{(tmp_path / STORAGE_NAME).resolve()}"
+    (summary,) = optuna.get_all_study_summaries(storage)
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    study.ask()  # the kill: asked, nothing recorded
+    # the same sweep again (its study name holds the budget); the stray trial is run even
+    # though the two others already fill the budget (in a real kill it is one of them)
+    resumed = sweep(["two_d_branin"], ["sgd"], output=str(tmp_path), budget=2, seeds=1,
+                    data="real", progress=False, **RUN)
+    assert resumed.failures == [] and resumed.executed == 1
+    _check_sweep(tmp_path, ["two_d_branin"], ["sgd"], trials=3, seeds=1)
+
+
 def test_pool_replaces_a_dead_worker_and_retries_its_run(tmp_path):
     from cockpit.benchmark.executors import PoolExecutor
     from cockpit.benchmark.runner import RunSpec

@@ -151,12 +151,19 @@ def _spec_for(plan: StudyPlan, hyperparameters: dict[str, Any], seed: int = 0) -
 
 
 def _tune(plans: list[StudyPlan], pool, summary: SweepSummary, bar, budget) -> None:
+    import optuna
     from optuna.trial import TrialState
 
     queue: list[tuple[StudyPlan, int, RunSpec]] = []
     for plan in plans:
         _tick(bar, _finished(plan))  # finished before this call
         for trial in plan.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if HP_ATTR not in trial.user_attrs:
+                # stopped between ask() and recording its settings: it never ran; draw them
+                # now (settings it had already suggested are kept) and run it
+                queue.append(_suggest(plan, optuna.trial.Trial(plan.study, trial._trial_id),
+                                      budget))
+                continue
             spec = _spec_for(plan, json.loads(trial.user_attrs[HP_ATTR]))
             if spec.path.exists():  # the run finished, the sweep stopped before telling
                 result = read_result(spec.path)
@@ -214,7 +221,12 @@ def _finished(plan: StudyPlan) -> int:
 
 
 def _ask(plan: StudyPlan, budget) -> tuple[StudyPlan, int, RunSpec]:
-    trial = plan.study.ask()
+    return _suggest(plan, plan.study.ask(), budget)
+
+
+def _suggest(plan: StudyPlan, trial, budget) -> tuple[StudyPlan, int, RunSpec]:
+    """The trial's settings (drawn by the sampler, or the defaults for one-shot), recorded
+    on the trial, and its run."""
     if budget == "one-shot":
         hyperparameters = defaults(plan.optimizer)
     else:
