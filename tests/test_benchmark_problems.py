@@ -10,6 +10,7 @@ in which torch modules register parameters differs from TensorFlow's variable or
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -259,6 +260,19 @@ def test_two_d_functions_match_their_formulas():
         first = rng.normal(0.0, 1.0, 10_000)[:5]
         np.testing.assert_allclose(x[:, 0].numpy(), first, rtol=1e-6)
         assert problem.train_loader.num_samples == 10_000
+
+
+def test_quadratic_deep_hessian_is_deepobs_matrix():
+    """Q against a fixture written by an independent implementation of DeepOBS's published
+    construction (tests/fixtures/make_quadratic_deep_hessian.py), and the loss at θ = 1 for
+    the data point x = 0: ½·1ᵀQ1 = 267.53 (a QR-drawn rotation gave 461.1)."""
+    problem = get_problem("quadratic_deep", batch_size=8)
+    fixture = np.load(Path(__file__).parent / "fixtures" / "quadratic_deep_hessian.npy")
+    np.testing.assert_allclose(problem.model.hessian.double().numpy(), fixture,
+                               rtol=0, atol=1e-5 * np.abs(fixture).max())
+    at_zero = problem.losses(problem.model(torch.zeros(1, 100)), torch.zeros(1))
+    assert float(at_zero.detach()) == pytest.approx(267.529, abs=2e-3)
+    assert 0.5 * fixture.sum() == pytest.approx(267.5293, abs=1e-4)
 
 
 def test_quadratic_deep_spectrum_and_loss():

@@ -16,8 +16,9 @@ the test loss is the deterministic f).
 Noisy quadratic (DeepOBS ``quadratic_deep``, after Chaudhari et al. 2017): θ ∈ ℝ¹⁰⁰ starting
 at 1, ℓ_n(θ) = ½ (θ − x_n)ᵀ Q (θ − x_n) with x_n ~ N(0, 0.6² I) (1,000 train draws, seed 42;
 test seed 43; valid seed 44) and Q = Rᵀ diag(λ) R, 90 eigenvalues λ ~ U(0, 1) and 10 from
-U(30, 60), R a Haar-random rotation (seed 42). Our rotation is drawn with a QR
-decomposition, so Q follows DeepOBS's distribution but is not bit-identical to its matrix.
+U(30, 60), R a Haar-random rotation. Everything is drawn, in DeepOBS's order, from one
+``RandomState(42)``: the 90 small eigenvalues, the 10 large ones, then the rotation by the
+subgroup algorithm (:func:`subgroup_rotation`), so Q is DeepOBS's matrix (½·1ᵀQ1 = 267.53).
 """
 
 from __future__ import annotations
@@ -76,16 +77,40 @@ class NoisyQuadratic(nn.Module):
         return 0.5 * ((diff @ self.hessian) * diff).sum(dim=-1)
 
 
+def subgroup_rotation(dim: int, rng: np.random.RandomState) -> np.ndarray:
+    """A Haar-random rotation R ∈ SO(dim) by the subgroup algorithm (Diaconis & Shahshahani,
+    1987), with DeepOBS's draws and signs.
+
+    Start: the 2-D rotation by the angle t = 2π·u, u ~ U(0, 1), written [[cos t, sin t],
+    [−sin t, cos t]]. Step k = 2 … dim − 1 (R_k ∈ SO(k) → R_{k+1}): draw v ~ N(0, I_{k+1})
+    and normalize it, put x = (e₁ − v)/‖e₁ − v‖ and R_{k+1} = H (1 ⊕ R_k) with the Householder
+    reflection H = I − 2xxᵀ. The result is −R (DeepOBS negates it at the end).
+    """
+    if dim < 2:
+        raise ValueError(f"a rotation needs at least 2 dimensions, got {dim}")
+    angle = 2.0 * np.pi * rng.uniform()
+    rotation = np.array([[np.cos(angle), np.sin(angle)], [-np.sin(angle), np.cos(angle)]])
+    for k in range(2, dim):
+        v = rng.normal(size=k + 1)
+        v /= np.linalg.norm(v)
+        x = -v
+        x[0] += 1.0
+        x /= np.linalg.norm(x)
+        embedded = np.eye(k + 1)
+        embedded[1:, 1:] = rotation
+        rotation = embedded - 2.0 * np.outer(x, x @ embedded)
+    return -rotation
+
+
 def deep_learning_hessian(dim: int = 100, seed: int = 42) -> Tensor:
-    """Q = Rᵀ diag(λ) R with 90 % of λ ~ U(0, 1), 10 % ~ U(30, 60), R Haar-random."""
+    """Q = Rᵀ diag(λ) R as DeepOBS's ``quadratic_deep``: from one ``RandomState(seed)``,
+    90 % of λ ~ U(0, 1), then 10 % ~ U(30, 60), then R by :func:`subgroup_rotation`."""
     rng = np.random.RandomState(seed)
     n_large = dim // 10
     eigenvalues = np.concatenate([rng.uniform(0.0, 1.0, dim - n_large),
                                   rng.uniform(30.0, 60.0, n_large)])
-    q, r = np.linalg.qr(rng.normal(size=(dim, dim)))
-    rotation = q * np.sign(np.diag(r))  # Haar measure on O(D)
+    rotation = subgroup_rotation(dim, rng)
     hessian = rotation.T @ np.diag(eigenvalues) @ rotation
-    hessian = 0.5 * (hessian + hessian.T)
     return torch.tensor(hessian, dtype=torch.float32)
 
 
