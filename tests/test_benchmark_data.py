@@ -377,9 +377,12 @@ def test_digits_real_split():
 
     digits = load_digits()
     problem = get_problem("digits_cnn", data="real", batch_size=32)
-    sizes = [loader.num_samples for loader in (problem.train_loader, problem.train_eval_loader,
-                                               problem.valid_loader, problem.test_loader)]
-    assert sizes == [1077, 360, 360, 360]
+    sizes = [loader.num_samples for loader in (problem.train_loader, problem.valid_loader,
+                                               problem.test_loader)]
+    assert sizes == [1077, 360, 360]
+    # every split drops its incomplete last batch: 360 // 32 = 11 batches of 32
+    assert [len(problem.train_loader), len(problem.train_eval_loader), len(problem.valid_loader),
+            len(problem.test_loader)] == [1077 // 32, 11, 11, 11]
     train = set(problem.train_loader.indices.tolist())
     valid = set(problem.valid_loader.indices.tolist())
     test = set(problem.test_loader.indices.tolist())
@@ -387,7 +390,8 @@ def test_digits_real_split():
     assert len(train | valid | test) == 1797
     assert set(problem.train_eval_loader.indices.tolist()) <= train
     x, y = _all(problem.test_loader)
-    idx = problem.test_loader.indices
+    assert len(y) == 352
+    idx = problem.test_loader.indices[:352]
     assert y.tolist() == digits.target[idx.numpy()].tolist()
     raw = torch.tensor(digits.images[idx.numpy()], dtype=torch.float32)
     train_raw = torch.tensor(digits.images[sorted(train)], dtype=torch.float32)
@@ -504,3 +508,62 @@ def test_torchvision_layouts_are_accepted(tmp_path):
     (tmp_path / "tv" / "cifar10" / "cifar-10-batches-py").rename(tmp_path / "cifar-10-batches-py")
     problem = get_problem("cifar10_3c3d", data="real", data_dir=tmp_path, batch_size=3)
     assert _all(problem.test_loader)[1].tolist() == test_y.tolist()
+
+
+# --- train_eval and partial batches as DeepOBS ------------------------------------------------
+def _train_index(images: torch.Tensor, x: torch.Tensor) -> list[int]:
+    return [int(torch.nonzero((images == xi[0]).all(-1).all(-1))[0]) for xi in x]
+
+
+def test_train_eval_is_a_fresh_draw_from_the_training_stream(tmp_path):
+    """DeepOBS: train_dataset.take(N_test // B) — each evaluation takes new batches of the
+    reshuffled training stream; evaluating does not move the training order."""
+    arrays = _write_mnist(tmp_path / "mnist", n_train=40, n_test=12)
+    images = torch.tensor(arrays["train-images-idx3-ubyte"], dtype=torch.float32) / 255
+    problem = get_problem("mnist_logreg", data="real", data_dir=tmp_path, batch_size=5)
+    assert len(problem.train_eval_loader) == 12 // 5
+    passes = [_train_index(images, _all(problem.train_eval_loader)[0]) for _ in range(3)]
+    for idx in passes:
+        assert len(idx) == 10 and len(set(idx)) == 10 and min(idx) >= 12  # train part only
+    assert len({tuple(sorted(idx)) for idx in passes}) == 3  # a fresh subset each time
+    # the training order with and without evaluations in between
+    other = get_problem("mnist_logreg", data="real", data_dir=tmp_path, batch_size=5)
+    for _ in range(2):
+        _all(problem.train_eval_loader)
+        assert torch.equal(_all(problem.train_loader)[0], _all(other.train_loader)[0])
+
+
+def test_train_eval_of_cifar_is_augmented_as_training():
+    """CIFAR's train_eval images are augmented (random crop, flip, colour) training images:
+    none equals the plain standardized version of any stored training image."""
+    problem = get_problem("cifar10_3c3d", batch_size=4)
+    loader = problem.train_loader
+    stored = aug.per_image_standardization(loader._x[loader.indices].float())
+    x, y = _all(problem.train_eval_loader)
+    assert x.shape == (8, 3, 32, 32)  # N_test // B = 8 // 4 batches of 4
+    distance = torch.cdist(x.flatten(1), stored.flatten(1))
+    assert distance.min() > 1.0
+    # the same images evaluated without augmentation would be exact copies
+    assert torch.cdist(stored[:3].flatten(1), stored.flatten(1)).min() == 0
+
+
+def test_every_split_drops_its_last_incomplete_batch():
+    """quadratic_deep with B = 128: 1,000 points per split give 7 batches (896 points) in
+    each; the evaluated test loss is the mean of ½(1 − x)ᵀQ(1 − x) over those 896."""
+    from cockpit.benchmark.runner import evaluate
+
+    problem = get_problem("quadratic_deep")
+    loaders = (problem.train_loader, problem.train_eval_loader, problem.valid_loader,
+               problem.test_loader)
+    assert [len(loader) for loader in loaders] == [7, 7, 7, 7]
+    assert all(len(y) == 128 for loader in loaders for _, y in loader)
+    x = torch.tensor(np.random.RandomState(43).normal(0, 0.6, (1000, 100)))[:896]
+    hessian = problem.model.hessian.double()
+    expected = (0.5 * ((1 - x) @ hessian * (1 - x)).sum(1)).mean()
+    loss, accuracy = evaluate(problem, problem.test_loader)
+    assert loss == pytest.approx(float(expected), rel=1e-5) and accuracy is None
+
+
+def test_a_batch_larger_than_a_split_is_refused():
+    with pytest.raises(ValueError, match="no complete batch in the train_eval split"):
+        get_problem("digits_logreg", data="real", batch_size=400)

@@ -34,7 +34,8 @@ class BatchLoader:
 
     * ``shuffle``: a new permutation each epoch, drawn from a generator seeded with
       ``seed`` — epoch ``e`` of two loaders with the same seed is identical.
-    * ``drop_last``: drop the final incomplete batch (DeepOBS does so for training).
+    * ``drop_last``: drop the final incomplete batch (DeepOBS does so in every split).
+    * ``max_batches``: yield at most this many batches per pass (DeepOBS's ``take``).
     * ``prepare(x)``: turns stored samples (e.g. ``uint8`` images) into model inputs.
     * ``augment(x, generator)``: random data augmentation of a prepared batch (training only).
     * ``indices``: restrict to a subset of the stored samples (train / valid / train-eval).
@@ -51,6 +52,7 @@ class BatchLoader:
         shuffle: bool = False,
         drop_last: bool = False,
         seed: int = 0,
+        max_batches: int | None = None,
         indices: Tensor | None = None,
         prepare: Callable[[Tensor], Tensor] | None = None,
         augment: Transform | None = None,
@@ -64,6 +66,8 @@ class BatchLoader:
         self.indices = torch.arange(len(y)) if indices is None else indices.long()
         self.batch_size = batch_size
         self.shuffle, self.drop_last = shuffle, drop_last
+        self.max_batches = max_batches
+        self._seed = seed
         self.prepare, self.augment = prepare, augment
         self.device = torch.device(device)
         self.target_is_input, self.on_start = target_is_input, on_start
@@ -75,8 +79,20 @@ class BatchLoader:
 
     def __len__(self) -> int:
         if self.drop_last:
-            return self.num_samples // self.batch_size
-        return -(-self.num_samples // self.batch_size)
+            n = self.num_samples // self.batch_size
+        else:
+            n = -(-self.num_samples // self.batch_size)
+        return n if self.max_batches is None else min(n, self.max_batches)
+
+    def take(self, num_batches: int, seed: int) -> BatchLoader:
+        """The first ``num_batches`` batches of each pass over this loader's stream — same
+        samples, preparation, augmentation and shuffling, but drawn from its own generator
+        (seeded ``seed``), so a pass over it leaves this loader's order untouched."""
+        return BatchLoader(self._x, self._y, self.batch_size, shuffle=self.shuffle,
+                           drop_last=self.drop_last, seed=seed, indices=self.indices,
+                           prepare=self.prepare, augment=self.augment, device=self.device,
+                           target_is_input=self.target_is_input, on_start=self.on_start,
+                           max_batches=num_batches)
 
     def _take(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         x = self._x(idx) if callable(self._x) else self._x[idx]
@@ -103,14 +119,27 @@ class BatchLoader:
 class Splits:
     """The four DeepOBS data splits as loaders.
 
-    ``train_eval`` is a fixed random subset of ``train`` of the size of ``test`` (evaluated
-    without augmentation); ``valid`` is held out of the training file, disjoint from
-    ``train``."""
+    ``train_eval`` is DeepOBS's: the first N_test // B batches of the training stream, drawn
+    afresh at each evaluation (reshuffled, and augmented where training is; see
+    :func:`train_eval_stream`); ``valid`` is held out of the training file, disjoint from
+    ``train``. Every split drops its last incomplete batch (as DeepOBS)."""
 
     train: BatchLoader
     train_eval: BatchLoader
     valid: BatchLoader
     test: BatchLoader
+
+
+TRAIN_EVAL_SEED_OFFSET = 1 << 32
+
+
+def train_eval_stream(train: BatchLoader, eval_size: int, seed: int) -> BatchLoader:
+    """DeepOBS's train-eval split: ``eval_size // B`` batches taken from the training stream
+    (``train_dataset.take(train_eval_size // batch_size)``), so each evaluation sees a new
+    random subset of the training data, augmented as training is. Its shuffling has its own
+    generator: evaluating does not change the order of the training batches."""
+    num_batches = eval_size // train.batch_size
+    return train.take(num_batches, seed + TRAIN_EVAL_SEED_OFFSET)
 
 
 @dataclass
@@ -212,7 +241,8 @@ class TestProblem:
         return None
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        """Number of trainable parameters (``requires_grad``)."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
 
 def regularized_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -240,11 +270,13 @@ class SequenceLoader:
     ``batch_size`` contiguous rows, and batch i holds columns [i·T, (i+1)·T) of every row
     (x) and the same positions shifted by one character (y), so row b of batch i + 1
     continues row b of batch i (the RNN state may be carried over). Batches come in order,
-    never shuffled; the incomplete remainder is dropped."""
+    never shuffled; the incomplete remainder is dropped. ``max_batches``: only the first
+    batches of each pass (DeepOBS's train-eval split is the first N_test // (B·T))."""
 
     def __init__(self, ids: Tensor, batch_size: int, seq_length: int, *,
                  device: torch.device | str = "cpu",
-                 on_start: Callable[[], None] | None = None):
+                 on_start: Callable[[], None] | None = None,
+                 max_batches: int | None = None):
         num_batches = (len(ids) - 1) // (batch_size * seq_length)
         if num_batches == 0:
             raise ValueError(f"{len(ids)} characters are too few for batch_size={batch_size} "
@@ -253,7 +285,8 @@ class SequenceLoader:
         self.x = ids[:n].reshape(batch_size, -1)
         self.y = ids[1:n + 1].reshape(batch_size, -1)
         self.batch_size, self.seq_length = batch_size, seq_length
-        self.num_batches = num_batches
+        self.num_batches = num_batches if max_batches is None else min(num_batches,
+                                                                        max_batches)
         self.device, self.on_start = torch.device(device), on_start
 
     @property

@@ -1,10 +1,11 @@
 """The four DeepOBS splits of each data set, from real files or a synthetic stand-in.
 
 Splits (DeepOBS 1.2): ``valid`` is the first N_test samples of the training file (in file
-order), ``train`` the remaining ones; ``train_eval`` is a fixed random subset of ``train``
-of size N_test (drawn once with the problem's seed, evaluated without augmentation);
-``test`` is the test file. Training batches are reshuffled every epoch and the incomplete
-last batch is dropped (as DeepOBS); evaluation loaders keep every sample.
+order), ``train`` the remaining ones; ``train_eval`` is the first N_test // B batches of the
+training stream (reshuffled and, where training is, augmented at each evaluation: DeepOBS's
+``train_dataset.take(train_eval_size // batch_size)``); ``test`` is the test file. Training
+batches are reshuffled every epoch; every split drops its incomplete last batch (as
+DeepOBS).
 
 Synthetic data (``data="synthetic"``) has the real data's shapes, dtypes, classes and
 preprocessing, but few samples (8 training and 2 evaluation batches by default) and
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from cockpit.benchmark.problems import augment as aug
 from cockpit.benchmark.problems import readers
-from cockpit.benchmark.problems.base import BatchLoader, Splits
+from cockpit.benchmark.problems.base import BatchLoader, Splits, train_eval_stream
 
 SYNTHETIC_TRAIN_BATCHES = 8
 SYNTHETIC_EVAL_BATCHES = 2
@@ -37,12 +38,6 @@ def split_train_valid(n_train: int, n_valid: int) -> tuple[Tensor, Tensor]:
     return torch.arange(n_valid, n_train), torch.arange(n_valid)
 
 
-def train_eval_subset(train_idx: Tensor, size: int, seed: int) -> Tensor:
-    """A fixed random subset of ``train_idx`` of ``min(size, len)`` samples (sorted)."""
-    perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(seed + 1))
-    return train_idx[perm[:min(size, len(train_idx))].sort().values]
-
-
 def image_splits(
     train_x, train_y: Tensor, test_x, test_y: Tensor, batch_size: int, *, seed: int,
     device, prepare_train: Callable | None, prepare_eval: Callable | None,
@@ -51,16 +46,16 @@ def image_splits(
     """Splits of an image classification set (``train_x`` may be a lazy loader callable)."""
     n_test = len(test_y)
     train_idx, valid_idx = split_train_valid(len(train_y), n_test)
-    eval_idx = train_eval_subset(train_idx, n_test, seed)
 
     def loader(x, y, idx=None, *, train=False):
-        return BatchLoader(x, y, batch_size, shuffle=train, drop_last=train, seed=seed,
+        return BatchLoader(x, y, batch_size, shuffle=train, drop_last=True, seed=seed,
                            indices=idx, prepare=prepare_train if train else prepare_eval,
                            augment=augment if train else None, device=device)
 
+    train = loader(train_x, train_y, train_idx, train=True)
     return Splits(
-        train=loader(train_x, train_y, train_idx, train=True),
-        train_eval=loader(train_x, train_y, eval_idx),
+        train=train,
+        train_eval=train_eval_stream(train, n_test, seed),
         valid=loader(train_x, train_y, valid_idx),
         test=loader(test_x, test_y),
     )
@@ -236,7 +231,8 @@ def tolstoi(data: str, data_dir, batch_size: int, seed: int, device,
             on_start: Callable[[], None] | None = None) -> Splits:
     """War and Peace as character ids (80 % train / 20 % test, as DeepOBS's preprocessing);
     valid = the first N_test characters of the training part, train the rest; train_eval =
-    the first N_test characters of train. Sequences of 50 characters."""
+    the first N_test // (B·50) batches of the training stream (DeepOBS). Sequences of 50
+    characters."""
     from cockpit.benchmark.problems.base import SequenceLoader
 
     t = TOLSTOI_SEQ_LENGTH
@@ -258,8 +254,10 @@ def tolstoi(data: str, data_dir, batch_size: int, seed: int, device,
                          f"than the test text ({n_test})")
     valid, train = train_all[:n_test], train_all[n_test:]
 
-    def loader(ids: Tensor) -> SequenceLoader:
-        return SequenceLoader(ids, batch_size, t, device=device, on_start=on_start)
+    def loader(ids: Tensor, max_batches: int | None = None) -> SequenceLoader:
+        return SequenceLoader(ids, batch_size, t, device=device, on_start=on_start,
+                              max_batches=max_batches)
 
-    return Splits(train=loader(train), train_eval=loader(train[:n_test]), valid=loader(valid),
-                  test=loader(test))
+    n_eval_batches = n_test // (batch_size * t)
+    return Splits(train=loader(train), train_eval=loader(train, n_eval_batches),
+                  valid=loader(valid), test=loader(test))

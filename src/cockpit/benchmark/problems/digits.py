@@ -3,7 +3,7 @@ scikit-learn, nothing downloaded) — a small real problem that trains in second
 
 Split (fixed, independent of the seed): a permutation with seed 0 puts 20 % (360 images)
 into ``test``, the next 360 into ``valid`` and the remaining 1,077 into ``train``;
-``train_eval`` is a random 360-image subset of ``train``. Inputs are standardized with the
+``train_eval`` is DeepOBS's: the first 360 // B batches of the reshuffled training stream. Inputs are standardized with the
 training part's mean and standard deviation (pixel values 0–16).
 """
 
@@ -12,12 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from cockpit.benchmark.problems.base import BatchLoader, Splits
-from cockpit.benchmark.problems.data import (
-    synthetic_counts,
-    synthetic_images,
-    train_eval_subset,
-)
+from cockpit.benchmark.problems.base import BatchLoader, Splits, train_eval_stream
+from cockpit.benchmark.problems.data import synthetic_counts, synthetic_images
 from cockpit.benchmark.problems.small_nets import logistic_regression
 
 N_TEST = 360
@@ -54,11 +50,11 @@ def digits_splits(data: str, data_dir, batch_size: int, seed: int, device) -> Sp
         return (batch - mean) / std
 
     def loader(idx: Tensor, train: bool = False) -> BatchLoader:
-        return BatchLoader(x, y, batch_size, shuffle=train, drop_last=train, seed=seed,
+        return BatchLoader(x, y, batch_size, shuffle=train, drop_last=True, seed=seed,
                            indices=idx, prepare=prepare, device=device)
 
-    return Splits(train=loader(train_idx, train=True),
-                  train_eval=loader(train_eval_subset(train_idx, len(test_idx), seed)),
+    train = loader(train_idx, train=True)
+    return Splits(train=train, train_eval=train_eval_stream(train, len(test_idx), seed),
                   valid=loader(valid_idx), test=loader(test_idx))
 
 

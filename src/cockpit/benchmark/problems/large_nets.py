@@ -312,8 +312,18 @@ class CharRNN(nn.Module):
 
     Stateful as DeepOBS's TensorFlow model: the final (h, c) of a batch (detached) is the
     initial state of the next batch of the same size; :meth:`reset_state` (called when a
-    loader starts an epoch) sets it to zero. 285,523 parameters (PyTorch's LSTM has two bias
-    vectors per layer, as in DeepOBS's PyTorch version).
+    loader starts an epoch) sets it to zero.
+
+    Initialized as the TensorFlow original (the version the published baselines ran):
+    ``tf.get_variable``'s default Glorot-uniform U(±√(6/(fan_in + fan_out))) for the
+    embedding [83, 128], each LSTM kernel [256, 512] (TF's one kernel over [x, h] and the four
+    gates: PyTorch's ``weight_ih`` and ``weight_hh`` are its two halves, so both use the limit
+    √(6/768)), the softmax weights [128, 83] and the softmax bias [83] (fan_in = fan_out = 83);
+    LSTM biases zero. TF's ``LSTMCell`` adds ``forget_bias`` = 1 to the forget gate's
+    pre-activation: here the forget part of ``bias_ih`` starts at 1 (the same function and,
+    a constant shift of a trainable bias, the same gradients). TF has one bias per gate, PyTorch
+    two (``bias_ih`` + ``bias_hh``): ``bias_hh`` is frozen at zero (``requires_grad=False``),
+    so the trainable parameters are TF's: 284,499.
 
     The layers are single-layer LSTMs with an ``nn.Dropout`` between them: the same function
     as ``nn.LSTM(num_layers=2, dropout=0.36)``, but the dropout masks are drawn outside the
@@ -330,6 +340,23 @@ class CharRNN(nn.Module):
         self.between_dropout = nn.Dropout(1 - keep**2)
         self.output_dropout = nn.Dropout(1 - keep)
         self._state: list[tuple[Tensor, Tensor]] | None = None
+        self._tensorflow_init()
+
+    @torch.no_grad()
+    def _tensorflow_init(self) -> None:
+        nn.init.xavier_uniform_(self.embedding.weight)
+        nn.init.xavier_uniform_(self.dense.weight)
+        limit = (6.0 / (2 * self.dense.out_features)) ** 0.5  # TF's fans of a 1-D variable
+        nn.init.uniform_(self.dense.bias, -limit, limit)
+        for layer in self.lstm:
+            fan_in = layer.input_size + layer.hidden_size  # TF's kernel acts on [x, h]
+            limit = (6.0 / (fan_in + 4 * layer.hidden_size)) ** 0.5
+            nn.init.uniform_(layer.weight_ih_l0, -limit, limit)
+            nn.init.uniform_(layer.weight_hh_l0, -limit, limit)
+            layer.bias_ih_l0.zero_()
+            layer.bias_ih_l0[layer.hidden_size:2 * layer.hidden_size] = 1.0  # gates i, f, g, o
+            layer.bias_hh_l0.zero_()
+            layer.bias_hh_l0.requires_grad_(False)
 
     def reset_state(self) -> None:
         self._state = None

@@ -1,6 +1,6 @@
 """The catalogue of test problems: one :class:`ProblemSpec` per name.
 
-Batch sizes and epochs are DeepOBS's defaults (``deepobs/config.py``,
+Batch sizes and epochs are DeepOBS's defaults (``deepobs/config.py`` and ``deepobs/info.py``,
 ``DEFAULT_TEST_PROBLEMS_SETTINGS``) where DeepOBS defines them; the others (marked
 "ours" in ``source``) follow the closest DeepOBS problem. L2 factors λ are those of the
 DeepOBS test-problem classes (weight decay 0.002 for 3C3D, 5·10⁻⁴ for VGG, All-CNN-C, Wide
@@ -18,7 +18,12 @@ from torch import nn
 
 from cockpit.benchmark.problems import data as datasets
 from cockpit.benchmark.problems import functions, large_nets, small_nets
-from cockpit.benchmark.problems.base import BatchLoader, Splits, TestProblem
+from cockpit.benchmark.problems.base import (
+    BatchLoader,
+    Splits,
+    TestProblem,
+    train_eval_stream,
+)
 from cockpit.benchmark.problems.digits import (
     digits_cnn,
     digits_logreg,
@@ -58,13 +63,16 @@ def register(spec: ProblemSpec) -> ProblemSpec:
 
 # --- split builders ----------------------------------------------------------------------
 def _function_splits(train, valid, test):
-    """Noise splits of the analytic problems; train_eval is the whole train set (DeepOBS)."""
+    """Noise splits of the analytic problems; train_eval is N_train // B batches of the
+    reshuffled training stream (DeepOBS)."""
     def build(data, data_dir, batch_size, seed, device, on_start=None) -> Splits:
         def loader(x, train_mode=False):
             return BatchLoader(x, torch.zeros(len(x)), batch_size, shuffle=train_mode,
-                               drop_last=train_mode, seed=seed, device=device)
-        return Splits(train=loader(train, True), train_eval=loader(train), valid=loader(valid),
-                      test=loader(test))
+                               drop_last=True, seed=seed, device=device)
+        train_loader = loader(train, True)
+        return Splits(train=train_loader,
+                      train_eval=train_eval_stream(train_loader, len(train), seed),
+                      valid=loader(valid), test=loader(test))
     return build
 
 
@@ -120,7 +128,7 @@ register(ProblemSpec(
 for _data in ("mnist", "fmnist"):
     register(ProblemSpec(f"{_data}_logreg", "classification", 128, 50, None,
                          small_nets.mnist_logreg, _mnist(_data), 10,
-                         source="DeepOBS" if _data == "mnist" else "DeepOBS; epochs as mnist"))
+                         source="DeepOBS"))
     register(ProblemSpec(f"{_data}_mlp", "classification", 128, 100, None,
                          small_nets.mnist_mlp, _mnist(_data), 10))
     register(ProblemSpec(f"{_data}_2c2d", "classification", 128, 100, None,
@@ -134,8 +142,7 @@ register(ProblemSpec("cifar100_3c3d", "classification", 128, 350, 0.002,
                      small_nets.cifar100_3c3d, _cifar(100), 100,
                      source="DeepOBS; epochs ours (as cifar100_allcnnc)"))
 register(ProblemSpec("svhn_3c3d", "classification", 128, 100, 0.002,
-                     small_nets.svhn_3c3d, _svhn, 10,
-                     source="DeepOBS; epochs ours (as cifar10_3c3d)"))
+                     small_nets.svhn_3c3d, _svhn, 10))
 
 for _depth in (16, 19):
     for _classes in (10, 100):
@@ -150,8 +157,7 @@ for _depth in (16, 19):
 register(ProblemSpec("cifar100_allcnnc", "classification", 256, 350, 5e-4,
                      large_nets.all_cnn_c, _cifar(100), 100))
 register(ProblemSpec("cifar100_wrn404", "classification", 128, 160, 5e-4,
-                     lambda: large_nets.wide_resnet(40, 4, 100), _cifar(100), 100,
-                     source="DeepOBS; epochs ours (as svhn_wrn164)"))
+                     lambda: large_nets.wide_resnet(40, 4, 100), _cifar(100), 100))
 register(ProblemSpec("svhn_wrn164", "classification", 128, 160, 5e-4,
                      lambda: large_nets.wide_resnet(16, 4, 10), _svhn, 10))
 register(ProblemSpec("imagenet_inception_v3", "classification", 128, 100, 5e-4,
@@ -159,7 +165,9 @@ register(ProblemSpec("imagenet_inception_v3", "classification", 128, 100, 5e-4,
                      source="DeepOBS (label smoothing 0.1, auxiliary loss 0.4); batch size and "
                             "epochs ours", label_smoothing=0.1, aux_weight=0.4))
 register(ProblemSpec("tolstoi_char_rnn", "lm", 50, 200, None, large_nets.CharRNN, _tolstoi,
-                     83))
+                     83, source="DeepOBS, initialized as its TensorFlow original (Glorot-uniform "
+                                "embedding, kernels and softmax; zero LSTM biases, forget-gate "
+                                "bias +1; one trainable bias per gate)"))
 
 register(ProblemSpec("digits_logreg", "classification", 64, 20, None, digits_logreg,
                      _digits, 10, source="ours (scikit-learn digits)"))
@@ -208,6 +216,13 @@ def get_problem(name: str, *, data: str = "synthetic", data_dir: str | None = No
 
     # data first: a missing file is reported before an expensive model is built
     splits = spec.build_splits(data, data_dir, batch_size, seed, device, on_start=on_start)
+    for split in ("train", "train_eval", "valid", "test"):
+        loader = getattr(splits, split)
+        if len(loader) == 0:
+            raise ValueError(
+                f"{name}: batch_size {batch_size} leaves no complete batch in the {split} split "
+                f"({loader.num_samples} samples; the incomplete last batch is dropped, as "
+                "DeepOBS does); choose a smaller batch size")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = spec.build_model()
