@@ -1,7 +1,8 @@
 """The analyzer's tables hold exactly the numbers of the result files: results with known
 curves are written here in the runner's JSON format, and every entry of summary.csv is
-computed again by hand below (selection by the seed-mean final validation metric, a diverged
-setting, a best setting with one seed, speed and tuneability thresholds)."""
+computed again by hand below (selection by the final validation metric of each setting's
+tuning seed, a diverged setting, a best setting with one seed, speed and tuneability
+thresholds)."""
 
 from __future__ import annotations
 
@@ -52,13 +53,19 @@ def results_dir(tmp_path):
     w(tmp_path, "pL", "sgd", 0.1, 0, [2.0, 1.0, 0.5], [2.0, 1.0, 0.6], "loss")
     w(tmp_path, "pL", "sgd", 0.1, 1, [2.0, 1.2, 0.7], [2.0, 1.2, 0.8], "loss")
     w(tmp_path, "pL", "sgd", 0.01, 0, [2.0, 1.5, 0.9], [2.0, 1.5, 1.0], "loss")
+    # problem pD: V1 is the best at its tuning seed 0 (0.90 > 0.85) but validates at 0.60 with
+    # seeds 1 and 2, so a seed-mean of the validation metric (0.70) would choose V2
+    w(tmp_path, "pD", "sgd", 0.1, 0, [.1, .90], [.1, .80])
+    w(tmp_path, "pD", "sgd", 0.1, 1, [.1, .60], [.1, .70])
+    w(tmp_path, "pD", "sgd", 0.1, 2, [.1, .60], [.1, .75])
+    w(tmp_path, "pD", "sgd", 0.03, 0, [.1, .85], [.1, .86])
     return tmp_path
 
 
 def test_summary_holds_the_numbers_of_the_results(results_dir):
     report = analyze(results_dir, results_dir / "out", formats=("png",))
     table = pd.read_csv(results_dir / "out" / "summary.csv").set_index(["problem", "optimizer"])
-    assert len(table) == 3
+    assert len(table) == 4
 
     best_pa = 0.91  # adam's (0.88 + 0.90 + 0.95) / 3 beats sgd's 0.6
     threshold_pa = 0.95 * best_pa
@@ -85,8 +92,13 @@ def test_summary_holds_the_numbers_of_the_results(results_dir):
     # threshold 0.7 + 0.05 * 0.7 = 0.735; seed-mean curve [2.0, 1.1, 0.7]
     assert loss.speed == 2 and loss.good_share == 0.5
 
+    tuned = table.loc[("pD", "sgd")]
+    assert tuned.best_setting == "lr=0.1__schedule=constant" and tuned.seeds == 3
+    assert tuned.performance == pytest.approx(0.75)
+    assert tuned.performance_std == pytest.approx(np.std([0.80, 0.70, 0.75]))
+
     runs = pd.read_csv(results_dir / "out" / "runs.csv")
-    assert len(runs) == 11 and runs["diverged"].sum() == 1
+    assert len(runs) == 15 and runs["diverged"].sum() == 1
     assert "| pA | adam | constant | 91.00% ± " in report.markdown
     names = {p.name for p in report.files}
     assert {"learning_curves_pA.png", "learning_curves_pL.png", "lr_sensitivity.png"} <= names

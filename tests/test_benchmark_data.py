@@ -539,7 +539,7 @@ def test_train_eval_of_cifar_is_augmented_as_training():
     problem = get_problem("cifar10_3c3d", batch_size=4)
     loader = problem.train_loader
     stored = aug.per_image_standardization(loader._x[loader.indices].float())
-    x, y = _all(problem.train_eval_loader)
+    x, _y = _all(problem.train_eval_loader)
     assert x.shape == (8, 3, 32, 32)  # N_test // B = 8 // 4 batches of 4
     distance = torch.cdist(x.flatten(1), stored.flatten(1))
     assert distance.min() > 1.0

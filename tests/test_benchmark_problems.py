@@ -454,6 +454,7 @@ def test_char_rnn_is_initialized_as_the_tensorflow_original():
     c1 = torch.sigmoid(f + 1.0) * c0 + torch.sigmoid(i) * torch.tanh(j)
     h1 = torch.sigmoid(o) * torch.tanh(c1)
     out, (h, c) = layer(x, (h0[None], c0[None]))
+    torch.testing.assert_close(h[0], h1)
     torch.testing.assert_close(c[0], c1)
     torch.testing.assert_close(out[:, 0], h1)
 

@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pandas as pd
 import pytest
@@ -179,3 +180,48 @@ def test_pool_replaces_a_dead_worker_and_retries_its_run(tmp_path):
         pool.close()
     assert key == "run" and isinstance(outcome, dict), outcome
     assert outcome["minibatch_train_losses"] and spec.path.exists()
+
+
+def test_sweep_and_analysis_pick_the_same_best_setting(tmp_path, monkeypatch):
+    """One rule for both (Crowded Valley): the setting with the best final validation metric
+    of its tuning-seed run; its performance is the mean ± std of the test metric over all
+    seeds. Runs are replaced by results written here: the setting best at seed 0 validates
+    at 0 with seeds 1 and 2, so a seed-mean of the validation metric (the analyzer's old
+    rule) would pick another setting, with one seed."""
+    from cockpit.benchmark import executors
+    from cockpit.benchmark.results import RESULT_SCHEMA, write_result
+    from cockpit.benchmark.search_spaces import Dist
+
+    def fake_run(spec):
+        lr = spec.hyperparameters["lr"]
+        valid = 0.5 + 0.4 * lr if spec.seed == 0 else 0.0
+        test = 0.6 + 0.1 * spec.seed
+        curves = {f"{split}_{kind}": [0.1, value]
+                  for split, value in (("train", test), ("valid", valid), ("test", test))
+                  for kind in ("losses", "accuracies")}
+        result = {"schema": RESULT_SCHEMA, "problem": spec.problem,
+                  "optimizer": spec.optimizer, "hyperparameters": spec.hyperparameters,
+                  "seed": spec.seed, "schedule": spec.schedule, "setting": spec.setting,
+                  "metric": "accuracy", "diverged": False, "wall_time": 0.0,
+                  "cockpit_logdir": None, **curves}
+        write_result(spec.path, result)
+        return result | {"path": str(spec.path)}
+
+    monkeypatch.setattr(executors, "run_quietly", fake_run)
+    summary = sweep(["digits_logreg"], ["sgd"], output=str(tmp_path), budget=4, seeds=3,
+                    executor="serial", data="real", progress=False, epochs=1,
+                    space_overrides={"lr": Dist(1e-3, 1.0)})
+    assert summary.failures == [] and summary.executed == 4 + 2
+    results = _results(tmp_path)
+    tuning = {r["setting"]: r for r in results if r["seed"] == 0}
+    expected = max(tuning, key=lambda s: tuning[s]["hyperparameters"]["lr"])
+    assert {r["setting"] for r in results if r["seed"] == 2} == {expected}  # rerun by sweep
+    best = summary.best["digits_logreg/sgd"]
+    assert best["hyperparameters"] == tuning[expected]["hyperparameters"]
+    assert best["score"] == pytest.approx(_final(tuning[expected], "valid"))
+
+    analyze(tmp_path, tmp_path / "analysis", formats=("png",))
+    (row,) = pd.read_csv(tmp_path / "analysis" / "summary.csv").itertuples()
+    assert row.best_setting == expected and row.seeds == 3
+    assert row.performance == pytest.approx(0.7)  # tests 0.6, 0.7, 0.8
+    assert row.performance_std == pytest.approx(np.std([0.6, 0.7, 0.8]))

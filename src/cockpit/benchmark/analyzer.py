@@ -3,11 +3,10 @@ Cockpit's α (paper Fig. 5).
 
 Per problem and optimizer (and schedule), from the result files below a directory:
 
-* **best setting**: the setting with the best final *validation* metric averaged over its
-  seeds (accuracy higher is better; for problems ranked by loss, lower); a diverged run
-  counts as the worst possible value.
-* **performance**: the best setting's final *test* metric, mean over its seeds, with the
-  standard deviation over seeds (``ddof=0``) and the number of seeds.
+* **best setting** and **performance**: the rule of :mod:`cockpit.benchmark.selection`
+  (the one the sweep uses): the setting whose tuning-seed run has the best final
+  *validation* metric; its final *test* metric, mean ± standard deviation over its seeds
+  (``ddof=0``), and the number of seeds.
 * **speed**: the first epoch at which the best setting's seed-mean test curve reaches the
   fraction ``f`` (``speed_fraction``, default 0.95) of the best performance any optimizer
   reached on the problem: accuracy ≥ f·best, or loss ≤ best + (1 − f)·|best|. Empty when
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from cockpit.benchmark.results import iter_results
-from cockpit.benchmark.runner import final_metric
+from cockpit.benchmark.selection import best_setting, final_metric, performance
 
 SUMMARY_COLUMNS = ["problem", "optimizer", "schedule", "metric", "performance",
                    "performance_std", "seeds", "speed", "best_setting", "best_lr",
@@ -73,14 +72,6 @@ def _mean(values: list[float | None]) -> float:
     return float(np.mean(finite)) if finite else math.nan
 
 
-def _selection_value(result: dict[str, Any]) -> float:
-    """Final validation metric, oriented so that larger is better; −∞ if diverged."""
-    value = final_metric(result, "valid")
-    if result.get("diverged") or value is None:
-        return -math.inf
-    return value if result["metric"] == "accuracy" else -value
-
-
 def _threshold(metric: str, best: float, fraction: float) -> float:
     return fraction * best if metric == "accuracy" else best + (1 - fraction) * abs(best)
 
@@ -114,18 +105,15 @@ def summarize(results: list[dict[str, Any]], speed_fraction: float = 0.95):
     rows, best_runs = [], {}
     for key in sorted(groups):
         settings = groups[key]
-        best_setting = max(sorted(settings), key=lambda s: np.mean(
-            [_selection_value(r) for r in settings[s]]))
-        runs = sorted(settings[best_setting], key=lambda r: r["seed"])
-        tests = [final_metric(r) for r in runs]
-        finite = [t for t in tests if t is not None]
+        best = best_setting(settings)
+        runs = sorted(settings[best], key=lambda r: r["seed"])
+        mean, std, n_seeds = performance(runs)
         best_runs[key] = runs
         rows.append({
             "problem": key[0], "optimizer": key[1], "schedule": key[2],
             "metric": runs[0]["metric"],
-            "performance": float(np.mean(finite)) if finite else math.nan,
-            "performance_std": float(np.std(finite)) if finite else math.nan,
-            "seeds": len(runs), "best_setting": best_setting,
+            "performance": mean, "performance_std": std,
+            "seeds": n_seeds, "best_setting": best,
             "best_lr": runs[0]["hyperparameters"].get("lr", math.nan),
             "settings": len(settings),
             "_setting_means": [_mean([final_metric(r) for r in settings[s]])

@@ -126,7 +126,8 @@ def _dispatch(args) -> int:
         print("\n".join(list_problems()))
         return 0
     if args.command == "run":
-        from cockpit.benchmark.runner import RunSpec, final_metric, run
+        from cockpit.benchmark.runner import RunSpec, run
+        from cockpit.benchmark.selection import final_metric
 
         hyperparameters = parse_hyperparameters(args.hp)
         if args.lr is not None:

@@ -266,9 +266,3 @@ def run(spec: RunSpec, *, progress: bool = True, overwrite: bool = False) -> dic
     write_result(path, result)
     result["path"] = str(path)
     return result
-
-
-def final_metric(result: dict[str, Any], split: str = "test") -> float | None:
-    """The run's final ``split`` accuracy (metric "accuracy") or loss (metric "loss")."""
-    kind = "accuracies" if result["metric"] == "accuracy" else "losses"
-    return result[f"{split}_{kind}"][-1]

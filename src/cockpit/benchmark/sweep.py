@@ -6,8 +6,9 @@ and scored by its final validation metric (accuracy, or −loss for problems ran
 a run that diverged scores −∞). Each study's sampler is seeded with ``sampler_seed`` plus a
 hash of the study's name (plus the number of trials already stored, when resuming).
 The one-shot budget runs the optimizer's defaults. When the
-budget is spent, the best setting is rerun with seeds 1 … ``seeds`` − 1, so it has ``seeds``
-runs in all.
+budget is spent, the best setting — chosen by the rule the analyzer uses
+(:mod:`cockpit.benchmark.selection`: the best final validation metric of the tuning seed) —
+is rerun with seeds 1 … ``seeds`` − 1, so it has ``seeds`` runs in all.
 
 Search: ``sampler="random"`` (Optuna's ``RandomSampler``) is the protocol's random search;
 ``"tpe"`` and ``"qmc"`` are alternatives. All Optuna calls happen in this process; runs go to
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,19 +31,18 @@ from typing import Any
 
 from cockpit.benchmark.executors import make_executor
 from cockpit.benchmark.results import read_result
-from cockpit.benchmark.runner import RunSpec, final_metric
+from cockpit.benchmark.runner import RunSpec
 from cockpit.benchmark.search_spaces import Dist, budget_trials, defaults, search_space
+from cockpit.benchmark.selection import best_setting, selection_value
 
 HP_ATTR = "hyperparameters"
 STORAGE_NAME = "sweep.sqlite3"
 
 
 def score(result: dict[str, Any]) -> float:
-    """What the study maximizes: final validation accuracy, or −(final validation loss)."""
-    value = final_metric(result, "valid")
-    if result.get("diverged") or value is None or not math.isfinite(value):
-        return -math.inf
-    return value if result["metric"] == "accuracy" else -value
+    """What the study maximizes: :func:`cockpit.benchmark.selection.selection_value` (final
+    validation accuracy, or −loss; −∞ if diverged)."""
+    return selection_value(result)
 
 
 def _sampler(name: str, seed: int):
@@ -249,10 +248,21 @@ def _seed_runs(plans: list[StudyPlan], pool, summary: SweepSummary, bar, seeds: 
         if not complete:
             summary.failures.append(f"{plan.problem}/{plan.optimizer}: no trial completed")
             continue
-        best = max(complete, key=lambda t: t.value)
+        # the analyzer's rule (cockpit.benchmark.selection) on the tuning runs' results
+        trials: dict[str, tuple[Any, dict[str, Any]]] = {}
+        for trial in complete:
+            spec = _spec_for(plan, json.loads(trial.user_attrs[HP_ATTR]))
+            if spec.path.exists():  # a result file deleted by hand: that trial is not judged
+                trials.setdefault(spec.setting, (trial, read_result(spec.path)))
+        if not trials:
+            summary.failures.append(f"{plan.problem}/{plan.optimizer}: no tuning result file")
+            continue
+        chosen = best_setting({setting: [r] for setting, (_, r) in trials.items()})
+        best, result = trials[chosen]
         hyperparameters = json.loads(best.user_attrs[HP_ATTR])
         summary.best[f"{plan.problem}/{plan.optimizer}"] = {
-            "hyperparameters": hyperparameters, "score": best.value, "trial": best.number,
+            "hyperparameters": hyperparameters, "score": selection_value(result),
+            "trial": best.number, "setting": chosen,
         }
         specs += [_spec_for(plan, hyperparameters, seed) for seed in range(1, seeds)]
     waiting = 0

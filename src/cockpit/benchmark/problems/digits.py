@@ -3,8 +3,9 @@ scikit-learn, nothing downloaded) — a small real problem that trains in second
 
 Split (fixed, independent of the seed): a permutation with seed 0 puts 20 % (360 images)
 into ``test``, the next 360 into ``valid`` and the remaining 1,077 into ``train``;
-``train_eval`` is DeepOBS's: the first 360 // B batches of the reshuffled training stream. Inputs are standardized with the
-training part's mean and standard deviation (pixel values 0–16).
+``train_eval`` is DeepOBS's: the first 360 // B batches of the reshuffled training stream.
+Inputs are standardized with the training part's mean and standard deviation (pixel values
+0–16).
 """
 
 from __future__ import annotations
