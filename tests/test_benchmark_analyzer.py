@@ -99,7 +99,11 @@ def test_summary_holds_the_numbers_of_the_results(results_dir):
 
     runs = pd.read_csv(results_dir / "out" / "runs.csv")
     assert len(runs) == 15 and runs["diverged"].sum() == 1
-    assert "| pA | adam | constant | 91.00% ± " in report.markdown
+    assert ("| pA | adam | constant | 91.00% ± 2.94 (accuracy, mean ± std over 3 seeds) |"
+            in report.markdown)
+    # one seed: said plainly, no "± 0.00" and no "1 seeds"
+    assert "| pA | sgd | constant | 60.00% (accuracy, one seed: no spread) |" in report.markdown
+    assert "± 0.00" not in report.markdown and "1 seeds" not in report.markdown
     names = {p.name for p in report.files}
     assert {"learning_curves_pA.png", "learning_curves_pL.png", "lr_sensitivity.png"} <= names
     assert "alpha_vs_performance.png" not in names  # no Cockpit logs here
@@ -108,3 +112,24 @@ def test_summary_holds_the_numbers_of_the_results(results_dir):
 def test_no_results_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no benchmark results"):
         analyze(tmp_path)
+
+
+def test_learning_curves_have_whole_epoch_ticks_and_a_readable_legend(results_dir):
+    """3 epochs used to get ticks at 0, 0.5, 1, …; the legend was 7 pt inside a panel."""
+    from cockpit.benchmark.analyzer import summarize
+    from cockpit.benchmark.figures import learning_curve_figure
+    from cockpit.benchmark.results import iter_results
+
+    _, best_runs = summarize(list(iter_results(results_dir)))
+    groups = {k: v for k, v in best_runs.items() if k[0] == "pA"}
+    fig = learning_curve_figure("pA", groups)
+    fig.canvas.draw()
+    for ax in fig.axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["adam (3 seeds)", "sgd (1 seed)"]
+    assert all(t.get_fontsize() >= 9 for t in legend.get_texts())
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -506,3 +506,19 @@ def test_cockpit_watches_batchnorm_problems_without_per_sample_instruments():
     out, notes = cockpit.get_output()[0], cockpit.get_notes()[0]
     assert out["GradNorm"] == pytest.approx(float(grad_norm), rel=1e-5)
     assert out["NormTest"] is None and "BatchNorm" in notes["NormTest"]
+
+
+def test_bench_list_shows_data_model_parameters_batch_size_and_epochs(capsys):
+    from cockpit.benchmark.cli import main_bench
+
+    assert main_bench(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in lines[1:] if line.split()
+            and line.split()[0] in PUBLISHED}
+    assert sorted(rows) == list_problems()
+    for name, row in rows.items():
+        assert f" {sum(PUBLISHED[name]):,} " in row, row
+    assert rows["cifar10_3c3d"].split() == ["cifar10_3c3d", "CIFAR-10", "3c3d", "CNN",
+                                            "895,210", "128", "100"]
+    assert rows["tolstoi_char_rnn"].split()[-3:] == ["284,499", "50", "200"]
+    assert rows["two_d_beale"].split()[-1] == "ours"

@@ -119,11 +119,33 @@ def main_bench(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _problem_table() -> str:
+    """One line per test problem: name, data set, model, trainable parameters, default batch
+    size and epochs (``ours``: settings DeepOBS does not define)."""
+    from cockpit.benchmark.problems import list_problems
+    from cockpit.benchmark.problems.registry import describe
+
+    rows = [describe(name) for name in list_problems()]
+    header = ("problem", "data set", "model", "parameters", "batch", "epochs", "")
+    lines = [(r["problem"], r["data"], r["model"], f"{r['parameters']:,}", str(r["batch_size"]),
+              str(r["epochs"]), "ours" if "ours" in str(r["source"]) else "")
+             for r in rows]
+    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
+    right = {3, 4, 5}
+
+    def fmt(line) -> str:
+        cells = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(line, widths, strict=True))]
+        return "  ".join(cells).rstrip()
+
+    note = ("\nbatch size and epochs: DeepOBS's defaults; 'ours' where DeepOBS defines none "
+            "(see cockpit/benchmark/problems/registry.py)")
+    return "\n".join([fmt(header), *map(fmt, lines)]) + note
+
+
 def _dispatch(args) -> int:
     if args.command == "list":
-        from cockpit.benchmark.problems import list_problems
-
-        print("\n".join(list_problems()))
+        print(_problem_table())
         return 0
     if args.command == "run":
         from cockpit.benchmark.runner import RunSpec, run

@@ -32,42 +32,62 @@ def _curves(runs: list[dict[str, Any]], key: str) -> np.ndarray:
     return np.array([[np.nan if v is None else v for v in r[key]] for r in runs], float)
 
 
+LEGEND_FONTSIZE = 9
+
+
+def _integer_epochs(ax) -> None:
+    """Epoch axes get whole-number ticks only (no half epochs)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def learning_curves(best_runs: dict[tuple, list[dict]], out: Path, formats) -> list[Path]:
     """Per problem: test and train-eval loss (and accuracy) per epoch of every optimizer's
     best setting — line: mean over seeds, band: min to max over seeds."""
-    plt = _plt()
     by_problem: dict[str, dict[tuple, list[dict]]] = defaultdict(dict)
     for key, runs in best_runs.items():
         by_problem[key[0]][key] = runs
     paths = []
     for problem, groups in sorted(by_problem.items()):
-        has_acc = any(r[0]["metric"] == "accuracy" for r in groups.values())
-        panels = [("test_losses", "test loss"), ("train_losses", "train-eval loss")]
-        if has_acc:
-            panels += [("test_accuracies", "test accuracy"),
-                       ("train_accuracies", "train-eval accuracy")]
-        fig, axes = plt.subplots(1, len(panels), figsize=(3.8 * len(panels), 3.2),
-                                 squeeze=False, layout="constrained")
-        for ax, (key, title) in zip(axes[0], panels, strict=True):
-            for (_, optimizer, schedule), runs in sorted(groups.items()):
-                curves = _curves(runs, key)
-                if np.all(np.isnan(curves)):
-                    continue
-                epochs = np.arange(curves.shape[1])
-                with np.errstate(all="ignore"):
-                    mean = np.nanmean(curves, 0)
-                    low, high = np.nanmin(curves, 0), np.nanmax(curves, 0)
-                label = optimizer if schedule == "constant" else f"{optimizer} ({schedule})"
-                line, = ax.plot(epochs, mean, label=f"{label} ({len(runs)} seeds)")
-                ax.fill_between(epochs, low, high, color=line.get_color(), alpha=0.25)
-            ax.set_title(title)
-            ax.set_xlabel("epoch")
-            if "loss" in key:
-                ax.set_yscale("log")
-        axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"{problem}: best settings, mean and min–max over seeds")
+        fig = learning_curve_figure(problem, groups)
         paths += _save(fig, out, f"learning_curves_{problem}", formats)
     return paths
+
+
+def learning_curve_figure(problem: str, groups: dict[tuple, list[dict]]):
+    """The learning-curve figure of one problem (see :func:`learning_curves`)."""
+    plt = _plt()
+    has_acc = any(r[0]["metric"] == "accuracy" for r in groups.values())
+    panels = [("test_losses", "test loss"), ("train_losses", "train-eval loss")]
+    if has_acc:
+        panels += [("test_accuracies", "test accuracy"),
+                   ("train_accuracies", "train-eval accuracy")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1.6, 3.3),
+                             squeeze=False, layout="constrained")
+    for ax, (key, title) in zip(axes[0], panels, strict=True):
+        for (_, optimizer, schedule), runs in sorted(groups.items()):
+            curves = _curves(runs, key)
+            if np.all(np.isnan(curves)):
+                continue
+            epochs = np.arange(curves.shape[1])
+            with np.errstate(all="ignore"):
+                mean = np.nanmean(curves, 0)
+                low, high = np.nanmin(curves, 0), np.nanmax(curves, 0)
+            label = optimizer if schedule == "constant" else f"{optimizer} ({schedule})"
+            seeds = "1 seed" if len(runs) == 1 else f"{len(runs)} seeds"
+            line, = ax.plot(epochs, mean, label=f"{label} ({seeds})")
+            ax.fill_between(epochs, low, high, color=line.get_color(), alpha=0.25)
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        _integer_epochs(ax)
+        if "loss" in key:
+            ax.set_yscale("log")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside right upper", fontsize=LEGEND_FONTSIZE)
+    fig.suptitle(f"{problem}: best settings, mean and min–max over seeds")
+    return fig
 
 
 def lr_sensitivity(runs, out: Path, formats) -> list[Path]:
@@ -97,7 +117,7 @@ def lr_sensitivity(runs, out: Path, formats) -> list[Path]:
         ax.set_xlabel("learning rate")
         ax.set_ylabel(f"final test {metric}")
         ax.set_title(problem)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=LEGEND_FONTSIZE)
     fig.suptitle("learning-rate sensitivity (marker size: seeds; ×: diverged)")
     paths += _save(fig, out, "lr_sensitivity", formats)
     return paths
@@ -133,7 +153,7 @@ def alpha_vs_performance(runs, out: Path, formats, stem: str = "alpha_vs_perform
             ax.set_yscale("log")
         ax.set_ylabel(f"final test {metric}")
         ax.set_title(problem)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=LEGEND_FONTSIZE)
     if scatter is not None:
         fig.colorbar(scatter, ax=axes[0].tolist(), label="log10 learning rate")
     fig.suptitle("final performance against mean α (Cockpit paper, Fig. 5)")

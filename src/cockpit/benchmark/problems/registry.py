@@ -178,6 +178,32 @@ register(ProblemSpec("digits_cnn", "classification", 64, 20, None, digits_cnn,
 
 
 # --- public API --------------------------------------------------------------------------
+DATA_SETS = {"two_d": "noise (2-D function)", "quadratic": "noise (100-D Gaussian)",
+             "mnist": "MNIST", "fmnist": "Fashion-MNIST", "cifar10": "CIFAR-10",
+             "cifar100": "CIFAR-100", "svhn": "SVHN", "imagenet": "ImageNet",
+             "tolstoi": "War and Peace (chars)", "digits": "digits (scikit-learn)"}
+MODELS = {"beale": "Beale function", "branin": "Branin function",
+          "rosenbrock": "Rosenbrock function", "deep": "quadratic, deep-learning spectrum",
+          "logreg": "logistic regression", "mlp": "MLP", "2c2d": "2c2d CNN", "3c3d": "3c3d CNN",
+          "vae": "VAE", "vgg16": "VGG-16", "vgg19": "VGG-19", "allcnnc": "All-CNN-C",
+          "wrn404": "Wide ResNet 40-4", "wrn164": "Wide ResNet 16-4",
+          "inception_v3": "Inception-v3", "char_rnn": "2-layer LSTM", "cnn": "small CNN"}
+
+
+def describe(name: str) -> dict[str, object]:
+    """Data set, model, number of trainable parameters, default batch size and epochs and
+    source of problem ``name`` (the model is built on the meta device: no memory, no data)."""
+    spec = REGISTRY[name]
+    prefix, _, suffix = name.partition("_")
+    if prefix == "two":
+        prefix, suffix = "two_d", name.removeprefix("two_d_")
+    with torch.device("meta"):
+        model = spec.build_model()
+    return {"problem": name, "data": DATA_SETS[prefix], "model": MODELS[suffix],
+            "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "batch_size": spec.batch_size, "epochs": spec.num_epochs, "source": spec.source}
+
+
 def list_problems() -> list[str]:
     """Names of all test problems, sorted."""
     return sorted(REGISTRY)
