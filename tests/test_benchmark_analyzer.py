@@ -133,3 +133,33 @@ def test_learning_curves_have_whole_epoch_ticks_and_a_readable_legend(results_di
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_crowded_valley_figure_shows_mean_and_std_of_the_best_settings(results_dir):
+    """Per problem one panel; per optimizer a marker at the seed mean of the best setting's
+    final test metric (accuracy in %) with an error bar of ± the std over seeds, and one dot
+    per seed — the numbers of summary.csv."""
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import LineCollection
+
+    from cockpit.benchmark.analyzer import summarize
+    from cockpit.benchmark.figures import crowded_valley_figure
+    from cockpit.benchmark.results import iter_results
+
+    _, best_runs = summarize(list(iter_results(results_dir)))
+    fig = crowded_valley_figure(best_runs)
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    assert sorted(axes) == ["pA", "pD", "pL"]
+    ax = axes["pA"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["adam\n3 seeds", "sgd\n1 seed"]
+    means = [line.get_ydata()[0] for line in ax.lines if line.get_marker() == "o"]
+    assert means == pytest.approx([91.0, 60.0])
+    (bar,) = [c for c in ax.collections if isinstance(c, LineCollection)]  # adam's only
+    (low, high) = sorted(p[1] for p in bar.get_segments()[0])
+    std = 100 * np.std([0.88, 0.90, 0.95])
+    assert (low, high) == pytest.approx((91.0 - std, 91.0 + std))
+    dots = [c for c in ax.collections if not isinstance(c, LineCollection)]
+    assert [sorted(d.get_offsets()[:, 1]) for d in dots] == [
+        pytest.approx([88.0, 90.0, 95.0]), pytest.approx([60.0])]
+    assert axes["pL"].get_ylabel() == "final test loss, lower is better"
+    plt.close(fig)

@@ -140,3 +140,11 @@ def test_space_overrides_replace_and_add_and_unknown_optimizers_need_one():
         "lr": Dist(0.01, 0.1, log=False)}
     with pytest.raises(ValueError, match="no search space for optimizer"):
         search_space("pkg.mod:MySGD")
+
+
+def test_scaled_budgets_round_as_meant():
+    from cockpit.benchmark.search_spaces import budget_trials
+
+    assert budget_trials("small", 0.28) == 7  # 25 · 0.28 = 7.000000000000001 in floats
+    assert budget_trials("small", 0.2) == 5 and budget_trials("medium", 0.21) == 11
+    assert budget_trials("large", 0.001) == 1 and budget_trials(12) == 12

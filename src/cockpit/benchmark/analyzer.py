@@ -18,7 +18,9 @@ Per problem and optimizer (and schedule), from the result files below a director
 
 Tables: ``summary.csv`` / ``summary.md`` (one row per problem × optimizer × schedule) and
 ``runs.csv`` (one row per run, with its mean α when a Cockpit run log is there). Figures
-(PNG and PDF): learning curves of every best setting with their seed spread (min–max band),
+(PNG and PDF): the Crowded Valley comparison (``crowded_valley``: per problem, every
+optimizer's best setting, test metric mean ± std over seeds and each seed), learning curves
+of every best setting with their seed spread (min–max band),
 the final metric against the learning rate of every setting, and with Cockpit logs the final
 metric against the run's mean α (``alpha_vs_performance``).
 """
@@ -205,6 +207,7 @@ def analyze(results_dir: str | Path, output: str | Path | None = None, *,
     runs.to_csv(files[2], index=False)
     from cockpit.benchmark import figures
 
+    files += figures.crowded_valley(best_runs, out, formats)
     files += figures.learning_curves(best_runs, out, formats)
     files += figures.lr_sensitivity(runs, out, formats)
     if runs["mean_alpha"].notna().any():

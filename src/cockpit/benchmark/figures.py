@@ -158,3 +158,59 @@ def alpha_vs_performance(runs, out: Path, formats, stem: str = "alpha_vs_perform
         fig.colorbar(scatter, ax=axes[0].tolist(), label="log10 learning rate")
     fig.suptitle("final performance against mean α (Cockpit paper, Fig. 5)")
     return _save(fig, out, stem, formats)
+
+
+def crowded_valley(best_runs: dict[tuple, list[dict]], out: Path, formats,
+                   stem: str = "crowded_valley") -> list[Path]:
+    """The comparison of *Descending through a Crowded Valley* (Schmidt et al., 2021): one
+    panel per problem, one column per tuned optimizer (and schedule) — its best setting's
+    final test metric, mean ± standard deviation over seeds (bar), every seed as a dot."""
+    fig = crowded_valley_figure(best_runs)
+    return _save(fig, out, stem, formats)
+
+
+def crowded_valley_figure(best_runs: dict[tuple, list[dict]]):
+    """The figure of :func:`crowded_valley`."""
+    from cockpit.benchmark.selection import final_metric, performance
+
+    plt = _plt()
+    by_problem: dict[str, dict[tuple, list[dict]]] = defaultdict(dict)
+    for key, runs in best_runs.items():
+        by_problem[key[0]][key] = runs
+    problems = sorted(by_problem)
+    fig, axes = plt.subplots(1, len(problems), figsize=(max(3.4, 1.0 + 0.75 * max(
+        len(g) for g in by_problem.values())) * len(problems), 3.8), squeeze=False,
+        layout="constrained")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    optimizers = sorted({(k[1], k[2]) for k in best_runs})
+    for ax, problem in zip(axes[0], problems, strict=True):
+        groups = by_problem[problem]
+        metric = next(iter(groups.values()))[0]["metric"]
+        scale = 100.0 if metric == "accuracy" else 1.0
+        labels = []
+        for x, ((_, optimizer, schedule), runs) in enumerate(sorted(groups.items())):
+            color = colors[optimizers.index((optimizer, schedule)) % len(colors)]
+            values = scale * np.array([np.nan if v is None else v
+                                       for v in map(final_metric, runs)])
+            mean, std, n = performance(runs)
+            mean, std = scale * mean, scale * std
+            offsets = np.linspace(-0.15, 0.15, len(values)) if len(values) > 1 else [0.0]
+            ax.scatter(x + np.asarray(offsets), values, s=14, color=color, alpha=0.45,
+                       linewidths=0)
+            ax.errorbar([x], [mean], yerr=[std] if n > 1 else None, fmt="o", color=color,
+                        markersize=7, capsize=5, elinewidth=2)
+            name = optimizer if schedule == "constant" else f"{optimizer}\n{schedule}"
+            labels.append(f"{name}\n{n} seed{'s' if n > 1 else ''}")
+        ax.set_xticks(range(len(labels)), labels, fontsize=9)
+        ax.set_xlim(-0.6, len(labels) - 0.4)
+        ax.set_ylabel("final test accuracy (%), higher is better" if metric == "accuracy"
+                      else "final test loss, lower is better")
+        if metric == "loss":
+            finite = [v for r in groups.values() for v in map(final_metric, r) if v is not None]
+            if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
+                ax.set_yscale("log")
+        ax.set_title(problem)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("tuned optimizers: best setting by validation (tuning seed), "
+                 "test metric mean ± std over seeds")
+    return fig

@@ -135,7 +135,8 @@ def budget_trials(budget: str | int, scale: float = 1.0) -> int:
                          "or give a number of runs")
     if budget == "one-shot":
         return 1
-    return max(1, math.ceil(BUDGETS[budget] * scale))
+    # rounded first: 25 × 0.28 is 7.000000000000001 in floating point, and 7 runs are meant
+    return max(1, math.ceil(round(BUDGETS[budget] * scale, 9)))
 
 
 def parse_dist(text: str) -> Dist:
