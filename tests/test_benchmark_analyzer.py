@@ -163,3 +163,26 @@ def test_crowded_valley_figure_shows_mean_and_std_of_the_best_settings(results_d
         pytest.approx([88.0, 90.0, 95.0]), pytest.approx([60.0])]
     assert axes["pL"].get_ylabel() == "final test loss, lower is better"
     plt.close(fig)
+
+
+def test_readme_shows_the_crowded_valley_figure_and_its_command_parses():
+    """The figure is checked in and shown; the script's sweep and analyze arguments are
+    accepted by the command-line parser (the script itself runs for minutes)."""
+    import importlib.util
+    from pathlib import Path
+
+    from cockpit.benchmark.cli import _parser
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    assert "](docs/crowded_valley.png)" in readme
+    assert "python docs/make_crowded_valley_figure.py" in readme
+    assert (root / "docs" / "crowded_valley.png").stat().st_size > 10_000
+    spec = importlib.util.spec_from_file_location(
+        "make_crowded_valley_figure", root / "docs" / "make_crowded_valley_figure.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = _parser().parse_args(["sweep", *script.PROBLEMS, "--optimizers", *script.OPTIMIZERS,
+                                 *script.SWEEP, "--output", "x"])
+    assert args.problems == ["digits_logreg", "digits_mlp", "quadratic_deep"]
+    assert len(args.optimizers) == 5 and args.seeds == 5
