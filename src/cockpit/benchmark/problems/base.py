@@ -67,7 +67,6 @@ class BatchLoader:
         self.batch_size = batch_size
         self.shuffle, self.drop_last = shuffle, drop_last
         self.max_batches = max_batches
-        self._seed = seed
         self.prepare, self.augment = prepare, augment
         self.device = torch.device(device)
         self.target_is_input, self.on_start = target_is_input, on_start
