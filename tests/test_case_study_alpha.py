@@ -1,4 +1,4 @@
-"""Case study (c) of issue 13 — Cockpit paper Fig. 5 on a small scale: over a learning-rate
+"""Case study (c) — Cockpit paper Fig. 5 on a small scale: over a learning-rate
 sweep of SGD, the mean α grows with the learning rate on every problem; the smallest
 learning rate understeps (α well below 0) and is not the best; the best run sits between
 understepping and going uphill (−0.5 ≤ α ≤ 1, closer to 0 than the smallest learning rate).

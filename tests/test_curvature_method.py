@@ -35,7 +35,7 @@ class Seq(nn.Module):
 
 def model_of(which: str) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
-    if which == "layernorm_gelu":  # the model: MLP with LayerNorm and GELU
+    if which == "layernorm_gelu":  # an MLP with LayerNorm and GELU
         model = nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.GELU(), nn.Linear(6, 6),
                               nn.LayerNorm(6), nn.GELU(), nn.Linear(6, 3))
         x = torch.randn(6, 5)

@@ -1,4 +1,4 @@
-"""What a new user hits first (issue 17): messages that name the fix, notes for every
+"""What a new user hits first: messages that name the fix, notes for every
 missing value, the command line, the demo's progress bar, the JSON export, the example."""
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def test_original_convention_reproduced_and_differs_from_default():
     assert rel_close(outputs["original"]["EarlyStopping"], stopping_original, 1e-5)
     assert rel_close(outputs["cockpit"]["MeanGSNR"], mean_gsnr(blocks), 1e-5)
     assert rel_close(outputs["cockpit"]["EarlyStopping"], early_stopping(blocks), 1e-5)
-    # the case of the issue: the conventions give clearly different numbers here
+    # the case that motivates two conventions: they give clearly different numbers here
     ratio = outputs["cockpit"]["MeanGSNR"] / outputs["original"]["MeanGSNR"]
     assert ratio > 1.5, ratio  # 1.86 here
     assert (G.pow(2).sum(0) == 0).any()  # dead ReLU elements: excluded vs counted in D

@@ -1,5 +1,5 @@
 """HessMaxEV reports λ_max: against dense float64 eigenvalues at several SGD steps of models
-whose top eigenvalues are close (issue: a residual stopping rule gave 7.13 for λ_max = 7.84,
+whose top eigenvalues are close (a residual stopping rule once gave 7.13 for λ_max = 7.84,
 λ_2 = 7.42 on a logistic regression, 784 inputs, 10 classes, |B| = 32)."""
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def test_logistic_regression_784_to_10(seed):
     rows, quantity, cockpit = run_and_compare(
         model, data, lambda m, x, y: logistic_regression_eigenvalues(m, x))
     close = [(l1 - l2) / l1 for _, l1, l2 in rows]
-    assert min(close) < 0.05  # the case of the issue: close top eigenvalues
+    assert min(close) < 0.05  # the hard case: close top eigenvalues
     for (value, l1, _), step in zip(rows, range(len(rows)), strict=True):
         assert abs(value - l1) <= ACCURACY * l1, (step, value, l1)
         record = quantity.solver[step]

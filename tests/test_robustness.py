@@ -1,7 +1,7 @@
 """Every test model with every optimizer Alpha predicts, economy configuration, a fixed batch
 (consecutive gradients nearly parallel): no instrument may fail, warn or go missing.
 
-Found in session 5: Alpha left its fast path for full-batch momentum SGD (an ill-conditioned
+Guards: Alpha once left its fast path for full-batch momentum SGD (an ill-conditioned
 update fit); vmap's performance notes reached the user's warnings. Values are checked
 against brute force elsewhere; here the point is that nothing breaks.
 """

@@ -1,4 +1,4 @@
-"""What the cockpit view's panels draw (issue 17 and 13): counts beyond the histogram's
+"""What the cockpit view's panels draw: counts beyond the histogram's
 range against brute-force counts of the recorded histogram, the zoom on the data's own
 range, the last finite step of a NaN run, the recorded reason of a missing value (batch
 size 1, from a real run), layout rules (legends off the data, the norm test on top, no

@@ -1,6 +1,6 @@
 """What a diagnosis returns: :class:`Finding` (one named bug with its evidence).
 
-Codes are an API (issue 13): they may be added to, never renamed.
+Codes are an API: they may be added to, never renamed.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 Severity = Literal["info", "warning", "error"]
 
-#: The fixed vocabulary of bugs (issue 13), in the order reports list them.
+#: The fixed vocabulary of bugs, in the order reports list them.
 CODES: tuple[str, ...] = (
     "non_finite",
     "lr_too_large",

@@ -39,8 +39,8 @@ Degenerate cases (all are tested):
   ordinary least-squares fit in the unit coordinate u (all weights equal).
 * singular or non-finite normal matrix ``Φ Λ⁻¹ Φᵀ`` (only reachable with ``eps = 0`` or extreme
   variance ratios) → NaN, reason "singular fit matrix".
-* concave or flat fit (w₂ ≤ 0): there is no minimum along the step; α = −1 by convention
-  (the value the issue specifies), reported with a reason.
+* concave or flat fit (w₂ ≤ 0): there is no minimum along the step; α = −1 by convention,
+  reported with a reason.
 * w₁ = 0 with w₂ > 0: the minimum sits exactly at the start, ᾱ = 0 and α = ±∞ with an
   undetermined sign → NaN, reason "minimum at the start point".
 

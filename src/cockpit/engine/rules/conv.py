@@ -276,7 +276,7 @@ class ConvSampleGrads(SampleGrads):
         grouped convolution. Which one wins depends on the shapes, the hardware and the load:
         on a 2-core CPU the channels-last patches win on 2C2D's second layer (41 → 32 ms) and
         on every 3C3D layer (e.g. the third, 26 → 16 ms) but lose on a first layer with one
-        input channel; the grouped convolution lost everywhere in session 3."""
+        input channel; the grouped convolution lost everywhere when measured."""
         key = (tuple(self.x.shape), tuple(self.delta.shape), self.shape, self.module.stride,
                self.module.dilation, self.module.groups, self.x.dtype, self.x.device.type,
                _UNFOLD_CACHE is None)
