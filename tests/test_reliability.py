@@ -6,6 +6,7 @@ a twin run without Cockpit); training itself is never changed."""
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ def _grad_norm_reference(model: nn.Module, x, y) -> float:
 
 def _run(loop, steps: int = 4, quantities="economy"):
     """Train with Cockpit: ``loop(cockpit, step, model, x, y)`` does one step's blocks.
-    Returns (output, notes, warning messages, final parameters, GradNorm references)."""
+    Gives output, notes, warning messages, final params and the GradNorm references (ref)."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cockpit = Cockpit(model, configuration(quantities) if isinstance(quantities, str)
@@ -56,9 +57,10 @@ def _run(loop, steps: int = 4, quantities="economy"):
             loop(cockpit, step, model, x, y)
             opt.step()
         cockpit.close()
-    messages = [str(w.message) for w in caught]
-    return (cockpit.get_output(), cockpit.get_notes(), messages,
-            [p.detach().clone() for p in model.parameters()], references)
+    return SimpleNamespace(output=cockpit.get_output(), notes=cockpit.get_notes(),
+                           messages=[str(w.message) for w in caught],
+                           params=[p.detach().clone() for p in model.parameters()],
+                           ref=references)
 
 
 def _twin(loop, steps: int = 4):
@@ -107,7 +109,8 @@ def test_a_plain_loop_matches_the_reference():
         with cockpit(step, losses=losses):
             losses.mean().backward()
 
-    output, notes, messages, params, ref = _run(loop)
+    r = _run(loop)
+    output, _notes, messages, _params, ref = r.output, r.notes, r.messages, r.params, r.ref
     assert messages == []
     for step in range(4):
         assert output[step]["GradNorm"] == pytest.approx(ref[step], rel=1e-10)
@@ -120,7 +123,8 @@ def test_two_backward_passes_in_one_block_record_none_with_the_reason():
             losses.mean().backward(retain_graph=True)
             (0.5 * losses.mean()).backward()
 
-    output, notes, messages, params, ref = _run(loop)
+    r = _run(loop)
+    output, notes, messages, params, _ref = r.output, r.notes, r.messages, r.params, r.ref
     _once(messages, "two backward passes inside one")
     for step in range(4):
         for name in GRADIENT_READERS:
@@ -138,7 +142,8 @@ def test_a_second_block_through_the_same_forward_pass_is_named():
         with cockpit(step, losses=losses):
             losses.mean().backward()
 
-    output, notes, messages, params, ref = _run(loop)
+    r = _run(loop)
+    output, notes, messages, _params, _ref = r.output, r.notes, r.messages, r.params, r.ref
     assert not any("did not see this step's forward pass" in m for m in messages), messages
     _once(messages, "a second backward pass through the forward pass")
     for step in range(4):
@@ -160,7 +165,8 @@ def test_losses_that_are_not_backpropagated_record_none(kind):
         with cockpit(step, losses=passed):
             losses.mean().backward()
 
-    output, notes, messages, params, ref = _run(loop)
+    r = _run(loop)
+    output, notes, messages, params, _ref = r.output, r.notes, r.messages, r.params, r.ref
     _once(messages, "did not go through the `losses` passed")
     assert not any("torch.compile" in m for m in messages), messages
     for step in range(4):
@@ -175,9 +181,9 @@ def test_integer_losses_are_refused():
     cockpit = Cockpit(model, configuration("economy"))
     x, y = _data()
     loss = _ce(model(x), y).mean()
-    with pytest.raises(TypeError, match="floating-point individual losses"):
-        with cockpit(0, losses=torch.ones(N, dtype=torch.long)):
-            loss.backward()
+    with (pytest.raises(TypeError, match="floating-point individual losses"),
+          cockpit(0, losses=torch.ones(N, dtype=torch.long))):
+        loss.backward()
 
 
 def test_backpropagating_part_of_the_losses_records_no_gradient_norm():
@@ -189,7 +195,8 @@ def test_backpropagating_part_of_the_losses_records_no_gradient_norm():
         with cockpit(step, losses=losses):
             losses[:5].mean().backward()
 
-    output, notes, messages, params, ref = _run(loop)
+    r = _run(loop)
+    output, notes, messages, _params, _ref = r.output, r.notes, r.messages, r.params, r.ref
     _once(messages, "weights the individual losses unequally")
     for step in range(4):
         for name in GRADIENT_READERS:
@@ -204,7 +211,8 @@ def test_an_empty_batch_never_crashes_the_users_backward():
         with cockpit(step, losses=losses):
             losses.mean().backward()
 
-    output, notes, messages, params, ref = _run(loop)
+    r = _run(loop)
+    output, notes, messages, params, ref = r.output, r.notes, r.messages, r.params, r.ref
     _once(messages, "the batch is empty")
     for name, value in output[1].items():
         if name.split("/")[0] not in ("Distance", "UpdateSize", "LearningRate",

@@ -220,8 +220,9 @@ def parameters_changed(model: torch.nn.Module, known: dict[int, str],
              (("added", added), ("replaced", replaced), ("made trainable", unfrozen)) if found]
     return (f"the model's parameters changed after Cockpit was created ({'; '.join(parts)}): "
             "its hooks, θ_0 and the optimizer's groups it reads cover the parameters it was "
-            "created with, so only Loss, BatchSize and Time are recorded from here on; create a new Cockpit for the "
-            "changed model (cockpit.close(); Cockpit(model, ..., logdir=<new directory>))")
+            "created with, so only Loss, BatchSize and Time are recorded from here on; create "
+            "a new Cockpit for the changed model (cockpit.close(); Cockpit(model, ..., "
+            "logdir=<new directory>))")
 
 
 def _listed(names: list[str], limit: int = 4) -> str:
