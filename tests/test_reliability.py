@@ -249,7 +249,7 @@ def test_parameters_changed_mid_training_record_none_with_the_reason(change):
                     model[0].weight.requires_grad_(True)
             opt.zero_grad()
             losses = _ce(model(x), y)
-            seen.append(float(losses.mean()))
+            seen.append(float(losses.detach().mean()))
             with cockpit(step, losses=losses):
                 losses.mean().backward()
             opt.step()
@@ -280,7 +280,7 @@ def test_a_step_number_that_goes_back_is_not_recorded_over_a_recorded_step():
         for step in order:
             opt.zero_grad()
             losses = _ce(model(x), y)
-            losses_seen.append(float(losses.mean()))
+            losses_seen.append(float(losses.detach().mean()))
             with cockpit(step, losses=losses):
                 losses.mean().backward()
             opt.step()

@@ -49,6 +49,7 @@ from cockpit.loop_checks import (
 )
 from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.store.arena import ArrayArena
+from cockpit.store.outbox import StepOutbox
 
 
 class Cockpit:
@@ -66,6 +67,11 @@ class Cockpit:
         sinks: objects with ``write_step(step, values, notes)`` and ``close()``.
         logdir: directory of a crash-safe run log (see :mod:`cockpit.store`), one run per
             directory: a directory whose log holds steps is refused unless ``resume``.
+        memory_steps: how many recorded steps Cockpit keeps in memory (default 1,000; None:
+            all, memory then grows with the run). With a ``logdir``, :meth:`get_output` and
+            :meth:`get_notes` read older steps back from the run log, so they return the
+            whole run; without one they return the last ``memory_steps`` steps (warned once
+            when the first step is dropped). Memory stays flat in a long run either way.
         resume: continue the run log in ``logdir`` (a run restarted from a checkpoint): its
             steps are kept, and the steps up to its last logged one are not recorded again
             (load the saved :meth:`state_dict` too, for Distance's θ_0).
@@ -121,6 +127,7 @@ class Cockpit:
         sinks: Iterable[Any] = (),
         logdir: str | None = None,
         resume: bool = False,
+        memory_steps: int | None = 1000,
         grad_scaler: Any = None,
         grad_accumulation: bool = False,
         write_on_all_ranks: bool = False,
@@ -175,7 +182,6 @@ class Cockpit:
         )
         self._start_time = time.perf_counter()
         self._output: dict[int, dict[str, Value]] = {}
-        self._arena = ArrayArena()  # recorded arrays, packed (see cockpit.store.arena)
         self._notes: dict[int, dict[str, str]] = {}
         self._warned: set[str] = set()
         self._pending_update: tuple[int, StepData, dict[str, Tensor], list[Quantity]] | None = None
@@ -202,8 +208,19 @@ class Cockpit:
             writer = RunLogWriter(logdir, meta=self._metadata(), resume=resume)
             self._sinks.insert(0, writer)
             resumed_from = writer.resumed_from
+            self._log: RunLogWriter | None = writer
         else:
-            resumed_from = None
+            resumed_from, self._log = None, None
+        if memory_steps is not None and int(memory_steps) < 1:
+            raise ValueError(f"memory_steps must be at least 1 (or None), got {memory_steps!r}")
+        self.memory_steps = None if memory_steps is None else int(memory_steps)
+        # recorded arrays, packed (see cockpit.store.arena); small blocks under a bounded
+        # window, so that the blocks of dropped steps are freed soon
+        self._arena = ArrayArena() if memory_steps is None else ArrayArena(256 << 10)
+        # steps dropped from memory (read back from the run log if there is one)
+        self._dropped = resumed_from is not None
+        # each step goes to the sinks whole, once all its instruments have a value or reason
+        self._outbox = StepOutbox(self._step_complete, self._write_sinks)
         self._prepare_failures: dict[str, str] = {}
         # the last step seen; a step at or below it is not recorded (never overwritten)
         self._last_step: int | None = resumed_from
@@ -234,7 +251,10 @@ class Cockpit:
         """All values so far: ``{step: {instrument name: value}}``. A tracked step whose
         backward passes are complete is recorded first."""
         self._finalize_open_step()
-        return {step: dict(values) for step, values in sorted(self._output.items())}
+        output = self._read_back("output")
+        for step, values in self._output.items():
+            output.setdefault(step, {}).update(values)
+        return {step: dict(values) for step, values in sorted(output.items())}
 
     def get_notes(self) -> dict[int, dict[str, str]]:
         """Why a value is None or missing, per recorded step and instrument: the reasons
@@ -243,8 +263,14 @@ class Cockpit:
         next step). The last two are derived from the schedules here, not stored in the run
         log (a name missing from a step of the run log was not scheduled there)."""
         self._finalize_open_step()
-        notes = {step: dict(n) for step, n in self._notes.items() if n}
+        notes = self._read_back("notes")
+        for step, recorded in self._notes.items():
+            if recorded:
+                notes.setdefault(step, {}).update(recorded)
+        output = self._read_back("output") if self._dropped else {}
         for step, values in self._output.items():
+            output.setdefault(step, {}).update(values)
+        for step, values in output.items():
             for quantity in self.quantities:
                 name = quantity.name
                 if name in notes.get(step, {}) or _has_value(values, name):
@@ -254,6 +280,22 @@ class Cockpit:
                           else f"not scheduled at this step: {quantity.schedule!r}")
                 notes.setdefault(step, {})[name] = reason
         return dict(sorted(notes.items()))
+
+    def _read_back(self, what: str) -> dict[int, dict]:
+        """The run log's ``output`` or ``notes`` when steps were dropped from memory (and a
+        run log holds them), else nothing."""
+        if not self._dropped or self._log is None:
+            return {}
+        from cockpit.store import RunLogReader
+
+        try:
+            with RunLogReader(self._log.logdir) as reader:
+                return reader.output() if what == "output" else reader.notes()
+        except Exception as error:  # reading back never stops training
+            if self.strict:
+                raise
+            self._warn(f"Cockpit could not read the run log back: {error}", key="read-back")
+            return {}
 
     def end_step(self) -> None:
         """Record the open tracked step now: all of its backward passes are done.
@@ -295,6 +337,7 @@ class Cockpit:
         self._finalize_open_step()
         self._finish_pending_update()
         self._record_unfinished()
+        self._outbox.flush()
         self._watch.reset()
         if self._diagnosis is not None:
             self._diagnosis.feed(final=True)
@@ -806,10 +849,35 @@ class Cockpit:
         self._output.setdefault(step, {}).update(values)
         if notes:
             self._notes.setdefault(step, {}).update(notes)
-        for sink in self._sinks:
-            self._guard(sink.write_step, step, values, dict(notes))
+        if self.memory_steps is not None and len(self._output) > self.memory_steps:
+            self._drop_oldest()
+        self._outbox.add(step, values, notes)
         if self._diagnosis is not None:
             self._diagnosis.pending.setdefault(step, {}).update(values)
+
+    def _drop_oldest(self) -> None:
+        """Forget the oldest recorded step (memory stays flat; the run log keeps it)."""
+        oldest = min(self._output)
+        del self._output[oldest]
+        self._notes.pop(oldest, None)
+        if not self._dropped and self._log is None:
+            self._warn(
+                f"Cockpit keeps the last {self.memory_steps} recorded steps in memory, so "
+                "get_output() no longer returns the first steps of this run: pass "
+                "Cockpit(..., logdir=DIR) to keep every step (get_output() then reads them "
+                "back from the run log), or memory_steps=None to keep all in memory (memory "
+                "grows with the run)", key="memory-steps")
+        self._dropped = True
+
+    def _step_complete(self, step: int, values: dict[str, Value], notes: dict[str, str]
+                       ) -> bool:
+        """Whether every instrument scheduled at ``step`` has its value or its reason."""
+        return all(not _scheduled(q, step) or _has_value(values, q.name) or q.name in notes
+                   for q in self.quantities)
+
+    def _write_sinks(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
+        for sink in self._sinks:
+            self._guard(sink.write_step, step, values, dict(notes))
 
     def _learning_rate(self) -> float | None:
         rates = {float(group["lr"]) for group in self._model_param_groups() if "lr" in group}
