@@ -237,3 +237,24 @@ def test_memory_stays_flat_over_a_long_run():
     growth = (marks[1500] - marks[500]) / 1000
     assert growth < 1.5 * 1024, f"{growth / 1024:.2f} KiB per step"
     assert report["returned"] == 1500
+
+
+def test_the_cockpit_view_marks_where_a_resumed_run_restarted(tmp_path):
+    from cockpit.view import plot_run
+
+    model, opt, x, y = _setup()
+    first = Cockpit(model, configuration("economy"), optimizer=opt, logdir=str(tmp_path))
+    _train(first, model, opt, x, y, range(6))
+    first.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        second = Cockpit(model, configuration("economy"), optimizer=opt,
+                         logdir=str(tmp_path), resume=True)
+        _train(second, model, opt, x, y, range(6, 12))
+        second.close()
+    fig = plot_run(tmp_path)
+    marked = [ax for ax in fig.axes
+              if any(list(line.get_xdata()) == [5.5, 5.5] and line.get_linestyle() == ":"
+                     for line in ax.get_lines())]
+    assert len(marked) >= 3  # every panel over the steps (loss, step size, gradients, …)
+    assert any("resumed after step 5" in t.get_text() for t in fig.texts)
