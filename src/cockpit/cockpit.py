@@ -369,6 +369,14 @@ class Cockpit:
         return not self._consecutive or bool(self._tracked(step + 1))
 
     def _enter(self, step: int, losses: Tensor | None) -> None:
+        last = self._last_step
+        try:
+            self._open_block(step, losses)
+        except BaseException:
+            self._last_step = last  # a block refused at its start saw no step
+            raise
+
+    def _open_block(self, step: int, losses: Tensor | None) -> None:
         if self._in_block:
             raise RuntimeError("cockpit(step) blocks cannot be nested; close the previous one")
         self._watch.disarm()  # a block is open: its backward passes are seen
