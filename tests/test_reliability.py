@@ -152,7 +152,7 @@ def test_a_second_block_through_the_same_forward_pass_is_named():
             assert "second backward pass" in notes[step][name]
 
 
-@pytest.mark.parametrize("kind", ["other_batch", "random", "detached"])
+@pytest.mark.parametrize("kind", ["other_batch", "random", "detached", "unconnected"])
 def test_losses_that_are_not_backpropagated_record_none(kind):
     def loop(cockpit, step, model, x, y):
         losses = _ce(model(x), y)
@@ -160,6 +160,8 @@ def test_losses_that_are_not_backpropagated_record_none(kind):
             passed = _ce(model(x[:5]), y[:5])
         elif kind == "random":
             passed = torch.randn(N, dtype=torch.float64)
+        elif kind == "unconnected":  # a graph of its own, not the model's forward pass
+            passed = 2 * torch.randn(N, dtype=torch.float64, requires_grad=True)
         else:
             passed = losses.detach()
         with cockpit(step, losses=passed):
@@ -168,7 +170,8 @@ def test_losses_that_are_not_backpropagated_record_none(kind):
     r = _run(loop)
     output, notes, messages, params, _ref = r.output, r.notes, r.messages, r.params, r.ref
     _once(messages, "did not go through the `losses` passed")
-    assert not any("torch.compile" in m for m in messages), messages
+    assert not any("torch.compile" in m or "did not see this step's forward pass" in m
+                   for m in messages), messages
     for step in range(4):
         for name in (*GRADIENT_READERS, "Loss", "BatchSize"):
             assert output[step][name] is None, (kind, step, name, output[step][name])
