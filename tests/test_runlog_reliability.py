@@ -227,21 +227,22 @@ SOAK = textwrap.dedent(r"""
 
 
 def test_memory_stays_flat_over_a_long_run():
-    """1,500 tracked steps (~15 s): resident memory grows by less than 1.5 KiB per step from
-    step 500 to 1,500 (all steps in memory grew by ~11 KiB per step), and get_output()
-    still returns every step (from the run log). benchmarks/soak.py runs 10,000."""
+    """1,200 tracked steps (~10 s): resident memory grows by less than 1.5 KiB per step from
+    step 400 to 1,200 (0.0 measured; all steps in memory grew by ~11 KiB per step), and
+    get_output() still returns every step (from the run log). benchmarks/soak.py runs
+    10,000."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
            "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", SOAK, "1500", "50"], env=env,
+    result = subprocess.run([sys.executable, "-c", SOAK, "1200", "50"], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     import json
 
     report = json.loads(result.stdout.strip().splitlines()[-1])
     marks = {int(k): v for k, v in report["marks"].items()}
-    growth = (marks[1500] - marks[500]) / 1000
+    growth = (marks[1200] - marks[400]) / 800
     assert growth < 1.5 * 1024, f"{growth / 1024:.2f} KiB per step"
-    assert report["returned"] == 1500
+    assert report["returned"] == 1200
 
 
 def test_the_cockpit_view_marks_where_a_resumed_run_restarted(tmp_path):
