@@ -23,6 +23,7 @@ One run per log directory, one writer at a time:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sqlite3
@@ -314,7 +315,12 @@ def _acquire_lock(logdir: Path):
         return handle
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as err:
+        if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            warnings.warn(  # e.g. a network file system without locks
+                f"Cockpit run log: {str(logdir)!r} cannot be locked ({err.strerror or err}); "
+                "make sure no other Cockpit writes to it", RunLogWarning, stacklevel=4)
+            return handle
         handle.seek(0)
         holder = handle.read().strip() or "unknown"
         handle.close()
