@@ -249,7 +249,9 @@ class Cockpit:
 
     def get_output(self) -> dict[int, dict[str, Value]]:
         """All values so far: ``{step: {instrument name: value}}``. A tracked step whose
-        backward passes are complete is recorded first."""
+        backward passes are complete is recorded first. Steps beyond the last
+        ``memory_steps`` are read back from the run log (with a ``logdir``; without one they
+        are gone, see ``memory_steps``)."""
         self._finalize_open_step()
         output = self._read_back("output")
         for step, values in self._output.items():
