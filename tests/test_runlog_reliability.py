@@ -59,6 +59,9 @@ def test_a_second_run_in_a_used_logdir_is_refused_and_the_first_run_kept(tmp_pat
     model2, opt2, _, _ = _setup(seed=3)
     with pytest.raises(RunLogExistsError, match="resume=True"):
         Cockpit(model2, configuration("economy"), optimizer=opt2, logdir=str(tmp_path))
+    # the refused Cockpit left no hooks behind
+    assert not model2[0]._forward_hooks and not model2._forward_hooks
+    assert not opt2._optimizer_step_pre_hooks and not model2[0].weight._backward_hooks
     after = read_output(tmp_path)
     assert sorted(after) == list(range(5))
     for step in range(5):

@@ -205,7 +205,13 @@ class Cockpit:
         if logdir is not None and writes:
             from cockpit.store import RunLogWriter
 
-            writer = RunLogWriter(logdir, meta=self._metadata(), resume=resume)
+            try:
+                writer = RunLogWriter(logdir, meta=self._metadata(), resume=resume)
+            except BaseException:  # a refused run log leaves no hooks on the model
+                self.tracker.remove()
+                for handle in self._handles:
+                    handle.remove()
+                raise
             self._sinks.insert(0, writer)
             resumed_from = writer.resumed_from
             self._log: RunLogWriter | None = writer
