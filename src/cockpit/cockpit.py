@@ -463,7 +463,8 @@ class Cockpit:
         self._in_block = True
         self._prepare_failures = open_step.prepare_failures
         for quantity in tracked:
-            self._prepare(quantity, step, losses)
+            if _problem_of(quantity, problems) is None:  # (else it records None anyway)
+                self._prepare(quantity, step, losses)
         if request.needs & PER_SAMPLE_STATS or GRAM_MEAN in open_step.reduction.needs:
             stats.problems.extend(self.tracker.check_batch_norm()[:1])
             if captured == 0 and not problems:
