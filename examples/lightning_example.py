@@ -9,6 +9,7 @@ scalars also in Lightning's CSV logger.
 from __future__ import annotations
 
 import argparse
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -37,7 +38,8 @@ class Classifier(pl.LightningModule):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--logdir", default="runs/lightning")
+    # one run per run log: a new directory per run by default
+    parser.add_argument("--logdir", default=time.strftime("runs/lightning-%Y%m%d-%H%M%S"))
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ run log to look at live (``cockpit view runs/example``) or afterwards (``cockpit
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,8 @@ from cockpit import Cockpit, configuration, every, quantities
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--logdir", default="runs/example")
+    # one run per run log: a new directory per run by default
+    parser.add_argument("--logdir", default=time.strftime("runs/example-%Y%m%d-%H%M%S"))
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)

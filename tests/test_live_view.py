@@ -33,7 +33,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def write_run(logdir: Path, output: dict, meta: dict | None = None) -> None:
-    writer = RunLogWriter(logdir, meta=meta)
+    """Write ``output`` as steps of the run in ``logdir``; a later call continues that run
+    (as a live run grows)."""
+    writer = RunLogWriter(logdir, meta=meta, resume=True)
     for step, values in output.items():
         writer.write_step(step, values)
     writer.close()

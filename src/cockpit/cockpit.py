@@ -33,13 +33,23 @@ from cockpit.engine.request import StepRequest
 from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
 from cockpit.engine.workspace import release_workspace
 from cockpit.loop_checks import (
+    BATCH,
+    EMPTY_BATCH,
+    GRADIENT,
+    LOSSES_NOT_BACKPROPAGATED,
+    MODEL,
     ONLY_OUTSIDE,
+    REPEATED_BACKWARD,
+    SAME_FORWARD_AGAIN,
+    STEP_BACKWARDS,
     OutsideBackwardWatch,
     gradient_mismatch,
+    parameters_changed,
     parameters_holding_gradient,
 )
 from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.store.arena import ArrayArena
+from cockpit.store.outbox import StepOutbox
 
 
 class Cockpit:
@@ -55,7 +65,16 @@ class Cockpit:
         hist_bins: bins of GradHist1d (default: 100 over [−2, 2], as in the paper).
         hist2d_bins: (gradient bins, parameter bins) of GradHist2d.
         sinks: objects with ``write_step(step, values, notes)`` and ``close()``.
-        logdir: directory of a crash-safe run log (see :mod:`cockpit.store`).
+        logdir: directory of a crash-safe run log (see :mod:`cockpit.store`), one run per
+            directory: a directory whose log holds steps is refused unless ``resume``.
+        memory_steps: how many recorded steps Cockpit keeps in memory (default 1,000; None:
+            all, memory then grows with the run). With a ``logdir``, :meth:`get_output` and
+            :meth:`get_notes` read older steps back from the run log, so they return the
+            whole run; without one they return the last ``memory_steps`` steps (warned once
+            when the first step is dropped). Memory stays flat in a long run either way.
+        resume: continue the run log in ``logdir`` (a run restarted from a checkpoint): its
+            steps are kept, and the steps up to its last logged one are not recorded again
+            (load the saved :meth:`state_dict` too, for Distance's θ_0).
         grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop, if any. Its
             scale multiplies the gradients of the backward pass and is divided out before
             the step; Alpha needs it to predict an update that is not linear in the gradient
@@ -107,6 +126,8 @@ class Cockpit:
         hist2d_bins: tuple[BinSpec, BinSpec] = (BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)),
         sinks: Iterable[Any] = (),
         logdir: str | None = None,
+        resume: bool = False,
+        memory_steps: int | None = 1000,
         grad_scaler: Any = None,
         grad_accumulation: bool = False,
         write_on_all_ranks: bool = False,
@@ -161,7 +182,6 @@ class Cockpit:
         )
         self._start_time = time.perf_counter()
         self._output: dict[int, dict[str, Value]] = {}
-        self._arena = ArrayArena()  # recorded arrays, packed (see cockpit.store.arena)
         self._notes: dict[int, dict[str, str]] = {}
         self._warned: set[str] = set()
         self._pending_update: tuple[int, StepData, dict[str, Tensor], list[Quantity]] | None = None
@@ -185,9 +205,32 @@ class Cockpit:
         if logdir is not None and writes:
             from cockpit.store import RunLogWriter
 
-            self._sinks.insert(0, RunLogWriter(logdir, meta=self._metadata()))
+            try:
+                writer = RunLogWriter(logdir, meta=self._metadata(), resume=resume)
+            except BaseException:  # a refused run log leaves no hooks on the model
+                self.tracker.remove()
+                for handle in self._handles:
+                    handle.remove()
+                raise
+            self._sinks.insert(0, writer)
+            resumed_from = writer.resumed_from
+            self._log: RunLogWriter | None = writer
+        else:
+            resumed_from, self._log = None, None
+        if memory_steps is not None and int(memory_steps) < 1:
+            raise ValueError(f"memory_steps must be at least 1 (or None), got {memory_steps!r}")
+        self.memory_steps = None if memory_steps is None else int(memory_steps)
+        # recorded arrays, packed (see cockpit.store.arena); small blocks under a bounded
+        # window, so that the blocks of dropped steps are freed soon
+        self._arena = ArrayArena() if memory_steps is None else ArrayArena(256 << 10)
+        # steps dropped from memory (read back from the run log if there is one)
+        self._dropped = resumed_from is not None
+        # each step goes to the sinks whole, once all its instruments have a value or reason
+        self._outbox = StepOutbox(self._step_complete, self._write_sinks)
         self._prepare_failures: dict[str, str] = {}
-        self._last_step: int | None = None
+        # the last step seen; a step at or below it is not recorded (never overwritten)
+        self._last_step: int | None = resumed_from
+        self._losses_finite = True
         self._consecutive = True
         self._closed = False
         self._diagnosis = _LiveDiagnosis(self) if diagnose else None
@@ -212,9 +255,14 @@ class Cockpit:
 
     def get_output(self) -> dict[int, dict[str, Value]]:
         """All values so far: ``{step: {instrument name: value}}``. A tracked step whose
-        backward passes are complete is recorded first."""
+        backward passes are complete is recorded first. Steps beyond the last
+        ``memory_steps`` are read back from the run log (with a ``logdir``; without one they
+        are gone, see ``memory_steps``)."""
         self._finalize_open_step()
-        return {step: dict(values) for step, values in sorted(self._output.items())}
+        output = self._read_back("output")
+        for step, values in self._output.items():
+            output.setdefault(step, {}).update(values)
+        return {step: dict(values) for step, values in sorted(output.items())}
 
     def get_notes(self) -> dict[int, dict[str, str]]:
         """Why a value is None or missing, per recorded step and instrument: the reasons
@@ -223,8 +271,14 @@ class Cockpit:
         next step). The last two are derived from the schedules here, not stored in the run
         log (a name missing from a step of the run log was not scheduled there)."""
         self._finalize_open_step()
-        notes = {step: dict(n) for step, n in self._notes.items() if n}
+        notes = self._read_back("notes")
+        for step, recorded in self._notes.items():
+            if recorded:
+                notes.setdefault(step, {}).update(recorded)
+        output = self._read_back("output") if self._dropped else {}
         for step, values in self._output.items():
+            output.setdefault(step, {}).update(values)
+        for step, values in output.items():
             for quantity in self.quantities:
                 name = quantity.name
                 if name in notes.get(step, {}) or _has_value(values, name):
@@ -234,6 +288,22 @@ class Cockpit:
                           else f"not scheduled at this step: {quantity.schedule!r}")
                 notes.setdefault(step, {})[name] = reason
         return dict(sorted(notes.items()))
+
+    def _read_back(self, what: str) -> dict[int, dict]:
+        """The run log's ``output`` or ``notes`` when steps were dropped from memory (and a
+        run log holds them), else nothing."""
+        if not self._dropped or self._log is None:
+            return {}
+        from cockpit.store import RunLogReader
+
+        try:
+            with RunLogReader(self._log.logdir) as reader:
+                return reader.output() if what == "output" else reader.notes()
+        except Exception as error:  # reading back never stops training
+            if self.strict:
+                raise
+            self._warn(f"Cockpit could not read the run log back: {error}", key="read-back")
+            return {}
 
     def end_step(self) -> None:
         """Record the open tracked step now: all of its backward passes are done.
@@ -264,7 +334,9 @@ class Cockpit:
             self._initial = {k: initial[k].to(device=v.device, dtype=v.dtype)
                              for k, v in self._initial.items()}
         last = state.get("last_step")
-        self._last_step = None if last is None else int(last)
+        if last is not None:  # (a resumed run log may be ahead of the checkpoint)
+            self._last_step = max(int(last), self._last_step if self._last_step is not None
+                                  else int(last))
 
     def close(self) -> None:
         """Finish pending work, remove every hook and close the sinks. Idempotent."""
@@ -273,6 +345,7 @@ class Cockpit:
         self._finalize_open_step()
         self._finish_pending_update()
         self._record_unfinished()
+        self._outbox.flush()
         self._watch.reset()
         if self._diagnosis is not None:
             self._diagnosis.feed(final=True)
@@ -304,6 +377,14 @@ class Cockpit:
         return not self._consecutive or bool(self._tracked(step + 1))
 
     def _enter(self, step: int, losses: Tensor | None) -> None:
+        last = self._last_step
+        try:
+            self._open_block(step, losses)
+        except BaseException:
+            self._last_step = last  # a block refused at its start saw no step
+            raise
+
+    def _open_block(self, step: int, losses: Tensor | None) -> None:
         if self._in_block:
             raise RuntimeError("cockpit(step) blocks cannot be nested; close the previous one")
         self._watch.disarm()  # a block is open: its backward passes are seen
@@ -311,7 +392,8 @@ class Cockpit:
         continues = open_step is not None and open_step.step == step
         unstepped = False  # the previous tracked step had no optimizer step
         if open_step is not None and not continues:
-            if self.optimizer is not None and self.grad_scaler is None:
+            if (self.optimizer is not None and self.grad_scaler is None
+                    and open_step.finite_losses):  # (a non-finite loss: skipping is right)
                 unstepped = True
                 self._warn(
                     f"step {open_step.step} was not followed by optimizer.step() before step "
@@ -323,6 +405,14 @@ class Cockpit:
             self._finish_pending_update()
             if self._diagnosis is not None:
                 self._diagnosis.feed()
+            if self._last_step is not None and step <= self._last_step:
+                self._warn(STEP_BACKWARDS.format(step=step, last=self._last_step),
+                           key="step-backwards")
+                self.tracker.clear_calls()
+                self.tracker.drop_spare_gradients()
+                self._consecutive = False
+                self.tracker.capturing = True
+                return
             if self._last_step is not None and step != self._last_step + 1:
                 self._consecutive = False
             self._last_step = step
@@ -336,9 +426,11 @@ class Cockpit:
             return
         if any(q.needs_losses for q in tracked):
             losses = self._check_losses(losses, step, tracked)
+        problems = self._step_problems(step, losses, open_step if continues else None)
         held = None
         if not continues and not unstepped:  # (unstepped: said more precisely above)
             held = self._check_gradients_zeroed(step)
+        recorded = self.tracker.num_calls  # forward calls before those of other graphs go
         if losses is not None and losses.requires_grad:
             losses.register_hook(self.tracker.losses_hook)
             self.tracker.drop_calls_outside(losses)
@@ -362,16 +454,24 @@ class Cockpit:
                                   StepReduction(self.tracker, needs, request,
                                                 _sample_sum_keys(tracked), ranks=self._ranks))
             open_step.gradient_held = held
+            open_step.finite_losses = self._losses_finite
             self._open = open_step
+        open_step.problems.extend(problems)
+        if losses is not None:
+            open_step.forwards.add(losses.grad_fn)
         stats = self.tracker.begin(request, losses)
         self._in_block = True
         self._prepare_failures = open_step.prepare_failures
         for quantity in tracked:
-            self._prepare(quantity, step, losses)
+            if _problem_of(quantity, problems) is None:  # (else it records None anyway)
+                self._prepare(quantity, step, losses)
         if request.needs & PER_SAMPLE_STATS or GRAM_MEAN in open_step.reduction.needs:
             stats.problems.extend(self.tracker.check_batch_norm()[:1])
-            if captured == 0:
+            if captured == 0 and not problems:
                 stats.problems.append(
+                    "the `losses` passed to cockpit(step, losses=...) do not depend on the "
+                    "forward pass Cockpit recorded: pass the individual losses of the batch "
+                    "you backpropagate" if recorded else
                     "Cockpit did not see this step's forward pass (create the forward pass "
                     "after the previous cockpit(...) context and call cockpit(step) with "
                     "consecutive step numbers)"
@@ -445,12 +545,54 @@ class Cockpit:
                 "use reduction='none' (and .mean() over non-batch dims, e.g. "
                 "F.mse_loss(out, y, reduction='none').mean(1))"
             )
-        if not torch.isfinite(losses.detach()).all():
+        if not losses.is_floating_point():
+            raise TypeError(
+                f"losses must be the floating-point individual losses of the batch you "
+                f"backpropagate, got a tensor of dtype {losses.dtype}: pass losses = "
+                "loss_fn(output, target, reduction='none')")
+        self._losses_finite = bool(torch.isfinite(losses.detach()).all())
+        if not self._losses_finite:
             self._warn(
                 f"step {step}: non-finite loss; instruments of this step are recorded as NaN",
                 key="nonfinite",
             )
         return losses
+
+    def _step_problems(self, step: int, losses: Tensor | None,
+                       continued: _OpenStep | None) -> list[tuple[str, str]]:
+        """What makes the step indescribable, known before its backward pass: (scope,
+        reason) pairs (see :mod:`cockpit.loop_checks`), each warned once."""
+        problems = []
+        changed = parameters_changed(self.model, self.tracker.param_names, self._params)
+        if changed is not None:
+            problems.append((MODEL, changed))
+        if losses is not None and losses.numel() == 0:
+            problems.append((BATCH, EMPTY_BATCH))
+        if (continued is not None and losses is not None and losses.grad_fn is not None
+                and losses.grad_fn in continued.forwards):
+            problems.append((GRADIENT, SAME_FORWARD_AGAIN.format(step=step)))
+        self._warn_problems(step, problems)
+        return problems
+
+    def _warn_problems(self, step: int, problems: list[tuple[str, str]]) -> None:
+        for _, reason in problems:
+            kind = reason.replace(str(step), "")[:60]
+            self._warn(f"step {step}: {reason}; these instruments are recorded as None with "
+                       "this reason (see get_notes())", key=f"problem:{kind}")
+
+    def _backward_problems(self, step: int, stats: BackwardStatistics
+                           ) -> list[tuple[str, str]]:
+        """What makes the step indescribable, seen in its backward pass."""
+        problems = []
+        if self.tracker.repeated_backward:
+            problems.append((GRADIENT, REPEATED_BACKWARD.format(step=step)))
+        if stats.losses is not None and stats.losses.numel() > 0 and stats.batch_grads:
+            if self.tracker.loss_weight is None and self.tracker.weights_problem is None:
+                problems.append((BATCH, LOSSES_NOT_BACKPROPAGATED.format(step=step)))
+            elif self.tracker.weights_problem is not None:
+                problems.append((GRADIENT, self.tracker.weights_problem))
+        self._warn_problems(step, problems)
+        return problems
 
     def _exit(self, failed: bool) -> None:
         open_step = self._open
@@ -458,6 +600,7 @@ class Cockpit:
             return
         self._in_block = False
         stats = self.tracker.end()
+        open_step.problems.extend(self._backward_problems(open_step.step, stats))
         calls = self.tracker.take_kept_calls()
         # the same step may bring more micro-batches: keep recording forward passes
         self.tracker.capturing = True
@@ -539,20 +682,27 @@ class Cockpit:
         data.project = reduction.project_samples if reduction.keeps_calls else None
         data.unmerged = reduction.unmerged
         values: dict[str, Value] = {}
-        if data.learning_rate is not None:  # one rate for the model's parameters
+        model_problem = _problem(open_step.problems, (MODEL,))
+        batch_problem = _problem(open_step.problems, (BATCH,))
+        if model_problem is not None:
+            data.notes["LearningRate"] = model_problem
+        elif data.learning_rate is not None:  # one rate for the model's parameters
             values["LearningRate"] = data.learning_rate
         if stats.losses is not None and not_global is None:
-            values["BatchSize"] = float(stats.num_samples)
-        if open_step.mismatch is not None:
+            values["BatchSize"] = None if batch_problem is not None else float(stats.num_samples)
+            if batch_problem is not None:
+                data.notes["BatchSize"] = batch_problem
+        if open_step.mismatch is not None and model_problem is None:
             values["GradientMismatch"] = open_step.mismatch
-        if open_step.gradient_held is not None:
+        if open_step.gradient_held is not None and model_problem is None:
             values["GradientHeld"] = float(open_step.gradient_held)
         split = open_step.request.split or stats.micro_batches > 1 or stats.ranks > 1
         no_gradient = self._report_backward_outside(step, evidence, not stats.batch_grads)
         skipped = set()
         for quantity in tracked:
             reason = (not_global if not_global is not None and _describes_the_batch(quantity)
-                      else no_gradient if no_gradient and _reads_gradient(quantity) else None)
+                      else no_gradient if no_gradient and _reads_gradient(quantity)
+                      else _problem_of(quantity, open_step.problems))
             if reason is not None:
                 data.notes[quantity.name] = reason
                 values[quantity.name] = None
@@ -716,10 +866,35 @@ class Cockpit:
         self._output.setdefault(step, {}).update(values)
         if notes:
             self._notes.setdefault(step, {}).update(notes)
-        for sink in self._sinks:
-            self._guard(sink.write_step, step, values, dict(notes))
+        if self.memory_steps is not None and len(self._output) > self.memory_steps:
+            self._drop_oldest()
+        self._outbox.add(step, values, notes)
         if self._diagnosis is not None:
             self._diagnosis.pending.setdefault(step, {}).update(values)
+
+    def _drop_oldest(self) -> None:
+        """Forget the oldest recorded step (memory stays flat; the run log keeps it)."""
+        oldest = min(self._output)
+        del self._output[oldest]
+        self._notes.pop(oldest, None)
+        if not self._dropped and self._log is None:
+            self._warn(
+                f"Cockpit keeps the last {self.memory_steps} recorded steps in memory, so "
+                "get_output() no longer returns the first steps of this run: pass "
+                "Cockpit(..., logdir=DIR) to keep every step (get_output() then reads them "
+                "back from the run log), or memory_steps=None to keep all in memory (memory "
+                "grows with the run)", key="memory-steps")
+        self._dropped = True
+
+    def _step_complete(self, step: int, values: dict[str, Value], notes: dict[str, str]
+                       ) -> bool:
+        """Whether every instrument scheduled at ``step`` has its value or its reason."""
+        return all(not _scheduled(q, step) or _has_value(values, q.name) or q.name in notes
+                   for q in self.quantities)
+
+    def _write_sinks(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
+        for sink in self._sinks:
+            self._guard(sink.write_step, step, values, dict(notes))
 
     def _learning_rate(self) -> float | None:
         rates = {float(group["lr"]) for group in self._model_param_groups() if "lr" in group}
@@ -805,6 +980,24 @@ def _names(names: list[str], limit: int = 4) -> str:
 _OWN_PROCESS = frozenset({"Distance", "UpdateSize", "Parameters", "Time"})
 
 
+def _problem(problems: list[tuple[str, str]], scopes: tuple[str, ...]) -> str | None:
+    """The first reason among ``problems`` of one of ``scopes``."""
+    return next((reason for scope, reason in problems if scope in scopes), None)
+
+
+def _problem_of(quantity: Quantity, problems: list[tuple[str, str]]) -> str | None:
+    """The reason ``quantity`` cannot describe the step, if one of ``problems`` touches it."""
+    if quantity.name in ("Loss", "Time"):
+        scopes: tuple[str, ...] = (BATCH,) if quantity.name == "Loss" else ()
+    elif _reads_gradient(quantity):
+        scopes = (MODEL, BATCH, GRADIENT)
+    elif _describes_the_batch(quantity):
+        scopes = (MODEL, BATCH)
+    else:
+        scopes = (MODEL,)
+    return _problem(problems, scopes)
+
+
 def _describes_the_batch(quantity: Quantity) -> bool:
     return quantity.name not in _OWN_PROCESS
 
@@ -826,6 +1019,9 @@ class _OpenStep:
         self.weights: list[float | None] = []  # loss weight w of each backward pass
         self.mismatch: float | None = None  # GradientMismatch, set at optimizer.step()
         self.gradient_held: bool | None = None  # GradientHeld, checked at the first block
+        self.finite_losses = True  # the first block's losses were finite
+        self.problems: list[tuple[str, str]] = []  # (scope, reason): see loop_checks
+        self.forwards: set = set()  # the losses' graph nodes backpropagated in its blocks
 
     def new_request(self, gradient_scale: float) -> StepRequest:
         """The request of one more backward pass of this step: the same statistics; the

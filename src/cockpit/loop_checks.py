@@ -164,3 +164,67 @@ class OutsideBackwardWatch:
             self.evidence = ONLY_OUTSIDE
         elif onto_left and self.evidence is None:
             self.evidence = ADDED
+
+
+# ---------------------------------------------------------------- steps Cockpit cannot describe
+# Each check below names a reason; the step's instruments it touches are recorded as None
+# with that reason (warned once), never as a value of some other batch, model or loss.
+GRADIENT = "gradient"  # the instruments reading the backward pass (individual gradients, ‖g‖)
+BATCH = "batch"  # those and the instruments of the individual losses (Loss, BatchSize, …)
+MODEL = "model"  # every instrument but Loss and Time
+
+REPEATED_BACKWARD = (
+    "two backward passes inside one `with cockpit({step}, ...)` block (e.g. "
+    "backward(retain_graph=True) and a second loss term): the gradient is their sum, which no "
+    "batch of individual losses describes; backpropagate one loss per block — the sum of the "
+    "loss terms (`(losses.mean() + other).backward()`) — or give each micro-batch its own "
+    "block of the same step")
+SAME_FORWARD_AGAIN = (
+    "a second backward pass through the forward pass that an earlier block of step {step} "
+    "backpropagated already (retain_graph=True): the step's gradient is then the sum of both, "
+    "which no batch of individual losses describes; backpropagate the sum of the loss terms "
+    "once, inside one block")
+LOSSES_NOT_BACKPROPAGATED = (
+    "the backward pass inside `with cockpit({step}, losses=...)` did not go through the "
+    "`losses` passed (losses of another batch or forward pass, detached or made-up losses): "
+    "pass losses = loss_fn(output, target, reduction='none') of the batch you backpropagate, "
+    "and backpropagate losses.mean()")
+EMPTY_BATCH = (
+    "the batch is empty (`losses` has 0 entries): there is no batch to describe (skip empty "
+    "batches before the forward pass)")
+STEP_BACKWARDS = (
+    "step {step} comes after step {last}: Cockpit records each step number once and never "
+    "overwrites a recorded step, so a step number that repeats or goes back is not recorded "
+    "(warned once). Number the steps over the whole run (a global step counter, not the "
+    "batch index within an epoch); a run continued in its run log (resume=True) records the "
+    "steps after the last one logged")
+
+
+def parameters_changed(model: torch.nn.Module, known: dict[int, str],
+                       trainable: dict[str, Tensor]) -> str | None:
+    """The reason Cockpit cannot describe ``model`` any more, if its parameters changed
+    since Cockpit was created: parameters added (``model.append``), replaced
+    (``model[2] = nn.Linear(...)``) or made trainable; else None. ``known``: id → name of
+    every parameter at construction; ``trainable``: the tracked ones (frozen later is
+    harmless: a parameter without a gradient adds nothing to any instrument)."""
+    names = set(known.values())
+    added, replaced, unfrozen = [], [], []
+    for name, p in model.named_parameters():
+        if id(p) not in known:
+            (replaced if name in names else added).append(name)
+        elif p.requires_grad and known[id(p)] not in trainable:
+            unfrozen.append(name)
+    if not (added or replaced or unfrozen):
+        return None
+    parts = [f"{what}: {_listed(found)}" for what, found in
+             (("added", added), ("replaced", replaced), ("made trainable", unfrozen)) if found]
+    return (f"the model's parameters changed after Cockpit was created ({'; '.join(parts)}): "
+            "its hooks, θ_0 and the optimizer's groups it reads cover the parameters it was "
+            "created with, so only Loss, BatchSize and Time are recorded from here on; create "
+            "a new Cockpit for the changed model (cockpit.close(); Cockpit(model, ..., "
+            "logdir=<new directory>))")
+
+
+def _listed(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"

@@ -160,6 +160,8 @@ class ModuleTracker:
         self._weights: Tensor | None = None
         self._weight_value = 1.0  # float(w_n), read once per backward
         self._weights_problem: str | None = None
+        # a parameter's gradient arrived twice in one tracked block: two backward passes
+        self.repeated_backward = False
         self._suspended = False  # True while rules run the module again (torch.func)
         self._probing = False  # True during Cockpit's own backprops (diagonal curvature)
         # what the instruments of the current tracked step ask of each backward pass
@@ -289,6 +291,7 @@ class ModuleTracker:
         self.needs = request.needs
         self._weights = None
         self._weights_problem: str | None = None
+        self.repeated_backward = False
         self._accumulated = {}
         uses: dict[str, int] = {}
         for call in self._calls:
@@ -366,6 +369,9 @@ class ModuleTracker:
     def losses_hook(self, grad: Tensor) -> None:
         """Hook on the per-sample losses: record w_n = ∂L/∂ℓ_n."""
         if self.active and not self._suspended:
+            if grad.numel() == 0:  # an empty batch: no weight to read
+                self._weights_problem = "the batch is empty (`losses` has 0 entries)"
+                return
             self._weights = grad.detach()
             self._weights_problem = weights_problem(self._weights)
             self._weight_value = float(self._weights.flatten()[0])  # one device sync per step
@@ -454,6 +460,8 @@ class ModuleTracker:
                 if grad.layout != torch.strided:  # Embedding(sparse=True): instruments read
                     grad = grad.to_dense()  # dense vectors (the user's p.grad stays sparse)
                 first = name not in self.stats.batch_grads
+                if not first:  # (a leaf's hook fires once per backward pass)
+                    self.repeated_backward = True
                 if first:
                     spare = self._spare_grads.pop(name, None)
                     fits = (spare is not None and spare.shape == grad.shape
@@ -820,6 +828,12 @@ class ModuleTracker:
         for key, refs in projections:
             stats.projections.setdefault(key, {})[name] = torch.stack(
                 [dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
+
+    @property
+    def weights_problem(self) -> str | None:
+        """Why the loss weights w_n = ∂L/∂ℓ_n of the last tracked backward pass do not
+        describe a mean (or sum) of ``losses``, or None."""
+        return self._weights_problem
 
     @property
     def loss_weight(self) -> float | None:

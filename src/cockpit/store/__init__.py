@@ -2,10 +2,17 @@
 
 from cockpit.store.export import add_export_subcommand, export_run, load_json_export, main_export
 from cockpit.store.reader import RunLogReader, read_meta, read_output, read_scalars
-from cockpit.store.runlog import RunLogWarning, RunLogWriter
+from cockpit.store.runlog import (
+    RunLogExistsError,
+    RunLogLockedError,
+    RunLogWarning,
+    RunLogWriter,
+)
 from cockpit.store.sinks import Sink, SinkWarning, TensorBoardSink, WandbSink
 
 __all__ = [
+    "RunLogExistsError",
+    "RunLogLockedError",
     "RunLogReader",
     "RunLogWarning",
     "RunLogWriter",

@@ -8,13 +8,24 @@ with ``synchronous=NORMAL``: a committed step survives the death of the process
 
 After construction the writer never raises into the training loop: a failing write emits
 one :class:`RunLogWarning` per episode of failures (and counts them in ``failed_writes``)
-and the run goes on. One writer per log directory; any number of readers
-(:class:`~cockpit.store.reader.RunLogReader`, other processes too) may read meanwhile.
+and the run goes on. Any number of readers (:class:`~cockpit.store.reader.RunLogReader`,
+other processes too) may read meanwhile.
+
+One run per log directory, one writer at a time:
+
+* a directory whose run log already holds steps is refused (:class:`RunLogExistsError`)
+  unless ``resume=True`` continues that run — two runs merged into one log would look like
+  one run whose instruments jump at the seam;
+* a second writer of the same directory, in this process or another, is refused
+  (:class:`RunLogLockedError`) while the first is open: an exclusive lock on
+  ``<logdir>/cockpit.lock`` (``flock``), released by :meth:`close` or the process' death.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -38,6 +49,8 @@ from cockpit.store._schema import (
 from cockpit.store.reader import RunLogReader, read_meta, read_output, read_scalars
 
 __all__ = [
+    "RunLogExistsError",
+    "RunLogLockedError",
     "RunLogReader",
     "RunLogWarning",
     "RunLogWriter",
@@ -49,6 +62,17 @@ __all__ = [
 
 class RunLogWarning(RuntimeWarning):
     """A run-log write failed; training continues without that step in the log."""
+
+
+class RunLogExistsError(FileExistsError):
+    """The log directory already holds a run and ``resume=True`` was not given."""
+
+
+class RunLogLockedError(RuntimeError):
+    """Another writer (this process or another one) has the log directory open."""
+
+
+LOCK_FILENAME = "cockpit.lock"
 
 
 def _json_dumps(obj: Any) -> str:
@@ -68,18 +92,25 @@ class RunLogWriter:
     """Write Cockpit values into ``<logdir>/cockpit.sqlite``.
 
     Args:
-        logdir: Directory of the run (created if missing). An existing run log there is
-            continued (its steps are kept; rewritten ``(step, name)`` pairs are replaced).
+        logdir: Directory of the run (created if missing).
         meta: Run metadata written at once (see :meth:`write_meta`).
         compress: zlib-compress integer arrays of >= 512 bytes (histogram counts) when
             that makes them smaller; float arrays are always stored raw.
+        resume: continue the run log in ``logdir`` (its steps are kept; later values of
+            a written step are added to it). Without it a ``logdir`` whose log holds steps
+            is refused.
+
+    Raises:
+        RunLogExistsError: ``logdir`` holds a run log with steps and ``resume`` is False.
+        RunLogLockedError: another writer has ``logdir`` open.
+        OSError: ``logdir`` cannot be created or written (the message names it).
     """
 
     def __init__(
-        self, logdir: str | Path, *, meta: dict | None = None, compress: bool = True
+        self, logdir: str | Path, *, meta: dict | None = None, compress: bool = True,
+        resume: bool = False,
     ) -> None:
         self.logdir = Path(logdir)
-        self.logdir.mkdir(parents=True, exist_ok=True)
         self.path = self.logdir / DB_FILENAME
         self.compress = compress
         self.failed_writes = 0
@@ -87,17 +118,48 @@ class RunLogWriter:
         self._closed = False
         self._warned_closed = False
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(
-            self.path, isolation_level=None, check_same_thread=False, timeout=10.0
-        )
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.executescript(f"BEGIN; {SCHEMA_SQL} COMMIT;")
-        (max_step,) = self._conn.execute("SELECT max(step) FROM steps").fetchone()
+        self._lock_file = _acquire_lock(self.logdir)
+        try:
+            self._conn = self._open_database()
+            (max_step,) = self._conn.execute("SELECT max(step) FROM steps").fetchone()
+            if max_step is not None and not resume:
+                self._conn.close()
+                raise RunLogExistsError(
+                    f"{str(self.logdir)!r} already holds a Cockpit run log (steps up to "
+                    f"{max_step}): pass resume=True (Cockpit(..., logdir=..., resume=True)) "
+                    "to continue that run, or give this run a new directory")
+        except BaseException:
+            self._lock_file.close()
+            raise
+        self.resumed_from: int | None = max_step  # the last step of the continued run
         # Steps above this one cannot have rows yet, so writing them needs no delete.
         self._max_step = -(2**63) if max_step is None else max_step
         if meta:
             self.write_meta(meta)
+        if max_step is not None:
+            self._mark_restart(max_step)
+
+    def _mark_restart(self, after_step: int) -> None:
+        """Append ``{"after_step", "wall_time"}`` to the metadata's ``restarts`` (the views
+        mark where a resumed run went on)."""
+        row = self._conn.execute("SELECT value FROM meta WHERE key='restarts'").fetchone()
+        restarts = json.loads(row[0]) if row else []
+        restarts.append({"after_step": int(after_step), "wall_time": time.time()})
+        self.write_meta({"restarts": restarts})
+
+    def _open_database(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=10.0
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.executescript(f"BEGIN; {SCHEMA_SQL} COMMIT;")
+        except sqlite3.Error as err:
+            raise OSError(
+                f"the Cockpit run log {str(self.path)!r} cannot be opened for writing ({err}): "
+                "give Cockpit a logdir in a writable directory") from err
+        return conn
 
     # ------------------------------------------------------------------ public API
     def write_meta(self, meta: Mapping[str, Any]) -> None:
@@ -159,6 +221,8 @@ class RunLogWriter:
                 self._conn.close()
             except Exception as err:
                 self._warn(f"closing the run log failed: {err!r}")
+            finally:
+                self._lock_file.close()  # releases the lock
 
     def __enter__(self) -> RunLogWriter:
         return self
@@ -233,3 +297,39 @@ class RunLogWriter:
             self._failing = True
             message += " (further write failures are counted in .failed_writes until one succeeds)"
         warnings.warn(f"Cockpit run log: {message}", RunLogWarning, stacklevel=4)
+
+
+def _acquire_lock(logdir: Path):
+    """The open lock file of ``logdir``, exclusively locked (see the module docstring)."""
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+        handle = open(logdir / LOCK_FILENAME, "a+")  # noqa: SIM115 (held until close)
+    except OSError as err:
+        raise OSError(
+            f"the Cockpit run log directory {str(logdir)!r} cannot be created or written "
+            f"({err.strerror or err}): give Cockpit a logdir in a writable directory"
+        ) from err
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): one writer is the user's promise
+        return handle
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            warnings.warn(  # e.g. a network file system without locks
+                f"Cockpit run log: {str(logdir)!r} cannot be locked ({err.strerror or err}); "
+                "make sure no other Cockpit writes to it", RunLogWarning, stacklevel=4)
+            return handle
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise RunLogLockedError(
+            f"the Cockpit run log in {str(logdir)!r} is being written by another Cockpit "
+            f"(process {holder}); one run log has one writer: give this run its own logdir, "
+            "or close the other Cockpit first") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle

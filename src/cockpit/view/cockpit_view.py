@@ -220,9 +220,34 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
         sub = bottom_spec.subgridspec(1, len(gray), width_ratios=[_GRAY_WIDTH[k] for k in gray])
         for j, key in enumerate(gray):
             drawers[key](fig, sub[j], out, **options)
+    restarts = _restart_steps(meta)
+    if restarts and xlim is not None:
+        _mark_restarts(fig, xlim, restarts)
+        info += f" · run resumed after step {', '.join(map(str, restarts))} (dotted line)"
     fig.text(0.995, 0.005, info, ha="right", va="bottom", fontsize=S.FONT_SIZES["small"],
              color=S.GRAY)
     return fig
+
+
+def _restart_steps(meta: Mapping[str, Any] | None) -> list[int]:
+    """The last logged step before each restart of a resumed run (``meta["restarts"]``,
+    written by ``RunLogWriter(..., resume=True)``)."""
+    restarts = (meta or {}).get("restarts") or []
+    return [int(r["after_step"]) for r in restarts
+            if isinstance(r, Mapping) and isinstance(r.get("after_step"), int | float)]
+
+
+def _mark_restarts(fig: Figure, xlim: tuple[float, float], restarts: list[int]) -> None:
+    """A dotted line between the last step before a restart and the next one, on every
+    panel whose x axis is the run's steps."""
+    for ax in fig.axes:
+        lo, hi = ax.get_xlim()
+        if abs(lo - xlim[0]) > 1e-9 * max(1.0, abs(xlim[0])) or abs(hi - xlim[1]) > 1e-9 * max(
+                1.0, abs(xlim[1])):
+            continue
+        for step in restarts:
+            if xlim[0] <= step + 0.5 <= xlim[1]:
+                ax.axvline(step + 0.5, color=S.GRAY, linestyle=":", linewidth=0.9, zorder=0)
 
 
 _FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
