@@ -34,7 +34,20 @@ from torch import Tensor, nn
 FOLDABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.GroupNorm,
             nn.RMSNorm, nn.Embedding)
 
-DEFAULT_BUDGET_BYTES = 2**30
+DEFAULT_BUDGET_BYTES: int | None = None  # None: :func:`default_budget` of the device
+
+
+def default_budget(device: torch.device) -> int:
+    """Bytes a chunk of batched backpropagations (and, apart, a layer's rule) may take:
+    1/16 of a CUDA device's memory, at most 8 GiB (an H200: 8 GiB, so that 3C3D's exact
+    GGN at |B| = 128 — ten vectors, ~71 MB of layer-output gradients each by the estimate
+    below — runs as one chunk); 1 GiB elsewhere."""
+    if DEFAULT_BUDGET_BYTES is not None:
+        return DEFAULT_BUDGET_BYTES
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return min(total // 16, 8 * 2**30)
+    return 2**30
 
 
 def use_batched(device: torch.device, batched: bool | None) -> bool:
@@ -82,9 +95,9 @@ def batched_sum_sq_of_backprops(tracker, output: Tensor, grad_outputs: Tensor,
     computes it one vector at a time (``grad_outputs``: [K, *output.shape]), as a list of
     one dict; with ``separate`` the K sums Σ_n g_{n,k} ⊙ g_{n,k} one by one (K dicts). None
     where the batched passes do not apply (module docstring). ``budget_bytes``: default
-    :data:`DEFAULT_BUDGET_BYTES`."""
+    :func:`default_budget`."""
     if budget_bytes is None:
-        budget_bytes = DEFAULT_BUDGET_BYTES
+        budget_bytes = default_budget(output.device)
     n = output.shape[0]
     calls = _foldable_calls(tracker, n)
     if not calls:
