@@ -4,19 +4,23 @@
 #     bash benchmarks/gpu_check.sh            # writes to "$OUT" (default ./gpu_out)
 #
 # (a) the tests marked `cuda` (CUDA against the CPU in float64, batched curvature, mixed
-#     precision with a GradScaler, DDP with NCCL on two GPUs), (b) benchmarks/gpu_overhead.py
-#     (the overhead table beside the original package's H200 numbers, Figure 7, GPT-2 124M,
-#     ResNet-18 GroupNorm), within about 6 minutes. Without CUDA it checks itself in seconds:
-#     the cuda tests skip and a tiny CPU dry run of the benchmark runs.
-# Outputs: env.txt, cuda_tests.txt, gpu_overhead.txt, gpu_overhead.json, summary.txt.
+#     precision with a GradScaler, DDP with NCCL on two GPUs);
+# (b) benchmarks/curvature_batched.py: the diagonal curvature's batched backpropagations
+#     against the one-by-one loop;
+# (c) benchmarks/gpu_overhead.py: the overhead table beside the original package's H200
+#     numbers, GPT-2 124M, ResNet-18 GroupNorm, Figure 7.
+# About 6 minutes in all (limits: TESTS_SECONDS, 60 s, BENCH_SECONDS + 50 s). Without CUDA
+# it checks itself in seconds: the cuda tests skip and a tiny CPU dry run of (c) runs.
+# Outputs: env.txt, cuda_tests.txt, curvature_batched.txt, gpu_overhead.txt,
+# gpu_overhead.json, summary.txt.
 set -u -o pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 OUT="${OUT:-./gpu_out}"
 mkdir -p "$OUT"
-TESTS_SECONDS="${TESTS_SECONDS:-150}"
-BENCH_SECONDS="${BENCH_SECONDS:-170}"   # cells after this are skipped; the run ends ~40 s later
+TESTS_SECONDS="${TESTS_SECONDS:-120}"
+BENCH_SECONDS="${BENCH_SECONDS:-130}"   # cells after this are skipped; the run ends soon after
 
 limit() {  # limit SECONDS command...: a wall-clock limit where `timeout` exists
     local seconds=$1; shift
@@ -51,13 +55,23 @@ limit "$TESTS_SECONDS" "$PY" -m pytest -p no:cacheprovider -q -rs -m cuda \
 tests_rc=${PIPESTATUS[0]}
 echo "cuda tests: exit $tests_rc after $(( $(date +%s) - started )) s"
 
-echo "== (b) benchmarks/gpu_overhead.py"
+echo "== (b) benchmarks/curvature_batched.py: batched backpropagations against the loop"
+if [ "$cuda" = 1 ]; then
+    limit 60 "$PY" benchmarks/curvature_batched.py --device cuda --repeats 2 \
+        --problems cifar10_3c3d cifar100_allcnnc 2>&1 | tee "$OUT/curvature_batched.txt"
+    curv_rc=${PIPESTATUS[0]}
+else
+    echo "skipped without CUDA (on a CPU: python benchmarks/curvature_batched.py)"
+    curv_rc=0
+fi
+
+echo "== (c) benchmarks/gpu_overhead.py"
 if [ "$cuda" = 1 ]; then
     bench_args=(--time-limit "$BENCH_SECONDS" --cell-seconds 5)
 else
     bench_args=(--device cpu --quick --parts side --problems cifar10_3c3d --configs economy)
 fi
-limit $(( BENCH_SECONDS + 90 )) "$PY" benchmarks/gpu_overhead.py "${bench_args[@]}" \
+limit $(( BENCH_SECONDS + 50 )) "$PY" benchmarks/gpu_overhead.py "${bench_args[@]}" \
     --json "$OUT/gpu_overhead.json" 2>&1 | tee "$OUT/gpu_overhead.txt"
 bench_rc=${PIPESTATUS[0]}
 
@@ -66,6 +80,7 @@ bench_rc=${PIPESTATUS[0]}
     echo "cuda tests: exit $tests_rc (0 passed or skipped; 5 none collected; 124 time limit)"
     tail -n 3 "$OUT/cuda_tests.txt"
     echo "gpu_overhead: exit $bench_rc"
+    echo "curvature_batched: exit $curv_rc"
     echo "seconds: $(( $(date +%s) - started ))"
 } | tee "$OUT/summary.txt"
 [ "$tests_rc" = 0 ] || [ "$tests_rc" = 5 ] || exit 1

@@ -53,8 +53,9 @@ def default_budget(device: torch.device) -> int:
 def use_batched(device: torch.device, batched: bool | None) -> bool:
     """Whether to batch the backpropagations: ``batched`` if given, else on CUDA only.
 
-    On a 2-core CPU the loop is as fast (the work, not the launches, dominates; measured in
-    ``benchmarks/curvature_overhead.py --only batched``), and it needs no extra memory."""
+    On a 2-core CPU the loop is faster (the work, not the launches, dominates, and the loop
+    unfolds each convolution's input once for all vectors; ``benchmarks/curvature_batched.py``)
+    and needs no extra memory."""
     return device.type == "cuda" if batched is None else batched
 
 
