@@ -142,9 +142,12 @@ def _add_folded(tracker, call, delta: Tensor, totals: dict[str, Tensor],
     size = max(1, budget_bytes // _sample_bytes(call))
     for start in range(0, k * n, size):
         stop = min(start + size, k * n)
-        index = torch.arange(start, stop, device=x.device) % n
-        part = dataclasses.replace(call, args=(x.index_select(0, index),),
-                                   outputs=[y.index_select(0, index.to(y.device))])
+        if start == 0 and stop == n:  # one vector's samples: the recorded input itself
+            part = dataclasses.replace(call, args=(x,), outputs=[y])
+        else:
+            index = torch.arange(start, stop, device=x.device) % n
+            part = dataclasses.replace(call, args=(x.index_select(0, index),),
+                                       outputs=[y.index_select(0, index.to(y.device))])
         for name, sg in tracker._rule(part, [folded[start:stop]]).items():
             total = sg.sum_sq()
             totals[name] = totals[name] + total if name in totals else total
