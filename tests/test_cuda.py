@@ -82,7 +82,10 @@ def compare(got: dict, want: dict, rtol: float, max_count_diff: int = 0) -> int:
             elif isinstance(value, float) and math.isnan(value):
                 assert math.isnan(other), (where, other)
             else:
-                assert other == pytest.approx(value, rel=rtol, abs=1e-300), (where, other, value)
+                # λ_max stops once its own error is below tol = 1e-3: rounding that moves the
+                # stop by one Lanczos step moves the value within that accuracy
+                rel = max(rtol, 2e-3) if name.startswith("HessMaxEV") else rtol
+                assert other == pytest.approx(value, rel=rel, abs=1e-300), (where, other, value)
             compared += 1
     return compared
 
