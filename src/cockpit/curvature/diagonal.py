@@ -158,8 +158,9 @@ def resolve_method(method: str, tracker, mc_threshold: int, max_backprops: int,
         units = num_backprops(tracker.activation_calls)
         if outputs_per_sample > mc_threshold:
             reason = many_outputs(outputs_per_sample, mc_threshold)
-            if units == 0:  # piecewise linear: the GGN is the Hessian
-                return "diag_ggn_mc", reason
+            if units == 0:
+                return "diag_ggn_mc", (f"{reason}; the network is piecewise linear, so its GGN "
+                                       "is its Hessian and the estimate is unbiased for it")
         elif units <= max_backprops:
             return "diag_hessian", None
         else:
