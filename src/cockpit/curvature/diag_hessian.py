@@ -167,8 +167,14 @@ def num_backprops(calls) -> int:
     return sum(2 * z[0].numel() for _, z, _ in calls if z.requires_grad)
 
 
-def residual_diagonal(tracker, losses: Tensor, max_backprops: int) -> dict[str, Tensor]:
-    """Σ_k (1/|B|) Σ_u Σ_n r_{n,u} (∂z_{n,u}/∂θ)² per parameter (module docstring)."""
+def residual_diagonal(tracker, losses: Tensor, max_backprops: int,
+                      sum_sq_of_backprops=None) -> dict[str, Tensor]:
+    """Σ_k (1/|B|) Σ_u Σ_n r_{n,u} (∂z_{n,u}/∂θ)² per parameter (module docstring).
+
+    ``sum_sq_of_backprops(z, probes)``: Σ_k Σ_n g_{n,k} ⊙ g_{n,k} of the probes'
+    backpropagations from z (default: the tracker's, one backward pass per probe)."""
+    if sum_sq_of_backprops is None:
+        sum_sq_of_backprops = tracker.sum_sq_of_backprops
     calls = [c for c in tracker.activation_calls if c[1].requires_grad]
     if not calls:
         return {}
@@ -188,7 +194,7 @@ def residual_diagonal(tracker, losses: Tensor, max_backprops: int) -> dict[str, 
         else:
             probe_sets = _elementwise_probes(module, z.detach(), grad_a)
         for sign, probes in probe_sets:
-            sums = tracker.sum_sq_of_backprops(z, probes)
+            sums = sum_sq_of_backprops(z, probes)
             for name, value in sums.items():
                 totals[name] = totals.get(name, 0) + sign * value / n
     return totals

@@ -120,6 +120,36 @@ class HessianVectorProduct:
             for hv, p in zip(products, self._params, strict=True)
         ]
 
+    def batched(self, vs: Sequence[Tensor]) -> list[Tensor]:
+        """H v_m for M vectors at once, one backward pass vmap'd over m: ``vs`` has one
+        tensor [M, *shape] per parameter, the result too. Counts M products."""
+        self._check_alive()
+        assert self._grads is not None and self._params is not None
+        vs = list(vs)
+        if len(vs) != len(self._params):
+            raise ValueError(f"Expected {len(self._params)} blocks, got {len(vs)}.")
+        m = vs[0].shape[0]
+        for vi, p in zip(vs, self._params, strict=True):
+            if vi.shape[1:] != p.shape or vi.shape[0] != m:
+                raise ValueError(f"Block shape {tuple(vi.shape)} != [{m}, *{tuple(p.shape)}].")
+        active = [i for i, g in enumerate(self._grads) if g is not None]
+        if not active:
+            self.num_calls += m
+            return [p.new_zeros(m, *p.shape) for p in self._params]
+        products = torch.autograd.grad(
+            [self._grads[i] for i in active],
+            self._params,
+            grad_outputs=[vs[i].to(self._grads[i]) for i in active],
+            retain_graph=True,
+            allow_unused=True,
+            is_grads_batched=True,
+        )
+        self.num_calls += m
+        return [
+            p.new_zeros(m, *p.shape) if hv is None else hv.detach()
+            for hv, p in zip(products, self._params, strict=True)
+        ]
+
     def matvec(self, v: Tensor) -> Tensor:
         """Return H v for a flat vector ``v`` of length D (parameter order as given)."""
         self._check_alive()

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# One run on a GPU machine, from the repository root:
+#
+#     bash benchmarks/gpu_check.sh            # writes to "$OUT" (default ./gpu_out)
+#
+# (a) the tests marked `cuda` (CUDA against the CPU in float64, batched curvature, mixed
+#     precision with a GradScaler, DDP with NCCL on two GPUs);
+# (b) benchmarks/curvature_batched.py: the diagonal curvature's batched backpropagations
+#     against the one-by-one loop;
+# (c) benchmarks/gpu_overhead.py: the overhead table beside the original package's H200
+#     numbers, GPT-2 124M, ResNet-18 GroupNorm, Figure 7.
+# About 6 minutes in all (limits: TESTS_SECONDS, 60 s, BENCH_SECONDS + 50 s). Without CUDA
+# it checks itself in seconds: the cuda tests skip and a tiny CPU dry run of (c) runs.
+# Outputs: env.txt, cuda_tests.txt, curvature_batched.txt, gpu_overhead.txt,
+# gpu_overhead.json, summary.txt.
+set -u -o pipefail
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+OUT="${OUT:-./gpu_out}"
+mkdir -p "$OUT"
+TESTS_SECONDS="${TESTS_SECONDS:-120}"
+BENCH_SECONDS="${BENCH_SECONDS:-130}"   # cells after this are skipped; the run ends soon after
+
+limit() {  # limit SECONDS command...: a wall-clock limit where `timeout` exists
+    local seconds=$1; shift
+    if command -v timeout >/dev/null; then timeout --kill-after=10 "$seconds" "$@"; else "$@"; fi
+}
+
+started=$(date +%s)
+{
+    echo "date: $(date -u)"; echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+"devices", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+} 2>&1 | tee "$OUT/env.txt"
+
+if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    cuda=1
+else
+    cuda=0
+    echo "CUDA is not available: the cuda tests skip, and the benchmark runs a CPU dry run."
+fi
+
+echo "== (a) tests marked cuda"
+if [ "$cuda" = 1 ]; then
+    test_paths=(tests)   # every cuda-marked test of the project
+else
+    test_paths=(tests/test_cuda.py)   # collecting the whole suite only to skip it is slow
+fi
+limit "$TESTS_SECONDS" "$PY" -m pytest -p no:cacheprovider -q -rs -m cuda \
+    --continue-on-collection-errors "${test_paths[@]}" \
+    2>&1 | tee "$OUT/cuda_tests.txt"
+tests_rc=${PIPESTATUS[0]}
+echo "cuda tests: exit $tests_rc after $(( $(date +%s) - started )) s"
+
+echo "== (b) benchmarks/curvature_batched.py: batched backpropagations against the loop"
+if [ "$cuda" = 1 ]; then
+    limit 60 "$PY" benchmarks/curvature_batched.py --device cuda --repeats 2 \
+        --problems cifar10_3c3d cifar100_allcnnc 2>&1 | tee "$OUT/curvature_batched.txt"
+    curv_rc=${PIPESTATUS[0]}
+else
+    echo "skipped without CUDA (on a CPU: python benchmarks/curvature_batched.py)"
+    curv_rc=0
+fi
+
+echo "== (c) benchmarks/gpu_overhead.py"
+if [ "$cuda" = 1 ]; then
+    bench_args=(--time-limit "$BENCH_SECONDS" --cell-seconds 5)
+else
+    bench_args=(--device cpu --quick --parts side --problems cifar10_3c3d --configs economy)
+fi
+limit $(( BENCH_SECONDS + 50 )) "$PY" benchmarks/gpu_overhead.py "${bench_args[@]}" \
+    --json "$OUT/gpu_overhead.json" 2>&1 | tee "$OUT/gpu_overhead.txt"
+bench_rc=${PIPESTATUS[0]}
+
+{
+    echo "cuda available: $cuda"
+    echo "cuda tests: exit $tests_rc (0 passed or skipped; 5 none collected; 124 time limit)"
+    tail -n 3 "$OUT/cuda_tests.txt"
+    echo "gpu_overhead: exit $bench_rc"
+    echo "curvature_batched: exit $curv_rc"
+    echo "seconds: $(( $(date +%s) - started ))"
+} | tee "$OUT/summary.txt"
+[ "$tests_rc" = 0 ] || [ "$tests_rc" = 5 ] || exit 1
+exit "$bench_rc"

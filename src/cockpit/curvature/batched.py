@@ -1,0 +1,153 @@
+"""Many vector backpropagations through the same forward pass as a few batched ones.
+
+The exact diagonal GGN backpropagates C vectors v_k (the columns of a factor of the loss
+Hessian, :mod:`cockpit.curvature.loss_factors`) from the model output f and reduces each
+layer's individual "gradients" g_{n,k} = (∂f_n/∂θ)ᵀ v_{n,k} to Σ_k Σ_n g_{n,k} ⊙ g_{n,k}.
+One backward pass per vector costs C launches of every backward kernel; on a GPU that is
+launch-bound for small networks (CIFAR-100's C = 100). Here the vectors travel together:
+
+* one ``torch.autograd.grad(f, layer outputs, V, is_grads_batched=True)`` (a vmap over the
+  backward pass) gives every layer's output gradient δ_{k,n} for a chunk of K vectors;
+* each layer's rule then runs once on the K·N "samples" (k, n), its recorded input repeated
+  K times, so Σ_{k,n} g_{k,n} ⊙ g_{k,n} is one call of ``sum_sq`` — the same closed forms
+  and kernels as for the user's own backward pass, on a K times larger batch.
+
+Memory: a chunk of K vectors holds K times the backward pass's activation gradients, and a
+rule's scratch grows with its batch; both are chunked to ``budget_bytes``.
+
+Where the batched pass does not apply (a layer output modified in place, an output shared by
+the batch, a parameter used by several calls, a layer without a closed-form rule or with an
+unusual batch layout, an operator without a vmap rule) the caller's loop runs instead:
+the result is the same, only slower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor, nn
+
+# Layers whose rule reads one batched input ``args[0]`` (batch dimension first) and whose
+# individual gradients depend on nothing else: repeating the input repeats their samples.
+FOLDABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.GroupNorm,
+            nn.RMSNorm, nn.Embedding)
+
+DEFAULT_BUDGET_BYTES: int | None = None  # None: :func:`default_budget` of the device
+
+
+def default_budget(device: torch.device) -> int:
+    """Bytes a chunk of batched backpropagations (and, apart, a layer's rule) may take:
+    1/16 of a CUDA device's memory, at most 8 GiB (an H200: 8 GiB, so that 3C3D's exact
+    GGN at |B| = 128 — ten vectors, ~71 MB of layer-output gradients each by the estimate
+    below — runs as one chunk); 1 GiB elsewhere."""
+    if DEFAULT_BUDGET_BYTES is not None:
+        return DEFAULT_BUDGET_BYTES
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return min(total // 16, 8 * 2**30)
+    return 2**30
+
+
+def use_batched(device: torch.device, batched: bool | None) -> bool:
+    """Whether to batch the backpropagations: ``batched`` if given, else on CUDA only.
+
+    On a 2-core CPU the loop is faster (the work, not the launches, dominates, and the loop
+    unfolds each convolution's input once for all vectors; ``benchmarks/curvature_batched.py``)
+    and needs no extra memory."""
+    return device.type == "cuda" if batched is None else batched
+
+
+def _foldable_calls(tracker, n: int) -> list | None:
+    """The calls Cockpit's backprops reach, or None if one of them cannot be folded."""
+    calls = [c for c in tracker._calls if c.args is not None and c.outputs]
+    for call in calls:
+        unit = call.unit
+        if (not isinstance(unit.module, FOLDABLE) or unit.rule is None or call.taps
+                or len(call.outputs) != 1 or not call.outputs_unchanged()
+                or len(call.args) != 1 or call.kwargs
+                or any(tracker.unit_param_name(unit, a) in tracker._multi_use
+                       for a in unit.params)):
+            return None
+        x, y = call.args[0], call.outputs[0]
+        if not (isinstance(x, Tensor) and x.dim() >= 1 and x.shape[0] == n
+                and y.dim() >= 1 and y.shape[0] == n):
+            return None
+    return calls
+
+
+def _sample_bytes(call) -> int:
+    """A rough upper bound of one (k, n) sample's scratch in the layer's rule: its input
+    (unfolded for a convolution), its output gradient and its materialized gradient."""
+    x, y = call.args[0], call.outputs[0]
+    module = call.unit.module
+    kernel = math.prod(getattr(module, "kernel_size", (1,)))
+    per_sample = (x[0].numel() * kernel + y[0].numel()
+                  + sum(p.numel() for p in call.unit.params.values()))
+    return per_sample * max(y.element_size(), 4)
+
+
+def batched_sum_sq_of_backprops(tracker, output: Tensor, grad_outputs: Tensor,
+                                budget_bytes: int | None = None,
+                                separate: bool = False
+                                ) -> list[dict[str, Tensor]] | None:
+    """Σ_k Σ_n g_{n,k} ⊙ g_{n,k} per parameter as :meth:`ModuleTracker.sum_sq_of_backprops`
+    computes it one vector at a time (``grad_outputs``: [K, *output.shape]), as a list of
+    one dict; with ``separate`` the K sums Σ_n g_{n,k} ⊙ g_{n,k} one by one (K dicts). None
+    where the batched passes do not apply (module docstring). ``budget_bytes``: default
+    :func:`default_budget`."""
+    if budget_bytes is None:
+        budget_bytes = default_budget(output.device)
+    n = output.shape[0]
+    calls = _foldable_calls(tracker, n)
+    if not calls:
+        return None
+    targets = [c.outputs[0] for c in calls]
+    per_vector = 2 * sum(t.numel() * t.element_size() for t in targets)
+    chunk = max(1, min(len(grad_outputs), budget_bytes // max(per_vector, 1)))
+    totals: list[dict[str, Tensor]] = [{} for _ in range(len(grad_outputs) if separate else 1)]
+    with tracker.suspended():
+        for start in range(0, len(grad_outputs), chunk):
+            vectors = grad_outputs[start:start + chunk]
+            try:
+                deltas = torch.autograd.grad(output, targets, grad_outputs=vectors,
+                                             retain_graph=True, allow_unused=True,
+                                             is_grads_batched=True)
+            except RuntimeError:  # an operator without a batching rule for its backward
+                if start:
+                    raise
+                return None
+            for call, delta in zip(calls, deltas, strict=True):
+                if delta is None:
+                    continue
+                if not separate:
+                    _add_folded(tracker, call, delta.detach(), totals[0], budget_bytes)
+                    continue
+                for k in range(len(vectors)):
+                    _add_folded(tracker, call, delta[k:k + 1].detach(), totals[start + k],
+                                budget_bytes)
+                del delta
+            del deltas
+    return totals
+
+
+def _add_folded(tracker, call, delta: Tensor, totals: dict[str, Tensor],
+                budget_bytes: int) -> None:
+    """Add Σ_{k,n} g_{k,n} ⊙ g_{k,n} of one layer, δ [K, N, ...], in folds of samples
+    (k, n) whose scratch fits the budget."""
+    k, n = delta.shape[:2]
+    folded = delta.reshape(k * n, *delta.shape[2:])
+    x, y = call.args[0], call.outputs[0].detach()
+    size = max(1, budget_bytes // _sample_bytes(call))
+    for start in range(0, k * n, size):
+        stop = min(start + size, k * n)
+        if start == 0 and stop == n:  # one vector's samples: the recorded input itself
+            part = dataclasses.replace(call, args=(x,), outputs=[y])
+        else:
+            index = torch.arange(start, stop, device=x.device) % n
+            part = dataclasses.replace(call, args=(x.index_select(0, index),),
+                                       outputs=[y.index_select(0, index.to(y.device))])
+        for name, sg in tracker._rule(part, [folded[start:stop]]).items():
+            total = sg.sum_sq()
+            totals[name] = totals[name] + total if name in totals else total

@@ -1,0 +1,192 @@
+"""Cockpit on a CUDA device (marker ``cuda``; skipped without one): every instrument of
+``configuration("full")`` equals the CPU's in float64; the diagonal curvature's batched
+backpropagations (the default on CUDA) equal the CPU's one-by-one loop; float16 autocast
+with a GradScaler and bfloat16 autocast agree with float32; DistributedDataParallel with NCCL
+gives the whole batch's values where two GPUs are present."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import socket
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cockpit import Cockpit, configuration, quantities
+from cockpit.problems.deepobs import cifar10_3c3d
+
+DEVICE = "cuda"
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def batches(steps: int, n: int, classes: int = 10, seed: int = 1) -> list[tuple]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 3, 32, 32, generator=generator),
+             torch.randint(0, classes, (n,), generator=generator)) for _ in range(steps)]
+
+
+def train(device: str, dtype, qs, data, make_model=cifar10_3c3d, seed: int = 0,
+          autocast=None, scaler=None) -> tuple[dict, dict]:
+    torch.manual_seed(seed)
+    model = make_model().to(device, dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    cockpit = Cockpit(model, qs, optimizer=opt, grad_scaler=scaler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, (x, y) in enumerate(data):
+            x, y = x.to(device, dtype), y.to(device)
+            opt.zero_grad()
+            with torch.autocast(DEVICE, dtype=autocast or torch.float16,
+                                enabled=autocast is not None):
+                out = model(x)
+            losses = F.cross_entropy(out.float() if autocast else out, y, reduction="none")
+            with cockpit(step, losses=losses):
+                loss = losses.mean()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        cockpit.close()
+    return cockpit.get_output(), cockpit.get_notes()
+
+
+def compare(got: dict, want: dict, rtol: float, max_count_diff: int = 0) -> int:
+    """Every value of ``want`` equals ``got``'s: floats to ``rtol`` (NaN and None alike),
+    histogram counts up to ``max_count_diff`` elements that rounding may move across an
+    edge. Returns the number of values compared."""
+    compared = 0
+    for step, values in want.items():
+        for name, value in values.items():
+            other = got[step].get(name, "missing")
+            where = f"step {step} {name}"
+            if value is None or other is None:
+                assert value is None and other is None, (where, other, value)
+            elif isinstance(value, dict):
+                for key, array in value.items():
+                    a, b = np.asarray(other[key], float), np.asarray(array, float)
+                    if key == "counts":
+                        assert a.sum() == b.sum(), where
+                        assert np.abs(a - b).sum() <= max_count_diff, where
+                    else:
+                        np.testing.assert_allclose(a, b, rtol=rtol, err_msg=where)
+            elif isinstance(value, float) and math.isnan(value):
+                assert math.isnan(other), (where, other)
+            else:
+                # λ_max stops once its own error is below tol = 1e-3: rounding that moves the
+                # stop by one Lanczos step moves the value within that accuracy
+                rel = max(rtol, 2e-3) if name.startswith("HessMaxEV") else rtol
+                assert other == pytest.approx(value, rel=rel, abs=1e-300), (where, other, value)
+            compared += 1
+    return compared
+
+
+def test_full_configuration_on_cuda_equals_the_cpu_in_float64():
+    data = batches(3, 16)
+    cpu, _ = train("cpu", torch.float64, configuration("full"), data)
+    cuda, _ = train(DEVICE, torch.float64, configuration("full"), data)
+    names = {name.split("/")[0] for values in cpu.values() for name in values}
+    assert {"Loss", "GradNorm", "Alpha", "GradHist1d", "NormTest", "InnerTest", "OrthoTest",
+            "HessTrace", "TICDiag", "HessMaxEV", "GradHist2d", "Distance",
+            "UpdateSize"} <= names
+    assert compare(cuda, cpu, rtol=1e-9, max_count_diff=4) > 100
+
+
+def small_cnn(classes: int = 100) -> nn.Module:
+    """Convolutions, max-pooling and a many-class head: batched exact GGN on CUDA."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(4),
+                         nn.Conv2d(8, 8, 3, stride=2), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(8 * 3 * 3, classes))
+
+
+@pytest.mark.parametrize("curvature", ["diag_ggn_exact", "diag_ggn_mc", "hutchinson"])
+def test_batched_curvature_on_cuda_equals_the_cpu_loop(curvature):
+    """On CUDA the C = 100 backpropagations (or M samples) run batched; on the CPU one by
+    one. Same values in float64 (the random draws come from a CPU generator)."""
+    def qs():
+        return [quantities.HessTrace(curvature=curvature, mc_samples=4),
+                quantities.TICDiag(curvature=curvature, mc_samples=4)]
+
+    data = batches(2, 12, classes=100)
+    cpu, _ = train("cpu", torch.float64, qs(), data, make_model=small_cnn)
+    cuda, _ = train(DEVICE, torch.float64, qs(), data, make_model=small_cnn)
+    assert compare(cuda, cpu, rtol=1e-9) >= 4
+
+
+def test_auto_uses_the_mc_ggn_for_many_classes_on_cuda():
+    cuda, notes = train(DEVICE, torch.float32, [quantities.HessTrace()], batches(1, 32, 100),
+                        make_model=small_cnn)
+    assert "Monte-Carlo" in notes[0]["HessTrace"]
+    assert math.isfinite(cuda[0]["HessTrace"]) and cuda[0]["HessTrace.stderr"] > 0
+
+
+ECONOMY_VALUES = ("Loss", "GradNorm", "NormTest", "InnerTest", "OrthoTest", "Alpha",
+                  "Distance", "UpdateSize")
+
+
+@pytest.mark.parametrize("precision", ["fp16_grad_scaler", "bf16"])
+def test_mixed_precision_agrees_with_float32(precision):
+    """float16 autocast with a GradScaler (loss scaled by 2^16, passed to Cockpit) and
+    bfloat16 autocast give the float32 values to half-precision accuracy."""
+    data = batches(4, 32)
+    reference, _ = train(DEVICE, torch.float32, configuration("economy"), data)
+    if precision == "bf16":
+        got, notes = train(DEVICE, torch.float32, configuration("economy"), data,
+                           autocast=torch.bfloat16)
+    else:
+        scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0**16)
+        got, notes = train(DEVICE, torch.float32, configuration("economy"), data,
+                           autocast=torch.float16, scaler=scaler)
+    compared = 0
+    for step in range(3):
+        for name in ECONOMY_VALUES:
+            want, value = reference[step].get(name), got[step].get(name)
+            if want is None:
+                continue
+            assert value is not None, (step, name, notes.get(step))
+            # α is a ratio of differences of losses and slopes: half precision moves it
+            # by a few hundredths (measured 0.03 with float16 on a CPU)
+            tolerance = {"abs": 0.1} if name == "Alpha" else {"rel": 5e-2, "abs": 1e-6}
+            assert value == pytest.approx(want, **tolerance), (step, name, value, want)
+            compared += 1
+    assert compared >= 20
+    counts = np.asarray(got[0]["GradHist1d"]["counts"])
+    assert counts.sum() == np.asarray(reference[0]["GradHist1d"]["counts"]).sum()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_ddp_with_nccl_gives_the_whole_batch(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests import cuda_ddp_worker
+    from tests.models import make_problem
+    from tests.split_reference import assert_same_values, whole_batch_run
+
+    problem = make_problem("mlp_relu", 48)
+    generator = torch.Generator().manual_seed(3)
+    data = [(problem.x[i], problem.y[i])
+            for i in (torch.randint(0, 48, (24,), generator=generator) for _ in range(3))]
+    mp.start_processes(cuda_ddp_worker.run, args=(2, free_port(), data, str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    expected, _ = whole_batch_run(make_problem("mlp_relu", 48), data, cuda_ddp_worker.sgd)
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
+            result = pickle.load(file)
+        output = {step: {k.replace("/module.", "/"): v for k, v in values.items()}
+                  for step, values in result["output"].items()}
+        assert assert_same_values(output, expected, range(3)) > 30
