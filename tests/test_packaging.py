@@ -8,7 +8,6 @@ import importlib
 import importlib.metadata
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,11 @@ import cockpit
 from cockpit._extras import DISTRIBUTION
 
 ROOT = Path(__file__).parents[1]
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def _import(name: str):
@@ -88,9 +92,7 @@ def test_a_missing_optional_package_names_its_extra(tmp_path, monkeypatch, use, 
     error = caught.value
     assert str(error) == f"{message}, which is not installed: pip install '{DISTRIBUTION}[{extra}]'"
     assert error.__cause__ is None and error.__suppress_context__  # one line, no chain
-    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
-    assert extra in optional
+    assert extra in _pyproject()["project"]["optional-dependencies"]
 
 
 def test_a_broken_dependency_of_an_optional_package_is_not_hidden(monkeypatch):
@@ -106,7 +108,7 @@ def test_a_broken_dependency_of_an_optional_package_is_not_hidden(monkeypatch):
 
 def test_every_install_hint_names_this_distribution():
     """No message or document tells users to install under another distribution's name."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = _pyproject()["project"]
     assert project["name"] == DISTRIBUTION
     stale = []
     for path in [*ROOT.joinpath("src").rglob("*.py"), ROOT / "README.md",
@@ -140,5 +142,5 @@ def test_python_dash_m_cockpit_is_the_cockpit_command():
 
 def test_type_hints_are_shipped():
     assert (ROOT / "src" / "cockpit" / "py.typed").exists()
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    data = _pyproject()["tool"]["setuptools"]
     assert "py.typed" in data["package-data"]["cockpit"]

@@ -62,6 +62,12 @@ from cockpit.quantities.base import Quantity
 __all__ = ["CockpitCallback"]
 
 LOSSES_KEY = "losses"
+MANUAL_WAY_OUT = (
+    "drop the callback and use one Cockpit per optimizer in the LightningModule — in "
+    "on_train_start `self.cockpit_g = Cockpit(self.generator, optimizer="
+    "self.trainer.optimizers[0], ...)`, in training_step `with self.cockpit_g(step, "
+    "losses=losses): self.manual_backward(losses.mean())` before that optimizer's step(), "
+    "in on_train_end `self.cockpit_g.close()` (README, 'With your trainer')")
 
 
 class CockpitCallback(pl.Callback):
@@ -97,15 +103,12 @@ class CockpitCallback(pl.Callback):
 
     # ----------------------------------------------------------------- set-up, tear-down
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not pl_module.automatic_optimization:
+        if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
+            what = ("manual optimization" if not pl_module.automatic_optimization
+                    else f"{len(trainer.optimizers)} optimizers")
             raise NotImplementedError(
-                "CockpitCallback follows Lightning's automatic optimization; with manual "
-                "optimization use Cockpit directly: `with cockpit(step, losses=losses): "
-                "self.manual_backward(loss)` around your backward call")
-        if len(trainer.optimizers) != 1:
-            raise NotImplementedError(
-                f"CockpitCallback watches one optimizer, the trainer has "
-                f"{len(trainer.optimizers)}; use Cockpit directly for each")
+                f"CockpitCallback follows Lightning's automatic optimization with one "
+                f"optimizer, this module uses {what}: {MANUAL_WAY_OUT}")
         optimizer = trainer.optimizers[0]
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         kwargs = dict(self.cockpit_kwargs)
