@@ -97,7 +97,7 @@ class CockpitCallback(pl.Callback):
         self.log_per_parameter = log_per_parameter
         self.cockpit: Cockpit | None = None
         self._losses: Tensor | None = None
-        self._context = None
+        self._context: Any = None
         self._restored: dict[str, Any] | None = None
         self._wrapped: tuple[pl.LightningModule, Any] | None = None
 
@@ -136,7 +136,7 @@ class CockpitCallback(pl.Callback):
             callback._losses = (output.get(LOSSES_KEY) if isinstance(output, dict) else None)
             return output
 
-        pl_module.training_step = training_step
+        pl_module.training_step = training_step  # type: ignore[method-assign]
         self._wrapped = (pl_module, original)
 
     def _unwrap_training_step(self) -> None:

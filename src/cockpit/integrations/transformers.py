@@ -134,8 +134,8 @@ class CockpitCallback(TrainerCallback):
         self.cockpit_kwargs = cockpit_kwargs
         self.log_per_parameter = log_per_parameter
         self.cockpit: Cockpit | None = None
-        self.trainer = None
-        self._context = None
+        self.trainer: Any = None  # transformers.Trainer, once attached
+        self._context: Any = None
 
     def attach(self, trainer) -> None:
         """Hand Cockpit the individual losses: :meth:`compute_loss` becomes the Trainer's
