@@ -28,7 +28,7 @@ fi
 # that a torch.compile'd model is reported — torch 2.5 to 2.7 run the compiled graph without
 # the module hooks from the second call on, so Cockpit sees no layer at all there and the
 # step is missing instead of reported (README, "torch.compile").
-"$PYTHON" -m pytest -p no:cacheprovider -q \
+"$PYTHON" -m pytest -p no:cacheprovider \
   tests/test_first_order.py tests/test_engine.py tests/test_accumulation.py \
   "tests/test_distributed.py::test_every_rank_reports_the_global_batch[cnn-shard_sizes1-1-adam-None]" \
   --deselect tests/test_engine.py::test_compiled_model_is_reported_not_a_zero_gradient
