@@ -19,7 +19,10 @@ ROOT = Path(__file__).parents[1]
 
 
 def _pyproject() -> dict:
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    if sys.version_info < (3, 11):
+        pytest.skip("reading pyproject.toml needs tomllib (Python 3.11+)")
+    import tomllib
+
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
