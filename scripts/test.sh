@@ -8,6 +8,20 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
   { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; } \
     || echo "note: could not install chromium; the browser test of the live view will be skipped"
 fi
+# An install under the distribution's former name ("cockpit", editable) would put another
+# checkout's src/ on the path ahead of this one: remove it (only if it is this project).
+if python -m pip show cockpit 2>/dev/null | grep -q "^Summary: A visual and statistical debugger"; then
+  python -m pip uninstall -y -q cockpit
+fi
 python -m pip install -q -c constraints.txt -e ".[test]"
 ruff check src tests benchmarks examples
+# the public modules' type hints (the package ships py.typed)
+python -m mypy src/cockpit/__init__.py src/cockpit/__main__.py src/cockpit/_extras.py \
+  src/cockpit/cli.py src/cockpit/schedules.py src/cockpit/configurations.py \
+  src/cockpit/integrations src/cockpit/store/__init__.py src/cockpit/store/sinks.py
 python -m pytest -p no:cacheprovider "$@"
+# a subset on the oldest torch the package supports (only for the whole suite, not when
+# arguments pick tests)
+if [ "$#" -eq 0 ]; then
+  bash scripts/test_oldest_torch.sh
+fi

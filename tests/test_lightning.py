@@ -261,3 +261,216 @@ def test_lightning_example_runs(tmp_path):
     assert all(output[step]["BatchSize"] == 64 for step in output)  # 2 micro-batches of 32
     assert output[2]["Alpha"] is not None
     assert read_output(tmp_path)[3]["NormTest"] == output[3]["NormTest"]
+
+
+class RecordingLogger(pl.loggers.Logger):
+    """A trainer logger that keeps every ``log_metrics`` call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.calls.append((step, dict(metrics)))
+
+    def per_step(self) -> dict[int, dict[str, float]]:
+        steps: dict[int, dict[str, float]] = {}
+        for step, metrics in self.calls:
+            steps.setdefault(step, {}).update(
+                {k: v for k, v in metrics.items() if k.startswith("cockpit/")})
+        return steps
+
+
+def _deep_run(**callback_kwargs) -> tuple[CockpitCallback, RecordingLogger]:
+    """The economy configuration on a network of 25 linear layers (50 parameters)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(25):
+        layers += [torch.nn.Linear(4, 4), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1]).double()
+    assert len(list(model.parameters())) == 50
+    x, y = torch.randn(3 * 16, 4, dtype=torch.float64), torch.randint(0, 4, (3 * 16,))
+    items = list(zip(x.split(16), y.split(16), strict=True))
+    callback = CockpitCallback("economy", **callback_kwargs)
+    logger = RecordingLogger()
+    trainer = pl.Trainer(max_steps=3, callbacks=[callback], logger=logger, accelerator="cpu",
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, log_every_n_steps=1)
+    module = lightning_worker.Module(model, lambda z, t: torch.nn.functional.cross_entropy(
+        z, t, reduction="none"), sgd)
+    trainer.fit(module, train_dataloaders=DataLoader(lightning_worker.Batches(items),
+                                                     batch_size=None))
+    return callback, logger
+
+
+def test_trainer_loggers_get_the_totals_not_every_parameter():
+    """50 parameters: the trainer's logger gets at most 15 scalars a tracked step (the
+    totals, equal to the run's values); each parameter's values only when asked for."""
+    callback, logger = _deep_run()
+    output = callback.cockpit.get_output()
+    logged = logger.per_step()
+    assert sorted(logged) == [0, 1, 2]
+    for step, metrics in logged.items():
+        assert 8 <= len(metrics) <= 15, sorted(metrics)
+        for key, value in metrics.items():
+            assert "/" not in key[len("cockpit/"):]
+            assert value == pytest.approx(output[step][key[len("cockpit/"):]], rel=1e-12)
+    assert {"cockpit/Loss", "cockpit/GradNorm", "cockpit/NormTest"} <= set(logged[0])
+
+    callback, logger = _deep_run(log_per_parameter=True)
+    logged = logger.per_step()
+    output = callback.cockpit.get_output()
+    assert len(logged[0]) > 100
+    assert logged[0]["cockpit/GradNorm/0.weight"] == pytest.approx(
+        output[0]["GradNorm/0.weight"], rel=1e-12)
+
+
+# ---------------------------------------------------------------- several optimizers (a GAN)
+def _gan_nets() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(),
+                                    torch.nn.Linear(8, 4)).double()
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                        torch.nn.Linear(8, 1)).double()
+    return generator, discriminator
+
+
+def _gan_optimizers(generator, discriminator) -> list[torch.optim.Optimizer]:
+    return [torch.optim.Adam(generator.parameters(), lr=0.01),
+            torch.optim.SGD(discriminator.parameters(), lr=0.05, momentum=0.9)]
+
+
+def _gan_instruments() -> list:
+    return [quantities.Loss(), quantities.GradNorm(), quantities.NormTest(),
+            quantities.InnerTest(), quantities.Distance(), quantities.UpdateSize(),
+            quantities.Alpha()]
+
+
+def _discriminator_losses(discriminator, real, fake):
+    """ℓ_n of the discriminator: real and generated samples, 2B in all."""
+    logits = discriminator(torch.cat([real, fake])).squeeze(-1)
+    target = torch.cat([torch.ones(len(real)), torch.zeros(len(fake))]).double()
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, target,
+                                                                reduction="none")
+
+
+def _generator_losses(discriminator, fake):
+    logits = discriminator(fake).squeeze(-1)
+    return torch.nn.functional.binary_cross_entropy_with_logits(
+        logits, torch.ones(len(fake), dtype=torch.float64), reduction="none")
+
+
+def _gan_step(step, real, z, generator, discriminator, optimizers, cockpits, backward):
+    """One step of each optimizer, each backward pass inside its own Cockpit; returns the
+    gradient norm each optimizer stepped on (discriminator, generator)."""
+    opt_g, opt_d = optimizers
+    cockpit_g, cockpit_d = cockpits
+    norms = []
+    fake = generator(z)
+    opt_d.zero_grad()
+    losses = _discriminator_losses(discriminator, real, fake.detach())
+    with cockpit_d(step, losses=losses):
+        backward(losses.mean())
+    norms.append(float(torch.cat([p.grad.flatten() for p in discriminator.parameters()]).norm()))
+    opt_d.step()
+    opt_g.zero_grad()
+    losses = _generator_losses(discriminator, fake)
+    with cockpit_g(step, losses=losses):
+        backward(losses.mean())
+    norms.append(float(torch.cat([p.grad.flatten() for p in generator.parameters()]).norm()))
+    opt_g.step()
+    return norms
+
+
+class GAN(pl.LightningModule):
+    """Manual optimization with two optimizers, one Cockpit for each (the README's way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.generator, self.discriminator = _gan_nets()
+        self.automatic_optimization = False
+        self.norms: list[list[float]] = []
+
+    def configure_optimizers(self):
+        return _gan_optimizers(self.generator, self.discriminator)
+
+    def on_train_start(self):
+        opt_g, opt_d = self.trainer.optimizers
+        self.cockpit_g = Cockpit(self.generator, _gan_instruments(), optimizer=opt_g)
+        self.cockpit_d = Cockpit(self.discriminator, _gan_instruments(), optimizer=opt_d)
+
+    def on_train_end(self):
+        self.cockpit_g.close()
+        self.cockpit_d.close()
+
+    def training_step(self, batch, batch_idx):
+        real, z = batch
+        self.norms.append(_gan_step(batch_idx, real, z, self.generator, self.discriminator,
+                                    self.optimizers(), (self.cockpit_g, self.cockpit_d),
+                                    self.manual_backward))
+
+
+def _gan_batches() -> list[tuple]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 4, generator=generator, dtype=torch.float64),
+             torch.randn(16, 3, generator=generator, dtype=torch.float64))
+            for _ in range(STEPS)]
+
+
+def _trainer(**kwargs) -> pl.Trainer:
+    return pl.Trainer(max_epochs=1, logger=False, accelerator="cpu",
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kwargs)
+
+
+def test_several_optimizers_with_one_cockpit_each_equal_a_plain_loop():
+    """A GAN in Lightning's manual optimization, a Cockpit per optimizer's network: the
+    same values as the same two-optimizer loop without Lightning, and GradNorm is the norm
+    of the gradient each optimizer stepped on."""
+    batches = _gan_batches()
+    module = GAN()
+    _trainer().fit(module, train_dataloaders=DataLoader(lightning_worker.Batches(batches),
+                                                        batch_size=None))
+    generator, discriminator = _gan_nets()
+    optimizers = _gan_optimizers(generator, discriminator)
+    cockpits = (Cockpit(generator, _gan_instruments(), optimizer=optimizers[0]),
+                Cockpit(discriminator, _gan_instruments(), optimizer=optimizers[1]))
+    norms = [_gan_step(step, real, z, generator, discriminator, optimizers, cockpits,
+                       lambda loss: loss.backward())
+             for step, (real, z) in enumerate(batches)]
+    for cockpit in cockpits:
+        cockpit.close()
+    assert norms == module.norms  # the same training
+    for ours, plain, size, index in [(module.cockpit_d, cockpits[1], 32, 0),
+                                     (module.cockpit_g, cockpits[0], 16, 1)]:
+        output, expected = ours.get_output(), plain.get_output()
+        assert assert_same_values(output, expected, range(STEPS), rtol=1e-12) >= 5 * STEPS
+        for step in range(STEPS):
+            assert output[step]["BatchSize"] == size
+            assert output[step]["GradNorm"] == pytest.approx(norms[step][index], rel=1e-12)
+            assert output[step]["NormTest"] is not None
+
+
+def test_the_callback_with_manual_optimization_names_the_way_out():
+    class Manual(GAN):
+        def on_train_start(self):
+            pass
+
+    callback = CockpitCallback("economy")
+    with pytest.raises(NotImplementedError, match="manual optimization: drop the callback and "
+                                                  "use one Cockpit per optimizer"):
+        _trainer(callbacks=[callback]).fit(
+            Manual(), train_dataloaders=DataLoader(lightning_worker.Batches(_gan_batches()),
+                                                   batch_size=None))
+    assert callback.cockpit is None

@@ -130,7 +130,8 @@ def test_tensorboard_sink_attached_to_a_cockpit(tmp_path):
     opt = torch.optim.SGD(problem.model.parameters(), lr=0.05)
     holder = {}
     sink = TensorBoardSink(str(tmp_path / "tb"), image_every=2,
-                           figure_fn=lambda: plot_cockpit(holder["cockpit"].get_output()))
+                           figure_fn=lambda: plot_cockpit(holder["cockpit"].get_output()),
+                           log_per_parameter=True)
     cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt, sinks=[sink])
     holder["cockpit"] = cockpit
     train(problem, cockpit, 3, opt)

@@ -54,7 +54,8 @@ def _figure():
 def test_tensorboard_sink_scalars_histograms_and_figures(tmp_path):
     pytest.importorskip("tensorboard")
     rng = np.random.default_rng(0)
-    sink = TensorBoardSink(tmp_path / "tb", image_every=2, figure_fn=_figure)
+    sink = TensorBoardSink(tmp_path / "tb", image_every=2, figure_fn=_figure,
+                           log_per_parameter=True)
     assert isinstance(sink, Sink)
     steps = [0, 1, 2, 3]
     written = {}
@@ -141,16 +142,39 @@ def test_tensorboard_failures_warn_once(tmp_path):
     assert sink.failed_writes == 2
 
 
-def test_tensorboard_missing_dependency_message(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(ImportError, match="pip install tensorboard"):
+def test_tensorboard_sink_sends_totals_unless_asked_for_each_parameter(tmp_path):
+    pytest.importorskip("tensorboard")
+    values, _ = make_values(np.random.default_rng(0), 0)
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write_step(0, values)
+    sink.close()
+    tags = _accumulator(tmp_path / "tb").Tags()
+    assert sorted(tags["scalars"]) == ["cockpit/Loss", "cockpit/NormTest"]
+    assert sorted(tags["histograms"]) == [
+        "cockpit/GradHist1d", "cockpit/GradHist2d/grad", "cockpit/GradHist2d/param"]
+
+
+def test_missing_tensorboard_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    with pytest.raises(ImportError) as caught:
         TensorBoardSink(tmp_path)
+    assert str(caught.value) == ("TensorBoardSink needs tensorboard, which is not installed: "
+                                 "pip install 'torch-cockpit[tensorboard]'")
+    assert TensorBoardSink(_Writer()).writer is not None  # a writer given needs no import
 
 
-def test_wandb_missing_dependency_message(monkeypatch):
+class _Writer:
+    def flush(self):
+        pass
+
+
+def test_missing_wandb_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
-    with pytest.raises(ImportError, match="pip install wandb"):
+    with pytest.raises(ImportError) as caught:
         WandbSink(project="x")
+    assert str(caught.value) == ("WandbSink needs wandb, which is not installed: "
+                                 "pip install 'torch-cockpit[wandb]'")
 
 
 class _FakeRun:
@@ -188,7 +212,7 @@ def fake_wandb(monkeypatch):
 def test_wandb_sink_payload(fake_wandb):
     rng = np.random.default_rng(1)
     values, raw = make_values(rng, 0)
-    sink = WandbSink(project="p", mode="offline")
+    sink = WandbSink(project="p", mode="offline", log_per_parameter=True)
     assert fake_wandb.init_kwargs == {"project": "p", "mode": "offline"}
     sink.write_step(3, values)
     sink.write_step(4, {"CABS": None})  # nothing to log
@@ -203,6 +227,15 @@ def test_wandb_sink_payload(fake_wandb):
     want, _ = np.histogram(raw["params"], bins=values["GradHist2d"]["edges_param"])
     np.testing.assert_array_equal(hist.counts, want)
     np.testing.assert_array_equal(hist.edges, values["GradHist2d"]["edges_param"])
+
+
+def test_wandb_sink_sends_totals_unless_asked_for_each_parameter(fake_wandb):
+    values, _ = make_values(np.random.default_rng(1), 0)
+    sink = WandbSink(_FakeRun())
+    sink.write_step(3, values)
+    ((payload, _),) = sink.run.logged
+    assert sorted(payload) == ["cockpit/GradHist1d", "cockpit/GradHist2d/grad",
+                               "cockpit/GradHist2d/param", "cockpit/Loss", "cockpit/NormTest"]
 
 
 def test_wandb_sink_with_step_metric_and_given_run(fake_wandb):

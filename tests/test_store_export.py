@@ -98,7 +98,7 @@ def test_parquet_export_keeps_null_apart_from_nan(run, tmp_path):
 
 def test_parquet_without_pyarrow_names_the_install_command(run, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
-    with pytest.raises(ImportError, match="pip install pyarrow"):
+    with pytest.raises(ImportError, match=r"pip install 'torch-cockpit\[parquet\]'"):
         export_run(run, tmp_path / "out.parquet", "parquet")
 
 

@@ -1,6 +1,13 @@
 """Cockpit: a visual and statistical debugger for training deep neural networks."""
 
-__version__ = "0.1.0"
+import importlib.metadata as _metadata
+
+from cockpit._extras import DISTRIBUTION as _DISTRIBUTION
+
+try:
+    __version__ = _metadata.version(_DISTRIBUTION)
+except _metadata.PackageNotFoundError:  # a source tree on the path, not installed
+    __version__ = "0+unknown"
 
 from cockpit import quantities, schedules
 from cockpit.cockpit import Cockpit

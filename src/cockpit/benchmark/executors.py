@@ -11,7 +11,7 @@ own result file, so no executor shares state with another run.
 * ``ray``: one Ray task per run (``num_cpus=1`` each) on the cluster ``ray.init(address)``
   connects to — a local instance when no address is given, or an existing cluster
   (``address="auto"`` or ``ray://host:port``); Ray is an optional extra (``pip install
-  cockpit[ray]``). A Ray already initialised by the caller is used as it is.
+  'torch-cockpit[ray]'``). A Ray already initialised by the caller is used as it is.
 """
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ class RayExecutor:
         try:
             import ray
         except ImportError as error:
-            raise ImportError(
-                "--executor ray needs Ray: pip install 'cockpit[ray]' (or pip install ray)"
-            ) from error
+            from cockpit._extras import missing_extra
+
+            raise missing_extra(error, "ray", "ray", "--executor ray") from None
         self._ray = ray
         if not ray.is_initialized():
             path = os.environ.get("PYTHONPATH")

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from cockpit.store.sinks import is_per_parameter
+
 PREFIX = "cockpit/"
 
 
@@ -21,12 +23,16 @@ def check_cockpit_kwargs(kwargs: Mapping[str, Any]) -> None:
                 "owns it and the callback hands it to Cockpit")
 
 
-def scalars(values: Mapping[str, Any]) -> dict[str, float]:
+def scalars(values: Mapping[str, Any], per_parameter: bool = False) -> dict[str, float]:
     """The real-number instruments of a step, named ``cockpit/<name>`` (histograms, arrays
-    and values not computed are left out: they stay in the run log and sinks)."""
+    and values not computed are left out: they stay in the run log and sinks). The values
+    of each parameter (``<instrument>/<parameter>``) only with ``per_parameter``: the totals
+    are about a dozen scalars a step, the per-parameter values several per tensor."""
     out = {}
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if not per_parameter and is_per_parameter(name):
             continue
         if math.isinf(value):
             continue
@@ -36,14 +42,17 @@ def scalars(values: Mapping[str, Any]) -> dict[str, float]:
 
 class LoggerSink:
     """A Cockpit sink that calls ``log(metrics, step)`` with the scalar instruments of every
-    recorded step (a trainer's loggers: TensorBoard, Weights & Biases, CSV, …)."""
+    recorded step (a trainer's loggers: TensorBoard, Weights & Biases, CSV, …); the totals
+    only, unless ``per_parameter``."""
 
-    def __init__(self, log: Callable[[dict[str, float], int], None]):
+    def __init__(self, log: Callable[[dict[str, float], int], None],
+                 per_parameter: bool = False):
         self._log = log
+        self.per_parameter = per_parameter
 
     def write_step(self, step: int, values: Mapping[str, Any],
                    notes: Mapping[str, str] | None = None) -> None:
-        metrics = scalars(values)
+        metrics = scalars(values, self.per_parameter)
         if metrics:
             self._log(metrics, int(step))
 

@@ -26,8 +26,9 @@ How the hooks map onto a plain loop (Lightning 2.x, automatic optimization):
 
 Step numbers are ``trainer.global_step`` (optimizer steps); the micro-batches of one step
 share it. With the DDP strategy every rank's values describe the global batch (Cockpit's own
-reduction); only rank 0 writes. Scalars go to the trainer's loggers as ``cockpit/<name>``,
-the run log (``logdir=``) and ``sinks=`` get everything. Cockpit watches the network the
+reduction); only rank 0 writes. The totals go to the trainer's loggers as
+``cockpit/<name>`` (each parameter's values too with ``log_per_parameter=True``); the run
+log (``logdir=``) keeps everything. Cockpit watches the network the
 LightningModule holds (its only child with parameters, see :func:`network_of`). The
 callback's ``state_dict`` keeps θ_0 (Distance) and the step numbering across a checkpoint
 resume.
@@ -40,15 +41,16 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-try:
-    import lightning.pytorch as pl
-except ImportError as error:  # pragma: no cover - the extra is part of [test]
-    raise ImportError(
-        "cockpit.integrations.lightning needs lightning: pip install 'cockpit[lightning]'"
-    ) from error
 import torch
 from torch import Tensor
 
+from cockpit._extras import missing_extra
+
+try:
+    import lightning.pytorch as pl
+except ImportError as error:
+    raise missing_extra(error, "lightning", "lightning", "cockpit.integrations.lightning") \
+        from None
 from cockpit.cockpit import Cockpit
 from cockpit.integrations._common import (
     LoggerSink,
@@ -60,6 +62,12 @@ from cockpit.quantities.base import Quantity
 __all__ = ["CockpitCallback"]
 
 LOSSES_KEY = "losses"
+MANUAL_WAY_OUT = (
+    "drop the callback and use one Cockpit per optimizer in the LightningModule — in "
+    "on_train_start `self.cockpit_g = Cockpit(self.generator, optimizer="
+    "self.trainer.optimizers[0], ...)`, in training_step `with self.cockpit_g(step, "
+    "losses=losses): self.manual_backward(losses.mean())` before that optimizer's step(), "
+    "in on_train_end `self.cockpit_g.close()` (README, 'With your trainer')")
 
 
 class CockpitCallback(pl.Callback):
@@ -68,6 +76,10 @@ class CockpitCallback(pl.Callback):
     Args:
         quantities: the instruments, as for :class:`~cockpit.Cockpit` (a list, a
             configuration name or None for economy).
+        log_per_parameter: also send each parameter's values
+            (``cockpit/<instrument>/<parameter>``) to the trainer's loggers; by default only
+            the totals (about a dozen scalars a step) go there, and the run log (``logdir=``)
+            keeps everything.
         **cockpit_kwargs: every other argument of :class:`~cockpit.Cockpit` except ``model``,
             ``optimizer`` and ``grad_scaler`` (the trainer's): ``logdir=``, ``sinks=``,
             ``hist_bins=``, ``grad_accumulation=``, ``strict=``, ….
@@ -76,34 +88,32 @@ class CockpitCallback(pl.Callback):
     the individual losses ``[batch]``. The running Cockpit is ``callback.cockpit``.
     """
 
-    def __init__(self, quantities: Sequence[Quantity] | str | None = None,
-                 **cockpit_kwargs: Any):
+    def __init__(self, quantities: Sequence[Quantity] | str | None = None, *,
+                 log_per_parameter: bool = False, **cockpit_kwargs: Any):
         super().__init__()
         check_cockpit_kwargs(cockpit_kwargs)
         self.quantities = quantities
         self.cockpit_kwargs = cockpit_kwargs
+        self.log_per_parameter = log_per_parameter
         self.cockpit: Cockpit | None = None
         self._losses: Tensor | None = None
-        self._context = None
+        self._context: Any = None
         self._restored: dict[str, Any] | None = None
         self._wrapped: tuple[pl.LightningModule, Any] | None = None
 
     # ----------------------------------------------------------------- set-up, tear-down
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not pl_module.automatic_optimization:
+        if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
+            what = ("manual optimization" if not pl_module.automatic_optimization
+                    else f"{len(trainer.optimizers)} optimizers")
             raise NotImplementedError(
-                "CockpitCallback follows Lightning's automatic optimization; with manual "
-                "optimization use Cockpit directly: `with cockpit(step, losses=losses): "
-                "self.manual_backward(loss)` around your backward call")
-        if len(trainer.optimizers) != 1:
-            raise NotImplementedError(
-                f"CockpitCallback watches one optimizer, the trainer has "
-                f"{len(trainer.optimizers)}; use Cockpit directly for each")
+                f"CockpitCallback follows Lightning's automatic optimization with one "
+                f"optimizer, this module uses {what}: {MANUAL_WAY_OUT}")
         optimizer = trainer.optimizers[0]
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         kwargs = dict(self.cockpit_kwargs)
         kwargs["sinks"] = [*kwargs.get("sinks", ()), LoggerSink(functools.partial(
-            _log_to, trainer))]
+            _log_to, trainer), self.log_per_parameter)]
         if trainer.accumulate_grad_batches > 1:
             kwargs.setdefault("grad_accumulation", True)
         self.cockpit = Cockpit(network_of(pl_module), self.quantities, optimizer=optimizer,
@@ -126,7 +136,7 @@ class CockpitCallback(pl.Callback):
             callback._losses = (output.get(LOSSES_KEY) if isinstance(output, dict) else None)
             return output
 
-        pl_module.training_step = training_step
+        pl_module.training_step = training_step  # type: ignore[method-assign]
         self._wrapped = (pl_module, original)
 
     def _unwrap_training_step(self) -> None:

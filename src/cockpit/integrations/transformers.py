@@ -40,9 +40,10 @@ engine takes a ``ModelOutput``'s ``logits`` as the network output). With ``fp16=
 Trainer's GradScaler is handed to Cockpit, which unscales (on the CPU accelerate 1.15
 enables neither autocast nor a scaler for ``fp16``: float32 training). With
 ``max_grad_norm`` before an Adam-like optimizer Alpha measures the real update
-(:func:`~cockpit.integrations._common.measure_clipped_updates`). Scalars go to the loggers
-of ``report_to`` (TensorBoard, W&B, …) as ``cockpit/<name>`` at Cockpit's step number; the
-run log (``logdir=``) and ``sinks=`` get everything.
+(:func:`~cockpit.integrations._common.measure_clipped_updates`). The totals go to the loggers
+of ``report_to`` (TensorBoard, W&B, …) as ``cockpit/<name>`` at Cockpit's step number
+(each parameter's values too with ``log_per_parameter=True``); the run log (``logdir=``)
+keeps everything.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cockpit._extras import missing_extra
+
 try:
     from transformers import TrainerCallback
-except ImportError as error:  # pragma: no cover - the extra is part of [test]
-    raise ImportError(
-        "cockpit.integrations.transformers needs transformers: pip install 'cockpit[transformers]'"
-    ) from error
-
+except ImportError as error:
+    raise missing_extra(error, "transformers", "transformers",
+                        "cockpit.integrations.transformers") from None
 from cockpit.cockpit import Cockpit
 from cockpit.integrations._common import (
     LoggerSink,
@@ -115,6 +116,10 @@ class CockpitCallback(TrainerCallback):
     Args:
         quantities: the instruments, as for :class:`~cockpit.Cockpit` (a list, a
             configuration name or None for economy).
+        log_per_parameter: also send each parameter's values
+            (``cockpit/<instrument>/<parameter>``) to the ``report_to`` loggers; by default
+            only the totals (about a dozen scalars a step) go there, and the run log
+            (``logdir=``) keeps everything.
         **cockpit_kwargs: every other argument of :class:`~cockpit.Cockpit` except ``model``,
             ``optimizer`` and ``grad_scaler`` (the Trainer's): ``logdir=``, ``sinks=``, ….
 
@@ -122,14 +127,15 @@ class CockpitCallback(TrainerCallback):
     ``callback.cockpit``.
     """
 
-    def __init__(self, quantities: Sequence[Quantity] | str | None = None,
-                 **cockpit_kwargs: Any):
+    def __init__(self, quantities: Sequence[Quantity] | str | None = None, *,
+                 log_per_parameter: bool = False, **cockpit_kwargs: Any):
         check_cockpit_kwargs(cockpit_kwargs)
         self.quantities = quantities
         self.cockpit_kwargs = cockpit_kwargs
+        self.log_per_parameter = log_per_parameter
         self.cockpit: Cockpit | None = None
-        self.trainer = None
-        self._context = None
+        self.trainer: Any = None  # transformers.Trainer, once attached
+        self._context: Any = None
 
     def attach(self, trainer) -> None:
         """Hand Cockpit the individual losses: :meth:`compute_loss` becomes the Trainer's
@@ -153,7 +159,8 @@ class CockpitCallback(TrainerCallback):
                 "trainer.train()")
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
         kwargs = dict(self.cockpit_kwargs)
-        kwargs["sinks"] = [*kwargs.get("sinks", ()), LoggerSink(self._report)]
+        kwargs["sinks"] = [*kwargs.get("sinks", ()),
+                           LoggerSink(self._report, self.log_per_parameter)]
         if args.gradient_accumulation_steps > 1:
             kwargs.setdefault("grad_accumulation", True)
         scaler = getattr(self.trainer.accelerator, "scaler", None)

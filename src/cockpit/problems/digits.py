@@ -16,10 +16,11 @@ def load_digits_tensors(seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     unit variance, an 80/20 split shuffled with ``seed``."""
     try:
         from sklearn.datasets import load_digits
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "the demo uses scikit-learn's digits data: pip install scikit-learn"
-        ) from error
+    except ImportError as error:
+        from cockpit._extras import missing_extra
+
+        raise missing_extra(error, "sklearn", "demo", "the demo (scikit-learn's digits data)") \
+            from None
     data = load_digits()
     x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1)
     x = (x - x.mean()) / x.std()

@@ -17,7 +17,7 @@ Formats (``export_run(logdir, out_path, fmt)``):
   repr), ``nan``, ``inf``, ``-inf``, or empty when the value is ``None`` or was not
   written at that step. Arrays (histograms, parameters) are omitted.
 * ``parquet`` — the same wide scalar table, with ``None``/missing as Parquet null and NaN
-  as a float NaN. Arrays are omitted. Needs ``pyarrow`` (``pip install pyarrow``).
+  as a float NaN. Arrays are omitted. Needs ``pyarrow`` (``pip install 'torch-cockpit[parquet]'``).
 
 CLI: :func:`add_export_subcommand` registers ``export RUN --format json -o FILE`` on an
 ``argparse`` sub-parser set; :func:`main_export` parses and runs it standalone.
@@ -116,9 +116,9 @@ def _write_parquet(reader: RunLogReader, out_path: Path) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as err:
-        raise ImportError(
-            "Parquet export needs pyarrow: pip install pyarrow (or pip install cockpit[parquet])"
-        ) from err
+        from cockpit._extras import missing_extra
+
+        raise missing_extra(err, "pyarrow", "parquet", "Parquet export") from None
     steps, columns = _wide_scalar_columns(reader)
     arrays = {"step": pa.array(steps, type=pa.int64())}
     arrays.update({name: pa.array(col, type=pa.float64()) for name, col in columns.items()})

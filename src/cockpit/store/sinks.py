@@ -7,6 +7,11 @@ without re-binning; a 2-D histogram ``GradHist2d`` (``counts[i, j]`` over
 ``edges_grad[i]`` × ``edges_param[j]``) is sent as its two marginals
 ``.../grad`` (``Σ_j counts[i, j]``) and ``.../param`` (``Σ_i counts[i, j]``).
 
+Values per parameter (names ``<instrument>/<parameter>``, a few per parameter and
+instrument: hundreds of tags for a network of a few dozen tensors) are left out unless the
+sink is made with ``log_per_parameter=True``; the totals are always sent and the run log
+keeps everything.
+
 Like the run log, a sink never raises into the training loop after construction: a
 failing write warns once per episode of failures and is dropped.
 """
@@ -20,7 +25,21 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Sink", "SinkWarning", "TensorBoardSink", "WandbSink", "histograms_of"]
+from cockpit._extras import missing_extra
+
+__all__ = ["Sink", "SinkWarning", "TensorBoardSink", "WandbSink", "histograms_of",
+           "is_per_parameter"]
+
+
+def is_per_parameter(name: str) -> bool:
+    """Whether a value name is one parameter's share (``GradNorm/fc.weight``), not a total."""
+    return "/" in name
+
+
+def _chosen(values: Mapping[str, Any], per_parameter: bool) -> Mapping[str, Any]:
+    if per_parameter:
+        return values
+    return {name: value for name, value in values.items() if not is_per_parameter(name)}
 
 
 @runtime_checkable
@@ -119,6 +138,8 @@ class TensorBoardSink(_SafeSink):
         image_every: Call ``figure_fn`` every ``image_every`` steps (step % n == 0) and
             log its figure as ``<prefix>/view``.
         figure_fn: Returns a matplotlib figure (e.g. the cockpit view of the run so far).
+        log_per_parameter: Also log the values of each parameter
+            (``<prefix>/<instrument>/<parameter>``); by default only the totals.
     """
 
     def __init__(
@@ -128,15 +149,14 @@ class TensorBoardSink(_SafeSink):
         prefix: str = "cockpit",
         image_every: int | None = None,
         figure_fn: Callable[[], Any] | None = None,
+        log_per_parameter: bool = False,
     ) -> None:
         if isinstance(logdir_or_writer, str | Path):
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as err:
-                raise ImportError(
-                    "TensorBoardSink needs TensorBoard: pip install tensorboard "
-                    "(or pip install cockpit[tensorboard])"
-                ) from err
+                raise missing_extra(err, "tensorboard", "tensorboard", "TensorBoardSink") \
+                    from None
             self.writer = SummaryWriter(log_dir=str(logdir_or_writer))
             self._owns_writer = True
         else:
@@ -147,11 +167,13 @@ class TensorBoardSink(_SafeSink):
         self.prefix = prefix
         self.image_every = image_every
         self.figure_fn = figure_fn
+        self.log_per_parameter = log_per_parameter
 
     def write_step(
         self, step: int, values: Mapping[str, Any], notes: Mapping[str, str] | None = None
     ) -> None:
         """Log scalars and histograms of ``step`` (``None`` values are skipped)."""
+        values = _chosen(values, self.log_per_parameter)
         self._guard(f"writing step {step}", lambda: self._write(int(step), values))
         if self.figure_fn is not None and self.image_every and step % self.image_every == 0:
             self._guard(f"the figure of step {step}", lambda: self._write_figure(int(step)))
@@ -229,6 +251,8 @@ class WandbSink(_SafeSink):
         step_metric: If given (e.g. ``"cockpit/step"``), values are logged against this
             custom x-axis instead of ``step=``: W&B drops ``log(step=t)`` calls with a step
             below the latest one, which happens for late values such as Alpha of step t.
+        log_per_parameter: Also log the values of each parameter
+            (``<prefix>/<instrument>/<parameter>``); by default only the totals.
     """
 
     def __init__(
@@ -237,20 +261,19 @@ class WandbSink(_SafeSink):
         *,
         prefix: str = "cockpit",
         step_metric: str | None = None,
+        log_per_parameter: bool = False,
         **init_kwargs: Any,
     ) -> None:
         try:
             import wandb
         except ImportError as err:
-            raise ImportError(
-                "WandbSink needs Weights & Biases: pip install wandb "
-                "(or pip install cockpit[wandb])"
-            ) from err
+            raise missing_extra(err, "wandb", "wandb", "WandbSink") from None
         self._wandb = wandb
         self._owns_run = run is None
         self.run = wandb.init(**init_kwargs) if run is None else run
         self.prefix = prefix
         self.step_metric = step_metric
+        self.log_per_parameter = log_per_parameter
         self._findings: list[Any] = []
         if step_metric is not None:
             self.run.define_metric(step_metric)
@@ -258,7 +281,7 @@ class WandbSink(_SafeSink):
 
     def _payload(self, values: Mapping[str, Any]) -> dict[str, Any]:
         payload: dict[str, Any] = {}
-        for name, value in values.items():
+        for name, value in _chosen(values, self.log_per_parameter).items():
             key = f"{self.prefix}/{name}"
             for suffix, x in _scalar_items(name, value):
                 payload[key + suffix] = x
