@@ -15,7 +15,13 @@ installed() { "$PYTHON" -c "import torch; print(torch.__version__.split('+')[0])
 if [ "$(installed)" != "$OLDEST" ]; then
   rm -rf "$VENV"
   python -m venv "$VENV"
-  "$PYTHON" -m pip install -q "torch==$OLDEST"
+  # A failed download (registry unreachable, disk full) is said loudly and skips the subset;
+  # failing tests on an installed torch fail the run.
+  if ! "$PYTHON" -m pip install -q --no-cache-dir "torch==$OLDEST"; then
+    rm -rf "$VENV"
+    echo "WARNING: could not install torch==$OLDEST; the oldest-torch subset was NOT run" >&2
+    exit 0
+  fi
 fi
 # the project's own dependencies at the tested versions, torch left as it is
 grep -v '^torch==' constraints.txt > "$VENV/constraints.txt"
