@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from cockpit.configurations import configuration
 from cockpit.engine import distributed as ranks
 from cockpit.engine.histogram import BinSpec, warn_if_slow
+from cockpit.engine.readout import Failed, Later, Noted, Readout
 from cockpit.engine.reduction import StepReduction
 from cockpit.engine.request import StepRequest
 from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
@@ -163,6 +164,9 @@ class Cockpit:
         self._output: dict[int, dict[str, Value]] = {}
         self._arena = ArrayArena()  # recorded arrays, packed (see cockpit.store.arena)
         self._notes: dict[int, dict[str, str]] = {}
+        # records whose numbers are still on their way from the device (see engine.readout)
+        self._readout = Readout()
+        self._unread: list[tuple[int, dict[str, Value], dict[str, str], list[int]]] = []
         self._warned: set[str] = set()
         self._pending_update: tuple[int, StepData, dict[str, Tensor], list[Quantity]] | None = None
         self._open: _OpenStep | None = None  # the tracked step whose backward passes come in
@@ -214,6 +218,7 @@ class Cockpit:
         """All values so far: ``{step: {instrument name: value}}``. A tracked step whose
         backward passes are complete is recorded first."""
         self._finalize_open_step()
+        self._read_back()
         return {step: dict(values) for step, values in sorted(self._output.items())}
 
     def get_notes(self) -> dict[int, dict[str, str]]:
@@ -223,6 +228,7 @@ class Cockpit:
         next step). The last two are derived from the schedules here, not stored in the run
         log (a name missing from a step of the run log was not scheduled there)."""
         self._finalize_open_step()
+        self._read_back()
         notes = {step: dict(n) for step, n in self._notes.items() if n}
         for step, values in self._output.items():
             for quantity in self.quantities:
@@ -272,6 +278,7 @@ class Cockpit:
             return
         self._finalize_open_step()
         self._finish_pending_update()
+        self._read_back()
         self._record_unfinished()
         self._watch.reset()
         if self._diagnosis is not None:
@@ -321,6 +328,7 @@ class Cockpit:
             self._finalize_open_step()
         if not continues:
             self._finish_pending_update()
+            self._read_back()  # the previous step's numbers, one wait for all of them
             if self._diagnosis is not None:
                 self._diagnosis.feed()
             if self._last_step is not None and step != self._last_step + 1:
@@ -334,8 +342,10 @@ class Cockpit:
             self.tracker.drop_spare_gradients()
             self.tracker.capturing = self._capture_next(step)
             return
+        finite = None  # whether the losses are finite: a device flag, read with the values
         if any(q.needs_losses for q in tracked):
             losses = self._check_losses(losses, step, tracked)
+            finite = torch.isfinite(losses.detach()).all()
         held = None
         if not continues and not unstepped:  # (unstepped: said more precisely above)
             held = self._check_gradients_zeroed(step)
@@ -363,6 +373,8 @@ class Cockpit:
                                                 _sample_sum_keys(tracked), ranks=self._ranks))
             open_step.gradient_held = held
             self._open = open_step
+        if finite is not None:
+            open_step.checks.append(Later(_nonfinite_warning(step), finite))
         stats = self.tracker.begin(request, losses)
         self._in_block = True
         self._prepare_failures = open_step.prepare_failures
@@ -445,11 +457,6 @@ class Cockpit:
                 "use reduction='none' (and .mean() over non-batch dims, e.g. "
                 "F.mse_loss(out, y, reduction='none').mean(1))"
             )
-        if not torch.isfinite(losses.detach()).all():
-            self._warn(
-                f"step {step}: non-finite loss; instruments of this step are recorded as NaN",
-                key="nonfinite",
-            )
         return losses
 
     def _exit(self, failed: bool) -> None:
@@ -487,18 +494,26 @@ class Cockpit:
         owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         return {name: p for name, p in self._params.items() if id(p) in owned}
 
-    def _check_gradients_zeroed(self, step: int) -> bool:
+    def _check_gradients_zeroed(self, step: int) -> Later | None:
         """Definite misuse: the parameters hold a gradient before the step's first block
-        (recorded as GradientHeld, and warned about once)."""
-        held = parameters_holding_gradient(self._stepped_params())
-        if held:
-            self._warn(
+        (recorded as GradientHeld, and warned about once; decided when the step's numbers
+        are read)."""
+        names, nonzero = parameters_holding_gradient(self._stepped_params())
+        if nonzero is None:
+            return Later(lambda: {"GradientHeld": 0.0})
+
+        def verdict(flags) -> Noted:
+            held = [n for n, flag in zip(names, flags, strict=True) if flag]
+            if not held:
+                return Noted({"GradientHeld": 0.0})
+            return Noted({"GradientHeld": 1.0}, warnings=((
                 f"step {step}: {_names(held)} already hold a gradient when the first "
                 f"`with cockpit({step}, ...)` block opens: zero the gradients before each step "
                 "(optimizer.zero_grad()) and call backward inside `with cockpit(step, ...)`; "
                 "the optimizer steps on more than the backward passes Cockpit sees",
-                key="gradients-not-zeroed", stacklevel=5)
-        return bool(held)
+                "gradients-not-zeroed"),))
+
+        return Later(verdict, nonzero)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self.ends_steps_at_optimizer_step:
@@ -539,14 +554,15 @@ class Cockpit:
         data.project = reduction.project_samples if reduction.keeps_calls else None
         data.unmerged = reduction.unmerged
         values: dict[str, Value] = {}
+        laters: list[Later] = list(open_step.checks)
         if data.learning_rate is not None:  # one rate for the model's parameters
             values["LearningRate"] = data.learning_rate
         if stats.losses is not None and not_global is None:
             values["BatchSize"] = float(stats.num_samples)
         if open_step.mismatch is not None:
-            values["GradientMismatch"] = open_step.mismatch
+            laters.append(open_step.mismatch)
         if open_step.gradient_held is not None:
-            values["GradientHeld"] = float(open_step.gradient_held)
+            laters.append(open_step.gradient_held)
         split = open_step.request.split or stats.micro_batches > 1 or stats.ranks > 1
         no_gradient = self._report_backward_outside(step, evidence, not stats.batch_grads)
         skipped = set()
@@ -558,8 +574,8 @@ class Cockpit:
                 values[quantity.name] = None
                 skipped.add(quantity.name)
                 continue
-            values.update(self._compute(quantity, data, stats, split))
-        self._record(step, values, data.notes)
+            _collect(self._compute(quantity, data, stats, split), values, laters)
+        self._record(step, values, data.notes, laters)
         self._record_late(data)
         later = [q for q in tracked if q.needs_update and q.name not in skipped]
         if later:
@@ -634,7 +650,7 @@ class Cockpit:
         )
 
     def _compute(self, quantity: Quantity, data: StepData, stats: BackwardStatistics,
-                 split: bool = False):
+                 split: bool = False) -> dict[str, Value] | Later:
         if quantity.name in self._prepare_failures:
             data.notes[quantity.name] = self._prepare_failures[quantity.name]
             return {quantity.name: None}
@@ -656,7 +672,7 @@ class Cockpit:
                        key=f"per-sample:{reason}")
             return {quantity.name: None}
         try:
-            return quantity.compute(data)
+            return _named(quantity.compute(data), quantity.name)
         except Exception as error:
             if self.strict:
                 raise
@@ -679,15 +695,17 @@ class Cockpit:
                   for k, p in self._params.items()}
         data.notes.clear()
         values: dict[str, Value] = {}
+        laters: list[Later] = []
         for quantity in quantities:
             try:
-                values.update(quantity.compute_after_update(data, update))
+                _collect(_named(quantity.compute_after_update(data, update), quantity.name),
+                         values, laters)
             except Exception as error:
                 if self.strict:
                     raise
                 data.notes[quantity.name] = f"failed: {error}"
                 values[quantity.name] = None
-        self._record(step, values, data.notes)
+        self._record(step, values, data.notes, laters)
         self._record_late(data)
 
     def _record_unfinished(self) -> None:
@@ -703,15 +721,56 @@ class Cockpit:
 
     def _record_late(self, data: StepData) -> None:
         """Values that instruments computed now for earlier steps (Alpha), and warnings."""
-        for step, values in data.late.items():
-            self._record(step, values, data.late_notes.get(step, {}))
+        for step in sorted({*data.late, *data.late_values}):
+            self._record(step, data.late.get(step, {}), data.late_notes.get(step, {}),
+                         data.late_values.get(step, ()))
         data.late.clear()
         data.late_notes.clear()
+        data.late_values.clear()
         for message in data.warnings:
             self._warn(message)
         data.warnings.clear()
 
-    def _record(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
+    def _record(self, step: int, values: dict[str, Value], notes: dict[str, str],
+                laters: Sequence[Later] = ()) -> None:
+        """Record a step's values; those still on the device (``laters``) are sent to the
+        host now and recorded, with every record after them, at the next read."""
+        if not laters and not self._unread:
+            self._record_now(step, values, notes)
+            return
+        indices = [self._readout.later(later) for later in laters]
+        self._readout.send()
+        self._unread.append((step, dict(values), dict(notes), indices))
+
+    def _read_back(self) -> None:
+        """Receive the values of the records made since the last read (one wait) and record
+        them in order."""
+        if not self._unread:
+            return
+        unread, self._unread = self._unread, []
+        results = self._readout.receive()
+        for step, values, notes, indices in unread:
+            warned: list[tuple[str, str]] = []
+            for index in indices:
+                result = results[index]
+                if isinstance(result, Failed):
+                    if self.strict:
+                        raise result.error
+                    name = result.name or "Cockpit"
+                    notes[name] = f"failed: {result.error}"
+                    values[name] = None
+                    warned.append((f"{name} failed at step {step}: {result.error}", name))
+                elif isinstance(result, Noted):
+                    values.update(result.values)
+                    notes.update(result.notes)
+                    warned.extend(result.warnings)
+                else:
+                    values.update(result)
+            self._record_now(step, values, notes)
+            for message, key in warned:
+                self._warn(message, key=key)
+
+    def _record_now(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
         values = self._arena.keep_values(values)
         self._output.setdefault(step, {}).update(values)
         if notes:
@@ -770,6 +829,30 @@ class Cockpit:
         }
 
 
+def _nonfinite_warning(step: int):
+    def warn(finite) -> Noted:
+        if finite:
+            return Noted({})
+        return Noted({}, warnings=((f"step {step}: non-finite loss; instruments of this step "
+                                    "are recorded as NaN", "nonfinite"),))
+
+    return warn
+
+
+def _named(result: dict[str, Value] | Later, name: str) -> dict[str, Value] | Later:
+    if isinstance(result, Later) and result.name is None:
+        result.name = name
+    return result
+
+
+def _collect(result: dict[str, Value] | Later, values: dict[str, Value],
+             laters: list[Later]) -> None:
+    if isinstance(result, Later):
+        laters.append(result)
+    else:
+        values.update(result)
+
+
 def _jsonable(value: Any) -> bool:
     return isinstance(value, bool | int | float | str | type(None)) or (
         isinstance(value, tuple | list) and all(isinstance(v, int | float) for v in value)
@@ -824,8 +907,9 @@ class _OpenStep:
         self.elapsed, self.reduction = elapsed, reduction
         self.prepare_failures: dict[str, str] = {}
         self.weights: list[float | None] = []  # loss weight w of each backward pass
-        self.mismatch: float | None = None  # GradientMismatch, set at optimizer.step()
-        self.gradient_held: bool | None = None  # GradientHeld, checked at the first block
+        self.mismatch: Later | None = None  # GradientMismatch, set at optimizer.step()
+        self.checks: list[Later] = []  # misuse checks decided when the numbers are read
+        self.gradient_held: Later | None = None  # GradientHeld, checked at the first block
 
     def new_request(self, gradient_scale: float) -> StepRequest:
         """The request of one more backward pass of this step: the same statistics; the
