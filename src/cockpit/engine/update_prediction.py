@@ -435,7 +435,7 @@ def fit_basis_coefficients_many(
 ) -> list[Tensor | None]:
     """:func:`fit_basis_coefficients` of several tensors at once (``actual_sqs``: ‖actual‖²
     of each), reading the device twice in all instead of per tensor: once for every tensor's
-    normal equations, once for every residual.
+    normal equations (:class:`BasisFits`), once for every residual.
 
     The Gram matrix VVᵀ, Vᵀa and the residual a − Vᵀc are BLAS products in the tensors' dtype
     (each reads the basis once); the k×k solve is in float64 on the host. The residual,
@@ -444,39 +444,67 @@ def fit_basis_coefficients_many(
     directions that are nearly parallel (the gradient and SGD's momentum buffer when
     consecutive gradients agree) leave float32 products too inaccurate for a fit that exists.
     """
-    results: list[Tensor | None] = [None] * len(actuals)
-    pending = []  # (index, V, a, tolerance)
-    for index, (basis, actual, atol, target_sq) in enumerate(
-            zip(bases, actuals, atols, actual_sqs, strict=True)):
-        if len(basis) == 0 or not math.isfinite(target_sq):
-            continue
-        target = actual.reshape(-1)
-        k = len(basis)
-        if isinstance(basis, Tensor):
-            vectors = basis.reshape(k, -1).to(target.dtype)
-        else:
-            vectors = torch.stack([b.reshape(-1).to(target.dtype) for b in basis])
-        pending.append((index, vectors, target, rtol * math.sqrt(target_sq) + atol + _TINY))
-    for normal_equations in (_normal_equations, _normal_equations_float64):
-        if normal_equations is _normal_equations_float64:
-            pending = [p for p in pending if p[2].dtype != torch.float64]
-        if not pending:
-            break
-        systems = [normal_equations(vectors, target) for _, vectors, target, _ in pending]
-        host = _to_host(torch.cat([torch.cat([gram.reshape(-1), rhs]) for gram, rhs in systems]))
+    fits = BasisFits(bases, actuals)
+    return fits.finish(_to_host(fits.systems).numpy(), rtol, atols, actual_sqs)
+
+
+class BasisFits:
+    """The fits of :func:`fit_basis_coefficients_many` in two halves: ``systems`` (the
+    normal equations of every tensor, float64 on the device) is formed first, so that a
+    caller can read it together with its own numbers; :meth:`finish` solves them from the
+    host copy."""
+
+    def __init__(self, bases: Sequence[Tensor | Sequence[Tensor]], actuals: Sequence[Tensor]):
+        self.problems = []  # (V, a) per tensor
+        for basis, actual in zip(bases, actuals, strict=True):
+            target = actual.reshape(-1)
+            k = len(basis)
+            if k == 0:
+                vectors = target[:0].view(0, -1)
+            elif isinstance(basis, Tensor):
+                vectors = basis.reshape(k, -1).to(target.dtype)
+            else:
+                vectors = torch.stack([b.reshape(-1).to(target.dtype) for b in basis])
+            self.problems.append((vectors, target))
+        self.systems = _flat_systems([_normal_equations(v, t) for v, t in self.problems],
+                                     actuals[0].device if actuals else torch.device("cpu"))
+
+    def finish(self, host: np.ndarray, rtol: float, atols: Sequence[float],
+               actual_sqs: Sequence[float]) -> list[Tensor | None]:
+        """Coefficients per tensor (or None) from ``host``, the host copy of ``systems``."""
+        results: list[Tensor | None] = [None] * len(self.problems)
+        pending = [(index, vectors, target, rtol * math.sqrt(target_sq) + atol + _TINY)
+                   for index, ((vectors, target), atol, target_sq)
+                   in enumerate(zip(self.problems, atols, actual_sqs, strict=True))
+                   if len(vectors) and math.isfinite(target_sq)]
+        first = True
+        while pending:
+            if not first:  # the float64 normal equations of the failed float32 fits
+                pending = [p for p in pending if p[2].dtype != torch.float64]
+                if not pending:
+                    break
+                systems = [_normal_equations_float64(v, t) for _, v, t, _ in pending]
+                host = _to_host(_flat_systems(systems, pending[0][2].device)).numpy()
+            elif len(pending) < len(self.problems):
+                host = _select_systems(host, self.problems, [p[0] for p in pending])
+            first = False
+            pending = self._solve(pending, host, results)
+        return results
+
+    def _solve(self, pending: list, host: np.ndarray, results: list) -> list:
         solved, offset = [], 0
-        for (index, vectors, target, tolerance), (gram, _) in zip(pending, systems, strict=True):
-            k = gram.shape[0]
-            gram_host = host[offset : offset + k * k].view(k, k)
-            rhs_host = host[offset + k * k : offset + k * k + k]
+        for index, vectors, target, tolerance in pending:
+            k = len(vectors)
+            system = host[offset : offset + k * k + k]
             offset += k * k + k
-            if not np.isfinite(host[offset - k * k - k : offset].numpy()).all():
+            if not np.isfinite(system).all():
                 continue  # no fit exists: None
-            coefficients = torch.linalg.lstsq(gram_host, rhs_host.unsqueeze(1),
-                                              driver="gelsd").solution[:, 0]
+            gram = torch.from_numpy(system[: k * k].reshape(k, k).copy())
+            rhs = torch.from_numpy(system[k * k :].copy())
+            coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
             solved.append((index, vectors, target, tolerance, coefficients))
         if not solved:
-            break
+            return []
         device = solved[0][2].device
         on_device = to_device(torch.cat([c for *_, c in solved]), device)
         norms, offset = [], 0
@@ -495,8 +523,23 @@ def fit_basis_coefficients_many(
                 results[index] = coefficients
             else:
                 retry.append((index, vectors, target, tolerance))
-        pending = retry
-    return results
+        return retry
+
+
+def _flat_systems(systems: list[tuple[Tensor, Tensor]], device: torch.device) -> Tensor:
+    """[VVᵀ flat, Vᵀa] of every tensor in one float64 vector."""
+    parts = [part.reshape(-1).to(device) for gram, rhs in systems for part in (gram, rhs)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def _select_systems(host: np.ndarray, problems: list, keep: list[int]) -> np.ndarray:
+    """The parts of ``host`` (the flat systems of all ``problems``) of the tensors ``keep``."""
+    parts, offset = {}, 0
+    for index, (vectors, _) in enumerate(problems):
+        size = len(vectors) ** 2 + len(vectors)
+        parts[index] = host[offset : offset + size]
+        offset += size
+    return np.concatenate([parts[i] for i in keep]) if keep else host[:0]
 
 
 def _to_host(x: Tensor) -> Tensor:

@@ -42,9 +42,9 @@ import torch
 from torch import Tensor
 
 from cockpit.engine import update_prediction as up
+from cockpit.engine.readout import Later, Noted
 from cockpit.engine.tracker import GRADIENT, PROJECTIONS
 from cockpit.quantities.alpha_fit import Observations, compute_alpha
-from cockpit.engine.readout import Later, Noted
 from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.schedules import Schedule
 
@@ -215,18 +215,27 @@ class Alpha(Quantity):
         if state is None or state.step != data.step:
             return {}
         # one read of the device for the decisions below: ‖s_t‖² per parameter, the loss
-        # statistics and ‖θ_{t+1}‖ per projected parameter (the rounding of the update)
+        # statistics, ‖θ_{t+1}‖ per projected parameter (the rounding of the update) and
+        # SGD's normal equations of the fit
         names = [k for k in state.projections if k in update] if state.predicted else []
         assert state.loss is not None
+        device = state.loss.device
+        fits = None
         with torch.no_grad():
             norms = (torch.stack(torch._foreach_norm([data.params[k] for k in names])).double()
                      if names else state.loss[:0])
-        host = torch.cat([data.update_sq_norm_vector(update), state.loss,
-                          norms.to(state.loss.device)]).tolist()
-        sq_norms = dict(zip(update, host[: len(update)], strict=True))
-        loss, theta_norms = host[len(update) : len(update) + 2], host[len(update) + 2 :]
+            if state.sgd and not state.failure and all(k in state.basis for k in names):
+                fits = up.BasisFits([state.basis[k] for k in names], [update[k] for k in names])
+        systems = state.loss[:0] if fits is None else fits.systems.to(device)
+        host = torch.cat([data.update_sq_norm_vector(update), state.loss, norms.to(device),
+                          systems]).cpu().numpy()
+        sq_norms = dict(zip(update, host[: len(update)].tolist(), strict=True))
+        offset = len(update) + 2
+        loss = host[len(update) : offset].tolist()
+        theta_norms = host[offset : offset + len(names)].tolist()
         noise = {k: torch.finfo(update[k].dtype).eps * v
                  for k, v in zip(names, theta_norms, strict=True)}
+        fitted = None if fits is None else (fits, host[offset + len(names) :])
         length = math.sqrt(sum(sq_norms.values()))
         if not math.isfinite(length) or not all(math.isfinite(v) for v in loss):
             self._open = None
@@ -235,7 +244,7 @@ class Alpha(Quantity):
         moved = [k for k, sq in sq_norms.items() if sq > 0]
         dots, reason = (
             (None, state.failure) if state.failure
-            else self._slopes(state, update, sq_norms, moved, noise)
+            else self._slopes(state, update, sq_norms, moved, noise, fitted)
         )
         state.project = None
         state.basis = {}
@@ -257,11 +266,12 @@ class Alpha(Quantity):
 
     def _slopes(
         self, state: _OpenStep, update: dict[str, Tensor], sq_norms: dict[str, float],
-        moved: list[str], noise: dict[str, float],
+        moved: list[str], noise: dict[str, float], fitted: tuple | None = None,
     ) -> tuple[Tensor | None, str | None]:
         """s_tᵀ g_n(θ_t) for every sample, or None and the reason (``sq_norms``: ‖s_t‖² per
         parameter, already measured; ``noise``: ε·‖θ_{t+1}‖ per projected parameter, the
-        rounding of θ_{t+1} − θ_t: ≤ ε/2 per element)."""
+        rounding of θ_{t+1} − θ_t: ≤ ε/2 per element; ``fitted``: SGD's fits and the host
+        copy of their normal equations)."""
         if not state.predicted:
             if state.project is None:
                 return None, "the layer calls were not kept at this step"
@@ -274,20 +284,26 @@ class Alpha(Quantity):
             return None, f"no individual gradients for updated parameter(s) {missing[:3]}"
         names = [k for k in state.projections if k in update]
         if state.sgd:
+            if fitted is None:
+                return None, "the update was not predicted for every parameter"
+            fits, systems = fitted
+            coefficients = fits.finish(systems, self.rtol, [noise[k] for k in names],
+                                       [sq_norms[k] for k in names])
+            if any(c is None for c in coefficients):
+                return None, (
+                    "the real update is not an SGD step of the predicted form (the "
+                    "optimizer's state or hyperparameters changed behind its back, or the "
+                    "gradient changed after the `with` block, e.g. all-reduced after it)"
+                )
             total = None
-            fits = up.fit_basis_coefficients_many(
-                [state.basis[k] for k in names], [update[k] for k in names], self.rtol,
-                [noise[k] for k in names], [sq_norms[k] for k in names])
-            for k, coefficients in zip(names, fits, strict=True):
-                if coefficients is None:
-                    return None, (
-                        "the real update is not an SGD step of the predicted form (the "
-                        "optimizer's state or hyperparameters changed behind its back, or the "
-                        "gradient changed after the `with` block, e.g. all-reduced after it)"
-                    )
+            device = state.projections[names[0]].device if names else None
+            on_device = (up.to_device(torch.cat(coefficients).double(), device)
+                         if names else None)
+            offset = 0
+            for k, c in zip(names, coefficients, strict=True):
                 projection = state.projections[k].double()
-                c = up.to_device(coefficients.double(), projection.device)
-                dots = (c[:, None] * projection).sum(0)
+                dots = (on_device[offset : offset + c.numel(), None] * projection).sum(0)
+                offset += c.numel()
                 total = dots if total is None else total + dots
             return total, None
         kappa = up.match_update(
