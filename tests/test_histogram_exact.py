@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from cockpit.engine import histogram as hmod
-from cockpit.engine import histogram_device
 from cockpit.engine import histogram2d_outer as h2
-from cockpit.engine import rounding
+from cockpit.engine import histogram_device, rounding
 from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
 from cockpit.engine.histogram2d_outer import histogram2d_outer
 from tests.reference import bin_indices
