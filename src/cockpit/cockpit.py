@@ -84,8 +84,13 @@ class Cockpit:
     Gradient accumulation: all backward passes of one optimizer step go inside
     ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values
     describe the union of their samples, whatever weight each micro-batch loss has. They are
-    recorded when the step is complete: at ``optimizer.step()``, at the next step's first
+    computed when the step is complete: at ``optimizer.step()``, at the next step's first
     block, or at :meth:`get_output` / :meth:`close`.
+
+    A step never waits for the device: its values are formed on the parameters' device and
+    cross to the host together (see :mod:`cockpit.engine.readout`), read at the next step's
+    start, :meth:`get_output` or :meth:`close`; the run log, the sinks and the warnings about
+    misuse found in the numbers (non-finite loss, gradients not zeroed) see a step then.
 
     torch.distributed: with a process group initialised (e.g. a model wrapped in
     ``DistributedDataParallel``), every rank's values describe the global batch; the
@@ -579,8 +584,10 @@ class Cockpit:
         self._record_late(data)
         later = [q for q in tracked if q.needs_update and q.name not in skipped]
         if later:
-            snapshot = {k: p.detach().clone() for k, p in self._params.items()}
-            self._pending_update = (step, data, snapshot, later)
+            with torch.no_grad():  # θ_t, copied by one fused kernel (x·1 = x exactly)
+                copies = torch._foreach_mul(list(self._params.values()), 1.0)
+            self._pending_update = (step, data, dict(zip(self._params, copies, strict=True)),
+                                    later)
 
     def _check_every_rank_attached(self) -> None:
         """Combine the processes' statistics only if every process runs this Cockpit (else
@@ -691,8 +698,11 @@ class Cockpit:
         self._pending_update = None
         # θ_{t+1} − θ_t written over the snapshot (a fresh parameter-sized tensor costs page
         # faults: as much as the subtraction itself)
-        update = {k: torch.sub(p.detach(), before[k], out=before[k])
-                  for k, p in self._params.items()}
+        with torch.no_grad():  # −(θ_t − θ_{t+1}) = θ_{t+1} − θ_t exactly
+            snapshots = [before[k] for k in self._params]
+            torch._foreach_sub_(snapshots, list(self._params.values()))
+            torch._foreach_neg_(snapshots)
+        update = dict(zip(self._params, snapshots, strict=True))
         data.notes.clear()
         values: dict[str, Value] = {}
         laters: list[Later] = []
