@@ -32,6 +32,7 @@ from torch import Tensor
 
 from cockpit.engine.readout import Later
 from cockpit.engine.workspace import workspace
+from cockpit.quantities.base import sq_norm_tensor, sq_norms
 
 ADDED = "added"  # a backward outside the blocks added to the gradient the blocks left
 ONLY_OUTSIDE = "only_outside"  # the blocks saw no gradient; a backward outside them did
@@ -64,16 +65,16 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         grads.append(p.grad.detach())
         means.append(g.detach().to(p.grad.dtype))
     with torch.no_grad():
-        grad_sq = torch.stack(torch._foreach_norm(grads)).double().square().sum()
-        mean_sq = torch.stack(torch._foreach_norm(means)).double().square().sum()
+        grad_sq = sq_norms(grads).sum()
+        mean_sq = sq_norms(means).sum()
         # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖: one fused pass per parameter
         # into scratch memory (fresh temporaries cost page faults on a CPU)
         c = (sign * (grad_sq / mean_sq).sqrt()).to(grads[0].dtype)
-        norms = []
+        half_sq = []
         for a, b in zip(grads, means, strict=True):
             diff, _ = workspace().take("gradient_mismatch", a.shape, a.dtype, a.device)
-            norms.append(torch.linalg.vector_norm(torch.addcmul(a, b, c, value=-1, out=diff)))
-        half_sq = torch.stack(norms).double().square().sum()
+            half_sq.append(sq_norm_tensor(torch.addcmul(a, b, c, value=-1, out=diff)))
+        half_sq = torch.stack(half_sq).double().sum()
     return Later(_mismatch, grad_sq, mean_sq, half_sq, name="GradientMismatch")
 
 

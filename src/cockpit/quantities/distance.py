@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.workspace import workspace
-from cockpit.quantities.base import Quantity, StepData, Values, per_param_norms, stacked_sq
+from cockpit.quantities.base import Quantity, StepData, Values, per_param_norms, sq_norm_tensor
 
 
 class Distance(Quantity):
@@ -16,13 +16,13 @@ class Distance(Quantity):
 
     def compute(self, data: StepData) -> Values:
         assert data.initial_params is not None
-        norms = []
+        sq = []
         for k, p in data.params.items():
             # θ_t − θ_0 in scratch memory (a fresh parameter-sized tensor per step costs page
             # faults on a CPU), its norm taken before the buffer serves the next parameter
             diff, _ = workspace().take("distance", p.shape, p.dtype, p.device)
-            norms.append(torch.linalg.vector_norm(torch.sub(p, data.initial_params[k], out=diff)))
-        return per_param_norms("Distance", list(data.params), stacked_sq(norms))
+            sq.append(sq_norm_tensor(torch.sub(p, data.initial_params[k], out=diff)))
+        return per_param_norms("Distance", list(data.params), torch.stack(sq).double())
 
 
 class UpdateSize(Quantity):
