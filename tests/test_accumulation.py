@@ -116,7 +116,9 @@ def test_nested_blocks_are_refused_and_training_goes_on():
 
 
 def test_values_are_recorded_when_the_step_is_complete():
-    """A sink sees a step once, with the union's values, at the optimizer step."""
+    """A sink sees a step once, with the union's values, when they are read after the
+    optimizer step (at the next step, get_output() or close(): the step never waits for the
+    device)."""
     problem = make_problem("mlp_relu", 16)
     opt = sgd(problem.model)
     written = []
@@ -140,6 +142,8 @@ def test_values_are_recorded_when_the_step_is_complete():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()
+    assert written == []  # on its way from the device
+    cockpit.get_output()
     assert [s for s, _ in written] == [0]
     assert written[0][1]["Loss"] == pytest.approx(expected, rel=1e-12)
     cockpit.close()

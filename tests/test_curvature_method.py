@@ -194,9 +194,10 @@ def test_non_finite_step_computes_no_curvature():
     qs = [quantities.HessTrace(), quantities.TICTrace(), quantities.TICDiag()]
     cockpit = Cockpit(model, qs)
     losses = F.cross_entropy(model(x), y, reduction="none")
-    with pytest.warns(RuntimeWarning, match="non-finite"), cockpit(0, losses=losses):
-        losses.mean().backward()
-    cockpit.close()
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+        cockpit.close()  # the step's numbers are read (and checked) here
     out, notes = cockpit.get_output()[0], cockpit.get_notes()[0]
     for q in qs:
         assert math.isnan(out[q.name]) and "non-finite loss" in notes[q.name]

@@ -113,7 +113,7 @@ def test_non_finite_loss_is_recorded_as_nan_with_a_warning():
     cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt)
     with pytest.warns(RuntimeWarning, match="non-finite loss"):
         train(problem, cockpit, 1, opt)
-    out = cockpit.get_output()[0]
+        out = cockpit.get_output()[0]  # the step's numbers are read (and checked) here
     for name in ("Loss", "GradNorm", "NormTest", "InnerTest", "OrthoTest"):
         assert math.isnan(out[name]), name
     cockpit.close()

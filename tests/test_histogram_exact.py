@@ -19,7 +19,7 @@ import torch
 
 from cockpit.engine import histogram as hmod
 from cockpit.engine import histogram2d_outer as h2
-from cockpit.engine import rounding
+from cockpit.engine import histogram_device, rounding
 from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
 from cockpit.engine.histogram2d_outer import histogram2d_outer
 from tests.reference import bin_indices
@@ -348,3 +348,52 @@ def test_cockpit_warns_at_setup_when_its_bins_are_searched():
         warnings.simplefilter("error")
         Cockpit(model, [GradHist1d(), GradHist2d()])  # the defaults are rounded
         Cockpit(model, [GradHist1d()], hist2d_bins=slow_2d)  # not used: no warning
+
+
+# --------------------------------------------------------------------------- accelerator path
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """The path GPUs take (cockpit.engine.histogram_device), run on the CPU, in chunks of 97
+    elements (the counts of every chunk summed)."""
+    monkeypatch.setattr(histogram_device, "CHUNK", 97)
+    with histogram_device.forced():
+        yield
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_device_path_at_every_edge(dtype, spec, device_path):
+    """Dense 1-D, Linear products, dense 2-D and Linear products against θ: exact at, just
+    below and just above every edge; NaN and ±inf counted in no bin."""
+    x = edge_values(spec, dtype)
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(spec.bins))]
+    nonfinite = torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype)
+    counts, bad = histogram_dense(torch.cat([x, nonfinite]), spec)
+    assert torch.equal(counts, exact_counts(x, spec)) and int(bad) == 3
+
+    delta, a = edge_layer(spec, dtype)
+    counts, bad = histogram_outer(delta, a, spec)
+    assert int(bad) == 0 and torch.equal(counts, exact_product_counts(delta, a, spec))
+
+    st = BinSpec(-1.0, 3.0, 7) if spec.bins != 7 else BinSpec(0.1, 0.7, 13)
+    g = x.view(7, -1) if x.numel() % 7 == 0 else x[: x.numel() // 7 * 7].view(7, -1)
+    theta = theta_for(st, 1, g.shape[1], dtype).view(-1)
+    counts, bad = histogram2d_dense(g, theta, spec, st)
+    assert int(bad) == 0 and torch.equal(counts, exact_2d(g, theta, spec, st))
+
+    N, I, J = delta.shape[0], delta.shape[1], a.shape[1]
+    theta = theta_for(st, I, J, dtype)
+    products = (delta[:, :, None] * a[:, None, :]).reshape(N, I * J)
+    counts, bad = histogram2d_outer(delta, a, theta, spec, st)
+    assert int(bad) == 0
+    assert torch.equal(counts, exact_2d(products, theta.reshape(-1), spec, st))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_device_path_of_half_precision_equals_the_cpu_path(dtype, device_path):
+    spec = BinSpec(-2.0, 2.0, 100)
+    x = (torch.randn(3000, generator=torch.Generator().manual_seed(0)) * 1.5).to(dtype)
+    counts, bad = histogram_dense(x, spec)
+    assert torch.equal(counts, exact_counts(x.double(), spec)) and int(bad) == 0

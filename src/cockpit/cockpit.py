@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from cockpit.configurations import configuration
 from cockpit.engine import distributed as ranks
 from cockpit.engine.histogram import BinSpec, warn_if_slow
+from cockpit.engine.readout import Failed, Later, Noted, Readout
 from cockpit.engine.reduction import StepReduction
 from cockpit.engine.request import StepRequest
 from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
@@ -102,8 +103,13 @@ class Cockpit:
     Gradient accumulation: all backward passes of one optimizer step go inside
     ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values
     describe the union of their samples, whatever weight each micro-batch loss has. They are
-    recorded when the step is complete: at ``optimizer.step()``, at the next step's first
+    computed when the step is complete: at ``optimizer.step()``, at the next step's first
     block, or at :meth:`get_output` / :meth:`close`.
+
+    A step never waits for the device: its values are formed on the parameters' device and
+    cross to the host together (see :mod:`cockpit.engine.readout`), read at the next step's
+    start, :meth:`get_output` or :meth:`close`; the run log, the sinks and the warnings about
+    misuse found in the numbers (non-finite loss, gradients not zeroed) see a step then.
 
     torch.distributed: with a process group initialised (e.g. a model wrapped in
     ``DistributedDataParallel``), every rank's values describe the global batch; the
@@ -183,6 +189,9 @@ class Cockpit:
         self._start_time = time.perf_counter()
         self._output: dict[int, dict[str, Value]] = {}
         self._notes: dict[int, dict[str, str]] = {}
+        # records whose numbers are still on their way from the device (see engine.readout)
+        self._readout = Readout()
+        self._unread: list[tuple[int, dict[str, Value], dict[str, str], list[int]]] = []
         self._warned: set[str] = set()
         self._pending_update: tuple[int, StepData, dict[str, Tensor], list[Quantity]] | None = None
         self._open: _OpenStep | None = None  # the tracked step whose backward passes come in
@@ -230,7 +239,6 @@ class Cockpit:
         self._prepare_failures: dict[str, str] = {}
         # the last step seen; a step at or below it is not recorded (never overwritten)
         self._last_step: int | None = resumed_from
-        self._losses_finite = True
         self._consecutive = True
         self._closed = False
         self._diagnosis = _LiveDiagnosis(self) if diagnose else None
@@ -259,7 +267,8 @@ class Cockpit:
         ``memory_steps`` are read back from the run log (with a ``logdir``; without one they
         are gone, see ``memory_steps``)."""
         self._finalize_open_step()
-        output = self._read_back("output")
+        self._read_back()
+        output = self._read_log("output")
         for step, values in self._output.items():
             output.setdefault(step, {}).update(values)
         return {step: dict(values) for step, values in sorted(output.items())}
@@ -271,11 +280,12 @@ class Cockpit:
         next step). The last two are derived from the schedules here, not stored in the run
         log (a name missing from a step of the run log was not scheduled there)."""
         self._finalize_open_step()
-        notes = self._read_back("notes")
+        self._read_back()
+        notes = self._read_log("notes")
         for step, recorded in self._notes.items():
             if recorded:
                 notes.setdefault(step, {}).update(recorded)
-        output = self._read_back("output") if self._dropped else {}
+        output = self._read_log("output") if self._dropped else {}
         for step, values in self._output.items():
             output.setdefault(step, {}).update(values)
         for step, values in output.items():
@@ -289,7 +299,7 @@ class Cockpit:
                 notes.setdefault(step, {})[name] = reason
         return dict(sorted(notes.items()))
 
-    def _read_back(self, what: str) -> dict[int, dict]:
+    def _read_log(self, what: str) -> dict[int, dict]:
         """The run log's ``output`` or ``notes`` when steps were dropped from memory (and a
         run log holds them), else nothing."""
         if not self._dropped or self._log is None:
@@ -344,6 +354,7 @@ class Cockpit:
             return
         self._finalize_open_step()
         self._finish_pending_update()
+        self._read_back()
         self._record_unfinished()
         self._outbox.flush()
         self._watch.reset()
@@ -393,7 +404,7 @@ class Cockpit:
         unstepped = False  # the previous tracked step had no optimizer step
         if open_step is not None and not continues:
             if (self.optimizer is not None and self.grad_scaler is None
-                    and open_step.finite_losses):  # (a non-finite loss: skipping is right)
+                    and bool(open_step.finite_losses)):  # (a non-finite loss: skipping is right)
                 unstepped = True
                 self._warn(
                     f"step {open_step.step} was not followed by optimizer.step() before step "
@@ -403,6 +414,7 @@ class Cockpit:
             self._finalize_open_step()
         if not continues:
             self._finish_pending_update()
+            self._read_back()  # the previous step's numbers, one wait for all of them
             if self._diagnosis is not None:
                 self._diagnosis.feed()
             if self._last_step is not None and step <= self._last_step:
@@ -424,8 +436,10 @@ class Cockpit:
             self.tracker.drop_spare_gradients()
             self.tracker.capturing = self._capture_next(step)
             return
+        finite = None  # whether the losses are finite: a device flag, read with the values
         if any(q.needs_losses for q in tracked):
             losses = self._check_losses(losses, step, tracked)
+            finite = torch.isfinite(losses.detach()).all()
         problems = self._step_problems(step, losses, open_step if continues else None)
         held = None
         if not continues and not unstepped:  # (unstepped: said more precisely above)
@@ -454,11 +468,14 @@ class Cockpit:
                                   StepReduction(self.tracker, needs, request,
                                                 _sample_sum_keys(tracked), ranks=self._ranks))
             open_step.gradient_held = held
-            open_step.finite_losses = self._losses_finite
+            if finite is not None:
+                open_step.finite_losses = finite
             self._open = open_step
         open_step.problems.extend(problems)
         if losses is not None:
             open_step.forwards.add(losses.grad_fn)
+        if finite is not None:
+            open_step.checks.append(Later(_nonfinite_warning(step), finite))
         stats = self.tracker.begin(request, losses)
         self._in_block = True
         self._prepare_failures = open_step.prepare_failures
@@ -550,12 +567,6 @@ class Cockpit:
                 f"losses must be the floating-point individual losses of the batch you "
                 f"backpropagate, got a tensor of dtype {losses.dtype}: pass losses = "
                 "loss_fn(output, target, reduction='none')")
-        self._losses_finite = bool(torch.isfinite(losses.detach()).all())
-        if not self._losses_finite:
-            self._warn(
-                f"step {step}: non-finite loss; instruments of this step are recorded as NaN",
-                key="nonfinite",
-            )
         return losses
 
     def _step_problems(self, step: int, losses: Tensor | None,
@@ -630,18 +641,26 @@ class Cockpit:
         owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         return {name: p for name, p in self._params.items() if id(p) in owned}
 
-    def _check_gradients_zeroed(self, step: int) -> bool:
+    def _check_gradients_zeroed(self, step: int) -> Later | None:
         """Definite misuse: the parameters hold a gradient before the step's first block
-        (recorded as GradientHeld, and warned about once)."""
-        held = parameters_holding_gradient(self._stepped_params())
-        if held:
-            self._warn(
+        (recorded as GradientHeld, and warned about once; decided when the step's numbers
+        are read)."""
+        names, nonzero = parameters_holding_gradient(self._stepped_params())
+        if nonzero is None:
+            return Later(lambda: {"GradientHeld": 0.0})
+
+        def verdict(flags) -> Noted:
+            held = [n for n, flag in zip(names, flags, strict=True) if flag]
+            if not held:
+                return Noted({"GradientHeld": 0.0})
+            return Noted({"GradientHeld": 1.0}, warnings=((
                 f"step {step}: {_names(held)} already hold a gradient when the first "
                 f"`with cockpit({step}, ...)` block opens: zero the gradients before each step "
                 "(optimizer.zero_grad()) and call backward inside `with cockpit(step, ...)`; "
                 "the optimizer steps on more than the backward passes Cockpit sees",
-                key="gradients-not-zeroed", stacklevel=5)
-        return bool(held)
+                "gradients-not-zeroed"),))
+
+        return Later(verdict, nonzero)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self.ends_steps_at_optimizer_step:
@@ -682,6 +701,7 @@ class Cockpit:
         data.project = reduction.project_samples if reduction.keeps_calls else None
         data.unmerged = reduction.unmerged
         values: dict[str, Value] = {}
+        laters: list[Later] = list(open_step.checks)
         model_problem = _problem(open_step.problems, (MODEL,))
         batch_problem = _problem(open_step.problems, (BATCH,))
         if model_problem is not None:
@@ -693,9 +713,9 @@ class Cockpit:
             if batch_problem is not None:
                 data.notes["BatchSize"] = batch_problem
         if open_step.mismatch is not None and model_problem is None:
-            values["GradientMismatch"] = open_step.mismatch
+            laters.append(open_step.mismatch)
         if open_step.gradient_held is not None and model_problem is None:
-            values["GradientHeld"] = float(open_step.gradient_held)
+            laters.append(open_step.gradient_held)
         split = open_step.request.split or stats.micro_batches > 1 or stats.ranks > 1
         no_gradient = self._report_backward_outside(step, evidence, not stats.batch_grads)
         skipped = set()
@@ -708,13 +728,15 @@ class Cockpit:
                 values[quantity.name] = None
                 skipped.add(quantity.name)
                 continue
-            values.update(self._compute(quantity, data, stats, split))
-        self._record(step, values, data.notes)
+            _collect(self._compute(quantity, data, stats, split), values, laters)
+        self._record(step, values, data.notes, laters)
         self._record_late(data)
         later = [q for q in tracked if q.needs_update and q.name not in skipped]
         if later:
-            snapshot = {k: p.detach().clone() for k, p in self._params.items()}
-            self._pending_update = (step, data, snapshot, later)
+            with torch.no_grad():  # θ_t, copied by one fused kernel (x·1 = x exactly)
+                copies = torch._foreach_mul(list(self._params.values()), 1.0)
+            self._pending_update = (step, data, dict(zip(self._params, copies, strict=True)),
+                                    later)
 
     def _check_every_rank_attached(self) -> None:
         """Combine the processes' statistics only if every process runs this Cockpit (else
@@ -784,7 +806,7 @@ class Cockpit:
         )
 
     def _compute(self, quantity: Quantity, data: StepData, stats: BackwardStatistics,
-                 split: bool = False):
+                 split: bool = False) -> dict[str, Value] | Later:
         if quantity.name in self._prepare_failures:
             data.notes[quantity.name] = self._prepare_failures[quantity.name]
             return {quantity.name: None}
@@ -806,7 +828,7 @@ class Cockpit:
                        key=f"per-sample:{reason}")
             return {quantity.name: None}
         try:
-            return quantity.compute(data)
+            return _named(quantity.compute(data), quantity.name)
         except Exception as error:
             if self.strict:
                 raise
@@ -825,19 +847,24 @@ class Cockpit:
         self._pending_update = None
         # θ_{t+1} − θ_t written over the snapshot (a fresh parameter-sized tensor costs page
         # faults: as much as the subtraction itself)
-        update = {k: torch.sub(p.detach(), before[k], out=before[k])
-                  for k, p in self._params.items()}
+        with torch.no_grad():  # −(θ_t − θ_{t+1}) = θ_{t+1} − θ_t exactly
+            snapshots = [before[k] for k in self._params]
+            torch._foreach_sub_(snapshots, list(self._params.values()))
+            torch._foreach_neg_(snapshots)
+        update = dict(zip(self._params, snapshots, strict=True))
         data.notes.clear()
         values: dict[str, Value] = {}
+        laters: list[Later] = []
         for quantity in quantities:
             try:
-                values.update(quantity.compute_after_update(data, update))
+                _collect(_named(quantity.compute_after_update(data, update), quantity.name),
+                         values, laters)
             except Exception as error:
                 if self.strict:
                     raise
                 data.notes[quantity.name] = f"failed: {error}"
                 values[quantity.name] = None
-        self._record(step, values, data.notes)
+        self._record(step, values, data.notes, laters)
         self._record_late(data)
 
     def _record_unfinished(self) -> None:
@@ -853,15 +880,56 @@ class Cockpit:
 
     def _record_late(self, data: StepData) -> None:
         """Values that instruments computed now for earlier steps (Alpha), and warnings."""
-        for step, values in data.late.items():
-            self._record(step, values, data.late_notes.get(step, {}))
+        for step in sorted({*data.late, *data.late_values}):
+            self._record(step, data.late.get(step, {}), data.late_notes.get(step, {}),
+                         data.late_values.get(step, ()))
         data.late.clear()
         data.late_notes.clear()
+        data.late_values.clear()
         for message in data.warnings:
             self._warn(message)
         data.warnings.clear()
 
-    def _record(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
+    def _record(self, step: int, values: dict[str, Value], notes: dict[str, str],
+                laters: Sequence[Later] = ()) -> None:
+        """Record a step's values; those still on the device (``laters``) are sent to the
+        host now and recorded, with every record after them, at the next read."""
+        if not laters and not self._unread:
+            self._record_now(step, values, notes)
+            return
+        indices = [self._readout.later(later) for later in laters]
+        self._readout.send()
+        self._unread.append((step, dict(values), dict(notes), indices))
+
+    def _read_back(self) -> None:
+        """Receive the values of the records made since the last read (one wait) and record
+        them in order."""
+        if not self._unread:
+            return
+        unread, self._unread = self._unread, []
+        results = self._readout.receive()
+        for step, values, notes, indices in unread:
+            warned: list[tuple[str, str]] = []
+            for index in indices:
+                result = results[index]
+                if isinstance(result, Failed):
+                    if self.strict:
+                        raise result.error
+                    name = result.name or "Cockpit"
+                    notes[name] = f"failed: {result.error}"
+                    values[name] = None
+                    warned.append((f"{name} failed at step {step}: {result.error}", name))
+                elif isinstance(result, Noted):
+                    values.update(result.values)
+                    notes.update(result.notes)
+                    warned.extend(result.warnings)
+                else:
+                    values.update(result)
+            self._record_now(step, values, notes)
+            for message, key in warned:
+                self._warn(message, key=key)
+
+    def _record_now(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
         values = self._arena.keep_values(values)
         self._output.setdefault(step, {}).update(values)
         if notes:
@@ -945,6 +1013,30 @@ class Cockpit:
         }
 
 
+def _nonfinite_warning(step: int):
+    def warn(finite) -> Noted:
+        if finite:
+            return Noted({})
+        return Noted({}, warnings=((f"step {step}: non-finite loss; instruments of this step "
+                                    "are recorded as NaN", "nonfinite"),))
+
+    return warn
+
+
+def _named(result: dict[str, Value] | Later, name: str) -> dict[str, Value] | Later:
+    if isinstance(result, Later) and result.name is None:
+        result.name = name
+    return result
+
+
+def _collect(result: dict[str, Value] | Later, values: dict[str, Value],
+             laters: list[Later]) -> None:
+    if isinstance(result, Later):
+        laters.append(result)
+    else:
+        values.update(result)
+
+
 def _jsonable(value: Any) -> bool:
     return isinstance(value, bool | int | float | str | type(None)) or (
         isinstance(value, tuple | list) and all(isinstance(v, int | float) for v in value)
@@ -1017,9 +1109,12 @@ class _OpenStep:
         self.elapsed, self.reduction = elapsed, reduction
         self.prepare_failures: dict[str, str] = {}
         self.weights: list[float | None] = []  # loss weight w of each backward pass
-        self.mismatch: float | None = None  # GradientMismatch, set at optimizer.step()
-        self.gradient_held: bool | None = None  # GradientHeld, checked at the first block
-        self.finite_losses = True  # the first block's losses were finite
+        self.mismatch: Later | None = None  # GradientMismatch, set at optimizer.step()
+        self.checks: list[Later] = []  # misuse checks decided when the numbers are read
+        self.gradient_held: Later | None = None  # GradientHeld, checked at the first block
+        # whether the first block's losses were finite: a device flag, read only where a
+        # warning depends on it
+        self.finite_losses: Tensor | bool = True
         self.problems: list[tuple[str, str]] = []  # (scope, reason): see loop_checks
         self.forwards: set = set()  # the losses' graph nodes backpropagated in its blocks
 

@@ -30,7 +30,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from cockpit.engine.readout import Later
 from cockpit.engine.workspace import workspace
+from cockpit.quantities.base import sq_norm_tensor, sq_norms
 
 ADDED = "added"  # a backward outside the blocks added to the gradient the blocks left
 ONLY_OUTSIDE = "only_outside"  # the blocks saw no gradient; a backward outside them did
@@ -38,15 +40,16 @@ WATCHED = 4  # parameters watched for backward passes outside the blocks
 
 
 def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
-                      weights: list[float | None]) -> float | None:
+                      weights: list[float | None]) -> Later | None:
     """1 − cos∠(p.grad, ḡ) = ½ Σ_params ‖p.grad/‖p.grad‖ − sign(w)·ḡ/‖ḡ‖‖² over the
     parameters the step's backward passes reached (the keys of ``mean``), as one vector
     (the half squared distance of unit vectors: no cancellation near 0).
 
     ``mean``: ḡ per parameter name; ``weights``: the loss weight w of each backward pass of
     the step. None where it cannot be checked: weights unknown or unequal (then p.grad is
-    not a multiple of ḡ), a zero ḡ, a parameter without a dense p.grad. A zero p.grad
-    against a non-zero ḡ gives 1.
+    not a multiple of ḡ), a parameter without a dense p.grad. Formed on the device; the
+    value ({"GradientMismatch": ...}) comes when the step's numbers are read: None for a
+    zero or non-finite ḡ, 1 for a zero p.grad against a non-zero ḡ.
     """
     if not mean or not weights or any(w is None for w in weights):
         return None
@@ -54,46 +57,48 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
     if max(known) - min(known) > 1e-6 * max(abs(w) for w in known) or known[0] == 0.0:
         return None
     sign = 1.0 if known[0] > 0 else -1.0
-    pairs = []
+    grads, means = [], []
     for name, g in mean.items():
         p = params.get(name)
         if p is None or p.grad is None or p.grad.layout != torch.strided:
             return None
-        pairs.append((p.grad.detach(), g.detach()))
-    grad_sq = sum(_sq(a) for a, _ in pairs)
-    mean_sq = sum(_sq(b) for _, b in pairs)
+        grads.append(p.grad.detach())
+        means.append(g.detach().to(p.grad.dtype))
+    with torch.no_grad():
+        grad_sq = sq_norms(grads).sum()
+        mean_sq = sq_norms(means).sum()
+        # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖: one fused pass per parameter
+        # into scratch memory (fresh temporaries cost page faults on a CPU)
+        c = (sign * (grad_sq / mean_sq).sqrt()).to(grads[0].dtype)
+        half_sq = []
+        for a, b in zip(grads, means, strict=True):
+            diff, _ = workspace().take("gradient_mismatch", a.shape, a.dtype, a.device)
+            half_sq.append(sq_norm_tensor(torch.addcmul(a, b, c, value=-1, out=diff)))
+        half_sq = torch.stack(half_sq).double().sum()
+    return Later(_mismatch, grad_sq, mean_sq, half_sq, name="GradientMismatch")
+
+
+def _mismatch(grad_sq, mean_sq, half_sq) -> dict[str, float | None]:
+    grad_sq, mean_sq = float(grad_sq), float(mean_sq)
     if not (math.isfinite(grad_sq) and math.isfinite(mean_sq)) or mean_sq == 0.0:
-        return None
+        return {"GradientMismatch": None}
     if grad_sq == 0.0:
-        return 1.0
-    # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖: one fused pass per parameter into
-    # scratch memory (three temporaries per parameter cost 0.7 of an untracked
-    # forward-backward on mnist_mlp; this costs 0.1)
-    c = sign * math.sqrt(grad_sq / mean_sq)
-    half_sq = 0.0
-    for a, b in pairs:
-        diff, _ = workspace().take("gradient_mismatch", a.shape, a.dtype, a.device)
-        half_sq += _sq(torch.add(a, b.to(a.dtype), alpha=-c, out=diff))
-    return min(0.5 * half_sq / grad_sq, 2.0)
+        return {"GradientMismatch": 1.0}
+    return {"GradientMismatch": min(0.5 * float(half_sq) / grad_sq, 2.0)}
 
 
-def _sq(x: Tensor) -> float:
-    flat = x.reshape(-1)
-    return float(torch.dot(flat, flat)) if flat.is_floating_point() else float(flat.pow(2).sum())
-
-
-def parameters_holding_gradient(params: dict[str, Tensor]) -> list[str]:
-    """Names of the parameters whose p.grad is non-zero (one device sync in all)."""
-    named = [(n, p.grad) for n, p in params.items() if p.grad is not None]
-    if not named:
-        return []
-    dense = [(n, g.detach()) for n, g in named if g.layout == torch.strided]
-    sparse = [(n, g.detach().coalesce()) for n, g in named if g.layout == torch.sparse_coo]
-    norms = torch._foreach_norm([g for _, g in dense]) if dense else []
-    held = [n for (n, _), v in zip(dense, torch.stack(norms).tolist() if dense else [],
-                                   strict=True) if v != 0.0]
-    held += [n for n, g in sparse if bool(g.values().any())]
-    return held
+def parameters_holding_gradient(params: dict[str, Tensor]) -> tuple[list[str], Tensor | None]:
+    """The names of the parameters with a p.grad and, on the device, whether each p.grad is
+    non-zero (one fused norm over the dense gradients; None without any p.grad)."""
+    named = [(n, p.grad.detach()) for n, p in params.items() if p.grad is not None]
+    dense = [(n, g) for n, g in named if g.layout == torch.strided]
+    sparse = [(n, g.coalesce()) for n, g in named if g.layout == torch.sparse_coo]
+    flags = []
+    if dense:
+        flags.append(torch.stack(torch._foreach_norm([g for _, g in dense])) != 0)
+    flags += [g.values().any().reshape(1) for _, g in sparse]
+    names = [n for n, _ in dense] + [n for n, _ in sparse]
+    return names, (torch.cat(flags) if flags else None)
 
 
 class OutsideBackwardWatch:

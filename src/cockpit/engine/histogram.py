@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cockpit.engine import rounding
+from cockpit.engine import histogram_device, rounding
 
 # Elements per chunk on CPU: the float buffer (2 MiB for float32) and the index buffer stay
 # in cache. Chunks are spread over a few Python worker threads (torch releases the GIL inside
@@ -353,6 +353,8 @@ def _bin_chunk(chunk: Tensor, spec: BinSpec, work: Tensor, index: Tensor) -> Ten
 
 def histogram_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
     """Counts of all elements of ``x`` (any shape), eq. (15) on stored gradients."""
+    if histogram_device.device_path(x.device):
+        return histogram_device.dense(*_on_device(x.detach(), spec), spec.bins)
     flat = x.detach().reshape(-1)
     n = flat.numel()
     if n == 0 or not _fast_path_ok(spec, flat.dtype):
@@ -411,6 +413,23 @@ def _thresholds_cpu(spec: BinSpec, dtype: torch.dtype) -> Tensor:
 
 def _thresholds(spec: BinSpec, dtype: torch.dtype, device: torch.device) -> Tensor:
     return _thresholds_cpu(spec, dtype).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _thresholds_on(spec: BinSpec, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The thresholds kept on ``device`` (copied there once, not at every step)."""
+    return _thresholds_cpu(spec, dtype).to(device)
+
+
+def _device_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32/float64 stay; float16/bfloat16 are binned as float32, which holds them."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _on_device(x: Tensor, spec: BinSpec) -> tuple[Tensor, Tensor]:
+    """x in a dtype the accelerator path bins, and its thresholds there."""
+    dtype = _device_dtype(x.dtype)
+    return x.to(dtype), _thresholds_on(spec, dtype, x.device)
 
 
 def _sample_keys(values32: Tensor, sample: Tensor) -> Tensor:
@@ -584,6 +603,10 @@ def histogram_outer(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor, in
     J = a.shape[1]
     if a.shape[0] != N:
         raise ValueError(f"delta {tuple(delta.shape)} and a {tuple(a.shape)} differ in N")
+    if histogram_device.device_path(delta.device):
+        dtype = _device_dtype(torch.promote_types(delta.dtype, a.dtype))
+        return histogram_device.outer(delta.to(dtype), a.to(dtype),
+                                      _thresholds_on(spec, dtype, delta.device), spec.bins)
     if (
         N * I * J == 0
         or N * I * J < _MIN_OUTER_PRODUCTS
@@ -629,6 +652,11 @@ def histogram2d_dense(
     One flat index k_g·bins_θ + k_θ per pair and a single ``bincount`` per chunk (no scatter
     with atomics into one hot bin). The marginals are the row and column sums of the result.
     """
+    if histogram_device.device_path(g.device):
+        dtype = _device_dtype(torch.promote_types(g.dtype, theta.dtype))
+        return histogram_device.dense_2d(
+            g.to(dtype), theta.to(dtype), _thresholds_on(spec_g, dtype, g.device), spec_g.bins,
+            _thresholds_on(spec_theta, dtype, g.device), spec_theta.bins)
     flat_theta = theta.detach().reshape(-1)
     g2 = g.detach().reshape(g.shape[0], flat_theta.numel())
     N, D = g2.shape

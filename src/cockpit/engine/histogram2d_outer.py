@@ -73,7 +73,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from cockpit.engine import rounding
+from cockpit.engine import histogram_device, rounding
 from cockpit.engine.histogram import (
     _MAX_WORKERS,
     BinSpec,
@@ -133,6 +133,18 @@ def histogram2d_outer(
     if theta.numel() != I * J:
         raise ValueError(f"theta has {theta.numel()} elements, expected {I}·{J}")
     dtype = torch.promote_types(delta.dtype, a.dtype)
+    if histogram_device.device_path(delta.device):  # the products, in chunks of samples
+        counts = torch.zeros(spec_g.bins, spec_theta.bins, dtype=torch.long,
+                             device=delta.device)
+        num_nonfinite = torch.zeros((), dtype=torch.long, device=delta.device)
+        rows = max(1, histogram_device.CHUNK // max(I * J, 1))
+        for start in range(0, N, rows):
+            d, s = delta[start : start + rows].to(dtype), a[start : start + rows].to(dtype)
+            more, bad = histogram2d_dense((d.unsqueeze(2) * s.unsqueeze(1)).flatten(1),
+                                          theta.reshape(-1), spec_g, spec_theta)
+            counts += more
+            num_nonfinite += bad
+        return counts, num_nonfinite
     if N * I * J == 0:
         shape = (spec_g.bins, spec_theta.bins)
         return torch.zeros(shape, dtype=torch.long, device=delta.device), 0

@@ -373,8 +373,9 @@ class ModuleTracker:
                 self._weights_problem = "the batch is empty (`losses` has 0 entries)"
                 return
             self._weights = grad.detach()
-            self._weights_problem = weights_problem(self._weights)
-            self._weight_value = float(self._weights.flatten()[0])  # one device sync per step
+            # the only read of the device in a tracked step's hooks: the weight is a
+            # number of the engine's decisions (uniform? zero? the scale of δ_n)
+            self._weights_problem, self._weight_value = weights_problem(self._weights)
 
     @contextlib.contextmanager
     def suspended(self):
@@ -911,16 +912,21 @@ def batch_size_message(batch: int, num_losses: int) -> str:
     )
 
 
-def weights_problem(w: Tensor) -> str | None:
-    """Why the loss weights w_n = ∂L/∂ℓ_n do not allow individual gradients, or None."""
-    if not torch.all(w == w.flatten()[0]):
+def weights_problem(w: Tensor) -> tuple[str | None, float]:
+    """Why the loss weights w_n = ∂L/∂ℓ_n do not allow individual gradients (or None), and
+    w_0, read from the device at once."""
+    flat = w.reshape(-1)
+    first = flat[0]
+    equal, value = torch.stack([(flat == first).all().to(torch.float64),
+                                first.to(torch.float64)]).tolist()
+    if not equal:
         return (
             "the backpropagated loss weights the individual losses unequally; Cockpit "
             "expects the batch loss to be losses.mean() (or losses.sum())"
-        )
-    if w.flatten()[0] == 0:
-        return "the backpropagated loss does not depend on `losses` (zero weights)"
-    return None
+        ), value
+    if value == 0:
+        return "the backpropagated loss does not depend on `losses` (zero weights)", value
+    return None, value
 
 
 def accumulate(accumulated: dict[str, DenseSampleGrads], name: str, sg: SampleGrads) -> None:

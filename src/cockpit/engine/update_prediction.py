@@ -47,6 +47,7 @@ import math
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
@@ -420,43 +421,142 @@ def fit_basis_coefficients(
     is ‖actual‖² if the caller has it already. Then
     ``s_tᵀ g_n = Σ_k c_k (basis_kᵀ g_n)`` for any vector g_n, also if the basis is degenerate.
     ``basis``: a stacked tensor ``[k, ...]`` (as from :func:`sgd_update_basis`) or a list.
-    The Gram matrix VVᵀ, Vᵀa and the residual a − Vᵀc are BLAS products in the tensors' dtype
-    (each reads the basis once); the k×k solve is in float64. The residual, measured directly,
-    decides. Should it fail, the normal equations are solved once more with VVᵀ and Vᵀa
-    accumulated in float64: they square the condition number of V, and directions that are
-    nearly parallel (the gradient and SGD's momentum buffer when consecutive gradients agree)
-    leave float32 products too inaccurate for a fit that exists.
+    See :func:`fit_basis_coefficients_many`.
     """
-    if len(basis) == 0:
-        return None
-    target = actual.reshape(-1)
-    k = len(basis)
-    if isinstance(basis, Tensor):
-        vectors = basis.reshape(k, -1).to(target.dtype)
-    else:
-        vectors = torch.stack([b.reshape(-1).to(target.dtype) for b in basis])
-    target_sq = _dot(target, target) if actual_sq is None else actual_sq
-    if not math.isfinite(target_sq):
-        return None
-    tolerance = rtol * math.sqrt(target_sq) + atol + _TINY
-    products = (_normal_equations, _normal_equations_float64)
-    if target.dtype == torch.float64:
-        products = products[:1]
-    for normal_equations in products:
-        gram, rhs = normal_equations(vectors, target)
-        if not (torch.isfinite(gram).all() and torch.isfinite(rhs).all()):
-            return None
-        coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
-        scratch, _ = workspace().take("fit residual", target.shape, target.dtype, target.device)
-        residual = torch.addmv(target, vectors.T, coefficients.to(target), alpha=-1, out=scratch)
-        if float(torch.linalg.vector_norm(residual)) <= tolerance:
-            return coefficients
-    return None
+    if actual_sq is None:
+        target = actual.reshape(-1)
+        actual_sq = _dot(target, target)
+    return fit_basis_coefficients_many([basis], [actual], rtol, [atol], [actual_sq])[0]
+
+
+def fit_basis_coefficients_many(
+    bases: Sequence[Tensor | Sequence[Tensor]], actuals: Sequence[Tensor], rtol: float,
+    atols: Sequence[float], actual_sqs: Sequence[float],
+) -> list[Tensor | None]:
+    """:func:`fit_basis_coefficients` of several tensors at once (``actual_sqs``: ‖actual‖²
+    of each), reading the device twice in all instead of per tensor: once for every tensor's
+    normal equations (:class:`BasisFits`), once for every residual.
+
+    The Gram matrix VVᵀ, Vᵀa and the residual a − Vᵀc are BLAS products in the tensors' dtype
+    (each reads the basis once); the k×k solve is in float64 on the host. The residual,
+    measured directly, decides. Should it fail, the normal equations are solved once more
+    with VVᵀ and Vᵀa accumulated in float64: they square the condition number of V, and
+    directions that are nearly parallel (the gradient and SGD's momentum buffer when
+    consecutive gradients agree) leave float32 products too inaccurate for a fit that exists.
+    """
+    fits = BasisFits(bases, actuals)
+    return fits.finish(_to_host(fits.systems).numpy(), rtol, atols, actual_sqs)
+
+
+class BasisFits:
+    """The fits of :func:`fit_basis_coefficients_many` in two halves: ``systems`` (the
+    normal equations of every tensor, float64 on the device) is formed first, so that a
+    caller can read it together with its own numbers; :meth:`finish` solves them from the
+    host copy."""
+
+    def __init__(self, bases: Sequence[Tensor | Sequence[Tensor]], actuals: Sequence[Tensor]):
+        self.problems = []  # (V, a) per tensor
+        for basis, actual in zip(bases, actuals, strict=True):
+            target = actual.reshape(-1)
+            k = len(basis)
+            if k == 0:
+                vectors = target[:0].view(0, -1)
+            elif isinstance(basis, Tensor):
+                vectors = basis.reshape(k, -1).to(target.dtype)
+            else:
+                vectors = torch.stack([b.reshape(-1).to(target.dtype) for b in basis])
+            self.problems.append((vectors, target))
+        self.systems = _flat_systems([_normal_equations(v, t) for v, t in self.problems],
+                                     actuals[0].device if actuals else torch.device("cpu"))
+
+    def finish(self, host: np.ndarray, rtol: float, atols: Sequence[float],
+               actual_sqs: Sequence[float]) -> list[Tensor | None]:
+        """Coefficients per tensor (or None) from ``host``, the host copy of ``systems``."""
+        results: list[Tensor | None] = [None] * len(self.problems)
+        pending = [(index, vectors, target, rtol * math.sqrt(target_sq) + atol + _TINY)
+                   for index, ((vectors, target), atol, target_sq)
+                   in enumerate(zip(self.problems, atols, actual_sqs, strict=True))
+                   if len(vectors) and math.isfinite(target_sq)]
+        first = True
+        while pending:
+            if not first:  # the float64 normal equations of the failed float32 fits
+                pending = [p for p in pending if p[2].dtype != torch.float64]
+                if not pending:
+                    break
+                systems = [_normal_equations_float64(v, t) for _, v, t, _ in pending]
+                host = _to_host(_flat_systems(systems, pending[0][2].device)).numpy()
+            elif len(pending) < len(self.problems):
+                host = _select_systems(host, self.problems, [p[0] for p in pending])
+            first = False
+            pending = self._solve(pending, host, results)
+        return results
+
+    def _solve(self, pending: list, host: np.ndarray, results: list) -> list:
+        solved, offset = [], 0
+        for index, vectors, target, tolerance in pending:
+            k = len(vectors)
+            system = host[offset : offset + k * k + k]
+            offset += k * k + k
+            if not np.isfinite(system).all():
+                continue  # no fit exists: None
+            gram = torch.from_numpy(system[: k * k].reshape(k, k).copy())
+            rhs = torch.from_numpy(system[k * k :].copy())
+            coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
+            solved.append((index, vectors, target, tolerance, coefficients))
+        if not solved:
+            return []
+        device = solved[0][2].device
+        on_device = to_device(torch.cat([c for *_, c in solved]), device)
+        norms, offset = [], 0
+        for _, vectors, target, _, coefficients in solved:
+            c = on_device[offset : offset + coefficients.numel()].to(target.dtype)
+            offset += coefficients.numel()
+            scratch, _ = workspace().take("fit residual", target.shape, target.dtype,
+                                          target.device)
+            residual = torch.addmv(target, vectors.T, c, alpha=-1, out=scratch)
+            norms.append(torch.linalg.vector_norm(residual).to(device))
+        residuals = _to_host(torch.stack(norms)).tolist()
+        retry = []
+        for (index, vectors, target, tolerance, coefficients), residual in zip(
+                solved, residuals, strict=True):
+            if residual <= tolerance:
+                results[index] = coefficients
+            else:
+                retry.append((index, vectors, target, tolerance))
+        return retry
+
+
+def _flat_systems(systems: list[tuple[Tensor, Tensor]], device: torch.device) -> Tensor:
+    """[VVᵀ flat, Vᵀa] of every tensor in one float64 vector."""
+    parts = [part.reshape(-1).to(device) for gram, rhs in systems for part in (gram, rhs)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def _select_systems(host: np.ndarray, problems: list, keep: list[int]) -> np.ndarray:
+    """The parts of ``host`` (the flat systems of all ``problems``) of the tensors ``keep``."""
+    parts, offset = {}, 0
+    for index, (vectors, _) in enumerate(problems):
+        size = len(vectors) ** 2 + len(vectors)
+        parts[index] = host[offset : offset + size]
+        offset += size
+    return np.concatenate([parts[i] for i in keep]) if keep else host[:0]
+
+
+def _to_host(x: Tensor) -> Tensor:
+    """float64 copy on the CPU: the fit's read of the device."""
+    return x.detach().to("cpu", torch.float64)
+
+
+def to_device(x: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on ``device`` without waiting (pinned, non-blocking copy)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def _normal_equations(vectors: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-    """VVᵀ and Vᵀa in the tensors' dtype (two BLAS products), returned as float64 on CPU."""
-    return (vectors @ vectors.T).double().cpu(), (vectors @ target).double().cpu()
+    """VVᵀ and Vᵀa in the tensors' dtype (two BLAS products), as float64 on their device."""
+    return (vectors @ vectors.T).double(), (vectors @ target).double()
 
 
 # Elements per block of the float64 normal equations: the float64 copies stay in cache.
@@ -472,4 +572,4 @@ def _normal_equations_float64(vectors: Tensor, target: Tensor) -> tuple[Tensor, 
         block = vectors[:, start : start + _FLOAT64_BLOCK].double()
         gram.addmm_(block, block.T)
         rhs.addmv_(block, target[start : start + _FLOAT64_BLOCK].double())
-    return gram.cpu(), rhs.cpu()
+    return gram, rhs

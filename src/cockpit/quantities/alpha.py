@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine import update_prediction as up
+from cockpit.engine.readout import Later, Noted
 from cockpit.engine.tracker import GRADIENT, PROJECTIONS
 from cockpit.quantities.alpha_fit import Observations, compute_alpha
 from cockpit.quantities.base import Quantity, StepData, Value
@@ -51,10 +52,27 @@ _PREDICTED = "alpha/predicted"
 _PREVIOUS = "alpha/previous_update"
 
 
-def batch_mean_var(x: Tensor) -> tuple[float, float]:
-    """Mean and biased (1/|B|) variance, in float64 (Appendix B.2)."""
+def batch_mean_var(x: Tensor) -> Tensor:
+    """[mean, biased (1/|B|) variance] in float64 on x's device (Appendix B.2)."""
     x = x.double()
-    return float(x.mean()), float(x.var(unbiased=False)) if x.numel() > 1 else 0.0
+    if x.numel() > 1:
+        return torch.stack(torch.var_mean(x, correction=0)).flip(0)
+    return torch.cat([x.reshape(-1), torch.zeros(1, dtype=x.dtype, device=x.device)])
+
+
+def _no_slope(device: torch.device) -> Tensor:
+    return torch.full((2,), math.nan, dtype=torch.float64, device=device)
+
+
+def _alpha(length: float):
+    """α of ``step`` from the observations [loss mean, var, slope mean, var] at both ends."""
+
+    def value(obs0, obs1) -> Noted:
+        alpha, reason = compute_alpha(length, Observations(*map(float, obs0)),
+                                      Observations(*map(float, obs1)))
+        return Noted({"Alpha": alpha}, {"Alpha": reason} if reason is not None else {})
+
+    return value
 
 
 @dataclass
@@ -62,7 +80,7 @@ class _OpenStep:
     """What is known about step t before θ_{t+1} is observed."""
 
     step: int
-    loss: tuple[float, float]
+    loss: Tensor | None  # [mean, variance] of the losses at θ_t, on the device
     predicted: bool
     sgd: bool = False
     basis: dict[str, list[Tensor]] = field(default_factory=dict)
@@ -72,7 +90,7 @@ class _OpenStep:
     direction: dict[str, Tensor] | None = None  # s_t
     direction_length: float = math.nan  # ‖s_t‖
     moved: list[str] = field(default_factory=list)  # parameters with s_t ≠ 0
-    obs0: Observations | None = None
+    obs0: Tensor | None = None  # [loss mean, var, slope mean, var] at θ_t, on the device
 
 
 class Alpha(Quantity):
@@ -127,7 +145,7 @@ class Alpha(Quantity):
             sees_step_gradient = not request.split or request.defer
             predicted = not self._general and sees_step_gradient and up.supports(optimizer)
             is_sgd = up.supported_base(optimizer) is torch.optim.SGD
-            state = _OpenStep(step, (math.nan, math.nan), predicted, sgd=predicted and is_sgd)
+            state = _OpenStep(step, None, predicted, sgd=predicted and is_sgd)
             self._starting = state
         if state.predicted:
             request.direction_providers[_PREDICTED] = self._provider(
@@ -196,16 +214,37 @@ class Alpha(Quantity):
         state = self._open
         if state is None or state.step != data.step:
             return {}
-        sq_norms = data.update_sq_norms(update)
+        # one read of the device for the decisions below: ‖s_t‖² per parameter, the loss
+        # statistics, ‖θ_{t+1}‖ per projected parameter (the rounding of the update) and
+        # SGD's normal equations of the fit
+        names = [k for k in state.projections if k in update] if state.predicted else []
+        assert state.loss is not None
+        device = state.loss.device
+        fits = None
+        with torch.no_grad():
+            norms = (torch.stack(torch._foreach_norm([data.params[k] for k in names])).double()
+                     if names else state.loss[:0])
+            if state.sgd and not state.failure and all(k in state.basis for k in names):
+                fits = up.BasisFits([state.basis[k] for k in names], [update[k] for k in names])
+        systems = state.loss[:0] if fits is None else fits.systems.to(device)
+        host = torch.cat([data.update_sq_norm_vector(update), state.loss, norms.to(device),
+                          systems]).cpu().numpy()
+        sq_norms = dict(zip(update, host[: len(update)].tolist(), strict=True))
+        offset = len(update) + 2
+        loss = host[len(update) : offset].tolist()
+        theta_norms = host[offset : offset + len(names)].tolist()
+        noise = {k: torch.finfo(update[k].dtype).eps * v
+                 for k, v in zip(names, theta_norms, strict=True)}
+        fitted = None if fits is None else (fits, host[offset + len(names) :])
         length = math.sqrt(sum(sq_norms.values()))
-        if not math.isfinite(length) or not all(math.isfinite(v) for v in state.loss):
+        if not math.isfinite(length) or not all(math.isfinite(v) for v in loss):
             self._open = None
             data.notes["Alpha"] = "non-finite loss or update: α is undefined"
             return {"Alpha": math.nan}
         moved = [k for k, sq in sq_norms.items() if sq > 0]
         dots, reason = (
             (None, state.failure) if state.failure
-            else self._slopes(state, update, sq_norms, moved, data)
+            else self._slopes(state, update, sq_norms, moved, noise, fitted)
         )
         state.project = None
         state.basis = {}
@@ -221,16 +260,18 @@ class Alpha(Quantity):
             return {"Alpha": None}
         state.direction = {k: s.detach() for k, s in update.items()}
         state.direction_length, state.moved = length, moved
-        slope = batch_mean_var(dots / length) if length > 0 else (math.nan, math.nan)
-        state.obs0 = Observations(state.loss[0], state.loss[1], slope[0], slope[1])
+        slope = batch_mean_var(dots / length) if length > 0 else _no_slope(dots.device)
+        state.obs0 = torch.cat([state.loss, slope.to(state.loss.device)])
         return {}
 
     def _slopes(
         self, state: _OpenStep, update: dict[str, Tensor], sq_norms: dict[str, float],
-        moved: list[str], data: StepData,
+        moved: list[str], noise: dict[str, float], fitted: tuple | None = None,
     ) -> tuple[Tensor | None, str | None]:
         """s_tᵀ g_n(θ_t) for every sample, or None and the reason (``sq_norms``: ‖s_t‖² per
-        parameter, already measured)."""
+        parameter, already measured; ``noise``: ε·‖θ_{t+1}‖ per projected parameter, the
+        rounding of θ_{t+1} − θ_t: ≤ ε/2 per element; ``fitted``: SGD's fits and the host
+        copy of their normal equations)."""
         if not state.predicted:
             if state.project is None:
                 return None, "the layer calls were not kept at this step"
@@ -242,22 +283,27 @@ class Alpha(Quantity):
         if missing:
             return None, f"no individual gradients for updated parameter(s) {missing[:3]}"
         names = [k for k in state.projections if k in update]
-        # θ_{t+1} − θ_t is measured with the rounding error of θ_{t+1}: ≤ ε/2 per element
-        noise = {k: torch.finfo(update[k].dtype).eps * float(
-            torch.linalg.vector_norm(data.params[k].detach())) for k in names}
         if state.sgd:
+            if fitted is None:
+                return None, "the update was not predicted for every parameter"
+            fits, systems = fitted
+            coefficients = fits.finish(systems, self.rtol, [noise[k] for k in names],
+                                       [sq_norms[k] for k in names])
+            if any(c is None for c in coefficients):
+                return None, (
+                    "the real update is not an SGD step of the predicted form (the "
+                    "optimizer's state or hyperparameters changed behind its back, or the "
+                    "gradient changed after the `with` block, e.g. all-reduced after it)"
+                )
             total = None
-            for k in names:
-                coefficients = up.fit_basis_coefficients(
-                    state.basis[k], update[k], self.rtol, noise[k], actual_sq=sq_norms[k])
-                if coefficients is None:
-                    return None, (
-                        "the real update is not an SGD step of the predicted form (the "
-                        "optimizer's state or hyperparameters changed behind its back, or the "
-                        "gradient changed after the `with` block, e.g. all-reduced after it)"
-                    )
+            device = state.projections[names[0]].device if names else None
+            on_device = (up.to_device(torch.cat(coefficients).double(), device)
+                         if names else None)
+            offset = 0
+            for k, c in zip(names, coefficients, strict=True):
                 projection = state.projections[k].double()
-                dots = (coefficients.double().to(projection.device)[:, None] * projection).sum(0)
+                dots = (on_device[offset : offset + c.numel(), None] * projection).sum(0)
+                offset += c.numel()
                 total = dots if total is None else total + dots
             return total, None
         kappa = up.match_update(
@@ -292,10 +338,8 @@ class Alpha(Quantity):
             return
         length = state.direction_length
         dots = sum(p[0].double() for p in projections.values())
-        slope = batch_mean_var(dots / length) if length > 0 else (math.nan, math.nan)
         loss = batch_mean_var(data.losses)
-        obs1 = Observations(loss[0], loss[1], slope[0], slope[1])
-        alpha, reason = compute_alpha(length, state.obs0, obs1)
-        data.late.setdefault(state.step, {})["Alpha"] = alpha
-        if reason is not None:
-            data.late_notes.setdefault(state.step, {})["Alpha"] = reason
+        slope = batch_mean_var(dots / length) if length > 0 else _no_slope(loss.device)
+        obs1 = torch.cat([loss, slope.to(loss.device)])
+        data.late_values.setdefault(state.step, []).append(
+            Later(_alpha(length), state.obs0, obs1, name="Alpha"))

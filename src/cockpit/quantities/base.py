@@ -8,10 +8,17 @@ Instruments that need the update s_t = θ_{t+1} − θ_t also implement
 Values follow one contract: a float (NaN when the instrument saw non-finite numbers), None
 (not computed; the reason goes to ``notes``), or a dict of numpy arrays/floats. Per-parameter
 values use the name ``"<Instrument>/<parameter name>"``.
+
+``compute`` returns the values, or — so that the step never waits for the device — a
+:class:`~cockpit.engine.readout.Later`: the device tensors the values are made of and the
+function that makes them from their host copies. Cockpit copies every Later's tensors of a
+step to the host together and records the values at the next read (the next step's start,
+``get_output()``, ``close()``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,10 +27,12 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.histogram import BinSpec
+from cockpit.engine.readout import Later
 from cockpit.engine.statistics import BackwardStatistics
 from cockpit.schedules import Schedule, as_schedule
 
 Value = float | None | dict[str, Any]
+Values = dict[str, Value] | Later  # what compute() returns
 
 
 @dataclass
@@ -50,26 +59,33 @@ class StepData:
     unmerged: str | None = None
     late: dict[int, dict[str, Value]] = field(default_factory=dict)  # values of earlier steps
     late_notes: dict[int, dict[str, str]] = field(default_factory=dict)
+    late_values: dict[int, list[Later]] = field(default_factory=dict)  # ... still on the device
     warnings: list[str] = field(default_factory=list)
 
     @property
     def num_samples(self) -> int:
         return 0 if self.losses is None else int(self.losses.numel())
 
-    def grad_sq_norm(self, name: str) -> float:
-        """‖g_B‖² of one parameter tensor (computed once per step, float64 result)."""
-        cache = self.__dict__.setdefault("_grad_sq_norms", {})
-        if name not in cache:
-            cache[name] = sq_norm(self.batch_grads[name])
-        return cache[name]
+    def grad_sq_norms(self) -> Tensor:
+        """‖g_B‖² of every parameter tensor in the order of ``batch_grads``, float64 on the
+        device (one fused kernel, formed once per step)."""
+        cached = self.__dict__.get("_grad_sq_norms")
+        if cached is None:
+            cached = self.__dict__["_grad_sq_norms"] = sq_norms(list(self.batch_grads.values()))
+        return cached
 
-    def update_sq_norms(self, update: dict[str, Tensor]) -> dict[str, float]:
-        """‖s_t‖² per parameter tensor of the update s_t = θ_{t+1} − θ_t (computed once per
-        step: UpdateSize and Alpha read the same numbers)."""
+    def grad_sq_norm(self, name: str) -> float:
+        """‖g_B‖² of one parameter tensor as a float (reads the device: for instruments
+        outside the configurations only)."""
+        return float(self.grad_sq_norms()[list(self.batch_grads).index(name)])
+
+    def update_sq_norm_vector(self, update: dict[str, Tensor]) -> Tensor:
+        """‖s_t‖² per parameter tensor of the update s_t = θ_{t+1} − θ_t, in the order of
+        ``update``, float64 on the device (formed once per step: UpdateSize and Alpha read
+        the same numbers)."""
         cached = self.__dict__.get("_update_sq_norms")
         if cached is None or cached[0] is not update:
-            cached = self.__dict__["_update_sq_norms"] = (
-                update, {k: sq_norm(s) for k, s in update.items()})
+            cached = self.__dict__["_update_sq_norms"] = (update, sq_norms(list(update.values())))
         return cached[1]
 
 
@@ -113,6 +129,45 @@ def sq_norm(x: Tensor) -> float:
     """‖x‖² by one BLAS dot product in x's dtype (no temporary, no float64 copy)."""
     flat = x.detach().reshape(-1)
     return float(torch.dot(flat, flat)) if flat.is_floating_point() else float(flat.pow(2).sum())
+
+
+def sq_norms(tensors: list[Tensor]) -> Tensor:
+    """‖x‖² of every tensor as one float64 vector on their device. On a CPU one BLAS dot
+    product per tensor in its dtype (as fast as reading it once); elsewhere one fused norm
+    kernel for all (``torch._foreach_norm``), squared in float64."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    with torch.no_grad():
+        if tensors[0].device.type == "cpu":
+            return torch.stack([sq_norm_tensor(t) for t in tensors]).double()
+        return stacked_sq(torch._foreach_norm(tensors))
+
+
+def sq_norm_tensor(x: Tensor) -> Tensor:
+    """‖x‖² as a 0-dim tensor on x's device, by one dot product in x's dtype."""
+    flat = x.detach().reshape(-1)
+    return torch.dot(flat, flat) if flat.is_floating_point() else flat.pow(2).sum()
+
+
+def stacked_sq(norms: list[Tensor]) -> Tensor:
+    """[‖x_k‖²] from the norms ‖x_k‖ (0-dim tensors), float64 on the first one's device."""
+    device = norms[0].device
+    if any(n.device != device for n in norms):  # a model spread over devices
+        norms = [n.to(device, non_blocking=True) for n in norms]
+    return torch.stack(norms).double().square()
+
+
+def per_param_norms(name: str, names: list[str], sq: Tensor) -> Later:
+    """The global norm √(Σ_k ‖x_k‖²) and one norm per parameter tensor (``name`` and
+    ``name/<parameter>``) from the squared norms ``sq`` of the tensors ``names``."""
+
+    def values(sq_host) -> dict[str, Value]:
+        per_param = dict(zip(names, (float(v) for v in sq_host), strict=True))
+        total = math.sqrt(sum(per_param.values()))
+        return global_and_per_param(name, {k: math.sqrt(v) for k, v in per_param.items()},
+                                    total)
+
+    return Later(values, sq, name=name)
 
 
 def to_float(x: Tensor | float) -> float:

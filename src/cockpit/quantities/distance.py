@@ -4,38 +4,30 @@ parameter tensor. θ_0 are the parameters when the Cockpit was created; the upda
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from cockpit.engine.workspace import workspace
-from cockpit.quantities.base import Quantity, StepData, Value, global_and_per_param, sq_norm
-
-
-def _norms(name: str, per_param: dict[str, float]) -> dict[str, Value]:
-    """The global norm and one per parameter tensor from squared norms per tensor."""
-    total = math.sqrt(sum(per_param.values()))
-    return global_and_per_param(name, {k: math.sqrt(v) for k, v in per_param.items()}, total)
+from cockpit.quantities.base import Quantity, StepData, Values, per_param_norms, sq_norm_tensor
 
 
 class Distance(Quantity):
     needs_losses = False
 
-    def compute(self, data: StepData) -> dict[str, Value]:
+    def compute(self, data: StepData) -> Values:
         assert data.initial_params is not None
-        per_param = {}
+        sq = []
         for k, p in data.params.items():
-            # θ_t − θ_0 in scratch memory: a fresh parameter-sized tensor per step costs
-            # page faults on a CPU
+            # θ_t − θ_0 in scratch memory (a fresh parameter-sized tensor per step costs page
+            # faults on a CPU), its norm taken before the buffer serves the next parameter
             diff, _ = workspace().take("distance", p.shape, p.dtype, p.device)
-            per_param[k] = sq_norm(torch.sub(p.detach(), data.initial_params[k], out=diff))
-        return _norms("Distance", per_param)
+            sq.append(sq_norm_tensor(torch.sub(p, data.initial_params[k], out=diff)))
+        return per_param_norms("Distance", list(data.params), torch.stack(sq).double())
 
 
 class UpdateSize(Quantity):
     needs_losses = False
     needs_update = True
 
-    def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> dict[str, Value]:
-        return _norms("UpdateSize", data.update_sq_norms(update))
+    def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> Values:
+        return per_param_norms("UpdateSize", list(update), data.update_sq_norm_vector(update))

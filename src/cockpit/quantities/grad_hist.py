@@ -13,46 +13,75 @@ parameter bins over [−2, 2], outliers clamped. The marginals are the row and c
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
+from torch import Tensor
 
+from cockpit.engine.histogram import BinSpec
+from cockpit.engine.readout import Later
 from cockpit.engine.tracker import HIST1D, HIST2D
-from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.quantities.base import Quantity, StepData, Value, Values
+
+
+@functools.lru_cache(maxsize=16)
+def _edges(spec: BinSpec) -> np.ndarray:
+    edges = spec.edges(torch.float64, "cpu").numpy()
+    edges.flags.writeable = False
+    return edges
+
+
+def _counts(counts: dict[str, Tensor]) -> Tensor:
+    """The counts of every parameter as one int64 tensor [P, *bins] (one copy to the host)."""
+    return torch.stack(list(counts.values()))
 
 
 class GradHist1d(Quantity):
     needs = frozenset({HIST1D})
 
-    def compute(self, data: StepData) -> dict[str, Value]:
+    def compute(self, data: StepData) -> Values:
         stats = data.stats
         assert stats is not None
-        edges = data.hist_spec.edges(torch.float64, "cpu").numpy()
-        out: dict[str, Value] = {}
-        total = None
-        for name, counts in stats.hist1d.items():
-            c = counts.cpu().numpy().astype(np.int64)
-            total = c if total is None else total + c
-            out[f"GradHist1d/{name}"] = {"counts": c, "edges": edges}
-        if total is None:
-            total = np.zeros(data.hist_spec.bins, dtype=np.int64)
-        return {"GradHist1d": {"counts": total, "edges": edges}, **out}
+        edges = _edges(data.hist_spec)
+        names = list(stats.hist1d)
+        if not names:
+            counts = np.zeros(data.hist_spec.bins, dtype=np.int64)
+            return {"GradHist1d": {"counts": counts, "edges": edges}}
+
+        def values(stacked) -> dict[str, Value]:
+            per_param = stacked.astype(np.int64)
+            out: dict[str, Value] = {"GradHist1d": {"counts": per_param.sum(0),
+                                                    "edges": edges}}
+            for name, c in zip(names, per_param, strict=True):
+                out[f"GradHist1d/{name}"] = {"counts": c, "edges": edges}
+            return out
+
+        return Later(values, _counts(stats.hist1d), name="GradHist1d")
 
 
 class GradHist2d(Quantity):
     needs = frozenset({HIST2D})
 
-    def compute(self, data: StepData) -> dict[str, Value]:
+    def compute(self, data: StepData) -> Values:
         stats = data.stats
         assert stats is not None
         spec_g, spec_theta = data.hist2d_specs
-        edges_g = spec_g.edges(torch.float64, "cpu").numpy()
-        edges_theta = spec_theta.edges(torch.float64, "cpu").numpy()
-        out: dict[str, Value] = {}
-        total = np.zeros((spec_g.bins, spec_theta.bins), dtype=np.int64)
-        for name, counts in stats.hist2d.items():
-            c = counts.cpu().numpy().astype(np.int64)
-            total = total + c
-            out[f"GradHist2d/{name}"] = {"counts": c, "edges_grad": edges_g,
-                                         "edges_param": edges_theta}
-        return {"GradHist2d": {"counts": total, "edges_grad": edges_g,
-                               "edges_param": edges_theta}, **out}
+        edges_g, edges_theta = _edges(spec_g), _edges(spec_theta)
+        names = list(stats.hist2d)
+
+        def histogram(counts: np.ndarray) -> dict[str, np.ndarray]:
+            return {"counts": counts, "edges_grad": edges_g, "edges_param": edges_theta}
+
+        if not names:
+            return {"GradHist2d": histogram(
+                np.zeros((spec_g.bins, spec_theta.bins), dtype=np.int64))}
+
+        def values(stacked) -> dict[str, Value]:
+            per_param = stacked.astype(np.int64)
+            out: dict[str, Value] = {"GradHist2d": histogram(per_param.sum(0))}
+            for name, c in zip(names, per_param, strict=True):
+                out[f"GradHist2d/{name}"] = histogram(c)
+            return out
+
+        return Later(values, _counts(stats.hist2d), name="GradHist2d")

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
-from cockpit.quantities.base import Quantity, StepData, Value, global_and_per_param
+from cockpit.quantities.base import Quantity, StepData, Values, per_param_norms
 
 
 class GradNorm(Quantity):
     needs_losses = False
 
-    def compute(self, data: StepData) -> dict[str, Value]:
-        per_param = {name: data.grad_sq_norm(name) for name in data.batch_grads}
-        total = math.sqrt(sum(per_param.values()))
-        return global_and_per_param(
-            "GradNorm", {k: math.sqrt(v) for k, v in per_param.items()}, total
-        )
+    def compute(self, data: StepData) -> Values:
+        return per_param_norms("GradNorm", list(data.batch_grads), data.grad_sq_norms())

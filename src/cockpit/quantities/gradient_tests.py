@@ -16,9 +16,11 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
+from cockpit.engine.readout import Later, Noted
 from cockpit.engine.tracker import GRAM_MEAN, SQ_NORMS
-from cockpit.quantities.base import Quantity, StepData, Value, to_float
+from cockpit.quantities.base import Quantity, StepData, Value, Values
 
 
 class GradientTest(Quantity):
@@ -31,41 +33,71 @@ class GradientTest(Quantity):
         """The test's value from |B|, S, G and D2 = Σ_n d_n²."""
         raise NotImplementedError
 
-    def compute(self, data: StepData) -> dict[str, Value]:
+    def compute(self, data: StepData) -> Values:
         return compute_test(self.name, data, self.formula, self.needs)
 
 
 def compute_test(
     name: str, data: StepData, formula: Callable[[int, float, float, float], float],
     needs: frozenset[str],
-) -> dict[str, Value]:
+) -> Values:
+    """The test over all parameters (``name``) and per parameter tensor (``name/<k>``): S,
+    D2 and G are formed on the device per parameter (S_k, D2_k = Σ_n d_{n,k}², and
+    D2 = Σ_n (Σ_k d_{n,k})² for the whole network), the formula on the host."""
     stats = data.stats
     assert stats is not None
     n = stats.num_samples
     if n < 2:
         data.notes[name] = "undefined for a batch of one sample (divides by |B| − 1)"
         return {name: None}
-
-    def value(names: list[str]) -> float:
-        G = sum(data.grad_sq_norm(k) for k in names)
-        if G == 0.0:
-            return math.nan
-        S = D2 = math.nan
-        if SQ_NORMS in needs:
-            S = sum(to_float(stats.sq_norms[k].double().sum()) for k in names)
-        if GRAM_MEAN in needs:
-            d = sum(stats.gram_mean[k].double() for k in names)
-            D2 = to_float(torch.as_tensor(d).pow(2).sum())
-        return formula(n, S, G, D2)
-
     per_sample = stats.sq_norms if SQ_NORMS in needs else stats.gram_mean
     names = [k for k in per_sample if k in data.batch_grads]
-    out: dict[str, Value] = {name: value(names)}
-    if sum(data.grad_sq_norm(k) for k in names) == 0.0:
-        data.notes[name] = "mini-batch gradient is zero: the test divides by ‖g_B‖"
-    for k in names:
-        out[f"{name}/{k}"] = value([k])
-    return out
+    position = {k: i for i, k in enumerate(data.batch_grads)}
+    rows = [position[k] for k in names]
+    tensors = [data.grad_sq_norms()]
+    if SQ_NORMS in needs:
+        tensors.append(_cached(data, ("S", *names), lambda: _row_sums(stats.sq_norms, names)))
+    if GRAM_MEAN in needs:
+        tensors.extend(_cached(data, ("D2", *names), lambda: _d2(stats.gram_mean, names)))
+
+    def values(G_all, *host) -> Noted:
+        G_k = [float(G_all[i]) for i in rows]
+        S_k = list(map(float, host[0])) if SQ_NORMS in needs else [math.nan] * len(names)
+        if GRAM_MEAN in needs:
+            D2_k, D2 = list(map(float, host[-2])), float(host[-1])
+        else:
+            D2_k, D2 = [math.nan] * len(names), math.nan
+
+        def value(G: float, S: float, D2: float) -> float:
+            return math.nan if G == 0.0 else formula(n, S, G, D2)
+
+        G = sum(G_k)
+        out: dict[str, Value] = {name: value(G, sum(S_k), D2)}
+        for k, G1, S1, D21 in zip(names, G_k, S_k, D2_k, strict=True):
+            out[f"{name}/{k}"] = value(G1, S1, D21)
+        notes = ({name: "mini-batch gradient is zero: the test divides by ‖g_B‖"}
+                 if G == 0.0 else {})
+        return Noted(out, notes)
+
+    return Later(values, *tensors, name=name)
+
+
+def _cached(data: StepData, key: tuple, make: Callable):
+    cache = data.__dict__.setdefault("_gradient_test_sums", {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _row_sums(per_sample: dict[str, Tensor], names: list[str]) -> Tensor:
+    """[Σ_n x_{n,k}]_k in float64 from one [N] vector per parameter."""
+    return torch.stack([per_sample[k] for k in names]).double().sum(1)
+
+
+def _d2(gram_mean: dict[str, Tensor], names: list[str]) -> tuple[Tensor, Tensor]:
+    """D2_k = Σ_n d_{n,k}² per parameter and D2 = Σ_n (Σ_k d_{n,k})², float64."""
+    d = torch.stack([gram_mean[k] for k in names]).double()
+    return d.square().sum(1), d.sum(0).square().sum()
 
 
 def sqrt_nonneg(x: float) -> float:

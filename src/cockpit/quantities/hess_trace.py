@@ -15,28 +15,41 @@ from __future__ import annotations
 
 import math
 
+import torch
+from torch import Tensor
+
 from cockpit.curvature.diagonal import GGN
-from cockpit.quantities.base import StepData, Value, global_and_per_param, to_float
+from cockpit.engine.readout import Later, Noted
+from cockpit.quantities.base import StepData, Values, global_and_per_param
 from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity, standard_error
 
 
 class HessTrace(DiagonalCurvatureQuantity):
     fallback = "hutchinson"
 
-    def compute(self, data: StepData) -> dict[str, Value]:
+    def compute(self, data: StepData) -> Values:
         if self.skip_non_finite(data):
             return {"HessTrace": math.nan}
         diagonal = self.take_diagonal(data)
-        per_param = {k: to_float(d.double().sum()) for k, d in diagonal.items()}
-        total = math.fsum(per_param.values())
-        out = global_and_per_param("HessTrace", per_param, total)
+        names = list(diagonal)
         replicates = self.replicate_diagonals(data)
-        stderr = None
-        if replicates is not None:
-            stderr = standard_error(
-                [math.fsum(to_float(d.double().sum()) for d in r.values()) for r in replicates])
-            out["HessTrace.stderr"] = stderr
-        if self.method_used in GGN:
-            out["HessTrace.ggn"] = 1.0
-        data.notes["HessTrace"] = self.describe(data, "HessTrace", stderr)
-        return out
+        sums = [_sums(diagonal)] + ([] if replicates is None else [_sums(r) for r in replicates])
+        ggn = self.method_used in GGN
+
+        def values(per_param_sums, *replicate_sums) -> Noted:
+            per_param = dict(zip(names, map(float, per_param_sums), strict=True))
+            out = global_and_per_param("HessTrace", per_param, math.fsum(per_param.values()))
+            stderr = None
+            if replicate_sums:
+                stderr = standard_error([math.fsum(map(float, r)) for r in replicate_sums])
+                out["HessTrace.stderr"] = stderr
+            if ggn:
+                out["HessTrace.ggn"] = 1.0
+            return Noted(out, {"HessTrace": self.describe(data, "HessTrace", stderr)})
+
+        return Later(values, *sums, name="HessTrace")
+
+
+def _sums(diagonal: dict[str, Tensor]) -> Tensor:
+    """Σ_j of every parameter's diagonal, float64 [P] on the device."""
+    return torch.stack([d.double().sum() for d in diagonal.values()])

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from cockpit.quantities.base import Quantity, StepData, Value, to_float
+from cockpit.engine.readout import Later
+from cockpit.quantities.base import Quantity, StepData, Values
 
 
 class Loss(Quantity):
-    def compute(self, data: StepData) -> dict[str, Value]:
+    def compute(self, data: StepData) -> Values:
         assert data.losses is not None
-        return {"Loss": to_float(data.losses.double().mean())}
+        return Later(lambda mean: {"Loss": float(mean)}, data.losses.double().mean(),
+                     name="Loss")

@@ -21,8 +21,9 @@ import math
 
 import torch
 
+from cockpit.engine.readout import Later, Noted
 from cockpit.engine.tracker import SQ_NORMS, SUM_SQ
-from cockpit.quantities.base import StepData, Value, to_float
+from cockpit.quantities.base import StepData, Value, Values, to_float
 from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity, standard_error
 
 
@@ -37,30 +38,37 @@ class _TIC(DiagonalCurvatureQuantity):
 class TICDiag(_TIC):
     needs = frozenset({SUM_SQ})
 
-    def compute(self, data: StepData) -> dict[str, Value]:
+    def compute(self, data: StepData) -> Values:
         if self.skip_non_finite(data):
             return {"TICDiag": math.nan}
         diagonal = self.take_diagonal(data)
         stats = data.stats
         assert stats is not None
         n = stats.num_samples
-        total = 0.0
-        slopes: dict[str, torch.Tensor] = {}
+        terms, slopes = [], {}
         for name, second_moment in stats.sum_sq.items():
             h = diagonal[name].double()
             curvature = h.clamp(min=0) + self.eps
-            total += to_float((second_moment.double() / curvature).sum())
+            terms.append((second_moment.double() / curvature).sum())
             slopes[name] = -(second_moment.double() / curvature.pow(2)) * (h > 0) / n
-        out: dict[str, Value] = {"TICDiag": total / n}
-        stderr = None
         replicates = self.replicate_diagonals(data)
+        parts = [torch.stack(terms) if terms else torch.zeros(0, dtype=torch.float64)]
         if replicates is not None:
-            stderr = standard_error([
-                math.fsum(to_float((slopes[k] * r[k].double()).sum()) for k in slopes)
-                for r in replicates])
-            out["TICDiag.stderr"] = stderr
-        data.notes["TICDiag"] = self.describe(data, "TICDiag", stderr)
-        return out
+            parts.append(torch.stack([torch.stack([(slopes[k] * r[k].double()).sum()
+                                                   for k in slopes]) for r in replicates]))
+
+        def values(term_sums, replicate_sums=None) -> Noted:
+            total = 0.0
+            for term in term_sums:
+                total += float(term)
+            out: dict[str, Value] = {"TICDiag": total / n}
+            stderr = None
+            if replicate_sums is not None:
+                stderr = standard_error([math.fsum(map(float, r)) for r in replicate_sums])
+                out["TICDiag.stderr"] = stderr
+            return Noted(out, {"TICDiag": self.describe(data, "TICDiag", stderr)})
+
+        return Later(values, *parts, name="TICDiag")
 
 
 class TICTrace(_TIC):
