@@ -122,13 +122,13 @@ def test_a_tracked_step_waits_for_the_device_at_most_a_few_times(config, monkeyp
 
 
 def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
-    """Economy on 3C3D against the same step without Cockpit (was 21× before the step
-    stopped reading the device per number)."""
+    """Economy on 3C3D against the same step without Cockpit: 16× at |B| = 32 (21× before
+    the step stopped reading the device per number; the goal is 3×). A regression bound."""
     monkeypatch.setattr(histogram_device, "_forced", True)
     tracked, _, _ = count_step(monkeypatch, "economy")
     untracked, _, _ = count_step(monkeypatch, None)
     ratio = sum(tracked.values()) / sum(untracked.values())
-    assert ratio <= 16, (ratio, tracked.most_common(8))
+    assert ratio <= 18, (ratio, tracked.most_common(8))
 
 
 @pytest.mark.cuda
