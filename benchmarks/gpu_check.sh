@@ -45,7 +45,9 @@ fi
 
 echo "== (a) tests marked cuda"
 if [ "$cuda" = 1 ]; then
-    test_paths=(tests)   # every cuda-marked test of the project
+    # the files that hold cuda-marked tests (collecting the rest would import packages,
+    # e.g. optuna, that a GPU machine may lack)
+    mapfile -t test_paths < <(grep -l "mark.cuda\|pytestmark.*cuda" tests/test_*.py)
 else
     test_paths=(tests/test_cuda.py)   # collecting the whole suite only to skip it is slow
 fi
