@@ -27,7 +27,13 @@ from torch import Tensor, nn
 
 from cockpit.configurations import configuration
 from cockpit.engine import distributed as ranks
-from cockpit.engine.histogram import BinSpec, warn_if_slow
+from cockpit.engine.histogram import (
+    AutoRange,
+    BinSpec,
+    choose_auto_spec,
+    regroup,
+    warn_if_slow,
+)
 from cockpit.engine.reduction import StepReduction
 from cockpit.engine.request import StepRequest
 from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
@@ -52,7 +58,10 @@ class Cockpit:
             configuration name (``"economy"``, ``"business"``, ``"full"``) or None (economy).
         optimizer: the optimizer whose steps are watched (needed by UpdateSize, CABS and the
             learning-rate panel). Its ``step()`` is observed through torch's step hooks.
-        hist_bins: bins of GradHist1d (default: 100 over [−2, 2], as in the paper).
+        hist_bins: bins of GradHist1d. Default: 100 bins over a range set once, at the
+            first tracked step, to hold all but 1e-4 of that step's elements (a power of two
+            bin width; the edge bins hold exactly the elements beyond it), then kept so that
+            steps stay comparable. ``BinSpec(-2.0, 2.0, 100)`` is the paper's fixed range.
         hist2d_bins: (gradient bins, parameter bins) of GradHist2d.
         sinks: objects with ``write_step(step, values, notes)`` and ``close()``.
         logdir: directory of a crash-safe run log (see :mod:`cockpit.store`).
@@ -103,7 +112,7 @@ class Cockpit:
         quantities: Sequence[Quantity] | str | None = None,
         *,
         optimizer: torch.optim.Optimizer | None = None,
-        hist_bins: BinSpec = BinSpec(-2.0, 2.0, 100),  # noqa: B008 (frozen dataclass)
+        hist_bins: BinSpec | None = None,
         hist2d_bins: tuple[BinSpec, BinSpec] = (BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)),
         sinks: Iterable[Any] = (),
         logdir: str | None = None,
@@ -141,15 +150,16 @@ class Cockpit:
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.strict = strict
-        self.hist_spec = hist_bins
+        self.hist_spec: BinSpec | AutoRange = AutoRange() if hist_bins is None else hist_bins
         self.hist2d_specs = hist2d_bins
         used = {type(q).__name__ for q in quantities}
-        for spec, name, user in ((hist_bins, "hist_bins", "GradHist1d"),
+        fixed = () if hist_bins is None else ((hist_bins, "hist_bins", "GradHist1d"),)
+        for spec, name, user in (*fixed,
                                  (hist2d_bins[0], "hist2d_bins[0]", "GradHist2d"),
                                  (hist2d_bins[1], "hist2d_bins[1]", "GradHist2d")):
             if user in used:
                 warn_if_slow(spec, name)
-        self.tracker = ModuleTracker(model, hist_bins, hist2d_bins, strict=strict)
+        self.tracker = ModuleTracker(model, self.hist_spec, hist2d_bins, strict=strict)
         self._params = dict(self.tracker.params)
         self._check_optimizer_owns_parameters()
         self._watch = OutsideBackwardWatch(
@@ -505,6 +515,20 @@ class Cockpit:
             self._measure_gradient_mismatch()
             self._finalize_open_step()
 
+    def _settle_hist_range(self, stats: BackwardStatistics) -> None:
+        """At the first tracked step with histograms of every layer, the automatic range is
+        chosen from their magnitude counts (summed over micro-batches and processes, so
+        every process chooses the same) and the step's counts regrouped into it."""
+        if not isinstance(self.hist_spec, AutoRange) or not stats.hist1d:
+            return
+        if not stats.valid:
+            stats.hist1d = {}
+            return
+        total = sum(c.double().cpu() for c in stats.hist1d.values())
+        spec = choose_auto_spec(total.numpy(), self.hist_spec.outside)
+        stats.hist1d = {name: regroup(c, spec) for name, c in stats.hist1d.items()}
+        self.hist_spec = self.tracker.hist_spec = spec
+
     def _measure_gradient_mismatch(self) -> None:
         """GradientMismatch of the open step: the gradient the optimizer is about to step on
         against the batch gradient of the backward passes Cockpit saw (single process)."""
@@ -533,6 +557,7 @@ class Cockpit:
         step, tracked = open_step.step, open_step.tracked
         reduction = open_step.reduction
         stats = reduction.finish()
+        self._settle_hist_range(stats)
         not_global = self._ranks_step_apart(step)
         self._prepare_failures = open_step.prepare_failures
         data = self._step_data(step, stats, open_step.elapsed)

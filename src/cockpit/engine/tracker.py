@@ -31,7 +31,7 @@ from torch.nn.utils.rnn import PackedSequence
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
 from cockpit.curvature.diag_hessian import is_activation
 from cockpit.engine.broadcast import BroadcastTap, consumers_of, find_paths, per_sample_delta
-from cockpit.engine.histogram import BinSpec
+from cockpit.engine.histogram import AutoRange, BinSpec, magnitude_counts
 from cockpit.engine.request import StepRequest
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
 from cockpit.engine.rules.fallback import (
@@ -139,7 +139,7 @@ class ModuleTracker:
     def __init__(
         self,
         model: nn.Module,
-        hist_spec: BinSpec,
+        hist_spec: BinSpec | AutoRange,
         hist2d_specs: tuple[BinSpec, BinSpec],
         strict: bool = False,
     ):
@@ -744,7 +744,9 @@ class ModuleTracker:
         if VAR_SUM in needs:
             stats.var_sum[name] = sg.centered_sum_sq()
         if HIST1D in needs:
-            stats.hist1d[name] = sg.histogram(self.hist_spec)
+            stats.hist1d[name] = (magnitude_counts(sg.chunks())
+                                  if isinstance(self.hist_spec, AutoRange)
+                                  else sg.histogram(self.hist_spec))
         if HIST2D in needs:
             spec_g, spec_theta = self.hist2d_specs
             stats.hist2d[name] = sg.histogram2d(self.params[name].detach(), spec_g, spec_theta)

@@ -156,7 +156,7 @@ def figure_size(output: Mapping, *, diagnosis: bool = True) -> tuple[float, floa
 
 def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
                  fig: Figure | None = None,
-                 hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
+                 hist_range: tuple[float, float] | str | None = "auto",
                  title: str | None = None, notes: Mapping[int, Mapping[str, str]] | None = None,
                  diagnosis: bool = True, findings: Sequence[Any] | None = None) -> Figure:
     """Draw the cockpit view of a run's output ``{step: {name: value}}``.
@@ -167,7 +167,8 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
         meta: Run metadata; the model and optimizer go into the figure's title.
         fig: Figure to draw into (it is cleared); default a new figure sized to the
             panels (not registered with pyplot, so it is safe in threads and servers).
-        hist_range: x range of the gradient-element histogram (None: its edges).
+        hist_range: x range of the gradient-element histogram: ``"auto"`` its edges where
+            Cockpit set the range from the data, else the paper's [−2, 2]; None: its edges.
         title: Overrides the title made from ``meta``.
         notes: ``{step: {name: reason}}`` (``Cockpit.get_notes()``, the run log's notes):
             a panel without values says why.

@@ -399,7 +399,10 @@ def hist_range_notes(hist: Histogram, lo: float, hi: float) -> list[str]:
     e0, e1 = float(hist.edges[0]), float(hist.edges[-1])
     reach = f"±{e1:g}" if e0 == -e1 else f"[{e0:g}, {e1:g}]"
     edge = hist.edge_bins()
-    if lo <= e0 and hi >= e1:
+    if hist.inner is not None and lo <= e0 and hi >= e1:
+        notes.append(f"{edge:,} elements ({edge / hist.total:.2%}) beyond ±{hist.inner:.3g}, "
+                     "in the edge bins")
+    elif lo <= e0 and hi >= e1:
         notes.append(f"≤{edge:,} elements ({edge / hist.total:.2%}) beyond {reach}, "
                      "in the edge bins" if edge else f"no element beyond {reach}")
     else:
@@ -440,15 +443,16 @@ def _draw_zoom(ax: Axes, hist: Histogram, lo: float, hi: float) -> Axes | None:
 
 
 def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
-                      hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
+                      hist_range: tuple[float, float] | str | None = "auto",
                       step: int | None = None, name: str = "GradHist1d",
                       title: str | None = None, compact: bool = False, **_: Any) -> Axes:
     """Histogram of the |B|×D individual gradient elements (eq. 15), log count axis, at
     ``step`` (default: the last step with any finite element, so a run whose gradients
     became NaN shows its last finite step and says so).
 
-    ``hist_range`` is the x range (default the paper's deliberate [−2, 2], so badly scaled
-    data stand out; None: the recorded edges). The panel says how many elements lie
+    ``hist_range`` is the x range: ``"auto"`` (default) the recorded edges where Cockpit set
+    the range from the data, else the paper's deliberate [−2, 2], so badly scaled data stand
+    out; None: the recorded edges; or (lo, hi). The panel says how many elements lie
     beyond that range (:func:`hist_range_notes`) and zooms on the data's own range in an
     inset when the data occupy a small part of it (:func:`_draw_zoom`)."""
     ax = fig.add_subplot(spec)
@@ -467,6 +471,8 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
     ax.set_yscale("log")
     ax.set_ylim(bottom=0.8, top=hist.counts.max() * 60)  # headroom for the notes
     lo, hi = float(hist.edges[0]), float(hist.edges[-1])
+    if hist_range == "auto":
+        hist_range = None if hist.inner is not None else S.GRAD_HIST_RANGE
     if hist_range is not None:
         lo, hi = hist_range
     ax.set_xlim(lo, hi)

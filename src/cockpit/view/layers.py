@@ -76,7 +76,8 @@ def describe_layer(hist: Histogram, lo: float, hi: float) -> list[str]:
     """The notes of one layer panel: elements, spread and what lies outside the view."""
     notes = [f"{hist.total:,} elements", f"99 % within ±{hist.central():.3g}"]
     edge = hist.edge_bins()
-    beyond = f"≤{edge:,} beyond ±{max(abs(hist.edges[0]), abs(hist.edges[-1])):g}"
+    beyond = (f"{edge:,} beyond ±{hist.inner:.3g}" if hist.inner is not None else
+              f"≤{edge:,} beyond ±{max(abs(hist.edges[0]), abs(hist.edges[-1])):g}")
     if (lo, hi) == (hist.edges[0], hist.edges[-1]):
         if edge:
             notes.append(beyond + " (edge bins)")
