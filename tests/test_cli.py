@@ -27,6 +27,8 @@ def test_demo_writes_run_log_figure_and_summary(tmp_path, capsys):
     assert sorted(output) == list(range(12))
     assert all(math.isfinite(output[s]["NormTest"]) for s in output)
     assert all(isinstance(output[s]["Alpha"], float) for s in range(11))
+    for s in (0, 11):  # the headline instrument shows a shape, not a spike in 2 bins
+        assert int((output[s]["GradHist1d"]["counts"] > 0).sum()) >= 20
 
     assert main(["export", str(logdir), "--format", "json", "-o", str(tmp_path / "r.json")]) == 0
     exported = json.loads((tmp_path / "r.json").read_text())

@@ -203,7 +203,7 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
                                "meta": meta}
     if "Findings" in gray:
         options["findings"], options["diagnosis_error"] = (
-            (list(findings), None) if findings is not None else run_diagnosis(out))
+            (list(findings), None) if findings is not None else run_diagnosis(out, notes))
     if upper and gray:
         outer = fig.add_gridspec(2, 1, height_ratios=[2.9 * rows, 2.3])
         top_spec, bottom_spec = outer[0], outer[1]

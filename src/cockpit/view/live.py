@@ -337,14 +337,16 @@ async function loadFindings() {{
   const items = [];
   if (d.error) items.push(el("li", d.error, "info"));
   const problems = d.findings.filter(f => f.severity !== "info");
-  if (!d.error && !problems.length)
+  const skipped = d.findings.filter(f => f.code === "checks_skipped");
+  if (!d.error && !problems.length && !skipped.length)
     items.push(el("li", "✓ no problem named by diagnose()", "ok"));
   for (const f of d.findings) {{
     const li = el("li", undefined, f.severity);
     li.dataset.code = f.code;
     const where = f.parameters.length ? " (" + f.parameters.join(", ") + ")" : "";
     li.append(el("b", f.code + where + ": "), document.createTextNode(f.message));
-    if (f.advice) li.append(el("span", "try: " + f.advice, "advice"));
+    if (f.code === "checks_skipped") li.append(el("span", f.evidence.join("; "), "advice"));
+    else if (f.advice) li.append(el("span", "try: " + f.advice, "advice"));
     li.title = f.evidence.join("\\n");
     items.push(li);
   }}
