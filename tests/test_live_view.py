@@ -67,10 +67,46 @@ def test_plot_run_and_main_plot_read_the_run_log(tmp_path) -> None:
     write_run(small, synthetic_output("economy", num_steps=20, every=10, seed=4,
                                       instruments=("Loss", "GradHist1d")))
     assert main_plot([str(small), "--layers", str(tmp_path / "layers.pdf"), "--dpi", "40"]) == 0
-    assert (small / "cockpit_view.png").read_bytes().startswith(b"\x89PNG")
     assert (tmp_path / "layers.pdf").read_bytes().startswith(b"%PDF")
+    assert not (small / "cockpit_view.png").exists()  # --layers draws only the layers
+    assert main_plot([str(small), "--dpi", "40"]) == 0
+    assert (small / "cockpit_view.png").read_bytes().startswith(b"\x89PNG")
     assert main_plot([str(tmp_path / "missing")]) == 2
     assert main_plot([str(small), "-o", str(tmp_path / "v.gif")]) == 2
+
+
+def test_plot_options_act_or_are_refused(tmp_path, capsys) -> None:
+    """--step draws the run as at that step (with or without --layers); a step that was
+    not tracked, a missing run and a run without steps are refused with what to do."""
+    from cockpit.store import read_output
+
+    run = tmp_path / "run"
+    output = synthetic_output("economy", num_steps=40, every=10, seed=3, per_param=True)
+    write_run(run, output, synthetic_meta())
+    assert main_plot([str(run), "-o", str(tmp_path / "last.png"), "--dpi", "40"]) == 0
+    assert main_plot([str(run), "--step", "10", "-o", str(tmp_path / "s10.png"),
+                      "--dpi", "40"]) == 0
+    assert (tmp_path / "s10.png").read_bytes() != (tmp_path / "last.png").read_bytes()
+    from cockpit.view import plot_cockpit
+
+    recorded = read_output(run)
+    fig = plot_cockpit({s: v for s, v in recorded.items() if s <= 10})
+    loss = next(ax for ax in fig.axes if ax.get_title(loc="left") == S.PANEL_TITLES["Loss"])
+    assert list(loss.get_lines()[0].get_xdata()) == [0, 10]
+    assert main_plot([str(run), "--layers", str(tmp_path / "l10.png"), "--step", "10",
+                      "--dpi", "40"]) == 0
+    assert main_plot([str(run), "--layers", str(tmp_path / "l40.png"), "--dpi", "40"]) == 0
+    assert (tmp_path / "l10.png").read_bytes() != (tmp_path / "l40.png").read_bytes()
+    capsys.readouterr()
+    assert main_plot([str(run), "--step", "15"]) == 2
+    assert "step 15 was not tracked" in capsys.readouterr().err
+    assert main_plot([str(tmp_path / "nonexist")]) == 2
+    assert "no such run directory or file: " in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    write_run(empty, {})
+    assert main_plot([str(empty)]) == 1
+    assert "holds no tracked step yet" in capsys.readouterr().err
+    assert not (empty / "cockpit_view.png").exists()
 
 
 def test_live_plot_redraws_the_same_figure(tmp_path) -> None:
