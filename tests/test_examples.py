@@ -1,5 +1,5 @@
-"""Every script in examples/ (subfolders too) runs with its default arguments, in a fresh process whose
-working directory is a temporary one (so default output paths land there).
+"""Every script in examples/ (subfolders too) runs with its default arguments, in a fresh
+process whose working directory is a temporary one (so default output paths land there).
 
 An example too slow for the test suite declares shorter arguments in one line of its
 source, e.g. ``# test-arguments: --steps 40``; everything else runs exactly as a user
