@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from cockpit._stacklevel import user_stacklevel
 from cockpit.configurations import configuration
 from cockpit.engine import distributed as ranks
 from cockpit.engine.histogram import (
@@ -420,7 +421,7 @@ class Cockpit:
                 "pass the optimizer that trains this model (Cockpit(model, ..., optimizer=opt)). "
                 "Its learning rate and settings are not recorded as the model's, and the "
                 "update instruments (UpdateSize, Alpha) measure steps that do not change this "
-                "model", RuntimeWarning, stacklevel=3)
+                "model", RuntimeWarning, stacklevel=user_stacklevel())
         elif missing:
             warnings.warn(
                 f"the optimizer passed to Cockpit ({kind}) does not own {len(missing)} of the "
@@ -428,7 +429,7 @@ class Cockpit:
                 "If another optimizer trains them, Cockpit sees only this one's steps (Alpha "
                 "and UpdateSize describe the parameters this optimizer moves; its learning rate "
                 "is recorded for its own parameters only); freeze them (requires_grad=False) "
-                "if nothing should train them", RuntimeWarning, stacklevel=3)
+                "if nothing should train them", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _model_param_groups(self) -> list[dict]:
         """The optimizer's parameter groups that hold parameters of the model."""
@@ -603,7 +604,7 @@ class Cockpit:
             "rank 0): its values describe this process's own batch, not the global one. For "
             "the global batch, create Cockpit in every process (each watches the same "
             "training; only rank 0 writes); Cockpit(..., distributed=False) says 'this process "
-            "alone' without this check's wait", RuntimeWarning, stacklevel=4)
+            "alone' without this check's wait", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _ranks_step_apart(self, step: int) -> str | None:
         """With combined processes: the reason the global values describe no step, if the
@@ -758,11 +759,12 @@ class Cockpit:
                 raise
             self._warn(f"Cockpit sink failed: {error}", key=f"sink:{type(error).__name__}")
 
-    def _warn(self, message: str, key: str | None = None, stacklevel: int = 4) -> None:
+    def _warn(self, message: str, key: str | None = None, stacklevel: int | None = None) -> None:
+        """Warn once per key, at the user's line (``stacklevel`` is not used any more)."""
         key = key or message
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+            warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
     def _metadata(self) -> dict[str, Any]:
         import platform

@@ -56,7 +56,8 @@ def _no_data(ax: Axes, message: str = "tracked, but not computed yet") -> None:
 
 def note_for(notes: Notes | None, names: list[str] | tuple[str, ...]) -> str | None:
     """The recorded reason why ``names`` have no value: the most frequent note of these
-    instruments over the run (ties: the latest), or None without notes."""
+    instruments over the run (ties: the latest; without a leading "not computed: "), or
+    None without notes."""
     if not notes:
         return None
     seen: dict[str, tuple[int, int]] = {}
@@ -68,7 +69,8 @@ def note_for(notes: Notes | None, names: list[str] | tuple[str, ...]) -> str | N
                 seen[reason] = (count + 1, step)
     if not seen:
         return None
-    return max(seen.items(), key=lambda kv: kv[1])[0]
+    reason = max(seen.items(), key=lambda kv: kv[1])[0]
+    return reason.removeprefix("not computed: ")  # the panels say "not computed" themselves
 
 
 def _missing_message(output: Output, names: list[str], notes: Notes | None) -> str:
@@ -445,7 +447,8 @@ def _draw_zoom(ax: Axes, hist: Histogram, lo: float, hi: float) -> Axes | None:
 def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
                       hist_range: tuple[float, float] | str | None = "auto",
                       step: int | None = None, name: str = "GradHist1d",
-                      title: str | None = None, compact: bool = False, **_: Any) -> Axes:
+                      title: str | None = None, compact: bool = False,
+                      notes: Notes | None = None, **_: Any) -> Axes:
     """Histogram of the |B|×D individual gradient elements (eq. 15), log count axis, at
     ``step`` (default: the last step with any finite element, so a run whose gradients
     became NaN shows its last finite step and says so).
@@ -462,7 +465,9 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
     hist = histogram_at(output, name, step)
     if hist is None or hist.total == 0:
         recorded = last_recorded_step(output, name)
-        _no_data(ax, "no histogram yet" if recorded is None else
+        reason = note_for(notes, [name])
+        _no_data(ax, _wrap(f"not computed: {reason}") if recorded is None and reason else
+                 "no histogram yet" if recorded is None else
                  f"no finite gradient element recorded (last recorded step {recorded})")
         return ax
     # One step artist (not one bar per bin): empty bins fall to the baseline below the axis.
@@ -493,7 +498,7 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
 
 
 def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
-                      step: int | None = None, **_: Any) -> Axes:
+                      step: int | None = None, notes: Notes | None = None, **_: Any) -> Axes:
     """2-D histogram of (θ_j, g_n,j) pairs (eq. 16) with both marginals, log colors."""
     sub = spec.subgridspec(2, 2, width_ratios=[4, 1], height_ratios=[1, 3.2],
                            wspace=0.04, hspace=0.06)
@@ -502,7 +507,8 @@ def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
     fields = ("counts", "edges_grad", "edges_param")
     found = structured_at(output, "GradHist2d", fields, step)
     if found is None:
-        _no_data(top, "no histogram yet")
+        reason = note_for(notes, ["GradHist2d"])
+        _no_data(top, _wrap(f"not computed: {reason}") if reason else "no histogram yet")
         return top
     at, hist = found
     counts = np.asarray(hist["counts"], dtype=np.float64)
