@@ -46,3 +46,22 @@ def test_example_training_loop_runs(tmp_path):
     assert math.isfinite(output[25]["HessTrace"]) and math.isfinite(output[25]["HessMaxEV"])
     assert output[24]["Alpha"] is not None
     assert read_output(tmp_path / "run")[25]["MeanGSNR"] == output[25]["MeanGSNR"]
+
+
+def test_demo_gives_the_same_numbers_on_every_run(tmp_path):
+    """Seeded initialization, data split and batch order: the training is the same on every
+    run (the loss exactly); Cockpit's instruments agree to rounding (it times several exact
+    ways to form a convolution's individual gradients and keeps the fastest, which may
+    differ between runs in the last bits)."""
+    runs = []
+    for name in ("a", "b"):
+        assert main(["demo", "--steps", "8", "--no-plot", "--logdir", str(tmp_path / name)]) == 0
+        runs.append(read_output(tmp_path / name))
+    a, b = runs
+    assert sorted(a) == sorted(b) == list(range(8))
+    for step in a:
+        assert a[step]["Loss"] == b[step]["Loss"]
+        for name, value in a[step].items():
+            if isinstance(value, float):
+                assert math.isclose(value, b[step][name], rel_tol=1e-6, abs_tol=1e-12), (
+                    step, name, value, b[step][name])

@@ -6,6 +6,7 @@ References: the individual gradients by torch.func and their bins by rational ed
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -132,3 +133,37 @@ def test_a_bin_spec_keeps_the_papers_fixed_range():
         value = output[step]["GradHist1d"]
         assert value["edges"][0] == -2.0 and value["edges"][-1] == 2.0 and "range" not in value
         assert same_histogram(value["counts"], grads[step])
+
+
+def test_range_narrows_by_nested_powers_of_two_when_the_elements_shrink():
+    """The loss scaled down 200× after two steps: the range narrows by 4 per step until
+    the elements fill it again; every step's counts equal brute force in its recorded
+    bins, whose widths are powers of two apart (the bins nest)."""
+    problem = make_problem("mlp_relu", 16)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.0)
+    cockpit = Cockpit(problem.model, [quantities.GradHist1d()], optimizer=opt)
+    grads = []
+    for step in range(7):
+        scale = 1.0 if step < 2 else 1 / 200
+        loss_fn = lambda out, y, s=scale: problem.loss_fn(out, y) * s  # noqa: E731
+        grads.append(flat(individual_gradients(problem.model, loss_fn, problem.x, problem.y)))
+        opt.zero_grad()
+        losses = loss_fn(problem.model(problem.x), problem.y)
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    output = cockpit.get_output()
+    widths = []
+    for step in range(7):
+        value = output[step]["GradHist1d"]
+        edges = value["edges"]
+        assert same_histogram(value["counts"], grads[step], edges[0], edges[-1], 100)
+        widths.append(float(edges[1] - edges[0]))
+    assert widths[0] == widths[1] == widths[2]  # the step that shrank is binned as before
+    assert widths[3] == widths[2] / 4 and widths[4] == widths[3] / 4
+    assert widths[-1] < widths[0] / 100
+    for a, b in itertools.pairwise(widths):
+        assert math.log2(a / b) in (0, 2)
+    last = output[6]["GradHist1d"]
+    assert int((last["counts"] > 0).sum()) >= 20

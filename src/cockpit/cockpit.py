@@ -31,7 +31,9 @@ from cockpit.engine import distributed as ranks
 from cockpit.engine.histogram import (
     AutoRange,
     BinSpec,
+    DecidedRange,
     choose_auto_spec,
+    narrower_range,
     regroup,
     warn_if_slow,
 )
@@ -152,6 +154,7 @@ class Cockpit:
         self.grad_scaler = grad_scaler
         self.strict = strict
         self.hist_spec: BinSpec | AutoRange = AutoRange() if hist_bins is None else hist_bins
+        self._next_hist_spec: BinSpec | None = None  # a narrower range, from the next step
         self.hist2d_specs = hist2d_bins
         used = {type(q).__name__ for q in quantities}
         fixed = () if hist_bins is None else ((hist_bins, "hist_bins", "GradHist1d"),)
@@ -519,7 +522,14 @@ class Cockpit:
     def _settle_hist_range(self, stats: BackwardStatistics) -> None:
         """At the first tracked step with histograms of every layer, the automatic range is
         chosen from their magnitude counts (summed over micro-batches and processes, so
-        every process chooses the same) and the step's counts regrouped into it."""
+        every process chooses the same) and the step's counts regrouped into it; later it
+        narrows (from the next step on) when the elements have shrunk into a quarter."""
+        if isinstance(self.hist_spec, DecidedRange) and stats.hist1d and stats.valid:
+            total = sum(c.double().cpu() for c in stats.hist1d.values())
+            narrower = narrower_range(total.numpy(), self.hist_spec)
+            if narrower is not None:
+                self._next_hist_spec = self.tracker.hist_spec = narrower
+            return
         if not isinstance(self.hist_spec, AutoRange) or not stats.hist1d:
             return
         if not stats.valid:
@@ -562,6 +572,8 @@ class Cockpit:
         not_global = self._ranks_step_apart(step)
         self._prepare_failures = open_step.prepare_failures
         data = self._step_data(step, stats, open_step.elapsed)
+        if self._next_hist_spec is not None:  # this step was binned in the range before
+            self.hist_spec, self._next_hist_spec = self._next_hist_spec, None
         data.project = reduction.project_samples if reduction.keeps_calls else None
         data.unmerged = reduction.unmerged
         values: dict[str, Value] = {}

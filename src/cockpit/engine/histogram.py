@@ -690,8 +690,10 @@ class AutoRange:
     """The default of ``Cockpit(hist_bins=...)``: ``BinSpec(−50w, 50w, 100)`` with a power of
     two w chosen at the first tracked step such that the inner bins [−49w, 49w) hold all but
     at most ``outside`` (a share) of that step's finite elements. The two edge bins hold
-    exactly the elements beyond ±49w; the range is then kept so that steps stay comparable.
-    While undecided, ``bins`` is the size of the magnitude counts (:func:`magnitude_counts`)."""
+    exactly the elements beyond ±49w. The range is then kept, except that it narrows by 4
+    when a step's elements have shrunk into a quarter of it (:func:`narrower_range`): the
+    bins nest, so steps stay comparable by merging bins. While undecided, ``bins`` is the
+    size of the magnitude counts (:func:`magnitude_counts`)."""
 
     outside: float = AUTO_RANGE_OUTSIDE
     bins: int = MAGNITUDE_KEYS
@@ -772,6 +774,23 @@ def choose_auto_spec(total: np.ndarray, outside: float = AUTO_RANGE_OUTSIDE) -> 
     q = min(max(q, _MIN_WIDTH_EXP), _MAX_WIDTH_EXP)
     r = math.ldexp(_AUTO_BINS // 2, q)
     return DecidedRange(-r, r, _AUTO_BINS)
+
+
+def narrower_range(counts: np.ndarray, spec: DecidedRange, outside: float = AUTO_RANGE_OUTSIDE,
+                   factor: int = 4) -> DecidedRange | None:
+    """``spec`` shrunk by ``factor`` when a step's counts (the whole network's, in
+    ``spec``'s bins) hold all but at most ``outside`` of their elements in the bins the
+    narrower inner range covers, else None. Widths stay powers of two times the first, so
+    the bins of the ranges nest: a coarser step's bins are unions of a finer one's."""
+    counts = np.asarray(counts, dtype=np.float64)
+    m = spec.bins // 2
+    k = (m - 1) // factor  # bins either side of 0 inside the narrower inner range
+    n = counts.sum()
+    if n == 0 or k < 1 or n - counts[m - k:m + k].sum() > outside * n:
+        return None
+    if spec.hi / factor < math.ldexp(_AUTO_BINS // 2, _MIN_WIDTH_EXP):
+        return None
+    return DecidedRange(spec.lo / factor, spec.hi / factor, spec.bins)
 
 
 def regroup(counts: Tensor, spec: BinSpec) -> Tensor:

@@ -10,6 +10,7 @@ instruments that were not tracked are left out and the grid closes up.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,9 @@ DRAWING_MODULES = ("cockpit_view.py", "instruments.py", "layers.py", "findings_p
                    "_style.py", "_hist.py", "_data.py")
 CODE_KEY = "cockpit-view-code"
 PANELS_KEY = "cockpit-panels"
+# The losses of the run's first tracked steps (JSON): which run a saved figure shows.
+RUN_KEY = "cockpit-run-start"
+RUN_KEY_STEPS = 8
 
 
 def drawing_code_hash(root: Path | None = None) -> str:
@@ -276,7 +280,8 @@ def read_png_text(path: str | Path) -> dict[str, str]:
     return found
 
 
-def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110) -> Path:
+def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110,
+                extra: Mapping[str, str] | None = None) -> Path:
     """Save ``fig`` as PNG, PDF or SVG, chosen by the file extension. A PNG carries the
     hash of the drawing code and the panels drawn (:func:`png_provenance`), so a figure
     can be checked against the code that should have made it (README's figure)."""
@@ -288,7 +293,7 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110) -> Path:
             f"use one of {', '.join(_FORMATS)}."
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = png_provenance(fig) if fmt == "png" else None
+    metadata = {**png_provenance(fig), **(extra or {})} if fmt == "png" else None
     fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
     return path
 
@@ -299,7 +304,10 @@ def plot_run(logdir: str | Path, out_path: str | Path | None = None, **kwargs: A
     kwargs.setdefault("notes", load_notes(logdir))
     fig = plot_cockpit(output, meta, **kwargs)
     if out_path is not None:
-        save_figure(fig, out_path)
+        steps = sorted(output)[:RUN_KEY_STEPS]
+        losses = [output[s].get("Loss") if isinstance(output[s], Mapping) else None
+                  for s in steps]
+        save_figure(fig, out_path, extra={RUN_KEY: json.dumps(losses)})
     return fig
 
 

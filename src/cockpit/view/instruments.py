@@ -90,7 +90,8 @@ def _wrap(text: str, width: int = 48) -> str:
 
 def _corner_note(ax: Axes, text: str, *, loc: str = "upper right", color: str = S.GRAY,
                  y: float | None = None) -> None:
-    x, ha = (0.98, "right") if "right" in loc else (0.02, "left")
+    x, ha = ((0.98, "right") if "right" in loc else (0.5, "center") if "center" in loc
+             else (0.02, "left"))
     y_default, va = (0.96, "top") if "upper" in loc else (0.04, "bottom")
     y = y_default if y is None else y
     ax.text(x, y, text, transform=ax.transAxes, ha=ha, va=va, color=color,
@@ -212,17 +213,21 @@ def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, *,
     ax.plot(grid, 0.55 * top * (grid / r) ** 2 + 0.02 * top, color=S.GRAY, linewidth=1,
             linestyle=":", zorder=1)
     ax.stairs(h_all, bins, fill=True, color=S.COLORS["Alpha"], alpha=0.2, zorder=2)
+    # the median beside the mean: a few steps far outside (clipped into the edge bins)
+    # can move the mean away from where the curves peak
     ax.plot(grid, k_all, color=S.COLORS["Alpha"], linewidth=1.8, zorder=3,
-            label=f"all steps (n={vals.size}, mean {vals.mean():+.2f})")
+            label=f"all steps (n={vals.size}, median {np.median(vals):+.2f}, "
+                  f"mean {vals.mean():+.2f})")
     ax.fill_between(grid, k_rec, color=S.COLORS["AlphaRecent"], alpha=0.15, zorder=3, lw=0)
     ax.plot(grid, k_rec, color=S.COLORS["AlphaRecent"], linewidth=1.8, zorder=4,
-            label=f"last 10 % (n={recent.size}, mean {recent_mean:+.2f})")
+            label=f"last 10 % (n={recent.size}, median {np.median(vals[mask]):+.2f}, "
+                  f"mean {recent_mean:+.2f})")
     for mark in (-1, 0, 1):
         ax.axvline(mark, color="black", linewidth=0.8, linestyle="--", alpha=0.6, zorder=1)
     ax.set_xlim(-r, r)
     ax.set_ylim(0, top)
     ax.set_xticks([-1.5, -1, -0.5, 0, 0.5, 1, 1.5])
-    ax.set_yticks([])
+    ax.tick_params(labelsize=S.FONT_SIZES["small"])
     ax.set_ylabel("density", fontsize=S.FONT_SIZES["small"])
     ax.set_xlabel("α  (−1: back at start · 0: at minimum · 1: opposite wall)",
                   fontsize=S.FONT_SIZES["small"], labelpad=1)
@@ -232,8 +237,9 @@ def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, *,
             fontsize=S.FONT_SIZES["base"], color=S.GRAY)
     legend_above(ax)
     outside = int(np.sum(np.abs(vals) > r))
-    if outside:
-        _corner_note(ax, f"{outside} beyond ±{r:g} (in edge bins)", loc="lower left")
+    if outside:  # at the top, clear of the edge bins' bars
+        _corner_note(ax, f"{outside} beyond ±{r:g} (in the edge bins)", loc="upper center",
+                     y=0.84)
     return ax
 
 
@@ -300,6 +306,20 @@ def draw_grad_norm(fig: Figure, spec: SubplotSpec, output: Output, *,
 
 
 # -------------------------------------------------------------------- gradient column
+EMA_WEIGHT = 0.8  # the gradient tests' running average: m_t = 0.8·m_(t−1) + 0.2·x_t
+
+
+def ema(values: np.ndarray, weight: float = EMA_WEIGHT) -> np.ndarray:
+    """Bias-corrected exponential moving average over the tracked steps:
+    m_t = w·m_(t−1) + (1 − w)·x_t, shown as m_t / (1 − w^(t+1))."""
+    out = np.empty(len(values))
+    m = 0.0
+    for t, x in enumerate(values):
+        m = weight * m + (1 - weight) * float(x)
+        out[t] = m / (1 - weight ** (t + 1))
+    return out
+
+
 _TESTS = (("NormTest", "norm", S.THETA_NORM), ("InnerTest", "inner product",
           S.THETA_INNER), ("OrthoTest", "orthogonality", S.NU_ORTHO))
 
@@ -363,13 +383,15 @@ def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
     drawn, last, last_step = [], {}, None
     for name, label, _ in tracked:
         first = len(ax.get_lines())
-        vals = plot_series(ax, output, name, label=label)
+        vals = plot_series(ax, output, name)
         line = ax.get_lines()[first]  # the finite values (red crosses come after)
-        if name == "NormTest":
-            line.set_zorder(3.5)
-        else:
-            line.set_alpha(0.8)
-            line.set_linewidth(1.1)
+        line.set_alpha(0.3)  # each step, thin; the running average bold
+        line.set_linewidth(0.8)
+        line.set_marker("")
+        fsteps, fvals = finite_part(*scalar_series(output, name))
+        if fvals.size:
+            ax.plot(fsteps, ema(fvals), color=line.get_color(), linewidth=1.7,
+                    zorder=3.5 if name == "NormTest" else 3, label=label)
         drawn.append(vals)
         steps, allv = finite_part(*scalar_series(output, name))
         if steps.size:
@@ -382,11 +404,13 @@ def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
     for _, _, thr in tracked:
         if lo <= thr <= hi and thr not in shown:
             shown.add(thr)
-            ax.axhline(thr, color=S.GRAY, linestyle=":", linewidth=1.4, zorder=1,
-                       label="threshold" if len(shown) == 1 else "_nolegend_")
+            ax.axhline(thr, color="black", linestyle=":", linewidth=1.3, zorder=5,
+                       alpha=0.8, label="threshold" if len(shown) == 1 else "_nolegend_")
     ax.set_ylim(lo, hi)
     legend_above(ax)
     ax.set_ylabel("standardized width", fontsize=S.FONT_SIZES["small"])
+    _corner_note(ax, f"bold: running average (EMA {EMA_WEIGHT:g}); thin: each step",
+                 loc="lower right")
     _draw_test_geometry(geo, last, last_step if last_step is not None else 0)
     return ax
 
