@@ -130,12 +130,13 @@ def summary(output: dict, accuracy: float | None = None) -> str:
         lines.append(f"{description:<46}" + "".join(cells))
     hist = output[steps[-1]].get("GradHist1d")
     if isinstance(hist, dict):
+        from cockpit.view._hist import Histogram
+
         counts, edges = hist["counts"], hist["edges"]
-        total = max(int(counts.sum()), 1)
-        center = (edges[:-1] + edges[1:]) / 2
-        near_zero = counts[abs(center) < 0.04].sum() / total
-        lines.append(f"{'individual gradient elements within ±0.04':<46}"
-                     f"{near_zero:>12.1%}   (GradHist1d, last step)")
+        if counts.sum() > 0:
+            spread = Histogram(steps[-1], counts.astype(float), edges).central(0.99)
+            lines.append(f"{'99 % of individual gradient elements within ±':<46}"
+                         f"{spread:>12.3g}   (GradHist1d, last step)")
     if accuracy is not None:
         lines.append(f"\ntest accuracy after training: {accuracy:.1%}")
     return "\n".join(lines)

@@ -415,6 +415,16 @@ def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
     return ax
 
 
+def share_text(part: float, total: float) -> str:
+    """A share as a percentage that is not rounded to 0 (or 100) when it is not."""
+    share = part / total if total else 0.0
+    if 0 < share < 1e-4:
+        return "<0.01%"
+    if 0.9999 < share < 1:
+        return ">99.99%"
+    return f"{share:.2%}"
+
+
 def hist_range_notes(hist: Histogram, lo: float, hi: float) -> list[str]:
     """What the whole-network histogram says about elements outside its x range [lo, hi].
 
@@ -426,8 +436,8 @@ def hist_range_notes(hist: Histogram, lo: float, hi: float) -> list[str]:
     reach = f"±{e1:g}" if e0 == -e1 else f"[{e0:g}, {e1:g}]"
     edge = hist.edge_bins()
     if hist.inner is not None and lo <= e0 and hi >= e1:
-        notes.append(f"{edge:,} elements ({edge / hist.total:.2%}) beyond ±{hist.inner:.3g}, "
-                     "in the edge bins")
+        notes.append(f"{edge:,} elements ({share_text(edge, hist.total)}) beyond "
+                     f"±{hist.inner:.3g}, in the edge bins")
     elif lo <= e0 and hi >= e1:
         notes.append(f"≤{edge:,} elements ({edge / hist.total:.2%}) beyond {reach}, "
                      "in the edge bins" if edge else f"no element beyond {reach}")
