@@ -78,3 +78,43 @@ def test_per_layer_strip_has_a_colorbar():
     fig = plot_cockpit(cockpit.get_output())
     assert any(ax.get_ylabel() == "count" and ax.get_label() == "<colorbar>"
                for ax in fig.axes)
+
+
+def test_gradient_tests_show_a_running_average_over_thin_steps_and_the_threshold_on_top():
+    import numpy as np
+
+    from cockpit.view.synthetic import synthetic_output
+
+    output = synthetic_output("economy", num_steps=100, every=2, seed=4)
+    fig = plot_cockpit(output)
+    ax = next(a for a in fig.axes
+              if a.get_title(loc="left") == S.PANEL_TITLES["GradientTests"])
+    steps = sorted(s for s in output if isinstance(output[s].get("NormTest"), float))
+    values = [output[s]["NormTest"] for s in steps]
+    expected, m = [], 0.0
+    for t, x in enumerate(values):  # m_t = 0.8 m_(t−1) + 0.2 x_t, bias-corrected
+        m = 0.8 * m + 0.2 * x
+        expected.append(m / (1 - 0.8 ** (t + 1)))
+    (bold,) = [ln for ln in ax.get_lines() if ln.get_label() == "norm"]
+    np.testing.assert_allclose(bold.get_ydata(), expected, rtol=1e-12)
+    thin = [ln for ln in ax.get_lines() if ln.get_linewidth() < 1 and
+            list(ln.get_ydata()) == values]
+    assert thin and thin[0].get_alpha() < 0.5
+    (threshold,) = [ln for ln in ax.get_lines() if ln.get_label() == "threshold"]
+    assert threshold.get_zorder() > max(ln.get_zorder() for ln in ax.get_lines()
+                                        if ln is not threshold)
+
+
+def test_2d_histogram_zooms_on_the_occupied_bins_and_counts_the_edge_bins():
+    import numpy as np
+
+    eg, ep = np.linspace(-1, 1, 41), np.linspace(-2, 2, 51)
+    counts = np.zeros((40, 50), dtype=np.int64)
+    counts[15:25, 15:35] = 3  # θ within about ±0.8, g within about ±0.25
+    counts[0, 20] = 7  # clamped: beyond the gradient range
+    output = {0: {"GradHist2d": {"counts": counts, "edges_grad": eg, "edges_param": ep}}}
+    fig = plot_cockpit(output)
+    main = next(a for a in fig.axes if a.get_xlabel() == "parameter value θ_j")
+    assert main.get_xlim() == (ep[14], ep[36])
+    assert main.get_ylim() == (eg[0], eg[26])
+    assert any("≤7 pairs" in t.get_text() and "edge bins" in t.get_text() for t in main.texts)

@@ -19,6 +19,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.gridspec import SubplotSpec
 from matplotlib.patches import Circle, Patch
+from matplotlib.ticker import MaxNLocator
 from matplotlib.transforms import blended_transform_factory
 
 from cockpit.engine.histogram import symmetric_fast_spec
@@ -409,8 +410,8 @@ def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
     ax.set_ylim(lo, hi)
     legend_above(ax)
     ax.set_ylabel("standardized width", fontsize=S.FONT_SIZES["small"])
-    _corner_note(ax, f"bold: running average (EMA {EMA_WEIGHT:g}); thin: each step",
-                 loc="lower right")
+    ax.set_xlabel(f"step   (bold: running average, EMA {EMA_WEIGHT:g}; thin: each step)",
+                  fontsize=S.FONT_SIZES["small"], labelpad=1)
     _draw_test_geometry(geo, last, last_step if last_step is not None else 0)
     return ax
 
@@ -465,6 +466,7 @@ def _draw_zoom(ax: Axes, hist: Histogram, lo: float, hi: float) -> Axes | None:
     inset.set_ylim(0.8, hist.counts.max() * 2.5)
     inset.set_xlim(max(occ_lo - w, hist.edges[0]), min(occ_hi + w, hist.edges[-1]))
     inset.tick_params(labelsize=S.FONT_SIZES["small"] - 1)
+    inset.xaxis.set_major_locator(MaxNLocator(4))  # labels that do not run together
     inset.set_title(f"{S.SUB_TITLES['HistZoom']}: [{occ_lo:.3g}, {occ_hi:.3g})",
                     fontsize=S.FONT_SIZES["small"], loc="left", pad=2)
     if n_bins <= 3:
@@ -473,8 +475,10 @@ def _draw_zoom(ax: Axes, hist: Histogram, lo: float, hi: float) -> Axes | None:
                          f"shape not recorded;\nfor it: Cockpit(..., hist_bins=cockpit."
                          f"BinSpec({-reach!r}, {reach!r}, 100))",
                          fontsize=S.FONT_SIZES["small"] - 1.5, labelpad=1, color=S.GRAY)
-    ax.indicate_inset((occ_lo, 0.8, occ_hi - occ_lo, float(hist.counts.max())), inset,
-                      edgecolor=S.GRAY, alpha=0.6)
+    marked = ax.indicate_inset((occ_lo, 0.8, occ_hi - occ_lo, float(hist.counts.max())),
+                               inset, edgecolor=S.GRAY, alpha=0.6)
+    for line in getattr(marked, "connectors", None) or marked[1]:
+        line.set_visible(False)  # they crossed the inset's labels; the box says enough
     return inset
 
 
@@ -534,7 +538,7 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
 def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
                       step: int | None = None, notes: Notes | None = None, **_: Any) -> Axes:
     """2-D histogram of (θ_j, g_n,j) pairs (eq. 16) with both marginals, log colors."""
-    sub = spec.subgridspec(2, 2, width_ratios=[4, 1], height_ratios=[1, 3.2],
+    sub = spec.subgridspec(2, 2, width_ratios=[4, 1], height_ratios=[1.4, 3],
                            wspace=0.04, hspace=0.06)
     top = fig.add_subplot(sub[0, 0])
     top.set_title(S.PANEL_TITLES["GradHist2d"], fontsize=S.FONT_SIZES["title"], loc="left")
@@ -567,8 +571,16 @@ def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
                  color=S.COLORS["GradHist2d"], alpha=0.8, linewidth=0)
     right.set_xscale("log")
     right.set_xlim(0.8, marg_grad.max() * 2.5)
-    main.set_xlim(ep[0], ep[-1])
-    main.set_ylim(eg[0], eg[-1])
+    # zoom on the occupied bins (one bin of margin): the recorded range may be far wider
+    # than the data (θ within ±0.8 on the default ±2)
+    cols, rows = np.flatnonzero(marg_param > 0), np.flatnonzero(marg_grad > 0)
+    main.set_xlim(ep[max(cols[0] - 1, 0)], ep[min(cols[-1] + 2, ep.size - 1)])
+    main.set_ylim(eg[max(rows[0] - 1, 0)], eg[min(rows[-1] + 2, eg.size - 1)])
+    edge = int(counts[0].sum() + counts[-1].sum() + counts[1:-1, 0].sum()
+               + counts[1:-1, -1].sum())
+    if edge:  # values beyond the range were clamped into the edge bins: say how many
+        _corner_note(main, f"≤{edge:,} pairs ({share_text(edge, counts.sum())}) beyond "
+                     f"the range, in the edge bins", loc="lower left")
     for a in (top, main, right):
         a.tick_params(labelsize=S.FONT_SIZES["small"])
     top.tick_params(labelbottom=False)
