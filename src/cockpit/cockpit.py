@@ -154,7 +154,6 @@ class Cockpit:
         self.grad_scaler = grad_scaler
         self.strict = strict
         self.hist_spec: BinSpec | AutoRange = AutoRange() if hist_bins is None else hist_bins
-        self._next_hist_spec: BinSpec | None = None  # a narrower range, from the next step
         self.hist2d_specs = hist2d_bins
         used = {type(q).__name__ for q in quantities}
         fixed = () if hist_bins is None else ((hist_bins, "hist_bins", "GradHist1d"),)
@@ -523,13 +522,7 @@ class Cockpit:
         """At the first tracked step with histograms of every layer, the automatic range is
         chosen from their magnitude counts (summed over micro-batches and processes, so
         every process chooses the same) and the step's counts regrouped into it; later it
-        narrows (from the next step on) when the elements have shrunk into a quarter."""
-        if isinstance(self.hist_spec, DecidedRange) and stats.hist1d and stats.valid:
-            total = sum(c.double().cpu() for c in stats.hist1d.values())
-            narrower = narrower_range(total.numpy(), self.hist_spec)
-            if narrower is not None:
-                self._next_hist_spec = self.tracker.hist_spec = narrower
-            return
+        narrows when the elements have shrunk into a quarter (:meth:`_narrow_hist_range`)."""
         if not isinstance(self.hist_spec, AutoRange) or not stats.hist1d:
             return
         if not stats.valid:
@@ -539,6 +532,14 @@ class Cockpit:
         spec = choose_auto_spec(total.numpy(), self.hist_spec.outside)
         stats.hist1d = {name: regroup(c, spec) for name, c in stats.hist1d.items()}
         self.hist_spec = self.tracker.hist_spec = spec
+
+    def _narrow_hist_range(self, hist: Value) -> None:
+        """From the next step on, the automatic range narrows by 4 when this step's
+        whole-network counts (global, the same in every process) fit into a quarter."""
+        if isinstance(self.hist_spec, DecidedRange) and isinstance(hist, dict):
+            narrower = narrower_range(hist["counts"], self.hist_spec)
+            if narrower is not None:
+                self.hist_spec = self.tracker.hist_spec = narrower
 
     def _measure_gradient_mismatch(self) -> None:
         """GradientMismatch of the open step: the gradient the optimizer is about to step on
@@ -572,8 +573,6 @@ class Cockpit:
         not_global = self._ranks_step_apart(step)
         self._prepare_failures = open_step.prepare_failures
         data = self._step_data(step, stats, open_step.elapsed)
-        if self._next_hist_spec is not None:  # this step was binned in the range before
-            self.hist_spec, self._next_hist_spec = self._next_hist_spec, None
         data.project = reduction.project_samples if reduction.keeps_calls else None
         data.unmerged = reduction.unmerged
         values: dict[str, Value] = {}
@@ -597,6 +596,7 @@ class Cockpit:
                 skipped.add(quantity.name)
                 continue
             values.update(self._compute(quantity, data, stats, split))
+        self._narrow_hist_range(values.get("GradHist1d"))
         self._record(step, values, data.notes)
         self._record_late(data)
         later = [q for q in tracked if q.needs_update and q.name not in skipped]
