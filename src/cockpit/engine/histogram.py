@@ -51,7 +51,7 @@ import functools
 import itertools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -709,7 +709,7 @@ class DecidedRange(BinSpec):
         return self.hi - (self.hi - self.lo) / self.bins
 
 
-def magnitude_counts(chunks: list[Tensor]) -> Tensor:
+def magnitude_counts(chunks: Iterable[Tensor]) -> Tensor:
     """Counts of the finite elements of ``chunks`` over the MAGNITUDE_KEYS log-linear keys.
 
     Key of x ≥ 0 (also −0): ⌊bits(x)/2^(23−MAGNITUDE_BITS)⌋ − 32 clamped to [0, _PER_SIGN),
