@@ -78,7 +78,7 @@ def draw(result: dict, out: Path) -> list[Path]:
         ax.set_yscale("log")
         ax.set_title(f"{name} inputs, step {COMPARE_STEPS - 1}: RMS of g_n,j = "
                      f"{result[name]['rms']:.3g}\n"
-                     f"{result[name]['outside']:.2%} of elements beyond ±{hist['range']:.3g} "
+                     f"{result[name]['outside']:.3%} of elements beyond ±{hist['range']:.3g} "
                      "(edge bins)",
                      fontsize=9)
         ax.set_xlabel("individual gradient element")
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         r = result[name]
         codes = [f.code for f in r["findings"] if f.is_problem] or ["nothing"]
         print(f"{name:>10}: RMS of individual gradient elements {r['rms']:.3g} (first layer "
-              f"{r['first_layer_rms']:.3g}), {r['outside']:.1%} beyond the histogram's "
+              f"{r['first_layer_rms']:.3g}), {r['outside']:.3%} beyond the histogram's "
               f"range ±{r['output'][max(r['output'])]['GradHist1d']['range']:.3g}; diagnose names "
               f"{', '.join(codes)}")
     print(f"raw-data histogram is {result['width_factor']:.1f}× wider (first "
