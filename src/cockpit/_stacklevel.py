@@ -9,12 +9,14 @@ Cockpit or of torch, or ``sys:1`` when the stack is shallower than assumed.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-_INTERNAL = (str(Path(__file__).resolve().parent), str(Path(torch.__file__).resolve().parent),
+_INTERNAL = (str(Path(__file__).resolve().parent) + os.sep,
+             str(Path(torch.__file__).resolve().parent) + os.sep,
              str(Path(contextlib.__file__).resolve()), "<frozen ")
 
 
