@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
-_INTERNAL = (str(Path(__file__).resolve().parent) + os.sep,
-             str(Path(torch.__file__).resolve().parent) + os.sep,
-             str(Path(contextlib.__file__).resolve()), "<frozen ")
+# as imported and with links resolved: a frame's file name is the path it was imported by
+_INTERNAL = tuple(dict.fromkeys([
+    *(str(d) + os.sep for f in (__file__, torch.__file__)
+      for d in (Path(f).parent, Path(f).resolve().parent)),
+    contextlib.__file__, str(Path(contextlib.__file__).resolve()), "<frozen "]))
 
 
 def user_stacklevel() -> int:
