@@ -22,10 +22,8 @@ def _case_study():
 
 def test_mean_alpha_grows_with_lr_and_best_runs_do_not_understep(tmp_path):
     case = _case_study()
-    runs = case.run_sweep(tmp_path, {
-        "digits_logreg": ("real", [1e-3, 0.1, 0.3, 3.0], 2),
-        "quadratic_deep": ("synthetic", [1e-3, 1e-2, 0.03, 0.1], 1),
-    }, progress=False, max_steps_per_epoch=8)
+    runs = case.run_sweep(tmp_path, case.QUICK_SWEEPS, progress=False,
+                          max_steps_per_epoch=case.QUICK_STEPS_PER_EPOCH)  # --quick
     assert runs["mean_alpha"].notna().all()
     facts = case.findings(runs)
     assert set(facts) == {"digits_logreg", "quadratic_deep"}

@@ -246,11 +246,58 @@ def test_skipped_checks_are_named_with_the_instruments_that_enable_them():
     findings = diagnose(_series(Loss=lambda s: 1.0))
     (skipped,) = [f for f in findings if f.code == CHECKS_SKIPPED]
     assert skipped.severity == "info"
-    enabled_by = {e.summary.removeprefix("would enable "): e.instrument
-                  for e in skipped.evidence}
-    assert enabled_by["dead_units"] == "DeadUnits"
-    assert enabled_by["missing_zero_grad"] == "GradientHeld"
-    assert "non_finite" not in enabled_by
+    why = {e.instrument: e.summary for e in skipped.evidence}
+    assert why["dead_units"] == "DeadUnits not recorded"
+    assert why["missing_zero_grad"] == "GradientHeld not recorded"
+    assert "non_finite" not in why
+    assert "dead_units reads DeadUnits" in skipped.advice
+
+
+def test_instruments_that_are_none_at_every_step_skip_their_checks_with_the_reason():
+    reason = "not computed: BatchNorm2d '1' mixes the samples. Ways out: eval mode"
+    out = _series(Loss=lambda s: 2.3 - 1e-4 * s, GradNorm=lambda s: 0.5,
+                  NormTest=lambda s: None, InnerTest=lambda s: None, Alpha=lambda s: None,
+                  DeadUnits=lambda s: None)
+    notes = {s: {"NormTest": reason, "InnerTest": reason, "Alpha": reason,
+                 "DeadUnits": reason} for s in out}
+    diagnoser = Diagnoser()
+    diagnoser.update(out, notes)
+    (skipped,) = [f for f in diagnoser.findings if f.code == CHECKS_SKIPPED]
+    why = {e.instrument: e.summary for e in skipped.evidence}
+    assert why["noise_dominated"] == ("NormTest, InnerTest None at every step: BatchNorm2d '1' "
+                                      "mixes the samples")
+    assert why["dead_units"].startswith("DeadUnits None at every step")
+    assert "Alpha None at every step" in why["lr_too_large"]
+    assert "could not run" in skipped.message
+
+
+def test_a_check_with_fewer_steps_than_it_needs_is_skipped_and_says_how_many():
+    # a crawl that would be lr_too_small over enough steps, and an overshoot
+    crawl = dict(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 - 1e-4 * s,
+                 GradNorm=lambda s: 0.5, UpdateSize=lambda s: 1e-3)
+    short = diagnose(_series(n=T.LR_SMALL_MIN_STEPS - 1, **crawl))
+    assert "lr_too_small" not in [f.code for f in short]
+    (skipped,) = [f for f in short if f.code == CHECKS_SKIPPED]
+    why = {e.instrument: e.summary for e in skipped.evidence}
+    assert why["lr_too_small"] == (f"Loss + GradNorm + UpdateSize at {T.LR_SMALL_MIN_STEPS - 1} "
+                                   f"tracked steps, the check needs {T.LR_SMALL_MIN_STEPS}")
+    assert "lr_too_small" in _codes(_series(n=T.LR_SMALL_MIN_STEPS, **crawl))
+    few = diagnose(_series(n=T.MIN_STEPS - 1, Alpha=lambda s: 3.0, Loss=lambda s: 2.0))
+    assert "lr_too_large" not in [f.code for f in few]
+    (skipped,) = [f for f in few if f.code == CHECKS_SKIPPED]
+    why = {e.instrument: e.summary for e in skipped.evidence}
+    assert f"Alpha at {T.MIN_STEPS - 1} tracked steps, the check needs {T.MIN_STEPS}" in \
+        why["lr_too_large"]
+
+
+def test_lr_too_small_agrees_with_alpha():
+    """A loss that cannot fall (random labels) with steps that reach the valley floor of the
+    fit (median α near 0) is not a learning rate that is too small."""
+    flat = dict(Loss=lambda s: 2.3 - 1e-4 * s, GradNorm=lambda s: 0.5, UpdateSize=lambda s: 1e-3)
+    assert "lr_too_small" not in _codes(_series(Alpha=lambda s: -0.02, **flat))
+    (finding,) = [f for f in diagnose(_series(Alpha=lambda s: -0.9, **flat))
+                  if f.code == "lr_too_small"]
+    assert "median α -0.90" in str(finding)
 
 
 def test_bad_sources_get_clear_errors(tmp_path):
@@ -286,7 +333,10 @@ def test_sources_agree_and_cli_reports(tmp_path, capsys):
     assert main_diagnose([logdir]) == 1
     printed = capsys.readouterr().out
     assert "frozen_parameters" in printed and "0.weight" in printed and "try:" in printed
-    assert "Not checked" not in printed  # economy enables every check
+    # economy records every check's instruments; 12 steps are too few for lr_too_small only
+    assert printed.count("  - ") == 1
+    assert f"  - lr_too_small: Loss + GradNorm + UpdateSize at 12 tracked steps, the check " \
+           f"needs {T.LR_SMALL_MIN_STEPS}" in printed
     assert main_diagnose([str(tmp_path / "nothing")]) == 2
     assert "no such run directory" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
@@ -300,10 +350,38 @@ def test_cli_clean_run_exits_zero(tmp_path, capsys):
     x = torch.randn(64, 6)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    _train(model, 20, x, y, opt=opt, logdir=str(tmp_path / "ok"))
+    _train(model, T.LR_SMALL_MIN_STEPS, x, y, opt=opt, logdir=str(tmp_path / "ok"))
     code = main_diagnose([str(tmp_path / "ok")])
     assert code == 0, capsys.readouterr().out
     assert "No problem found" in capsys.readouterr().out
+
+
+def test_a_run_whose_per_sample_instruments_are_none_gets_no_all_clear(tmp_path, capsys):
+    """BatchNorm in training mode: every per-sample instrument is None. The diagnosis says
+    which checks it skipped and why; neither the CLI nor the view reads as a pass."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from cockpit.view import plot_run
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train(model, 10, x, y, logdir=str(tmp_path / "bn"))
+    findings = diagnose(str(tmp_path / "bn"))
+    (skipped,) = [f for f in findings if f.code == CHECKS_SKIPPED]
+    why = {e.instrument: e.summary for e in skipped.evidence}
+    assert "BatchNorm1d" in why["noise_dominated"] and "BatchNorm1d" in why["unscaled_inputs"]
+    # the bias right before the BatchNorm has a gradient of rounding noise only: not frozen
+    assert [f.code for f in findings] == [CHECKS_SKIPPED]
+    main_diagnose([str(tmp_path / "bn")])
+    printed = capsys.readouterr().out
+    assert "No problem found" not in printed and "could not run" in printed
+    fig = plot_run(str(tmp_path / "bn"), tmp_path / "bn.png")
+    shown = " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
+    assert "✓" not in shown and "could not run" in shown
 
 
 def test_cockpit_diagnose_true_warns_once_and_logs_text(tmp_path):

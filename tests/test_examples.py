@@ -1,5 +1,5 @@
-"""Every script in examples/ runs with its default arguments, in a fresh process whose
-working directory is a temporary one (so default output paths land there).
+"""Every script in examples/ (subfolders too) runs with its default arguments, in a fresh
+process whose working directory is a temporary one (so default output paths land there).
 
 An example too slow for the test suite declares shorter arguments in one line of its
 source, e.g. ``# test-arguments: --steps 40``; everything else runs exactly as a user
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+# every script under examples/, subfolders too (modules named _*.py are imported by them)
+EXAMPLES = sorted(p for p in (ROOT / "examples").rglob("*.py") if not p.name.startswith("_"))
 TEST_ARGUMENTS = re.compile(r"^#\s*test-arguments:(.*)$", re.MULTILINE)
 
 
@@ -31,12 +32,15 @@ test_arguments.__test__ = False  # a helper, not a test
 
 
 def test_examples_are_found():
-    assert any(p.name == "training_loop.py" for p in EXAMPLES)
+    names = {p.relative_to(ROOT / "examples").as_posix() for p in EXAMPLES}
+    assert {"training_loop.py", "case_studies/alpha_vs_accuracy.py",
+            "case_studies/data_scaling.py", "case_studies/activations.py"} <= names
     assert test_arguments("x = 1\n# test-arguments: --steps 3 --x 'a b'\n") == [
         "--steps", "3", "--x", "a b"]
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", EXAMPLES,
+                         ids=lambda p: p.relative_to(ROOT / "examples").as_posix())
 def test_example_runs_with_its_defaults(path: Path, tmp_path: Path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(

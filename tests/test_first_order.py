@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cockpit import Cockpit, quantities
+from cockpit import BinSpec, Cockpit, quantities
 from tests.models import PROBLEMS, make_problem
 from tests.reference import (
     cabs,
@@ -84,27 +84,37 @@ def test_instruments_match_brute_force(name, batch_size, dtype, rtol):
     assert rel_close(out["CABS"], cabs(G, LR, losses64.mean().item()), rtol, atol=rtol * scale)
     counts = out["GradHist1d"]["counts"]
     assert counts.sum() == G.numel()
+    edges = out["GradHist1d"]["edges"]
+    spec = (edges[0], edges[-1], len(edges) - 1)  # the range set from this step's elements
     if dtype == torch.float64:
-        assert same_histogram(counts, G)
+        assert same_histogram(counts, G, *spec)
         for k in names:
             assert same_histogram(out[f"GradHist1d/{k}"]["counts"],
-                                  grads[k].reshape(batch_size, -1))
+                                  grads[k].reshape(batch_size, -1), *spec)
     # SGD: θ_1 − θ_0 = −η g_B
     assert rel_close(out["UpdateSize"], LR * g.norm().item(), rtol)
     assert out["Distance"] == 0.0
 
 
-def test_bins_and_edges_follow_the_paper():
-    out, _ = run_one_step(make_problem("mlp_relu", 4))
-    edges = out["GradHist1d"]["edges"]
+def test_bins_and_edges_follow_the_paper_with_its_bin_spec():
+    problem = make_problem("mlp_relu", 4)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=LR)
+    cockpit = Cockpit(problem.model, [quantities.GradHist1d()], optimizer=opt,
+                      hist_bins=BinSpec(-2.0, 2.0, 100))
+    losses = problem.losses()
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    edges = cockpit.get_output()[0]["GradHist1d"]["edges"]
     assert len(edges) == 101 and edges[0] == -2.0 and edges[-1] == 2.0
+    assert "range" not in cockpit.get_output()[0]["GradHist1d"]
 
 
 def test_float32_histogram_counts_equal_brute_force_of_same_precision():
     problem = make_problem("mlp_relu", 7, torch.float32)
     grads = individual_gradients(problem.model, problem.loss_fn, problem.x, problem.y)
     out, _ = run_one_step(problem)
-    total = sum(histogram(g) for g in grads.values())
+    edges = out["GradHist1d"]["edges"]
+    total = sum(histogram(g, edges[0], edges[-1], len(edges) - 1) for g in grads.values())
     assert (torch.as_tensor(out["GradHist1d"]["counts"]) == total).all()
 
 

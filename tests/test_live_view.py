@@ -3,6 +3,7 @@ headless Chromium sees the page follow a run log that grows while it is open."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import json
@@ -68,10 +69,46 @@ def test_plot_run_and_main_plot_read_the_run_log(tmp_path) -> None:
     write_run(small, synthetic_output("economy", num_steps=20, every=10, seed=4,
                                       instruments=("Loss", "GradHist1d")))
     assert main_plot([str(small), "--layers", str(tmp_path / "layers.pdf"), "--dpi", "40"]) == 0
-    assert (small / "cockpit_view.png").read_bytes().startswith(b"\x89PNG")
     assert (tmp_path / "layers.pdf").read_bytes().startswith(b"%PDF")
+    assert not (small / "cockpit_view.png").exists()  # --layers draws only the layers
+    assert main_plot([str(small), "--dpi", "40"]) == 0
+    assert (small / "cockpit_view.png").read_bytes().startswith(b"\x89PNG")
     assert main_plot([str(tmp_path / "missing")]) == 2
     assert main_plot([str(small), "-o", str(tmp_path / "v.gif")]) == 2
+
+
+def test_plot_options_act_or_are_refused(tmp_path, capsys) -> None:
+    """--step draws the run as at that step (with or without --layers); a step that was
+    not tracked, a missing run and a run without steps are refused with what to do."""
+    from cockpit.store import read_output
+
+    run = tmp_path / "run"
+    output = synthetic_output("economy", num_steps=40, every=10, seed=3, per_param=True)
+    write_run(run, output, synthetic_meta())
+    assert main_plot([str(run), "-o", str(tmp_path / "last.png"), "--dpi", "40"]) == 0
+    assert main_plot([str(run), "--step", "10", "-o", str(tmp_path / "s10.png"),
+                      "--dpi", "40"]) == 0
+    assert (tmp_path / "s10.png").read_bytes() != (tmp_path / "last.png").read_bytes()
+    from cockpit.view import plot_cockpit
+
+    recorded = read_output(run)
+    fig = plot_cockpit({s: v for s, v in recorded.items() if s <= 10})
+    loss = next(ax for ax in fig.axes if ax.get_title(loc="left") == S.PANEL_TITLES["Loss"])
+    assert list(loss.get_lines()[0].get_xdata()) == [0, 10]
+    assert main_plot([str(run), "--layers", str(tmp_path / "l10.png"), "--step", "10",
+                      "--dpi", "40"]) == 0
+    assert main_plot([str(run), "--layers", str(tmp_path / "l40.png"), "--dpi", "40"]) == 0
+    assert (tmp_path / "l10.png").read_bytes() != (tmp_path / "l40.png").read_bytes()
+    capsys.readouterr()
+    assert main_plot([str(run), "--step", "15"]) == 2
+    assert "step 15 was not tracked" in capsys.readouterr().err
+    assert main_plot([str(tmp_path / "nonexist")]) == 2
+    assert "no such run directory or file: " in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    write_run(empty, {})
+    assert main_plot([str(empty)]) == 1
+    assert "holds no tracked step yet" in capsys.readouterr().err
+    assert not (empty / "cockpit_view.png").exists()
 
 
 def test_live_plot_redraws_the_same_figure(tmp_path) -> None:
@@ -128,20 +165,71 @@ def fetch(server, path: str, method: str = "GET") -> tuple[int, dict, bytes]:
 def test_server_routes_status_and_png_cache(served_run) -> None:
     run, server = served_run
     assert server.server_address[0] == "127.0.0.1"
+    state = server.view_state
+    assert state.wait_drawn() is not None
     status, headers, body = fetch(server, "/")
     assert status == 200 and headers["Content-Type"].startswith("text/html")
     assert b'id="last-step">20<' in body and b'src="view.png?v=20:5"' in body
     status, _, body = fetch(server, "/status.json")
-    assert json.loads(body) == {"last_step": 20, "num_steps": 5, "run": "run"}
+    assert json.loads(body) == {"last_step": 20, "num_steps": 5, "run": "run",
+                                "rendered": "20:5", "rendering": None}
     status, headers, png = fetch(server, "/view.png?v=20:5")
     assert status == 200 and headers["Content-Type"] == "image/png"
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert fetch(server, "/view.png")[2] == png and server.view_state.renders == 1  # cached
+    time.sleep(1.2)  # the renderer wakes every 0.5 s: nothing new, nothing drawn
+    assert fetch(server, "/view.png")[2] == png and state.renders == 1
     write_run(run, small_output(25, 30))
     assert json.loads(fetch(server, "/status.json")[2])["last_step"] == 30
-    assert fetch(server, "/view.png")[2] != png and server.view_state.renders == 2
+    assert state.wait_drawn()["key"] == "30:7"
+    assert fetch(server, "/view.png")[2] != png and state.renders == 2
     status, headers, body = fetch(server, "/status.json", method="HEAD")
     assert status == 200 and body == b""
+
+
+def test_requests_never_wait_for_a_drawing_and_one_is_drawn_at_a_time(served_run,
+                                                                      monkeypatch) -> None:
+    """While a drawing takes long, status, the image (the last finished one) and the page
+    answer at once; new steps during a drawing give one more drawing, not one per
+    request; the view is drawn at the size the page asks for."""
+    import cockpit.view.live as live
+
+    run, server = served_run
+    state = server.view_state
+    state.wait_drawn()
+    first = fetch(server, "/view.png")[2]
+    slow, active, most = threading.Event(), [0], [0]
+    real = live._render
+
+    def slow_render(*args, **kwargs):
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        slow.wait(20)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            active[0] -= 1
+
+    monkeypatch.setattr(live, "_render", slow_render)
+    write_run(run, small_output(25, 30))
+    _wait_for(lambda: state.rendering == "30:7", 10, "a drawing of step 30")
+    for step in (35, 40):
+        write_run(run, small_output(step, step))
+        for path in ("/status.json?w=1300&h=900", "/view.png", "/", "/panels.json"):
+            started = time.monotonic()
+            status, _, body = fetch(server, path)
+            assert status == 200 and time.monotonic() - started < 2.0, path
+        assert fetch(server, "/view.png")[2] == first  # the last finished drawing
+        body = json.loads(fetch(server, "/status.json?w=1300&h=900")[2])
+        assert body["last_step"] == step and body["rendered"] == "20:5"
+        assert body["rendering"] == "30:7"
+    slow.set()
+    drawn = state.wait_drawn()
+    assert drawn["key"] == "40:9" and most[0] == 1
+    assert state.renders == 3  # 20, 30 and (skipping 35) 40
+    from PIL import Image
+
+    width, height = Image.open(io.BytesIO(drawn["png"])).size
+    assert (width, height) == (1300, 900)
 
 
 @pytest.mark.parametrize("path", [
@@ -220,11 +308,11 @@ return {last: document.getElementById("last-step").textContent,
 """
 
 
-@pytest.mark.skipif(_chromium() is None, reason="chromium not found (apt-get install "
-                    "chromium chromium-driver)")
-def test_browser_follows_a_growing_run(tmp_path) -> None:
-    run = tmp_path / "run"
-    write_run(run, small_output(0, 20))
+@contextlib.contextmanager
+def _viewer_in_browser(run: Path):
+    """``cockpit view RUN`` in a subprocess and a headless Chromium session on its page:
+    yields ``(base, session, url)`` for WebDriver calls, or ``(None, None, url)`` where
+    chromedriver is missing."""
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "MPLBACKEND": "Agg"}
     viewer = subprocess.Popen(
@@ -236,11 +324,10 @@ def test_browser_follows_a_growing_run(tmp_path) -> None:
     try:
         line = viewer.stdout.readline()
         assert "http://127.0.0.1:" in line, line + viewer.stderr.read()
-        url = line.split("http://", 1)[1].split()[0]
-        url = "http://" + url
+        url = "http://" + line.split("http://", 1)[1].split()[0]
         chromedriver = shutil.which("chromedriver")
-        if chromedriver is None:  # no WebDriver: a one-shot DOM dump still runs the page
-            _dump_dom_check(url, run, profile)
+        if chromedriver is None:
+            yield None, profile, url
             return
         port = _free_port()
         driver = subprocess.Popen([chromedriver, f"--port={port}"],
@@ -253,20 +340,7 @@ def test_browser_follows_a_growing_run(tmp_path) -> None:
         session = _wd(base, "POST", "/session", caps)["value"]["sessionId"]
         try:
             _wd(base, "POST", f"/session/{session}/url", {"url": url})
-
-            def state() -> dict:
-                return _wd(base, "POST", f"/session/{session}/execute/sync",
-                           {"script": PAGE_STATE, "args": []})["value"]
-
-            title = _wd(base, "GET", f"/session/{session}/title")["value"]
-            assert title == "Cockpit · run"
-            first = _wait_for(lambda: (s := state())["loaded"] and s, 90, "the first image")
-            assert first["last"] == "20" and first["steps"] == "5" and first["width"] > 500
-            _check_layout_and_hover(base, session)
-            write_run(run, small_output(25, 45))
-            new = _wait_for(lambda: (s := state())["last"] == "45" and s["loaded"]
-                            and "45" in s["src"] and s, 90, "the page to show step 45")
-            assert new["steps"] == "10" and new["src"] == "view.png?v=45%3A10"
+            yield base, session, url
         finally:
             _wd(base, "DELETE", f"/session/{session}")
     finally:
@@ -282,6 +356,106 @@ def test_browser_follows_a_growing_run(tmp_path) -> None:
         if viewer.stderr:
             viewer.stderr.close()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def _script(base: str, session: str, script: str):
+    return _wd(base, "POST", f"/session/{session}/execute/sync",
+               {"script": script, "args": []})["value"]
+
+
+needs_chromium = pytest.mark.skipif(
+    _chromium() is None, reason="chromium not found (apt-get install chromium chromium-driver)")
+
+
+@needs_chromium
+def test_browser_follows_a_growing_run(tmp_path) -> None:
+    run = tmp_path / "run"
+    write_run(run, small_output(0, 20))
+    with _viewer_in_browser(run) as (base, session, url):
+        if base is None:  # no WebDriver: a one-shot DOM dump still runs the page
+            _dump_dom_check(url, run, session)
+            return
+
+        def state() -> dict:
+            return _script(base, session, PAGE_STATE)
+
+        title = _wd(base, "GET", f"/session/{session}/title")["value"]
+        assert title == "Cockpit · run"
+        first = _wait_for(lambda: (s := state())["loaded"] and "20" in s["src"] and s, 90,
+                          "the first image")
+        assert first["last"] == "20" and first["steps"] == "5" and first["width"] > 500
+        _check_layout_and_hover(base, session)
+        write_run(run, small_output(25, 45))
+        new = _wait_for(lambda: (s := state())["last"] == "45" and s["loaded"]
+                        and "45" in s["src"] and s, 90, "the page to show step 45")
+        assert new["steps"] == "10" and new["src"] == "view.png?v=45%3A10"
+
+
+DRAWN_STATE = """
+const img = document.getElementById("view");
+const box = document.getElementById("figure");
+return {last: Number(document.getElementById("last-step").textContent),
+        src: img.getAttribute("src"), natural: [img.naturalWidth, img.naturalHeight],
+        shown: [img.clientWidth, img.clientHeight], box: [box.clientWidth, box.clientHeight]};
+"""
+
+
+@needs_chromium
+def test_browser_page_stays_live_while_a_run_writes(tmp_path) -> None:
+    """A run writes a step every 0.3 s (every instrument of the economy view, so a drawing
+    takes a while) while the page is open at 1600×1000: the header follows the run, the
+    image follows it too (screenshots 10 s apart differ), it is drawn at the size of the
+    page's figure area (not scaled), and after the run the page shows its last step."""
+    run = tmp_path / "run"
+    full = synthetic_output("economy", num_steps=400, every=2, seed=5, per_param=True)
+    steps = sorted(full)
+    write_run(run, {t: full[t] for t in steps[:10]}, synthetic_meta())
+    stop = threading.Event()
+
+    def training() -> None:
+        writer = RunLogWriter(run)
+        for t in steps[10:]:
+            if stop.wait(0.3):
+                break
+            writer.write_step(t, full[t])
+        writer.close()
+
+    with _viewer_in_browser(run) as (base, session, _):
+        if base is None:
+            pytest.skip("chromedriver not found")
+        _wd(base, "POST", f"/session/{session}/window/rect", {"width": 1600, "height": 1000})
+        _wait_for(lambda: "v=18" in _script(base, session, DRAWN_STATE)["src"], 60,
+                  "the first drawing")
+        writer = threading.Thread(target=training)
+        writer.start()
+        try:
+            time.sleep(3)
+            shots, states = [], []
+            for _ in range(3):
+                shots.append(_wd(base, "GET", f"/session/{session}/screenshot")["value"])
+                states.append(_script(base, session, DRAWN_STATE))
+                time.sleep(10)
+        finally:
+            stop.set()
+            writer.join()
+        assert shots[0] != shots[1] != shots[2]
+        lasts = [s["last"] for s in states]
+        assert lasts[0] < lasts[1] < lasts[2], states  # the header follows the run
+        shown = [int(s["src"].split("v=")[1].split("%3A")[0]) for s in states]
+        assert shown[0] < shown[1] < shown[2], states  # and so does the image
+        final = max(_run_steps(run))
+        done = _wait_for(lambda: (s := _script(base, session, DRAWN_STATE))["src"].startswith(
+            f"view.png?v={final}%3A") and s, 60, "the last step's drawing")
+        (w, h), (bw, bh) = done["natural"], done["box"]
+        assert abs(w - bw) <= 0.05 * bw or abs(h - bh) <= 0.05 * bh, done  # drawn to fit
+        assert done["shown"][0] >= 0.95 * w, done  # shown at its own size, not scaled down
+
+
+def _run_steps(run: Path) -> list[int]:
+    from cockpit.store import RunLogReader
+
+    with RunLogReader(run) as reader:
+        return reader.steps()
 
 
 FIT_STATE = """
@@ -363,6 +537,7 @@ def test_hover_data_locates_panels_and_reads_recorded_values(tmp_path) -> None:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
+        server.view_state.wait_drawn()
         data = json.loads(fetch(server, "/panels.json")[2])
         findings = json.loads(fetch(server, "/findings.json")[2])
     finally:

@@ -50,6 +50,23 @@ def test_readme_image_was_drawn_by_the_current_view_code() -> None:
         "run `python docs/make_readme_figure.py`")
 
 
+def test_readme_image_shows_the_current_demos_run(tmp_path) -> None:
+    """The README's figure is the output of the demo as it trains today: its first steps'
+    losses (stored in the PNG) are those of a fresh demo run (seeded: the same on every
+    run; the first steps of the default run are those of a short one)."""
+    import json
+
+    from cockpit.store import read_output
+    from cockpit.view.cockpit_view import RUN_KEY, RUN_KEY_STEPS
+
+    stored = read_png_text(README_IMAGE).get(RUN_KEY)
+    assert stored is not None, "regenerate it with `python docs/make_readme_figure.py`"
+    logdir = tmp_path / "demo"
+    assert run_demo(["--steps", str(RUN_KEY_STEPS), "--no-plot", "--logdir", str(logdir)]) == 0
+    output = read_output(logdir)
+    assert json.loads(stored) == [output[s]["Loss"] for s in sorted(output)]
+
+
 def test_demo_figure_comes_from_the_same_code_and_panels(demo_png) -> None:
     readme = read_png_text(README_IMAGE)
     assert demo_png[CODE_KEY] == drawing_code_hash()

@@ -61,8 +61,9 @@ def median_over_steps(output: dict, fn) -> float:
 
 
 def outside_share(values: dict, key: str = "GradHist1d") -> float:
-    """Share of the histogram's elements in its two edge bins: an upper bound on the share
-    beyond its range (values outside are clamped into the edge bins)."""
+    """Share of the histogram's elements in its two edge bins: those beyond its range
+    ±``range`` (exactly, for the range Cockpit sets from the data; at most, for a fixed
+    ``hist_bins=``, whose edge bins also hold values inside)."""
     counts = np.asarray(values[key]["counts"], dtype=np.float64)
     return float((counts[0] + counts[-1]) / counts.sum())
 

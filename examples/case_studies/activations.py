@@ -10,6 +10,8 @@ diagnose`` names ``vanishing_gradients`` for the sigmoid network and nothing for
     python examples/case_studies/activations.py [--steps 60] [--out case-studies/activations]
 """
 
+# test-arguments: --steps 12
+
 from __future__ import annotations
 
 import argparse

@@ -14,7 +14,11 @@ Each run goes through the benchmark runner with Cockpit tracking α at every ste
 benchmark analyzer's ``alpha_vs_performance``.
 
     python examples/case_studies/alpha_vs_accuracy.py [--output runs/alpha_case] [--quick]
+
+(the full sweep takes a few minutes on two cores; ``--quick`` seconds)
 """
+
+# test-arguments: --quick
 
 from __future__ import annotations
 
@@ -29,6 +33,13 @@ SWEEPS = {
     "digits_mlp": ("real", np.logspace(-3, 0, 7), 8),
     "quadratic_deep": ("synthetic", np.logspace(-3, -1, 5), 3),
 }
+# --quick: a few learning rates per problem, 8 steps per epoch (seconds, not minutes); the
+# trend (mean α grows with the learning rate, the smallest understeps) already shows.
+QUICK_SWEEPS = {
+    "digits_logreg": ("real", [1e-3, 0.1, 0.3, 3.0], 2),
+    "quadratic_deep": ("synthetic", [1e-3, 1e-2, 0.03, 0.1], 1),
+}
+QUICK_STEPS_PER_EPOCH = 8
 
 
 def run_sweep(output: str | Path, problems: dict | None = None, progress: bool = True,
@@ -71,11 +82,16 @@ def findings(runs) -> dict[str, dict[str, float]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", default="runs/alpha_vs_accuracy")
+    parser.add_argument("--output", default="runs/alpha_vs_accuracy",
+                        help="directory of the runs, the table and the figure")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small sweep (2 problems, 3–4 learning rates, 8 steps per "
+                             "epoch): seconds instead of minutes")
     args = parser.parse_args(argv)
     from cockpit.benchmark import figures
 
-    runs = run_sweep(args.output)
+    runs = (run_sweep(args.output, QUICK_SWEEPS, max_steps_per_epoch=QUICK_STEPS_PER_EPOCH)
+            if args.quick else run_sweep(args.output))
     out = Path(args.output)
     runs.to_csv(out / "alpha_vs_accuracy.csv", index=False)
     paths = figures.alpha_vs_performance(runs, out, ("png", "pdf"), stem="alpha_vs_accuracy")

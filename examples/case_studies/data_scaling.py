@@ -3,13 +3,16 @@
 The same network (the digits CNN, Adam with its default learning rate, which copes with
 either scale) is trained on the same digits images twice: once on the raw pixel values
 0…16 as scikit-learn ships them, once standardized. The whole-network histogram of the
-individual gradients (paper's deliberate range [−2, 2]) is much wider for the raw data, and
+individual gradients (each run's range set from its first step; drawn on one axis) is much
+wider for the raw data, and
 the layer-wise view shows where: the first layer, whose individual gradients δ_n x_nᵀ carry
 the input's scale. ``cockpit diagnose`` names ``unscaled_inputs`` for the raw run and
 nothing for the standardized one.
 
     python examples/case_studies/data_scaling.py [--steps 60] [--out case-studies/data_scaling]
 """
+
+# test-arguments: --steps 12
 
 from __future__ import annotations
 
@@ -64,7 +67,9 @@ def draw(result: dict, out: Path) -> list[Path]:
     import numpy as np
 
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=False)
+    # one x axis: each run's histogram range was set from its own first step, so on a
+    # shared axis the raw run's wider histogram is seen, not only read off the ticks
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharex=True)
     for ax, name in zip(axes, ("raw", "normalized"), strict=True):
         output = result[name]["output"]
         hist = output[sorted(output)[COMPARE_STEPS - 1]]["GradHist1d"]
@@ -73,7 +78,8 @@ def draw(result: dict, out: Path) -> list[Path]:
         ax.set_yscale("log")
         ax.set_title(f"{name} inputs, step {COMPARE_STEPS - 1}: RMS of g_n,j = "
                      f"{result[name]['rms']:.3g}\n"
-                     f"{result[name]['outside']:.2%} of elements in the edge bins (beyond ±2)",
+                     f"{result[name]['outside']:.3%} of elements beyond ±{hist['range']:.3g} "
+                     "(edge bins)",
                      fontsize=9)
         ax.set_xlabel("individual gradient element")
     fig.suptitle(f"Same images, raw vs normalised: histogram {result['width_factor']:.1f}× "
@@ -92,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         r = result[name]
         codes = [f.code for f in r["findings"] if f.is_problem] or ["nothing"]
         print(f"{name:>10}: RMS of individual gradient elements {r['rms']:.3g} (first layer "
-              f"{r['first_layer_rms']:.3g}), {r['outside']:.1%} beyond ±2; diagnose names "
+              f"{r['first_layer_rms']:.3g}), {r['outside']:.3%} beyond the histogram's "
+              f"range ±{r['output'][max(r['output'])]['GradHist1d']['range']:.3g}; diagnose names "
               f"{', '.join(codes)}")
     print(f"raw-data histogram is {result['width_factor']:.1f}× wider (first "
           f"{COMPARE_STEPS} steps, same initial weights)")

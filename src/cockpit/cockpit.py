@@ -25,9 +25,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from cockpit._stacklevel import user_stacklevel
 from cockpit.configurations import configuration
 from cockpit.engine import distributed as ranks
-from cockpit.engine.histogram import BinSpec, warn_if_slow
+from cockpit.engine.histogram import (
+    AutoRange,
+    BinSpec,
+    DecidedRange,
+    choose_auto_spec,
+    narrower_range,
+    regroup,
+    warn_if_slow,
+)
 from cockpit.engine.readout import Failed, Later, Noted, Readout
 from cockpit.engine.reduction import StepReduction
 from cockpit.engine.request import StepRequest
@@ -63,7 +72,10 @@ class Cockpit:
             configuration name (``"economy"``, ``"business"``, ``"full"``) or None (economy).
         optimizer: the optimizer whose steps are watched (needed by UpdateSize, CABS and the
             learning-rate panel). Its ``step()`` is observed through torch's step hooks.
-        hist_bins: bins of GradHist1d (default: 100 over [−2, 2], as in the paper).
+        hist_bins: bins of GradHist1d. Default: 100 bins over a range set once, at the
+            first tracked step, to hold all but 1e-4 of that step's elements (a power of two
+            bin width; the edge bins hold exactly the elements beyond it), then kept so that
+            steps stay comparable. ``BinSpec(-2.0, 2.0, 100)`` is the paper's fixed range.
         hist2d_bins: (gradient bins, parameter bins) of GradHist2d.
         sinks: objects with ``write_step(step, values, notes)`` and ``close()``.
         logdir: directory of a crash-safe run log (see :mod:`cockpit.store`), one run per
@@ -128,7 +140,7 @@ class Cockpit:
         quantities: Sequence[Quantity] | str | None = None,
         *,
         optimizer: torch.optim.Optimizer | None = None,
-        hist_bins: BinSpec = BinSpec(-2.0, 2.0, 100),  # noqa: B008 (frozen dataclass)
+        hist_bins: BinSpec | None = None,
         hist2d_bins: tuple[BinSpec, BinSpec] = (BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)),
         sinks: Iterable[Any] = (),
         logdir: str | None = None,
@@ -168,15 +180,16 @@ class Cockpit:
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.strict = strict
-        self.hist_spec = hist_bins
+        self.hist_spec: BinSpec | AutoRange = AutoRange() if hist_bins is None else hist_bins
         self.hist2d_specs = hist2d_bins
         used = {type(q).__name__ for q in quantities}
-        for spec, name, user in ((hist_bins, "hist_bins", "GradHist1d"),
+        fixed = () if hist_bins is None else ((hist_bins, "hist_bins", "GradHist1d"),)
+        for spec, name, user in (*fixed,
                                  (hist2d_bins[0], "hist2d_bins[0]", "GradHist2d"),
                                  (hist2d_bins[1], "hist2d_bins[1]", "GradHist2d")):
             if user in used:
                 warn_if_slow(spec, name)
-        self.tracker = ModuleTracker(model, hist_bins, hist2d_bins, strict=strict)
+        self.tracker = ModuleTracker(model, self.hist_spec, hist2d_bins, strict=strict)
         self._params = dict(self.tracker.params)
         self._check_optimizer_owns_parameters()
         self._watch = OutsideBackwardWatch(
@@ -527,7 +540,7 @@ class Cockpit:
                 "pass the optimizer that trains this model (Cockpit(model, ..., optimizer=opt)). "
                 "Its learning rate and settings are not recorded as the model's, and the "
                 "update instruments (UpdateSize, Alpha) measure steps that do not change this "
-                "model", RuntimeWarning, stacklevel=3)
+                "model", RuntimeWarning, stacklevel=user_stacklevel())
         elif missing:
             warnings.warn(
                 f"the optimizer passed to Cockpit ({kind}) does not own {len(missing)} of the "
@@ -535,7 +548,7 @@ class Cockpit:
                 "If another optimizer trains them, Cockpit sees only this one's steps (Alpha "
                 "and UpdateSize describe the parameters this optimizer moves; its learning rate "
                 "is recorded for its own parameters only); freeze them (requires_grad=False) "
-                "if nothing should train them", RuntimeWarning, stacklevel=3)
+                "if nothing should train them", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _model_param_groups(self) -> list[dict]:
         """The optimizer's parameter groups that hold parameters of the model."""
@@ -667,6 +680,29 @@ class Cockpit:
             self._measure_gradient_mismatch()
             self._finalize_open_step()
 
+    def _settle_hist_range(self, stats: BackwardStatistics) -> None:
+        """At the first tracked step with histograms of every layer, the automatic range is
+        chosen from their magnitude counts (summed over micro-batches and processes, so
+        every process chooses the same) and the step's counts regrouped into it; later it
+        narrows when the elements have shrunk into a quarter (:meth:`_narrow_hist_range`)."""
+        if not isinstance(self.hist_spec, AutoRange) or not stats.hist1d:
+            return
+        if not stats.valid:
+            stats.hist1d = {}
+            return
+        total = sum(c.double().cpu() for c in stats.hist1d.values())
+        spec = choose_auto_spec(total.numpy(), self.hist_spec.outside)
+        stats.hist1d = {name: regroup(c, spec) for name, c in stats.hist1d.items()}
+        self.hist_spec = self.tracker.hist_spec = spec
+
+    def _narrow_hist_range(self, hist: Value) -> None:
+        """From the next step on, the automatic range narrows by 4 when this step's
+        whole-network counts (global, the same in every process) fit into a quarter."""
+        if isinstance(self.hist_spec, DecidedRange) and isinstance(hist, dict):
+            narrower = narrower_range(hist["counts"], self.hist_spec)
+            if narrower is not None:
+                self.hist_spec = self.tracker.hist_spec = narrower
+
     def _measure_gradient_mismatch(self) -> None:
         """GradientMismatch of the open step: the gradient the optimizer is about to step on
         against the batch gradient of the backward passes Cockpit saw (single process)."""
@@ -695,6 +731,7 @@ class Cockpit:
         step, tracked = open_step.step, open_step.tracked
         reduction = open_step.reduction
         stats = reduction.finish()
+        self._settle_hist_range(stats)
         not_global = self._ranks_step_apart(step)
         self._prepare_failures = open_step.prepare_failures
         data = self._step_data(step, stats, open_step.elapsed)
@@ -750,7 +787,7 @@ class Cockpit:
             "rank 0): its values describe this process's own batch, not the global one. For "
             "the global batch, create Cockpit in every process (each watches the same "
             "training; only rank 0 writes); Cockpit(..., distributed=False) says 'this process "
-            "alone' without this check's wait", RuntimeWarning, stacklevel=4)
+            "alone' without this check's wait", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _ranks_step_apart(self, step: int) -> str | None:
         """With combined processes: the reason the global values describe no step, if the
@@ -930,6 +967,7 @@ class Cockpit:
                 self._warn(message, key=key)
 
     def _record_now(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
+        self._narrow_hist_range(values.get("GradHist1d"))
         values = self._arena.keep_values(values)
         self._output.setdefault(step, {}).update(values)
         if notes:
@@ -976,11 +1014,12 @@ class Cockpit:
                 raise
             self._warn(f"Cockpit sink failed: {error}", key=f"sink:{type(error).__name__}")
 
-    def _warn(self, message: str, key: str | None = None, stacklevel: int = 4) -> None:
+    def _warn(self, message: str, key: str | None = None, stacklevel: int | None = None) -> None:
+        """Warn once per key, at the user's line (``stacklevel`` is not used any more)."""
         key = key or message
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+            warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
     def _metadata(self) -> dict[str, Any]:
         import platform

@@ -27,20 +27,25 @@ def _parser() -> argparse.ArgumentParser:
 def format_findings(findings: list[Finding], run: str = "") -> str:
     """The findings as plain text, problems first."""
     problems = [f for f in findings if f.is_problem]
+    skipped = [f for f in findings if f.code == CHECKS_SKIPPED]
     head = f"Cockpit diagnosis of {run}" if run else "Cockpit diagnosis"
     lines = [head, "=" * len(head)]
-    if not problems:
+    if not problems and skipped:
+        everything = skipped[0].message.startswith("Nothing")
+        lines.append(skipped[0].message + "." if everything else
+                     "The checks that ran named no problem, but "
+                     f"{skipped[0].message[0].lower()}{skipped[0].message[1:]} (below).")
+    elif not problems:
         lines.append("No problem found in the recorded instruments.")
     for finding in problems:
         lines += ["", str(finding)]
     for finding in findings:
         if not finding.is_problem and finding.code != CHECKS_SKIPPED:
             lines += ["", str(finding)]
-    skipped = [f for f in findings if f.code == CHECKS_SKIPPED]
     for finding in skipped:
-        lines += ["", "Not checked (instruments not recorded):"]
-        lines += [f"  - {e.summary.removeprefix('would enable ')}: needs {e.instrument}"
-                  for e in finding.evidence]
+        lines += ["", f"Not checked — {finding.message}:" if problems else "Not checked:"]
+        lines += [f"  - {e.instrument}: {e.summary}" for e in finding.evidence]
+        lines += [f"  {finding.advice}"]
     return "\n".join(lines)
 
 

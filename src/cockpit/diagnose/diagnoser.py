@@ -37,14 +37,17 @@ class Diagnoser:
         self.record.meta = dict(meta or {})
         self.since_step = since_step
         self.findings: list[Finding] = []
-        self.skipped: dict[str, str] = {}  # code → instruments that would enable its check
+        self.skipped: dict[str, str] = {}  # code → why its check could not run
         self._reported: set[tuple[str, tuple[str, ...]]] = set()
 
-    def update(self, output: Mapping[int, Mapping[str, Any]]) -> list[Finding]:
-        """Add recorded steps and re-evaluate; returns the findings not reported before."""
+    def update(self, output: Mapping[int, Mapping[str, Any]],
+               notes: Mapping[int, Mapping[str, str]] | None = None) -> list[Finding]:
+        """Add recorded steps (and the reasons of their None values) and re-evaluate;
+        returns the findings not reported before."""
         if self.since_step is not None:
             output = {s: v for s, v in output.items() if s > self.since_step}
         self.record.add(output)
+        self.record.add_notes(notes or {})
         return self.evaluate()
 
     def evaluate(self) -> list[Finding]:
@@ -55,8 +58,9 @@ class Diagnoser:
             self.findings = []
             return []
         for rule in self.rules:
-            if not rule.enabled(self.record):
-                self.skipped[rule.code] = rule.missing()
+            reason = rule.skip_reason(self.record)
+            if reason is not None:
+                self.skipped[rule.code] = reason
                 continue
             findings.extend(rule.check(self.record))
         if self.skipped:
@@ -72,34 +76,49 @@ class Diagnoser:
 
 
 def _skipped_finding(skipped: dict[str, str]) -> Finding:
-    listed = "; ".join(f"{code} needs {needs}" for code, needs in skipped.items())
+    """The checks that could not run, each with why (instruments without values and the
+    reason recorded for them, or too few steps) and what it needs."""
+    rules = {rule.code: rule for rule in all_rules()}
+    total = len(rules)
+    everything = len(skipped) >= total
     return Finding(
         code=CHECKS_SKIPPED,
         severity="info",
-        message=f"{len(skipped)} check(s) could not run because their instruments were not "
-                f"recorded: {', '.join(skipped)}.",
-        evidence=tuple(Evidence(instrument=needs, summary=f"would enable {code}")
-                       for code, needs in skipped.items()),
-        advice=f"Track the missing instruments to enable them ({listed}).",
+        message=(f"Nothing could be checked: all {total} checks were skipped"
+                 if everything else
+                 f"{len(skipped)} of {total} checks could not run: {', '.join(skipped)}"),
+        evidence=tuple(Evidence(instrument=code, summary=reason)
+                       for code, reason in skipped.items()),
+        advice="Record the instruments each skipped check reads, with values (the notes say "
+               "why a value is None), over enough tracked steps: "
+               + "; ".join(f"{code} reads {rules[code].missing()}" +
+                           (f" at ≥ {rules[code].min_steps} steps"
+                            if rules[code].min_steps > 1 else "")
+                           for code in skipped if code in rules) + ".",
     )
 
 
-def diagnose(source: Any, *, since_step: int | None = None) -> list[Finding]:
+def diagnose(source: Any, *, since_step: int | None = None,
+             notes: Mapping[int, Mapping[str, str]] | None = None) -> list[Finding]:
     """Name likely training bugs from the recorded instruments of a run.
 
     Args:
         source: a :class:`~cockpit.Cockpit`, a run-log directory (``str`` or ``Path``), or
             ``Cockpit.get_output()``'s dict ``{step: {name: value}}``.
         since_step: read only steps after this one (None: all).
+        notes: ``{step: {name: reason}}`` for an output dict (a Cockpit and a run directory
+            bring their own): why values are None, quoted when a check is skipped.
 
     Returns:
-        The findings, most severe first. Checks whose instruments were not recorded are
-        skipped; they are listed in one ``info`` finding with code ``"checks_skipped"``
-        whose evidence names the instruments that would enable each check.
+        The findings, most severe first. A check whose instruments hold no value (not
+        recorded, or None at every step: the evidence quotes the recorded reason) or hold
+        values at fewer steps than it needs is skipped; the skipped checks are listed in one
+        ``info`` finding with code ``"checks_skipped"``, one evidence item per check saying
+        why, and its advice names what each check reads.
     """
-    output, meta = _read_source(source)
+    output, meta, own_notes = _read_source(source)
     diagnoser = Diagnoser(since_step=since_step, meta=meta)
-    diagnoser.update(output)
+    diagnoser.update(output, notes if notes is not None else own_notes)
     return sort_findings(diagnoser.findings)
 
 
@@ -114,12 +133,14 @@ def sort_findings(findings: list[Finding]) -> list[Finding]:
     return sorted(findings, key=key)
 
 
-def _read_source(source: Any) -> tuple[Mapping[int, Mapping[str, Any]], dict[str, Any]]:
+def _read_source(source: Any) -> tuple[Mapping[int, Mapping[str, Any]], dict[str, Any],
+                                       Mapping[int, Mapping[str, str]]]:
+    """(output, metadata, notes) of a Cockpit, a run directory or an output dict."""
     from cockpit.cockpit import Cockpit
 
     if isinstance(source, Cockpit):
-        return source.get_output(), {"parameters": {k: list(p.shape)
-                                                    for k, p in source._params.items()}}
+        return source.get_output(), {"parameters": {k: list(p.shape) for k, p in
+                                                    source._params.items()}}, source.get_notes()
     if isinstance(source, str | Path):
         from cockpit.store import RunLogReader
 
@@ -127,7 +148,7 @@ def _read_source(source: Any) -> tuple[Mapping[int, Mapping[str, Any]], dict[str
         if not path.exists():
             raise FileNotFoundError(f"no such run directory: {str(source)!r}")
         with RunLogReader(path) as reader:
-            return reader.output(), reader.meta()
+            return reader.output(), reader.meta(), reader.notes()
     if isinstance(source, Mapping):
         bad = [k for k in list(source)[:3] if not isinstance(k, int)]
         if bad:
@@ -135,7 +156,7 @@ def _read_source(source: Any) -> tuple[Mapping[int, Mapping[str, Any]], dict[str
                 "diagnose() expects get_output()'s dict {step: {name: value}} with integer "
                 f"steps, got key {bad[0]!r}"
             )
-        return source, {}
+        return source, {}, {}
     raise TypeError(
         "diagnose() reads a Cockpit, a run-log directory or get_output()'s dict, got "
         f"{type(source).__name__}"

@@ -28,6 +28,7 @@ class RunRecord:
         self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.last_hist: dict[str, dict[str, np.ndarray]] = {}
         self.names: set[str] = set()
+        self.notes: dict[str, str] = {}
         self.steps: list[int] = []
         self.last_step: int | None = None
 
@@ -84,10 +85,36 @@ class RunRecord:
         steps.append(step)
         values.append(x)
 
+    def add_notes(self, notes: Mapping[int, Mapping[str, str]]) -> None:
+        """Why values were None (``{step: {name: reason}}``); the last reason per name."""
+        for step in sorted(notes):
+            for name, reason in notes[step].items():
+                self.notes[name] = reason
+
     # ------------------------------------------------------------------ reading
     def has(self, name: str) -> bool:
         """Whether ``name`` was recorded (as a value, None included) at some step."""
         return name in self.names
+
+    def value_steps(self, name: str) -> int:
+        """Number of steps at which ``name`` holds a value (a float, NaN included, or a
+        histogram), not None."""
+        steps, _ = self._series.get(name, self._series.get(name + HIST_TOTAL, ([], [])))
+        return len(steps)
+
+    def why_empty(self, names: list[str]) -> str:
+        """Why the instruments ``names`` hold no value, in words (the first sentence of the
+        recorded reason; instruments with the same reason named together)."""
+        groups: dict[str, list[str]] = {}
+        for name in names:
+            if name not in self.names:
+                groups.setdefault("not recorded", []).append(name)
+                continue
+            reason = self.notes.get(name, "")
+            reason = reason.removeprefix("not computed: ").split(". ")[0].rstrip(".")
+            groups.setdefault("None at every step" + (f": {reason}" if reason else ""),
+                              []).append(name)
+        return "; ".join(f"{', '.join(group)} {why}" for why, group in groups.items())
 
     def series(self, name: str, since: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) of a float series (None skipped; NaN/±inf kept), steps > since."""

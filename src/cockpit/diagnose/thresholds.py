@@ -38,6 +38,17 @@ LR_SMALL_REACH = 0.2
 #: "The loss barely moves": it fell by less than this share from the first to the last fifth
 #: of the run. A run whose loss falls by more is making progress, whatever α says.
 LOSS_PROGRESS = 0.05
+#: lr_too_small needs this many steps: the first-order reach Σ‖g_B‖·‖s‖ grows with the steps,
+#: so early in a run a slow start reads as a crawl (SGD lr 0.01 with momentum on digits did
+#: at 20 steps; a run on random labels, whose loss cannot fall, at 8).
+LR_SMALL_MIN_STEPS = 24
+#: Where Alpha is recorded, lr_too_small also needs its median at or below this: α toward −1
+#: says the steps end near where they started on the fitted parabola; a median near 0 says
+#: they reach the valley floor, so a loss that does not fall is not the learning rate's
+#: fault (random labels, a plateau). Not −0.5 or −0.25: a tiny SGD step's fit is noise-dominated
+#: (zoo: SGD lr 1e-5 on digits −0.45, SGD lr 1e-4 on logreg −0.16 … −0.20; healthy runs
+#: −0.9 … −0.03, so α alone names nothing; random labels on an MLP: −0.02 … −0.11).
+LR_SMALL_ALPHA = -0.1
 
 # ---------------------------------------------------------------------- gradient scale
 #: Root-mean-square of one input element seen by the first layer (standardized data: ≈ 1;
@@ -64,6 +75,11 @@ DEAD_UNIT_SHARE = 0.5
 DEAD_MIN_BATCH = 16
 #: frozen_parameters needs at least this many recorded updates of exactly zero.
 FROZEN_MIN_STEPS = 5
+#: A parameter's gradient norm below this share of the network's is rounding noise, not a
+#: gradient that should move it: a bias right before a BatchNorm gets exactly 0 in exact
+#: arithmetic, ~3e-8 of the network's gradient norm in float32, and its update vanishes in
+#: the rounding of the parameter (UpdateSize 0) although it is in the optimizer.
+FROZEN_GRADIENT_SHARE = 1e-5
 
 # ---------------------------------------------------------------------- accumulation
 #: missing_zero_grad reads GradientHeld (0 or 1 per tracked step: direct evidence), so it

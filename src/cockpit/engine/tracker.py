@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +31,7 @@ from torch.nn.utils.rnn import PackedSequence
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
 from cockpit.curvature.diag_hessian import is_activation
 from cockpit.engine.broadcast import BroadcastTap, consumers_of, find_paths, per_sample_delta
-from cockpit.engine.histogram import BinSpec
+from cockpit.engine.histogram import AutoRange, BinSpec, magnitude_counts
 from cockpit.engine.request import StepRequest
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
 from cockpit.engine.rules.fallback import (
@@ -43,7 +43,13 @@ from cockpit.engine.rules.fallback import (
 )
 from cockpit.engine.rules.norms import SampleMixingError, batch_norm_message, uses_batch_statistics
 from cockpit.engine.rules.registry import ATOMIC_MODULES, Rule, find_rule
-from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.sample_grads import (
+    _CHUNK_ELEMENTS,
+    DenseSampleGrads,
+    OuterSampleGrads,
+    SampleGrads,
+    SequenceOuterSampleGrads,
+)
 from cockpit.engine.statistics import BackwardStatistics, GradientDots
 
 __all__ = ["GRADIENT", "PER_SAMPLE_STATS", "BackwardStatistics", "ModuleTracker", "StepRequest"]
@@ -133,13 +139,25 @@ was given: the tracker then takes g_nᵀ(gradient) from g_nᵀḡ where that is 
 own gradient (a closed form for Linear layers, one shared row otherwise)."""
 
 
+def _one_chunk_at_a_time(sg: SampleGrads) -> Iterator[Tensor]:
+    """The individual gradients in sample chunks, each formed only when the previous one is
+    done with (factored layers' ``chunks()`` would form them all at once)."""
+    if isinstance(sg, OuterSampleGrads | SequenceOuterSampleGrads):
+        size = max(1, _CHUNK_ELEMENTS // max(sg.shape.numel(), 1))
+        for d, a in zip(sg.delta.split(size), sg.a.split(size), strict=True):
+            yield (d.unsqueeze(2) * a.unsqueeze(1) if isinstance(sg, OuterSampleGrads)
+                   else torch.bmm(d.transpose(1, 2), a))
+    else:
+        yield from sg.chunks()
+
+
 class ModuleTracker:
     """Installs and owns all hooks on ``model``; see the module docstring."""
 
     def __init__(
         self,
         model: nn.Module,
-        hist_spec: BinSpec,
+        hist_spec: BinSpec | AutoRange,
         hist2d_specs: tuple[BinSpec, BinSpec],
         strict: bool = False,
     ):
@@ -753,7 +771,9 @@ class ModuleTracker:
         if VAR_SUM in needs:
             stats.var_sum[name] = sg.centered_sum_sq()
         if HIST1D in needs:
-            stats.hist1d[name] = sg.histogram(self.hist_spec)
+            stats.hist1d[name] = (magnitude_counts(_one_chunk_at_a_time(sg))
+                                  if isinstance(self.hist_spec, AutoRange)
+                                  else sg.histogram(self.hist_spec))
         if HIST2D in needs:
             spec_g, spec_theta = self.hist2d_specs
             stats.hist2d[name] = sg.histogram2d(self.params[name].detach(), spec_g, spec_theta)

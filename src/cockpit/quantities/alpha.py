@@ -203,8 +203,9 @@ class Alpha(Quantity):
             state.projections = dict(stats.projections.get(_PREDICTED, {}))
         else:
             state.project = data.project
-        if stats.problems:
-            state.failure = "; ".join(stats.problems)
+        if stats.problems:  # no individual gradients (BatchNorm, ...): the general path
+            # has none either, so no switch of path (and no warning that says so)
+            state.failure, state.predicted = "; ".join(stats.problems), False
         elif data.unmerged is not None:  # not a failed prediction: no switch of path
             state.failure, state.predicted = data.unmerged, False
         self._open = state

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cockpit.engine.histogram import BinSpec
+from cockpit.engine.histogram import AutoRange, BinSpec
 from cockpit.engine.readout import Later
 from cockpit.engine.statistics import BackwardStatistics
 from cockpit.schedules import Schedule, as_schedule
@@ -46,7 +46,7 @@ class StepData:
     params: dict[str, Tensor]  # θ_t (live tensors: read before optimizer.step())
     initial_params: dict[str, Tensor] | None  # θ_0
     learning_rate: float | None
-    hist_spec: BinSpec
+    hist_spec: BinSpec | AutoRange
     hist2d_specs: tuple[BinSpec, BinSpec]
     time: float
     notes: dict[str, str] = field(default_factory=dict)

@@ -22,6 +22,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from cockpit._stacklevel import user_stacklevel
 from cockpit.curvature.diagonal import (
     DESCRIPTIONS,
     STOCHASTIC,
@@ -101,7 +102,8 @@ class DiagonalCurvatureQuantity(Quantity):
             warnings.warn(
                 f"{self.name}: curvature='auto' cannot use the exact Hessian diagonal for this "
                 f"model ({reason}); it uses {DESCRIPTIONS[method]} instead (recorded in the "
-                "notes). Pass curvature= to choose.", RuntimeWarning, stacklevel=2)
+                "notes). Pass curvature= to choose.", RuntimeWarning,
+                stacklevel=user_stacklevel())
         n = losses.shape[0]
         if method in STOCHASTIC:  # merge the replicates over the step's backward passes
             if not self._replicates:

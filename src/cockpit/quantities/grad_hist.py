@@ -3,8 +3,10 @@
 GradHist1d: histogram of all |B|×D individual-gradient elements {g_n,j} (paper eq. 15),
 for the whole network and per parameter tensor.
 
-Default bins as in the paper's view: 100 bins over [−2, 2]; values outside are clamped into
-the edge bins. The counts of the whole network are the sums of the per-parameter counts.
+Bins: 100 over a range set from the first tracked step's data (``DecidedRange``: the edge bins
+hold exactly the elements beyond ±``range``, recorded as the field ``"range"``), or the
+user's ``hist_bins=`` (the paper's view: ``BinSpec(-2, 2, 100)``; values outside are clamped
+into the edge bins). The counts of the whole network are the sums of the per-parameter counts.
 
 GradHist2d: 2-D histogram of the |B|×D pairs (g_n,j, θ_j) (paper eq. 16), whole network and
 per parameter tensor; defaults as in the paper's view: 40 gradient bins over [−1, 1] × 50
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cockpit.engine.histogram import BinSpec
+from cockpit.engine.histogram import BinSpec, DecidedRange
 from cockpit.engine.readout import Later
 from cockpit.engine.tracker import HIST1D, HIST2D
 from cockpit.quantities.base import Quantity, StepData, Value, Values
@@ -43,18 +45,23 @@ class GradHist1d(Quantity):
     def compute(self, data: StepData) -> Values:
         stats = data.stats
         assert stats is not None
-        edges = _edges(data.hist_spec)
+        spec = data.hist_spec
+        if not isinstance(spec, BinSpec):  # range not yet set: no layer was binned
+            data.notes[self.name] = "no layer's individual gradients were binned"
+            return {self.name: None}
+        edges = spec.edges(torch.float64, "cpu").numpy()
+        extra = {"range": spec.inner} if isinstance(spec, DecidedRange) else {}
         names = list(stats.hist1d)
         if not names:
-            counts = np.zeros(data.hist_spec.bins, dtype=np.int64)
-            return {"GradHist1d": {"counts": counts, "edges": edges}}
+            counts = np.zeros(spec.bins, dtype=np.int64)
+            return {"GradHist1d": {"counts": counts, "edges": edges, **extra}}
 
         def values(stacked) -> dict[str, Value]:
             per_param = stacked.astype(np.int64)
             out: dict[str, Value] = {"GradHist1d": {"counts": per_param.sum(0),
-                                                    "edges": edges}}
+                                                    "edges": edges, **extra}}
             for name, c in zip(names, per_param, strict=True):
-                out[f"GradHist1d/{name}"] = {"counts": c, "edges": edges}
+                out[f"GradHist1d/{name}"] = {"counts": c, "edges": edges, **extra}
             return out
 
         return Later(values, _counts(stats.hist1d), name="GradHist1d")

@@ -11,6 +11,9 @@ convention). So from the record alone
   lying wholly outside it (bins cut by lo or hi are counted as shown);
 * the data's own range is known to one bin width: the span of the non-empty bins.
 
+A histogram whose range Cockpit set from the data (the default) also records ``"range"``: its
+edge bins hold *exactly* the elements beyond ±range (:attr:`Histogram.inner`).
+
 Non-finite elements are counted in no bin, so a step whose gradients were all NaN has an
 empty histogram.
 """
@@ -35,6 +38,7 @@ class Histogram:
     step: int
     counts: np.ndarray
     edges: np.ndarray
+    inner: float | None = None  # the edge bins hold exactly the elements beyond ±inner
 
     @property
     def total(self) -> int:
@@ -75,7 +79,8 @@ def _as_hist(step: int, value: Mapping[str, Any]) -> Histogram | None:
     edges = np.asarray(value["edges"], dtype=np.float64).ravel()
     if counts.size == 0 or counts.size + 1 != edges.size:
         return None
-    return Histogram(step, counts, edges)
+    inner = value.get("range")
+    return Histogram(step, counts, edges, None if inner is None else float(inner))
 
 
 def histogram_at(output: Output, name: str, step: int | None = None) -> Histogram | None:

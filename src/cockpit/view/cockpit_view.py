@@ -10,6 +10,7 @@ instruments that were not tracked are left out and the grid closes up.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,7 @@ def figure_size(output: Mapping, *, diagnosis: bool = True) -> tuple[float, floa
 
 def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
                  fig: Figure | None = None,
-                 hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
+                 hist_range: tuple[float, float] | str | None = "auto",
                  title: str | None = None, notes: Mapping[int, Mapping[str, str]] | None = None,
                  diagnosis: bool = True, findings: Sequence[Any] | None = None) -> Figure:
     """Draw the cockpit view of a run's output ``{step: {name: value}}``.
@@ -167,7 +168,8 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
         meta: Run metadata; the model and optimizer go into the figure's title.
         fig: Figure to draw into (it is cleared); default a new figure sized to the
             panels (not registered with pyplot, so it is safe in threads and servers).
-        hist_range: x range of the gradient-element histogram (None: its edges).
+        hist_range: x range of the gradient-element histogram: ``"auto"`` its edges where
+            Cockpit set the range from the data, else the paper's [−2, 2]; None: its edges.
         title: Overrides the title made from ``meta``.
         notes: ``{step: {name: reason}}`` (``Cockpit.get_notes()``, the run log's notes):
             a panel without values says why.
@@ -202,7 +204,7 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
                                "meta": meta}
     if "Findings" in gray:
         options["findings"], options["diagnosis_error"] = (
-            (list(findings), None) if findings is not None else run_diagnosis(out))
+            (list(findings), None) if findings is not None else run_diagnosis(out, notes))
     if upper and gray:
         outer = fig.add_gridspec(2, 1, height_ratios=[2.9 * rows, 2.3])
         top_spec, bottom_spec = outer[0], outer[1]
@@ -257,6 +259,9 @@ DRAWING_MODULES = ("cockpit_view.py", "instruments.py", "layers.py", "findings_p
                    "_style.py", "_hist.py", "_data.py")
 CODE_KEY = "cockpit-view-code"
 PANELS_KEY = "cockpit-panels"
+# The losses of the run's first tracked steps (JSON): which run a saved figure shows.
+RUN_KEY = "cockpit-run-start"
+RUN_KEY_STEPS = 8
 
 
 def drawing_code_hash(root: Path | None = None) -> str:
@@ -300,7 +305,8 @@ def read_png_text(path: str | Path) -> dict[str, str]:
     return found
 
 
-def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110) -> Path:
+def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110,
+                extra: Mapping[str, str] | None = None) -> Path:
     """Save ``fig`` as PNG, PDF or SVG, chosen by the file extension. A PNG carries the
     hash of the drawing code and the panels drawn (:func:`png_provenance`), so a figure
     can be checked against the code that should have made it (README's figure)."""
@@ -312,7 +318,7 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110) -> Path:
             f"use one of {', '.join(_FORMATS)}."
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = png_provenance(fig) if fmt == "png" else None
+    metadata = {**png_provenance(fig), **(extra or {})} if fmt == "png" else None
     fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
     return path
 
@@ -323,7 +329,10 @@ def plot_run(logdir: str | Path, out_path: str | Path | None = None, **kwargs: A
     kwargs.setdefault("notes", load_notes(logdir))
     fig = plot_cockpit(output, meta, **kwargs)
     if out_path is not None:
-        save_figure(fig, out_path)
+        steps = sorted(output)[:RUN_KEY_STEPS]
+        losses = [output[s].get("Loss") if isinstance(output[s], Mapping) else None
+                  for s in steps]
+        save_figure(fig, out_path, extra={RUN_KEY: json.dumps(losses)})
     return fig
 
 

@@ -1,6 +1,6 @@
 """Command-line entry points of the views (wired into ``cockpit`` by the CLI):
 
-* ``cockpit plot RUN [-o view.png] [--layers [layers.png]] [--step N]`` → :func:`main_plot`
+* ``cockpit plot RUN [-o FILE] [--layers [FILE]] [--step N]`` → :func:`main_plot`
 * ``cockpit view RUN [--host H] [--port P] [--refresh S]`` → :func:`main_view`
 """
 
@@ -19,12 +19,15 @@ def _plot_parser() -> argparse.ArgumentParser:
                                 description="Draw the cockpit view of a run into a file.")
     p.add_argument("run", nargs="?", help="run directory (with cockpit.sqlite) or a JSON export")
     p.add_argument("-o", "--output", help="figure file, .png/.pdf/.svg "
-                   "(default: <run>/cockpit_view.png)")
+                   "(default: <run>/cockpit_view.png, with --layers <run>/cockpit_layers.png)")
     p.add_argument("--layers", metavar="FILE", nargs="?", const="",
-                   help="also draw the layer-wise view (per-parameter gradient histograms, "
-                   "paper Fig. 4) into FILE (default: <run>/cockpit_layers.png)")
+                   help="draw the layer-wise view (per-parameter gradient histograms, paper "
+                   "Fig. 4) instead of the cockpit view, into FILE (default: -o, else "
+                   "<run>/cockpit_layers.png)")
     p.add_argument("--step", type=int, default=None,
-                   help="step of the per-layer histograms (default: last tracked)")
+                   help="draw the run as at this tracked step: the cockpit view of the steps "
+                   "up to it (histograms of that step), or the layer-wise view of that step "
+                   "(default: the last tracked step)")
     p.add_argument("--dpi", type=int, default=110, help="resolution of PNG files")
     return p
 
@@ -43,21 +46,37 @@ def main_plot(argv: Sequence[str] | None = None) -> int:
         else:
             parser.error("the following arguments are required: run")
     run = Path(args.run)
+    if not run.exists():
+        print(f"cockpit plot: no such run directory or file: {args.run}", file=sys.stderr)
+        return 2
     try:
         output, meta = load_run(run)
     except FileNotFoundError as err:
         print(f"cockpit plot: {err}", file=sys.stderr)
         return 2
-    default = run.with_suffix(".png") if run.is_file() else run / "cockpit_view.png"
-    target = Path(args.output) if args.output else default
+    if not output:
+        print(f"cockpit plot: {args.run} holds no tracked step yet (while training runs, "
+              f"`cockpit view {args.run}` follows it)", file=sys.stderr)
+        return 1
+    if args.step is not None:
+        if args.step not in output:
+            near = min(output, key=lambda s: abs(s - args.step))
+            print(f"cockpit plot: step {args.step} was not tracked in {args.run} (tracked: "
+                  f"{min(output)}–{max(output)}, {len(output)} steps; nearest {near})",
+                  file=sys.stderr)
+            return 2
+        output = {s: v for s, v in output.items() if s <= args.step}
     try:
-        written = [save_figure(plot_cockpit(output, meta, notes=load_notes(run)), target,
-                               dpi=args.dpi)]
         if args.layers is not None:
-            layers_default = (run.with_name(run.stem + "_layers.png") if run.is_file()
-                              else run / "cockpit_layers.png")
+            default = (run.with_name(run.stem + "_layers.png") if run.is_file()
+                       else run / "cockpit_layers.png")
             fig = plot_layer_histograms(output, step=args.step, order=model_order(meta))
-            written.append(save_figure(fig, args.layers or layers_default, dpi=args.dpi))
+            target = Path(args.layers or args.output or default)
+        else:
+            default = run.with_suffix(".png") if run.is_file() else run / "cockpit_view.png"
+            fig = plot_cockpit(output, meta, notes=load_notes(run))
+            target = Path(args.output) if args.output else default
+        written = [save_figure(fig, target, dpi=args.dpi)]
     except ValueError as err:
         print(f"cockpit plot: {err}", file=sys.stderr)
         return 2

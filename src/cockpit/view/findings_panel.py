@@ -22,13 +22,14 @@ SEVERITY_COLORS = {"error": S.RED, "warning": S.ORANGE, "info": S.GRAY}
 SEVERITY_MARKS = {"error": "✖", "warning": "▲", "info": "·"}
 
 
-def run_diagnosis(source: Any) -> tuple[list[Any], str | None]:
-    """``(findings, None)`` from :func:`cockpit.diagnose.diagnose`, or ``([], message)`` if
-    the diagnosis is unavailable or failed: a view must draw even then."""
+def run_diagnosis(source: Any, notes: Any = None) -> tuple[list[Any], str | None]:
+    """``(findings, None)`` from :func:`cockpit.diagnose.diagnose` (``notes``: why values
+    of an output dict are None), or ``([], message)`` if the diagnosis is unavailable or
+    failed: a view must draw even then."""
     try:
         from cockpit.diagnose import diagnose
 
-        return list(diagnose(source)), None
+        return list(diagnose(source, notes=notes)), None
     except Exception as error:  # the figure stands without the diagnosis
         return [], f"diagnosis unavailable: {type(error).__name__}: {error}"
 
@@ -39,8 +40,17 @@ def finding_lines(findings: Sequence[Any], width: int) -> list[tuple[str, str, b
     problems = sorted((f for f in findings if f.severity in ("error", "warning")),
                       key=lambda f: f.severity != "error")  # stable: errors first
     infos = [f for f in findings if f.severity == "info"]
+    skipped = [f for f in infos if f.code == "checks_skipped"]
     lines: list[tuple[str, str, bool]] = []
-    if not problems:
+    if not problems and skipped:  # no pass: some checks could not run
+        lines += [(part, S.ORANGE, k == 0) for k, part in enumerate(textwrap.wrap(
+            f"○ {skipped[0].message}", width, subsequent_indent="   "))]
+        for e in skipped[0].evidence:
+            lines += [(part, S.GRAY, False) for part in textwrap.wrap(
+                f"{e.instrument}: {e.summary}", width, initial_indent="   ",
+                subsequent_indent="     ")]
+        infos = [f for f in infos if f.code != "checks_skipped"]
+    elif not problems:
         lines.append(("✓ no problem named by diagnose() in the recorded instruments", S.GREEN,
                       True))
     for f in problems:

@@ -19,6 +19,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.gridspec import SubplotSpec
 from matplotlib.patches import Circle, Patch
+from matplotlib.ticker import MaxNLocator
 from matplotlib.transforms import blended_transform_factory
 
 from cockpit.engine.histogram import symmetric_fast_spec
@@ -56,7 +57,8 @@ def _no_data(ax: Axes, message: str = "tracked, but not computed yet") -> None:
 
 def note_for(notes: Notes | None, names: list[str] | tuple[str, ...]) -> str | None:
     """The recorded reason why ``names`` have no value: the most frequent note of these
-    instruments over the run (ties: the latest), or None without notes."""
+    instruments over the run (ties: the latest; without a leading "not computed: "), or
+    None without notes."""
     if not notes:
         return None
     seen: dict[str, tuple[int, int]] = {}
@@ -68,7 +70,8 @@ def note_for(notes: Notes | None, names: list[str] | tuple[str, ...]) -> str | N
                 seen[reason] = (count + 1, step)
     if not seen:
         return None
-    return max(seen.items(), key=lambda kv: kv[1])[0]
+    reason = max(seen.items(), key=lambda kv: kv[1])[0]
+    return reason.removeprefix("not computed: ")  # the panels say "not computed" themselves
 
 
 def _missing_message(output: Output, names: list[str], notes: Notes | None) -> str:
@@ -88,7 +91,8 @@ def _wrap(text: str, width: int = 48) -> str:
 
 def _corner_note(ax: Axes, text: str, *, loc: str = "upper right", color: str = S.GRAY,
                  y: float | None = None) -> None:
-    x, ha = (0.98, "right") if "right" in loc else (0.02, "left")
+    x, ha = ((0.98, "right") if "right" in loc else (0.5, "center") if "center" in loc
+             else (0.02, "left"))
     y_default, va = (0.96, "top") if "upper" in loc else (0.04, "bottom")
     y = y_default if y is None else y
     ax.text(x, y, text, transform=ax.transAxes, ha=ha, va=va, color=color,
@@ -210,17 +214,21 @@ def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, *,
     ax.plot(grid, 0.55 * top * (grid / r) ** 2 + 0.02 * top, color=S.GRAY, linewidth=1,
             linestyle=":", zorder=1)
     ax.stairs(h_all, bins, fill=True, color=S.COLORS["Alpha"], alpha=0.2, zorder=2)
+    # the median beside the mean: a few steps far outside (clipped into the edge bins)
+    # can move the mean away from where the curves peak
     ax.plot(grid, k_all, color=S.COLORS["Alpha"], linewidth=1.8, zorder=3,
-            label=f"all steps (n={vals.size}, mean {vals.mean():+.2f})")
+            label=f"all steps (n={vals.size}, median {np.median(vals):+.2f}, "
+                  f"mean {vals.mean():+.2f})")
     ax.fill_between(grid, k_rec, color=S.COLORS["AlphaRecent"], alpha=0.15, zorder=3, lw=0)
     ax.plot(grid, k_rec, color=S.COLORS["AlphaRecent"], linewidth=1.8, zorder=4,
-            label=f"last 10 % (n={recent.size}, mean {recent_mean:+.2f})")
+            label=f"last 10 % (n={recent.size}, median {np.median(vals[mask]):+.2f}, "
+                  f"mean {recent_mean:+.2f})")
     for mark in (-1, 0, 1):
         ax.axvline(mark, color="black", linewidth=0.8, linestyle="--", alpha=0.6, zorder=1)
     ax.set_xlim(-r, r)
     ax.set_ylim(0, top)
     ax.set_xticks([-1.5, -1, -0.5, 0, 0.5, 1, 1.5])
-    ax.set_yticks([])
+    ax.tick_params(labelsize=S.FONT_SIZES["small"])
     ax.set_ylabel("density", fontsize=S.FONT_SIZES["small"])
     ax.set_xlabel("α  (−1: back at start · 0: at minimum · 1: opposite wall)",
                   fontsize=S.FONT_SIZES["small"], labelpad=1)
@@ -230,8 +238,9 @@ def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, *,
             fontsize=S.FONT_SIZES["base"], color=S.GRAY)
     legend_above(ax)
     outside = int(np.sum(np.abs(vals) > r))
-    if outside:
-        _corner_note(ax, f"{outside} beyond ±{r:g} (in edge bins)", loc="lower left")
+    if outside:  # at the top, clear of the edge bins' bars
+        _corner_note(ax, f"{outside} beyond ±{r:g} (in the edge bins)", loc="upper center",
+                     y=0.84)
     return ax
 
 
@@ -298,6 +307,20 @@ def draw_grad_norm(fig: Figure, spec: SubplotSpec, output: Output, *,
 
 
 # -------------------------------------------------------------------- gradient column
+EMA_WEIGHT = 0.8  # the gradient tests' running average: m_t = 0.8·m_(t−1) + 0.2·x_t
+
+
+def ema(values: np.ndarray, weight: float = EMA_WEIGHT) -> np.ndarray:
+    """Bias-corrected exponential moving average over the tracked steps:
+    m_t = w·m_(t−1) + (1 − w)·x_t, shown as m_t / (1 − w^(t+1))."""
+    out = np.empty(len(values))
+    m = 0.0
+    for t, x in enumerate(values):
+        m = weight * m + (1 - weight) * float(x)
+        out[t] = m / (1 - weight ** (t + 1))
+    return out
+
+
 _TESTS = (("NormTest", "norm", S.THETA_NORM), ("InnerTest", "inner product",
           S.THETA_INNER), ("OrthoTest", "orthogonality", S.NU_ORTHO))
 
@@ -361,13 +384,15 @@ def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
     drawn, last, last_step = [], {}, None
     for name, label, _ in tracked:
         first = len(ax.get_lines())
-        vals = plot_series(ax, output, name, label=label)
+        vals = plot_series(ax, output, name)
         line = ax.get_lines()[first]  # the finite values (red crosses come after)
-        if name == "NormTest":
-            line.set_zorder(3.5)
-        else:
-            line.set_alpha(0.8)
-            line.set_linewidth(1.1)
+        line.set_alpha(0.3)  # each step, thin; the running average bold
+        line.set_linewidth(0.8)
+        line.set_marker("")
+        fsteps, fvals = finite_part(*scalar_series(output, name))
+        if fvals.size:
+            ax.plot(fsteps, ema(fvals), color=line.get_color(), linewidth=1.7,
+                    zorder=3.5 if name == "NormTest" else 3, label=label)
         drawn.append(vals)
         steps, allv = finite_part(*scalar_series(output, name))
         if steps.size:
@@ -380,13 +405,25 @@ def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
     for _, _, thr in tracked:
         if lo <= thr <= hi and thr not in shown:
             shown.add(thr)
-            ax.axhline(thr, color=S.GRAY, linestyle=":", linewidth=1.4, zorder=1,
-                       label="threshold" if len(shown) == 1 else "_nolegend_")
+            ax.axhline(thr, color="black", linestyle=":", linewidth=1.3, zorder=5,
+                       alpha=0.8, label="threshold" if len(shown) == 1 else "_nolegend_")
     ax.set_ylim(lo, hi)
     legend_above(ax)
     ax.set_ylabel("standardized width", fontsize=S.FONT_SIZES["small"])
+    ax.set_xlabel(f"step   (bold: running average, EMA {EMA_WEIGHT:g}; thin: each step)",
+                  fontsize=S.FONT_SIZES["small"], labelpad=1)
     _draw_test_geometry(geo, last, last_step if last_step is not None else 0)
     return ax
+
+
+def share_text(part: float, total: float) -> str:
+    """A share as a percentage that is not rounded to 0 (or 100) when it is not."""
+    share = part / total if total else 0.0
+    if 0 < share < 1e-4:
+        return "<0.01%"
+    if 0.9999 < share < 1:
+        return ">99.99%"
+    return f"{share:.2%}"
 
 
 def hist_range_notes(hist: Histogram, lo: float, hi: float) -> list[str]:
@@ -399,7 +436,10 @@ def hist_range_notes(hist: Histogram, lo: float, hi: float) -> list[str]:
     e0, e1 = float(hist.edges[0]), float(hist.edges[-1])
     reach = f"±{e1:g}" if e0 == -e1 else f"[{e0:g}, {e1:g}]"
     edge = hist.edge_bins()
-    if lo <= e0 and hi >= e1:
+    if hist.inner is not None and lo <= e0 and hi >= e1:
+        notes.append(f"{edge:,} elements ({share_text(edge, hist.total)}) beyond "
+                     f"±{hist.inner:.3g}, in the edge bins")
+    elif lo <= e0 and hi >= e1:
         notes.append(f"≤{edge:,} elements ({edge / hist.total:.2%}) beyond {reach}, "
                      "in the edge bins" if edge else f"no element beyond {reach}")
     else:
@@ -426,6 +466,7 @@ def _draw_zoom(ax: Axes, hist: Histogram, lo: float, hi: float) -> Axes | None:
     inset.set_ylim(0.8, hist.counts.max() * 2.5)
     inset.set_xlim(max(occ_lo - w, hist.edges[0]), min(occ_hi + w, hist.edges[-1]))
     inset.tick_params(labelsize=S.FONT_SIZES["small"] - 1)
+    inset.xaxis.set_major_locator(MaxNLocator(4))  # labels that do not run together
     inset.set_title(f"{S.SUB_TITLES['HistZoom']}: [{occ_lo:.3g}, {occ_hi:.3g})",
                     fontsize=S.FONT_SIZES["small"], loc="left", pad=2)
     if n_bins <= 3:
@@ -434,21 +475,25 @@ def _draw_zoom(ax: Axes, hist: Histogram, lo: float, hi: float) -> Axes | None:
                          f"shape not recorded;\nfor it: Cockpit(..., hist_bins=cockpit."
                          f"BinSpec({-reach!r}, {reach!r}, 100))",
                          fontsize=S.FONT_SIZES["small"] - 1.5, labelpad=1, color=S.GRAY)
-    ax.indicate_inset((occ_lo, 0.8, occ_hi - occ_lo, float(hist.counts.max())), inset,
-                      edgecolor=S.GRAY, alpha=0.6)
+    marked = ax.indicate_inset((occ_lo, 0.8, occ_hi - occ_lo, float(hist.counts.max())),
+                               inset, edgecolor=S.GRAY, alpha=0.6)
+    for line in getattr(marked, "connectors", None) or marked[1]:
+        line.set_visible(False)  # they crossed the inset's labels; the box says enough
     return inset
 
 
 def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
-                      hist_range: tuple[float, float] | None = S.GRAD_HIST_RANGE,
+                      hist_range: tuple[float, float] | str | None = "auto",
                       step: int | None = None, name: str = "GradHist1d",
-                      title: str | None = None, compact: bool = False, **_: Any) -> Axes:
+                      title: str | None = None, compact: bool = False,
+                      notes: Notes | None = None, **_: Any) -> Axes:
     """Histogram of the |B|×D individual gradient elements (eq. 15), log count axis, at
     ``step`` (default: the last step with any finite element, so a run whose gradients
     became NaN shows its last finite step and says so).
 
-    ``hist_range`` is the x range (default the paper's deliberate [−2, 2], so badly scaled
-    data stand out; None: the recorded edges). The panel says how many elements lie
+    ``hist_range`` is the x range: ``"auto"`` (default) the recorded edges where Cockpit set
+    the range from the data, else the paper's deliberate [−2, 2], so badly scaled data stand
+    out; None: the recorded edges; or (lo, hi). The panel says how many elements lie
     beyond that range (:func:`hist_range_notes`) and zooms on the data's own range in an
     inset when the data occupy a small part of it (:func:`_draw_zoom`)."""
     ax = fig.add_subplot(spec)
@@ -458,7 +503,9 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
     hist = histogram_at(output, name, step)
     if hist is None or hist.total == 0:
         recorded = last_recorded_step(output, name)
-        _no_data(ax, "no histogram yet" if recorded is None else
+        reason = note_for(notes, [name])
+        _no_data(ax, _wrap(f"not computed: {reason}") if recorded is None and reason else
+                 "no histogram yet" if recorded is None else
                  f"no finite gradient element recorded (last recorded step {recorded})")
         return ax
     # One step artist (not one bar per bin): empty bins fall to the baseline below the axis.
@@ -467,6 +514,8 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
     ax.set_yscale("log")
     ax.set_ylim(bottom=0.8, top=hist.counts.max() * 60)  # headroom for the notes
     lo, hi = float(hist.edges[0]), float(hist.edges[-1])
+    if hist_range == "auto":
+        hist_range = None if hist.inner is not None else S.GRAD_HIST_RANGE
     if hist_range is not None:
         lo, hi = hist_range
     ax.set_xlim(lo, hi)
@@ -487,16 +536,17 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
 
 
 def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
-                      step: int | None = None, **_: Any) -> Axes:
+                      step: int | None = None, notes: Notes | None = None, **_: Any) -> Axes:
     """2-D histogram of (θ_j, g_n,j) pairs (eq. 16) with both marginals, log colors."""
-    sub = spec.subgridspec(2, 2, width_ratios=[4, 1], height_ratios=[1, 3.2],
+    sub = spec.subgridspec(2, 2, width_ratios=[4, 1], height_ratios=[1.4, 3],
                            wspace=0.04, hspace=0.06)
     top = fig.add_subplot(sub[0, 0])
     top.set_title(S.PANEL_TITLES["GradHist2d"], fontsize=S.FONT_SIZES["title"], loc="left")
     fields = ("counts", "edges_grad", "edges_param")
     found = structured_at(output, "GradHist2d", fields, step)
     if found is None:
-        _no_data(top, "no histogram yet")
+        reason = note_for(notes, ["GradHist2d"])
+        _no_data(top, _wrap(f"not computed: {reason}") if reason else "no histogram yet")
         return top
     at, hist = found
     counts = np.asarray(hist["counts"], dtype=np.float64)
@@ -521,8 +571,16 @@ def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
                  color=S.COLORS["GradHist2d"], alpha=0.8, linewidth=0)
     right.set_xscale("log")
     right.set_xlim(0.8, marg_grad.max() * 2.5)
-    main.set_xlim(ep[0], ep[-1])
-    main.set_ylim(eg[0], eg[-1])
+    # zoom on the occupied bins (one bin of margin): the recorded range may be far wider
+    # than the data (θ within ±0.8 on the default ±2)
+    cols, rows = np.flatnonzero(marg_param > 0), np.flatnonzero(marg_grad > 0)
+    main.set_xlim(ep[max(cols[0] - 1, 0)], ep[min(cols[-1] + 2, ep.size - 1)])
+    main.set_ylim(eg[max(rows[0] - 1, 0)], eg[min(rows[-1] + 2, eg.size - 1)])
+    edge = int(counts[0].sum() + counts[-1].sum() + counts[1:-1, 0].sum()
+               + counts[1:-1, -1].sum())
+    if edge:  # values beyond the range were clamped into the edge bins: say how many
+        _corner_note(main, f"≤{edge:,} pairs ({share_text(edge, counts.sum())}) beyond "
+                     f"the range, in the edge bins", loc="lower left")
     for a in (top, main, right):
         a.tick_params(labelsize=S.FONT_SIZES["small"])
     top.tick_params(labelbottom=False)

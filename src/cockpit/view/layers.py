@@ -13,6 +13,7 @@ narrow spike next to the wide histograms of the other layers.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,8 @@ def describe_layer(hist: Histogram, lo: float, hi: float) -> list[str]:
     """The notes of one layer panel: elements, spread and what lies outside the view."""
     notes = [f"{hist.total:,} elements", f"99 % within ±{hist.central():.3g}"]
     edge = hist.edge_bins()
-    beyond = f"≤{edge:,} beyond ±{max(abs(hist.edges[0]), abs(hist.edges[-1])):g}"
+    beyond = (f"{edge:,} beyond ±{hist.inner:.3g}" if hist.inner is not None else
+              f"≤{edge:,} beyond ±{max(abs(hist.edges[0]), abs(hist.edges[-1])):g}")
     if (lo, hi) == (hist.edges[0], hist.edges[-1]):
         if edge:
             notes.append(beyond + " (edge bins)")
@@ -169,6 +171,7 @@ def plot_layers(source: Any, path: str | Path | None = None, *, step: int | None
 
 def draw_layers_panel(fig: Figure, spec: SubplotSpec, output: Output, *,
                       step: int | None = None, meta: Mapping[str, Any] | None = None,
+                      notes: Mapping[int, Mapping[str, str]] | None = None,
                       **_: Any) -> Axes:
     """Compact per-layer panel: rows are parameters, columns the recorded bins, colors the
     log counts (white: empty bin); each row at its parameter's last step with finite
@@ -180,7 +183,12 @@ def draw_layers_panel(fig: Figure, spec: SubplotSpec, output: Output, *,
     hists = {p: h for p, h in hists.items() if h.total > 0}
     edges = {tuple(h.edges) for h in hists.values()}
     if not hists or len(edges) != 1:
-        ax.text(0.5, 0.5, "no per-layer histogram yet" if not hists else
+        from cockpit.view.instruments import note_for
+
+        reason = note_for(notes, ["GradHist1d"])
+        empty = ("\n".join(textwrap.wrap(f"not computed: {reason}", 60)) if reason else
+                 "no per-layer histogram yet")
+        ax.text(0.5, 0.5, empty if not hists else
                 "layers recorded with different bins: see plot_layers()",
                 transform=ax.transAxes, ha="center", va="center", color=S.GRAY,
                 style="italic", fontsize=S.FONT_SIZES["base"])
@@ -191,8 +199,11 @@ def draw_layers_panel(fig: Figure, spec: SubplotSpec, output: Output, *,
     counts = np.stack([hists[p].counts for p in names])
     x = np.asarray(next(iter(edges)))
     y = np.arange(len(names) + 1) - 0.5
-    ax.pcolormesh(x, y, np.ma.masked_less_equal(counts, 0), shading="flat", cmap="Blues",
-                  norm=LogNorm(vmin=1, vmax=max(counts.max(), 2)))
+    mesh = ax.pcolormesh(x, y, np.ma.masked_less_equal(counts, 0), shading="flat",
+                         cmap="Blues", norm=LogNorm(vmin=1, vmax=max(counts.max(), 2)))
+    bar = fig.colorbar(mesh, ax=ax, pad=0.01, fraction=0.04, aspect=25)
+    bar.set_label("count", fontsize=S.FONT_SIZES["small"], labelpad=1)
+    bar.ax.tick_params(labelsize=S.FONT_SIZES["small"] - 1)
     ax.set_yticks(np.arange(len(names)))
     ax.set_yticklabels(names, fontsize=max(S.FONT_SIZES["small"] - (len(names) > 12), 5.5))
     ax.set_ylim(len(names) - 0.5, -0.5)  # first layer on top

@@ -8,14 +8,22 @@ reads), so it works during training, after a crash and for finished runs. Routes
                      (a button shows it at full size, the page then scrolls), and beside
                      it the diagnosis and a read-out of the values under the pointer; an
                      inline script polls ``/status.json`` and reloads what changed,
-* ``/view.png``      the cockpit view rendered from the run log (cached per run-log state),
-* ``/status.json``   ``{"last_step", "num_steps", "run"}``,
+* ``/view.png``      the last finished drawing of the cockpit view (never waits for one),
+* ``/status.json``   ``{"last_step", "num_steps", "run", "rendered", "rendering"}``; the
+                     page sends the size of its figure area (``?w=…&h=…``, CSS pixels),
+                     and the view is drawn at that size,
 * ``/panels.json``   where each panel of ``/view.png`` is (fractions of the image) with its
                      x range and instruments, the recorded values of those instruments,
                      and the histogram shown, for the hover read-out,
 * ``/findings.json`` :func:`cockpit.diagnose.diagnose` of the run log.
 
 Nothing else is served (no files at all); every other path is a 404.
+
+Drawing the view takes seconds on a busy CPU, longer than a poll. One renderer thread draws
+it: at most once per new run-log state (a state that changed while drawing is drawn next,
+the steps in between are skipped), never two drawings at once, and again when the page's
+size changed. Requests never wait for it: ``/view.png`` and ``/panels.json`` give the last
+finished drawing, ``/status.json`` reads only the run log's step count.
 """
 
 from __future__ import annotations
@@ -26,11 +34,12 @@ import io
 import json
 import math
 import threading
+import time
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from matplotlib.figure import Figure
 
@@ -98,8 +107,16 @@ class LivePlot:
 
 
 # ------------------------------------------------------------------------ web view
-def _render(logdir: str | Path, *, dpi: int = 90) -> tuple[bytes, dict[str, Any]]:
-    """PNG bytes of the cockpit view of ``logdir`` and its hover data (panels.json)."""
+# Smallest drawing (CSS pixels at DPI): below it the panels get too cramped to read, and a
+# smaller window shows the drawing scaled down instead.
+_MIN_SIZE_PX = (1000, 640)
+
+
+def _render(logdir: str | Path, *, dpi: int = 90,
+            size_px: tuple[int, int] | None = None) -> tuple[bytes, dict[str, Any]]:
+    """PNG bytes of the cockpit view of ``logdir`` and its hover data (panels.json);
+    ``size_px``: draw at this size in pixels (at least _MIN_SIZE_PX), default the size
+    that gives every panel a readable size."""
     try:
         output, meta = load_run(logdir)
     except FileNotFoundError:
@@ -108,8 +125,13 @@ def _render(logdir: str | Path, *, dpi: int = 90) -> tuple[bytes, dict[str, Any]
                  va="center", fontsize=S.FONT_SIZES["title"], color=S.GRAY)
         output = {}
     else:
+        figure = None
+        if size_px is not None:
+            w, h = (max(a, b) for a, b in zip(size_px, _MIN_SIZE_PX, strict=True))
+            figure = Figure(figsize=(w / dpi, h / dpi), dpi=dpi)
         # the findings are shown beside the image (findings.json), not inside it
-        fig = plot_cockpit(output, meta, notes=load_notes(logdir), diagnosis=False)
+        fig = plot_cockpit(output, meta, fig=figure, notes=load_notes(logdir),
+                           diagnosis=False)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)  # lays the figure out: positions are final
     return buf.getvalue(), hover_data(fig, output)
@@ -337,60 +359,150 @@ async function loadFindings() {{
   const items = [];
   if (d.error) items.push(el("li", d.error, "info"));
   const problems = d.findings.filter(f => f.severity !== "info");
-  if (!d.error && !problems.length)
+  const skipped = d.findings.filter(f => f.code === "checks_skipped");
+  if (!d.error && !problems.length && !skipped.length)
     items.push(el("li", "✓ no problem named by diagnose()", "ok"));
   for (const f of d.findings) {{
     const li = el("li", undefined, f.severity);
     li.dataset.code = f.code;
     const where = f.parameters.length ? " (" + f.parameters.join(", ") + ")" : "";
     li.append(el("b", f.code + where + ": "), document.createTextNode(f.message));
-    if (f.advice) li.append(el("span", "try: " + f.advice, "advice"));
+    if (f.code === "checks_skipped") li.append(el("span", f.evidence.join("; "), "advice"));
+    else if (f.advice) li.append(el("span", "try: " + f.advice, "advice"));
     li.title = f.evidence.join("\\n");
     items.push(li);
   }}
   list.replaceChildren(...items);
 }}
 img.addEventListener("load", () => {{ loadPanels(); }});
+function figureSize() {{
+  // the area the view is fitted into; at full size the view keeps its last drawn size
+  const box = document.getElementById("figure");
+  if (!document.body.classList.contains("fit")) return "";
+  return "?w=" + Math.round(box.clientWidth) + "&h=" + Math.round(box.clientHeight);
+}}
 async function poll() {{
   try {{
-    const response = await fetch("status.json", {{cache: "no-store"}});
+    const response = await fetch("status.json" + figureSize(), {{cache: "no-store"}});
     const s = await response.json();
     document.getElementById("last-step").textContent = s.last_step === null ? "–" : s.last_step;
     document.getElementById("num-steps").textContent = s.num_steps;
-    const key = s.last_step + ":" + s.num_steps;
-    if (key !== shown) {{
-      shown = key;
-      img.src = "view.png?v=" + encodeURIComponent(key);
+    if (s.rendered !== null && s.rendered !== shown) {{
+      shown = s.rendered;
+      img.src = "view.png?v=" + encodeURIComponent(shown);
       loadFindings();
     }}
-    document.getElementById("conn").textContent = "live, refreshing every {refresh:g} s";
+    document.getElementById("conn").textContent = s.rendering !== null
+      ? "live · drawing step " + s.rendering.split(":")[0] + " …"
+      : "live, refreshing every {refresh:g} s";
   }} catch (err) {{
     document.getElementById("conn").textContent = "viewer not reachable, retrying …";
   }}
   setTimeout(poll, REFRESH_MS);
 }}
 loadPanels(); loadFindings();
-setTimeout(poll, REFRESH_MS);
+poll();
 </script>
 </body></html>
 """
 
 
+def _placeholder_png(text: str) -> bytes:
+    fig = Figure(figsize=(8, 1.2))
+    fig.text(0.5, 0.5, text, ha="center", va="center", fontsize=S.FONT_SIZES["title"],
+             color=S.GRAY)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return buf.getvalue()
+
+
 class _ViewState:
-    """What the server knows: the run directory and what was rendered for its last state
-    (PNG, hover data, findings), each made once per run-log state."""
+    """What the server knows: the run directory, the last finished drawing of its view
+    (PNG and hover data, keyed ``"last_step:num_steps"``) and the findings, and the one
+    renderer thread that makes the drawings (see the module docstring)."""
 
     def __init__(self, logdir: Path, refresh_seconds: float) -> None:
         self.logdir = logdir
         self.refresh_seconds = refresh_seconds
-        self.lock = threading.Lock()
-        self.cache_key: tuple | None = None
-        self.cache_png: bytes | None = None
-        self.cache_hover: dict[str, Any] | None = None
+        self.lock = threading.Lock()  # guards the finished drawings, never held to draw
+        self.findings_lock = threading.Lock()
+        self.size_px: tuple[int, int] | None = None  # the page's figure area
+        self.drawn: dict[str, Any] | None = None  # {"key", "state", "size", "png", "hover"}
+        self.earlier: dict[str, dict[str, Any]] = {}  # the last few drawings by key
+        self.rendering: str | None = None
+        self.renders = 0
         self.findings_key: tuple | None = None
         self.cache_findings: dict[str, Any] | None = None
-        self.renders = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._placeholder: bytes | None = None
 
+    # ------------------------------------------------------------------ the renderer
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._draw_loop, name="cockpit-view-render",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _draw_loop(self) -> None:
+        while not self._stop.is_set():
+            # a broken run log must not end the renderer; it is retried at the next wake
+            with contextlib.suppress(Exception):
+                self.draw_if_stale()
+            self._wake.wait(timeout=self.refresh_seconds)
+            self._wake.clear()
+
+    def _stale(self, state: tuple, size: tuple[int, int] | None) -> bool:
+        drawn = self.drawn
+        if drawn is None or drawn["state"] != state:
+            return True
+        old = drawn["size"]
+        if size is None or old is None:
+            return size != old
+        return any(abs(a - b) > 0.08 * b for a, b in zip(size, old, strict=True))
+
+    def draw_if_stale(self) -> bool:
+        """Draw the view if the run log or the page's size changed since the last
+        drawing (called by the renderer thread; one caller at a time)."""
+        status = self.status()
+        state, size = self._key(status), self.size_px
+        if not self._stale(state, size):
+            return False
+        key = f"{status['last_step']}:{status['num_steps']}"
+        self.rendering = key
+        try:
+            png, hover = _render(self.logdir, size_px=size)
+        finally:
+            self.rendering = None
+        with self.lock:
+            self.drawn = {"key": key, "state": state, "size": size, "png": png,
+                          "hover": hover}
+            self.earlier[key] = self.drawn
+            while len(self.earlier) > 3:
+                self.earlier.pop(next(iter(self.earlier)))
+            self.renders += 1
+        return True
+
+    def wait_drawn(self, timeout: float = 60.0) -> dict[str, Any] | None:
+        """Wait until the drawing shows the run log's current state (for tests)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            drawn = self.drawn
+            if drawn is not None and not self._stale(self._key(self.status()), self.size_px):
+                return drawn
+            self.wake()
+            time.sleep(0.05)
+        return None
+
+    # ------------------------------------------------------------------ requests
     def status(self) -> dict[str, Any]:
         return run_status(self.logdir)
 
@@ -398,35 +510,49 @@ class _ViewState:
     def _key(status: dict[str, Any]) -> tuple:
         return (status["last_step"], status["num_steps"], status["version"])
 
-    def _rendered(self) -> tuple[bytes, dict[str, Any]]:
-        with self.lock:
-            key = self._key(self.status())
-            if key != self.cache_key or self.cache_png is None or self.cache_hover is None:
-                self.cache_png, self.cache_hover = _render(self.logdir)
-                self.cache_key = key
-                self.renders += 1
-            return self.cache_png, self.cache_hover
+    def set_size(self, width: int, height: int) -> None:
+        if width > 0 and height > 0:
+            self.size_px = (min(width, 4000), min(height, 3000))
 
     def png(self) -> bytes:
-        """The cockpit view for the run log's current state, rendered once per state."""
-        return self._rendered()[0]
+        """The last finished drawing; before the first, a note that it is being drawn."""
+        drawn = self.drawn
+        if drawn is not None:
+            return drawn["png"]
+        self.wake()
+        if self._placeholder is None:
+            self._placeholder = _placeholder_png("Drawing the cockpit view …")
+        return self._placeholder
 
-    def hover(self) -> dict[str, Any]:
-        """Panel positions and values of the image :meth:`png` returns for this state."""
-        return self._rendered()[1]
+    def hover(self, key: str | None = None) -> dict[str, Any]:
+        """Panel positions and values of the drawing ``key`` (default the last one)."""
+        with self.lock:
+            drawn = self.earlier.get(key) if key is not None else None
+            drawn = drawn or self.drawn
+        return drawn["hover"] if drawn is not None else {"panels": [], "series": {}}
 
     def findings(self) -> dict[str, Any]:
         """The diagnosis of the run log's current state (once per state)."""
-        with self.lock:
+        with self.findings_lock:
             key = self._key(self.status())
             if key != self.findings_key or self.cache_findings is None:
                 self.cache_findings = findings_data(self.logdir)
                 self.findings_key = key
             return self.cache_findings
 
+    def status_body(self) -> dict[str, Any]:
+        status = self.status()
+        drawn = self.drawn
+        if drawn is None or self._stale(self._key(status), self.size_px):
+            self.wake()
+        return {"last_step": status["last_step"], "num_steps": status["num_steps"],
+                "run": self.logdir.name, "rendered": None if drawn is None else drawn["key"],
+                "rendering": self.rendering}
+
     def page(self) -> str:
         status = self.status()
-        key = f"{status['last_step']}:{status['num_steps']}"
+        drawn = self.drawn
+        key = "" if drawn is None else drawn["key"]
         return _PAGE.format(
             run=html.escape(self.logdir.name or str(self.logdir)),
             last_step="–" if status["last_step"] is None else status["last_step"],
@@ -451,22 +577,23 @@ def _make_handler(state: _ViewState) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(body)
 
         def _route(self, head: bool) -> None:
-            path = urlsplit(self.path).path
+            parts = urlsplit(self.path)
+            path, query = parts.path, parse_qs(parts.query)
             try:
                 if path in ("/", "/index.html"):
                     self._send(200, state.page().encode(), "text/html; charset=utf-8", head)
                 elif path == "/view.png":
                     self._send(200, state.png(), "image/png", head)
                 elif path == "/panels.json":
-                    body = json.dumps(state.hover()).encode()
+                    body = json.dumps(state.hover(query.get("v", [None])[0])).encode()
                     self._send(200, body, "application/json", head)
                 elif path == "/findings.json":
                     body = json.dumps(state.findings()).encode()
                     self._send(200, body, "application/json", head)
                 elif path == "/status.json":
-                    status = state.status()
-                    body = {"last_step": status["last_step"], "num_steps": status["num_steps"],
-                            "run": state.logdir.name}
+                    with contextlib.suppress(KeyError, ValueError):
+                        state.set_size(int(float(query["w"][0])), int(float(query["h"][0])))
+                    body = state.status_body()
                     self._send(200, json.dumps(body).encode(), "application/json", head)
                 else:
                     self._send(404, b"Not found\n", "text/plain; charset=utf-8", head)
@@ -493,10 +620,21 @@ def make_server(logdir: str | Path, host: str = "127.0.0.1", port: int = 8050,
                 refresh_seconds: float = 2.0) -> ThreadingHTTPServer:
     """A ready (bound, not yet serving) HTTP server for the live view of ``logdir``."""
     state = _ViewState(Path(logdir), refresh_seconds)
-    server = ThreadingHTTPServer((host, port), _make_handler(state))
+    server = _ViewServer((host, port), _make_handler(state))
     server.daemon_threads = True
-    server.view_state = state  # type: ignore[attr-defined]
+    server.view_state = state
+    state.start()
     return server
+
+
+class _ViewServer(ThreadingHTTPServer):
+    """The HTTP server; closing it also ends the renderer thread."""
+
+    view_state: _ViewState
+
+    def server_close(self) -> None:
+        self.view_state.stop()
+        super().server_close()
 
 
 def serve(logdir: str | Path, host: str = "127.0.0.1", port: int = 8050,

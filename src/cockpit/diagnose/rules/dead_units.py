@@ -43,4 +43,4 @@ def check(record: RunRecord) -> list[Finding]:
     )]
 
 
-RULE = Rule("dead_units", (("DeadUnits",),), check)
+RULE = Rule("dead_units", (("DeadUnits",),), check, T.MIN_STEPS)

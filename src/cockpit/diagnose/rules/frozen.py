@@ -14,14 +14,18 @@ from cockpit.diagnose.rules._common import layer_order
 
 def check(record: RunRecord) -> list[Finding]:
     frozen, evidence = [], []
+    s_total, total = record.series("GradNorm")
     for param in layer_order(record):
-        _, g = record.series(f"GradNorm/{param}")
+        s_g, g = record.series(f"GradNorm/{param}")
         moved_name = f"UpdateSize/{param}" if record.has(f"UpdateSize/{param}") \
             else f"Distance/{param}"
         s_u, u = record.series(moved_name)
         if len(s_u) < T.FROZEN_MIN_STEPS or not np.isfinite(u).all():
             continue
-        gets_gradient = np.isfinite(g) & (g > 0)
+        # a gradient that is rounding noise against the network's (a bias right before a
+        # BatchNorm: 0 in exact arithmetic) cannot move the parameter
+        whole = np.interp(s_g, s_total, total) if s_total.size else np.zeros_like(g)
+        gets_gradient = np.isfinite(g) & (g > T.FROZEN_GRADIENT_SHARE * whole) & (g > 0)
         if u.max() == 0.0 and gets_gradient.any():
             frozen.append(param)
             evidence.append(Evidence(
@@ -41,4 +45,5 @@ def check(record: RunRecord) -> list[Finding]:
     )]
 
 
-RULE = Rule("frozen_parameters", (("GradNorm", "UpdateSize"), ("GradNorm", "Distance")), check)
+RULE = Rule("frozen_parameters", (("GradNorm", "UpdateSize"), ("GradNorm", "Distance")), check,
+            T.FROZEN_MIN_STEPS)

@@ -7,7 +7,9 @@ the height of the start, and α > 1 a step that climbed up the other side (overs
 Too large: α > 1 at most steps, or a loss that jumps to LOSS_SPIKE× its start right after a
 step with α > 1, or lr·λ_max > 2 where HessMaxEV is recorded.
 
-Too small: α alone does not tell (healthy Adam runs in the zoo sit at α ≈ −0.8 too, and a
+Too small (and, where Alpha is recorded, its median near −1 as well: a median near 0 says
+the steps reach the valley floor, so a loss that does not fall is not the step size's
+fault): α alone does not tell (healthy Adam runs in the zoo sit at α ≈ −0.8 too, and a
 tiny SGD step's fit is dominated by the noise); what does is that the steps *cannot* move
 the loss: to first order a step changes the loss by at most ‖g_B‖·‖s‖, so
 Σ_t ‖g_B,t‖·‖s_t‖ bounds the loss change of the whole run. When that bound is a small
@@ -122,14 +124,16 @@ def check_too_small(record: RunRecord) -> list[Finding]:
     rel, s_l, loss = change
     if rel < -T.LOSS_PROGRESS or reach[0] >= T.LR_SMALL_REACH:
         return []
+    _, alpha = record.series("Alpha")
+    alpha = alpha[np.isfinite(alpha)]
+    if alpha.size and float(np.median(alpha)) > T.LR_SMALL_ALPHA:
+        return []  # the steps reach the valley floor: not too short
     evidence = [
         Evidence("GradNorm × UpdateSize", (), (),
                  f"Σ‖g_B‖·‖s‖ over {int(reach[1])} steps is {reach[0]:.2g} of the loss: even "
                  "straight downhill the steps could barely change it"),
         Evidence("Loss", *pick(s_l, loss), f"loss changed by only {rel:+.1%} over the run"),
     ]
-    _, alpha = record.series("Alpha")
-    alpha = alpha[np.isfinite(alpha)]
     if alpha.size:
         evidence.append(Evidence("Alpha", (), (), f"median α {float(np.median(alpha)):.2f} "
                                  "(−1: the step ends where it started on the fit)"))
@@ -144,6 +148,8 @@ def check_too_small(record: RunRecord) -> list[Finding]:
 
 
 RULES = [
-    Rule("lr_too_large", (("Alpha",), ("HessMaxEV", "LearningRate")), check_too_large),
-    Rule("lr_too_small", (("Loss", "GradNorm", "UpdateSize"),), check_too_small),
+    Rule("lr_too_large", (("Alpha",), ("HessMaxEV", "LearningRate")), check_too_large,
+         T.MIN_STEPS),
+    Rule("lr_too_small", (("Loss", "GradNorm", "UpdateSize"),), check_too_small,
+         T.LR_SMALL_MIN_STEPS),
 ]

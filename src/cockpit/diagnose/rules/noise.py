@@ -70,4 +70,4 @@ def check(record: RunRecord) -> list[Finding]:
     )]
 
 
-RULE = Rule("noise_dominated", (("NormTest", "InnerTest", "Loss"),), check)
+RULE = Rule("noise_dominated", (("NormTest", "InnerTest", "Loss"),), check, T.MIN_STEPS)

@@ -166,7 +166,7 @@ def check_exploding(record: RunRecord) -> list[Finding]:
 
 _NEEDS_RMS = ("GradNorm", "NormTest", "BatchSize")
 RULES = [
-    Rule("unscaled_inputs", (_NEEDS_RMS,), check_unscaled),
-    Rule("vanishing_gradients", (("GradNorm",),), check_vanishing),
-    Rule("exploding_gradients", (("GradNorm",),), check_exploding),
+    Rule("unscaled_inputs", (_NEEDS_RMS,), check_unscaled, T.MIN_STEPS),
+    Rule("vanishing_gradients", (("GradNorm",),), check_vanishing, T.MIN_STEPS),
+    Rule("exploding_gradients", (("GradNorm",),), check_exploding, T.MIN_STEPS),
 ]

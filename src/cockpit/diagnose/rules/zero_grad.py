@@ -46,4 +46,4 @@ def check(record: RunRecord) -> list[Finding]:
     )]
 
 
-RULE = Rule("missing_zero_grad", (("GradientHeld",),), check)
+RULE = Rule("missing_zero_grad", (("GradientHeld",),), check, T.MIN_STEPS)
