@@ -30,6 +30,7 @@ from cockpit.engine import distributed as ranks
 from cockpit.engine.histogram import BinSpec, warn_if_slow
 from cockpit.engine.reduction import StepReduction
 from cockpit.engine.request import StepRequest
+from cockpit.engine.rules.batchnorm_frozen import APPROXIMATION, FROZEN_STATISTICS
 from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
 from cockpit.engine.workspace import release_workspace
 from cockpit.loop_checks import (
@@ -98,6 +99,13 @@ class Cockpit:
             evidence and advice); sinks with ``write_findings`` log the findings as text.
             The checks re-run after every tracked step early on, then as the run grows by
             10 %; they read recorded numbers only and never interrupt training.
+        batchnorm: None (default): with a BatchNorm layer in training mode the per-sample
+            instruments are None with the reason (individual gradients are undefined).
+            ``"frozen_statistics"``: an approximation that differentiates each sample's loss
+            with every BatchNorm layer's batch mean and variance held constant
+            (:mod:`cockpit.engine.rules.batchnorm_frozen`); costs one extra backward pass
+            without weight gradients per tracked step; labelled in the notes, the view and
+            the run log. One backward pass per step in one process only.
 
     Gradient accumulation: all backward passes of one optimizer step go inside
     ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values
@@ -134,6 +142,7 @@ class Cockpit:
         distributed: bool | None = None,
         strict: bool = False,
         diagnose: bool = False,
+        batchnorm: str | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Cockpit needs a torch.nn.Module, got {type(model).__name__}")
@@ -170,7 +179,13 @@ class Cockpit:
                                  (hist2d_bins[1], "hist2d_bins[1]", "GradHist2d")):
             if user in used:
                 warn_if_slow(spec, name)
-        self.tracker = ModuleTracker(model, hist_bins, hist2d_bins, strict=strict)
+        self.tracker = ModuleTracker(model, hist_bins, hist2d_bins, strict=strict,
+                                     batchnorm=batchnorm)
+        self.batchnorm = batchnorm
+        if batchnorm == FROZEN_STATISTICS:  # Alpha's prediction needs the batch gradient's
+            for quantity in quantities:  # individual shares: it projects the kept calls
+                if isinstance(getattr(type(quantity), "predict", None), property):
+                    quantity.predict = False
         self._params = dict(self.tracker.params)
         self._check_optimizer_owns_parameters()
         self._watch = OutsideBackwardWatch(
@@ -228,6 +243,8 @@ class Cockpit:
         # each step goes to the sinks whole, once all its instruments have a value or reason
         self._outbox = StepOutbox(self._step_complete, self._write_sinks)
         self._prepare_failures: dict[str, str] = {}
+        self._step_approximation: str | None = None
+        self._pending_approximation: str | None = None
         # the last step seen; a step at or below it is not recorded (never overwritten)
         self._last_step: int | None = resumed_from
         self._losses_finite = True
@@ -467,6 +484,11 @@ class Cockpit:
                 self._prepare(quantity, step, losses)
         if request.needs & PER_SAMPLE_STATS or GRAM_MEAN in open_step.reduction.needs:
             stats.problems.extend(self.tracker.check_batch_norm()[:1])
+            if (self.batchnorm == FROZEN_STATISTICS and losses is not None and captured
+                    and losses.requires_grad and not problems
+                    and self.tracker.has_training_batch_norm()):
+                self.tracker.run_frozen_pass(losses)
+                open_step.approximation = APPROXIMATION
             if captured == 0 and not problems:
                 stats.problems.append(
                     "the `losses` passed to cockpit(step, losses=...) do not depend on the "
@@ -697,6 +719,7 @@ class Cockpit:
         if open_step.gradient_held is not None and model_problem is None:
             values["GradientHeld"] = float(open_step.gradient_held)
         split = open_step.request.split or stats.micro_batches > 1 or stats.ranks > 1
+        self._step_approximation = open_step.approximation
         no_gradient = self._report_backward_outside(step, evidence, not stats.batch_grads)
         skipped = set()
         for quantity in tracked:
@@ -715,6 +738,7 @@ class Cockpit:
         if later:
             snapshot = {k: p.detach().clone() for k, p in self._params.items()}
             self._pending_update = (step, data, snapshot, later)
+            self._pending_approximation = self._step_approximation
 
     def _check_every_rank_attached(self) -> None:
         """Combine the processes' statistics only if every process runs this Cockpit (else
@@ -806,7 +830,12 @@ class Cockpit:
                        key=f"per-sample:{reason}")
             return {quantity.name: None}
         try:
-            return quantity.compute(data)
+            values = quantity.compute(data)
+            approximation = self._step_approximation
+            if (approximation and quantity.needs & PER_SAMPLE_STATS
+                    and values.get(quantity.name) is not None):
+                data.notes.setdefault(quantity.name, approximation)
+            return values
         except Exception as error:
             if self.strict:
                 raise
@@ -837,6 +866,9 @@ class Cockpit:
                     raise
                 data.notes[quantity.name] = f"failed: {error}"
                 values[quantity.name] = None
+            if (self._pending_approximation and quantity.needs & PER_SAMPLE_STATS
+                    and values.get(quantity.name) is not None):
+                data.notes.setdefault(quantity.name, self._pending_approximation)
         self._record(step, values, data.notes)
         self._record_late(data)
 
@@ -942,6 +974,8 @@ class Cockpit:
             },
             "start_time": time.time(),
             "device": str(next(iter(params.values())).device) if params else "cpu",
+            "batchnorm": (None if self.batchnorm is None
+                          else {"mode": self.batchnorm, "note": APPROXIMATION}),
         }
 
 
@@ -1022,6 +1056,7 @@ class _OpenStep:
         self.finite_losses = True  # the first block's losses were finite
         self.problems: list[tuple[str, str]] = []  # (scope, reason): see loop_checks
         self.forwards: set = set()  # the losses' graph nodes backpropagated in its blocks
+        self.approximation: str | None = None  # how its individual gradients are defined
 
     def new_request(self, gradient_scale: float) -> StepRequest:
         """The request of one more backward pass of this step: the same statistics; the

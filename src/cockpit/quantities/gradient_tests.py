@@ -8,6 +8,10 @@ From the per-sample statistics collected in the backward pass, for a set of para
 All three are sums over parameter tensors, which is why the tests can be aggregated layer by
 layer during backpropagation. The tests are undefined for |B| = 1 (division by |B|−1) and
 for a zero mini-batch gradient (division by ‖g_B‖); both give NaN with a note.
+
+Where the individual gradients do not sum to the batch gradient (BatchNorm with frozen
+statistics), g_B is their own mean (1/|B|) Σ_n g_n, so that S, G and d_n describe one set of
+vectors.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from cockpit.engine.tracker import GRAM_MEAN, SQ_NORMS
-from cockpit.quantities.base import Quantity, StepData, Value, to_float
+from cockpit.engine.tracker import GRAM_MEAN, SAMPLE_GRAD_SUM, SQ_NORMS
+from cockpit.quantities.base import Quantity, StepData, Value, sq_norm, to_float
 
 
 class GradientTest(Quantity):
@@ -46,8 +50,13 @@ def compute_test(
         data.notes[name] = "undefined for a batch of one sample (divides by |B| − 1)"
         return {name: None}
 
+    own_sums = stats.sample_sums.get(SAMPLE_GRAD_SUM)
+
+    def g_sq_norm(k: str) -> float:
+        return data.grad_sq_norm(k) if own_sums is None else sq_norm(own_sums[k]) / n**2
+
     def value(names: list[str]) -> float:
-        G = sum(data.grad_sq_norm(k) for k in names)
+        G = sum(g_sq_norm(k) for k in names)
         if G == 0.0:
             return math.nan
         S = D2 = math.nan
@@ -59,9 +68,10 @@ def compute_test(
         return formula(n, S, G, D2)
 
     per_sample = stats.sq_norms if SQ_NORMS in needs else stats.gram_mean
-    names = [k for k in per_sample if k in data.batch_grads]
+    names = [k for k in per_sample if k in data.batch_grads
+             and (own_sums is None or k in own_sums)]
     out: dict[str, Value] = {name: value(names)}
-    if sum(data.grad_sq_norm(k) for k in names) == 0.0:
+    if sum(g_sq_norm(k) for k in names) == 0.0:
         data.notes[name] = "mini-batch gradient is zero: the test divides by ‖g_B‖"
     for k in names:
         out[f"{name}/{k}"] = value([k])
