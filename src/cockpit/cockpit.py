@@ -243,8 +243,8 @@ class Cockpit:
         # each step goes to the sinks whole, once all its instruments have a value or reason
         self._outbox = StepOutbox(self._step_complete, self._write_sinks)
         self._prepare_failures: dict[str, str] = {}
-        self._step_approximation: str | None = None
-        self._pending_approximation: str | None = None
+        # recent steps whose individual gradients are an approximation → its label
+        self._approximated: dict[int, str] = {}
         # the last step seen; a step at or below it is not recorded (never overwritten)
         self._last_step: int | None = resumed_from
         self._losses_finite = True
@@ -719,7 +719,10 @@ class Cockpit:
         if open_step.gradient_held is not None and model_problem is None:
             values["GradientHeld"] = float(open_step.gradient_held)
         split = open_step.request.split or stats.micro_batches > 1 or stats.ranks > 1
-        self._step_approximation = open_step.approximation
+        if open_step.approximation is not None:
+            self._approximated[step] = open_step.approximation
+            for old in list(self._approximated)[:-4]:  # Alpha's value comes a step later
+                del self._approximated[old]
         no_gradient = self._report_backward_outside(step, evidence, not stats.batch_grads)
         skipped = set()
         for quantity in tracked:
@@ -738,7 +741,6 @@ class Cockpit:
         if later:
             snapshot = {k: p.detach().clone() for k, p in self._params.items()}
             self._pending_update = (step, data, snapshot, later)
-            self._pending_approximation = self._step_approximation
 
     def _check_every_rank_attached(self) -> None:
         """Combine the processes' statistics only if every process runs this Cockpit (else
@@ -830,12 +832,7 @@ class Cockpit:
                        key=f"per-sample:{reason}")
             return {quantity.name: None}
         try:
-            values = quantity.compute(data)
-            approximation = self._step_approximation
-            if (approximation and quantity.needs & PER_SAMPLE_STATS
-                    and values.get(quantity.name) is not None):
-                data.notes.setdefault(quantity.name, approximation)
-            return values
+            return quantity.compute(data)
         except Exception as error:
             if self.strict:
                 raise
@@ -866,9 +863,6 @@ class Cockpit:
                     raise
                 data.notes[quantity.name] = f"failed: {error}"
                 values[quantity.name] = None
-            if (self._pending_approximation and quantity.needs & PER_SAMPLE_STATS
-                    and values.get(quantity.name) is not None):
-                data.notes.setdefault(quantity.name, self._pending_approximation)
         self._record(step, values, data.notes)
         self._record_late(data)
 
@@ -894,6 +888,12 @@ class Cockpit:
         data.warnings.clear()
 
     def _record(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
+        approximation = self._approximated.get(step)
+        if approximation is not None:  # the per-sample instruments' values say so
+            for quantity in self.quantities:
+                if (quantity.needs & PER_SAMPLE_STATS
+                        and values.get(quantity.name) is not None):
+                    notes.setdefault(quantity.name, approximation)
         values = self._arena.keep_values(values)
         self._output.setdefault(step, {}).update(values)
         if notes:

@@ -196,6 +196,11 @@ class ModuleTracker:
             )
         for name, p in self.params.items():
             self._handles.append(p.register_hook(self._make_param_hook(name)))
+        if self.batchnorm == FROZEN_STATISTICS:  # (also BatchNorm without parameters)
+            for module in model.modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    self._handles.append(module.register_forward_hook(
+                        self._attach_frozen_backward, with_kwargs=True))
         self.model_output: Tensor | None = None  # the model's output of the recorded forward
         self._handles.append(model.register_forward_hook(self._record_model_output))
         # (module, input z, output a) of smooth activation modules, for the Hessian diagonal
@@ -222,7 +227,7 @@ class ModuleTracker:
         return self.param_names[id(unit.params[attr])]
 
     def has_training_batch_norm(self) -> bool:
-        return any(is_training_batch_norm(unit.module) for unit in self.units)
+        return any(is_training_batch_norm(module) for module in self.model.modules())
 
     def check_batch_norm(self) -> list[str]:
         """Messages for BatchNorm layers that currently mix samples."""
@@ -252,12 +257,14 @@ class ModuleTracker:
             self._calls.append(call)
             for k, out in enumerate(outputs):
                 out.register_hook(self._make_output_hook(call, k))
-            if self.batchnorm == FROZEN_STATISTICS and is_training_batch_norm(module):
-                x = args[0] if args else kwargs["input"]
-                self.frozen_backward.attach(module, x, outputs[0])
             return None
 
         return hook
+
+    def _attach_frozen_backward(self, module, args, kwargs, output) -> None:
+        if (self.capturing and not self._suspended and torch.is_grad_enabled()
+                and is_training_batch_norm(module) and isinstance(output, Tensor)):
+            self.frozen_backward.attach(module, args[0] if args else kwargs["input"], output)
 
     def _record_model_output(self, module, args, output) -> None:
         if self.capturing and not self._suspended and torch.is_grad_enabled():
