@@ -15,6 +15,7 @@ from cockpit import Cockpit, quantities
 from cockpit.engine.rules.batchnorm_frozen import APPROXIMATION, FROZEN_STATISTICS
 from cockpit.engine.tracker import SAMPLE_GRAD_SUM, SQ_NORMS
 from cockpit.quantities.base import Quantity
+from cockpit.view.cockpit_view import describe_run
 from tests.reference import flat, gradient_tests, individual_gradients, rel_close, same_histogram
 
 
@@ -119,7 +120,10 @@ def test_individual_gradients_and_instruments_match_the_frozen_reference(make, t
     from cockpit.store import RunLogReader
 
     with RunLogReader(tmp_path) as reader:
-        assert reader.meta()["batchnorm"] == {"mode": FROZEN_STATISTICS, "note": APPROXIMATION}
+        meta = reader.meta()
+    assert meta["batchnorm"] == {"mode": FROZEN_STATISTICS, "note": APPROXIMATION}
+    assert "BatchNorm statistics frozen" in describe_run(meta)  # the view's title
+    assert "BatchNorm" not in describe_run({**meta, "batchnorm": None})
 
 
 def test_default_stays_none_with_a_reason_naming_the_option():
