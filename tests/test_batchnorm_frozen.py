@@ -177,3 +177,20 @@ def test_alpha_and_later_steps_with_frozen_statistics():
 def test_unknown_batchnorm_mode_is_refused():
     with pytest.raises(ValueError, match="frozen_statistics"):
         Cockpit(mlp(), "economy", batchnorm="frozen")
+
+
+def test_accumulated_micro_batches_are_refused_with_the_reason():
+    """Micro-batches normalize with their own statistics: not formed, said so."""
+    torch.manual_seed(0)
+    model = mlp()
+    cockpit = Cockpit(model, [quantities.NormTest(), quantities.GradNorm()],
+                      batchnorm=FROZEN_STATISTICS, grad_accumulation=True)
+    for seed in (1, 2):
+        x, y = data_for(model, seed=seed)
+        losses = loss_fn(model(x), y)
+        with cockpit(0, losses=losses):
+            (losses.mean() / 2).backward()
+    out, notes = cockpit.get_output()[0], cockpit.get_notes()[0]
+    cockpit.close()
+    assert out["NormTest"] is None and "one backward pass per step" in notes["NormTest"]
+    assert out["GradNorm"] is not None
