@@ -105,7 +105,8 @@ class Cockpit:
             with every BatchNorm layer's batch mean and variance held constant
             (:mod:`cockpit.engine.rules.batchnorm_frozen`); costs one extra backward pass
             without weight gradients per tracked step; labelled in the notes, the view and
-            the run log. One backward pass per step in one process only.
+            the run log; puts Alpha on its general path (kept layer calls). One backward
+            pass per step in one process only.
 
     Gradient accumulation: all backward passes of one optimizer step go inside
     ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values
