@@ -40,6 +40,7 @@ from cockpit.engine.histogram import (
 from cockpit.engine.readout import Failed, Later, Noted, Readout
 from cockpit.engine.reduction import StepReduction
 from cockpit.engine.request import StepRequest
+from cockpit.engine.rules.batchnorm_frozen import APPROXIMATION, FROZEN_STATISTICS
 from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics, ModuleTracker
 from cockpit.engine.workspace import release_workspace
 from cockpit.loop_checks import (
@@ -111,6 +112,14 @@ class Cockpit:
             evidence and advice); sinks with ``write_findings`` log the findings as text.
             The checks re-run after every tracked step early on, then as the run grows by
             10 %; they read recorded numbers only and never interrupt training.
+        batchnorm: None (default): with a BatchNorm layer in training mode the per-sample
+            instruments are None with the reason (individual gradients are undefined).
+            ``"frozen_statistics"``: an approximation that differentiates each sample's loss
+            with every BatchNorm layer's batch mean and variance held constant
+            (:mod:`cockpit.engine.rules.batchnorm_frozen`); costs one extra backward pass
+            without weight gradients per tracked step; labelled in the notes, the view and
+            the run log; puts Alpha on its general path (kept layer calls). One backward
+            pass per step in one process only.
 
     Gradient accumulation: all backward passes of one optimizer step go inside
     ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values
@@ -152,6 +161,7 @@ class Cockpit:
         distributed: bool | None = None,
         strict: bool = False,
         diagnose: bool = False,
+        batchnorm: str | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Cockpit needs a torch.nn.Module, got {type(model).__name__}")
@@ -189,7 +199,13 @@ class Cockpit:
                                  (hist2d_bins[1], "hist2d_bins[1]", "GradHist2d")):
             if user in used:
                 warn_if_slow(spec, name)
-        self.tracker = ModuleTracker(model, self.hist_spec, hist2d_bins, strict=strict)
+        self.tracker = ModuleTracker(model, self.hist_spec, hist2d_bins, strict=strict,
+                                     batchnorm=batchnorm)
+        self.batchnorm = batchnorm
+        if batchnorm == FROZEN_STATISTICS:  # Alpha's prediction needs the batch gradient's
+            for quantity in quantities:  # individual shares: it projects the kept calls
+                if isinstance(getattr(type(quantity), "predict", None), property):
+                    quantity.predict = False
         self._params = dict(self.tracker.params)
         self._check_optimizer_owns_parameters()
         self._watch = OutsideBackwardWatch(
@@ -250,6 +266,8 @@ class Cockpit:
         # each step goes to the sinks whole, once all its instruments have a value or reason
         self._outbox = StepOutbox(self._step_complete, self._write_sinks)
         self._prepare_failures: dict[str, str] = {}
+        # recent steps whose individual gradients are an approximation → its label
+        self._approximated: dict[int, str] = {}
         # the last step seen; a step at or below it is not recorded (never overwritten)
         self._last_step: int | None = resumed_from
         self._consecutive = True
@@ -497,6 +515,11 @@ class Cockpit:
                 self._prepare(quantity, step, losses)
         if request.needs & PER_SAMPLE_STATS or GRAM_MEAN in open_step.reduction.needs:
             stats.problems.extend(self.tracker.check_batch_norm()[:1])
+            if (self.batchnorm == FROZEN_STATISTICS and losses is not None and captured
+                    and losses.requires_grad and not problems
+                    and self.tracker.has_training_batch_norm()):
+                self.tracker.run_frozen_pass(losses)
+                open_step.approximation = APPROXIMATION
             if captured == 0 and not problems:
                 stats.problems.append(
                     "the `losses` passed to cockpit(step, losses=...) do not depend on the "
@@ -754,6 +777,10 @@ class Cockpit:
         if open_step.gradient_held is not None and model_problem is None:
             laters.append(open_step.gradient_held)
         split = open_step.request.split or stats.micro_batches > 1 or stats.ranks > 1
+        if open_step.approximation is not None:
+            self._approximated[step] = open_step.approximation
+            for old in list(self._approximated)[:-4]:  # Alpha's value comes a step later
+                del self._approximated[old]
         no_gradient = self._report_backward_outside(step, evidence, not stats.batch_grads)
         skipped = set()
         for quantity in tracked:
@@ -968,6 +995,12 @@ class Cockpit:
 
     def _record_now(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
         self._narrow_hist_range(values.get("GradHist1d"))
+        approximation = self._approximated.get(step)
+        if approximation is not None:  # the per-sample instruments' values say so
+            for quantity in self.quantities:
+                if (quantity.needs & PER_SAMPLE_STATS
+                        and values.get(quantity.name) is not None):
+                    notes.setdefault(quantity.name, approximation)
         values = self._arena.keep_values(values)
         self._output.setdefault(step, {}).update(values)
         if notes:
@@ -1049,6 +1082,8 @@ class Cockpit:
             },
             "start_time": time.time(),
             "device": str(next(iter(params.values())).device) if params else "cpu",
+            "batchnorm": (None if self.batchnorm is None
+                          else {"mode": self.batchnorm, "note": APPROXIMATION}),
         }
 
 
@@ -1156,6 +1191,7 @@ class _OpenStep:
         self.finite_losses: Tensor | bool = True
         self.problems: list[tuple[str, str]] = []  # (scope, reason): see loop_checks
         self.forwards: set = set()  # the losses' graph nodes backpropagated in its blocks
+        self.approximation: str | None = None  # how its individual gradients are defined
 
     def new_request(self, gradient_scale: float) -> StepRequest:
         """The request of one more backward pass of this step: the same statistics; the

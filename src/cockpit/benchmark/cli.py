@@ -4,7 +4,7 @@
     cockpit bench run PROBLEM --optimizer adam --lr 1e-3 [--hp key=value ...] --seed 0
         [--epochs N] [--batch-size B] [--data synthetic|real] [--data-dir DIR]
         [--schedule constant|cosine|cosine_restarts|trapezoidal] [--cockpit CONFIG]
-        [--cockpit-every K] [--output DIR]
+        [--cockpit-every K] [--batchnorm frozen_statistics|none] [--output DIR]
     cockpit bench sweep PROBLEM [PROBLEM ...] --optimizers sgd adam [--budget small]
         [--scale 1] [--seeds 10] [--sampler random|tpe|qmc] [--workers N]
         [--executor pool|ray] [--ray-address ADDR] [--space lr=LU(1e-5,1)] [run options]
@@ -54,6 +54,11 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                              "e.g. Alpha,Loss; the run log is written beside the result")
     parser.add_argument("--cockpit-every", type=int, default=1,
                         help="track every K-th step (default 1)")
+    parser.add_argument("--batchnorm", default="frozen_statistics",
+                        choices=["frozen_statistics", "none"],
+                        help="BatchNorm in training mode: per-sample instruments with the batch "
+                             "statistics held constant (an approximation, labelled), or none "
+                             "(those instruments are None)")
     parser.add_argument("--output", "-o", default="results", help="results directory")
     parser.add_argument("--device", default="cpu")
 
@@ -63,6 +68,7 @@ def _run_options(args) -> dict[str, Any]:
         "epochs": args.epochs, "batch_size": args.batch_size, "data": args.data,
         "data_dir": args.data_dir, "schedule": args.schedule, "cockpit": args.cockpit,
         "cockpit_every": args.cockpit_every, "device": args.device,
+        "batchnorm": None if args.batchnorm == "none" else args.batchnorm,
         "max_steps_per_epoch": args.max_steps_per_epoch,
     }
 

@@ -48,6 +48,9 @@ class RunSpec:
     schedule: str = "constant"
     cockpit: str | None = None  # configuration name or comma-separated instrument names
     cockpit_every: int = 1
+    # BatchNorm networks (ResNets, Wide ResNets, Inception-v3) train with batch statistics:
+    # per-sample instruments as the labelled approximation (Cockpit's ``batchnorm``)
+    batchnorm: str | None = "frozen_statistics"
     output: str = "results"
     device: str = "cpu"
     max_steps_per_epoch: int | None = None  # cap on steps per epoch (quick runs, tests)
@@ -168,7 +171,7 @@ def run(spec: RunSpec, *, progress: bool = True, overwrite: bool = False) -> dic
             shutil.rmtree(logdir)
         logdir.parent.mkdir(parents=True, exist_ok=True)
         cockpit = Cockpit(model, _cockpit_quantities(spec.cockpit, spec.cockpit_every),
-                          optimizer=optimizer, logdir=str(logdir))
+                          optimizer=optimizer, logdir=str(logdir), batchnorm=spec.batchnorm)
 
     curves: dict[str, list[float | None]] = {
         f"{split}_{kind}": [] for split in ("train", "valid", "test")

@@ -33,6 +33,13 @@ from cockpit.curvature.diag_hessian import is_activation
 from cockpit.engine.broadcast import BroadcastTap, consumers_of, find_paths, per_sample_delta
 from cockpit.engine.histogram import AutoRange, BinSpec, magnitude_counts
 from cockpit.engine.request import StepRequest
+from cockpit.engine.rules.batchnorm_frozen import (
+    FROZEN_STATISTICS,
+    FrozenStatisticsBackward,
+    check_batchnorm_mode,
+    frozen_batch_norm_rule,
+    is_training_batch_norm,
+)
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
 from cockpit.engine.rules.fallback import (
     batch_dim_of,
@@ -65,6 +72,9 @@ PROJECTIONS = "projections"  # g_nᵀ u for registered directions u, per paramet
 PER_SAMPLE_STATS = frozenset(
     {SQ_NORMS, GRAM_MEAN, SUM_SQ, VAR_SUM, HIST1D, HIST2D, PROJECTIONS}
 )
+# sample_sums key of Σ_n g_n where the individual gradients do not sum to the batch gradient
+# (BatchNorm with frozen statistics): the gradient tests then use their own mean
+SAMPLE_GRAD_SUM = "sample_grad_sum"
 
 
 def network_output(output) -> Tensor | None:
@@ -160,8 +170,12 @@ class ModuleTracker:
         hist_spec: BinSpec | AutoRange,
         hist2d_specs: tuple[BinSpec, BinSpec],
         strict: bool = False,
+        batchnorm: str | None = None,
     ):
         self.model = model
+        self.batchnorm = check_batchnorm_mode(batchnorm)
+        self.frozen_backward = FrozenStatisticsBackward()
+        self._frozen_pass = False  # True during the extra backward of frozen statistics
         self.hist_spec = hist_spec
         self.hist2d_specs = hist2d_specs
         self.strict = strict
@@ -200,6 +214,11 @@ class ModuleTracker:
             )
         for name, p in self.params.items():
             self._handles.append(p.register_hook(self._make_param_hook(name)))
+        if self.batchnorm == FROZEN_STATISTICS:  # (also BatchNorm without parameters)
+            for module in model.modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    self._handles.append(module.register_forward_hook(
+                        self._attach_frozen_backward, with_kwargs=True))
         self.model_output: Tensor | None = None  # the model's output of the recorded forward
         self._handles.append(model.register_forward_hook(self._record_model_output))
         # (module, input z, output a) of smooth activation modules, for the Hessian diagonal
@@ -225,8 +244,13 @@ class ModuleTracker:
     def unit_param_name(self, unit: Unit, attr: str) -> str:
         return self.param_names[id(unit.params[attr])]
 
+    def has_training_batch_norm(self) -> bool:
+        return any(is_training_batch_norm(module) for module in self.model.modules())
+
     def check_batch_norm(self) -> list[str]:
         """Messages for BatchNorm layers that currently mix samples."""
+        if self.batchnorm == FROZEN_STATISTICS:
+            return []
         return [
             batch_norm_message(unit.module, unit.name)
             for unit in self.units
@@ -254,6 +278,11 @@ class ModuleTracker:
             return None
 
         return hook
+
+    def _attach_frozen_backward(self, module, args, kwargs, output) -> None:
+        if (self.capturing and not self._suspended and torch.is_grad_enabled()
+                and is_training_batch_norm(module) and isinstance(output, Tensor)):
+            self.frozen_backward.attach(module, args[0] if args else kwargs["input"], output)
 
     def _record_model_output(self, module, args, output) -> None:
         if self.capturing and not self._suspended and torch.is_grad_enabled():
@@ -456,6 +485,47 @@ class ModuleTracker:
                     totals[name] = totals.get(name, 0) + sg.sum_sq()
         return totals
 
+    def run_frozen_pass(self, losses: Tensor) -> None:
+        """The per-sample statistics with every BatchNorm layer's batch statistics held
+        constant (see :mod:`cockpit.engine.rules.batchnorm_frozen`), from one extra backward
+        pass of Σ_n ℓ_n over the recorded graph, before the user's backward pass; that pass
+        then only records the batch gradient. Failures are recorded, never raised."""
+        stats = self.stats
+        assert stats is not None
+        if self.request.split:
+            self._fail("batchnorm='frozen_statistics' describes one backward pass per step in "
+                       "one process (no gradient accumulation, no torch.distributed)")
+            return
+        calls = [c for c in self._calls if c.args is not None and c.outputs]
+        targets: dict[int, Tensor] = {}
+        for c in calls:  # the layers' outputs: no parameter gradient is computed
+            chosen = (c.outputs if c.outputs_unchanged()
+                      else [min(c.unit.params.values(), key=lambda q: q.numel())])
+            targets.update((id(t), t) for t in chosen)
+        self._frozen_pass = self.frozen_backward.active = True
+        try:  # the hooks process each layer (losses_hook reads w_n = 1 of Σ_n ℓ_n)
+            torch.autograd.grad(losses, list(targets.values()),
+                                grad_outputs=torch.ones_like(losses), retain_graph=True,
+                                allow_unused=True)
+            for call in self._calls:  # torch.func rules run after the pass
+                if call.args is not None and call.received > 0:
+                    call.grads = [g if g is not None else torch.zeros_like(out)
+                                  for g, out in zip(call.grads, call.outputs, strict=True)]
+                    self._process_guarded(call)
+            for name, grads in self._accumulated.items():
+                self._reduce_guarded(name, grads)
+        except Exception as error:
+            if self.strict:
+                raise
+            self._fail(f"the backward pass with frozen BatchNorm statistics failed: {error}")
+        finally:
+            self._frozen_pass = self.frozen_backward.active = False
+            self._accumulated = {}
+            self._weights, self._weights_problem, self._weight_value = None, None, 1.0
+            for call in self._calls:  # the user's backward pass only records the gradient
+                call.release()
+            self._calls = []
+
     def _rule(self, call: Call, grads: list[Tensor], scale: float = 1.0
               ) -> dict[str, SampleGrads]:
         """The unit's rule on one call, keyed by global parameter names. ``scale``: a factor
@@ -463,6 +533,9 @@ class ModuleTracker:
         unit = call.unit
         if unit.rule is not None and len(grads) == 1:
             rule = unit.rule
+            if (self.batchnorm == FROZEN_STATISTICS and not self._probing
+                    and is_training_batch_norm(unit.module)):
+                rule = frozen_batch_norm_rule
             output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
             extra = {"scale": scale} if scale != 1.0 else {}
             args, kwargs, grads = common_precision(call.args, call.kwargs, grads)
@@ -475,7 +548,8 @@ class ModuleTracker:
 
     def _make_param_hook(self, name: str):
         def hook(grad: Tensor):
-            if self.active and not self._suspended and self.stats is not None:
+            if (self.active and not self._suspended and self.stats is not None
+                    and not self._frozen_pass):
                 if grad.layout != torch.strided:  # Embedding(sparse=True): instruments read
                     grad = grad.to_dense()  # dense vectors (the user's p.grad stays sparse)
                 first = name not in self.stats.batch_grads
@@ -777,8 +851,11 @@ class ModuleTracker:
         if HIST2D in needs:
             spec_g, spec_theta = self.hist2d_specs
             stats.hist2d[name] = sg.histogram2d(self.params[name].detach(), spec_g, spec_theta)
+        if self._frozen_pass:  # these g_n do not sum to the batch gradient: keep their sum
+            stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
+                sg.batch_mean() * sg.num_samples)
         waits = self.direction_providers or (GRAM_MEAN in needs and sg.fuse_dots)
-        if waits and name not in self._seen_grads:
+        if waits and name not in self._seen_grads and not self._frozen_pass:
             # the parameter's gradient arrives right after this layer's output gradient
             self._pending_provided[name] = sg
         else:

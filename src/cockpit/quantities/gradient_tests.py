@@ -8,6 +8,10 @@ From the per-sample statistics collected in the backward pass, for a set of para
 All three are sums over parameter tensors, which is why the tests can be aggregated layer by
 layer during backpropagation. The tests are undefined for |B| = 1 (division by |B|−1) and
 for a zero mini-batch gradient (division by ‖g_B‖); both give NaN with a note.
+
+Where the individual gradients do not sum to the batch gradient (BatchNorm with frozen
+statistics), g_B is their own mean (1/|B|) Σ_n g_n, so that S, G and d_n describe one set of
+vectors.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.readout import Later, Noted
-from cockpit.engine.tracker import GRAM_MEAN, SQ_NORMS
-from cockpit.quantities.base import Quantity, StepData, Value, Values
+from cockpit.engine.tracker import GRAM_MEAN, SAMPLE_GRAD_SUM, SQ_NORMS
+from cockpit.quantities.base import Quantity, StepData, Value, Values, sq_norms
 
 
 class GradientTest(Quantity):
@@ -50,11 +54,18 @@ def compute_test(
     if n < 2:
         data.notes[name] = "undefined for a batch of one sample (divides by |B| − 1)"
         return {name: None}
+    # with BatchNorm's statistics frozen, g_B is the mean of those individual gradients
+    own_sums = stats.sample_sums.get(SAMPLE_GRAD_SUM)
     per_sample = stats.sq_norms if SQ_NORMS in needs else stats.gram_mean
-    names = [k for k in per_sample if k in data.batch_grads]
-    position = {k: i for i, k in enumerate(data.batch_grads)}
-    rows = [position[k] for k in names]
-    tensors = [data.grad_sq_norms()]
+    names = [k for k in per_sample if k in data.batch_grads
+             and (own_sums is None or k in own_sums)]
+    if own_sums is None:
+        position = {k: i for i, k in enumerate(data.batch_grads)}
+        rows = [position[k] for k in names]
+        tensors = [data.grad_sq_norms()]
+    else:
+        rows = list(range(len(names)))
+        tensors = [sq_norms([own_sums[k] for k in names]) / n**2]
     if SQ_NORMS in needs:
         tensors.append(_cached(data, ("S", *names), lambda: _row_sums(stats.sq_norms, names)))
     if GRAM_MEAN in needs:

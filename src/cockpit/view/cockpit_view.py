@@ -132,6 +132,8 @@ def describe_run(meta: Mapping[str, Any] | None) -> str:
     n = _first(meta, "num_parameters", "num_params", "n_parameters")
     if isinstance(n, int | float):
         parts.append(f"{int(n):,} parameters")
+    if meta.get("batchnorm"):  # Cockpit(..., batchnorm="frozen_statistics")
+        parts.append("per-sample instruments approximate: BatchNorm statistics frozen")
     return " · ".join(parts)
 
 

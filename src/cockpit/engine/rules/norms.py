@@ -96,7 +96,8 @@ def batch_norm_message(module: nn.Module, name: str = "") -> str:
         "(training mode), so each sample's loss depends on all others and individual "
         "gradients are undefined. Per-sample instruments (GradHist1d, the gradient tests, "
         "Alpha, TIC, ...) cannot be computed. Ways out: replace BatchNorm by GroupNorm or "
-        "LayerNorm, put the BatchNorm layers in eval mode (module.eval()), or use only "
-        "instruments that need no individual gradients (Loss, GradNorm, Distance, "
-        "UpdateSize, curvature)."
+        "LayerNorm, put the BatchNorm layers in eval mode (module.eval()), pass "
+        "Cockpit(..., batchnorm='frozen_statistics') for an approximation that holds the "
+        "batch statistics constant, or use only instruments that need no individual "
+        "gradients (Loss, GradNorm, Distance, UpdateSize, curvature)."
     )
