@@ -57,6 +57,12 @@ def _ray(tmp_path):
     RayExecutor()
 
 
+def _sweep(tmp_path):
+    from cockpit.benchmark.sweep import sweep
+
+    sweep(["digits_logreg"], ["sgd"], output=str(tmp_path / "sweep"), progress=False)
+
+
 def _demo(tmp_path):
     from cockpit.problems.digits import load_digits_tensors
 
@@ -76,6 +82,7 @@ OPTIONAL = [
     (_wandb_sink, ["wandb"], [], "WandbSink needs wandb", "wandb"),
     (_parquet, ["pyarrow"], [], "Parquet export needs pyarrow", "parquet"),
     (_ray, ["ray"], [], "--executor ray needs ray", "ray"),
+    (_sweep, ["optuna"], [], "cockpit bench sweep needs optuna", "bench"),
     (_demo, ["sklearn"], [], "the demo (scikit-learn's digits data) needs sklearn", "demo"),
 ]
 

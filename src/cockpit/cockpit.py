@@ -205,8 +205,8 @@ class Cockpit:
         if batchnorm == FROZEN_STATISTICS:  # Alpha's prediction needs the batch gradient's
             for quantity in quantities:  # individual shares: it projects the kept calls
                 if isinstance(getattr(type(quantity), "predict", None), property):
-                    quantity.predict = False
-        self._params = dict(self.tracker.params)
+                    quantity.predict = False  # type: ignore[attr-defined]
+        self._params: dict[str, Tensor] = dict(self.tracker.params)
         self._check_optimizer_owns_parameters()
         self._watch = OutsideBackwardWatch(
             self._params, lambda: self.tracker._suspended or self.tracker._probing)
@@ -581,7 +581,7 @@ class Cockpit:
         return [g for g in self.optimizer.param_groups if any(id(p) in ids for p in g["params"])]
 
     def _check_losses(self, losses: Tensor | None, step: int,
-                      tracked: list[Quantity] = ()) -> Tensor:
+                      tracked: Sequence[Quantity] = ()) -> Tensor:
         if losses is None:
             names = sorted({q.name for q in tracked if q.needs_losses})
             raise ValueError(
@@ -713,7 +713,7 @@ class Cockpit:
         if not stats.valid:
             stats.hist1d = {}
             return
-        total = sum(c.double().cpu() for c in stats.hist1d.values())
+        total = torch.stack([c.double().cpu() for c in stats.hist1d.values()]).sum(0)
         spec = choose_auto_spec(total.numpy(), self.hist_spec.outside)
         stats.hist1d = {name: regroup(c, spec) for name, c in stats.hist1d.items()}
         self.hist_spec = self.tracker.hist_spec = spec
@@ -806,7 +806,7 @@ class Cockpit:
         """Combine the processes' statistics only if every process runs this Cockpit (else
         the first all-reduce would wait for ever): otherwise this process alone."""
         index, self._attachment = self._attachment, None
-        if ranks.every_rank_attached(index):
+        if index is None or ranks.every_rank_attached(index):
             return
         self._ranks = 1
         warnings.warn(

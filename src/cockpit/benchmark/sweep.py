@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from cockpit._extras import missing_extra
 from cockpit.benchmark.executors import make_executor
 from cockpit.benchmark.results import read_result
 from cockpit.benchmark.runner import RunSpec
@@ -94,7 +95,10 @@ def sweep(problems: list[str], optimizers: list[str], *, output: str = "results"
     ``run_options`` are :class:`RunSpec` fields shared by all runs (epochs, batch_size, data,
     data_dir, schedule, cockpit, cockpit_every, max_steps_per_epoch, device).
     """
-    import optuna
+    try:
+        import optuna
+    except ImportError as error:
+        raise missing_extra(error, "optuna", "bench", "cockpit bench sweep") from None
 
     optuna.logging.set_verbosity(logging.WARNING)
     out = Path(output)
