@@ -129,6 +129,16 @@ def test_alpha_matches_brute_force(name, opt):
     check(rec, [0, 1, 2])
 
 
+@pytest.mark.parametrize("name", ["transformer", "custom"])
+def test_alpha_after_the_step_reads_the_layers_at_the_steps_start(name):
+    """The general path projects the kept layer calls on s_t after the optimizer step: layers
+    whose individual gradients depend on their own parameters (attention, a custom layer:
+    the torch.func fallback) are evaluated at θ_t, not at the θ_{t+1} the step wrote."""
+    problem = make_problem(name, 6)
+    rec = Recorder(problem, OPTIMIZERS["custom"], every(1), 4)
+    check(rec, [0, 1, 2])
+
+
 @pytest.mark.parametrize("opt", ["sgd", "sgd_momentum_nesterov_wd", "sgd_momentum_wd", "custom"])
 def test_alpha_with_gradient_clipping(opt):
     problem = make_problem("mlp_relu", 6)

@@ -122,6 +122,9 @@ class Call:
     output_positions: list[int] = field(default_factory=list)
     # outputs shared by the batch (position embeddings, …): output index → its tap
     taps: dict[int, BroadcastTap] = field(default_factory=dict)
+    # θ_t of a kept call whose individual gradients depend on the parameters (the torch.func
+    # fallback): projections after the optimizer step must not read θ_{t+1}
+    params: dict[str, Tensor] | None = None
 
     def outputs_unchanged(self) -> bool:
         """Whether no output was modified in place after the call (e.g. by ReLU(inplace))."""
@@ -541,8 +544,9 @@ class ModuleTracker:
             args, kwargs, grads = common_precision(call.args, call.kwargs, grads)
             sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
         else:
+            params = unit.params if call.params is None else call.params
             sample_grads = fallback_rule(
-                unit.module, call.args, call.kwargs, call.output_positions, grads, unit.params
+                unit.module, call.args, call.kwargs, call.output_positions, grads, params
             )
         return {self.unit_param_name(unit, attr): sg for attr, sg in sample_grads.items()}
 
@@ -797,8 +801,11 @@ class ModuleTracker:
             grads = [self._individual(g, weights, d) for g, d in zip(call.grads, dims,
                                                                       strict=True)]
         if self.keep_calls:  # for projections on directions known only after the step
+            params = (None if unit.rule is not None and len(grads) == 1
+                      else {k: p.detach().clone() for k, p in unit.params.items()})
             self.kept_calls.append(Call(unit, call.args, call.kwargs, [], call.versions, grads,
-                                        output_positions=call.output_positions))
+                                        output_positions=call.output_positions,
+                                        params=params))
         if self.needs <= {PROJECTIONS} and not (self.directions or self.direction_providers):
             return
         for name, sg in self._rule(call, grads, scale).items():
