@@ -202,8 +202,11 @@ class Cockpit:
         self.tracker = ModuleTracker(model, self.hist_spec, hist2d_bins, strict=strict,
                                      batchnorm=batchnorm)
         self.batchnorm = batchnorm
-        if batchnorm == FROZEN_STATISTICS:  # Alpha's prediction needs the batch gradient's
-            for quantity in quantities:  # individual shares: it projects the kept calls
+        if batchnorm == FROZEN_STATISTICS and any(
+                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            # Alpha's prediction needs the batch gradient's individual shares: it projects
+            # the kept calls after the step instead
+            for quantity in quantities:
                 if isinstance(getattr(type(quantity), "predict", None), property):
                     quantity.predict = False  # type: ignore[attr-defined]
         self._params: dict[str, Tensor] = dict(self.tracker.params)
