@@ -8,6 +8,7 @@ from cockpit.quantities.distance import Distance, UpdateSize
 from cockpit.quantities.early_stopping import EarlyStopping
 from cockpit.quantities.grad_hist import GradHist1d, GradHist2d
 from cockpit.quantities.grad_norm import GradNorm
+from cockpit.quantities.gradient_noise_scale import GradientNoiseScale
 from cockpit.quantities.hess_max_ev import HessMaxEV
 from cockpit.quantities.hess_trace import HessTrace
 from cockpit.quantities.inner_test import InnerTest
@@ -28,6 +29,7 @@ __all__ = [
     "GradHist1d",
     "GradHist2d",
     "GradNorm",
+    "GradientNoiseScale",
     "HessMaxEV",
     "HessTrace",
     "InnerTest",
