@@ -88,7 +88,9 @@ class GradientNoiseScale(Quantity):
                 self._averages[key] = previous = smoothed
             out[f"{name}EMA{suffix}"] = None if previous is None else _ratio(*previous)
         total_trace, total_signal = per_key[TOTAL]
-        if total_signal <= 0.0:
+        if sum(S) == 0.0:
+            data.notes[name] = "every individual gradient is zero: tr(Σ)/‖G‖² is 0/0"
+        elif total_signal <= 0.0:
             data.notes[name] = (
                 f"the estimate of ‖G‖² is {total_signal:.3g} ≤ 0: the batch's gradient noise "
                 "hides its signal, so no finite noise scale fits this batch (NaN); the "
