@@ -475,7 +475,8 @@ def test_schedules():
 def test_configurations():
     names = [q.name for q in configuration("economy")]
     assert names == ["Loss", "Distance", "UpdateSize", "GradNorm", "GradHist1d", "NormTest",
-                     "InnerTest", "OrthoTest", "Alpha", "DeadUnits", "GradientNoiseScale"]
+                     "InnerTest", "OrthoTest", "Alpha", "DeadUnits", "GradientNoiseScale",
+                     "ParamNorm", "UpdateRatio"]
     business = [q.name for q in configuration("business")]
     assert business == [*names, "HessTrace", "TICDiag"]
     assert [q.name for q in configuration("full")] == [*business, "HessMaxEV", "GradHist2d"]

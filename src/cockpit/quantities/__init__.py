@@ -19,6 +19,7 @@ from cockpit.quantities.ortho_test import OrthoTest
 from cockpit.quantities.parameters import Parameters
 from cockpit.quantities.tic import TICDiag, TICTrace
 from cockpit.quantities.time import Time
+from cockpit.quantities.update_ratio import ParamNorm, UpdateRatio
 
 __all__ = [
     "CABS",
@@ -37,11 +38,13 @@ __all__ = [
     "MeanGSNR",
     "NormTest",
     "OrthoTest",
+    "ParamNorm",
     "Parameters",
     "Quantity",
     "StepData",
     "TICDiag",
     "TICTrace",
     "Time",
+    "UpdateRatio",
     "UpdateSize",
 ]
