@@ -35,7 +35,9 @@ def _ratios(record: RunRecord, params: list[str]) -> tuple[np.ndarray, np.ndarra
 
 
 def check(record: RunRecord) -> list[Finding]:
-    params = [p for p in weight_tensors(record) if record.has(f"UpdateRatio/{p}")]
+    recorded = record.parameters("UpdateRatio")
+    params = [p for p in weight_tensors(record) if p in recorded] or [
+        p for p in recorded if p.rsplit(".", 1)[-1] == "weight"]
     steps, table = _ratios(record, params)
     if steps.size < T.MIN_STEPS:
         return []
