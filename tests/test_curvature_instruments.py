@@ -122,6 +122,24 @@ def test_hess_max_ev_matches_eigvalsh(name):
     assert "HessMaxEV.num_hvp" not in out  # solver bookkeeping is no instrument
 
 
+@pytest.mark.parametrize("name", ["mlp_sigmoid", "cnn"])
+def test_hess_max_ev_per_parameter_matches_eigvalsh_of_each_diagonal_block(name):
+    problem = make_problem(name, 4)
+    H, names, shapes = dense_hessian(problem)
+    quantity = quantities.HessMaxEV(per_parameter=True)  # default tol 1e-3 on each block
+    out = one_step(problem, [quantity])
+    start = 0
+    for k, shape in zip(names, shapes, strict=True):
+        size = math.prod(shape)
+        block = H[start:start + size, start:start + size]
+        start += size
+        expected = torch.linalg.eigvalsh(block)[-1].item()
+        value = out[f"HessMaxEV/{k}"]
+        assert value <= expected + 1e-6 * abs(expected), (k, value, expected)  # Ritz ≤ λ
+        assert rel_close(value, expected, 1e-3, atol=1e-10), (k, value, expected)
+    assert out["HessMaxEV"] == pytest.approx(torch.linalg.eigvalsh(H)[-1].item(), rel=1e-3)
+
+
 @pytest.mark.parametrize("name", ["mlp_relu", "cnn"])
 def test_hess_max_ev_default_tolerance_bounds_the_error(name):
     """Default tol = 1e-3 on λ_max itself."""

@@ -61,3 +61,28 @@ def test_a_zero_parameter_has_no_ratio_and_says_why():
     out, notes = cockpit.get_output()[0], cockpit.get_notes()[0]
     assert out["UpdateRatio/bias"] is None and "bias" in notes["UpdateRatio"]
     assert math.isfinite(out["UpdateRatio/weight"]) and out["UpdateRatio/weight"] > 0
+
+
+def test_the_new_economy_instruments_reach_the_run_log(tmp_path):
+    from cockpit import configuration
+    from cockpit.store.reader import read_output
+
+    problem = make_problem("mlp_relu", 8)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.1)
+    cockpit = Cockpit(problem.model, configuration("economy"), optimizer=opt,
+                      logdir=tmp_path)
+    for step in range(2):
+        opt.zero_grad()
+        losses = problem.losses()
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    memory, disk = cockpit.get_output(), read_output(tmp_path)
+    for step in memory:
+        names = [k for k in memory[step]
+                 if k.split("/")[0] in ("GradientNoiseScale", "GradientNoiseScaleEMA",
+                                        "ParamNorm", "UpdateRatio")]
+        assert len(names) == 4 * (1 + len(dict(problem.model.named_parameters())))
+        for name in names:
+            assert disk[step][name] == pytest.approx(memory[step][name], nan_ok=True), name
