@@ -9,6 +9,7 @@ from cockpit.quantities.early_stopping import EarlyStopping
 from cockpit.quantities.grad_hist import GradHist1d, GradHist2d
 from cockpit.quantities.grad_norm import GradNorm
 from cockpit.quantities.gradient_noise_scale import GradientNoiseScale
+from cockpit.quantities.hess_density import HessDensity
 from cockpit.quantities.hess_max_ev import HessMaxEV
 from cockpit.quantities.hess_trace import HessTrace
 from cockpit.quantities.inner_test import InnerTest
@@ -31,6 +32,7 @@ __all__ = [
     "GradHist2d",
     "GradNorm",
     "GradientNoiseScale",
+    "HessDensity",
     "HessMaxEV",
     "HessTrace",
     "InnerTest",
