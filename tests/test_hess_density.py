@@ -75,3 +75,24 @@ def test_split_batches_and_non_finite_losses_give_none_with_the_reason():
     assert out[1]["HessDensity"] is None and "non-finite" in notes[1]["HessDensity"]
     with pytest.raises(ValueError, match="probes"):
         quantities.HessDensity(probes=0)
+
+
+def test_the_panel_draws_the_last_step_s_density_with_its_peaks():
+    from cockpit.view import _style as S
+    from cockpit.view.cockpit_view import active_panels, plot_cockpit
+
+    nodes = np.array([[0.0, 0.1, 10.0], [0.05, -0.1, 10.0]])
+    weights = np.array([[0.5, 0.4, 0.1], [0.6, 0.3, 0.1]])
+    out = {0: {"Loss": 1.0, "HessDensity": {"nodes": nodes + 100.0, "weights": weights}},
+           1: {"Loss": 0.9, "HessDensity": {"nodes": nodes, "weights": weights}},
+           2: {"Loss": 0.8, "HessDensity": None}}
+    assert "HessDensity" in active_panels(out, diagnosis=False)["curvature"]
+    fig = plot_cockpit(out, diagnosis=False)
+    (ax,) = [a for a in fig.axes if a.get_title(loc="left") == S.PANEL_TITLES["HessDensity"]]
+    (line,) = ax.get_lines()
+    x, y = line.get_data()
+    assert x.min() < -0.1 and 10.0 < x.max() < 20.0  # step 1's nodes, not step 0's
+    bulk, outlier = y[np.argmin(abs(x))], y[np.argmin(abs(x - 10.0))]
+    assert bulk > 5 * outlier > 0  # weight 0.9 near 0, 0.1 at 10
+    assert np.trapezoid(y, x) == pytest.approx(1.0, rel=1e-3)
+    assert any("step 1" in t.get_text() for t in ax.texts)
