@@ -4,8 +4,8 @@ One tracked economy step captures the three instruments' inputs; then their work
 and UpdateRatio's compute_after_update) is timed against an untracked training step and a
 tracked economy step, interleaved, keeping the minimum of each (the machine is shared:
 minima filter out preemption). The numbers they share with other economy instruments
-(‖g_B‖² per parameter from GradNorm, ‖s_t‖² from UpdateSize) stay cached as in a real step;
-‖θ_t‖², which only these two read, is recomputed in every timing. Problems: DeepOBS 3C3D
+(‖g_B‖² per parameter from GradNorm) stay cached as in a real step; ‖θ_t‖² and ‖s_t‖²
+(UpdateRatio reads its own, in one host read) are recomputed in every timing. Problems: DeepOBS 3C3D
 and 2C2D (synthetic data, |B| = 128).
 
     python benchmarks/new_instruments_overhead.py [--repeats 15]

@@ -3,7 +3,7 @@
 The update-to-weight ratio says how far one optimizer step moves a layer relative to its
 size; the rule of thumb is ≈ 1e-3 for a healthy layer, and a layer far above the others
 learns at a different rate (e.g. a wrong learning rate in its parameter group). The update
-is the one ``optimizer.step()`` applied, whatever the optimizer (UpdateSize's numbers).
+is the one ``optimizer.step()`` applied, whatever the optimizer (as UpdateSize's).
 
 A parameter with ‖θ_t‖ = 0 (e.g. a bias initialized to zero) has no ratio: None for it, and
 its name in the note.
@@ -65,7 +65,7 @@ class UpdateRatio(Quantity):
         if before is None:  # compute() did not run before the step: θ_t is gone
             data.notes["UpdateRatio"] = "‖θ_t‖ was not read before the optimizer step"
             return {"UpdateRatio": None}
-        after = data.update_sq_norms(update)
+        after = _sq_norms_read_once(update)
         names = [k for k in after if k in before]
         zero = [k for k in names if before[k] == 0.0]
         if zero:
