@@ -317,3 +317,33 @@ def test_ggn_instruments_under_autocast_equal_float32():
         values[amp] = cockpit.get_output()[0]
     for name in ("HessTrace", "TICDiag"):
         assert values[True][name] == pytest.approx(values[False][name], rel=1e-2)
+
+
+@pytest.mark.parametrize("name", ["mlp_relu", "mlp_sigmoid", "cnn"])
+def test_hess_top_ev_brackets_and_matches_eigvalsh(name):
+    problem = make_problem(name, 4)
+    H, _, _ = dense_hessian(problem)
+    expected = torch.linalg.eigvalsh(H).flip(0)[:4].tolist()
+    out = one_step(problem, [quantities.HessTopEV(k=4)])
+    values, upper = out["HessTopEV"]["values"], out["HessTopEV"]["upper"]
+    assert len(values) == len(upper) == 4
+    for i, exact in enumerate(expected):
+        assert values[i] <= exact * (1 + 1e-6) + 1e-12, (i, values[i], exact)  # lower bound
+        assert exact <= upper[i] * (1 + 1e-6) + 1e-12, (i, upper[i], exact)  # upper bound
+        assert rel_close(values[i], exact, 1e-3), (i, values[i], exact)
+    assert list(values) == sorted(values, reverse=True)
+
+
+def test_hess_top_ev_brackets_hold_for_a_cluster_of_equal_eigenvalues():
+    """A diagonal operator with λ_1 = λ_2 = λ_3 (one Krylov sequence sees one copy only):
+    deflation finds all three."""
+    from cockpit.curvature.top_eigenvalues import top_eigenvalues
+
+    diagonal = torch.cat([torch.tensor([5.0, 5.0, 5.0, 4.0]), torch.linspace(-1, 3, 60)]
+                         ).double()
+    result = top_eigenvalues(lambda v: diagonal * v, diagonal.numel(), 5,
+                             generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for value, bound, exact in zip(result.values, result.upper, [5.0, 5.0, 5.0, 4.0, 3.0],
+                                   strict=True):
+        assert value <= exact + 1e-9 and exact <= bound + 1e-9
+        assert value == pytest.approx(exact, rel=2e-3)

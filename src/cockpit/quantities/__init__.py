@@ -11,6 +11,7 @@ from cockpit.quantities.grad_norm import GradNorm
 from cockpit.quantities.gradient_noise_scale import GradientNoiseScale
 from cockpit.quantities.hess_density import HessDensity
 from cockpit.quantities.hess_max_ev import HessMaxEV
+from cockpit.quantities.hess_top_ev import HessTopEV
 from cockpit.quantities.hess_trace import HessTrace
 from cockpit.quantities.inner_test import InnerTest
 from cockpit.quantities.loss import Loss
@@ -34,6 +35,7 @@ __all__ = [
     "GradientNoiseScale",
     "HessDensity",
     "HessMaxEV",
+    "HessTopEV",
     "HessTrace",
     "InnerTest",
     "Loss",
