@@ -5,8 +5,8 @@ size; the rule of thumb is ≈ 1e-3 for a healthy layer, and a layer far above t
 learns at a different rate (e.g. a wrong learning rate in its parameter group). The update
 is the one ``optimizer.step()`` applied, whatever the optimizer (as UpdateSize's).
 
-A parameter with ‖θ_t‖ = 0 (e.g. a bias initialized to zero) has no ratio: None for it, and
-its name in the note.
+A parameter with ‖θ_t‖ = 0 (e.g. a bias initialized to zero) has no ratio: NaN for it, as
+for every value that would divide by zero, and its name in the note.
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ class UpdateRatio(Quantity):
         if zero:
             data.notes["UpdateRatio"] = (
                 f"‖θ_t‖ = 0 for {', '.join(zero[:4])}{' …' if len(zero) > 4 else ''}: no "
-                "ratio for them (None)")
-        per_param: dict[str, Value] = {
-            k: None if before[k] == 0.0 else math.sqrt(after[k] / before[k]) for k in names}
+                "ratio for them (NaN)")
+        per_param = {k: math.nan if before[k] == 0.0 else math.sqrt(after[k] / before[k])
+                     for k in names}
         total_before = sum(before[k] for k in names)
         total = (math.sqrt(sum(after[k] for k in names) / total_before) if total_before > 0
-                 else None)
-        return global_and_per_param("UpdateRatio", per_param, total)  # type: ignore[arg-type]
+                 else math.nan)
+        return global_and_per_param("UpdateRatio", per_param, total)
