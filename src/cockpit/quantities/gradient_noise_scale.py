@@ -1,4 +1,5 @@
-"""GradientNoiseScale: the simple noise scale of McCandlish et al. (2018, eq. 2.8, App. A),
+"""GradientNoiseScale: the simple noise scale B_simple of McCandlish et al. (2018, "An Empirical
+Model of Large-Batch Training"; App. A for its estimation),
 
     B_simple = tr(Σ) / ‖G‖²,
 
