@@ -146,3 +146,52 @@ def test_agrees_in_expectation_with_the_two_batch_size_estimator():
     # a single step's ratio is far noisier than the moving average
     singles = [cockpit.get_output()[s]["GradientNoiseScale"] for s in range(draws)]
     assert max(abs(v - exact) for v in singles if math.isfinite(v)) > 0.2 * exact
+
+
+BETA_DDP, SHARD, DRAWS = 0.995, 24, 400
+
+
+def _noise_scale_only() -> list:
+    return [quantities.GradNorm(), quantities.GradientNoiseScale(smoothing=BETA_DDP)]
+
+
+def _frozen(model):
+    return torch.optim.SGD(model.parameters(), lr=0.0)
+
+
+def test_on_two_processes_it_agrees_with_the_two_batch_size_estimator(tmp_path):
+    """DistributedDataParallel on 2 processes (gloo), a fixed model: each step, each process
+    holds a shard of B_small = 24 samples and the global batch is B_big = 48. The two-batch-
+    size estimator from the per-process and global batch gradients (McCandlish et al.,
+    App. A) and Cockpit's global GradientNoiseScale are unbiased for the same numbers: their
+    moving averages agree, and match the population's tr(Σ)/‖G‖²."""
+    from tests.test_distributed import _two_processes
+
+    problem = make_problem("residual", 48)
+    everything = flat(individual_gradients(problem.model, problem.loss_fn, problem.x,
+                                           problem.y))
+    mean = everything.mean(0)
+    exact = (everything - mean).pow(2).sum().item() / len(everything) / mean.dot(mean).item()
+    generator = torch.Generator().manual_seed(2)
+    indices = [torch.randint(0, 48, (2 * SHARD,), generator=generator) for _ in range(DRAWS)]
+    config = {"problem": "residual", "shard_sizes": [SHARD, SHARD], "micro_batches": 1,
+              "make_optimizer": _frozen, "instruments": _noise_scale_only,
+              "batches": [(problem.x[i], problem.y[i]) for i in indices]}
+    ranks = _two_processes(tmp_path, config)
+
+    two_batch = [0.0, 0.0]
+    for step, index in enumerate(indices):
+        small = sum(everything[half].mean(0).pow(2).sum().item()
+                    for half in (index[:SHARD], index[SHARD:])) / 2
+        g_big = everything[index].mean(0)
+        big = g_big.dot(g_big).item()
+        assert ranks[0]["output"][step]["GradNorm"] ** 2 == pytest.approx(big, rel=1e-9)
+        trace = (small - big) / (1 / SHARD - 1 / (2 * SHARD))
+        signal = (2 * SHARD * big - SHARD * small) / SHARD
+        two_batch = [BETA_DDP * two_batch[0] + (1 - BETA_DDP) * trace,
+                     BETA_DDP * two_batch[1] + (1 - BETA_DDP) * signal]
+    theirs = two_batch[0] / two_batch[1]
+    for result in ranks:
+        ours = result["output"][DRAWS - 1]["GradientNoiseScaleEMA"]
+        assert rel_close(ours, theirs, 0.1), (ours, theirs, exact)
+        assert rel_close(ours, exact, 0.1), (ours, theirs, exact)
