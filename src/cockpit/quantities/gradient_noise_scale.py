@@ -19,7 +19,7 @@ therefore smooths numerator and denominator separately by exponential moving ave
 the tracked steps and reports their ratio (a ratio of averages, not an average of ratios):
 
     N_t = β N_{t−1} + (1 − β) tr(Σ)^_t,   D_t = β D_{t−1} + (1 − β) ‖G‖²^_t,
-    B_simple,EMA = N_t / D_t                (β = ``smoothing``; the start-up bias cancels).
+    B_simple,EMA = N_t / D_t      (β = ``smoothing``; N, D start at the first step's values).
 
 Values: ``GradientNoiseScale`` (this step's ratio) and ``GradientNoiseScaleEMA`` (the
 smoothed one), total and per parameter tensor (``.../<parameter>``; a parameter's own
@@ -70,8 +70,8 @@ class GradientNoiseScale(Quantity):
             return {name: None}
         names = [k for k in stats.sq_norms if k in data.batch_grads]
         # one read of all per-parameter sums S_k (float64) instead of one per parameter
-        S = torch.stack([stats.sq_norms[k].double().sum() for k in names]).tolist() if names \
-            else []
+        S = (torch.stack([stats.sq_norms[k].double().sum() for k in names]).tolist()
+             if names else [])
         G = [data.grad_sq_norm(k) for k in names]
         per_key = {k: noise_and_signal(n, s, g) for k, s, g in zip(names, S, G, strict=True)}
         per_key[TOTAL] = noise_and_signal(n, sum(S), sum(G))
