@@ -150,6 +150,15 @@ def _frozen_synth(seed: int) -> Setup:
                  teacher_batches("mnist_mlp", seed))
 
 
+def _one_layer_lr(model: nn.Module, prefix: str, make, lr: float, factor: float = 100.0
+                  ) -> torch.optim.Optimizer:
+    """An optimizer whose parameters under ``prefix`` get ``factor`` × the learning rate (a
+    wrong parameter group)."""
+    fast = [p for name, p in model.named_parameters() if name.startswith(prefix)]
+    rest = [p for name, p in model.named_parameters() if not name.startswith(prefix)]
+    return make([{"params": rest}, {"params": fast, "lr": factor * lr}], lr=lr)
+
+
 CASES: list[Case] = [
     # healthy runs: tuned SGD with momentum, default Adam/AdamW
     Case("healthy: digits MLP, SGD momentum", None,
@@ -229,6 +238,19 @@ CASES: list[Case] = [
          _seeded(_frozen_cnn)),
     Case("only the last layer in AdamW, synthetic MLP", "frozen_parameters",
          _seeded(_frozen_synth)),
+    # update_ratio
+    Case("one layer at 100× the learning rate, digits MLP, Adam", "update_ratio",
+         _seeded(lambda s: (m := mlp(64, [64, 64]),
+                            Setup(m, _one_layer_lr(m, "3.", torch.optim.Adam, 1e-3),
+                                  digits_batches(s)))[1])),
+    Case("one layer at 100× the learning rate, digits CNN, SGD momentum", "update_ratio",
+         _seeded(lambda s: (m := digits_cnn(),
+                            Setup(m, _one_layer_lr(m, "6.", lambda g, lr: torch.optim.SGD(
+                                g, lr=lr, momentum=0.9), 5e-4), digits_batches(s)))[1])),
+    Case("one layer at 100× the learning rate, synthetic MLP, AdamW", "update_ratio",
+         _seeded(lambda s: (m := mlp(784, [64, 64]),
+                            Setup(m, _one_layer_lr(m, "1.", torch.optim.AdamW, 1e-3),
+                                  teacher_batches("mnist_mlp", s)))[1])),
     # missing_zero_grad
     Case("no zero_grad(), digits MLP, SGD", "missing_zero_grad",
          _seeded(lambda s: (m := mlp(64, [64, 64]),

@@ -21,6 +21,11 @@ size, compared with a subprocess that trains without Cockpit, and with the large
     python benchmarks/overhead.py --threads 1 --clock cpu     # robust on a loaded machine
     python benchmarks/overhead.py --repeats 3                 # median over 3 processes
     python benchmarks/overhead.py --configs business --curvature diag_ggn_mc
+    python benchmarks/overhead.py --configs economy-previous economy --repeats 5 --interleave
+
+``economy-previous``: economy without GradientNoiseScale, ParamNorm and UpdateRatio (what they
+add). ``--interleave``: the repeats run round-robin over the configurations (A B A B …), so
+that a slow phase of a shared machine hits both alike.
 
 ``--optimizer``: ``sgd`` (momentum 0.9), ``sgd-plain`` (no momentum), ``adam``, or
 ``custom`` — a subclass of torch.optim.Optimizer that Cockpit cannot predict (sign-SGD), so
@@ -81,6 +86,9 @@ if config != "none":
     schedule = set(tracked_steps).__contains__
     if config in ("economy", "business", "full"):
         qs = configuration(config, schedule)
+    elif config == "economy-previous":  # economy before GradientNoiseScale, ParamNorm, UpdateRatio
+        qs = [q for q in configuration("economy", schedule)
+              if q.name not in ("GradientNoiseScale", "ParamNorm", "UpdateRatio")]
     else:
         qs = [getattr(quantities, config)(schedule)]
     for quantity in qs:  # HessTrace, TICDiag, TICTrace
@@ -140,6 +148,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="fresh subprocesses per configuration; the median over them is "
                         "reported with the range (the machine's noise is ±0.3×)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run the repeats round-robin over the configurations")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall-clock time, or the process's CPU time (robust when other "
                         "processes load the machine; use with --threads 1)")
@@ -157,9 +167,15 @@ def main() -> None:
               f"layer |B|×D {base['largest_layer_mib']:.0f} MiB", flush=True)
         print(f"{'config':>14} {'tracked/untracked':>18} {'(min)':>6} {'untracked ms':>13} "
               f"{'peak − baseline MiB':>20}", flush=True)
+        if args.interleave:
+            interleaved: dict[str, list[dict]] = {c: [] for c in args.configs}
+            for _ in range(max(1, args.repeats)):
+                for config in args.configs:
+                    interleaved[config].append(run(problem, config, *opts))
         for config in args.configs:
             start = time.perf_counter()
-            runs = [run(problem, config, *opts) for _ in range(max(1, args.repeats))]
+            runs = (interleaved.pop(config) if args.interleave else
+                    [run(problem, config, *opts) for _ in range(max(1, args.repeats))])
             ratios = sorted(r["tracked"] / r["untracked"] for r in runs)
             ratio = statistics.median(ratios)
             ratio_min = statistics.median(r["tracked_min"] / r["untracked_min"] for r in runs)

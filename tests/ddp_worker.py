@@ -68,7 +68,8 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
             cockpit_distributed.ATTACH_TIMEOUT = config["attach_timeout"]
         # the processes that run Cockpit (default: all); the others train without it
         watched = rank in config.get("cockpit_ranks", range(world))
-        cockpit = Cockpit(model, instruments(), optimizer=opt, strict=True,
+        chosen = config.get("instruments", instruments)()
+        cockpit = Cockpit(model, chosen, optimizer=opt, strict=True,
                           write_on_all_ranks=True, grad_accumulation=micro > 1,
                           **config.get("cockpit_kwargs", {})) if watched else None
         stepped = []

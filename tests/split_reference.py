@@ -37,7 +37,8 @@ def instruments(curvature: str = "diag_ggn_exact") -> list:
         quantities.Alpha(), quantities.MeanGSNR(), quantities.CABS(),
         quantities.EarlyStopping(), quantities.HessTrace(curvature=curvature),
         quantities.TICDiag(curvature=curvature), quantities.TICTrace(curvature=curvature),
-        quantities.HessMaxEV(),
+        quantities.HessMaxEV(), quantities.GradientNoiseScale(), quantities.ParamNorm(),
+        quantities.UpdateRatio(),
     ]
 
 

@@ -122,6 +122,24 @@ def test_hess_max_ev_matches_eigvalsh(name):
     assert "HessMaxEV.num_hvp" not in out  # solver bookkeeping is no instrument
 
 
+@pytest.mark.parametrize("name", ["mlp_sigmoid", "cnn"])
+def test_hess_max_ev_per_parameter_matches_eigvalsh_of_each_diagonal_block(name):
+    problem = make_problem(name, 4)
+    H, names, shapes = dense_hessian(problem)
+    quantity = quantities.HessMaxEV(per_parameter=True)  # default tol 1e-3 on each block
+    out = one_step(problem, [quantity])
+    start = 0
+    for k, shape in zip(names, shapes, strict=True):
+        size = math.prod(shape)
+        block = H[start:start + size, start:start + size]
+        start += size
+        expected = torch.linalg.eigvalsh(block)[-1].item()
+        value = out[f"HessMaxEV/{k}"]
+        assert value <= expected + 1e-6 * abs(expected), (k, value, expected)  # Ritz ≤ λ
+        assert rel_close(value, expected, 1e-3, atol=1e-10), (k, value, expected)
+    assert out["HessMaxEV"] == pytest.approx(torch.linalg.eigvalsh(H)[-1].item(), rel=1e-3)
+
+
 @pytest.mark.parametrize("name", ["mlp_relu", "cnn"])
 def test_hess_max_ev_default_tolerance_bounds_the_error(name):
     """Default tol = 1e-3 on λ_max itself."""
@@ -299,3 +317,33 @@ def test_ggn_instruments_under_autocast_equal_float32():
         values[amp] = cockpit.get_output()[0]
     for name in ("HessTrace", "TICDiag"):
         assert values[True][name] == pytest.approx(values[False][name], rel=1e-2)
+
+
+@pytest.mark.parametrize("name", ["mlp_relu", "mlp_sigmoid", "cnn"])
+def test_hess_top_ev_brackets_and_matches_eigvalsh(name):
+    problem = make_problem(name, 4)
+    H, _, _ = dense_hessian(problem)
+    expected = torch.linalg.eigvalsh(H).flip(0)[:4].tolist()
+    out = one_step(problem, [quantities.HessTopEV(k=4)])
+    values, upper = out["HessTopEV"]["values"], out["HessTopEV"]["upper"]
+    assert len(values) == len(upper) == 4
+    for i, exact in enumerate(expected):
+        assert values[i] <= exact * (1 + 1e-6) + 1e-12, (i, values[i], exact)  # lower bound
+        assert exact <= upper[i] * (1 + 1e-6) + 1e-12, (i, upper[i], exact)  # upper bound
+        assert rel_close(values[i], exact, 1e-3), (i, values[i], exact)
+    assert list(values) == sorted(values, reverse=True)
+
+
+def test_hess_top_ev_brackets_hold_for_a_cluster_of_equal_eigenvalues():
+    """A diagonal operator with λ_1 = λ_2 = λ_3 (one Krylov sequence sees one copy only):
+    deflation finds all three."""
+    from cockpit.curvature.top_eigenvalues import top_eigenvalues
+
+    diagonal = torch.cat([torch.tensor([5.0, 5.0, 5.0, 4.0]), torch.linspace(-1, 3, 60)]
+                         ).double()
+    result = top_eigenvalues(lambda v: diagonal * v, diagonal.numel(), 5,
+                             generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for value, bound, exact in zip(result.values, result.upper, [5.0, 5.0, 5.0, 4.0, 3.0],
+                                   strict=True):
+        assert value <= exact + 1e-9 and exact <= bound + 1e-9
+        assert value == pytest.approx(exact, rel=2e-3)

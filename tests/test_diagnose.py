@@ -119,7 +119,7 @@ def test_finding_contract():
         Finding("bad_code", "warning", "x")
     with pytest.raises(ValueError, match="severity"):
         Finding("dead_units", "fatal", "x")
-    assert len(CODES) == 10
+    assert len(CODES) == 11
 
 
 def test_non_finite_names_first_step_and_parameters():
@@ -240,6 +240,29 @@ def test_noise_dominated_needs_saturated_norm_test_and_inner_test_spread():
     same_batch = _series(NormTest=lambda s: 1.0, InnerTest=lambda s: 0.3,
                          Loss=lambda s: 2.0 - 0.01 * s)  # full batch: a smooth loss
     assert "noise_dominated" not in _codes(same_batch)
+
+
+def test_update_ratio_names_a_layer_far_from_the_others_or_far_above_1e_3():
+    rng = np.random.default_rng(2)
+
+    def ratios(**scale):
+        return {"UpdateRatio": lambda s: 1e-2,
+                **{f"UpdateRatio/{k}.weight": (lambda s, f=f: f * 1e-2 * rng.uniform(0.7, 1.4))
+                   for k, f in scale.items()}}
+
+    (finding,) = [f for f in diagnose(_series(**ratios(a=1.0, b=8.0, c=1.5, d=0.5)))
+                  if f.code == "update_ratio"]
+    assert finding.parameters == ("b.weight",) and "faster" in str(finding)
+    (finding,) = [f for f in diagnose(_series(**ratios(a=1.0, b=0.02, c=1.0)))
+                  if f.code == "update_ratio"]
+    assert finding.parameters == ("b.weight",) and "slower" in str(finding)
+    assert "update_ratio" not in _codes(_series(**ratios(a=1.0, b=3.0, c=0.4)))
+    frozen = {**ratios(a=1.0, b=1.5), "UpdateRatio/c.weight": lambda s: 0.0}
+    assert "update_ratio" not in _codes(_series(**frozen))  # frozen_parameters' case
+    assert _codes(_series(**ratios(a=50.0))) == ["update_ratio"]  # 0.5 per step
+    assert "update_ratio" not in _codes(_series(**ratios(a=3.0)))
+    biases = {**ratios(a=1.0, b=1.0), "UpdateRatio/b.bias": lambda s: 1.0}
+    assert "update_ratio" not in _codes(_series(**biases))
 
 
 def test_skipped_checks_are_named_with_the_instruments_that_enable_them():

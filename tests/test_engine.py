@@ -475,7 +475,8 @@ def test_schedules():
 def test_configurations():
     names = [q.name for q in configuration("economy")]
     assert names == ["Loss", "Distance", "UpdateSize", "GradNorm", "GradHist1d", "NormTest",
-                     "InnerTest", "OrthoTest", "Alpha", "DeadUnits"]
+                     "InnerTest", "OrthoTest", "Alpha", "DeadUnits", "GradientNoiseScale",
+                     "ParamNorm", "UpdateRatio"]
     business = [q.name for q in configuration("business")]
     assert business == [*names, "HessTrace", "TICDiag"]
     assert [q.name for q in configuration("full")] == [*business, "HessMaxEV", "GradHist2d"]
@@ -493,7 +494,7 @@ def test_zero_gradient_gives_nan_with_a_note():
         losses.mean().backward()
     out, notes = cockpit.get_output()[0], cockpit.get_notes()[0]
     assert out["GradNorm"] == 0.0
-    for name in ("NormTest", "InnerTest", "OrthoTest"):
+    for name in ("NormTest", "InnerTest", "OrthoTest", "GradientNoiseScale"):
         assert math.isnan(out[name]) and "zero" in notes[name]
     cockpit.close()
 

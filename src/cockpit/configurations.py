@@ -1,8 +1,10 @@
 """Configurations of instruments (paper Table 1).
 
 * ``"economy"``: Loss, Distance, UpdateSize, GradNorm, GradHist1d, NormTest, InnerTest,
-  OrthoTest, Alpha, and DeadUnits (not in the paper; for the ``dead_units`` diagnosis, one
-  pass over the weights' batch gradients: ≤ 0.5 % of a training step, benchmarks/RESULTS.md);
+  OrthoTest, Alpha, GradientNoiseScale (from NormTest's sums), ParamNorm, UpdateRatio
+  (weight norms and update-to-weight ratios per layer), and DeadUnits (not in the
+  paper; for the ``dead_units`` diagnosis, one pass over the weights' batch gradients:
+  ≤ 0.5 % of a training step, benchmarks/RESULTS.md);
 * ``"business"``: economy + HessTrace and TICDiag;
 * ``"full"``: business + HessMaxEV and GradHist2d.
 
@@ -15,7 +17,8 @@ from cockpit import quantities as q
 from cockpit.schedules import Schedule
 
 _ECONOMY = ["Loss", "Distance", "UpdateSize", "GradNorm", "GradHist1d", "NormTest",
-            "InnerTest", "OrthoTest", "Alpha", "DeadUnits"]
+            "InnerTest", "OrthoTest", "Alpha", "DeadUnits", "GradientNoiseScale", "ParamNorm",
+            "UpdateRatio"]
 _BUSINESS = [*_ECONOMY, "HessTrace", "TICDiag"]
 _FULL = [*_BUSINESS, "HessMaxEV", "GradHist2d"]
 CONFIGURATIONS = {"economy": _ECONOMY, "business": _BUSINESS, "full": _FULL}

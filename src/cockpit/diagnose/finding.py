@@ -22,6 +22,7 @@ CODES: tuple[str, ...] = (
     "frozen_parameters",
     "missing_zero_grad",
     "noise_dominated",
+    "update_ratio",
 )
 #: Informational code: checks that could not run, and the instruments that would enable them.
 CHECKS_SKIPPED = "checks_skipped"

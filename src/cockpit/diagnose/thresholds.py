@@ -81,6 +81,20 @@ FROZEN_MIN_STEPS = 5
 #: the rounding of the parameter (UpdateSize 0) although it is in the optimizer.
 FROZEN_GRADIENT_SHARE = 1e-5
 
+# ---------------------------------------------------------------------- update ratio
+#: A weight layer whose ‖Δθ‖/‖θ‖ is this many times the median of the other weight layers'
+#: (at a persistent share of the steps) learns faster than the rest. Zoo: healthy runs stay
+#: within 3.3× (one conv layer of a CNN under AdamW); a layer at 100× the learning rate
+#: reaches 7–8× under Adam/AdamW (its weights grow, which pulls the ratio back) and ≈ 50×
+#: under SGD with momentum.
+UPDATE_RATIO_FASTER = 5.0
+#: The same the other way: a layer at 1/20 of the others' ratio barely learns (healthy runs:
+#: ≥ 1/2.9; not exercised by a zoo case, hence the wider margin).
+UPDATE_RATIO_SLOWER = 20.0
+#: ‖Δθ‖/‖θ‖ at or above this changes a layer by a third of itself per step, 300× the
+#: ≈ 1e-3 rule of thumb (healthy runs in the zoo: ≤ 0.05 over their first 60 steps).
+UPDATE_RATIO_HUGE = 0.3
+
 # ---------------------------------------------------------------------- accumulation
 #: missing_zero_grad reads GradientHeld (0 or 1 per tracked step: direct evidence), so it
 #: needs no threshold of its own beyond PERSISTENT_SHARE: GradientMismatch is not thresholded

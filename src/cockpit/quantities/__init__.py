@@ -8,7 +8,10 @@ from cockpit.quantities.distance import Distance, UpdateSize
 from cockpit.quantities.early_stopping import EarlyStopping
 from cockpit.quantities.grad_hist import GradHist1d, GradHist2d
 from cockpit.quantities.grad_norm import GradNorm
+from cockpit.quantities.gradient_noise_scale import GradientNoiseScale
+from cockpit.quantities.hess_density import HessDensity
 from cockpit.quantities.hess_max_ev import HessMaxEV
+from cockpit.quantities.hess_top_ev import HessTopEV
 from cockpit.quantities.hess_trace import HessTrace
 from cockpit.quantities.inner_test import InnerTest
 from cockpit.quantities.loss import Loss
@@ -18,6 +21,7 @@ from cockpit.quantities.ortho_test import OrthoTest
 from cockpit.quantities.parameters import Parameters
 from cockpit.quantities.tic import TICDiag, TICTrace
 from cockpit.quantities.time import Time
+from cockpit.quantities.update_ratio import ParamNorm, UpdateRatio
 
 __all__ = [
     "CABS",
@@ -28,18 +32,23 @@ __all__ = [
     "GradHist1d",
     "GradHist2d",
     "GradNorm",
+    "GradientNoiseScale",
+    "HessDensity",
     "HessMaxEV",
+    "HessTopEV",
     "HessTrace",
     "InnerTest",
     "Loss",
     "MeanGSNR",
     "NormTest",
     "OrthoTest",
+    "ParamNorm",
     "Parameters",
     "Quantity",
     "StepData",
     "TICDiag",
     "TICTrace",
     "Time",
+    "UpdateRatio",
     "UpdateSize",
 ]

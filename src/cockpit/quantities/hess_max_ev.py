@@ -15,6 +15,11 @@ was reached, and :attr:`HessMaxEV.solver` keeps the same per step as numbers
 (``{step: {"num_hvp", "rel_error", "converged"}}``). At a step with a non-finite loss no
 product is computed: the value is NaN with the note saying why.
 
+``per_parameter=True`` also records λ_max of each parameter tensor's diagonal block H_θθ of
+the Hessian as ``"HessMaxEV/<parameter>"`` (one Lanczos run with the same stopping rule per
+block, on Hessian-vector products with respect to that tensor alone: their cost adds up over
+the tensors). By Cauchy interlacing each block's λ_max is ≤ the whole Hessian's.
+
 ``warm_start=True`` mixes the previous step's eigenvector into the start vector (the
 guarantee is kept, see the Lanczos module). It does not save products under this stopping
 rule (measured: 25.9 vs 25.7 per step on a logistic regression), so it is off by default.
@@ -28,7 +33,7 @@ import torch
 from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
-from cockpit.curvature.lanczos import lanczos_max_eigenvalue
+from cockpit.curvature.lanczos import EigResult, lanczos_max_eigenvalue
 from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.schedules import Schedule
 
@@ -46,6 +51,7 @@ class HessMaxEV(Quantity):
         max_iter: int = 100,
         miss_probability: float = 1e-3,
         warm_start: bool = False,
+        per_parameter: bool = False,
         seed: int = 0,
     ):
         super().__init__(schedule)
@@ -54,6 +60,8 @@ class HessMaxEV(Quantity):
                 "HessMaxEV needs tol > 0, max_iter >= 1 and 0 < miss_probability < 1")
         self.tol, self.max_iter, self.warm_start = tol, max_iter, warm_start
         self.miss_probability = miss_probability
+        self.per_parameter = per_parameter
+        self._blocks: dict[str, EigResult] = {}  # parameter → Lanczos result of its block
         self.generator = torch.Generator().manual_seed(seed)
         self.solver: dict[int, dict[str, float | int | bool]] = {}
         self._vector: Tensor | None = None
@@ -61,7 +69,7 @@ class HessMaxEV(Quantity):
         self._skipped: str | None = None
 
     def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
-        self._result, self._skipped = None, None
+        self._result, self._skipped, self._blocks = None, None, {}
         if losses is None or tracker.request.split:
             return
         if not bool(torch.isfinite(losses.detach()).all()):
@@ -78,6 +86,13 @@ class HessMaxEV(Quantity):
             )
         if self.warm_start and math.isfinite(self._result.value):
             self._vector = self._result.vector.detach()
+        if self.per_parameter:
+            for name, param in tracker.params.items():
+                block = hessian_vector_product(tracker, losses, {name: param})
+                with tracker.suspended():
+                    self._blocks[name] = lanczos_max_eigenvalue(
+                        block.matvec, block.dim, tol=self.tol, max_iter=self.max_iter,
+                        miss_probability=self.miss_probability, generator=self.generator)
 
     def compute(self, data: StepData) -> dict[str, Value]:
         result, self._result = self._result, None
@@ -108,4 +123,17 @@ class HessMaxEV(Quantity):
                 f"Lanczos did not reach tol={self.tol:g} in {result.num_matvecs} "
                 f"Hessian-vector products (max_iter); relative accuracy reached: {reached}. "
                 "The value is a lower bound of λ_max")
-        return {"HessMaxEV": float(result.value)}
+        out: dict[str, Value] = {"HessMaxEV": float(result.value)}
+        blocks, self._blocks = self._blocks, {}
+        unconverged = [name for name, block in blocks.items() if not block.converged]
+        for name, block in blocks.items():
+            out[f"HessMaxEV/{name}"] = float(block.value)
+        if blocks:
+            data.notes["HessMaxEV"] += (
+                f"; per parameter: {sum(b.num_matvecs for b in blocks.values())} products for "
+                f"{len(blocks)} diagonal blocks")
+            if unconverged:
+                data.notes["HessMaxEV"] += (
+                    f", tol not reached (a lower bound) for {', '.join(unconverged[:4])}"
+                    f"{' …' if len(unconverged) > 4 else ''}")
+        return out

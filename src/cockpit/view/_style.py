@@ -42,6 +42,7 @@ PANEL_TITLES: dict[str, str] = {
     "GradHist1d": "Histogram of individual gradient elements g_n,j",
     "GradHist2d": "Parameters θ_j vs. individual gradients g_n,j",
     "HessMaxEV": "Largest Hessian eigenvalue λ_max(H_B): sharpness",
+    "HessDensity": "Hessian eigenvalue density (stochastic Lanczos quadrature)",
     "HessTrace": "Hessian trace Tr(H_B): average curvature",
     "TIC": "Takeuchi information criterion (TIC)",
     "Layers": "Individual gradient elements per layer",

@@ -56,6 +56,7 @@ COLUMNS: dict[str, list[tuple[str, Drawer, tuple[str, ...]]]] = {
         ("HessMaxEV", I.draw_hess_max_ev, ("HessMaxEV",)),
         ("HessTrace", I.draw_hess_trace, ("HessTrace",)),
         ("TIC", I.draw_tic, ("TICDiag", "TICTrace")),
+        ("HessDensity", I.draw_hess_density, ("HessDensity",)),
     ],
     "gray": [
         ("Loss", I.draw_loss, ("Loss",)),

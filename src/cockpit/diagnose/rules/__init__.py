@@ -10,6 +10,7 @@ from cockpit.diagnose.rules import (
     noise,
     non_finite,
     scale,
+    update_ratio,
     zero_grad,
 )
 
@@ -21,4 +22,5 @@ RULES: list[Rule] = [
     frozen.RULE,
     zero_grad.RULE,
     noise.RULE,
+    update_ratio.RULE,
 ]
