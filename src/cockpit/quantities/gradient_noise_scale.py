@@ -35,8 +35,9 @@ import math
 
 import torch
 
+from cockpit.engine.readout import Later, Noted
 from cockpit.engine.tracker import SQ_NORMS
-from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.quantities.base import Quantity, StepData, Value, Values
 from cockpit.schedules import Schedule
 
 TOTAL = ""  # key of the sums over all parameters in the moving averages
@@ -60,7 +61,7 @@ class GradientNoiseScale(Quantity):
         self.smoothing = smoothing
         self._averages: dict[str, tuple[float, float]] = {}  # key → (N_t, D_t)
 
-    def compute(self, data: StepData) -> dict[str, Value]:
+    def compute(self, data: StepData) -> Values:
         name = self.name
         stats = data.stats
         assert stats is not None
@@ -69,10 +70,19 @@ class GradientNoiseScale(Quantity):
             data.notes[name] = "undefined for a batch of one sample (tr(Σ) divides by |B| − 1)"
             return {name: None}
         names = [k for k in stats.sq_norms if k in data.batch_grads]
-        # one read of all per-parameter sums S_k (float64) instead of one per parameter
-        S = (torch.stack([stats.sq_norms[k].double().sum() for k in names]).tolist()
-             if names else [])
-        G = [data.grad_sq_norm(k) for k in names]
+        position = {k: i for i, k in enumerate(data.batch_grads)}
+        rows = [position[k] for k in names]
+        # the per-parameter sums S_k (float64) and ‖ḡ_k‖², read with the step's other values
+        S_all = (torch.stack([stats.sq_norms[k].double().sum() for k in names]) if names
+                 else torch.zeros(0, dtype=torch.float64))
+        return Later(lambda S_host, G_all: self._values(n, names, rows, S_host, G_all),
+                     S_all, data.grad_sq_norms(), name=name)
+
+    def _values(self, n: int, names: list[str], rows: list[int], S_host, G_all) -> Noted:
+        """The step's ratios and the moving averages (updated here, in step order)."""
+        name = self.name
+        S = [float(v) for v in S_host]
+        G = [float(G_all[i]) for i in rows]
         per_key = {k: noise_and_signal(n, s, g) for k, s, g in zip(names, S, G, strict=True)}
         per_key[TOTAL] = noise_and_signal(n, sum(S), sum(G))
 
@@ -89,16 +99,17 @@ class GradientNoiseScale(Quantity):
                 self._averages[key] = previous = smoothed
             out[f"{name}EMA{suffix}"] = None if previous is None else _ratio(*previous)
         total_trace, total_signal = per_key[TOTAL]
+        notes: dict[str, str] = {}
         if sum(S) == 0.0:
-            data.notes[name] = "every individual gradient is zero: tr(Σ)/‖G‖² is 0/0"
+            notes[name] = "every individual gradient is zero: tr(Σ)/‖G‖² is 0/0"
         elif total_signal <= 0.0:
-            data.notes[name] = (
+            notes[name] = (
                 f"the estimate of ‖G‖² is {total_signal:.3g} ≤ 0: the batch's gradient noise "
                 "hides its signal, so no finite noise scale fits this batch (NaN); the "
                 "moving average GradientNoiseScaleEMA smooths over steps")
         elif not math.isfinite(total_trace):
-            data.notes[name] = "non-finite individual gradients"
-        return out
+            notes[name] = "non-finite individual gradients"
+        return Noted(out, notes)
 
 
 def _ratio(trace: float, signal: float) -> float:

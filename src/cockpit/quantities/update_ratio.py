@@ -13,43 +13,35 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
-from cockpit.quantities.base import Quantity, StepData, Value, global_and_per_param
+from cockpit.engine.readout import Later, Noted
+from cockpit.quantities.base import (
+    Quantity,
+    StepData,
+    Value,
+    Values,
+    global_and_per_param,
+    per_param_norms,
+    sq_norms,
+)
 
 
-def param_sq_norms(data: StepData) -> dict[str, float]:
-    """‖θ_t‖² per parameter tensor, read before ``optimizer.step()`` (computed once per step:
-    ParamNorm and UpdateRatio read the same numbers; one host read per device)."""
+def param_sq_norms(data: StepData) -> Tensor:
+    """‖θ_t‖² per parameter tensor in the order of ``data.params``, float64 on the device,
+    formed before ``optimizer.step()`` (once per step: ParamNorm and UpdateRatio read the
+    same numbers)."""
     cached = data.__dict__.get("_param_sq_norms")
     if cached is None:
-        cached = data.__dict__["_param_sq_norms"] = _sq_norms_read_once(data.params)
+        cached = data.__dict__["_param_sq_norms"] = sq_norms(list(data.params.values()))
     return cached
-
-
-def _sq_norms_read_once(tensors: dict[str, Tensor]) -> dict[str, float]:
-    by_device: dict[torch.device, list[str]] = {}
-    for name, t in tensors.items():
-        by_device.setdefault(t.device, []).append(name)
-    out: dict[str, float] = {}
-    for names in by_device.values():
-        squares = []
-        for name in names:
-            flat = tensors[name].detach().reshape(-1)
-            squares.append((torch.dot(flat, flat) if flat.is_floating_point()
-                            else flat.pow(2).sum()).double())
-        out.update(zip(names, torch.stack(squares).tolist(), strict=True))
-    return {name: out[name] for name in tensors}
 
 
 class ParamNorm(Quantity):
     needs_losses = False
 
-    def compute(self, data: StepData) -> dict[str, Value]:
-        per_param = param_sq_norms(data)
-        return global_and_per_param("ParamNorm", {k: math.sqrt(v) for k, v in per_param.items()},
-                                    math.sqrt(sum(per_param.values())))
+    def compute(self, data: StepData) -> Values:
+        return per_param_norms("ParamNorm", list(data.params), param_sq_norms(data))
 
 
 class UpdateRatio(Quantity):
@@ -60,21 +52,27 @@ class UpdateRatio(Quantity):
         param_sq_norms(data)  # θ_t, before the optimizer overwrites it
         return {}
 
-    def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> dict[str, Value]:
+    def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> Values:
         before = data.__dict__.get("_param_sq_norms")
         if before is None:  # compute() did not run before the step: θ_t is gone
             data.notes["UpdateRatio"] = "‖θ_t‖ was not read before the optimizer step"
             return {"UpdateRatio": None}
-        after = _sq_norms_read_once(update)
-        names = [k for k in after if k in before]
-        zero = [k for k in names if before[k] == 0.0]
-        if zero:
-            data.notes["UpdateRatio"] = (
+        position = {k: i for i, k in enumerate(data.params)}
+        names = [k for k in update if k in position]
+        rows = [position[k] for k in names]
+        after_rows = [i for i, k in enumerate(update) if k in position]
+
+        def values(before_all, after_all) -> Noted:
+            b = {k: float(before_all[i]) for k, i in zip(names, rows, strict=True)}
+            a = {k: float(after_all[i]) for k, i in zip(names, after_rows, strict=True)}
+            zero = [k for k in names if b[k] == 0.0]
+            notes = ({"UpdateRatio": (
                 f"‖θ_t‖ = 0 for {', '.join(zero[:4])}{' …' if len(zero) > 4 else ''}: no "
-                "ratio for them (NaN)")
-        per_param = {k: math.nan if before[k] == 0.0 else math.sqrt(after[k] / before[k])
-                     for k in names}
-        total_before = sum(before[k] for k in names)
-        total = (math.sqrt(sum(after[k] for k in names) / total_before) if total_before > 0
-                 else math.nan)
-        return global_and_per_param("UpdateRatio", per_param, total)
+                "ratio for them (NaN)")} if zero else {})
+            per_param = {k: math.nan if b[k] == 0.0 else math.sqrt(a[k] / b[k]) for k in names}
+            total_before = sum(b.values())
+            total = (math.sqrt(sum(a.values()) / total_before) if total_before > 0
+                     else math.nan)
+            return Noted(global_and_per_param("UpdateRatio", per_param, total), notes)
+
+        return Later(values, before, data.update_sq_norm_vector(update), name="UpdateRatio")
