@@ -404,16 +404,16 @@ return {last: Number(document.getElementById("last-step").textContent),
 def test_browser_page_stays_live_while_a_run_writes(tmp_path) -> None:
     """A run writes a step every 0.3 s (every instrument of the economy view, so a drawing
     takes a while) while the page is open at 1600×1000: the header follows the run, the
-    image follows it too (screenshots 10 s apart differ), it is drawn at the size of the
+    image follows it too (screenshots at least 10 s apart differ), it is drawn at the size of the
     page's figure area (not scaled), and after the run the page shows its last step."""
     run = tmp_path / "run"
-    full = synthetic_output("economy", num_steps=400, every=2, seed=5, per_param=True)
+    full = synthetic_output("economy", num_steps=800, every=2, seed=5, per_param=True)
     steps = sorted(full)
     write_run(run, {t: full[t] for t in steps[:10]}, synthetic_meta())
     stop = threading.Event()
 
     def training() -> None:
-        writer = RunLogWriter(run)
+        writer = RunLogWriter(run, resume=True)
         for t in steps[10:]:
             if stop.wait(0.3):
                 break
@@ -430,11 +430,20 @@ def test_browser_page_stays_live_while_a_run_writes(tmp_path) -> None:
         writer.start()
         try:
             time.sleep(3)
-            shots, states = [], []
-            for _ in range(3):
-                shots.append(_wd(base, "GET", f"/session/{session}/screenshot")["value"])
-                states.append(_script(base, session, DRAWN_STATE))
+            shot = _wd(base, "GET", f"/session/{session}/screenshot")["value"]
+            shots, states = [shot], [_script(base, session, DRAWN_STATE)]
+            for _ in range(2):
+                # at least 10 s apart; a busy machine (a drawing takes a few seconds per
+                # core) may need longer: the page must change within 45 s while the run writes
                 time.sleep(10)
+                deadline = time.monotonic() + 35
+                while True:
+                    shot = _wd(base, "GET", f"/session/{session}/screenshot")["value"]
+                    if shot != shots[-1] or time.monotonic() > deadline:
+                        break
+                    time.sleep(1)
+                shots.append(shot)
+                states.append(_script(base, session, DRAWN_STATE))
         finally:
             stop.set()
             writer.join()
