@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from cockpit._stacklevel import user_stacklevel
 from cockpit.configurations import configuration
 from cockpit.engine import distributed as ranks
+from cockpit.engine.compiled import EagerAtTrackedSteps, uncompiled
 from cockpit.engine.histogram import (
     AutoRange,
     BinSpec,
@@ -68,7 +69,10 @@ class Cockpit:
 
     Args:
         model: the network. It is not wrapped or modified; hooks are removed by
-            :meth:`close`.
+            :meth:`close`. A compiled model (``torch.compile(model)``, or ``model.compile()``
+            called before) runs its compiled graph at untracked steps and its eager module
+            at tracked ones, whose values are the eager model's
+            (:mod:`cockpit.engine.compiled`).
         quantities: the instruments — a list of :class:`~cockpit.quantities.Quantity`, a
             configuration name (``"economy"``, ``"business"``, ``"full"``) or None (economy).
         optimizer: the optimizer whose steps are watched (needed by UpdateSize, CABS and the
@@ -199,8 +203,11 @@ class Cockpit:
                                  (hist2d_bins[1], "hist2d_bins[1]", "GradHist2d")):
             if user in used:
                 warn_if_slow(spec, name)
-        self.tracker = ModuleTracker(model, self.hist_spec, hist2d_bins, strict=strict,
-                                     batchnorm=batchnorm)
+        # a compiled model (torch.compile): hooks on the eager module inside, which runs at
+        # tracked steps only (see cockpit.engine.compiled)
+        self.tracker = ModuleTracker(uncompiled(model), self.hist_spec, hist2d_bins,
+                                     strict=strict, batchnorm=batchnorm)
+        self._compiled = EagerAtTrackedSteps(model, self.tracker)
         self.batchnorm = batchnorm
         if batchnorm == FROZEN_STATISTICS:  # Alpha's prediction needs the batch gradient's
             for quantity in quantities:  # individual shares: it projects the kept calls
@@ -247,6 +254,7 @@ class Cockpit:
                 writer = RunLogWriter(logdir, meta=self._metadata(), resume=resume)
             except BaseException:  # a refused run log leaves no hooks on the model
                 self.tracker.remove()
+                self._compiled.remove()
                 for handle in self._handles:
                     handle.remove()
                 raise
@@ -392,6 +400,7 @@ class Cockpit:
         if self._diagnosis is not None:
             self._diagnosis.feed(final=True)
         self.tracker.remove()
+        self._compiled.remove()
         release_workspace()
         for handle in self._handles:
             handle.remove()
@@ -610,7 +619,7 @@ class Cockpit:
         """What makes the step indescribable, known before its backward pass: (scope,
         reason) pairs (see :mod:`cockpit.loop_checks`), each warned once."""
         problems = []
-        changed = parameters_changed(self.model, self.tracker.param_names, self._params)
+        changed = parameters_changed(self.tracker.model, self.tracker.param_names, self._params)
         if changed is not None:
             problems.append((MODEL, changed))
         if losses is not None and losses.numel() == 0:
