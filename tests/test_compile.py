@@ -196,3 +196,13 @@ def test_compiled_with_inductor_matches_the_eager_run():
             if values.get(name) is not None:  # fused kernels round differently: 1e-9
                 np.testing.assert_allclose(actual[step][name], values[name], rtol=1e-9,
                                            err_msg=f"{step} {name}")
+
+
+def test_torch_without_set_stance_refuses_a_compiled_model_and_leaves_no_hooks(monkeypatch):
+    model = _model()
+    compiled = torch.compile(model, backend="eager")
+    monkeypatch.delattr(torch.compiler, "set_stance")
+    with pytest.raises(NotImplementedError, match=r"torch >= 2\.6"):
+        Cockpit(compiled, configuration("economy"))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in compiled.modules())
+    Cockpit(model, configuration("economy")).close()  # the uncompiled model is fine

@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from cockpit._stacklevel import user_stacklevel
 from cockpit.configurations import configuration
+from cockpit.engine import compiled
 from cockpit.engine import distributed as ranks
-from cockpit.engine.compiled import EagerAtTrackedSteps, uncompiled
 from cockpit.engine.histogram import (
     AutoRange,
     BinSpec,
@@ -170,6 +170,7 @@ class Cockpit:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Cockpit needs a torch.nn.Module, got {type(model).__name__}")
         ranks.check_supported_wrapper(model)
+        compiled.check_supported(model)
         if quantities is None:
             quantities = configuration("economy")
         elif isinstance(quantities, str):
@@ -205,9 +206,9 @@ class Cockpit:
                 warn_if_slow(spec, name)
         # a compiled model (torch.compile): hooks on the eager module inside, which runs at
         # tracked steps only (see cockpit.engine.compiled)
-        self.tracker = ModuleTracker(uncompiled(model), self.hist_spec, hist2d_bins,
+        self.tracker = ModuleTracker(compiled.uncompiled(model), self.hist_spec, hist2d_bins,
                                      strict=strict, batchnorm=batchnorm)
-        self._compiled = EagerAtTrackedSteps(model, self.tracker)
+        self._compiled = compiled.EagerAtTrackedSteps(model, self.tracker)
         self.batchnorm = batchnorm
         if batchnorm == FROZEN_STATISTICS:  # Alpha's prediction needs the batch gradient's
             for quantity in quantities:  # individual shares: it projects the kept calls

@@ -45,6 +45,21 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return model
 
 
+def _compiled_in_place(module: nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def check_supported(model: nn.Module) -> None:
+    """Refuse a compiled model where torch cannot run it eagerly at tracked steps."""
+    if hasattr(torch.compiler, "set_stance"):
+        return
+    if any(is_compiled(m) or _compiled_in_place(m) for m in model.modules()):
+        raise NotImplementedError(
+            "Cockpit on a model compiled with torch.compile needs torch >= 2.6 "
+            "(torch.compiler.set_stance runs the tracked steps eagerly): upgrade torch, or "
+            "attach Cockpit to, and train, the uncompiled model")
+
+
 class EagerAtTrackedSteps:
     """Runs the compiled modules within ``model`` eagerly for the forward passes that the
     tracker records (``tracker.capturing``, with gradients enabled), compiled otherwise.
@@ -64,8 +79,8 @@ class EagerAtTrackedSteps:
             if is_compiled(module):
                 self._handles.append(module.register_forward_pre_hook(self._before))
                 self._handles.append(module.register_forward_hook(self._after, always_call=True))
-            compiled_call = getattr(module, "_compiled_call_impl", None)
-            if compiled_call is not None:
+            if _compiled_in_place(module):
+                compiled_call = module._compiled_call_impl
                 self._wrapped.append((module, compiled_call))
                 module._compiled_call_impl = self._eager_when_recorded(module, compiled_call)
 
@@ -108,6 +123,6 @@ class EagerAtTrackedSteps:
             handle.remove()
         self._handles = []
         for module, compiled_call in self._wrapped:
-            if getattr(module, "_compiled_call_impl", None) is not None:  # (not uncompiled since)
+            if _compiled_in_place(module):  # (not made uncompiled since)
                 module._compiled_call_impl = compiled_call
         self._wrapped = []
