@@ -62,10 +62,11 @@ def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randint(0, 3, (6,), generator=generator)) for _ in range(steps)]
 
 
-def _train(model: nn.Module, called: nn.Module, batches, schedule) -> tuple[dict, dict]:
+def _train(model: nn.Module, called: nn.Module, batches, schedule,
+           name: str = "economy") -> tuple[dict, dict]:
     """A plain loop with Cockpit attached to ``called`` (the module the loop calls)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    cockpit = Cockpit(called, configuration("economy", schedule), optimizer=opt, strict=True)
+    cockpit = Cockpit(called, configuration(name, schedule), optimizer=opt, strict=True)
     for step, (x, y) in enumerate(batches):
         opt.zero_grad()
         losses = nn.functional.cross_entropy(called(x), y, reduction="none")
@@ -125,6 +126,21 @@ def test_compiled_model_values_equal_the_eager_run_and_untracked_steps_run_compi
     assert counting.forwards == counting.backwards == len(untracked)
     assert counting.compiles == 1  # compiled once, not again at each switch
     assert not counters["recompiles"]
+
+
+def test_curvature_instruments_of_a_compiled_model_equal_the_eager_run():
+    """business: HessTrace and TICDiag re-differentiate the recorded (eager) forward."""
+    batches = _batches(5)
+    eager = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the curvature method chosen is warned)
+        expected, expected_notes = _train(eager, eager, batches, every(3), "business")
+        model = _model()
+        actual, notes = _train(model, torch.compile(model, backend=CountingBackend().backend),
+                               batches, every(3), "business")
+    assert expected[3]["HessTrace"] is not None and expected[3]["TICDiag"] is not None
+    _assert_same(expected, actual)
+    assert notes == expected_notes
 
 
 def test_compiled_graph_traces_cockpits_hooks_to_nothing():
