@@ -166,6 +166,15 @@ def test_forward_failing_at_a_tracked_step_leaves_the_compiler_as_it_was():
     cockpit.close()
 
 
+def test_run_log_names_the_compiled_models_class(tmp_path):
+    from cockpit.store import read_meta
+
+    model = _model()
+    Cockpit(torch.compile(model, backend="eager"), configuration("economy"),
+            logdir=str(tmp_path)).close()
+    assert read_meta(tmp_path)["model_class"] == "_Net"
+
+
 def test_close_restores_a_model_compiled_in_place():
     counting = CountingBackend()
     model = _model()

@@ -1074,7 +1074,7 @@ class Cockpit:
         stepped = self._stepped_params()
         return {
             "model": repr(self.model),
-            "model_class": type(self.model).__name__,
+            "model_class": type(self.tracker.model).__name__,  # (inside torch.compile's wrapper)
             "num_parameters": int(sum(p.numel() for p in params.values())),
             "parameters": {k: list(p.shape) for k, p in params.items()},
             # only an optimizer that trains (some of) this model, only its groups that do
