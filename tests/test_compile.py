@@ -16,6 +16,15 @@ from cockpit import Cockpit, configuration
 from cockpit.schedules import every
 
 
+@pytest.fixture(autouse=True)
+def _fresh_compiler():
+    """Each test compiles its own model: dynamo's caches keyed on the shared forward code
+    would otherwise fill up across tests (and fall back to eager at their limit)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 class CountingBackend:
     """A torch.compile backend (AOTAutograd, graphs run by the FX interpreter, i.e. the same
     aten ops as eager) that counts compilations and runs of the compiled forward and
@@ -231,3 +240,40 @@ def test_torch_without_set_stance_refuses_a_compiled_model_and_leaves_no_hooks(m
         Cockpit(compiled, configuration("economy"))
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in compiled.modules())
     Cockpit(model, configuration("economy")).close()  # the uncompiled model is fine
+
+
+def test_micro_batches_of_untracked_steps_run_compiled_and_equal_the_eager_run():
+    """Gradient accumulation: the second micro-batch of an untracked step is not warned
+    about as a repeated step number, and its forward runs compiled unless the next step is
+    tracked (Cockpit cannot tell it from that step's first forward then)."""
+    steps, schedule, batches = 8, every(4), _batches(16)
+
+    def train(model, called):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        cockpit = Cockpit(called, configuration("economy", schedule), optimizer=opt,
+                          strict=True, grad_accumulation=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                opt.zero_grad()
+                for x, y in batches[2 * step:2 * step + 2]:
+                    losses = nn.functional.cross_entropy(called(x), y, reduction="none")
+                    with cockpit(step, losses=losses):
+                        (losses.mean() / 2).backward()
+                opt.step()
+            cockpit.close()
+        assert not [str(w.message) for w in caught]
+        return cockpit.get_output(), cockpit.get_notes()
+
+    eager = _model()
+    expected, expected_notes = train(eager, eager)
+    counting = CountingBackend()
+    model = _model()
+    actual, notes = train(model, torch.compile(model, backend=counting.backend))
+    _assert_same(expected, actual)
+    assert notes == expected_notes
+    quantities = configuration("economy", schedule)
+    untracked = [s for s in range(1, steps) if not any(q.should_track(s) for q in quantities)]
+    tracked = [s for s in range(steps + 1) if s not in untracked]
+    assert counting.forwards == sum(1 if s + 1 in tracked else 2 for s in untracked) >= 5
+    assert counting.compiles == 1

@@ -458,6 +458,12 @@ class Cockpit:
             self._read_back()  # the previous step's numbers, one wait for all of them
             if self._diagnosis is not None:
                 self._diagnosis.feed()
+            if step == self._last_step and not self._tracked(step):
+                # another micro-batch of an untracked step: nothing to record, the next
+                # forward passes stay unrecorded (a compiled model stays compiled)
+                self.tracker.clear_calls()
+                self.tracker.capturing = self._capture_next(step)
+                return
             if self._last_step is not None and step <= self._last_step:
                 self._warn(STEP_BACKWARDS.format(step=step, last=self._last_step),
                            key="step-backwards")
