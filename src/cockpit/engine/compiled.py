@@ -16,10 +16,15 @@ Why this and not the alternatives: hooks inside a compiled graph would need dyna
 trace Cockpit's per-layer work into the graph (each tracked configuration a graph of its
 own), and a second graph compiled for tracked steps costs a compilation and still hides the
 layers. ``force_eager`` runs the unchanged eager module, so a tracked step is exactly the
-eager computation, while untracked steps run the compiled graph untouched: the stance skips
-dynamo altogether (no guard is evaluated, nothing is recompiled when it switches), and the
-graph compiled while ``capturing`` is False traces Cockpit's hooks to no-ops (dynamo guards
-on ``capturing``, which stays False whenever the graph runs).
+eager computation, while untracked steps run the compiled graph untouched: under the stance
+dynamo is skipped altogether (no guard is evaluated, nothing is recompiled when it switches),
+and the graph compiled while ``capturing`` is False traces Cockpit's hooks to no-ops (dynamo
+guards on ``capturing``, which stays False whenever the graph runs).
+
+The eager module runs whenever the tracker captures: the forward passes of tracked steps
+(and of the step after each of Alpha's), every forward pass once step numbers were not
+consecutive, and with gradient accumulation the micro-batches after the first of an untracked
+step that precedes a tracked one (they cannot be told from that step's first forward).
 """
 
 from __future__ import annotations
