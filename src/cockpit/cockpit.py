@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from cockpit._stacklevel import user_stacklevel
 from cockpit.configurations import configuration
+from cockpit.engine import compiled
 from cockpit.engine import distributed as ranks
 from cockpit.engine.histogram import (
     AutoRange,
@@ -68,7 +69,10 @@ class Cockpit:
 
     Args:
         model: the network. It is not wrapped or modified; hooks are removed by
-            :meth:`close`.
+            :meth:`close`. A compiled model (``torch.compile(model)``, or ``model.compile()``
+            called before) runs its compiled graph at untracked steps and its eager module
+            at tracked ones, whose values are the eager model's
+            (:mod:`cockpit.engine.compiled`).
         quantities: the instruments — a list of :class:`~cockpit.quantities.Quantity`, a
             configuration name (``"economy"``, ``"business"``, ``"full"``) or None (economy).
         optimizer: the optimizer whose steps are watched (needed by UpdateSize, CABS and the
@@ -166,6 +170,7 @@ class Cockpit:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Cockpit needs a torch.nn.Module, got {type(model).__name__}")
         ranks.check_supported_wrapper(model)
+        compiled.check_supported(model)
         if quantities is None:
             quantities = configuration("economy")
         elif isinstance(quantities, str):
@@ -199,8 +204,11 @@ class Cockpit:
                                  (hist2d_bins[1], "hist2d_bins[1]", "GradHist2d")):
             if user in used:
                 warn_if_slow(spec, name)
-        self.tracker = ModuleTracker(model, self.hist_spec, hist2d_bins, strict=strict,
-                                     batchnorm=batchnorm)
+        # a compiled model (torch.compile): hooks on the eager module inside, which runs at
+        # tracked steps only (see cockpit.engine.compiled)
+        self.tracker = ModuleTracker(compiled.uncompiled(model), self.hist_spec, hist2d_bins,
+                                     strict=strict, batchnorm=batchnorm)
+        self._compiled = compiled.EagerAtTrackedSteps(model, self.tracker)
         self.batchnorm = batchnorm
         if batchnorm == FROZEN_STATISTICS and any(
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
@@ -250,6 +258,7 @@ class Cockpit:
                 writer = RunLogWriter(logdir, meta=self._metadata(), resume=resume)
             except BaseException:  # a refused run log leaves no hooks on the model
                 self.tracker.remove()
+                self._compiled.remove()
                 for handle in self._handles:
                     handle.remove()
                 raise
@@ -395,6 +404,7 @@ class Cockpit:
         if self._diagnosis is not None:
             self._diagnosis.feed(final=True)
         self.tracker.remove()
+        self._compiled.remove()
         release_workspace()
         for handle in self._handles:
             handle.remove()
@@ -451,6 +461,12 @@ class Cockpit:
             self._read_back()  # the previous step's numbers, one wait for all of them
             if self._diagnosis is not None:
                 self._diagnosis.feed()
+            if step == self._last_step and not self._tracked(step):
+                # another micro-batch of an untracked step: nothing to record, the next
+                # forward passes stay unrecorded (a compiled model stays compiled)
+                self.tracker.clear_calls()
+                self.tracker.capturing = self._capture_next(step)
+                return
             if self._last_step is not None and step <= self._last_step:
                 self._warn(STEP_BACKWARDS.format(step=step, last=self._last_step),
                            key="step-backwards")
@@ -613,7 +629,7 @@ class Cockpit:
         """What makes the step indescribable, known before its backward pass: (scope,
         reason) pairs (see :mod:`cockpit.loop_checks`), each warned once."""
         problems = []
-        changed = parameters_changed(self.model, self.tracker.param_names, self._params)
+        changed = parameters_changed(self.tracker.model, self.tracker.param_names, self._params)
         if changed is not None:
             problems.append((MODEL, changed))
         if losses is not None and losses.numel() == 0:
@@ -1067,7 +1083,7 @@ class Cockpit:
         stepped = self._stepped_params()
         return {
             "model": repr(self.model),
-            "model_class": type(self.model).__name__,
+            "model_class": type(self.tracker.model).__name__,  # (inside torch.compile's wrapper)
             "num_parameters": int(sum(p.numel() for p in params.values())),
             "parameters": {k: list(p.shape) for k, p in params.items()},
             # only an optimizer that trains (some of) this model, only its groups that do

@@ -731,7 +731,8 @@ class ModuleTracker:
                     f"{unit.name or type(unit.module).__name__}: its parameters received "
                     "gradients, but its output gradient never reached Cockpit's hook (a model "
                     "compiled with torch.compile runs its layers inside one compiled graph): "
-                    "attach Cockpit to, and train, the model without torch.compile"
+                    "pass the module you call to Cockpit — Cockpit(torch.compile(model), ...), "
+                    "or a model compiled by model.compile() before Cockpit was created"
                 )
                 return
 
