@@ -23,16 +23,21 @@ def check_cockpit_kwargs(kwargs: Mapping[str, Any]) -> None:
                 "owns it and the callback hands it to Cockpit")
 
 
+#: Values a trainer logs itself: sent to its loggers only with ``per_parameter``
+TRAINER_OWNED = frozenset({"LearningRate", "BatchSize"})
+
+
 def scalars(values: Mapping[str, Any], per_parameter: bool = False) -> dict[str, float]:
     """The real-number instruments of a step, named ``cockpit/<name>`` (histograms, arrays
     and values not computed are left out: they stay in the run log and sinks). The values
-    of each parameter (``<instrument>/<parameter>``) only with ``per_parameter``: the totals
-    are about a dozen scalars a step, the per-parameter values several per tensor."""
+    of each parameter (``<instrument>/<parameter>``), and the learning rate and batch size
+    the trainer logs itself, only with ``per_parameter``: the totals are about a dozen
+    scalars a step, the per-parameter values several per tensor."""
     out = {}
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
             continue
-        if not per_parameter and is_per_parameter(name):
+        if not per_parameter and (is_per_parameter(name) or name in TRAINER_OWNED):
             continue
         if math.isinf(value):
             continue
