@@ -12,7 +12,9 @@ is deterministic given the seed).
 What the solver did is recorded beside the value, never as an instrument of its own: the
 step's note says how many Hessian-vector products were spent and which relative accuracy
 was reached, and :attr:`HessMaxEV.solver` keeps the same per step as numbers
-(``{step: {"num_hvp", "rel_error", "converged"}}``). At a step with a non-finite loss no
+(``{step: {"num_hvp", "rel_error", "converged", "discarded_hvp"}}``; the iteration reads
+its coefficients from the device once per ``check_every`` = 4 products, so up to 3 products
+past the stop are computed and discarded). At a step with a non-finite loss no
 product is computed: the value is NaN with the note saying why.
 
 ``warm_start=True`` mixes the previous step's eigenvector into the start vector (the
@@ -90,7 +92,8 @@ class HessMaxEV(Quantity):
             return {"HessMaxEV": None}
         self.solver[data.step] = {"num_hvp": result.num_matvecs,
                                   "rel_error": result.rel_error,
-                                  "converged": result.converged}
+                                  "converged": result.converged,
+                                  "discarded_hvp": result.discarded}
         if not math.isfinite(result.value):
             data.notes["HessMaxEV"] = (
                 f"a Hessian-vector product was not finite (after {result.num_matvecs})")
