@@ -23,8 +23,8 @@ no decision from the data:
 
 :func:`device_path` tells the histogram functions (and other choices made per device, such
 as the squared norms of :func:`cockpit.quantities.base.sq_norms`) to take this path: on
-every device but the CPU, and on the CPU inside :func:`forced` (tests: the counts must equal the CPU path's,
-and the host-sync count of a CPU step then predicts the GPU's).
+every device but the CPU, and on the CPU inside :func:`forced` (tests: the counts must
+equal the CPU path's, and the host-sync count of a CPU step then predicts the GPU's).
 """
 
 from __future__ import annotations

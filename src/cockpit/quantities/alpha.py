@@ -334,7 +334,8 @@ class Alpha(Quantity):
             data.late_notes.setdefault(state.step, {})["Alpha"] = f"not computed: {reason}"
             return
         length = state.direction_length
-        dots = sum(p[0].double() for p in projections.values())
+        dots = (torch.stack([p[0] for p in projections.values()]).double().sum(0)
+                if projections else 0)
         loss = batch_mean_var(data.losses)
         slope = batch_mean_var(dots / length) if length > 0 else _no_slope(loss.device)
         obs1 = torch.cat([loss, slope.to(loss.device)])
