@@ -169,8 +169,51 @@ def test_lanczos_on_mlp_hessian():
             dtype=torch.float64,
             generator=torch.Generator().manual_seed(0),
         )
-        assert hvp.num_calls == res.num_matvecs
+        assert hvp.num_calls == res.num_matvecs + res.discarded
     assert res.converged and res.value == pytest.approx(lam, rel=1e-6)
+
+
+@pytest.mark.parametrize("check_every", [2, 4, 7])
+def test_reading_every_few_products_changes_nothing_but_the_discarded_products(check_every):
+    """Reading α, β once per ``check_every`` products: the same stop, value, vector and
+    accuracy as reading them after every product (float64 and float32, a breakdown of a warm
+    start that restarts, a stop at D, max_iter, a non-finite operator), with the products
+    computed past a stop or restart discarded, fewer than ``check_every`` each."""
+    dim = 30
+    gen = torch.Generator().manual_seed(4)
+    Q, _ = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
+    A = Q @ torch.diag(torch.linspace(-2.0, 3.0, dim, dtype=torch.float64)) @ Q.T
+    B = random_symmetric(150, spectrum("psd", 150, seed=3), seed=3)
+    C = random_symmetric(100, torch.tensor([1.0, 1.0, 2.0, 5.0] * 25, dtype=torch.float64),
+                         seed=3)  # three distinct eigenvalues: a breakdown after 3 products
+    v0 = torch.randn(100, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    cases = [  # (operator, keyword arguments)
+        (lambda v: B @ v, dict(dim=150, tol=1e-8, max_iter=150, dtype=torch.float64)),
+        (lambda v: B.float() @ v, dict(dim=150, tol=1e-3, max_iter=150)),
+        (lambda v: C @ v, dict(v0=v0, tol=1e-12)),  # warm start: breakdown, restart
+        (lambda v: A @ v, dict(dim=dim, tol=1e-14, dtype=torch.float64)),  # stops at D
+        (lambda v: B @ v, dict(dim=150, tol=1e-12, max_iter=9, dtype=torch.float64)),
+        (lambda v: v * float("nan"), dict(dim=5)),
+    ]
+    for matvec, kwargs in cases:
+        calls = []
+
+        def counted(v, matvec=matvec, calls=calls):
+            calls.append(1)
+            return matvec(v)
+
+        one = lanczos_max_eigenvalue(matvec, generator=torch.Generator().manual_seed(0),
+                                     check_every=1, **kwargs)
+        few = lanczos_max_eigenvalue(counted, generator=torch.Generator().manual_seed(0),
+                                     check_every=check_every, **kwargs)
+        assert one.discarded == 0 and len(calls) == few.num_matvecs + few.discarded
+        assert few.num_matvecs == one.num_matvecs and few.converged == one.converged
+        assert few.discarded < check_every * (1 + (kwargs.get("v0") is not None))
+        if one.value != one.value:
+            assert few.value != few.value
+            continue
+        assert (few.value, few.second, few.rel_error) == (one.value, one.second, one.rel_error)
+        assert torch.equal(few.vector, one.vector)
 
 
 def test_non_finite_operator_gives_nan():

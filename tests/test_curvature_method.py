@@ -1,7 +1,7 @@
 """Curvature instruments say what they computed: the exact Hessian diagonal through LayerNorm,
 RMSNorm and smooth activations against dense float64 Hessians (torch.func.hessian); the
 method in the notes and the run log; one warning when ``auto`` falls back; standard errors
-beside stochastic values; the view's "Tr(GGN)" label; no curvature work at non-finite steps.
+beside stochastic values; the view's "Tr(GGN)" label; NaN and a note at non-finite steps.
 """
 
 from __future__ import annotations
@@ -187,21 +187,40 @@ def test_view_labels_the_ggn_trace():
         assert ("GGN" in ax.get_title(loc="left")) is ggn
 
 
-def test_non_finite_step_computes_no_curvature():
+@pytest.mark.parametrize("curvature", ["auto", "diag_ggn_mc", "hutchinson"])
+def test_non_finite_step_gives_nan_with_a_note_and_leaves_the_next_step_alone(curvature):
+    """The finiteness of the losses is not read while the step runs: the curvature is
+    computed (or fails: MC sampling from NaN probabilities) and the value read with the
+    device flag is NaN with the note; the next, finite step equals that of a Cockpit that
+    saw a finite step instead."""
     model, x = model_of("activations")
     y = torch.randint(0, 3, (x.shape[0],))
-    x[0, 0] = math.nan
-    qs = [quantities.HessTrace(), quantities.TICTrace(), quantities.TICDiag()]
-    cockpit = Cockpit(model, qs)
-    losses = F.cross_entropy(model(x), y, reduction="none")
+    bad = x.clone()
+    bad[0, 0] = math.nan
+
+    def run(batches):
+        qs = [quantities.HessTrace(curvature=curvature), quantities.TICDiag(
+            curvature="diag_ggn_exact" if curvature == "hutchinson" else curvature)]
+        if curvature != "hutchinson":
+            qs.append(quantities.TICTrace(curvature=curvature))
+        cockpit = Cockpit(model, qs)
+        for step, inputs in enumerate(batches):
+            losses = F.cross_entropy(model(inputs), y, reduction="none")
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            model.zero_grad()
+        cockpit.close()
+        return qs, cockpit.get_output(), cockpit.get_notes()
+
     with pytest.warns(RuntimeWarning, match="non-finite"):
-        with cockpit(0, losses=losses):
-            losses.mean().backward()
-        cockpit.close()  # the step's numbers are read (and checked) here
-    out, notes = cockpit.get_output()[0], cockpit.get_notes()[0]
+        qs, out, notes = run([bad, x])
+    # Hutchinson draws its vectors at the non-finite step too; MC sampling fails before it draws
+    reference = run([x, x])[1][1] if curvature == "hutchinson" else run([x])[1][0]
     for q in qs:
-        assert math.isnan(out[q.name]) and "non-finite loss" in notes[q.name]
-        assert q.method_used is None  # nothing was resolved or computed
+        assert math.isnan(out[0][q.name]) and "non-finite loss" in notes[0][q.name]
+        assert not [k for k in out[0] if k.startswith(q.name + "/")]
+        assert math.isfinite(out[1][q.name])
+        assert out[1][q.name] == pytest.approx(reference[q.name], rel=1e-12)
 
 
 def test_ggn_recognizes_the_loss_behind_a_cast_of_the_model_output():

@@ -53,6 +53,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -68,7 +69,8 @@ class EigResult:
     Attributes:
         value: Eigenvalue estimate.
         vector: Unit-norm eigenvector estimate (dtype and device of the iteration).
-        num_matvecs: Number of operator applications used.
+        num_matvecs: Number of operator applications the result used (the Krylov
+            dimension, with the vectors of a restart).
         converged: Whether the stopping criterion was met before ``max_iter``.
         rel_error: Estimated relative error |λ_max − value| / |value| at the stop
             (Lanczos; NaN for power iteration, whose rule bounds no error).
@@ -81,6 +83,7 @@ class EigResult:
     converged: bool
     rel_error: float = math.nan
     second: float = math.nan
+    discarded: int = 0  # products computed ahead of a check and not used (Lanczos)
 
 
 def _random_vector(
@@ -142,6 +145,7 @@ def lanczos_max_eigenvalue(
     generator: torch.Generator | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    check_every: int = 4,
 ) -> EigResult:
     """Largest algebraic eigenvalue of a symmetric operator by Lanczos (eq. 26).
 
@@ -162,6 +166,12 @@ def lanczos_max_eigenvalue(
         generator: Random generator for the start vector and breakdown restarts.
         dtype, device: For a random start without ``v0`` (defaults: torch default dtype,
             CPU).
+        check_every: The coefficients α, β are read from the device in one transfer every
+            ``check_every`` products (and at the last one allowed), not after each: the
+            rule is then evaluated for each iteration in turn, exactly as if read one by
+            one, and the products computed past the stop (at most ``check_every`` − 1) are
+            discarded. The result equals that of ``check_every=1``; ``num_matvecs`` counts
+            the products computed.
 
     Returns:
         EigResult with the largest Ritz value, its unit Ritz vector, the number of
@@ -173,6 +183,8 @@ def lanczos_max_eigenvalue(
         raise ValueError("max_iter must be at least 1.")
     if not tol > 0 or atol < 0 or not 0 < miss_probability < 1:
         raise ValueError("Lanczos needs tol > 0, atol >= 0 and 0 < miss_probability < 1.")
+    if check_every < 1:
+        raise ValueError("check_every must be at least 1.")
     q, is_random = _start_vector(dim, v0, dtype, device, generator)
     dim = q.numel()
     # squared start component that a hidden eigenvector exceeds with probability 1 − δ
@@ -189,57 +201,86 @@ def lanczos_max_eigenvalue(
     alphas: list[float] = []
     betas: list[float] = []  # betas[i] couples basis[i] and basis[i + 1]
     block = 0  # first Lanczos vector of the current Krylov sequence (after a breakdown)
-    theta, second, s_top = 0.0, -math.inf, torch.ones(1, dtype=torch.float64)
+    theta, second, s_top = 0.0, -math.inf, [1.0]
     rel_error = math.inf
     num_matvecs = 0
     converged = False
+    discarded = 0
+    pending: list[tuple[Tensor, Tensor, Tensor]] = []  # (α, β, w) not yet read
 
     while num_matvecs < max_iter:
         basis.append(q)
         w = matvec(q).reshape(-1).to(q)
         num_matvecs += 1
-        alpha = torch.dot(q, w).item()
-        alphas.append(alpha)
+        alpha = torch.dot(q, w)
         w = _orthogonalize(w, basis)
-        beta = torch.linalg.vector_norm(w).item()
-        if not (math.isfinite(alpha) and math.isfinite(beta)):
-            return EigResult(math.nan, q, num_matvecs, converged=False)  # non-finite operator
-
-        T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
-        if betas:
-            off = torch.tensor(betas, dtype=torch.float64)
-            T += torch.diag(off, 1) + torch.diag(off, -1)
-        evals, evecs = torch.linalg.eigh(T)
-        theta, s_top = evals[-1].item(), evecs[:, -1]
-        second = evals[-2].item() if len(alphas) > 1 else -math.inf
-        scale = max(abs(evals[0].item()), abs(theta))  # ‖T_k‖₂, estimates ‖H‖₂
-
-        breakdown = beta <= 1e3 * eps * max(scale, 1e-300) or beta == 0.0
-        if len(basis) == dim or (breakdown and is_random):
-            converged, rel_error = True, 0.0  # invariant subspace with all of a random vector
-            break
-        if breakdown:
-            # Warm start spans an invariant subspace: continue with a random direction.
-            q = _orthogonalize(_random_vector(dim, q.dtype, q.device, generator), basis)
-            q = q / torch.linalg.vector_norm(q)
-            betas.append(0.0)
-            is_random, block = True, len(basis)
-            required = 2.0 * dim / (math.pi * miss_probability**2)
+        pending.append((alpha, torch.linalg.vector_norm(w), w))
+        if len(pending) < check_every and num_matvecs < max_iter and len(basis) < dim:
+            q = w / pending[-1][1]  # ahead of the check, which may yet discard it
             continue
-        a, b = alphas[block:], [*betas[block:], beta]
-        rel_error = _accuracy_reached(a, b, theta, atol, required)
-        if rel_error <= tol:
-            converged = True
+        first = len(basis) - len(pending)  # the basis index of pending[0]
+        read = torch.stack([x for a, b, _ in pending for x in (a, b)]).tolist()  # one read
+        restart = False
+        for i in range(len(pending)):
+            alpha, beta = read[2 * i], read[2 * i + 1]
+            alphas.append(alpha)
+            k = first + i + 1  # basis[:k] is the Krylov basis of this iteration
+            if not (math.isfinite(alpha) and math.isfinite(beta)):
+                ahead = len(pending) - i - 1
+                return EigResult(math.nan, basis[k - 1], num_matvecs - discarded - ahead,
+                                 converged=False, discarded=discarded + ahead)
+
+            evals, evecs = _tridiagonal_eigh(alphas, betas)
+            theta, s_top = float(evals[-1]), evecs[:, -1].tolist()
+            second = float(evals[-2]) if len(alphas) > 1 else -math.inf
+            scale = max(abs(float(evals[0])), abs(theta))  # ‖T_k‖₂, estimates ‖H‖₂
+
+            breakdown = beta <= 1e3 * eps * max(scale, 1e-300) or beta == 0.0
+            if k == dim or (breakdown and is_random):
+                converged, rel_error = True, 0.0  # invariant with all of a random vector
+                break
+            if breakdown:
+                # Warm start spans an invariant subspace: continue with a random direction.
+                del basis[k:]
+                q = _orthogonalize(_random_vector(dim, q.dtype, q.device, generator), basis)
+                q = q / torch.linalg.vector_norm(q)
+                betas.append(0.0)
+                is_random, block = True, len(basis)
+                required = 2.0 * dim / (math.pi * miss_probability**2)
+                restart = True
+                break
+            a, b = alphas[block:], [*betas[block:], beta]
+            rel_error = _accuracy_reached(a, b, theta, atol, required)
+            if rel_error <= tol:
+                converged = True
+                break
+            betas.append(beta)
+        else:
+            q = pending[-1][2] / read[-1]
+        discarded += len(pending) - (k - first)
+        if converged:
+            del basis[k:]
             break
-        q = w / beta
-        betas.append(beta)
+        pending = []
+        if restart:
+            continue
 
     ritz = torch.zeros_like(basis[0])
-    for coefficient, q in zip(s_top.tolist(), basis, strict=True):
+    for coefficient, q in zip(s_top, basis, strict=True):
         ritz.add_(q, alpha=coefficient)
     ritz = ritz / torch.linalg.vector_norm(ritz)
-    return EigResult(value=theta, vector=ritz, num_matvecs=num_matvecs, converged=converged,
-                     rel_error=rel_error, second=second)
+    return EigResult(value=theta, vector=ritz, num_matvecs=num_matvecs - discarded,
+                     converged=converged, rel_error=rel_error, second=second,
+                     discarded=discarded)
+
+
+def _tridiagonal_eigh(alphas: list[float], betas: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Eigenvalues (ascending) and eigenvectors of T = tridiag(β, α, β), on the host."""
+    T = np.diag(np.asarray(alphas, dtype=np.float64))
+    if betas:
+        off = np.asarray(betas[: len(alphas) - 1], dtype=np.float64)
+        T += np.diag(off, 1) + np.diag(off, -1)
+    return np.linalg.eigh(T)
 
 
 def _krylov_weight(alphas: list[float], betas: list[float], x: float) -> float:

@@ -21,9 +21,10 @@ no decision from the data:
 * the individual gradients of a Linear layer, δ_n a_nᵀ, are formed in chunks of at most
   2^24 products (the same products fl(δ·a) the CPU path bins).
 
-:func:`device_path` tells the histogram functions to take this path: on every device but
-the CPU, and on the CPU inside :func:`forced` (tests: the counts must equal the CPU path's,
-and the host-sync count of a CPU step then predicts the GPU's).
+:func:`device_path` tells the histogram functions (and other choices made per device, such
+as the squared norms of :func:`cockpit.quantities.base.sq_norms`) to take this path: on
+every device but the CPU, and on the CPU inside :func:`forced` (tests: the counts must
+equal the CPU path's, and the host-sync count of a CPU step then predicts the GPU's).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class Readout:
         tensors = []
         for later in pending:
             self._tasks.append((later, self._count + len(tensors)))
-            tensors.extend(t.detach() for t in later.tensors)
+            tensors.extend(t.detach() if t.requires_grad else t for t in later.tensors)
         self._count += len(tensors)
         by_device: dict[torch.device, list[Tensor]] = {}
         for t in tensors:
@@ -103,7 +103,8 @@ class Readout:
             device = group[0].device
             flat = torch.empty(sum(t.numel() for t in group), dtype=torch.float64,
                                device=device)
-            torch.cat([t.reshape(-1) for t in group], out=flat)  # exact in float64
+            # exact in float64; a 1-d tensor needs no view (each is host work on a GPU)
+            torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in group], out=flat)
             if device.type == "cuda":
                 host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
                 host.copy_(flat, non_blocking=True)

@@ -392,11 +392,8 @@ def sgd_update_basis(
         buffer = (optimizer.state.get(param) or {}).get("momentum_buffer")
         if group["momentum"] != 0 and buffer is not None:
             rows.append(buffer)
-    basis = torch.empty((len(rows), *param.shape), dtype=param.dtype, device=param.device)
     with torch.no_grad():
-        for row, tensor in zip(basis, rows, strict=True):
-            row.copy_(tensor.detach())
-    return basis
+        return torch.stack([r.to(param.dtype) for r in rows])  # one copy kernel for all
 
 
 def previous_update_replaces_buffer(optimizer: Optimizer, param: Tensor) -> bool:
@@ -499,14 +496,15 @@ class BasisFits:
             offset += k * k + k
             if not np.isfinite(system).all():
                 continue  # no fit exists: None
-            gram = torch.from_numpy(system[: k * k].reshape(k, k).copy())
-            rhs = torch.from_numpy(system[k * k :].copy())
-            coefficients = torch.linalg.lstsq(gram, rhs.unsqueeze(1), driver="gelsd").solution[:, 0]
-            solved.append((index, vectors, target, tolerance, coefficients))
+            # least squares by LAPACK's gelsd (SVD), on the host copy
+            coefficients = np.linalg.lstsq(system[: k * k].reshape(k, k), system[k * k :],
+                                           rcond=None)[0]
+            solved.append((index, vectors, target, tolerance, torch.from_numpy(coefficients)))
         if not solved:
             return []
         device = solved[0][2].device
-        on_device = to_device(torch.cat([c for *_, c in solved]), device)
+        on_device = to_device(torch.from_numpy(np.concatenate([c.numpy() for *_, c in solved])),
+                              device)
         norms, offset = [], 0
         for _, vectors, target, _, coefficients in solved:
             c = on_device[offset : offset + coefficients.numel()].to(target.dtype)

@@ -32,6 +32,9 @@ class Workspace:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
         self._taken = 0  # counts requests, to tell whether a taken view is still valid
         self._last: dict[tuple[str, torch.dtype, torch.device], int] = {}
+        # the views handed out, by (key, shape): a repeated request makes no new view (on a
+        # GPU each view is host work per layer and step)
+        self._views: dict[tuple, Tensor] = {}
 
     def take(self, purpose: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
              device: torch.device) -> tuple[Tensor, tuple]:
@@ -45,9 +48,15 @@ class Workspace:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             self._buffers.pop(key, None)  # free the old buffer before allocating the new
+            self._views = {k: v for k, v in self._views.items() if k[0] != key}
             buffer = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[key] = buffer
-        return buffer[:numel].view(shape), (key, self._taken)
+        shape = tuple(shape)
+        view = self._views.get((key, shape))
+        if (view is None or view.shape != shape or view.storage_offset() != 0
+                or not view.is_contiguous() or view.data_ptr() != buffer.data_ptr()):
+            view = self._views[(key, shape)] = buffer[:numel].view(shape)
+        return view, (key, self._taken)
 
     def valid(self, ticket: tuple) -> bool:
         """Whether the tensor taken with ``ticket`` still holds what was written to it."""
@@ -57,6 +66,7 @@ class Workspace:
     def release(self) -> None:
         self._buffers.clear()
         self._last.clear()
+        self._views.clear()
 
     @property
     def nbytes(self) -> int:

@@ -296,17 +296,13 @@ class Alpha(Quantity):
                     "optimizer's state or hyperparameters changed behind its back, or the "
                     "gradient changed after the `with` block, e.g. all-reduced after it)"
                 )
-            total = None
-            device = state.projections[names[0]].device if names else None
-            on_device = (up.to_device(torch.cat(coefficients).double(), device)
-                         if names else None)
-            offset = 0
-            for k, c in zip(names, coefficients, strict=True):
-                projection = state.projections[k].double()
-                dots = (on_device[offset : offset + c.numel(), None] * projection).sum(0)
-                offset += c.numel()
-                total = dots if total is None else total + dots
-            return total, None
+            if not names:
+                return None, None
+            device = state.projections[names[0]].device
+            on_device = up.to_device(torch.cat(coefficients).double(), device)
+            # Σ_k Σ_r c_{k,r} P_{k,r,n}: every tensor's rows stacked, one product
+            rows = torch.cat([state.projections[k].to(device) for k in names]).double()
+            return on_device @ rows, None
         kappa = up.match_update(
             [state.basis[k][0] for k in names], [update[k] for k in names], self.rtol,
             math.sqrt(sum(v * v for v in noise.values())),
@@ -338,7 +334,8 @@ class Alpha(Quantity):
             data.late_notes.setdefault(state.step, {})["Alpha"] = f"not computed: {reason}"
             return
         length = state.direction_length
-        dots = sum(p[0].double() for p in projections.values())
+        dots = (torch.stack([p[0] for p in projections.values()]).double().sum(0)
+                if projections else 0)
         loss = batch_mean_var(data.losses)
         slope = batch_mean_var(dots / length) if length > 0 else _no_slope(loss.device)
         obs1 = torch.cat([loss, slope.to(loss.device)])

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from cockpit.engine import histogram_device
 from cockpit.engine.histogram import AutoRange, BinSpec
 from cockpit.engine.readout import Later
 from cockpit.engine.statistics import BackwardStatistics
@@ -133,12 +134,13 @@ def sq_norm(x: Tensor) -> float:
 
 def sq_norms(tensors: list[Tensor]) -> Tensor:
     """‖x‖² of every tensor as one float64 vector on their device. On a CPU one BLAS dot
-    product per tensor in its dtype (as fast as reading it once); elsewhere one fused norm
-    kernel for all (``torch._foreach_norm``), squared in float64."""
+    product per tensor in its dtype (as fast as reading it once); elsewhere (and on the CPU
+    under :func:`cockpit.engine.histogram_device.forced`) one fused norm kernel for all
+    (``torch._foreach_norm``), squared in float64."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
     with torch.no_grad():
-        if tensors[0].device.type == "cpu":
+        if not histogram_device.device_path(tensors[0].device):
             return torch.stack([sq_norm_tensor(t) for t in tensors]).double()
         return stacked_sq(torch._foreach_norm(tensors))
 

@@ -30,6 +30,7 @@ from cockpit.curvature.diagonal import (
     diagonal_replicates,
     resolve_method,
 )
+from cockpit.engine.readout import Later, Noted
 from cockpit.quantities.base import Quantity, StepData
 from cockpit.schedules import Schedule
 
@@ -72,7 +73,8 @@ class DiagonalCurvatureQuantity(Quantity):
         self._warned = False
         self._replicate_step: int | None = None
         self._replicates: list[dict[str, Tensor]] = []
-        self._nonfinite = False
+        self._nonfinite = False  # known on the host: the computation failed on it
+        self._finite: Tensor | None = None  # isfinite(losses).all() of the step, on the device
         self.sample_sum_keys = (
             f"diagonal/{curvature}/{self.fallback}/{loss}/{mc_samples}/{mc_threshold}/"
             f"{max_backprops}",)
@@ -80,17 +82,22 @@ class DiagonalCurvatureQuantity(Quantity):
     def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
         if self._replicate_step != step:  # the first backward pass of a new step
             self._replicate_step, self._replicates, self._nonfinite = step, [], False
-        if losses is None:
+            self._finite = None
+        if losses is None or self._nonfinite:
             return
-        if not bool(torch.isfinite(losses.detach()).all()):
-            self._nonfinite = True
-            return
+        finite = torch.isfinite(losses.detach()).all()
+        self._finite = finite if self._finite is None else self._finite & finite
         method, reason = resolve_method(self.curvature, tracker, self.mc_threshold,
                                         self.max_backprops, self.fallback)
         try:
             replicates = self._shared(method, tracker, losses)
-        except RuntimeError as error:  # e.g. a kernel without double backward
-            if self.curvature != "auto" or method != "hutchinson":
+        except Exception as error:
+            if not bool(finite):  # e.g. sampling from NaN probabilities: read only here
+                self._nonfinite = True
+                return
+            # e.g. a kernel without double backward
+            if (not isinstance(error, RuntimeError) or self.curvature != "auto"
+                    or method != "hutchinson"):
                 raise
             method, reason = resolve_method("auto", tracker, self.mc_threshold,
                                             self.max_backprops, "ggn")
@@ -133,12 +140,39 @@ class DiagonalCurvatureQuantity(Quantity):
 
     # ------------------------------------------------------------------ for compute()
     def skip_non_finite(self, data: StepData) -> bool:
-        """At a step with a non-finite loss no curvature is computed: note it."""
-        nonfinite = self._nonfinite or (
-            data.losses is not None and not bool(torch.isfinite(data.losses).all()))
+        """Whether the step's loss is non-finite (read on the host; noted if so)."""
+        flag = self.finite_flag(data)
+        nonfinite = not bool(flag)
         if nonfinite:
             data.notes[self.name] = NON_FINITE
         return nonfinite
+
+    def finite_flag(self, data: StepData) -> Tensor | bool:
+        """isfinite of every loss of the step: a 0-dim device tensor, read with the value;
+        False where the step is known on the host to be non-finite (then noted), True where
+        no loss was seen."""
+        if self._nonfinite:
+            data.notes[self.name] = NON_FINITE
+            return False
+        flag = self._finite
+        if data.losses is not None:
+            finite = torch.isfinite(data.losses.detach()).all()
+            flag = finite if flag is None else flag & finite.to(flag.device)
+        return True if flag is None else flag
+
+    def later_if_finite(self, flag: Tensor | bool, values, *tensors: Tensor) -> Later:
+        """``Later(values, *tensors)``, whose value is NaN with the non-finite note where the
+        device flag of :meth:`finite_flag` reads False."""
+        if not isinstance(flag, Tensor):
+            return Later(values, *tensors, name=self.name)
+        name = self.name
+
+        def checked(finite, *arrays):
+            if not finite:
+                return Noted({name: math.nan}, {name: NON_FINITE})
+            return values(*arrays)
+
+        return Later(checked, flag, *tensors, name=name)
 
     def take_diagonal(self, data) -> dict[str, Tensor]:
         """diag(curvature) of the step's mean loss, from the step's statistics."""

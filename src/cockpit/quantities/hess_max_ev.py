@@ -12,8 +12,11 @@ is deterministic given the seed).
 What the solver did is recorded beside the value, never as an instrument of its own: the
 step's note says how many Hessian-vector products were spent and which relative accuracy
 was reached, and :attr:`HessMaxEV.solver` keeps the same per step as numbers
-(``{step: {"num_hvp", "rel_error", "converged"}}``). At a step with a non-finite loss no
-product is computed: the value is NaN with the note saying why.
+(``{step: {"num_hvp", "rel_error", "converged", "discarded_hvp"}}``; the iteration reads
+its coefficients from the device once per ``check_every`` = 4 products, so up to 3 products
+past the stop are computed and discarded). At a step with a non-finite loss the
+first products are not finite and the run stops at Lanczos's first read: the value is NaN
+with the note saying why (the losses are read only then).
 
 ``per_parameter=True`` also records λ_max of each parameter tensor's diagonal block H_θθ of
 the Hessian as ``"HessMaxEV/<parameter>"`` (one Lanczos run with the same stopping rule per
@@ -37,7 +40,7 @@ from cockpit.curvature.lanczos import EigResult, lanczos_max_eigenvalue
 from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.schedules import Schedule
 
-NON_FINITE = "non-finite loss at this step: no Hessian-vector products were computed"
+NON_FINITE = "non-finite loss at this step: the Hessian-vector products were not finite"
 
 
 class HessMaxEV(Quantity):
@@ -72,9 +75,6 @@ class HessMaxEV(Quantity):
         self._result, self._skipped, self._blocks = None, None, {}
         if losses is None or tracker.request.split:
             return
-        if not bool(torch.isfinite(losses.detach()).all()):
-            self._skipped = NON_FINITE
-            return
         hvp = hessian_vector_product(tracker, losses, tracker.params)
         v0 = self._vector if self.warm_start else None
         if v0 is not None and v0.numel() != hvp.dim:
@@ -84,6 +84,10 @@ class HessMaxEV(Quantity):
                 hvp.matvec, hvp.dim, v0=v0, tol=self.tol, max_iter=self.max_iter,
                 miss_probability=self.miss_probability, generator=self.generator,
             )
+        if not math.isfinite(self._result.value) and not bool(
+                torch.isfinite(losses.detach()).all()):  # read only after a failed run
+            self._result, self._skipped = None, NON_FINITE
+            return
         if self.warm_start and math.isfinite(self._result.value):
             self._vector = self._result.vector.detach()
         if self.per_parameter:
@@ -105,7 +109,8 @@ class HessMaxEV(Quantity):
             return {"HessMaxEV": None}
         self.solver[data.step] = {"num_hvp": result.num_matvecs,
                                   "rel_error": result.rel_error,
-                                  "converged": result.converged}
+                                  "converged": result.converged,
+                                  "discarded_hvp": result.discarded}
         if not math.isfinite(result.value):
             data.notes["HessMaxEV"] = (
                 f"a Hessian-vector product was not finite (after {result.num_matvecs})")

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from cockpit.curvature.diagonal import GGN
-from cockpit.engine.readout import Later, Noted
+from cockpit.engine.readout import Noted
 from cockpit.quantities.base import StepData, Values, global_and_per_param
 from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity, standard_error
 
@@ -28,7 +28,8 @@ class HessTrace(DiagonalCurvatureQuantity):
     fallback = "hutchinson"
 
     def compute(self, data: StepData) -> Values:
-        if self.skip_non_finite(data):
+        finite = self.finite_flag(data)
+        if finite is False:
             return {"HessTrace": math.nan}
         diagonal = self.take_diagonal(data)
         names = list(diagonal)
@@ -47,7 +48,7 @@ class HessTrace(DiagonalCurvatureQuantity):
                 out["HessTrace.ggn"] = 1.0
             return Noted(out, {"HessTrace": self.describe(data, "HessTrace", stderr)})
 
-        return Later(values, *sums, name="HessTrace")
+        return self.later_if_finite(finite, values, *sums)
 
 
 def _sums(diagonal: dict[str, Tensor]) -> Tensor:

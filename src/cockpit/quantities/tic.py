@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from cockpit.engine.readout import Later, Noted
+from cockpit.engine.readout import Noted
 from cockpit.engine.tracker import SQ_NORMS, SUM_SQ
 from cockpit.quantities.base import StepData, Value, Values, to_float
 from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity, standard_error
@@ -39,7 +39,8 @@ class TICDiag(_TIC):
     needs = frozenset({SUM_SQ})
 
     def compute(self, data: StepData) -> Values:
-        if self.skip_non_finite(data):
+        finite = self.finite_flag(data)
+        if finite is False:
             return {"TICDiag": math.nan}
         diagonal = self.take_diagonal(data)
         stats = data.stats
@@ -68,7 +69,7 @@ class TICDiag(_TIC):
                 out["TICDiag.stderr"] = stderr
             return Noted(out, {"TICDiag": self.describe(data, "TICDiag", stderr)})
 
-        return Later(values, *parts, name="TICDiag")
+        return self.later_if_finite(finite, values, *parts)
 
 
 class TICTrace(_TIC):
