@@ -250,7 +250,7 @@ def test_update_ratio_names_a_layer_far_from_the_others_or_far_above_1e_3():
                 **{f"UpdateRatio/{k}.weight": (lambda s, f=f: f * 1e-2 * rng.uniform(0.7, 1.4))
                    for k, f in scale.items()}}
 
-    (finding,) = [f for f in diagnose(_series(**ratios(a=1.0, b=8.0, c=1.5, d=0.5)))
+    (finding,) = [f for f in diagnose(_series(**ratios(a=1.0, b=40.0, c=1.5, d=0.5)))
                   if f.code == "update_ratio"]
     assert finding.parameters == ("b.weight",) and "faster" in str(finding)
     (finding,) = [f for f in diagnose(_series(**ratios(a=1.0, b=0.02, c=1.0)))

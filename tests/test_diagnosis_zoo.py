@@ -31,7 +31,7 @@ QUICK = [
     "deep sigmoid MLP (8 layers), digits, SGD",
     "70 % of a ReLU layer's units dead (bias −100), digits",
     "no zero_grad(), digits MLP, SGD",
-    "one layer at 100× the learning rate, digits MLP, Adam",
+    "one layer at 100× the learning rate, digits CNN, SGD momentum",
 ]
 
 

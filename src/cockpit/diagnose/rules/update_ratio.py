@@ -5,8 +5,10 @@ than the rest of the model (e.g. a wrong learning rate in its parameter group).
 Per step, each weight tensor's ratio is divided by the median ratio of the model's other
 weight tensors; a layer is named when that quotient stays at or above
 ``UPDATE_RATIO_FASTER`` (or at or below 1/``UPDATE_RATIO_SLOWER``) at most steps after the
-warm-up, or when its own ratio stays above ``UPDATE_RATIO_HUGE``. Zero ratios are left to
-``frozen_parameters``.
+warm-up, or when its own ratio stays above ``UPDATE_RATIO_HUGE``. The comparison needs
+``UPDATE_RATIO_MIN_OTHERS`` other weight tensors (with one, a healthy last layer of a
+two-layer network already moves several times as fast as the first). Zero ratios are left
+to ``frozen_parameters``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def check(record: RunRecord) -> list[Finding]:
         own = table[:, j]
         others = np.delete(table, j, axis=1)
         relative = np.full_like(own, np.nan)
-        if others.shape[1]:
+        if others.shape[1] >= T.UPDATE_RATIO_MIN_OTHERS:
             with warnings.catch_warnings():  # steps where no other layer has a ratio
                 warnings.simplefilter("ignore", RuntimeWarning)
                 relative = own / np.nanmedian(others, axis=1)
