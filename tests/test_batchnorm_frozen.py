@@ -6,6 +6,7 @@ the batch's), and the instruments computed from them."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -88,7 +89,8 @@ def test_individual_gradients_and_instruments_match_the_frozen_reference(make, t
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cockpit = Cockpit(model, [quantities.GradNorm(), quantities.NormTest(),
                               quantities.InnerTest(), quantities.OrthoTest(),
-                              quantities.GradHist1d(), probe],
+                              quantities.GradHist1d(), quantities.GradientNoiseScale(),
+                              probe],
                       optimizer=opt, batchnorm=FROZEN_STATISTICS, strict=True, logdir=tmp_path)
     losses = loss_fn(model(x), y)
     with cockpit(0, losses=losses):
@@ -113,6 +115,14 @@ def test_individual_gradients_and_instruments_match_the_frozen_reference(make, t
     for name in ("NormTest", "InnerTest", "OrthoTest"):
         assert rel_close(out[name], expected[name], 1e-9), name
         assert notes[name] == APPROXIMATION
+    # the noise scale of the same vectors: tr(Σ)/‖G‖² with ḡ their own mean
+    n, mean_sq = G.shape[0], G.mean(0).pow(2).sum().item()
+    trace = (G.pow(2).sum().item() - n * mean_sq) / (n - 1)
+    signal = mean_sq - trace / n
+    if signal > 0:
+        assert rel_close(out["GradientNoiseScale"], trace / signal, 1e-9)
+    else:  # no finite noise scale fits the batch
+        assert math.isnan(out["GradientNoiseScale"])
     edges = out["GradHist1d"]["edges"]
     spec = (edges[0], edges[-1], len(edges) - 1)  # the range set from this step's elements
     assert same_histogram(out["GradHist1d"]["counts"], G, *spec)

@@ -38,6 +38,7 @@ import torch
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.tracker import SQ_NORMS
 from cockpit.quantities.base import Quantity, StepData, Value, Values
+from cockpit.quantities.gradient_tests import batch_gradient_sq_norms, sq_norm_sums
 from cockpit.schedules import Schedule
 
 TOTAL = ""  # key of the sums over all parameters in the moving averages
@@ -69,14 +70,12 @@ class GradientNoiseScale(Quantity):
         if n < 2:
             data.notes[name] = "undefined for a batch of one sample (tr(Σ) divides by |B| − 1)"
             return {name: None}
-        names = [k for k in stats.sq_norms if k in data.batch_grads]
-        position = {k: i for i, k in enumerate(data.batch_grads)}
-        rows = [position[k] for k in names]
-        # the per-parameter sums S_k (float64) and ‖ḡ_k‖², read with the step's other values
-        S_all = (torch.stack([stats.sq_norms[k].double().sum() for k in names]) if names
+        # NormTest's S_k and ‖ḡ_k‖² (the same tensors), read with the step's other values
+        names, rows, G_all = batch_gradient_sq_norms(data, stats.sq_norms)
+        S_all = (sq_norm_sums(data, names) if names
                  else torch.zeros(0, dtype=torch.float64))
-        return Later(lambda S_host, G_all: self._values(n, names, rows, S_host, G_all),
-                     S_all, data.grad_sq_norms(), name=name)
+        return Later(lambda S_host, G_host: self._values(n, names, rows, S_host, G_host),
+                     S_all, G_all, name=name)
 
     def _values(self, n: int, names: list[str], rows: list[int], S_host, G_all) -> Noted:
         """The step's ratios and the moving averages (updated here, in step order)."""

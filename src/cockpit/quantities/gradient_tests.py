@@ -54,20 +54,11 @@ def compute_test(
     if n < 2:
         data.notes[name] = "undefined for a batch of one sample (divides by |B| − 1)"
         return {name: None}
-    # with BatchNorm's statistics frozen, g_B is the mean of those individual gradients
-    own_sums = stats.sample_sums.get(SAMPLE_GRAD_SUM)
     per_sample = stats.sq_norms if SQ_NORMS in needs else stats.gram_mean
-    names = [k for k in per_sample if k in data.batch_grads
-             and (own_sums is None or k in own_sums)]
-    if own_sums is None:
-        position = {k: i for i, k in enumerate(data.batch_grads)}
-        rows = [position[k] for k in names]
-        tensors = [data.grad_sq_norms()]
-    else:
-        rows = list(range(len(names)))
-        tensors = [sq_norms([own_sums[k] for k in names]) / n**2]
+    names, rows, G_all = batch_gradient_sq_norms(data, per_sample)
+    tensors = [G_all]
     if SQ_NORMS in needs:
-        tensors.append(_cached(data, ("S", *names), lambda: _row_sums(stats.sq_norms, names)))
+        tensors.append(sq_norm_sums(data, names))
     if GRAM_MEAN in needs:
         tensors.extend(_cached(data, ("D2", *names), lambda: _d2(stats.gram_mean, names)))
 
@@ -91,6 +82,33 @@ def compute_test(
         return Noted(out, notes)
 
     return Later(values, *tensors, name=name)
+
+
+def batch_gradient_sq_norms(data: StepData, per_sample: dict[str, Tensor]
+                            ) -> tuple[list[str], list[int], Tensor]:
+    """The parameters with individual statistics in ``per_sample`` and a batch gradient,
+    and G_k = ‖g_B,k‖² on the device: ``(names, rows, G)`` with G_k = ``G[rows[i]]``.
+    g_B is the batch gradient, or with BatchNorm's statistics frozen the mean of those
+    individual gradients (so that S, G and d_n describe one set of vectors)."""
+    stats = data.stats
+    assert stats is not None
+    own_sums = stats.sample_sums.get(SAMPLE_GRAD_SUM)
+    names = [k for k in per_sample if k in data.batch_grads
+             and (own_sums is None or k in own_sums)]
+    if own_sums is None:
+        position = {k: i for i, k in enumerate(data.batch_grads)}
+        return names, [position[k] for k in names], data.grad_sq_norms()
+    n = stats.num_samples
+    return (names, list(range(len(names))),
+            sq_norms([own_sums[k] for k in names]) / n**2)
+
+
+def sq_norm_sums(data: StepData, names: list[str]) -> Tensor:
+    """S_k = Σ_n ‖g_{n,k}‖² per parameter in ``names``, float64 on the device (formed once
+    per step for every instrument that reads it)."""
+    stats = data.stats
+    assert stats is not None
+    return _cached(data, ("S", *names), lambda: _row_sums(stats.sq_norms, names))
 
 
 def _cached(data: StepData, key: tuple, make: Callable):
