@@ -20,45 +20,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cockpit.curvature.diagonal import hessian_vector_product
 from cockpit.curvature.slq import lanczos_quadrature
-from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.quantities.base import StepData, Value
+from cockpit.quantities.hessian_operator import HessianOperatorQuantity
 from cockpit.schedules import Schedule
 
 
-class HessDensity(Quantity):
-    whole_batch_graph = True
-
+class HessDensity(HessianOperatorQuantity):
     def __init__(self, schedule: Schedule | int | None = None, *, probes: int = 16,
                  steps: int = 32, seed: int = 0):
-        super().__init__(schedule)
+        super().__init__(schedule, seed=seed)
         if probes < 1 or steps < 1:
             raise ValueError(f"HessDensity needs probes ≥ 1 and steps ≥ 1, got probes={probes}, "
                              f"steps={steps}")
         self.probes, self.steps = probes, steps
-        self.generator = torch.Generator().manual_seed(seed)
-        self._result: tuple[Tensor, Tensor] | None = None
-        self._skipped: str | None = None
 
-    def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
-        self._result, self._skipped = None, None
-        if losses is None or tracker.request.split:
-            return
-        if not bool(torch.isfinite(losses.detach()).all()):
-            self._skipped = "non-finite loss at this step: no Hessian-vector products"
-            return
-        hvp = hessian_vector_product(tracker, losses, tracker.params)
-        first = next(iter(tracker.params.values()))
-        with tracker.suspended():
-            self._result = lanczos_quadrature(
-                hvp.matvec, hvp.dim, probes=self.probes, steps=self.steps,
-                generator=self.generator, dtype=first.dtype, device=first.device)
+    def solve(self, matvec, dim, dtype, device) -> tuple[Tensor, Tensor]:
+        return lanczos_quadrature(matvec, dim, probes=self.probes, steps=self.steps,
+                                  generator=self.generator, dtype=dtype, device=device)
 
     def compute(self, data: StepData) -> dict[str, Value]:
-        result, self._result = self._result, None
-        skipped, self._skipped = self._skipped, None
-        if skipped is not None or result is None:
-            data.notes["HessDensity"] = skipped or "not computed (no individual losses)"
+        result = self.take_result(data)
+        if result is None:
             return {"HessDensity": None}
         nodes, weights = result
         if not bool(torch.isfinite(nodes).all()):

@@ -15,54 +15,34 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
-from torch import Tensor
 
-from cockpit.curvature.diagonal import hessian_vector_product
 from cockpit.curvature.top_eigenvalues import TopEigenvalues, top_eigenvalues
-from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.quantities.base import StepData, Value
+from cockpit.quantities.hessian_operator import HessianOperatorQuantity
 from cockpit.schedules import Schedule
 
 
-class HessTopEV(Quantity):
-    whole_batch_graph = True
-
+class HessTopEV(HessianOperatorQuantity):
     def __init__(self, schedule: Schedule | int | None = None, *, k: int = 3,
                  tol: float = 1e-3, max_iter: int = 100, miss_probability: float = 1e-3,
                  seed: int = 0):
-        super().__init__(schedule)
+        super().__init__(schedule, seed=seed)
         if k < 1 or not tol > 0 or max_iter < 1 or not 0 < miss_probability < 1:
             raise ValueError("HessTopEV needs k >= 1, tol > 0, max_iter >= 1 and "
                              f"0 < miss_probability < 1 (got k={k}, tol={tol})")
         self.k, self.tol, self.max_iter = k, tol, max_iter
         self.miss_probability = miss_probability
-        self.generator = torch.Generator().manual_seed(seed)
-        self._result: TopEigenvalues | None = None
-        self._skipped: str | None = None
 
-    def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
-        self._result, self._skipped = None, None
-        if losses is None or tracker.request.split:
-            return
-        if not bool(torch.isfinite(losses.detach()).all()):
-            self._skipped = "non-finite loss at this step: no Hessian-vector products"
-            return
-        hvp = hessian_vector_product(tracker, losses, tracker.params)
-        if self.k > hvp.dim:
-            self._skipped = f"k={self.k} exceeds the number of parameters ({hvp.dim})"
-            return
-        first = next(iter(tracker.params.values()))
-        with tracker.suspended():
-            self._result = top_eigenvalues(
-                hvp.matvec, hvp.dim, self.k, tol=self.tol, max_iter=self.max_iter,
-                miss_probability=self.miss_probability, generator=self.generator,
-                dtype=first.dtype, device=first.device)
+    def solve(self, matvec, dim, dtype, device) -> TopEigenvalues | str:
+        if self.k > dim:
+            return f"k={self.k} exceeds the number of parameters ({dim})"
+        return top_eigenvalues(matvec, dim, self.k, tol=self.tol, max_iter=self.max_iter,
+                               miss_probability=self.miss_probability,
+                               generator=self.generator, dtype=dtype, device=device)
 
     def compute(self, data: StepData) -> dict[str, Value]:
-        result, self._result = self._result, None
-        skipped, self._skipped = self._skipped, None
-        if skipped is not None or result is None:
-            data.notes["HessTopEV"] = skipped or "not computed (no individual losses)"
+        result = self.take_result(data)
+        if result is None:
             return {"HessTopEV": None}
         values, upper = np.asarray(result.values), np.asarray(result.upper)
         if not np.isfinite(values).all():
