@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from _common import timed
+from cockpit.benchmark.problems.paper_models import BUILDERS, synthetic_batches
 from cockpit.engine.rules.conv import ConvSampleGrads, _explicit_padding
 from cockpit.engine.sample_grads import OuterSampleGrads
 from cockpit.engine.update_prediction import fit_basis_coefficients
-from cockpit.problems.deepobs import BUILDERS, synthetic_batches
 
 
 def best_of(fn, repeats: int = 7) -> float:

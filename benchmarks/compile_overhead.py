@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from cockpit import Cockpit, configuration
-from cockpit.problems.deepobs import BUILDERS, synthetic_batches
+from cockpit.benchmark.problems.paper_models import BUILDERS, synthetic_batches
 from cockpit.schedules import every
 
 

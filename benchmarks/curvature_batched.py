@@ -69,7 +69,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for problem in args.problems:
         if problem == "cifar10_3c3d":
-            from cockpit.problems.deepobs import cifar10_3c3d as make
+            from cockpit.benchmark.problems.paper_models import cifar10_3c3d as make
             classes = 10
         else:
             from cockpit.benchmark.problems.large_nets import all_cnn_c as make

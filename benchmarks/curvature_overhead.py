@@ -28,7 +28,7 @@ WORKER = r"""
 import json, resource, statistics, sys, time
 import torch, torch.nn.functional as F
 from cockpit import Cockpit, at, configuration, every, quantities
-from cockpit.problems.deepobs import BUILDERS, synthetic_batches
+from cockpit.benchmark.problems.paper_models import BUILDERS, synthetic_batches
 
 problem, config, mode = sys.argv[1:4]
 k, steps = int(sys.argv[4]), int(sys.argv[5])

@@ -28,7 +28,7 @@ import json, os, statistics, sys, time
 import torch, torch.nn.functional as F
 import torch.distributed as dist
 from cockpit import Cockpit, configuration, quantities
-from cockpit.problems.deepobs import BUILDERS, synthetic_batches
+from cockpit.benchmark.problems.paper_models import BUILDERS, synthetic_batches
 
 problem, config, steps, batch, rank, world, port, out = sys.argv[1:9]
 steps, batch, rank, world = int(steps), int(batch), int(rank), int(world)

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from cockpit import Cockpit, configuration, quantities
-from cockpit.problems.deepobs import cifar10_3c3d, synthetic_batches
-from cockpit.problems.digits import digits_cnn, load_digits_tensors, minibatches
+from cockpit.benchmark.problems.digits import digits_cnn, load_digits_tensors, minibatches
+from cockpit.benchmark.problems.paper_models import cifar10_3c3d, synthetic_batches
 
 
 def _clock(fn) -> float:

@@ -6,9 +6,10 @@ when its code is among the *warnings or errors*; a healthy run counts as clean w
 no warning or error at all.
 
 Problems: scikit-learn's digits (real 8×8 images, shipped with the package) with an MLP and
-the demo CNN; DeepOBS-shaped synthetic problems (``cockpit.problems.deepobs`` input shapes,
-standard-normal inputs) whose labels come from a fixed random linear teacher so that they can
-be learned (uniform random labels would leave a healthy run nothing to learn).
+the demo CNN; DeepOBS-shaped synthetic problems (the input shapes of
+``cockpit.benchmark.problems.paper_models``, standard-normal inputs) whose labels come from a
+fixed random linear teacher so that they can be learned (uniform random labels would leave a
+healthy run nothing to learn).
 
     python benchmarks/diagnosis.py --jobs 3       # the full zoo (2 seeds), a table at the end
     python benchmarks/diagnosis.py --seeds 1      # one seed per case (quicker)
@@ -31,8 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cockpit import Cockpit, configuration, diagnose, quantities
-from cockpit.problems.deepobs import INPUT_SHAPES
-from cockpit.problems.digits import digits_cnn, load_digits_tensors, minibatches
+from cockpit.benchmark.problems.digits import digits_cnn, load_digits_tensors, minibatches
+from cockpit.benchmark.problems.paper_models import INPUT_SHAPES
 
 STEPS = 60
 Batches = Iterator[tuple[Tensor, Tensor]]

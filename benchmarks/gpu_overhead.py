@@ -55,7 +55,7 @@ EVERY = (1, 4, 16, 64)
 def make_problem(name: str) -> tuple[Callable[[], nn.Module], tuple[int, ...], int]:
     """(model factory, input shape, number of classes)."""
     if name == "cifar10_3c3d":
-        from cockpit.problems.deepobs import cifar10_3c3d
+        from cockpit.benchmark.problems.paper_models import cifar10_3c3d
 
         return cifar10_3c3d, (3, 32, 32), 10
     if name == "cifar100_allcnnc":

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import cockpit.curvature.lanczos as lanczos_module
+from cockpit.benchmark.problems.paper_models import cifar10_3c3d
 from cockpit.curvature import HessianVectorProduct, lanczos_max_eigenvalue
-from cockpit.problems.deepobs import cifar10_3c3d
 
 
 def replay(step: int, batch_size: int = 32, seed: int = 0):

@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from cockpit.benchmark.problems.paper_models import cifar10_3c3d
 from cockpit.curvature import HessianVectorProduct, lanczos_max_eigenvalue, power_iteration
-from cockpit.problems.deepobs import cifar10_3c3d
 
 
 def relative_error(value: float, reference: float | None) -> str:

@@ -14,12 +14,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from cockpit.benchmark.problems.paper_models import cifar10_3c3d, mnist_mlp
 from cockpit.loop_checks import (
     OutsideBackwardWatch,
     gradient_mismatch,
     parameters_holding_gradient,
 )
-from cockpit.problems.deepobs import cifar10_3c3d, mnist_mlp
 
 
 def best(fn, repeats: int = 9) -> float:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from cockpit import Cockpit, configuration
-from cockpit.problems.deepobs import BUILDERS, synthetic_batches
+from cockpit.benchmark.problems.paper_models import BUILDERS, synthetic_batches
 
 NEW = ("GradientNoiseScale", "ParamNorm", "UpdateRatio")
 

@@ -44,7 +44,7 @@ WORKER = r"""
 import json, resource, statistics, sys, time
 import torch, torch.nn.functional as F
 from cockpit import Cockpit, configuration, quantities
-from cockpit.problems.deepobs import BUILDERS, synthetic_batches
+from cockpit.benchmark.problems.paper_models import BUILDERS, synthetic_batches
 
 problem, config, steps, threads, optimizer, clock, curvature = sys.argv[1:8]
 now = time.perf_counter if clock == "wall" else time.process_time

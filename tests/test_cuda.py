@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cockpit import Cockpit, configuration, quantities
-from cockpit.problems.deepobs import cifar10_3c3d
+from cockpit.benchmark.problems.paper_models import cifar10_3c3d
 
 DEVICE = "cuda"
 pytestmark = [

@@ -64,7 +64,7 @@ def _sweep(tmp_path):
 
 
 def _demo(tmp_path):
-    from cockpit.problems.digits import load_digits_tensors
+    from cockpit.benchmark.problems.digits import load_digits_tensors
 
     load_digits_tensors()
 
@@ -83,7 +83,7 @@ OPTIONAL = [
     (_parquet, ["pyarrow"], [], "Parquet export needs pyarrow", "parquet"),
     (_ray, ["ray"], [], "--executor ray needs ray", "ray"),
     (_sweep, ["optuna"], [], "cockpit bench sweep needs optuna", "bench"),
-    (_demo, ["sklearn"], [], "the demo (scikit-learn's digits data) needs sklearn", "demo"),
+    (_demo, ["sklearn"], [], "the digits data (scikit-learn's) needs sklearn", "demo"),
 ]
 
 

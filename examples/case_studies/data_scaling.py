@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import digits, element_rms, median_over_steps, outside_share, save_figures, train
 from cockpit import diagnose
-from cockpit.problems.digits import digits_cnn
+from cockpit.benchmark.problems.digits import digits_cnn
 
 COMPARE_STEPS = 10  # widths are compared over the first steps, from the same weights
 

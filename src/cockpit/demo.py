@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from cockpit import Cockpit, configuration
-from cockpit.problems.digits import digits_cnn, load_digits_tensors, minibatches
+from cockpit.benchmark.problems.digits import digits_cnn, load_digits_tensors, minibatches
 
 DESCRIPTION = """Train a small CNN on scikit-learn's digits with Cockpit attached.
 

@@ -24,12 +24,36 @@ def load_digits_arrays() -> tuple[Tensor, Tensor]:
     """All 1,797 images ``float32 [N, 1, 8, 8]`` (values 0–16) and labels ``int64``."""
     try:
         from sklearn.datasets import load_digits
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError("the digits problems need scikit-learn: pip install scikit-learn") \
-            from error
+    except ImportError as error:
+        from cockpit._extras import missing_extra
+
+        raise missing_extra(error, "sklearn", "demo", "the digits data (scikit-learn's)") \
+            from None
     bunch = load_digits()
     x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1)
     return x, torch.tensor(bunch.target, dtype=torch.long)
+
+
+def load_digits_tensors(seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The demo's data: (x_train, y_train, x_test, y_test), images [N, 1, 8, 8] standardized
+    with the mean and standard deviation of all 1,797 images, an 80/20 split shuffled with
+    ``seed`` (the test problems above split and standardize the DeepOBS way instead)."""
+    x, y = load_digits_arrays()
+    x = (x - x.mean()) / x.std()
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    split = int(0.8 * len(y))
+    train, test = order[:split], order[split:]
+    return x[train], y[train], x[test], y[test]
+
+
+def minibatches(x: Tensor, y: Tensor, batch_size: int, seed: int = 0):
+    """Endless shuffled mini-batches of (x, y), reshuffled every epoch."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(len(y), generator=generator)
+        for start in range(0, len(y) - batch_size + 1, batch_size):
+            idx = order[start:start + batch_size]
+            yield x[idx], y[idx]
 
 
 def digits_splits(data: str, data_dir, batch_size: int, seed: int, device) -> Splits:

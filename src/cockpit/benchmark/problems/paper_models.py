@@ -1,6 +1,6 @@
-"""DeepOBS architectures used by the paper's benchmarks, with synthetic data of the right
-shape. The builders live in :mod:`cockpit.benchmark.problems.small_nets`; this module keeps
-the names the benchmarks import. Complete test problems (data, loss, L2, splits):
+"""The four DeepOBS architectures of the paper's overhead measurements (Figures 6 and 7), by
+name, with endless synthetic batches of their input shapes: what the overhead benchmarks
+time. Complete test problems (real data, loss, L2, splits) are
 :func:`cockpit.benchmark.problems.get_problem`.
 """
 
