@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
-from cockpit.curvature.diag_hessian import is_activation
+from cockpit.engine.activations import is_activation
 from cockpit.engine.broadcast import BroadcastTap, consumers_of, find_paths, per_sample_delta
 from cockpit.engine.histogram import AutoRange, BinSpec, magnitude_counts
 from cockpit.engine.request import StepRequest
@@ -184,6 +184,7 @@ class ModuleTracker:
         self.strict = strict
         self.param_names = {id(p): name for name, p in model.named_parameters()}
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self.parameter_owners = {name: owner(model, name) for name in self.params}
         self.units = list(self._discover_units(model))
         self.capturing = True
         self.active = False
@@ -428,13 +429,38 @@ class ModuleTracker:
             self._weights_problem, self._weight_value = weights_problem(self._weights)
 
     @contextlib.contextmanager
-    def suspended(self):
+    def suspended(self) -> Iterator[None]:
         """Extra backward passes of Cockpit's own (curvature) leave the statistics alone."""
         previous, self._suspended = self._suspended, True
         try:
             yield
         finally:
             self._suspended = previous
+
+    @property
+    def is_suspended(self) -> bool:
+        """Whether Cockpit's own work runs inside autograd now (:meth:`suspended`)."""
+        return self._suspended
+
+    @property
+    def in_own_work(self) -> bool:
+        """Whether Cockpit's own work runs now: a rule running a module again, curvature
+        work, or one of Cockpit's backpropagations (:meth:`sum_sq_of_backprops`)."""
+        return self._suspended or self._probing
+
+    def probe_calls(self) -> list[Call]:
+        """The recorded calls whose inputs and outputs are still held (those Cockpit's own
+        backpropagations from the model output reach)."""
+        return [c for c in self._calls if c.args is not None and c.outputs]
+
+    def used_repeatedly(self, name: str) -> bool:
+        """Whether parameter ``name`` is used by several recorded calls."""
+        return name in self._multi_use
+
+    def sample_grads(self, call: Call, grads: list[Tensor]) -> dict[str, SampleGrads]:
+        """The individual gradients of ``call``'s parameters for its output gradients
+        ``grads``, by the unit's rule, keyed by global parameter names."""
+        return self._rule(call, grads)
 
     def sum_sq_of_backprops(self, output: Tensor, grad_outputs: Tensor) -> dict[str, Tensor]:
         """Σ_k Σ_n g_{n,k} ⊙ g_{n,k} per parameter, where g_{n,k} = (∂f_n/∂θ)ᵀ v_{n,k} is the
@@ -445,7 +471,7 @@ class ModuleTracker:
         loss Hessian, the result is |B| times the diagonal of the GGN of the mean loss.
         Must run before the user's backward pass (the recorded layer inputs are needed).
         """
-        calls = [c for c in self._calls if c.args is not None and c.outputs]
+        calls = self.probe_calls()
         # Ask autograd for the layers' outputs: the backward pass reaches every layer (and
         # fires the output hooks) but computes no parameter gradient and stops at the first
         # layer's output (2× faster on 3C3D: a convolution's bias gradient makes oneDNN
@@ -499,7 +525,7 @@ class ModuleTracker:
             self._fail("batchnorm='frozen_statistics' describes one backward pass per step in "
                        "one process (no gradient accumulation, no torch.distributed)")
             return
-        calls = [c for c in self._calls if c.args is not None and c.outputs]
+        calls = self.probe_calls()
         targets: dict[int, Tensor] = {}
         for c in calls:  # the layers' outputs: no parameter gradient is computed
             chosen = (c.outputs if c.outputs_unchanged()
@@ -953,6 +979,12 @@ class ModuleTracker:
         self.clear_calls()
         self.drop_spare_gradients()
         self.active = False
+
+
+def owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(the module holding parameter ``name`` of ``model``, its attribute name there)."""
+    prefix, _, attr = name.rpartition(".")
+    return model.get_submodule(prefix), attr
 
 
 def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
