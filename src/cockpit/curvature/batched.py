@@ -148,6 +148,6 @@ def _add_folded(tracker, call, delta: Tensor, totals: dict[str, Tensor],
             index = torch.arange(start, stop, device=x.device) % n
             part = dataclasses.replace(call, args=(x.index_select(0, index),),
                                        outputs=[y.index_select(0, index.to(y.device))])
-        for name, sg in tracker._rule(part, [folded[start:stop]]).items():
+        for name, sg in tracker.processor.rule(part, [folded[start:stop]]).items():
             total = sg.sum_sq()
             totals[name] = totals[name] + total if name in totals else total
