@@ -14,67 +14,58 @@ Data flow at a tracked step:
    reduced per call — ‖Σ_calls g‖² ≠ Σ_calls ‖g‖² — so their individual gradients are
    summed over calls and reduced when the backward context exits.
 
-At untracked steps the hooks return immediately and nothing is recorded.
+At untracked steps the hooks return immediately and nothing is recorded. What happens to a
+call once its output gradients arrived (step 2 from δ on, and step 3) is
+:class:`cockpit.engine.processing.CallProcessor`'s work.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence
 
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
 from cockpit.engine.activations import is_activation
 from cockpit.engine.broadcast import BroadcastTap, consumers_of, find_paths, per_sample_delta
-from cockpit.engine.histogram import AutoRange, BinSpec, magnitude_counts
+from cockpit.engine.histogram import AutoRange, BinSpec
+from cockpit.engine.processing import (
+    GRADIENT,
+    CallProcessor,
+    accumulate,
+    weights_problem,
+)
 from cockpit.engine.request import StepRequest
 from cockpit.engine.rules.batchnorm_frozen import (
     FROZEN_STATISTICS,
     FrozenStatisticsBackward,
     check_batchnorm_mode,
-    frozen_batch_norm_rule,
     is_training_batch_norm,
 )
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
-from cockpit.engine.rules.fallback import (
-    batch_dim_of,
-    fallback_rule,
-    output_batch_dims,
-    output_tensors,
-    owned_parameters,
-)
-from cockpit.engine.rules.norms import SampleMixingError, batch_norm_message, uses_batch_statistics
+from cockpit.engine.rules.fallback import output_batch_dims, output_tensors, owned_parameters
+from cockpit.engine.rules.norms import batch_norm_message, uses_batch_statistics
 from cockpit.engine.rules.registry import ATOMIC_MODULES, Rule, find_rule
-from cockpit.engine.sample_grads import (
-    _CHUNK_ELEMENTS,
-    DenseSampleGrads,
-    OuterSampleGrads,
-    SampleGrads,
-    SequenceOuterSampleGrads,
+from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.statistics import (  # noqa: F401  (the statistics' names, imported from here)
+    GRAM_MEAN,
+    HIST1D,
+    HIST2D,
+    PER_SAMPLE_STATS,
+    PROJECTIONS,
+    SAMPLE_GRAD_SUM,
+    SQ_NORMS,
+    SUM_SQ,
+    VAR_SUM,
+    BackwardStatistics,
+    GradientDots,
 )
-from cockpit.engine.statistics import BackwardStatistics, GradientDots
 
 __all__ = ["GRADIENT", "PER_SAMPLE_STATS", "BackwardStatistics", "ModuleTracker", "StepRequest"]
 
-# Names of the per-sample statistics an instrument can ask for.
-SQ_NORMS = "sq_norms"  # ‖g_n‖²                    per parameter, shape [N]
-GRAM_MEAN = "gram_mean"  # g_nᵀ ḡ                  per parameter, shape [N]
-SUM_SQ = "sum_sq"  # Σ_n g_n ⊙ g_n                 per parameter, shape of θ
-VAR_SUM = "var_sum"  # Σ_n (g_n − ḡ) ⊙ (g_n − ḡ)   per parameter, shape of θ
-HIST1D = "hist1d"  # counts of g_{n,j}            per parameter, [bins]
-HIST2D = "hist2d"  # counts of (g_{n,j}, θ_j)     per parameter, [bins_g, bins_θ]
-PROJECTIONS = "projections"  # g_nᵀ u for registered directions u, per parameter, [K, N]
-PER_SAMPLE_STATS = frozenset(
-    {SQ_NORMS, GRAM_MEAN, SUM_SQ, VAR_SUM, HIST1D, HIST2D, PROJECTIONS}
-)
-# sample_sums key of Σ_n g_n where the individual gradients do not sum to the batch gradient
-# (BatchNorm with frozen statistics): the gradient tests then use their own mean
-SAMPLE_GRAD_SUM = "sample_grad_sum"
 
 
 def network_output(output) -> Tensor | None:
@@ -139,30 +130,6 @@ class Call:
         self.outputs, self.grads = [], []
 
 
-class _Gradient:
-    """What a direction provider returns for "the gradient you gave me" (see GRADIENT)."""
-
-    def __repr__(self) -> str:
-        return "GRADIENT"
-
-
-GRADIENT = _Gradient()
-"""A direction provider may put GRADIENT into its basis instead of a copy of the gradient it
-was given: the tracker then takes g_nᵀ(gradient) from g_nᵀḡ where that is this backward's
-own gradient (a closed form for Linear layers, one shared row otherwise)."""
-
-
-def _one_chunk_at_a_time(sg: SampleGrads) -> Iterator[Tensor]:
-    """The individual gradients in sample chunks, each formed only when the previous one is
-    done with (factored layers' ``chunks()`` would form them all at once)."""
-    if isinstance(sg, OuterSampleGrads | SequenceOuterSampleGrads):
-        size = max(1, _CHUNK_ELEMENTS // max(sg.shape.numel(), 1))
-        for d, a in zip(sg.delta.split(size), sg.a.split(size), strict=True):
-            yield (d.unsqueeze(2) * a.unsqueeze(1) if isinstance(sg, OuterSampleGrads)
-                   else torch.bmm(d.transpose(1, 2), a))
-    else:
-        yield from sg.chunks()
-
 
 class ModuleTracker:
     """Installs and owns all hooks on ``model``; see the module docstring."""
@@ -192,7 +159,6 @@ class ModuleTracker:
         self.stats: BackwardStatistics | None = None
         self._calls: list[Call] = []
         self._multi_use: set[str] = set()
-        self._accumulated: dict[str, DenseSampleGrads] = {}
         self._weights: Tensor | None = None
         self._weight_value = 1.0  # float(w_n), read once per backward
         self._weights_problem: str | None = None
@@ -202,15 +168,14 @@ class ModuleTracker:
         self._probing = False  # True during Cockpit's own backprops (diagonal curvature)
         # what the instruments of the current tracked step ask of each backward pass
         self.request = StepRequest(frozenset())
-        self.kept_calls: list[Call] = []
         self._seen_grads: dict[str, Tensor] = {}
         self._pure_grads: set[str] = set()  # seen gradient = this backward's Σ_n w·g_n
         # The batch gradients of the last tracked step, reused as the copies of the next one
         # if it follows directly (a fresh parameter-sized tensor costs page faults).
         self._last_batch_grads: dict[str, Tensor] = {}
         self._spare_grads: dict[str, Tensor] = {}
-        self._pending_provided: dict[str, SampleGrads] = {}
         self.step_cache: dict = {}  # work shared by instruments within one tracked step
+        self.processor = CallProcessor(self)
         self._handles: list = []
         for unit in self.units:
             self._handles.append(
@@ -343,7 +308,6 @@ class ModuleTracker:
         self._weights = None
         self._weights_problem: str | None = None
         self.repeated_backward = False
-        self._accumulated = {}
         uses: dict[str, int] = {}
         for call in self._calls:
             for attr in call.unit.params:
@@ -353,8 +317,7 @@ class ModuleTracker:
         self._seen_grads = {}
         self._pure_grads = set()
         self._spare_grads, self._last_batch_grads = self._last_batch_grads, {}
-        self._pending_provided = {}
-        self.kept_calls = []
+        self.processor.begin()
         self.release_step_cache()
         if losses is not None and losses.grad_fn is not None and num_samples > 1:
             # also without per-sample instruments: the diagonal curvature's backprops
@@ -460,7 +423,7 @@ class ModuleTracker:
     def sample_grads(self, call: Call, grads: list[Tensor]) -> dict[str, SampleGrads]:
         """The individual gradients of ``call``'s parameters for its output gradients
         ``grads``, by the unit's rule, keyed by global parameter names."""
-        return self._rule(call, grads)
+        return self.processor.rule(call, grads)
 
     def sum_sq_of_backprops(self, output: Tensor, grad_outputs: Tensor) -> dict[str, Tensor]:
         """Σ_k Σ_n g_{n,k} ⊙ g_{n,k} per parameter, where g_{n,k} = (∂f_n/∂θ)ᵀ v_{n,k} is the
@@ -505,7 +468,7 @@ class ModuleTracker:
                         continue
                     deltas = [torch.zeros_like(o) if d is None else d
                               for d, o in zip(deltas, call.outputs, strict=True)]
-                    for name, sg in self._rule(call, deltas).items():
+                    for name, sg in self.processor.rule(call, deltas).items():
                         if name in self._multi_use:
                             accumulate(accumulated, name, sg)
                         else:
@@ -540,41 +503,22 @@ class ModuleTracker:
                 if call.args is not None and call.received > 0:
                     call.grads = [g if g is not None else torch.zeros_like(out)
                                   for g, out in zip(call.grads, call.outputs, strict=True)]
-                    self._process_guarded(call)
-            for name, grads in self._accumulated.items():
-                self._reduce_guarded(name, grads)
+                    self.processor.process_guarded(call)
+            self.processor.reduce_accumulated()
         except Exception as error:
             if self.strict:
                 raise
             self._fail(f"the backward pass with frozen BatchNorm statistics failed: {error}")
         finally:
             self._frozen_pass = self.frozen_backward.active = False
-            self._accumulated = {}
+            self.processor.accumulated = {}
             self._weights, self._weights_problem, self._weight_value = None, None, 1.0
             for call in self._calls:  # the user's backward pass only records the gradient
                 call.release()
             self._calls = []
 
-    def _rule(self, call: Call, grads: list[Tensor], scale: float = 1.0
-              ) -> dict[str, SampleGrads]:
-        """The unit's rule on one call, keyed by global parameter names. ``scale``: a factor
-        the rule applies to ``grads`` (only rules with ``takes_scale``)."""
-        unit = call.unit
-        if unit.rule is not None and len(grads) == 1:
-            rule = unit.rule
-            if (self.batchnorm == FROZEN_STATISTICS and not self._probing
-                    and is_training_batch_norm(unit.module)):
-                rule = frozen_batch_norm_rule
-            output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
-            extra = {"scale": scale} if scale != 1.0 else {}
-            args, kwargs, grads = common_precision(call.args, call.kwargs, grads)
-            sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
-        else:
-            params = unit.params if call.params is None else call.params
-            sample_grads = fallback_rule(
-                unit.module, call.args, call.kwargs, call.output_positions, grads, params
-            )
-        return {self.unit_param_name(unit, attr): sg for attr, sg in sample_grads.items()}
+    def _fail(self, message: str) -> None:
+        self.processor.fail(message)
 
     def _make_param_hook(self, name: str):
         def hook(grad: Tensor):
@@ -601,8 +545,7 @@ class ModuleTracker:
                         self._pure_grads.add(name)
                     else:
                         self._pure_grads.discard(name)
-                    if name in self._pending_provided:
-                        self._reduce_dots_guarded(name, self._pending_provided.pop(name))
+                    self.processor.gradient_arrived(name)
             return None
 
         return hook
@@ -620,7 +563,7 @@ class ModuleTracker:
             call.received += 1
             if (call.received == len(call.outputs) and not call.unit.deferred
                     and not self.request.defer):
-                self._process_guarded(call)
+                self.processor.process_guarded(call)
             return None
 
         return hook
@@ -665,7 +608,7 @@ class ModuleTracker:
             target[name] = value if name not in target else target[name] + value
 
     def take_kept_calls(self) -> list[Call]:
-        calls, self.kept_calls = self.kept_calls, []
+        calls, self.processor.kept_calls = self.processor.kept_calls, []
         return calls
 
     def project(self, calls: list[Call], directions: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -677,7 +620,7 @@ class ModuleTracker:
         out: dict[str, Tensor] = {}
         with self.suspended():
             for call in calls:
-                for name, sg in self._rule(call, call.grads).items():
+                for name, sg in self.processor.rule(call, call.grads).items():
                     if name in directions:
                         dots = sg.dots(directions[name])
                         out[name] = dots if name not in out else out[name] + dots
@@ -699,17 +642,12 @@ class ModuleTracker:
                         g if g is not None else torch.zeros_like(out)
                         for g, out in zip(call.grads, call.outputs, strict=True)
                     ]
-                    self._process_guarded(call)
-            for name, grads in self._accumulated.items():
-                self._reduce_guarded(name, grads)
-            for name, sg in self._pending_provided.items():
-                if name in self.stats.batch_grads:
-                    self._seen_grads.setdefault(name, self.stats.batch_grads[name])
-                self._reduce_dots_guarded(name, sg)
+                    self.processor.process_guarded(call)
+            self.processor.reduce_accumulated()
+            self.processor.reduce_pending()
         finally:
             self.active = False
-            self._accumulated = {}
-            self._pending_provided = {}
+            self.processor.accumulated, self.processor.pending = {}, {}
             self.release_step_cache()
             self.clear_calls()
         stats, self.stats = self.stats, None
@@ -766,201 +704,6 @@ class ModuleTracker:
         """Free the kept batch gradients (the next step is not tracked)."""
         self._spare_grads, self._last_batch_grads = {}, {}
 
-    def _fail(self, message: str) -> None:
-        assert self.stats is not None
-        if message not in self.stats.problems:
-            self.stats.problems.append(message)
-
-    def _process_guarded(self, call: Call) -> None:
-        try:
-            self._guarded(call.unit.name or type(call.unit.module).__name__, self._process, call)
-        finally:  # the call's inputs and gradients are freed inside its hook
-            call.release()
-
-    def _process(self, call: Call) -> None:
-        stats = self.stats
-        assert stats is not None
-        if not (self.needs & PER_SAMPLE_STATS) or stats.problems:
-            return
-        weights = self._weights
-        if self._weights_problem is not None:
-            self._fail(self._weights_problem)
-            return
-        if weights is None:
-            self._fail(
-                "the backpropagated loss does not depend on the `losses` passed to "
-                "cockpit(step, losses=...); pass the per-sample losses whose mean you "
-                "backpropagate"
-            )
-            return
-        tensors = [v for v in (*call.args, *call.kwargs.values()) if isinstance(v, Tensor)]
-        if [t._version for t in tensors] != call.versions:
-            raise RuntimeError(
-                "an input of this layer was modified in place after the layer used it"
-            )
-        for tap in call.taps.values():
-            if tap.problem is not None:
-                raise ValueError(tap.problem)
-        unit = call.unit
-        if unit.rule is None and len(call.outputs) > 1 and outputs_feed_each_other(call):
-            raise ValueError(
-                "one of its outputs is computed from another of its outputs; the gradient "
-                "hooks then see the inner path twice and Cockpit cannot separate it: return "
-                "the outputs from separate computations (or only one of them)"
-            )
-        bd = batch_dim_of(unit.module)
-        first = call.grads[0]
-        packed = isinstance(unit.module, nn.RNNBase) and any(
-            isinstance(v, PackedSequence) for v in (*call.args, *call.kwargs.values()))
-        if (first is not None and first.dim() > bd and first.shape[bd] != stats.num_samples
-                and not packed):
-            raise ValueError(batch_size_message(first.shape[bd], stats.num_samples))
-        rule = unit.rule
-        scale = 1.0
-        if packed:  # a packed output has no batch dimension; the weights are uniform
-            grads = [g / self._weight_value for g in call.grads]
-        elif getattr(rule, "takes_scale", False) and not self.keep_calls:
-            # δ_n = ∂L/∂y_n / w with one uniform w (checked): the rule folds 1/w into its
-            # smallest intermediate instead of dividing the whole output gradient
-            grads, scale = list(call.grads), 1.0 / self._weight_value
-        else:
-            dims = output_batch_dims(unit.module, call.output_positions)
-            grads = [self._individual(g, weights, d) for g, d in zip(call.grads, dims,
-                                                                      strict=True)]
-        if self.keep_calls:  # for projections on directions known only after the step
-            params = (None if unit.rule is not None and len(grads) == 1
-                      else {k: p.detach().clone() for k, p in unit.params.items()})
-            self.kept_calls.append(Call(unit, call.args, call.kwargs, [], call.versions, grads,
-                                        output_positions=call.output_positions,
-                                        params=params))
-        if self.needs <= {PROJECTIONS} and not (self.directions or self.direction_providers):
-            return
-        for name, sg in self._rule(call, grads, scale).items():
-            if sg.num_samples != stats.num_samples:
-                raise ValueError(batch_size_message(sg.num_samples, stats.num_samples))
-            if name in self._multi_use:
-                accumulate(self._accumulated, name, sg)
-            else:
-                self._reduce(name, sg)
-
-    @staticmethod
-    def _individual(grad: Tensor, weights: Tensor, batch_dim: int) -> Tensor:
-        """∂L/∂y_n → ∂ℓ_n/∂y_n by dividing by the loss weight w_n of each sample."""
-        shape = [1] * grad.dim()
-        shape[batch_dim] = -1
-        return grad / weights.reshape(shape).to(grad.dtype)
-
-    def _guarded(self, label: str, fn, *args) -> None:
-        """Run Cockpit's own work inside autograd; a failure is recorded, never raised
-        into the user's backward pass (unless ``strict``; a layer that mixes samples is a
-        property of the model, not a bug, and is always recorded)."""
-        previous, self._suspended = self._suspended, True
-        try:
-            fn(*args)
-        except Exception as error:
-            if self.strict and not isinstance(error, SampleMixingError):
-                raise
-            self._fail(f"{label}: {error}")
-        finally:
-            self._suspended = previous
-
-    def _reduce_guarded(self, name: str, sg: SampleGrads) -> None:
-        self._guarded(name, self._reduce, name, sg)
-
-    def _reduce(self, name: str, sg: SampleGrads) -> None:
-        stats, needs = self.stats, self.needs
-        assert stats is not None
-        if SQ_NORMS in needs:
-            stats.sq_norms[name] = sg.sq_norms()
-        if GRAM_MEAN in needs and not sg.fuse_dots:
-            stats.gram_mean[name] = sg.gram_mean()
-        if SUM_SQ in needs:
-            stats.sum_sq[name] = sg.sum_sq()
-        if VAR_SUM in needs:
-            stats.var_sum[name] = sg.centered_sum_sq()
-        if HIST1D in needs:
-            stats.hist1d[name] = (magnitude_counts(_one_chunk_at_a_time(sg))
-                                  if isinstance(self.hist_spec, AutoRange)
-                                  else sg.histogram(self.hist_spec))
-        if HIST2D in needs:
-            spec_g, spec_theta = self.hist2d_specs
-            stats.hist2d[name] = sg.histogram2d(self.params[name].detach(), spec_g, spec_theta)
-        if self._frozen_pass:  # these g_n do not sum to the batch gradient: keep their sum
-            stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
-                sg.batch_mean() * sg.num_samples)
-        waits = self.direction_providers or (GRAM_MEAN in needs and sg.fuse_dots)
-        if waits and name not in self._seen_grads and not self._frozen_pass:
-            # the parameter's gradient arrives right after this layer's output gradient
-            self._pending_provided[name] = sg
-        else:
-            self._reduce_dots(name, sg)
-
-    def _reduce_dots_guarded(self, name: str, sg: SampleGrads) -> None:
-        self._guarded(name, self._reduce_dots, name, sg)
-
-    def _reduce_dots(self, name: str, sg: SampleGrads) -> None:
-        """The statistics that are dot products g_nᵀu — with ḡ (GRAM_MEAN), with the
-        directions known before the backward and with those the providers compute from the
-        gradient the optimizer sees — in one pass over the individual gradients."""
-        stats = self.stats
-        assert stats is not None
-        vectors: list[Tensor] = []
-
-        def row(vector: Tensor) -> int:
-            for index, known in enumerate(vectors):  # one projection per distinct tensor
-                if known is vector:
-                    return index
-            vectors.append(vector)
-            return len(vectors) - 1
-
-        # Rows of the result: an index into dots_many's rows, or a ready [N] tensor.
-        seen = self._seen_grads.get(name)
-        pure = seen is not None and name in self._pure_grads
-        # With the gradient G = Σ_m w·g_m of this backward (pure), g_nᵀG = w·N·g_nᵀḡ.
-        w_n = self.loss_weight * sg.num_samples if pure and self.loss_weight else None
-        gram_row: int | None = None
-        gradient_ref: int | Tensor | None = None
-        if GRAM_MEAN in self.needs and sg.fuse_dots:
-            if w_n:  # seen ∥ ḡ: one row serves g_nᵀḡ and a provider's GRADIENT
-                gram_row = gradient_ref = row(seen)
-            else:
-                gram_row = row(sg.batch_mean())
-        synced = stats.gradient_dots
-        synced_row = (row(seen) if synced is not None and seen is not None
-                      and name in synced.gradient else None)
-
-        def gradient() -> int | Tensor:
-            nonlocal gradient_ref
-            if gradient_ref is None:
-                if w_n and not sg.fuse_dots:  # closed form (Gram matrix for Linear layers)
-                    gram = stats.gram_mean.get(name)
-                    gradient_ref = w_n * (sg.gram_mean() if gram is None else gram)
-                else:
-                    gradient_ref = row(seen)
-            return gradient_ref
-
-        projections: list[tuple[str, list[int | Tensor]]] = []
-        for key, directions in self.directions.items():
-            if name in directions:
-                projections.append((key, [row(directions[name])]))
-        if self.direction_providers and seen is not None:
-            param = self.params[name]
-            for key, provider in self.direction_providers.items():
-                basis = provider(name, param, seen)
-                if basis is not None:
-                    projections.append(
-                        (key, [gradient() if v is GRADIENT else row(v) for v in basis]))
-        dots = sg.dots_many(vectors) if vectors else None  # [K, N]
-        if gram_row is not None:
-            assert dots is not None
-            stats.gram_mean[name] = dots[gram_row] / w_n if w_n else dots[gram_row]
-        if synced_row is not None:
-            assert dots is not None and synced is not None
-            synced.dots[name] = dots[synced_row]
-        for key, refs in projections:
-            stats.projections.setdefault(key, {})[name] = torch.stack(
-                [dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
-
     @property
     def weights_problem(self) -> str | None:
         """Why the loss weights w_n = ∂L/∂ℓ_n of the last tracked backward pass do not
@@ -985,91 +728,3 @@ def owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     """(the module holding parameter ``name`` of ``model``, its attribute name there)."""
     prefix, _, attr = name.rpartition(".")
     return model.get_submodule(prefix), attr
-
-
-def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
-                     ) -> tuple[tuple, dict, list[Tensor]]:
-    """A layer's recorded inputs and output gradient in one floating dtype, at least float32.
-
-    They differ under autocast (mixed precision): a Linear or convolution receives float32
-    inputs but computes, and backpropagates, in bfloat16/float16; a normalization layer may
-    receive half-precision inputs and compute in float32. The individual gradients are then
-    formed in the wider dtype from the values the layer actually used: inputs wider than
-    the output gradient are first rounded to its dtype (the layer's own cast), narrower ones
-    are widened exactly. Half precision is always widened to float32: sums of squares and
-    projections in float16 overflow (a GradScaler's factor 2^16 alone does) and in bfloat16
-    keep three digits. Unchanged when all are float32 or float64 alike."""
-    if not grads or not grads[0].is_floating_point():
-        return args, kwargs, grads
-    dtypes = {v.dtype for v in (*args, *kwargs.values(), *grads)
-              if isinstance(v, Tensor) and v.is_floating_point()}
-    wide = functools.reduce(torch.promote_types, dtypes | {torch.float32})
-    if dtypes == {wide}:
-        return args, kwargs, grads
-    computed = grads[0].dtype
-
-    def cast(value):
-        if not (isinstance(value, Tensor) and value.is_floating_point()):
-            return value
-        if torch.finfo(value.dtype).bits > torch.finfo(computed).bits:
-            value = value.to(computed)
-        return value.detach().to(wide)
-
-    return (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()},
-            [cast(g) for g in grads])
-
-
-def outputs_feed_each_other(call: Call) -> bool:
-    """Whether one output of the call depends on another in the autograd graph (a custom
-    layer returning y and f(y)): the hook on y then receives the path through f(y) as well,
-    and a per-sample vector-Jacobian product of both outputs would count it twice. The
-    walk stays inside the layer: it stops at the inputs' nodes."""
-    outputs = {o.grad_fn for o in call.outputs if o.grad_fn is not None}
-    inputs = {v.grad_fn for v in (*call.args, *call.kwargs.values())
-              if isinstance(v, Tensor) and v.grad_fn is not None}
-    for start in outputs:
-        seen: set = set()
-        stack = [node for node, _ in start.next_functions]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen or node in inputs:
-                continue
-            if node in outputs:
-                return True
-            seen.add(node)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
-
-
-def batch_size_message(batch: int, num_losses: int) -> str:
-    return (
-        f"the layer saw a batch of {batch} samples but `losses` has {num_losses} entries; "
-        "pass one loss per sample (per-token or per-pixel losses averaged per sample, e.g. "
-        "losses.view(batch_size, -1).mean(1))"
-    )
-
-
-def weights_problem(w: Tensor) -> tuple[str | None, float]:
-    """Why the loss weights w_n = ∂L/∂ℓ_n do not allow individual gradients (or None), and
-    w_0, read from the device at once."""
-    flat = w.reshape(-1)
-    first = flat[0]
-    equal, value = torch.stack([(flat == first).all().to(torch.float64),
-                                first.to(torch.float64)]).tolist()
-    if not equal:
-        return (
-            "the backpropagated loss weights the individual losses unequally; Cockpit "
-            "expects the batch loss to be losses.mean() (or losses.sum())"
-        ), value
-    if value == 0:
-        return "the backpropagated loss does not depend on `losses` (zero weights)", value
-    return None, value
-
-
-def accumulate(accumulated: dict[str, DenseSampleGrads], name: str, sg: SampleGrads) -> None:
-    """Sum the individual gradients of a parameter over the calls that use it."""
-    dense = DenseSampleGrads(sg.materialize_owned())
-    if name in accumulated:
-        accumulated[name].add_(dense)
-    else:
-        accumulated[name] = dense
