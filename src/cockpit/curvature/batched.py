@@ -29,8 +29,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from cockpit.engine.capture import Call
 from cockpit.engine.engine_view import EngineView
-from cockpit.engine.tracker import Call
 
 # Layers whose rule reads one batched input ``args[0]`` (batch dimension first) and whose
 # individual gradients depend on nothing else: repeating the input repeats their samples.

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from cockpit.engine.request import StepRequest
 
 if TYPE_CHECKING:
+    from cockpit.engine.capture import Call, Unit
     from cockpit.engine.sample_grads import SampleGrads
-    from cockpit.engine.tracker import Call, Unit
 
 __all__ = ["EngineView"]
 
