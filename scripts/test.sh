@@ -19,7 +19,7 @@ ruff check src tests benchmarks examples
 python -m mypy src/cockpit/__init__.py src/cockpit/__main__.py src/cockpit/_extras.py \
   src/cockpit/cli.py src/cockpit/schedules.py src/cockpit/configurations.py \
   src/cockpit/integrations src/cockpit/store/__init__.py src/cockpit/store/sinks.py \
-  src/cockpit/cockpit.py
+  src/cockpit/cockpit.py src/cockpit/engine/engine_view.py src/cockpit/engine/activations.py
 python -m pytest -p no:cacheprovider "$@"
 # a subset on the oldest torch the package supports (only for the whole suite, not when
 # arguments pick tests)

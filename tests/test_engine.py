@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from cockpit import Cockpit, at, configuration, every, logspaced, quantities
-from cockpit.engine.tracker import ModuleTracker
+from cockpit.engine.processing import CallProcessor
 from tests.models import make_problem, train
 from tests.reference import (
     flat,
@@ -26,9 +26,9 @@ from tests.reference import (
 
 def test_untracked_steps_do_no_per_sample_work(monkeypatch):
     calls = []
-    original = ModuleTracker._process
-    monkeypatch.setattr(ModuleTracker, "_process",
-                        lambda self, call: (calls.append(self.stats), original(self, call)))
+    original = CallProcessor.process
+    monkeypatch.setattr(CallProcessor, "process",
+                        lambda self, call: (calls.append(self.engine.stats), original(self, call)))
     hooks_registered = []
     original_hook = torch.Tensor.register_hook
     monkeypatch.setattr(torch.Tensor, "register_hook",

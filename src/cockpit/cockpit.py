@@ -220,7 +220,7 @@ class Cockpit:
         self._params: dict[str, Tensor] = dict(self.tracker.params)
         self._check_optimizer_owns_parameters()
         self._watch = OutsideBackwardWatch(
-            self._params, lambda: self.tracker._suspended or self.tracker._probing)
+            self._params, lambda: self.tracker.in_own_work)
         self._initial = (
             {k: p.detach().clone() for k, p in self._params.items()}
             if any(q.name == "Distance" for q in quantities)
@@ -885,7 +885,7 @@ class Cockpit:
             hist_spec=self.hist_spec,
             hist2d_specs=self.hist2d_specs,
             time=elapsed,
-            tracker=self.tracker,
+            engine=self.tracker,
         )
 
     def _compute(self, quantity: Quantity, data: StepData, stats: BackwardStatistics,

@@ -29,6 +29,9 @@ import math
 import torch
 from torch import Tensor, nn
 
+from cockpit.engine.capture import Call
+from cockpit.engine.engine_view import EngineView
+
 # Layers whose rule reads one batched input ``args[0]`` (batch dimension first) and whose
 # individual gradients depend on nothing else: repeating the input repeats their samples.
 FOLDABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.GroupNorm,
@@ -59,15 +62,15 @@ def use_batched(device: torch.device, batched: bool | None) -> bool:
     return device.type == "cuda" if batched is None else batched
 
 
-def _foldable_calls(tracker, n: int) -> list | None:
+def _foldable_calls(engine: EngineView, n: int) -> list[Call] | None:
     """The calls Cockpit's backprops reach, or None if one of them cannot be folded."""
-    calls = [c for c in tracker._calls if c.args is not None and c.outputs]
+    calls = engine.probe_calls()
     for call in calls:
         unit = call.unit
         if (not isinstance(unit.module, FOLDABLE) or unit.rule is None or call.taps
                 or len(call.outputs) != 1 or not call.outputs_unchanged()
-                or len(call.args) != 1 or call.kwargs
-                or any(tracker.unit_param_name(unit, a) in tracker._multi_use
+                or call.args is None or len(call.args) != 1 or call.kwargs
+                or any(engine.used_repeatedly(engine.unit_param_name(unit, a))
                        for a in unit.params)):
             return None
         x, y = call.args[0], call.outputs[0]
@@ -88,7 +91,7 @@ def _sample_bytes(call) -> int:
     return per_sample * max(y.element_size(), 4)
 
 
-def batched_sum_sq_of_backprops(tracker, output: Tensor, grad_outputs: Tensor,
+def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs: Tensor,
                                 budget_bytes: int | None = None,
                                 separate: bool = False
                                 ) -> list[dict[str, Tensor]] | None:
@@ -100,14 +103,14 @@ def batched_sum_sq_of_backprops(tracker, output: Tensor, grad_outputs: Tensor,
     if budget_bytes is None:
         budget_bytes = default_budget(output.device)
     n = output.shape[0]
-    calls = _foldable_calls(tracker, n)
+    calls = _foldable_calls(engine, n)
     if not calls:
         return None
     targets = [c.outputs[0] for c in calls]
     per_vector = 2 * sum(t.numel() * t.element_size() for t in targets)
     chunk = max(1, min(len(grad_outputs), budget_bytes // max(per_vector, 1)))
     totals: list[dict[str, Tensor]] = [{} for _ in range(len(grad_outputs) if separate else 1)]
-    with tracker.suspended():
+    with engine.suspended():
         for start in range(0, len(grad_outputs), chunk):
             vectors = grad_outputs[start:start + chunk]
             try:
@@ -122,17 +125,17 @@ def batched_sum_sq_of_backprops(tracker, output: Tensor, grad_outputs: Tensor,
                 if delta is None:
                     continue
                 if not separate:
-                    _add_folded(tracker, call, delta.detach(), totals[0], budget_bytes)
+                    _add_folded(engine, call, delta.detach(), totals[0], budget_bytes)
                     continue
                 for k in range(len(vectors)):
-                    _add_folded(tracker, call, delta[k:k + 1].detach(), totals[start + k],
+                    _add_folded(engine, call, delta[k:k + 1].detach(), totals[start + k],
                                 budget_bytes)
                 del delta
             del deltas
     return totals
 
 
-def _add_folded(tracker, call, delta: Tensor, totals: dict[str, Tensor],
+def _add_folded(engine: EngineView, call, delta: Tensor, totals: dict[str, Tensor],
                 budget_bytes: int) -> None:
     """Add Σ_{k,n} g_{k,n} ⊙ g_{k,n} of one layer, δ [K, N, ...], in folds of samples
     (k, n) whose scratch fits the budget."""
@@ -148,6 +151,6 @@ def _add_folded(tracker, call, delta: Tensor, totals: dict[str, Tensor],
             index = torch.arange(start, stop, device=x.device) % n
             part = dataclasses.replace(call, args=(x.index_select(0, index),),
                                        outputs=[y.index_select(0, index.to(y.device))])
-        for name, sg in tracker._rule(part, [folded[start:stop]]).items():
+        for name, sg in engine.sample_grads(part, [folded[start:stop]]).items():
             total = sg.sum_sq()
             totals[name] = totals[name] + total if name in totals else total

@@ -27,7 +27,8 @@ backpropagations per element of the slice and position, as for elementwise activ
 
 Applicability is checked on the autograd graph of the model output: every node must be a
 linear or piecewise-linear operation, or the output of a recorded activation or
-normalization module listed in :data:`SECOND_DERIVATIVES` / :data:`NORMALIZATIONS`;
+normalization module listed in :data:`SECOND_DERIVATIVES` / :data:`NORMALIZATIONS` (the
+engine records the calls of exactly these, :mod:`cockpit.engine.activations`);
 anything else (attention, GroupNorm, a sigmoid called as a function) raises
 :class:`~cockpit.curvature.diagonal.CurvatureError`.
 """
@@ -40,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import hessian, vmap
+
+from cockpit.engine.engine_view import EngineView
 
 
 def _sigmoid_2(z: Tensor, module) -> Tensor:
@@ -167,15 +170,15 @@ def num_backprops(calls) -> int:
     return sum(2 * z[0].numel() for _, z, _ in calls if z.requires_grad)
 
 
-def residual_diagonal(tracker, losses: Tensor, max_backprops: int,
+def residual_diagonal(engine: EngineView, losses: Tensor, max_backprops: int,
                       sum_sq_of_backprops=None) -> dict[str, Tensor]:
     """Σ_k (1/|B|) Σ_u Σ_n r_{n,u} (∂z_{n,u}/∂θ)² per parameter (module docstring).
 
     ``sum_sq_of_backprops(z, probes)``: Σ_k Σ_n g_{n,k} ⊙ g_{n,k} of the probes'
-    backpropagations from z (default: the tracker's, one backward pass per probe)."""
+    backpropagations from z (default: the engine's, one backward pass per probe)."""
     if sum_sq_of_backprops is None:
-        sum_sq_of_backprops = tracker.sum_sq_of_backprops
-    calls = [c for c in tracker.activation_calls if c[1].requires_grad]
+        sum_sq_of_backprops = engine.sum_sq_of_backprops
+    calls = [c for c in engine.activation_calls if c[1].requires_grad]
     if not calls:
         return {}
     units = num_backprops(calls)
@@ -185,7 +188,7 @@ def residual_diagonal(tracker, losses: Tensor, max_backprops: int,
             f"unit), more than the budget of {max_backprops}"
         )
     n = losses.shape[0]
-    with tracker.suspended():
+    with engine.suspended():
         grads_a = torch.autograd.grad(losses.sum(), [a for _, _, a in calls], retain_graph=True)
     totals: dict[str, Tensor] = {}
     for (module, z, _), grad_a in zip(calls, grads_a, strict=True):
@@ -249,8 +252,3 @@ def _normalization_probes(module, z: Tensor, grad_a: Tensor) -> list[tuple[float
         if probes:
             out.append((sign, torch.stack(probes)))
     return out
-
-
-def is_activation(module: nn.Module) -> bool:
-    """Modules whose calls the engine records for the residual terms."""
-    return type(module) in SECOND_DERIVATIVES or type(module) in NORMALIZATIONS

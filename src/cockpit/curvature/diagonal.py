@@ -49,6 +49,7 @@ Cockpit recognizes both from the autograd graph of ``losses``, or takes ``loss=`
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from torch import Tensor
 
@@ -57,6 +58,7 @@ from cockpit.curvature.diag_hessian import check_graph, num_backprops, residual_
 from cockpit.curvature.hutchinson import hutchinson_diagonal, hutchinson_replicates
 from cockpit.curvature.hvp import HessianVectorProduct
 from cockpit.curvature.loss_factors import exact_sqrt_factor, mc_sqrt_factor
+from cockpit.engine.engine_view import EngineView
 
 METHODS = ("auto", "diag_ggn_exact", "diag_ggn_mc", "hutchinson", "diag_hessian")
 
@@ -138,7 +140,7 @@ STOCHASTIC = ("diag_ggn_mc", "hutchinson")
 GGN = ("diag_ggn_exact", "diag_ggn_mc")
 
 
-def resolve_method(method: str, tracker, mc_threshold: int, max_backprops: int,
+def resolve_method(method: str, engine: EngineView, mc_threshold: int, max_backprops: int,
                    fallback: str = "ggn") -> tuple[str, str | None]:
     """(method, why the exact Hessian diagonal is not used or None) for this step.
 
@@ -149,13 +151,13 @@ def resolve_method(method: str, tracker, mc_threshold: int, max_backprops: int,
     check_method(method)
     if method != "auto":
         return method, None
-    output = tracker.model_output
+    output = engine.model_output
     if output is None:
         return "hutchinson", "Cockpit did not see the model's output"
     outputs_per_sample = output[0].numel() if output.dim() > 0 else 1
     try:
-        check_graph(output, tracker.activation_calls)
-        units = num_backprops(tracker.activation_calls)
+        check_graph(output, engine.activation_calls)
+        units = num_backprops(engine.activation_calls)
         if outputs_per_sample > mc_threshold:
             reason = many_outputs(outputs_per_sample, mc_threshold)
             if units == 0:
@@ -183,9 +185,9 @@ def many_outputs(outputs: int, mc_threshold: int) -> str:
 
 def diagonal_replicates(
     method: str,
-    tracker,
+    engine: EngineView,
     losses: Tensor,
-    params: dict[str, Tensor],
+    params: Mapping[str, Tensor],
     *,
     loss: str | None = None,
     mse_reduction: str = "mean",
@@ -202,43 +204,43 @@ def diagonal_replicates(
     if method == "hutchinson":
         if num_samples < 1:
             raise ValueError("num_samples must be at least 1.")
-        hvp = hessian_vector_product(tracker, losses, params)
-        with tracker.suspended():
+        hvp = hessian_vector_product(engine, losses, params)
+        with engine.suspended():
             return [dict(zip(params, replicate, strict=True))
                     for replicate in hutchinson_replicates(hvp, list(params.values()),
                                                            num_samples, generator, batched)]
     if method == "diag_ggn_mc":
-        output = _model_output(tracker)
+        output = _model_output(engine)
         kind, mse_reduction = _loss_kind(losses, output, loss, mse_reduction)
         f = output.detach()
         factor = mc_sqrt_factor(f, kind, num_samples=num_samples, generator=generator,
                                 mse_reduction=mse_reduction) * math.sqrt(num_samples)
-        per_column = sum_sq_of_backprops(tracker, output, factor, batched, separate=True)
+        per_column = sum_sq_of_backprops(engine, output, factor, batched, separate=True)
         return [{k: sums[k].to(p.dtype) / n if k in sums else p.new_zeros(p.shape)
                  for k, p in params.items()} for sums in per_column]
-    return [diagonal_curvature(method, tracker, losses, params, loss=loss,
+    return [diagonal_curvature(method, engine, losses, params, loss=loss,
                                mse_reduction=mse_reduction, num_samples=num_samples,
                                generator=generator, max_backprops=max_backprops,
                                batched=batched)]
 
 
-def sum_sq_of_backprops(tracker, output: Tensor, vectors: Tensor, batched: bool | None,
+def sum_sq_of_backprops(engine: EngineView, output: Tensor, vectors: Tensor, batched: bool | None,
                         separate: bool = False) -> list[dict[str, Tensor]]:
     """Σ_k Σ_n g_{n,k} ⊙ g_{n,k} (g_{n,k} the backpropagation of ``vectors[k]`` from
     ``output``), as one dict, or with ``separate`` one dict per vector. Batched on CUDA
     (:mod:`cockpit.curvature.batched`) where it applies, else one backward pass per vector;
     ``batched`` forces either way."""
     if use_batched(output.device, batched):
-        result = batched_sum_sq_of_backprops(tracker, output, vectors, separate=separate)
+        result = batched_sum_sq_of_backprops(engine, output, vectors, separate=separate)
         if result is not None:
             return result
     if separate:
-        return [tracker.sum_sq_of_backprops(output, v.unsqueeze(0)) for v in vectors]
-    return [tracker.sum_sq_of_backprops(output, vectors)]
+        return [engine.sum_sq_of_backprops(output, v.unsqueeze(0)) for v in vectors]
+    return [engine.sum_sq_of_backprops(output, vectors)]
 
 
-def _model_output(tracker) -> Tensor:
-    output = tracker.model_output
+def _model_output(engine: EngineView) -> Tensor:
+    output = engine.model_output
     if output is None:
         raise CurvatureError(
             "the GGN needs the model's output of this step's forward pass, which Cockpit "
@@ -257,9 +259,9 @@ def _loss_kind(losses: Tensor, output: Tensor, loss: str | None,
 
 def diagonal_curvature(
     method: str,
-    tracker,
+    engine: EngineView,
     losses: Tensor,
-    params: dict[str, Tensor],
+    params: Mapping[str, Tensor],
     *,
     loss: str | None = None,
     mse_reduction: str = "mean",
@@ -271,23 +273,23 @@ def diagonal_curvature(
     """The diagonal of the mini-batch loss's curvature (module docstring) per parameter."""
     n = losses.shape[0]
     if method == "diag_hessian":
-        output = tracker.model_output
+        output = engine.model_output
         if output is None:
             raise CurvatureError("curvature='diag_hessian' needs the model's output")
         try:
-            check_graph(output, tracker.activation_calls)
+            check_graph(output, engine.activation_calls)
         except ValueError as error:
             raise CurvatureError(
                 f"curvature='diag_hessian' cannot apply to this model: {error}. Use "
                 "'diag_ggn_exact' (the Hessian's diagonal without second-derivative terms of "
                 "the network) or 'hutchinson' (unbiased for the Hessian's diagonal)."
             ) from error
-        ggn = diagonal_curvature("diag_ggn_exact", tracker, losses, params, loss=loss,
+        ggn = diagonal_curvature("diag_ggn_exact", engine, losses, params, loss=loss,
                                  mse_reduction=mse_reduction, batched=batched)
         try:
-            residual = residual_diagonal(tracker, losses, max_backprops,
+            residual = residual_diagonal(engine, losses, max_backprops,
                                          lambda z, probes: sum_sq_of_backprops(
-                                             tracker, z, probes, batched)[0])
+                                             engine, z, probes, batched)[0])
         except ValueError as error:
             raise CurvatureError(
                 f"curvature='diag_hessian': {error}; raise max_backprops or use "
@@ -296,7 +298,7 @@ def diagonal_curvature(
         return {k: ggn[k] + residual[k].to(ggn[k].dtype) if k in residual else ggn[k]
                 for k in ggn}
     if method in ("diag_ggn_exact", "diag_ggn_mc"):
-        output = _model_output(tracker)
+        output = _model_output(engine)
         kind, mse_reduction = _loss_kind(losses, output, loss, mse_reduction)
         f = output.detach()
         if method == "diag_ggn_exact":
@@ -304,22 +306,22 @@ def diagonal_curvature(
         else:
             factor = mc_sqrt_factor(f, kind, num_samples=num_samples, generator=generator,
                                     mse_reduction=mse_reduction)
-        sums = sum_sq_of_backprops(tracker, output, factor, batched)[0]
+        sums = sum_sq_of_backprops(engine, output, factor, batched)[0]
         return {k: sums[k].to(p.dtype) / n if k in sums else p.new_zeros(p.shape)
                 for k, p in params.items()}
     if method == "hutchinson":
-        hvp = hessian_vector_product(tracker, losses, params)
-        with tracker.suspended():
+        hvp = hessian_vector_product(engine, losses, params)
+        with engine.suspended():
             estimate = hutchinson_diagonal(hvp, list(params.values()), num_samples, generator,
                                            batched=batched)
         return dict(zip(params, estimate, strict=True))
     raise CurvatureError(f"curvature {method!r} cannot be computed here")
 
 
-def hessian_vector_product(tracker, losses: Tensor, params: dict[str, Tensor]):
+def hessian_vector_product(engine: EngineView, losses: Tensor, params: Mapping[str, Tensor]):
     """The step's Hessian-vector product of L_B on the user's graph, shared by instruments."""
     key = ("hvp", tuple(params))
-    if key not in tracker.step_cache:
-        with tracker.suspended():
-            tracker.step_cache[key] = HessianVectorProduct(losses.mean(), list(params.values()))
-    return tracker.step_cache[key]
+    if key not in engine.step_cache:
+        with engine.suspended():
+            engine.step_cache[key] = HessianVectorProduct(losses.mean(), list(params.values()))
+    return engine.step_cache[key]

@@ -96,7 +96,7 @@ class EagerAtTrackedSteps:
 
     def _before(self, module: nn.Module, args) -> None:
         tracker = self.tracker
-        if (self._switched is not None or not tracker.capturing or tracker._suspended
+        if (self._switched is not None or not tracker.capturing or tracker.is_suspended
                 or not torch.is_grad_enabled()):
             return
         try:

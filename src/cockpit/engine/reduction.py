@@ -19,8 +19,15 @@ import torch
 from torch import Tensor
 
 from cockpit.engine import distributed
-from cockpit.engine.statistics import BackwardStatistics
-from cockpit.engine.tracker import GRAM_MEAN, HIST1D, HIST2D, SQ_NORMS, SUM_SQ, VAR_SUM
+from cockpit.engine.statistics import (
+    GRAM_MEAN,
+    HIST1D,
+    HIST2D,
+    SQ_NORMS,
+    SUM_SQ,
+    VAR_SUM,
+    BackwardStatistics,
+)
 
 
 class StepReduction:

@@ -31,6 +31,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+# Names of the per-sample statistics an instrument can ask for.
+SQ_NORMS = "sq_norms"  # ‖g_n‖²                    per parameter, shape [N]
+GRAM_MEAN = "gram_mean"  # g_nᵀ ḡ                  per parameter, shape [N]
+SUM_SQ = "sum_sq"  # Σ_n g_n ⊙ g_n                 per parameter, shape of θ
+VAR_SUM = "var_sum"  # Σ_n (g_n − ḡ) ⊙ (g_n − ḡ)   per parameter, shape of θ
+HIST1D = "hist1d"  # counts of g_{n,j}            per parameter, [bins]
+HIST2D = "hist2d"  # counts of (g_{n,j}, θ_j)     per parameter, [bins_g, bins_θ]
+PROJECTIONS = "projections"  # g_nᵀ u for registered directions u, per parameter, [K, N]
+PER_SAMPLE_STATS = frozenset(
+    {SQ_NORMS, GRAM_MEAN, SUM_SQ, VAR_SUM, HIST1D, HIST2D, PROJECTIONS}
+)
+# sample_sums key of Σ_n g_n where the individual gradients do not sum to the batch gradient
+# (BatchNorm with frozen statistics): the gradient tests then use their own mean
+SAMPLE_GRAD_SUM = "sample_grad_sum"
+
 
 @dataclass
 class GradientDots:

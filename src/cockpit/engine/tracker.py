@@ -1,171 +1,68 @@
-"""Hooks that reduce each layer's per-sample information to additive statistics.
+"""The engine of a tracked step: hooks that reduce each layer's per-sample information to
+additive statistics.
 
 Data flow at a tracked step:
 
-1. forward: a forward hook on every *unit* (a module with a rule, or a module owning
-   parameters no rule covers) records the call's inputs and puts a tensor hook on each
-   differentiable output;
+1. forward: the hooks of :class:`~cockpit.engine.capture.Capture` record each unit's calls
+   (a *unit* is a module with a rule, or a module owning parameters no rule covers), the
+   model's output and the smooth activations' inputs and outputs;
 2. the user's backward: the hook on the per-sample ``losses`` fires first and yields the
    weights w_n = ∂L/∂ℓ_n of the batch loss L (1/|B| for a mean); then each output hook
-   receives ∂L/∂y, divides it by w_n to get the individual losses' gradient δ_n, asks the
-   layer rule for the :class:`SampleGrads` of the unit's parameters, reduces them to the
-   statistics the active instruments need, and drops every reference at once;
+   receives ∂L/∂y and hands the call to :class:`~cockpit.engine.processing.CallProcessor`,
+   which divides it by w_n to get the individual losses' gradient δ_n, asks the layer rule
+   for the :class:`SampleGrads` of the unit's parameters, reduces them to the statistics
+   the active instruments need, and drops every reference at once;
 3. parameters used by more than one call (tied weights, modules applied twice) cannot be
    reduced per call — ‖Σ_calls g‖² ≠ Σ_calls ‖g‖² — so their individual gradients are
    summed over calls and reduced when the backward context exits.
 
 At untracked steps the hooks return immediately and nothing is recorded.
+:class:`ModuleTracker` holds the state of one tracked backward pass (:meth:`begin` …
+:meth:`end`) and composes the two; instruments see it as an
+:class:`~cockpit.engine.engine_view.EngineView`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence
 
-import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
-from cockpit.curvature.diag_hessian import is_activation
-from cockpit.engine.broadcast import BroadcastTap, consumers_of, find_paths, per_sample_delta
-from cockpit.engine.histogram import AutoRange, BinSpec, magnitude_counts
+from cockpit.engine.capture import Call, Capture, Unit, layer_outputs, owner
+from cockpit.engine.histogram import AutoRange, BinSpec
+from cockpit.engine.processing import GRADIENT, CallProcessor, accumulate
 from cockpit.engine.request import StepRequest
 from cockpit.engine.rules.batchnorm_frozen import (
     FROZEN_STATISTICS,
-    FrozenStatisticsBackward,
     check_batchnorm_mode,
-    frozen_batch_norm_rule,
     is_training_batch_norm,
 )
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
-from cockpit.engine.rules.fallback import (
-    batch_dim_of,
-    fallback_rule,
-    output_batch_dims,
-    output_tensors,
-    owned_parameters,
+from cockpit.engine.rules.norms import batch_norm_message, uses_batch_statistics
+from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.statistics import (  # noqa: F401  (the statistics' names, imported from here)
+    GRAM_MEAN,
+    HIST1D,
+    HIST2D,
+    PER_SAMPLE_STATS,
+    PROJECTIONS,
+    SAMPLE_GRAD_SUM,
+    SQ_NORMS,
+    SUM_SQ,
+    VAR_SUM,
+    BackwardStatistics,
+    GradientDots,
 )
-from cockpit.engine.rules.norms import SampleMixingError, batch_norm_message, uses_batch_statistics
-from cockpit.engine.rules.registry import ATOMIC_MODULES, Rule, find_rule
-from cockpit.engine.sample_grads import (
-    _CHUNK_ELEMENTS,
-    DenseSampleGrads,
-    OuterSampleGrads,
-    SampleGrads,
-    SequenceOuterSampleGrads,
-)
-from cockpit.engine.statistics import BackwardStatistics, GradientDots
 
-__all__ = ["GRADIENT", "PER_SAMPLE_STATS", "BackwardStatistics", "ModuleTracker", "StepRequest"]
-
-# Names of the per-sample statistics an instrument can ask for.
-SQ_NORMS = "sq_norms"  # ‖g_n‖²                    per parameter, shape [N]
-GRAM_MEAN = "gram_mean"  # g_nᵀ ḡ                  per parameter, shape [N]
-SUM_SQ = "sum_sq"  # Σ_n g_n ⊙ g_n                 per parameter, shape of θ
-VAR_SUM = "var_sum"  # Σ_n (g_n − ḡ) ⊙ (g_n − ḡ)   per parameter, shape of θ
-HIST1D = "hist1d"  # counts of g_{n,j}            per parameter, [bins]
-HIST2D = "hist2d"  # counts of (g_{n,j}, θ_j)     per parameter, [bins_g, bins_θ]
-PROJECTIONS = "projections"  # g_nᵀ u for registered directions u, per parameter, [K, N]
-PER_SAMPLE_STATS = frozenset(
-    {SQ_NORMS, GRAM_MEAN, SUM_SQ, VAR_SUM, HIST1D, HIST2D, PROJECTIONS}
-)
-# sample_sums key of Σ_n g_n where the individual gradients do not sum to the batch gradient
-# (BatchNorm with frozen statistics): the gradient tests then use their own mean
-SAMPLE_GRAD_SUM = "sample_grad_sum"
-
-
-def network_output(output) -> Tensor | None:
-    """The network output f(x) the curvature instruments backpropagate from (the GGN's
-    J_nᵀ s_n, the Hessian diagonal's graph): the model's output if it is a tensor, the
-    ``logits`` of an output object that has them (a Hugging Face ``ModelOutput``, also after
-    accelerate's conversion to float32), else None (Cockpit then did not see it)."""
-    if isinstance(output, Tensor):
-        return output
-    logits = getattr(output, "logits", None)
-    return logits if isinstance(logits, Tensor) else None
-
-
-@dataclass
-class Unit:
-    """A module whose calls the tracker reduces, with the parameters it is responsible for."""
-
-    name: str
-    module: nn.Module
-    params: dict[str, nn.Parameter]  # attribute name (relative to module) → parameter
-    rule: Rule | None  # the registered layer rule; None: the torch.func fallback
-
-    @property
-    def deferred(self) -> bool:
-        """Rules that run torch.func transforms are evaluated after the backward pass:
-        autograd re-entered from inside a tensor hook is not reliable for every operator
-        (e.g. the CPU attention kernels under vmap)."""
-        return self.rule is None
-
-
-@dataclass
-class Call:
-    """One forward call of a unit, kept until its output gradients arrived."""
-
-    unit: Unit
-    args: tuple | None
-    kwargs: dict | None
-    outputs: list[Tensor]
-    versions: list[int]
-    grads: list[Tensor | None]
-    received: int = 0
-    probe_grads: list[Tensor | None] | None = None  # δ of Cockpit's own backprops
-    output_versions: list[int] = field(default_factory=list)
-    # positions of ``outputs`` among all tensors of the module's (flattened) output
-    output_positions: list[int] = field(default_factory=list)
-    # outputs shared by the batch (position embeddings, …): output index → its tap
-    taps: dict[int, BroadcastTap] = field(default_factory=dict)
-    # θ_t of a kept call whose individual gradients depend on the parameters (the torch.func
-    # fallback): projections after the optimizer step must not read θ_{t+1}
-    params: dict[str, Tensor] | None = None
-
-    def outputs_unchanged(self) -> bool:
-        """Whether no output was modified in place after the call (e.g. by ReLU(inplace))."""
-        return [o._version for o in self.outputs] == self.output_versions
-
-    def release(self) -> None:
-        """Drop the references to the layer's inputs, outputs and gradients."""
-        for tap in self.taps.values():
-            tap.remove()
-        self.taps = {}
-        self.args = self.kwargs = None
-        self.outputs, self.grads = [], []
-
-
-class _Gradient:
-    """What a direction provider returns for "the gradient you gave me" (see GRADIENT)."""
-
-    def __repr__(self) -> str:
-        return "GRADIENT"
-
-
-GRADIENT = _Gradient()
-"""A direction provider may put GRADIENT into its basis instead of a copy of the gradient it
-was given: the tracker then takes g_nᵀ(gradient) from g_nᵀḡ where that is this backward's
-own gradient (a closed form for Linear layers, one shared row otherwise)."""
-
-
-def _one_chunk_at_a_time(sg: SampleGrads) -> Iterator[Tensor]:
-    """The individual gradients in sample chunks, each formed only when the previous one is
-    done with (factored layers' ``chunks()`` would form them all at once)."""
-    if isinstance(sg, OuterSampleGrads | SequenceOuterSampleGrads):
-        size = max(1, _CHUNK_ELEMENTS // max(sg.shape.numel(), 1))
-        for d, a in zip(sg.delta.split(size), sg.a.split(size), strict=True):
-            yield (d.unsqueeze(2) * a.unsqueeze(1) if isinstance(sg, OuterSampleGrads)
-                   else torch.bmm(d.transpose(1, 2), a))
-    else:
-        yield from sg.chunks()
+__all__ = ["GRADIENT", "PER_SAMPLE_STATS", "BackwardStatistics", "Call", "ModuleTracker",
+           "StepRequest", "Unit"]
 
 
 class ModuleTracker:
-    """Installs and owns all hooks on ``model``; see the module docstring."""
+    """The hooks on ``model`` (:attr:`capture`), the per-call processing (:attr:`processor`)
+    and the state of the tracked backward pass they share; see the module docstring."""
 
     def __init__(
         self,
@@ -177,21 +74,18 @@ class ModuleTracker:
     ):
         self.model = model
         self.batchnorm = check_batchnorm_mode(batchnorm)
-        self.frozen_backward = FrozenStatisticsBackward()
         self._frozen_pass = False  # True during the extra backward of frozen statistics
         self.hist_spec = hist_spec
         self.hist2d_specs = hist2d_specs
         self.strict = strict
         self.param_names = {id(p): name for name, p in model.named_parameters()}
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-        self.units = list(self._discover_units(model))
+        self.parameter_owners = {name: owner(model, name) for name in self.params}
         self.capturing = True
         self.active = False
         self.needs: frozenset[str] = frozenset()
         self.stats: BackwardStatistics | None = None
-        self._calls: list[Call] = []
         self._multi_use: set[str] = set()
-        self._accumulated: dict[str, DenseSampleGrads] = {}
         self._weights: Tensor | None = None
         self._weight_value = 1.0  # float(w_n), read once per backward
         self._weights_problem: str | None = None
@@ -201,49 +95,18 @@ class ModuleTracker:
         self._probing = False  # True during Cockpit's own backprops (diagonal curvature)
         # what the instruments of the current tracked step ask of each backward pass
         self.request = StepRequest(frozenset())
-        self.kept_calls: list[Call] = []
         self._seen_grads: dict[str, Tensor] = {}
         self._pure_grads: set[str] = set()  # seen gradient = this backward's Σ_n w·g_n
         # The batch gradients of the last tracked step, reused as the copies of the next one
         # if it follows directly (a fresh parameter-sized tensor costs page faults).
         self._last_batch_grads: dict[str, Tensor] = {}
         self._spare_grads: dict[str, Tensor] = {}
-        self._pending_provided: dict[str, SampleGrads] = {}
         self.step_cache: dict = {}  # work shared by instruments within one tracked step
-        self._handles: list = []
-        for unit in self.units:
-            self._handles.append(
-                unit.module.register_forward_hook(self._make_forward_hook(unit), with_kwargs=True)
-            )
-        for name, p in self.params.items():
-            self._handles.append(p.register_hook(self._make_param_hook(name)))
-        if self.batchnorm == FROZEN_STATISTICS:  # (also BatchNorm without parameters)
-            for module in model.modules():
-                if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                    self._handles.append(module.register_forward_hook(
-                        self._attach_frozen_backward, with_kwargs=True))
-        self.model_output: Tensor | None = None  # the model's output of the recorded forward
-        self._handles.append(model.register_forward_hook(self._record_model_output))
-        # (module, input z, output a) of smooth activation modules, for the Hessian diagonal
-        self.activation_calls: list[tuple[nn.Module, Tensor, Tensor]] = []
-        for module in model.modules():
-            if is_activation(module):
-                self._handles.append(module.register_forward_hook(self._record_activation))
+        self.processor = CallProcessor(self)
+        self.capture = Capture(self)
+        self.losses_hook = self.capture.losses_hook  # (registered on ``losses`` by Cockpit)
 
-    # ------------------------------------------------------------------ discovery
-    def _discover_units(self, model: nn.Module) -> Iterable[Unit]:
-        atomic_prefixes: list[str] = []
-        for name, module in model.named_modules():
-            if any(name.startswith(prefix + ".") for prefix in atomic_prefixes):
-                continue
-            atomic = isinstance(module, ATOMIC_MODULES)
-            if atomic:
-                atomic_prefixes.append(name)
-            params = owned_parameters(module, atomic)
-            if not params:
-                continue
-            yield Unit(name, module, params, None if atomic else find_rule(module))
-
+    # ------------------------------------------------------------------ the recorded forward
     def unit_param_name(self, unit: Unit, attr: str) -> str:
         return self.param_names[id(unit.params[attr])]
 
@@ -256,77 +119,42 @@ class ModuleTracker:
             return []
         return [
             batch_norm_message(unit.module, unit.name)
-            for unit in self.units
+            for unit in self.capture.units
             if isinstance(unit.module, nn.modules.batchnorm._BatchNorm)
             and uses_batch_statistics(unit.module)
         ]
 
-    # ------------------------------------------------------------------ forward
-    def _make_forward_hook(self, unit: Unit):
-        def hook(module, args, kwargs, output):
-            if not self.capturing or self._suspended or not torch.is_grad_enabled():
-                return None
-            flat = output_tensors(output)
-            positions = [i for i, t in enumerate(flat) if t.requires_grad]
-            if not positions:
-                return None
-            outputs = [flat[i] for i in positions]
-            tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
-            call = Call(unit, args, kwargs, outputs, [t._version for t in tensors],
-                        [None] * len(outputs), output_versions=[t._version for t in outputs],
-                        output_positions=positions)
-            self._calls.append(call)
-            for k, out in enumerate(outputs):
-                out.register_hook(self._make_output_hook(call, k))
-            return None
-
-        return hook
-
-    def _attach_frozen_backward(self, module, args, kwargs, output) -> None:
-        if (self.capturing and not self._suspended and torch.is_grad_enabled()
-                and is_training_batch_norm(module) and isinstance(output, Tensor)):
-            self.frozen_backward.attach(module, args[0] if args else kwargs["input"], output)
-
-    def _record_model_output(self, module, args, output) -> None:
-        if self.capturing and not self._suspended and torch.is_grad_enabled():
-            self.model_output = network_output(output)
-
-    def _record_activation(self, module, args, output) -> None:
-        if (self.capturing and not self._suspended and torch.is_grad_enabled()
-                and args and isinstance(args[0], Tensor) and isinstance(output, Tensor)):
-            self.activation_calls.append((module, args[0], output))
-
     @property
     def num_calls(self) -> int:
-        return len(self._calls)
+        return len(self.capture.calls)
+
+    @property
+    def model_output(self) -> Tensor | None:
+        """The network output f(x) of the recorded forward pass, None if not seen."""
+        return self.capture.model_output
+
+    @property
+    def activation_calls(self) -> list[tuple[nn.Module, Tensor, Tensor]]:
+        """(module, input z, output a) of the recorded smooth activations' calls."""
+        return self.capture.activation_calls
 
     def clear_calls(self) -> None:
-        for call in self._calls:
-            call.release()
-        self._calls = []
-        self.model_output = None
-        self.activation_calls = []
+        self.capture.clear()
 
     def drop_calls_outside(self, root: Tensor) -> None:
         """Forget recorded calls whose outputs ``root`` does not depend on: forward passes
         of steps the Cockpit did not see (their graphs are gone), evaluation passes, ….
         Kept, they would make every parameter look used twice and hold stale activations."""
-        seen: set = set()
-        stack = [root.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        kept = []
-        for call in self._calls:
-            if any(o.grad_fn in seen for o in call.outputs):
-                kept.append(call)
-            else:
-                call.release()
-        self._calls = kept
-        self.activation_calls = [c for c in self.activation_calls if c[2].grad_fn in seen]
+        self.capture.drop_outside(root)
+
+    def probe_calls(self) -> list[Call]:
+        """The recorded calls whose inputs and outputs are still held (those Cockpit's own
+        backpropagations from the model output reach)."""
+        return self.capture.probe_calls()
+
+    def used_repeatedly(self, name: str) -> bool:
+        """Whether parameter ``name`` is used by several recorded calls."""
+        return name in self._multi_use
 
     # ------------------------------------------------------------------ backward
     def begin(self, request: StepRequest, losses: Tensor | None) -> BackwardStatistics:
@@ -340,101 +168,45 @@ class ModuleTracker:
         self.request = request
         self.needs = request.needs
         self._weights = None
-        self._weights_problem: str | None = None
+        self._weights_problem = None
         self.repeated_backward = False
-        self._accumulated = {}
-        uses: dict[str, int] = {}
-        for call in self._calls:
-            for attr in call.unit.params:
-                name = self.unit_param_name(call.unit, attr)
-                uses[name] = uses.get(name, 0) + 1
-        self._multi_use = {name for name, count in uses.items() if count > 1}
+        self._multi_use = self.capture.multi_use()
         self._seen_grads = {}
         self._pure_grads = set()
         self._spare_grads, self._last_batch_grads = self._last_batch_grads, {}
-        self._pending_provided = {}
-        self.kept_calls = []
+        self.processor.begin()
         self.release_step_cache()
         if losses is not None and losses.grad_fn is not None and num_samples > 1:
             # also without per-sample instruments: the diagonal curvature's backprops
             # (sum_sq_of_backprops) need each sample's share of a broadcast output too
-            self._tap_broadcasts(losses, num_samples)
+            self.capture.tap_broadcasts(losses, num_samples)
         self.active = True
         return self.stats
 
-    def _tap_broadcasts(self, losses: Tensor, n: int) -> None:
-        """Find the layer outputs shared by the batch (see :mod:`cockpit.engine.broadcast`)
-        and hook the nodes that broadcast them, so that their δ_n arrive per sample.
-
-        Candidates: outputs without the batch size at the batch dimension, and outputs of
-        layers whose inputs are all integer tensors (index inputs such as position ids
-        [T, T] may have T = N by coincidence); the graph decides."""
-        consumers = None
-        for call in self._calls:
-            if call.args is None or isinstance(call.unit.module, nn.RNNBase) or call.taps:
-                continue
-            inputs = [v for v in (*call.args, *call.kwargs.values()) if isinstance(v, Tensor)]
-            index_inputs = bool(inputs) and not any(v.is_floating_point() or v.is_complex()
-                                                    for v in inputs)
-            dims = output_batch_dims(call.unit.module, call.output_positions)
-            for k, (y, bd) in enumerate(zip(call.outputs, dims, strict=True)):
-                mismatch = y.dim() <= bd or y.shape[bd] != n
-                if y.grad_fn is None or not (mismatch or index_inputs):
-                    continue
-                if consumers is None:
-                    consumers = consumers_of(losses.grad_fn)
-                paths, others = find_paths(y, consumers, bd, n)
-                if not paths:
-                    continue
-                tap = BroadcastTap(tuple(y.shape), bd, n, paths)
-                if others:
-                    tap.problem = (
-                        f"its output is shared by the batch, but part of its gradient flows "
-                        f"through {sorted(set(others))[:3]} where Cockpit cannot separate the "
-                        "samples' shares: expand the layer's input over the batch by hand")
-                else:
-                    for path in paths:
-                        tap.handles.append(path.consumer.register_prehook(
-                            self._make_broadcast_hook(tap, path)))
-                if not call.taps:
-                    call.args, call.kwargs = tap.expand_inputs(call.args, call.kwargs)
-                call.taps[k] = tap
-
-    def _make_broadcast_hook(self, tap: BroadcastTap, path):
-        def hook(grad_outputs):
-            probing = self._probing
-            if not probing and (not self.active or self._suspended):
-                return None
-            if tap.problem is None:
-                try:
-                    with torch.no_grad():
-                        delta = per_sample_delta(path, grad_outputs, tap.batch_dim)
-                    tap.add(delta, probing)
-                except Exception as error:  # never raised into the user's backward
-                    tap.problem = f"its output is shared by the batch: {error}"
-            return None
-
-        return hook
-
-    def losses_hook(self, grad: Tensor) -> None:
-        """Hook on the per-sample losses: record w_n = ∂L/∂ℓ_n."""
-        if self.active and not self._suspended:
-            if grad.numel() == 0:  # an empty batch: no weight to read
-                self._weights_problem = "the batch is empty (`losses` has 0 entries)"
-                return
-            self._weights = grad.detach()
-            # the only read of the device in a tracked step's hooks: the weight is a
-            # number of the engine's decisions (uniform? zero? the scale of δ_n)
-            self._weights_problem, self._weight_value = weights_problem(self._weights)
-
     @contextlib.contextmanager
-    def suspended(self):
+    def suspended(self) -> Iterator[None]:
         """Extra backward passes of Cockpit's own (curvature) leave the statistics alone."""
         previous, self._suspended = self._suspended, True
         try:
             yield
         finally:
             self._suspended = previous
+
+    @property
+    def is_suspended(self) -> bool:
+        """Whether Cockpit's own work runs inside autograd now (:meth:`suspended`)."""
+        return self._suspended
+
+    @property
+    def in_own_work(self) -> bool:
+        """Whether Cockpit's own work runs now: a rule running a module again, curvature
+        work, or one of Cockpit's backpropagations (:meth:`sum_sq_of_backprops`)."""
+        return self._suspended or self._probing
+
+    def sample_grads(self, call: Call, grads: list[Tensor]) -> dict[str, SampleGrads]:
+        """The individual gradients of ``call``'s parameters for its output gradients
+        ``grads``, by the unit's rule, keyed by global parameter names."""
+        return self.processor.rule(call, grads)
 
     def sum_sq_of_backprops(self, output: Tensor, grad_outputs: Tensor) -> dict[str, Tensor]:
         """Σ_k Σ_n g_{n,k} ⊙ g_{n,k} per parameter, where g_{n,k} = (∂f_n/∂θ)ᵀ v_{n,k} is the
@@ -445,18 +217,8 @@ class ModuleTracker:
         loss Hessian, the result is |B| times the diagonal of the GGN of the mean loss.
         Must run before the user's backward pass (the recorded layer inputs are needed).
         """
-        calls = [c for c in self._calls if c.args is not None and c.outputs]
-        # Ask autograd for the layers' outputs: the backward pass reaches every layer (and
-        # fires the output hooks) but computes no parameter gradient and stops at the first
-        # layer's output (2× faster on 3C3D: a convolution's bias gradient makes oneDNN
-        # compute its weight gradient too). An output modified in place after the call has
-        # a new autograd node; for its layer ask for the smallest parameter instead.
-        targets: dict[int, Tensor] = {}
-        for c in calls:
-            chosen = (c.outputs if c.outputs_unchanged()
-                      else [min(c.unit.params.values(), key=lambda q: q.numel())])
-            targets.update((id(t), t) for t in chosen)
-        params = list(targets.values())
+        calls = self.probe_calls()
+        params = layer_outputs(calls)  # (no parameter gradient is computed)
         totals: dict[str, Tensor] = {}
         with self.suspended(), reuse_unfolded_inputs():
             for v in grad_outputs:
@@ -479,7 +241,7 @@ class ModuleTracker:
                         continue
                     deltas = [torch.zeros_like(o) if d is None else d
                               for d, o in zip(deltas, call.outputs, strict=True)]
-                    for name, sg in self._rule(call, deltas).items():
+                    for name, sg in self.processor.rule(call, deltas).items():
                         if name in self._multi_use:
                             accumulate(accumulated, name, sg)
                         else:
@@ -489,115 +251,9 @@ class ModuleTracker:
         return totals
 
     def run_frozen_pass(self, losses: Tensor) -> None:
-        """The per-sample statistics with every BatchNorm layer's batch statistics held
-        constant (see :mod:`cockpit.engine.rules.batchnorm_frozen`), from one extra backward
-        pass of Σ_n ℓ_n over the recorded graph, before the user's backward pass; that pass
-        then only records the batch gradient. Failures are recorded, never raised."""
-        stats = self.stats
-        assert stats is not None
-        if self.request.split:
-            self._fail("batchnorm='frozen_statistics' describes one backward pass per step in "
-                       "one process (no gradient accumulation, no torch.distributed)")
-            return
-        calls = [c for c in self._calls if c.args is not None and c.outputs]
-        targets: dict[int, Tensor] = {}
-        for c in calls:  # the layers' outputs: no parameter gradient is computed
-            chosen = (c.outputs if c.outputs_unchanged()
-                      else [min(c.unit.params.values(), key=lambda q: q.numel())])
-            targets.update((id(t), t) for t in chosen)
-        self._frozen_pass = self.frozen_backward.active = True
-        try:  # the hooks process each layer (losses_hook reads w_n = 1 of Σ_n ℓ_n)
-            torch.autograd.grad(losses, list(targets.values()),
-                                grad_outputs=torch.ones_like(losses), retain_graph=True,
-                                allow_unused=True)
-            for call in self._calls:  # torch.func rules run after the pass
-                if call.args is not None and call.received > 0:
-                    call.grads = [g if g is not None else torch.zeros_like(out)
-                                  for g, out in zip(call.grads, call.outputs, strict=True)]
-                    self._process_guarded(call)
-            for name, grads in self._accumulated.items():
-                self._reduce_guarded(name, grads)
-        except Exception as error:
-            if self.strict:
-                raise
-            self._fail(f"the backward pass with frozen BatchNorm statistics failed: {error}")
-        finally:
-            self._frozen_pass = self.frozen_backward.active = False
-            self._accumulated = {}
-            self._weights, self._weights_problem, self._weight_value = None, None, 1.0
-            for call in self._calls:  # the user's backward pass only records the gradient
-                call.release()
-            self._calls = []
-
-    def _rule(self, call: Call, grads: list[Tensor], scale: float = 1.0
-              ) -> dict[str, SampleGrads]:
-        """The unit's rule on one call, keyed by global parameter names. ``scale``: a factor
-        the rule applies to ``grads`` (only rules with ``takes_scale``)."""
-        unit = call.unit
-        if unit.rule is not None and len(grads) == 1:
-            rule = unit.rule
-            if (self.batchnorm == FROZEN_STATISTICS and not self._probing
-                    and is_training_batch_norm(unit.module)):
-                rule = frozen_batch_norm_rule
-            output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
-            extra = {"scale": scale} if scale != 1.0 else {}
-            args, kwargs, grads = common_precision(call.args, call.kwargs, grads)
-            sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
-        else:
-            params = unit.params if call.params is None else call.params
-            sample_grads = fallback_rule(
-                unit.module, call.args, call.kwargs, call.output_positions, grads, params
-            )
-        return {self.unit_param_name(unit, attr): sg for attr, sg in sample_grads.items()}
-
-    def _make_param_hook(self, name: str):
-        def hook(grad: Tensor):
-            if (self.active and not self._suspended and self.stats is not None
-                    and not self._frozen_pass):
-                if grad.layout != torch.strided:  # Embedding(sparse=True): instruments read
-                    grad = grad.to_dense()  # dense vectors (the user's p.grad stays sparse)
-                first = name not in self.stats.batch_grads
-                if not first:  # (a leaf's hook fires once per backward pass)
-                    self.repeated_backward = True
-                if first:
-                    spare = self._spare_grads.pop(name, None)
-                    fits = (spare is not None and spare.shape == grad.shape
-                            and spare.dtype == grad.dtype and spare.device == grad.device)
-                    self.stats.batch_grads[name] = (spare.copy_(grad.detach()) if fits
-                                                    else grad.detach().clone())
-                else:
-                    self.stats.batch_grads[name] = self.stats.batch_grads[name] + grad.detach()
-                if self.direction_providers or GRAM_MEAN in self.needs:
-                    param = self.params[name]
-                    seen = grad.detach() if param.grad is None else grad.detach() + param.grad
-                    self._seen_grads[name] = seen
-                    if first and param.grad is None and name not in self._multi_use:
-                        self._pure_grads.add(name)
-                    else:
-                        self._pure_grads.discard(name)
-                    if name in self._pending_provided:
-                        self._reduce_dots_guarded(name, self._pending_provided.pop(name))
-            return None
-
-        return hook
-
-    def _make_output_hook(self, call: Call, k: int):
-        def hook(grad: Tensor):
-            tap = call.taps.get(k)
-            if self._probing:
-                if call.probe_grads is not None:
-                    call.probe_grads[k] = grad.detach() if tap is None else tap.take(True, grad)
-                return None
-            if not self.active or self._suspended or call.args is None:
-                return None
-            call.grads[k] = grad.detach() if tap is None else tap.take(False, grad)
-            call.received += 1
-            if (call.received == len(call.outputs) and not call.unit.deferred
-                    and not self.request.defer):
-                self._process_guarded(call)
-            return None
-
-        return hook
+        """The per-sample statistics with BatchNorm's batch statistics held constant, from
+        one extra backward pass before the user's (:meth:`Capture.run_frozen_pass`)."""
+        self.capture.run_frozen_pass(losses)
 
     def release_step_cache(self) -> None:
         for value in self.step_cache.values():
@@ -639,7 +295,7 @@ class ModuleTracker:
             target[name] = value if name not in target else target[name] + value
 
     def take_kept_calls(self) -> list[Call]:
-        calls, self.kept_calls = self.kept_calls, []
+        calls, self.processor.kept_calls = self.processor.kept_calls, []
         return calls
 
     def project(self, calls: list[Call], directions: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -651,7 +307,7 @@ class ModuleTracker:
         out: dict[str, Tensor] = {}
         with self.suspended():
             for call in calls:
-                for name, sg in self._rule(call, call.grads).items():
+                for name, sg in self.processor.rule(call, call.grads).items():
                     if name in directions:
                         dots = sg.dots(directions[name])
                         out[name] = dots if name not in out else out[name] + dots
@@ -664,26 +320,15 @@ class ModuleTracker:
         weight w = ∂L/∂ℓ_n and by N; unchanged where the weights are unknown)."""
         assert self.stats is not None
         try:
-            self._check_output_gradients_arrived()
+            self.capture.check_output_gradients_arrived()
             if self.request.defer:
                 self._see_optimizer_gradients()
-            for call in self._calls:
-                if call.args is not None and call.received > 0:
-                    call.grads = [
-                        g if g is not None else torch.zeros_like(out)
-                        for g, out in zip(call.grads, call.outputs, strict=True)
-                    ]
-                    self._process_guarded(call)
-            for name, grads in self._accumulated.items():
-                self._reduce_guarded(name, grads)
-            for name, sg in self._pending_provided.items():
-                if name in self.stats.batch_grads:
-                    self._seen_grads.setdefault(name, self.stats.batch_grads[name])
-                self._reduce_dots_guarded(name, sg)
+            self.capture.process_remaining()
+            self.processor.reduce_accumulated()
+            self.processor.reduce_pending()
         finally:
             self.active = False
-            self._accumulated = {}
-            self._pending_provided = {}
+            self.processor.accumulated, self.processor.pending = {}, {}
             self.release_step_cache()
             self.clear_calls()
         stats, self.stats = self.stats, None
@@ -713,227 +358,9 @@ class ModuleTracker:
                     self.stats.gradient_dots.gradient[name] = grad
                 self._seen_grads[name] = grad
 
-    def _check_output_gradients_arrived(self) -> None:
-        """A layer whose parameters received gradients although no output gradient of any
-        of its recorded calls reached Cockpit's hook has individual gradients Cockpit cannot
-        form; say so instead of reporting statistics without it (or a 'zero' gradient)."""
-        stats = self.stats
-        assert stats is not None
-        if not (self.needs & PER_SAMPLE_STATS) or stats.problems:
-            return
-        reached = {id(c.unit) for c in self._calls if c.received > 0}
-        for call in self._calls:
-            unit = call.unit
-            if id(unit) in reached:
-                continue
-            if any(self.unit_param_name(unit, a) in stats.batch_grads for a in unit.params):
-                self._fail(
-                    f"{unit.name or type(unit.module).__name__}: its parameters received "
-                    "gradients, but its output gradient never reached Cockpit's hook (a model "
-                    "compiled with torch.compile runs its layers inside one compiled graph): "
-                    "pass the module you call to Cockpit — Cockpit(torch.compile(model), ...), "
-                    "or a model compiled by model.compile() before Cockpit was created"
-                )
-                return
-
     def drop_spare_gradients(self) -> None:
         """Free the kept batch gradients (the next step is not tracked)."""
         self._spare_grads, self._last_batch_grads = {}, {}
-
-    def _fail(self, message: str) -> None:
-        assert self.stats is not None
-        if message not in self.stats.problems:
-            self.stats.problems.append(message)
-
-    def _process_guarded(self, call: Call) -> None:
-        try:
-            self._guarded(call.unit.name or type(call.unit.module).__name__, self._process, call)
-        finally:  # the call's inputs and gradients are freed inside its hook
-            call.release()
-
-    def _process(self, call: Call) -> None:
-        stats = self.stats
-        assert stats is not None
-        if not (self.needs & PER_SAMPLE_STATS) or stats.problems:
-            return
-        weights = self._weights
-        if self._weights_problem is not None:
-            self._fail(self._weights_problem)
-            return
-        if weights is None:
-            self._fail(
-                "the backpropagated loss does not depend on the `losses` passed to "
-                "cockpit(step, losses=...); pass the per-sample losses whose mean you "
-                "backpropagate"
-            )
-            return
-        tensors = [v for v in (*call.args, *call.kwargs.values()) if isinstance(v, Tensor)]
-        if [t._version for t in tensors] != call.versions:
-            raise RuntimeError(
-                "an input of this layer was modified in place after the layer used it"
-            )
-        for tap in call.taps.values():
-            if tap.problem is not None:
-                raise ValueError(tap.problem)
-        unit = call.unit
-        if unit.rule is None and len(call.outputs) > 1 and outputs_feed_each_other(call):
-            raise ValueError(
-                "one of its outputs is computed from another of its outputs; the gradient "
-                "hooks then see the inner path twice and Cockpit cannot separate it: return "
-                "the outputs from separate computations (or only one of them)"
-            )
-        bd = batch_dim_of(unit.module)
-        first = call.grads[0]
-        packed = isinstance(unit.module, nn.RNNBase) and any(
-            isinstance(v, PackedSequence) for v in (*call.args, *call.kwargs.values()))
-        if (first is not None and first.dim() > bd and first.shape[bd] != stats.num_samples
-                and not packed):
-            raise ValueError(batch_size_message(first.shape[bd], stats.num_samples))
-        rule = unit.rule
-        scale = 1.0
-        if packed:  # a packed output has no batch dimension; the weights are uniform
-            grads = [g / self._weight_value for g in call.grads]
-        elif getattr(rule, "takes_scale", False) and not self.keep_calls:
-            # δ_n = ∂L/∂y_n / w with one uniform w (checked): the rule folds 1/w into its
-            # smallest intermediate instead of dividing the whole output gradient
-            grads, scale = list(call.grads), 1.0 / self._weight_value
-        else:
-            dims = output_batch_dims(unit.module, call.output_positions)
-            grads = [self._individual(g, weights, d) for g, d in zip(call.grads, dims,
-                                                                      strict=True)]
-        if self.keep_calls:  # for projections on directions known only after the step
-            params = (None if unit.rule is not None and len(grads) == 1
-                      else {k: p.detach().clone() for k, p in unit.params.items()})
-            self.kept_calls.append(Call(unit, call.args, call.kwargs, [], call.versions, grads,
-                                        output_positions=call.output_positions,
-                                        params=params))
-        if self.needs <= {PROJECTIONS} and not (self.directions or self.direction_providers):
-            return
-        for name, sg in self._rule(call, grads, scale).items():
-            if sg.num_samples != stats.num_samples:
-                raise ValueError(batch_size_message(sg.num_samples, stats.num_samples))
-            if name in self._multi_use:
-                accumulate(self._accumulated, name, sg)
-            else:
-                self._reduce(name, sg)
-
-    @staticmethod
-    def _individual(grad: Tensor, weights: Tensor, batch_dim: int) -> Tensor:
-        """∂L/∂y_n → ∂ℓ_n/∂y_n by dividing by the loss weight w_n of each sample."""
-        shape = [1] * grad.dim()
-        shape[batch_dim] = -1
-        return grad / weights.reshape(shape).to(grad.dtype)
-
-    def _guarded(self, label: str, fn, *args) -> None:
-        """Run Cockpit's own work inside autograd; a failure is recorded, never raised
-        into the user's backward pass (unless ``strict``; a layer that mixes samples is a
-        property of the model, not a bug, and is always recorded)."""
-        previous, self._suspended = self._suspended, True
-        try:
-            fn(*args)
-        except Exception as error:
-            if self.strict and not isinstance(error, SampleMixingError):
-                raise
-            self._fail(f"{label}: {error}")
-        finally:
-            self._suspended = previous
-
-    def _reduce_guarded(self, name: str, sg: SampleGrads) -> None:
-        self._guarded(name, self._reduce, name, sg)
-
-    def _reduce(self, name: str, sg: SampleGrads) -> None:
-        stats, needs = self.stats, self.needs
-        assert stats is not None
-        if SQ_NORMS in needs:
-            stats.sq_norms[name] = sg.sq_norms()
-        if GRAM_MEAN in needs and not sg.fuse_dots:
-            stats.gram_mean[name] = sg.gram_mean()
-        if SUM_SQ in needs:
-            stats.sum_sq[name] = sg.sum_sq()
-        if VAR_SUM in needs:
-            stats.var_sum[name] = sg.centered_sum_sq()
-        if HIST1D in needs:
-            stats.hist1d[name] = (magnitude_counts(_one_chunk_at_a_time(sg))
-                                  if isinstance(self.hist_spec, AutoRange)
-                                  else sg.histogram(self.hist_spec))
-        if HIST2D in needs:
-            spec_g, spec_theta = self.hist2d_specs
-            stats.hist2d[name] = sg.histogram2d(self.params[name].detach(), spec_g, spec_theta)
-        if self._frozen_pass:  # these g_n do not sum to the batch gradient: keep their sum
-            stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
-                sg.batch_mean() * sg.num_samples)
-        waits = self.direction_providers or (GRAM_MEAN in needs and sg.fuse_dots)
-        if waits and name not in self._seen_grads and not self._frozen_pass:
-            # the parameter's gradient arrives right after this layer's output gradient
-            self._pending_provided[name] = sg
-        else:
-            self._reduce_dots(name, sg)
-
-    def _reduce_dots_guarded(self, name: str, sg: SampleGrads) -> None:
-        self._guarded(name, self._reduce_dots, name, sg)
-
-    def _reduce_dots(self, name: str, sg: SampleGrads) -> None:
-        """The statistics that are dot products g_nᵀu — with ḡ (GRAM_MEAN), with the
-        directions known before the backward and with those the providers compute from the
-        gradient the optimizer sees — in one pass over the individual gradients."""
-        stats = self.stats
-        assert stats is not None
-        vectors: list[Tensor] = []
-
-        def row(vector: Tensor) -> int:
-            for index, known in enumerate(vectors):  # one projection per distinct tensor
-                if known is vector:
-                    return index
-            vectors.append(vector)
-            return len(vectors) - 1
-
-        # Rows of the result: an index into dots_many's rows, or a ready [N] tensor.
-        seen = self._seen_grads.get(name)
-        pure = seen is not None and name in self._pure_grads
-        # With the gradient G = Σ_m w·g_m of this backward (pure), g_nᵀG = w·N·g_nᵀḡ.
-        w_n = self.loss_weight * sg.num_samples if pure and self.loss_weight else None
-        gram_row: int | None = None
-        gradient_ref: int | Tensor | None = None
-        if GRAM_MEAN in self.needs and sg.fuse_dots:
-            if w_n:  # seen ∥ ḡ: one row serves g_nᵀḡ and a provider's GRADIENT
-                gram_row = gradient_ref = row(seen)
-            else:
-                gram_row = row(sg.batch_mean())
-        synced = stats.gradient_dots
-        synced_row = (row(seen) if synced is not None and seen is not None
-                      and name in synced.gradient else None)
-
-        def gradient() -> int | Tensor:
-            nonlocal gradient_ref
-            if gradient_ref is None:
-                if w_n and not sg.fuse_dots:  # closed form (Gram matrix for Linear layers)
-                    gram = stats.gram_mean.get(name)
-                    gradient_ref = w_n * (sg.gram_mean() if gram is None else gram)
-                else:
-                    gradient_ref = row(seen)
-            return gradient_ref
-
-        projections: list[tuple[str, list[int | Tensor]]] = []
-        for key, directions in self.directions.items():
-            if name in directions:
-                projections.append((key, [row(directions[name])]))
-        if self.direction_providers and seen is not None:
-            param = self.params[name]
-            for key, provider in self.direction_providers.items():
-                basis = provider(name, param, seen)
-                if basis is not None:
-                    projections.append(
-                        (key, [gradient() if v is GRADIENT else row(v) for v in basis]))
-        dots = sg.dots_many(vectors) if vectors else None  # [K, N]
-        if gram_row is not None:
-            assert dots is not None
-            stats.gram_mean[name] = dots[gram_row] / w_n if w_n else dots[gram_row]
-        if synced_row is not None:
-            assert dots is not None and synced is not None
-            synced.dots[name] = dots[synced_row]
-        for key, refs in projections:
-            stats.projections.setdefault(key, {})[name] = torch.stack(
-                [dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
 
     @property
     def weights_problem(self) -> str | None:
@@ -947,97 +374,6 @@ class ModuleTracker:
         return None if self._weights is None else self._weight_value
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self.clear_calls()
+        self.capture.remove()
         self.drop_spare_gradients()
         self.active = False
-
-
-def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
-                     ) -> tuple[tuple, dict, list[Tensor]]:
-    """A layer's recorded inputs and output gradient in one floating dtype, at least float32.
-
-    They differ under autocast (mixed precision): a Linear or convolution receives float32
-    inputs but computes, and backpropagates, in bfloat16/float16; a normalization layer may
-    receive half-precision inputs and compute in float32. The individual gradients are then
-    formed in the wider dtype from the values the layer actually used: inputs wider than
-    the output gradient are first rounded to its dtype (the layer's own cast), narrower ones
-    are widened exactly. Half precision is always widened to float32: sums of squares and
-    projections in float16 overflow (a GradScaler's factor 2^16 alone does) and in bfloat16
-    keep three digits. Unchanged when all are float32 or float64 alike."""
-    if not grads or not grads[0].is_floating_point():
-        return args, kwargs, grads
-    dtypes = {v.dtype for v in (*args, *kwargs.values(), *grads)
-              if isinstance(v, Tensor) and v.is_floating_point()}
-    wide = functools.reduce(torch.promote_types, dtypes | {torch.float32})
-    if dtypes == {wide}:
-        return args, kwargs, grads
-    computed = grads[0].dtype
-
-    def cast(value):
-        if not (isinstance(value, Tensor) and value.is_floating_point()):
-            return value
-        if torch.finfo(value.dtype).bits > torch.finfo(computed).bits:
-            value = value.to(computed)
-        return value.detach().to(wide)
-
-    return (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()},
-            [cast(g) for g in grads])
-
-
-def outputs_feed_each_other(call: Call) -> bool:
-    """Whether one output of the call depends on another in the autograd graph (a custom
-    layer returning y and f(y)): the hook on y then receives the path through f(y) as well,
-    and a per-sample vector-Jacobian product of both outputs would count it twice. The
-    walk stays inside the layer: it stops at the inputs' nodes."""
-    outputs = {o.grad_fn for o in call.outputs if o.grad_fn is not None}
-    inputs = {v.grad_fn for v in (*call.args, *call.kwargs.values())
-              if isinstance(v, Tensor) and v.grad_fn is not None}
-    for start in outputs:
-        seen: set = set()
-        stack = [node for node, _ in start.next_functions]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen or node in inputs:
-                continue
-            if node in outputs:
-                return True
-            seen.add(node)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
-
-
-def batch_size_message(batch: int, num_losses: int) -> str:
-    return (
-        f"the layer saw a batch of {batch} samples but `losses` has {num_losses} entries; "
-        "pass one loss per sample (per-token or per-pixel losses averaged per sample, e.g. "
-        "losses.view(batch_size, -1).mean(1))"
-    )
-
-
-def weights_problem(w: Tensor) -> tuple[str | None, float]:
-    """Why the loss weights w_n = ∂L/∂ℓ_n do not allow individual gradients (or None), and
-    w_0, read from the device at once."""
-    flat = w.reshape(-1)
-    first = flat[0]
-    equal, value = torch.stack([(flat == first).all().to(torch.float64),
-                                first.to(torch.float64)]).tolist()
-    if not equal:
-        return (
-            "the backpropagated loss weights the individual losses unequally; Cockpit "
-            "expects the batch loss to be losses.mean() (or losses.sum())"
-        ), value
-    if value == 0:
-        return "the backpropagated loss does not depend on `losses` (zero weights)", value
-    return None, value
-
-
-def accumulate(accumulated: dict[str, DenseSampleGrads], name: str, sg: SampleGrads) -> None:
-    """Sum the individual gradients of a parameter over the calls that use it."""
-    dense = DenseSampleGrads(sg.materialize_owned())
-    if name in accumulated:
-        accumulated[name].add_(dense)
-    else:
-        accumulated[name] = dense

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine import update_prediction as up
+from cockpit.engine.engine_view import EngineView
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.tracker import GRADIENT, PROJECTIONS
 from cockpit.quantities.alpha_fit import Observations, compute_alpha
@@ -125,10 +126,11 @@ class Alpha(Quantity):
         return self.starts(step) or self.starts(step - 1)
 
     # ------------------------------------------------------------------ before backward
-    def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
+    def prepare(self, step: int, engine: EngineView, optimizer, losses: Tensor | None
+                ) -> None:
         """Register this backward pass's directions in the engine's request (called once
         per backward pass: a step accumulated over micro-batches has several)."""
-        request = tracker.request
+        request = engine.request
         opened = self._open
         previous: dict[str, Tensor] = {}
         if opened is not None and opened.step == step - 1 and opened.direction is not None:
@@ -177,7 +179,7 @@ class Alpha(Quantity):
             state.basis[name] = basis
             if not state.sgd:
                 return basis
-            # the gradient row is g_nᵀḡ up to a factor, which the tracker has already; s_{t−1}
+            # the gradient row is g_nᵀḡ up to a factor, which the engine has already; s_{t−1}
             # is given as the tensor registered for α_{t−1}, so one projection serves both
             rows = [GRADIENT, *basis[1:]]
             if last is not None:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine import histogram_device
+from cockpit.engine.engine_view import EngineView
 from cockpit.engine.histogram import AutoRange, BinSpec
 from cockpit.engine.readout import Later
 from cockpit.engine.statistics import BackwardStatistics
@@ -51,7 +52,7 @@ class StepData:
     hist2d_specs: tuple[BinSpec, BinSpec]
     time: float
     notes: dict[str, str] = field(default_factory=dict)
-    tracker: Any = None  # the engine
+    engine: EngineView | None = None  # what the instruments may ask of the engine
     # Σ_params g_nᵀu for every sample of the step, u known only after the optimizer step
     # (set when an instrument asked to keep the layer calls: request.keep_calls)
     project: Callable[[dict[str, Tensor]], Tensor] | None = None
@@ -112,9 +113,10 @@ class Quantity:
     def should_track(self, step: int) -> bool:
         return bool(self.schedule(step))
 
-    def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
-        """Called before the user's backward pass of a tracked step (register directions,
-        curvature work on the forward graph, ...)."""
+    def prepare(self, step: int, engine: EngineView, optimizer, losses: Tensor | None
+                ) -> None:
+        """Called before the user's backward pass of a tracked step (register directions
+        in ``engine.request``, curvature work on the forward graph, ...)."""
 
     def compute(self, data: StepData) -> dict[str, Value]:
         return {}

@@ -30,6 +30,7 @@ from cockpit.curvature.diagonal import (
     diagonal_replicates,
     resolve_method,
 )
+from cockpit.engine.engine_view import EngineView
 from cockpit.engine.readout import Later, Noted
 from cockpit.quantities.base import Quantity, StepData
 from cockpit.schedules import Schedule
@@ -79,7 +80,8 @@ class DiagonalCurvatureQuantity(Quantity):
             f"diagonal/{curvature}/{self.fallback}/{loss}/{mc_samples}/{mc_threshold}/"
             f"{max_backprops}",)
 
-    def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
+    def prepare(self, step: int, engine: EngineView, optimizer, losses: Tensor | None
+                ) -> None:
         if self._replicate_step != step:  # the first backward pass of a new step
             self._replicate_step, self._replicates, self._nonfinite = step, [], False
             self._finite = None
@@ -87,10 +89,10 @@ class DiagonalCurvatureQuantity(Quantity):
             return
         finite = torch.isfinite(losses.detach()).all()
         self._finite = finite if self._finite is None else self._finite & finite
-        method, reason = resolve_method(self.curvature, tracker, self.mc_threshold,
+        method, reason = resolve_method(self.curvature, engine, self.mc_threshold,
                                         self.max_backprops, self.fallback)
         try:
-            replicates = self._shared(method, tracker, losses)
+            replicates = self._shared(method, engine, losses)
         except Exception as error:
             if not bool(finite):  # e.g. sampling from NaN probabilities: read only here
                 self._nonfinite = True
@@ -99,10 +101,10 @@ class DiagonalCurvatureQuantity(Quantity):
             if (not isinstance(error, RuntimeError) or self.curvature != "auto"
                     or method != "hutchinson"):
                 raise
-            method, reason = resolve_method("auto", tracker, self.mc_threshold,
+            method, reason = resolve_method("auto", engine, self.mc_threshold,
                                             self.max_backprops, "ggn")
             reason = f"{reason}; Hessian-vector products failed: {error}"
-            replicates = self._shared(method, tracker, losses)
+            replicates = self._shared(method, engine, losses)
         self.method_used, self.fallback_reason = method, reason
         if reason is not None and not self._warned:
             self._warned = True
@@ -119,23 +121,23 @@ class DiagonalCurvatureQuantity(Quantity):
                 for k, d in replicate.items():
                     total[k] = total[k] + n * d if k in total else n * d
 
-    def _shared(self, method: str, tracker, losses: Tensor) -> list[dict[str, Tensor]]:
+    def _shared(self, method: str, engine: EngineView, losses: Tensor) -> list[dict[str, Tensor]]:
         """The replicates of this backward pass, computed once for all instruments."""
         key = ("diagonal", method, self.loss, self.mc_samples)
-        if key not in tracker.step_cache:
+        if key not in engine.step_cache:
             replicates = diagonal_replicates(
-                method, tracker, losses, tracker.params, loss=self.loss,
+                method, engine, losses, engine.params, loss=self.loss,
                 num_samples=self.mc_samples, generator=self.generator,
                 max_backprops=self.max_backprops,
             )
-            tracker.step_cache[key] = replicates
-        replicates = tracker.step_cache[key]
+            engine.step_cache[key] = replicates
+        replicates = engine.step_cache[key]
         sums_key = (key, self.sample_sum_keys[0])
-        if sums_key not in tracker.step_cache:
+        if sums_key not in engine.step_cache:
             n = losses.shape[0]
             mean = {k: sum(r[k] for r in replicates) / len(replicates) for k in replicates[0]}
-            tracker.add_sample_sums(self.sample_sum_keys[0], {k: d * n for k, d in mean.items()})
-            tracker.step_cache[sums_key] = True
+            engine.add_sample_sums(self.sample_sum_keys[0], {k: d * n for k, d in mean.items()})
+            engine.step_cache[sums_key] = True
         return replicates
 
     # ------------------------------------------------------------------ for compute()

@@ -39,11 +39,9 @@ class DeadUnits(Quantity):
 
     def _unit_weights(self, data: StepData) -> set[str]:
         if self._weights is None:
-            model = getattr(data.tracker, "model", None)
-            self._weights = set() if model is None else {
-                f"{name}.weight" if name else "weight"
-                for name, module in model.named_modules() if isinstance(module, _UNIT_LAYERS)
-            }
+            owners = {} if data.engine is None else data.engine.parameter_owners
+            self._weights = {name for name, (module, attr) in owners.items()
+                             if attr == "weight" and isinstance(module, _UNIT_LAYERS)}
         return self._weights
 
     def compute(self, data: StepData) -> Values:

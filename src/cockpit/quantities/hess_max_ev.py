@@ -37,6 +37,7 @@ from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
 from cockpit.curvature.lanczos import EigResult, lanczos_max_eigenvalue
+from cockpit.engine.engine_view import EngineView
 from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.schedules import Schedule
 
@@ -71,15 +72,16 @@ class HessMaxEV(Quantity):
         self._result = None
         self._skipped: str | None = None
 
-    def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
+    def prepare(self, step: int, engine: EngineView, optimizer, losses: Tensor | None
+                ) -> None:
         self._result, self._skipped, self._blocks = None, None, {}
-        if losses is None or tracker.request.split:
+        if losses is None or engine.request.split:
             return
-        hvp = hessian_vector_product(tracker, losses, tracker.params)
+        hvp = hessian_vector_product(engine, losses, engine.params)
         v0 = self._vector if self.warm_start else None
         if v0 is not None and v0.numel() != hvp.dim:
             v0 = None
-        with tracker.suspended():
+        with engine.suspended():
             self._result = lanczos_max_eigenvalue(
                 hvp.matvec, hvp.dim, v0=v0, tol=self.tol, max_iter=self.max_iter,
                 miss_probability=self.miss_probability, generator=self.generator,
@@ -91,9 +93,9 @@ class HessMaxEV(Quantity):
         if self.warm_start and math.isfinite(self._result.value):
             self._vector = self._result.vector.detach()
         if self.per_parameter:
-            for name, param in tracker.params.items():
-                block = hessian_vector_product(tracker, losses, {name: param})
-                with tracker.suspended():
+            for name, param in engine.params.items():
+                block = hessian_vector_product(engine, losses, {name: param})
+                with engine.suspended():
                     self._blocks[name] = lanczos_max_eigenvalue(
                         block.matvec, block.dim, tol=self.tol, max_iter=self.max_iter,
                         miss_probability=self.miss_probability, generator=self.generator)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
+from cockpit.engine.engine_view import EngineView
 from cockpit.quantities.base import Quantity, StepData
 from cockpit.schedules import Schedule
 
@@ -35,16 +36,17 @@ class HessianOperatorQuantity(Quantity):
         reason it was not run."""
         raise NotImplementedError
 
-    def prepare(self, step: int, tracker, optimizer, losses: Tensor | None) -> None:
+    def prepare(self, step: int, engine: EngineView, optimizer, losses: Tensor | None
+                ) -> None:
         self._result, self._skipped = None, None
-        if losses is None or tracker.request.split:
+        if losses is None or engine.request.split:
             return
         if not bool(torch.isfinite(losses.detach()).all()):
             self._skipped = NON_FINITE
             return
-        hvp = hessian_vector_product(tracker, losses, tracker.params)
-        first = next(iter(tracker.params.values()))
-        with tracker.suspended():
+        hvp = hessian_vector_product(engine, losses, engine.params)
+        first = next(iter(engine.params.values()))
+        with engine.suspended():
             result = self.solve(hvp.matvec, hvp.dim, first.dtype, first.device)
         if isinstance(result, str):
             self._skipped = result

@@ -1,0 +1,445 @@
+"""Per-call processing: one recorded layer call → its parameters' per-sample statistics.
+
+When a layer call's output gradients ∂L/∂y have all arrived (inside the user's backward
+pass, or after it for deferred units), :class:`CallProcessor` turns them into the individual
+losses' gradients δ_n = (∂L/∂y_n) / w_n, asks the layer rule for one :class:`SampleGrads`
+per parameter and reduces each to the statistics the step's instruments need:
+
+* the per-sample statistics proper (‖g_n‖², Σ_n g_n ⊙ g_n, histograms, …), and
+* the dot products g_nᵀu — with the mean ḡ, with the directions known before the backward
+  pass and with those computed from the gradient the optimizer will see — in one
+  ``dots_many`` pass per parameter (:meth:`CallProcessor.reduce_dots`). Where a dot product
+  needs the parameter's gradient, which arrives right after the layer's output gradient,
+  the :class:`SampleGrads` waits for it (``pending``).
+
+Parameters used by several calls (tied weights) have their individual gradients summed over
+the calls (``accumulated``) and are reduced when the backward pass ends. The state of the
+backward pass itself (the request, the loss weights w_n, the gradients seen so far, the
+statistics being filled) belongs to the :class:`~cockpit.engine.tracker.ModuleTracker`
+whose hooks record it; the processor reads it there.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+from cockpit.engine.histogram import AutoRange, magnitude_counts
+from cockpit.engine.rules.batchnorm_frozen import (
+    FROZEN_STATISTICS,
+    frozen_batch_norm_rule,
+    is_training_batch_norm,
+)
+from cockpit.engine.rules.fallback import batch_dim_of, fallback_rule, output_batch_dims
+from cockpit.engine.rules.norms import SampleMixingError
+from cockpit.engine.sample_grads import (
+    _CHUNK_ELEMENTS,
+    DenseSampleGrads,
+    OuterSampleGrads,
+    SampleGrads,
+    SequenceOuterSampleGrads,
+)
+from cockpit.engine.statistics import (
+    GRAM_MEAN,
+    HIST1D,
+    HIST2D,
+    PER_SAMPLE_STATS,
+    PROJECTIONS,
+    SAMPLE_GRAD_SUM,
+    SQ_NORMS,
+    SUM_SQ,
+    VAR_SUM,
+)
+
+if TYPE_CHECKING:
+    from cockpit.engine.tracker import Call, ModuleTracker
+
+
+class _Gradient:
+    """What a direction provider returns for "the gradient you gave me" (see GRADIENT)."""
+
+    def __repr__(self) -> str:
+        return "GRADIENT"
+
+
+GRADIENT = _Gradient()
+"""A direction provider may put GRADIENT into its basis instead of a copy of the gradient it
+was given: the tracker then takes g_nᵀ(gradient) from g_nᵀḡ where that is this backward's
+own gradient (a closed form for Linear layers, one shared row otherwise)."""
+
+
+def _one_chunk_at_a_time(sg: SampleGrads) -> Iterator[Tensor]:
+    """The individual gradients in sample chunks, each formed only when the previous one is
+    done with (factored layers' ``chunks()`` would form them all at once)."""
+    if isinstance(sg, OuterSampleGrads | SequenceOuterSampleGrads):
+        size = max(1, _CHUNK_ELEMENTS // max(sg.shape.numel(), 1))
+        for d, a in zip(sg.delta.split(size), sg.a.split(size), strict=True):
+            yield (d.unsqueeze(2) * a.unsqueeze(1) if isinstance(sg, OuterSampleGrads)
+                   else torch.bmm(d.transpose(1, 2), a))
+    else:
+        yield from sg.chunks()
+
+
+class CallProcessor:
+    """Reduces the recorded calls of one tracked backward pass (see the module docstring).
+
+    Args:
+        engine: the tracker whose hooks record the backward pass' state.
+    """
+
+    def __init__(self, engine: ModuleTracker):
+        self.engine = engine
+        # individual gradients of parameters used by several calls, summed over the calls
+        self.accumulated: dict[str, DenseSampleGrads] = {}
+        # parameter → its individual gradients, waiting for the parameter's gradient
+        self.pending: dict[str, SampleGrads] = {}
+        # calls kept (inputs and individual output gradients) for later projections
+        self.kept_calls: list[Call] = []
+
+    def begin(self) -> None:
+        """Forget what an earlier backward pass left."""
+        self.accumulated, self.pending, self.kept_calls = {}, {}, []
+
+    def fail(self, message: str) -> None:
+        """Record why the per-sample statistics of this backward pass are invalid."""
+        stats = self.engine.stats
+        assert stats is not None
+        if message not in stats.problems:
+            stats.problems.append(message)
+
+    # ------------------------------------------------------------------ calls
+    def process_guarded(self, call: Call) -> None:
+        try:
+            self.guarded(call.unit.name or type(call.unit.module).__name__, self.process, call)
+        finally:  # the call's inputs and gradients are freed inside its hook
+            call.release()
+
+    def process(self, call: Call) -> None:
+        engine = self.engine
+        stats = engine.stats
+        assert stats is not None
+        if not (engine.needs & PER_SAMPLE_STATS) or stats.problems:
+            return
+        weights = engine._weights
+        if engine._weights_problem is not None:
+            self.fail(engine._weights_problem)
+            return
+        if weights is None:
+            self.fail(
+                "the backpropagated loss does not depend on the `losses` passed to "
+                "cockpit(step, losses=...); pass the per-sample losses whose mean you "
+                "backpropagate"
+            )
+            return
+        tensors = [v for v in (*call.args, *call.kwargs.values()) if isinstance(v, Tensor)]
+        if [t._version for t in tensors] != call.versions:
+            raise RuntimeError(
+                "an input of this layer was modified in place after the layer used it"
+            )
+        for tap in call.taps.values():
+            if tap.problem is not None:
+                raise ValueError(tap.problem)
+        unit = call.unit
+        if unit.rule is None and len(call.outputs) > 1 and outputs_feed_each_other(call):
+            raise ValueError(
+                "one of its outputs is computed from another of its outputs; the gradient "
+                "hooks then see the inner path twice and Cockpit cannot separate it: return "
+                "the outputs from separate computations (or only one of them)"
+            )
+        bd = batch_dim_of(unit.module)
+        first = call.grads[0]
+        packed = isinstance(unit.module, nn.RNNBase) and any(
+            isinstance(v, PackedSequence) for v in (*call.args, *call.kwargs.values()))
+        if (first is not None and first.dim() > bd and first.shape[bd] != stats.num_samples
+                and not packed):
+            raise ValueError(batch_size_message(first.shape[bd], stats.num_samples))
+        rule = unit.rule
+        scale = 1.0
+        keep_calls = engine.keep_calls
+        if packed:  # a packed output has no batch dimension; the weights are uniform
+            grads = [g / engine._weight_value for g in call.grads]
+        elif getattr(rule, "takes_scale", False) and not keep_calls:
+            # δ_n = ∂L/∂y_n / w with one uniform w (checked): the rule folds 1/w into its
+            # smallest intermediate instead of dividing the whole output gradient
+            grads, scale = list(call.grads), 1.0 / engine._weight_value
+        else:
+            dims = output_batch_dims(unit.module, call.output_positions)
+            grads = [self.individual(g, weights, d) for g, d in zip(call.grads, dims,
+                                                                     strict=True)]
+        if keep_calls:  # for projections on directions known only after the step
+            params = (None if unit.rule is not None and len(grads) == 1
+                      else {k: p.detach().clone() for k, p in unit.params.items()})
+            self.kept_calls.append(type(call)(
+                unit, call.args, call.kwargs, [], call.versions, grads,
+                output_positions=call.output_positions, params=params))
+        if engine.needs <= {PROJECTIONS} and not (engine.directions
+                                                   or engine.direction_providers):
+            return
+        for name, sg in self.rule(call, grads, scale).items():
+            if sg.num_samples != stats.num_samples:
+                raise ValueError(batch_size_message(sg.num_samples, stats.num_samples))
+            if name in engine._multi_use:
+                accumulate(self.accumulated, name, sg)
+            else:
+                self.reduce(name, sg)
+
+    def reduce_accumulated(self) -> None:
+        """Reduce the parameters used by several calls (their summed individual gradients)."""
+        for name, grads in self.accumulated.items():
+            self.reduce_guarded(name, grads)
+        self.accumulated = {}
+
+    def reduce_pending(self) -> None:
+        """The dot products of parameters whose gradient never arrived in a hook: against
+        the batch gradient recorded for them, if any."""
+        engine = self.engine
+        assert engine.stats is not None
+        for name, sg in self.pending.items():
+            if name in engine.stats.batch_grads:
+                engine._seen_grads.setdefault(name, engine.stats.batch_grads[name])
+            self.reduce_dots_guarded(name, sg)
+        self.pending = {}
+
+    def gradient_arrived(self, name: str) -> None:
+        """The parameter's gradient is known: form the dot products that waited for it."""
+        if name in self.pending:
+            self.reduce_dots_guarded(name, self.pending.pop(name))
+
+    @staticmethod
+    def individual(grad: Tensor, weights: Tensor, batch_dim: int) -> Tensor:
+        """∂L/∂y_n → ∂ℓ_n/∂y_n by dividing by the loss weight w_n of each sample."""
+        shape = [1] * grad.dim()
+        shape[batch_dim] = -1
+        return grad / weights.reshape(shape).to(grad.dtype)
+
+    def guarded(self, label: str, fn, *args) -> None:
+        """Run Cockpit's own work inside autograd; a failure is recorded, never raised
+        into the user's backward pass (unless ``strict``; a layer that mixes samples is a
+        property of the model, not a bug, and is always recorded)."""
+        engine = self.engine
+        previous, engine._suspended = engine._suspended, True
+        try:
+            fn(*args)
+        except Exception as error:
+            if engine.strict and not isinstance(error, SampleMixingError):
+                raise
+            self.fail(f"{label}: {error}")
+        finally:
+            engine._suspended = previous
+
+    def rule(self, call: Call, grads: list[Tensor], scale: float = 1.0
+             ) -> dict[str, SampleGrads]:
+        """The unit's rule on one call, keyed by global parameter names. ``scale``: a factor
+        the rule applies to ``grads`` (only rules with ``takes_scale``)."""
+        engine = self.engine
+        unit = call.unit
+        if unit.rule is not None and len(grads) == 1:
+            rule = unit.rule
+            if (engine.batchnorm == FROZEN_STATISTICS and not engine._probing
+                    and is_training_batch_norm(unit.module)):
+                rule = frozen_batch_norm_rule
+            output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
+            extra = {"scale": scale} if scale != 1.0 else {}
+            args, kwargs, grads = common_precision(call.args, call.kwargs, grads)
+            sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
+        else:
+            params = unit.params if call.params is None else call.params
+            sample_grads = fallback_rule(
+                unit.module, call.args, call.kwargs, call.output_positions, grads, params
+            )
+        return {engine.unit_param_name(unit, attr): sg for attr, sg in sample_grads.items()}
+
+    # ------------------------------------------------------------------ statistics
+    def reduce_guarded(self, name: str, sg: SampleGrads) -> None:
+        self.guarded(name, self.reduce, name, sg)
+
+    def reduce(self, name: str, sg: SampleGrads) -> None:
+        engine = self.engine
+        stats, needs = engine.stats, engine.needs
+        assert stats is not None
+        if SQ_NORMS in needs:
+            stats.sq_norms[name] = sg.sq_norms()
+        if GRAM_MEAN in needs and not sg.fuse_dots:
+            stats.gram_mean[name] = sg.gram_mean()
+        if SUM_SQ in needs:
+            stats.sum_sq[name] = sg.sum_sq()
+        if VAR_SUM in needs:
+            stats.var_sum[name] = sg.centered_sum_sq()
+        if HIST1D in needs:
+            stats.hist1d[name] = (magnitude_counts(_one_chunk_at_a_time(sg))
+                                  if isinstance(engine.hist_spec, AutoRange)
+                                  else sg.histogram(engine.hist_spec))
+        if HIST2D in needs:
+            spec_g, spec_theta = engine.hist2d_specs
+            stats.hist2d[name] = sg.histogram2d(engine.params[name].detach(), spec_g,
+                                                spec_theta)
+        if engine._frozen_pass:  # these g_n do not sum to the batch gradient: keep their sum
+            stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
+                sg.batch_mean() * sg.num_samples)
+        waits = engine.direction_providers or (GRAM_MEAN in needs and sg.fuse_dots)
+        if waits and name not in engine._seen_grads and not engine._frozen_pass:
+            # the parameter's gradient arrives right after this layer's output gradient
+            self.pending[name] = sg
+        else:
+            self.reduce_dots(name, sg)
+
+    def reduce_dots_guarded(self, name: str, sg: SampleGrads) -> None:
+        self.guarded(name, self.reduce_dots, name, sg)
+
+    def reduce_dots(self, name: str, sg: SampleGrads) -> None:
+        """The statistics that are dot products g_nᵀu — with ḡ (GRAM_MEAN), with the
+        directions known before the backward and with those the providers compute from the
+        gradient the optimizer sees — in one pass over the individual gradients."""
+        engine = self.engine
+        stats = engine.stats
+        assert stats is not None
+        vectors: list[Tensor] = []
+
+        def row(vector: Tensor) -> int:
+            for index, known in enumerate(vectors):  # one projection per distinct tensor
+                if known is vector:
+                    return index
+            vectors.append(vector)
+            return len(vectors) - 1
+
+        # Rows of the result: an index into dots_many's rows, or a ready [N] tensor.
+        seen = engine._seen_grads.get(name)
+        pure = seen is not None and name in engine._pure_grads
+        # With the gradient G = Σ_m w·g_m of this backward (pure), g_nᵀG = w·N·g_nᵀḡ.
+        loss_weight = engine.loss_weight
+        w_n = loss_weight * sg.num_samples if pure and loss_weight else None
+        gram_row: int | None = None
+        gradient_ref: int | Tensor | None = None
+        if GRAM_MEAN in engine.needs and sg.fuse_dots:
+            if w_n:  # seen ∥ ḡ: one row serves g_nᵀḡ and a provider's GRADIENT
+                gram_row = gradient_ref = row(seen)
+            else:
+                gram_row = row(sg.batch_mean())
+        synced = stats.gradient_dots
+        synced_row = (row(seen) if synced is not None and seen is not None
+                      and name in synced.gradient else None)
+
+        def gradient() -> int | Tensor:
+            nonlocal gradient_ref
+            if gradient_ref is None:
+                if w_n and not sg.fuse_dots:  # closed form (Gram matrix for Linear layers)
+                    gram = stats.gram_mean.get(name)
+                    gradient_ref = w_n * (sg.gram_mean() if gram is None else gram)
+                else:
+                    gradient_ref = row(seen)
+            return gradient_ref
+
+        projections: list[tuple[str, list[int | Tensor]]] = []
+        for key, directions in engine.directions.items():
+            if name in directions:
+                projections.append((key, [row(directions[name])]))
+        if engine.direction_providers and seen is not None:
+            param = engine.params[name]
+            for key, provider in engine.direction_providers.items():
+                basis = provider(name, param, seen)
+                if basis is not None:
+                    projections.append(
+                        (key, [gradient() if v is GRADIENT else row(v) for v in basis]))
+        dots = sg.dots_many(vectors) if vectors else None  # [K, N]
+        if gram_row is not None:
+            assert dots is not None
+            stats.gram_mean[name] = dots[gram_row] / w_n if w_n else dots[gram_row]
+        if synced_row is not None:
+            assert dots is not None and synced is not None
+            synced.dots[name] = dots[synced_row]
+        for key, refs in projections:
+            stats.projections.setdefault(key, {})[name] = torch.stack(
+                [dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
+
+
+def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
+                     ) -> tuple[tuple, dict, list[Tensor]]:
+    """A layer's recorded inputs and output gradient in one floating dtype, at least float32.
+
+    They differ under autocast (mixed precision): a Linear or convolution receives float32
+    inputs but computes, and backpropagates, in bfloat16/float16; a normalization layer may
+    receive half-precision inputs and compute in float32. The individual gradients are then
+    formed in the wider dtype from the values the layer actually used: inputs wider than
+    the output gradient are first rounded to its dtype (the layer's own cast), narrower ones
+    are widened exactly. Half precision is always widened to float32: sums of squares and
+    projections in float16 overflow (a GradScaler's factor 2^16 alone does) and in bfloat16
+    keep three digits. Unchanged when all are float32 or float64 alike."""
+    if not grads or not grads[0].is_floating_point():
+        return args, kwargs, grads
+    dtypes = {v.dtype for v in (*args, *kwargs.values(), *grads)
+              if isinstance(v, Tensor) and v.is_floating_point()}
+    wide = functools.reduce(torch.promote_types, dtypes | {torch.float32})
+    if dtypes == {wide}:
+        return args, kwargs, grads
+    computed = grads[0].dtype
+
+    def cast(value):
+        if not (isinstance(value, Tensor) and value.is_floating_point()):
+            return value
+        if torch.finfo(value.dtype).bits > torch.finfo(computed).bits:
+            value = value.to(computed)
+        return value.detach().to(wide)
+
+    return (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()},
+            [cast(g) for g in grads])
+
+
+def outputs_feed_each_other(call: Call) -> bool:
+    """Whether one output of the call depends on another in the autograd graph (a custom
+    layer returning y and f(y)): the hook on y then receives the path through f(y) as well,
+    and a per-sample vector-Jacobian product of both outputs would count it twice. The
+    walk stays inside the layer: it stops at the inputs' nodes."""
+    outputs = {o.grad_fn for o in call.outputs if o.grad_fn is not None}
+    inputs = {v.grad_fn for v in (*call.args, *call.kwargs.values())
+              if isinstance(v, Tensor) and v.grad_fn is not None}
+    for start in outputs:
+        seen: set = set()
+        stack = [node for node, _ in start.next_functions]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node in inputs:
+                continue
+            if node in outputs:
+                return True
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def batch_size_message(batch: int, num_losses: int) -> str:
+    return (
+        f"the layer saw a batch of {batch} samples but `losses` has {num_losses} entries; "
+        "pass one loss per sample (per-token or per-pixel losses averaged per sample, e.g. "
+        "losses.view(batch_size, -1).mean(1))"
+    )
+
+
+def weights_problem(w: Tensor) -> tuple[str | None, float]:
+    """Why the loss weights w_n = ∂L/∂ℓ_n do not allow individual gradients (or None), and
+    w_0, read from the device at once."""
+    flat = w.reshape(-1)
+    first = flat[0]
+    equal, value = torch.stack([(flat == first).all().to(torch.float64),
+                                first.to(torch.float64)]).tolist()
+    if not equal:
+        return (
+            "the backpropagated loss weights the individual losses unequally; Cockpit "
+            "expects the batch loss to be losses.mean() (or losses.sum())"
+        ), value
+    if value == 0:
+        return "the backpropagated loss does not depend on `losses` (zero weights)", value
+    return None, value
+
+
+def accumulate(accumulated: dict[str, DenseSampleGrads], name: str, sg: SampleGrads) -> None:
+    """Sum the individual gradients of a parameter over the calls that use it."""
+    dense = DenseSampleGrads(sg.materialize_owned())
+    if name in accumulated:
+        accumulated[name].add_(dense)
+    else:
+        accumulated[name] = dense
