@@ -1,16 +1,19 @@
 """The cockpit view's instruments: one drawing function per panel.
 
-Every function has the signature ``draw_x(fig, spec, output, **options) -> Axes`` and
-draws into the ``SubplotSpec`` it is given (some panels use several axes, e.g. the 2-D
-histogram with its marginals); the returned axes carries the panel's title
-(:data:`~cockpit.view._style.PANEL_TITLES`). ``None`` values (not computed) and NaNs are
-left out of lines; non-finite values are marked by red crosses at the top of the panel.
+Every function has the signature ``draw_x(fig, spec, output, **options) -> Axes``, is
+registered for its panel's key (``@draws(key)``, the key of the instrument descriptor's
+:class:`~cockpit.quantities.descriptor.Panel`; a panel without one is drawn by
+:func:`series_drawer`) and draws into the ``SubplotSpec`` it is given (some panels use
+several axes, e.g. the 2-D histogram with its marginals); the returned axes carries the
+panel's title (:data:`~cockpit.view._style.PANEL_TITLES`). ``None`` values (not computed)
+and NaNs are left out of lines; non-finite values are marked by red crosses at the top of
+the panel.
 """
 
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,7 +39,35 @@ from cockpit.view._hist import Histogram, histogram_at, last_recorded_step
 
 # ---------------------------------------------------------------------------- helpers
 Notes = Mapping[int, Mapping[str, str]]  # step -> instrument -> why it has no value
+Drawer = Callable[..., Axes]
 _LOG_BASELINE = 0.5  # histogram baseline on log count axes (which start at 0.8)
+
+# panel key -> its drawing function
+DRAWERS: dict[str, Drawer] = {}
+
+
+def draws(key: str) -> Callable[[Drawer], Drawer]:
+    """Register the decorated function as the drawing of panel ``key``."""
+
+    def register(draw: Drawer) -> Drawer:
+        DRAWERS[key] = draw
+        return draw
+
+    return register
+
+
+def series_drawer(key: str, names: tuple[str, ...]) -> Drawer:
+    """The drawing of a panel without a function of its own: the scalar values of its
+    instruments ``names`` over steps (log axis where they span decades)."""
+
+    def draw(fig: Figure, spec: SubplotSpec, output: Output, *,
+             xlim: tuple[float, float] | None = None, notes: Notes | None = None,
+             **_: Any) -> Axes:
+        return _series_panel(fig, spec, output, key, list(names), xlim=xlim, notes=notes,
+                             gray=S.panels()[key][0].column == "gray")
+
+    return draw
+
 
 def _new_axes(fig: Figure, spec: SubplotSpec, key: str, *, gray: bool = False) -> Axes:
     ax = fig.add_subplot(spec)
@@ -102,8 +133,9 @@ def _corner_note(ax: Axes, text: str, *, loc: str = "upper right", color: str = 
 
 def plot_series(ax: Axes, output: Output, name: str, *, label: str | None = None,
                 color: str | None = None, linestyle: str = "-",
-                drawstyle: str = "default") -> np.ndarray:
-    """Draw the finite values of scalar instrument ``name`` over steps; mark non-finite ones.
+                drawstyle: str = "default", bad_color: str = S.RED) -> np.ndarray:
+    """Draw the finite values of scalar instrument ``name`` over steps; mark non-finite ones
+    (crosses in ``bad_color`` at the top of the panel).
 
     Returns the finite values (for the caller's choice of a log axis).
     """
@@ -116,7 +148,7 @@ def plot_series(ax: Axes, output: Output, name: str, *, label: str | None = None
     bad = steps[~np.isfinite(vals)]
     if bad.size:
         trans = blended_transform_factory(ax.transData, ax.transAxes)
-        ax.plot(bad, np.full(bad.size, 0.97), linestyle="none", marker="x", color=S.RED,
+        ax.plot(bad, np.full(bad.size, 0.97), linestyle="none", marker="x", color=bad_color,
                 markersize=6, markeredgewidth=1.8, transform=trans, clip_on=False)
     return fvals
 
@@ -185,6 +217,7 @@ def _kde(x: np.ndarray, grid: np.ndarray) -> np.ndarray:
     return np.exp(-0.5 * z**2).sum(axis=1) / (x.size * bw * np.sqrt(2 * np.pi))
 
 
+@draws("Alpha")
 def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, *,
                notes: Notes | None = None, **_: Any) -> Axes:
     """α-gauge (paper Sec. 2.1, eq. 10): distribution of α over the run and its last 10 %.
@@ -244,6 +277,7 @@ def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, *,
     return ax
 
 
+@draws("Distances")
 def draw_distances(fig: Figure, spec: SubplotSpec, output: Output, *,
                    xlim: tuple[float, float] | None = None, notes: Notes | None = None,
                    **_: Any) -> Axes:
@@ -279,6 +313,7 @@ def varies(output: Output, name: str) -> bool:
     return bool(vals.size) and bool(np.ptp(vals) > 1e-12 * max(abs(vals).max(), 1e-300))
 
 
+@draws("GradNorm")
 def draw_grad_norm(fig: Figure, spec: SubplotSpec, output: Output, *,
                    xlim: tuple[float, float] | None = None, notes: Notes | None = None,
                    **_: Any) -> Axes:
@@ -361,6 +396,7 @@ def _draw_test_geometry(ax: Axes, last: dict[str, float], step: int) -> None:
               fontsize=S.FONT_SIZES["small"] - 0.5, handlelength=1.2, borderaxespad=0)
 
 
+@draws("GradientTests")
 def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
                         xlim: tuple[float, float] | None = None, notes: Notes | None = None,
                         **_: Any) -> Axes:
@@ -482,6 +518,7 @@ def _draw_zoom(ax: Axes, hist: Histogram, lo: float, hi: float) -> Axes | None:
     return inset
 
 
+@draws("GradHist1d")
 def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
                       hist_range: tuple[float, float] | str | None = "auto",
                       step: int | None = None, name: str = "GradHist1d",
@@ -535,6 +572,7 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
     return ax
 
 
+@draws("GradHist2d")
 def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
                       step: int | None = None, notes: Notes | None = None, **_: Any) -> Axes:
     """2-D histogram of (θ_j, g_n,j) pairs (eq. 16) with both marginals, log colors."""
@@ -592,6 +630,7 @@ def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
 
 
 # ------------------------------------------------------------------- curvature column
+@draws("HessMaxEV")
 def draw_hess_max_ev(fig: Figure, spec: SubplotSpec, output: Output, *,
                      xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
     """λ_max(H_B) over steps (eq. 26)."""
@@ -600,6 +639,7 @@ def draw_hess_max_ev(fig: Figure, spec: SubplotSpec, output: Output, *,
     return ax
 
 
+@draws("HessTrace")
 def draw_hess_trace(fig: Figure, spec: SubplotSpec, output: Output, *,
                     xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
     """Tr(H_B) over steps (App. B.8)."""
@@ -613,6 +653,7 @@ def draw_hess_trace(fig: Figure, spec: SubplotSpec, output: Output, *,
     return ax
 
 
+@draws("TIC")
 def draw_tic(fig: Figure, spec: SubplotSpec, output: Output, *,
              xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
     """Mini-batch TIC approximations over steps: TICDiag (eq. 29), TICTrace (eq. 28)."""
@@ -623,6 +664,7 @@ def draw_tic(fig: Figure, spec: SubplotSpec, output: Output, *,
 
 
 # ------------------------------------------------------------------------ gray panels
+@draws("Loss")
 def draw_loss(fig: Figure, spec: SubplotSpec, output: Output, *,
               xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
     """Mini-batch loss over steps; non-finite losses are marked in red with a note. A
@@ -651,6 +693,7 @@ def constant_settings(output: Output) -> str:
     return " · ".join(parts) + " (constant)" if parts else ""
 
 
+@draws("LearningRate")
 def draw_learning_rate(fig: Figure, spec: SubplotSpec, output: Output, *,
                        xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
     """Learning rate over steps."""
@@ -660,6 +703,7 @@ def draw_learning_rate(fig: Figure, spec: SubplotSpec, output: Output, *,
     return ax
 
 
+@draws("BatchSize")
 def draw_batch_size(fig: Figure, spec: SubplotSpec, output: Output, *,
                     xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
     """Batch size over steps (the y axis starts at 0, so a constant batch reads as such)."""
@@ -676,6 +720,7 @@ def _from_zero(ax: Axes, output: Output, name: str) -> None:
         ax.set_ylim(0, vals.max() * 1.15)
 
 
+@draws("HessDensity")
 def draw_hess_density(fig: Figure, spec: SubplotSpec, output: Output, **_: Any) -> Axes:
     """The Hessian's spectral density at the last step that recorded it (stochastic Lanczos
     quadrature, :mod:`cockpit.quantities.hess_density`): the nodes θ_{p,j} with weights
