@@ -57,7 +57,8 @@ def draw_gradient_noise_scale(fig: Figure, spec: SubplotSpec, output: Output, *,
     line.set_alpha(0.35)
     line.set_linewidth(0.8)
     line.set_marker("")
-    smooth = plot_series(ax, output, "GradientNoiseScaleEMA", label="ratio of moving averages")
+    smooth = plot_series(ax, output, "GradientNoiseScaleEMA", label="ratio of moving averages",
+                         bad_color=S.GRAY)
     drawn = [raw[raw > 0], smooth[smooth > 0]]
     if is_tracked(output, "BatchSize"):
         size = plot_series(ax, output, "BatchSize", label="batch size |B|", linestyle="--",
