@@ -1,4 +1,7 @@
-"""Colors, fonts and panel titles of the cockpit view, defined once for every panel."""
+"""Colors, fonts and panel titles of the cockpit view. An instrument's colour and its
+panel's title, column and place come from its descriptor
+(:mod:`cockpit.quantities.descriptor`); the view adds its own panels (per-layer histograms,
+the diagnosis), fonts and the gradient tests' thresholds."""
 
 from __future__ import annotations
 
