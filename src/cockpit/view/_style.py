@@ -63,7 +63,10 @@ class _FromDescriptors(Mapping[str, str]):
 
 
 def _colors() -> dict[str, str]:
-    found = {name: desc.color for name, desc in registry().items() if desc.color}
+    found = {}
+    for name, desc in registry().items():
+        if desc.color:  # what an instrument records beside its value: in its colour
+            found.update(dict.fromkeys((name, *desc.records), desc.color))
     return {**found, **_VIEW_COLORS}
 
 
