@@ -43,7 +43,8 @@ def draw_gradient_noise_scale(fig: Figure, spec: SubplotSpec, output: Output, *,
     """B_simple = tr(Σ)/‖G‖² of each step (thin) and the ratio of its moving averages
     (bold) on a log axis, beside the batch size: a batch well below B_simple is noise
     dominated, one far above it wastes samples (McCandlish et al. 2018). Steps whose
-    estimate of ‖G‖² was ≤ 0 (no finite noise scale: NaN) are gray crosses at the top."""
+    estimate of ‖G‖² was ≤ 0 (no finite noise scale: NaN, also at non-finite gradients,
+    which the gradient norm's panel marks red) are gray crosses at the top."""
     ax = _new_axes(fig, spec, "GradientNoiseScale")
     names = ["GradientNoiseScale", "GradientNoiseScaleEMA"]
     if not any(finite_part(*scalar_series(output, n))[0].size for n in names):
@@ -70,7 +71,8 @@ def draw_gradient_noise_scale(fig: Figure, spec: SubplotSpec, output: Output, *,
     ax.set_ylabel("samples", fontsize=S.FONT_SIZES["small"])
     vals = scalar_series(output, "GradientNoiseScale")[1]
     nan, nonpositive = int(np.sum(~np.isfinite(vals))), int(np.sum(vals <= 0))
-    said = [f"× {_steps(nan)}: noise hides the signal (‖G‖² ≤ 0)" if nan else "",
+    said = [f"× {_steps(nan)} without a finite B_simple\n(‖G‖² estimate ≤ 0: noise hides the "
+            "signal; or non-finite gradients)" if nan else "",
             f"{_steps(nonpositive)} ≤ 0, off the log axis" if nonpositive else ""]
     if nan or nonpositive:
         _corner_note(ax, "\n".join(s for s in said if s), loc="upper right", y=0.9)
