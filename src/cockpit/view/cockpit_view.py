@@ -21,8 +21,8 @@ from matplotlib.figure import Figure
 
 from cockpit.quantities.descriptor import COLUMNS as COLUMN_ORDER
 from cockpit.view import _style as S
+from cockpit.view import curvature_panels, trend_panels  # noqa: F401  (register drawings)
 from cockpit.view import instruments as I
-from cockpit.view import trend_panels  # noqa: F401  (registers its panels' drawings)
 from cockpit.view._data import Output, is_tracked, normalize_output, per_param_names
 from cockpit.view._source import load_notes, load_run
 from cockpit.view.figure_file import (

@@ -21,7 +21,8 @@ _FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
 #: The modules that decide what the cockpit view draws (hashed into every saved PNG, with
 #: the instruments' descriptors).
 DRAWING_MODULES = ("cockpit_view.py", "instruments.py", "layers.py", "findings_panel.py",
-                   "trend_panels.py", "_style.py", "_hist.py", "_data.py")
+                   "trend_panels.py", "curvature_panels.py", "_style.py", "_hist.py",
+                   "_data.py")
 CODE_KEY = "cockpit-view-code"
 PANELS_KEY = "cockpit-panels"
 # The losses of the run's first tracked steps (JSON): which run a saved figure shows.

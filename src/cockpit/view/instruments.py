@@ -629,40 +629,6 @@ def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
     return top
 
 
-# ------------------------------------------------------------------- curvature column
-@draws("HessMaxEV")
-def draw_hess_max_ev(fig: Figure, spec: SubplotSpec, output: Output, *,
-                     xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
-    """λ_max(H_B) over steps (eq. 26)."""
-    ax = _series_panel(fig, spec, output, "HessMaxEV", ["HessMaxEV"], xlim=xlim)
-    ax.set_ylabel("λ_max", fontsize=S.FONT_SIZES["small"])
-    return ax
-
-
-@draws("HessTrace")
-def draw_hess_trace(fig: Figure, spec: SubplotSpec, output: Output, *,
-                    xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
-    """Tr(H_B) over steps (App. B.8)."""
-    ax = _series_panel(fig, spec, output, "HessTrace", ["HessTrace"], xlim=xlim)
-    # recorded beside the value when it is the GGN's trace (curvature="diag_ggn_*")
-    ggn = any(values.get("HessTrace.ggn") == 1.0 for values in output.values())
-    if ggn:
-        ax.set_title("GGN trace Tr(GGN) (not the Hessian's)", fontsize=S.FONT_SIZES["title"],
-                     loc="left")
-    ax.set_ylabel("Tr(GGN)" if ggn else "Tr(H_B)", fontsize=S.FONT_SIZES["small"])
-    return ax
-
-
-@draws("TIC")
-def draw_tic(fig: Figure, spec: SubplotSpec, output: Output, *,
-             xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
-    """Mini-batch TIC approximations over steps: TICDiag (eq. 29), TICTrace (eq. 28)."""
-    names = [n for n in ("TICDiag", "TICTrace") if is_tracked(output, n)]
-    labels = {"TICDiag": "TIC (diagonal, eq. 29)", "TICTrace": "TIC (trace, eq. 28)"}
-    return _series_panel(fig, spec, output, "TIC", names, labels=[labels[n] for n in names],
-                         xlim=xlim)
-
-
 # ------------------------------------------------------------------------ gray panels
 @draws("Loss")
 def draw_loss(fig: Figure, spec: SubplotSpec, output: Output, *,
@@ -718,34 +684,3 @@ def _from_zero(ax: Axes, output: Output, name: str) -> None:
     vals = finite_part(*scalar_series(output, name))[1]
     if vals.size and vals.min() > 0 and ax.get_yscale() == "linear":
         ax.set_ylim(0, vals.max() * 1.15)
-
-
-@draws("HessDensity")
-def draw_hess_density(fig: Figure, spec: SubplotSpec, output: Output, **_: Any) -> Axes:
-    """The Hessian's spectral density at the last step that recorded it (stochastic Lanczos
-    quadrature, :mod:`cockpit.quantities.hess_density`): the nodes θ_{p,j} with weights
-    τ_{p,j}/P, each smoothed by a Gaussian of width 2 % of the spectrum's range, on a log
-    density axis as PyHessian draws it."""
-    ax = _new_axes(fig, spec, "HessDensity")
-    steps = [s for s, values in output.items()
-             if isinstance(values.get("HessDensity"), Mapping)
-             and "nodes" in values["HessDensity"]]
-    if not steps:
-        _no_data(ax)
-        return ax
-    step = max(steps)
-    value = output[step]["HessDensity"]
-    nodes = np.asarray(value["nodes"], dtype=float).ravel()
-    weights = np.asarray(value["weights"], dtype=float).ravel()
-    weights = weights / max(np.asarray(value["weights"]).shape[0], 1)
-    lo, hi = float(nodes.min()), float(nodes.max())
-    width = 0.02 * (hi - lo) if hi > lo else max(abs(hi), 1.0) * 0.02
-    grid = np.linspace(lo - 5 * width, hi + 5 * width, 400)
-    density = (weights[None, :] * np.exp(-0.5 * ((grid[:, None] - nodes[None, :]) / width) ** 2)
-               ).sum(1) / (width * np.sqrt(2 * np.pi))
-    ax.semilogy(grid, np.maximum(density, 1e-12), color=S.COLORS["HessMaxEV"], linewidth=1.2)
-    ax.set_ylim(bottom=max(density.max() * 1e-8, 1e-12))
-    ax.set_xlabel("eigenvalue λ", fontsize=S.FONT_SIZES["small"])
-    ax.set_ylabel("density", fontsize=S.FONT_SIZES["small"])
-    _corner_note(ax, f"step {step}")
-    return ax

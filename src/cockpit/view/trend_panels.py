@@ -1,7 +1,6 @@
 """Panels of instruments over steps with several lines each: the gradient noise scale with
-its moving average, one line per parameter tensor (ParamNorm, UpdateRatio) and one per
-eigenvalue (HessTopEV). Registered for their panels' keys like
-:mod:`cockpit.view.instruments`.
+its moving average and one line per parameter tensor (ParamNorm, UpdateRatio). Registered
+for their panels' keys like :mod:`cockpit.view.instruments`.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from cockpit.view import _style as S
 from cockpit.view._data import Output, finite_part, is_tracked, per_param_names, scalar_series
 from cockpit.view.instruments import (
     Notes,
-    _auto_log,
     _corner_note,
     _missing_message,
     _new_axes,
@@ -32,8 +30,8 @@ from cockpit.view.instruments import (
 )
 from cockpit.view.layers import model_order
 
-__all__ = ["draw_gradient_noise_scale", "draw_hess_top_ev", "draw_param_norm",
-           "draw_update_ratio", "parameter_lines"]
+__all__ = ["draw_gradient_noise_scale", "draw_param_norm", "draw_update_ratio",
+           "parameter_lines"]
 
 
 @draws("GradientNoiseScale")
@@ -166,39 +164,4 @@ def draw_update_ratio(fig: Figure, spec: SubplotSpec, output: Output, *,
         ax.axhline(RULE_OF_THUMB, color="black", linestyle=":", linewidth=1.2, alpha=0.8,
                    label=f"rule of thumb {RULE_OF_THUMB:g}")
     legend_above(ax)
-    return ax
-
-
-@draws("HessTopEV")
-def draw_hess_top_ev(fig: Figure, spec: SubplotSpec, output: Output, *,
-                     xlim: tuple[float, float] | None = None, notes: Notes | None = None,
-                     **_: Any) -> Axes:
-    """λ_1 ≥ … ≥ λ_k over steps, each a line of its lower bounds ν_i with the certified
-    bracket [ν_i, upper_i] shaded (:mod:`cockpit.quantities.hess_top_ev`)."""
-    ax = _new_axes(fig, spec, "HessTopEV")
-    steps, lower, upper = [], [], []
-    for step, values in output.items():
-        value = values.get("HessTopEV")
-        if isinstance(value, Mapping) and "values" in value:
-            steps.append(step)
-            lower.append(np.asarray(value["values"], dtype=float).ravel())
-            upper.append(np.asarray(value.get("upper", value["values"]), dtype=float).ravel())
-    k = min((v.size for v in lower), default=0)
-    if k == 0:
-        _no_data(ax, _missing_message(output, ["HessTopEV"], notes))
-        _time_axis(ax, xlim)
-        return ax
-    x = np.asarray(steps)
-    lo = np.stack([v[:k] for v in lower])
-    hi = np.stack([v[:k] for v in upper])
-    cmap = matplotlib.colormaps["Purples"]
-    for i in range(k):
-        color = cmap(0.9 - 0.5 * i / max(k - 1, 1))
-        ax.fill_between(x, lo[:, i], hi[:, i], color=color, alpha=0.2, linewidth=0)
-        ax.plot(x, lo[:, i], color=color, linewidth=1.4, marker="o" if x.size <= 40 else None,
-                markersize=2.5, label=f"λ_{i + 1}", gid=f"HessTopEV/{i}")
-    _auto_log(ax, [lo.ravel()])
-    _time_axis(ax, xlim)
-    ax.set_ylabel("eigenvalue", fontsize=S.FONT_SIZES["small"])
-    legend_above(ax, ncol=min(k, 6))
     return ax
