@@ -176,7 +176,7 @@ def test_mc_ggn_standard_error():
 def test_view_labels_the_ggn_trace():
     from matplotlib.figure import Figure
 
-    from cockpit.view.instruments import draw_hess_trace
+    from cockpit.view.curvature_panels import draw_hess_trace
 
     for ggn in (False, True):
         output = {s: {"HessTrace": 1.0 + s, **({"HessTrace.ggn": 1.0} if ggn else {})}

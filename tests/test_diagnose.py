@@ -232,6 +232,12 @@ def test_noise_dominated_needs_saturated_norm_test_and_inner_test_spread():
                           Loss=lambda s: float(rng.uniform(1.0, 3.0)))
     (finding,) = [f for f in diagnose(small_batch) if f.code == "noise_dominated"]
     assert "batch of 2" in finding.message
+    assert [e.instrument for e in finding.evidence] == ["NormTest", "InnerTest", "Loss"]
+    for step, values in small_batch.items():  # B_simple recorded too: quoted as evidence
+        values["GradientNoiseScaleEMA"] = 40.0 if step < 15 else 64.0
+    (finding,) = [f for f in diagnose(small_batch) if f.code == "noise_dominated"]
+    (scale,) = [e for e in finding.evidence if e.instrument == "GradientNoiseScale"]
+    assert "B_simple ≈ 64 samples" in scale.summary and scale.values[-1] == 64.0
     jumping = {"Loss": lambda s: float(rng.uniform(1.0, 3.0))}
     plateau = _series(NormTest=lambda s: 1.0, InnerTest=lambda s: 0.03, **jumping)
     assert "noise_dominated" not in _codes(plateau)

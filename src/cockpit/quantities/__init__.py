@@ -4,6 +4,16 @@ from cockpit.quantities.alpha import Alpha
 from cockpit.quantities.base import Quantity, StepData
 from cockpit.quantities.cabs import CABS
 from cockpit.quantities.dead_units import DeadUnits
+from cockpit.quantities.descriptor import (
+    Descriptor,
+    Panel,
+    describes_the_batch,
+    descriptor_of,
+    needs_initial_parameters,
+    pending_reason,
+    problem_scopes,
+    reads_gradient,
+)
 from cockpit.quantities.distance import Distance, UpdateSize
 from cockpit.quantities.early_stopping import EarlyStopping
 from cockpit.quantities.grad_hist import GradHist1d, GradHist2d
@@ -27,6 +37,7 @@ __all__ = [
     "CABS",
     "Alpha",
     "DeadUnits",
+    "Descriptor",
     "Distance",
     "EarlyStopping",
     "GradHist1d",
@@ -42,6 +53,7 @@ __all__ = [
     "MeanGSNR",
     "NormTest",
     "OrthoTest",
+    "Panel",
     "ParamNorm",
     "Parameters",
     "Quantity",
@@ -51,4 +63,10 @@ __all__ = [
     "Time",
     "UpdateRatio",
     "UpdateSize",
+    "describes_the_batch",
+    "descriptor_of",
+    "needs_initial_parameters",
+    "pending_reason",
+    "problem_scopes",
+    "reads_gradient",
 ]

@@ -47,6 +47,7 @@ from cockpit.engine.readout import Later, Noted
 from cockpit.engine.tracker import GRADIENT, PROJECTIONS
 from cockpit.quantities.alpha_fit import Observations, compute_alpha
 from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.quantities.descriptor import BLUE, Descriptor, Panel
 from cockpit.schedules import Schedule
 
 _PREDICTED = "alpha/predicted"
@@ -95,6 +96,12 @@ class _OpenStep:
 
 
 class Alpha(Quantity):
+    descriptor = Descriptor(
+        panel=Panel("Alpha", "step size", "α: step size relative to the local quadratic minimum",
+                    order=1),
+        color=BLUE, reads_gradient=True,
+        pending="α at step t fits the loss and its slope at θ_t and θ_(t+1), and the latter "
+                "are measured at the next step")
     needs = frozenset({PROJECTIONS})
     needs_update = True
     handles_invalid_statistics = True

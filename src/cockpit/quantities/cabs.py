@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from cockpit.engine.tracker import SQ_NORMS
 from cockpit.quantities.base import Quantity, StepData, Value, to_float
+from cockpit.quantities.descriptor import Descriptor
 
 
 class CABS(Quantity):
+    descriptor = Descriptor(reads_gradient=True)
     needs = frozenset({SQ_NORMS})
 
     def compute(self, data: StepData) -> dict[str, Value]:

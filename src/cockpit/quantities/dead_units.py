@@ -26,11 +26,13 @@ from torch import nn
 
 from cockpit.engine.readout import Later
 from cockpit.quantities.base import Quantity, StepData, Value, Values
+from cockpit.quantities.descriptor import Descriptor
 
 _UNIT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 class DeadUnits(Quantity):
+    descriptor = Descriptor(per_parameter=True)
     needs_losses = False
 
     def __init__(self, schedule=None):

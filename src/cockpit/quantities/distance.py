@@ -9,9 +9,17 @@ from torch import Tensor
 
 from cockpit.engine.workspace import workspace
 from cockpit.quantities.base import Quantity, StepData, Values, per_param_norms, sq_norm_tensor
+from cockpit.quantities.descriptor import BLUE, ORANGE, Descriptor, Panel
+
+# the panel the two share
+DISTANCES = Panel("Distances", "step size",
+                  "Distance from init ‖θ_t − θ_0‖ and update size ‖θ_t+1 − θ_t‖", order=2,
+                  readout=("Distance", "UpdateSize"))
 
 
 class Distance(Quantity):
+    descriptor = Descriptor(panel=DISTANCES, color=BLUE, per_parameter=True,
+                            describes_batch=False, needs_initial_parameters=True)
     needs_losses = False
 
     def compute(self, data: StepData) -> Values:
@@ -26,6 +34,8 @@ class Distance(Quantity):
 
 
 class UpdateSize(Quantity):
+    descriptor = Descriptor(panel=DISTANCES, color=ORANGE, per_parameter=True,
+                            describes_batch=False)
     needs_losses = False
     needs_update = True
 

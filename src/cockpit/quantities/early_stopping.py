@@ -16,11 +16,13 @@ import math
 
 from cockpit.engine.tracker import VAR_SUM
 from cockpit.quantities.base import Quantity, StepData, Value, to_float
+from cockpit.quantities.descriptor import Descriptor
 from cockpit.quantities.elementwise_variance import check_convention, mean_and_variance_sum
 from cockpit.schedules import Schedule
 
 
 class EarlyStopping(Quantity):
+    descriptor = Descriptor(reads_gradient=True)
     needs = frozenset({VAR_SUM})
 
     def __init__(self, schedule: Schedule | int | None = None, *, convention: str = "cockpit",

@@ -25,6 +25,7 @@ from cockpit.engine.histogram import BinSpec, DecidedRange
 from cockpit.engine.readout import Later
 from cockpit.engine.tracker import HIST1D, HIST2D
 from cockpit.quantities.base import Quantity, StepData, Value, Values
+from cockpit.quantities.descriptor import BLUE, Descriptor, Panel
 
 
 @functools.lru_cache(maxsize=16)
@@ -40,6 +41,10 @@ def _counts(counts: dict[str, Tensor]) -> Tensor:
 
 
 class GradHist1d(Quantity):
+    descriptor = Descriptor(
+        panel=Panel("GradHist1d", "gradients", "Histogram of individual gradient elements g_n,j",
+                    order=3),
+        color=BLUE, per_parameter=True, reads_gradient=True)
     needs = frozenset({HIST1D})
 
     def compute(self, data: StepData) -> Values:
@@ -68,6 +73,10 @@ class GradHist1d(Quantity):
 
 
 class GradHist2d(Quantity):
+    descriptor = Descriptor(
+        panel=Panel("GradHist2d", "gradients", "Parameters θ_j vs. individual gradients g_n,j",
+                    order=5, size=1.25),
+        color=BLUE, reads_gradient=True)
     needs = frozenset({HIST2D})
 
     def compute(self, data: StepData) -> Values:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from cockpit.quantities.base import Quantity, StepData, Values, per_param_norms
+from cockpit.quantities.descriptor import BLUE, Descriptor, Panel
 
 
 class GradNorm(Quantity):
+    descriptor = Descriptor(panel=Panel("GradNorm", "step size", "Gradient norm ‖g_B‖", order=3,
+                                     readout=("GradNorm", "LearningRate")),
+                            color=BLUE, per_parameter=True, reads_gradient=True)
     needs_losses = False
 
     def compute(self, data: StepData) -> Values:

@@ -38,6 +38,7 @@ import torch
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.tracker import SQ_NORMS
 from cockpit.quantities.base import Quantity, StepData, Value, Values
+from cockpit.quantities.descriptor import BLUE, Descriptor, Panel
 from cockpit.quantities.gradient_tests import batch_gradient_sq_norms, sq_norm_sums
 from cockpit.schedules import Schedule
 
@@ -51,6 +52,13 @@ def noise_and_signal(n: int, S: float, G: float) -> tuple[float, float]:
 
 
 class GradientNoiseScale(Quantity):
+    descriptor = Descriptor(
+        panel=Panel("GradientNoiseScale", "gradients",
+                    "Gradient noise scale B_simple = tr(Σ)/‖G‖²: the batch worth having",
+                    order=2, readout=("GradientNoiseScale", "GradientNoiseScaleEMA",
+                                      "BatchSize")),
+        color=BLUE, records=("GradientNoiseScaleEMA",), per_parameter=True,
+        reads_gradient=True)
     needs = frozenset({SQ_NORMS})
     needs_losses = False
 

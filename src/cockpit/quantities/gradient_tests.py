@@ -25,6 +25,11 @@ from torch import Tensor
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.tracker import GRAM_MEAN, SAMPLE_GRAD_SUM, SQ_NORMS
 from cockpit.quantities.base import Quantity, StepData, Value, Values, sq_norms
+from cockpit.quantities.descriptor import Panel
+
+# the panel the three tests share (paper Fig. 9b)
+GRADIENT_TESTS = Panel("GradientTests", "gradients", "Gradient tests: how noisy is the batch?",
+                       order=1, readout=("NormTest", "InnerTest", "OrthoTest"))
 
 
 class GradientTest(Quantity):

@@ -22,11 +22,16 @@ from torch import Tensor
 
 from cockpit.curvature.slq import lanczos_quadrature
 from cockpit.quantities.base import StepData, Value
+from cockpit.quantities.descriptor import PURPLE, Descriptor, Panel
 from cockpit.quantities.hessian_operator import HessianOperatorQuantity
 from cockpit.schedules import Schedule
 
 
 class HessDensity(HessianOperatorQuantity):
+    descriptor = Descriptor(
+        panel=Panel("HessDensity", "curvature",
+                    "Hessian eigenvalue density (stochastic Lanczos quadrature)", order=5),
+        color=PURPLE)
     def __init__(self, schedule: Schedule | int | None = None, *, probes: int = 16,
                  steps: int = 32, seed: int = 0):
         super().__init__(schedule, seed=seed)

@@ -39,12 +39,17 @@ from cockpit.curvature.diagonal import hessian_vector_product
 from cockpit.curvature.lanczos import EigResult, lanczos_max_eigenvalue
 from cockpit.engine.engine_view import EngineView
 from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.quantities.descriptor import PURPLE, Descriptor, Panel
 from cockpit.schedules import Schedule
 
 NON_FINITE = "non-finite loss at this step: the Hessian-vector products were not finite"
 
 
 class HessMaxEV(Quantity):
+    descriptor = Descriptor(
+        panel=Panel("HessMaxEV", "curvature", "Largest Hessian eigenvalue λ_max(H_B): sharpness",
+                    order=1, readout=("HessMaxEV",)),
+        color=PURPLE)
     whole_batch_graph = True  # λ_max of a sum is not formed from the parts' λ_max
 
     def __init__(

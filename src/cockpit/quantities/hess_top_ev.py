@@ -18,11 +18,16 @@ import numpy as np
 
 from cockpit.curvature.top_eigenvalues import TopEigenvalues, top_eigenvalues
 from cockpit.quantities.base import StepData, Value
+from cockpit.quantities.descriptor import PURPLE, Descriptor, Panel
 from cockpit.quantities.hessian_operator import HessianOperatorQuantity
 from cockpit.schedules import Schedule
 
 
 class HessTopEV(HessianOperatorQuantity):
+    descriptor = Descriptor(
+        panel=Panel("HessTopEV", "curvature", "Top Hessian eigenvalues λ_1 ≥ … ≥ λ_k of H_B",
+                    order=1.5),
+        color=PURPLE)
     def __init__(self, schedule: Schedule | int | None = None, *, k: int = 3,
                  tol: float = 1e-3, max_iter: int = 100, miss_probability: float = 1e-3,
                  seed: int = 0):

@@ -22,9 +22,14 @@ from cockpit.curvature.diagonal import GGN
 from cockpit.engine.readout import Noted
 from cockpit.quantities.base import StepData, Values, global_and_per_param
 from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity, standard_error
+from cockpit.quantities.descriptor import PURPLE, Descriptor, Panel
 
 
 class HessTrace(DiagonalCurvatureQuantity):
+    descriptor = Descriptor(
+        panel=Panel("HessTrace", "curvature", "Hessian trace Tr(H_B): average curvature",
+                    order=2, readout=("HessTrace",)),
+        color=PURPLE)
     fallback = "hutchinson"
 
     def compute(self, data: StepData) -> Values:

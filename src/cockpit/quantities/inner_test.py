@@ -8,10 +8,12 @@ the smallest band width θ for which the practical inner product test (22a) hold
 from __future__ import annotations
 
 from cockpit.engine.tracker import GRAM_MEAN
-from cockpit.quantities.gradient_tests import GradientTest, sqrt_nonneg
+from cockpit.quantities.descriptor import ORANGE, Descriptor
+from cockpit.quantities.gradient_tests import GRADIENT_TESTS, GradientTest, sqrt_nonneg
 
 
 class InnerTest(GradientTest):
+    descriptor = Descriptor(panel=GRADIENT_TESTS, color=ORANGE, reads_gradient=True)
     needs = frozenset({GRAM_MEAN})  # g_nᵀg_B only: no individual gradient norms
 
     def formula(self, n: int, S: float, G: float, D2: float) -> float:

@@ -15,9 +15,11 @@ gradients' components orthogonal to g_B, in units of ‖g_B‖².
 
 from __future__ import annotations
 
-from cockpit.quantities.gradient_tests import GradientTest, sqrt_nonneg
+from cockpit.quantities.descriptor import GREEN, Descriptor
+from cockpit.quantities.gradient_tests import GRADIENT_TESTS, GradientTest, sqrt_nonneg
 
 
 class OrthoTest(GradientTest):
+    descriptor = Descriptor(panel=GRADIENT_TESTS, color=GREEN, reads_gradient=True)
     def formula(self, n: int, S: float, G: float, D2: float) -> float:
         return sqrt_nonneg((S / G - D2 / G**2) / (n * (n - 1)))

@@ -25,6 +25,10 @@ from cockpit.engine.readout import Noted
 from cockpit.engine.tracker import SQ_NORMS, SUM_SQ
 from cockpit.quantities.base import StepData, Value, Values, to_float
 from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity, standard_error
+from cockpit.quantities.descriptor import GREEN, ORANGE, Descriptor, Panel
+
+TIC_PANEL = Panel("TIC", "curvature", "Takeuchi information criterion (TIC)", order=3,
+                  readout=("TICDiag", "TICTrace"))
 
 
 class _TIC(DiagonalCurvatureQuantity):
@@ -36,6 +40,7 @@ class _TIC(DiagonalCurvatureQuantity):
 
 
 class TICDiag(_TIC):
+    descriptor = Descriptor(panel=TIC_PANEL, color=GREEN, reads_gradient=True)
     needs = frozenset({SUM_SQ})
 
     def compute(self, data: StepData) -> Values:
@@ -73,6 +78,7 @@ class TICDiag(_TIC):
 
 
 class TICTrace(_TIC):
+    descriptor = Descriptor(panel=TIC_PANEL, color=ORANGE, reads_gradient=True)
     needs = frozenset({SQ_NORMS})
     fallback = "hutchinson"
 

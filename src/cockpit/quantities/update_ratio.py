@@ -25,6 +25,9 @@ from cockpit.quantities.base import (
     per_param_norms,
     sq_norms,
 )
+from cockpit.quantities.descriptor import GREEN, ORANGE, Descriptor, Panel
+
+RULE_OF_THUMB = 1e-3  # a healthy layer's ‖s_t‖/‖θ_t‖ (drawn as a reference line)
 
 
 def param_sq_norms(data: StepData) -> Tensor:
@@ -38,6 +41,10 @@ def param_sq_norms(data: StepData) -> Tensor:
 
 
 class ParamNorm(Quantity):
+    descriptor = Descriptor(
+        panel=Panel("ParamNorm", "gray", "Parameter norms ‖θ_t‖ per tensor", order=4,
+                    size=1.2, readout=("ParamNorm", "ParamNorm/*")),
+        color=GREEN, per_parameter=True)
     needs_losses = False
 
     def compute(self, data: StepData) -> Values:
@@ -45,6 +52,11 @@ class ParamNorm(Quantity):
 
 
 class UpdateRatio(Quantity):
+    descriptor = Descriptor(
+        panel=Panel("UpdateRatio", "step size",
+                    "Update-to-weight ratio ‖θ_t+1 − θ_t‖ / ‖θ_t‖ per tensor", order=4,
+                    readout=("UpdateRatio", "UpdateRatio/*")),
+        color=ORANGE, per_parameter=True)
     needs_losses = False
     needs_update = True
 

@@ -1,15 +1,17 @@
 """The cockpit view (paper Figure 2) as one matplotlib figure.
 
-Layout, left to right: the *step-size* column (α-gauge, distances, gradient norm), the
-*gradient* column (gradient tests, 1-D and 2-D histograms of individual gradients) and
-the *curvature* column (λ_max, Tr(H), TIC); below them the gray panels with what most
-practitioners already track (mini-batch loss, learning rate, batch size). Panels of
-instruments that were not tracked are left out and the grid closes up.
+Layout, left to right: the *step-size* column (α-gauge, distances, gradient norm,
+update-to-weight ratios), the *gradient* column (gradient tests, gradient noise scale, 1-D
+and 2-D histograms of individual gradients) and the *curvature* column (λ_max, top
+eigenvalues, Tr(H), TIC, eigenvalue density); below them the gray panels with what most
+practitioners already track (mini-batch loss, learning rate, batch size, parameter norms).
+Each instrument's descriptor names its panel, column and place
+(:mod:`cockpit.quantities.descriptor`). Panels of instruments that were not tracked are
+left out and the grid closes up.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,60 +19,63 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from cockpit.quantities.descriptor import COLUMNS as COLUMN_ORDER
 from cockpit.view import _style as S
+from cockpit.view import curvature_panels, trend_panels  # noqa: F401  (register drawings)
 from cockpit.view import instruments as I
 from cockpit.view._data import Output, is_tracked, normalize_output, per_param_names
 from cockpit.view._source import load_notes, load_run
+from cockpit.view.figure_file import (
+    CODE_KEY,
+    DRAWING_MODULES,
+    PANELS_KEY,
+    RUN_KEY,
+    RUN_KEY_STEPS,
+    drawing_code_hash,
+    png_provenance,
+    read_png_text,
+    save_figure,
+)
 from cockpit.view.findings_panel import draw_findings, run_diagnosis
 from cockpit.view.layers import draw_layers_panel, plot_layer_histograms, plot_layers
 
 __all__ = [
-    "COLUMNS",
+    "CODE_KEY",
+    "DRAWING_MODULES",
+    "PANELS_KEY",
+    "RUN_KEY",
+    "RUN_KEY_STEPS",
     "active_panels",
+    "columns",
     "describe_run",
+    "drawing_code_hash",
     "figure_size",
     "plot_cockpit",
     "plot_layer_histograms",
     "plot_layers",
     "plot_run",
+    "png_provenance",
+    "read_png_text",
     "save_figure",
     "show",
 ]
 
 Drawer = Callable[..., Any]
-
-# column -> [(panel key, drawing function, instruments that make the panel appear)]
-COLUMNS: dict[str, list[tuple[str, Drawer, tuple[str, ...]]]] = {
-    "step size": [
-        ("Alpha", I.draw_alpha, ("Alpha",)),
-        ("Distances", I.draw_distances, ("Distance", "UpdateSize")),
-        ("GradNorm", I.draw_grad_norm, ("GradNorm",)),
-    ],
-    "gradients": [
-        ("GradientTests", I.draw_gradient_tests, ("NormTest", "InnerTest", "OrthoTest")),
-        ("GradHist1d", I.draw_grad_hist_1d, ("GradHist1d",)),
-        ("Layers", draw_layers_panel, ()),  # shown when GradHist1d/<param> was recorded
-        ("GradHist2d", I.draw_grad_hist_2d, ("GradHist2d",)),
-    ],
-    "curvature": [
-        ("HessMaxEV", I.draw_hess_max_ev, ("HessMaxEV",)),
-        ("HessTrace", I.draw_hess_trace, ("HessTrace",)),
-        ("TIC", I.draw_tic, ("TICDiag", "TICTrace")),
-        ("HessDensity", I.draw_hess_density, ("HessDensity",)),
-    ],
-    "gray": [
-        ("Loss", I.draw_loss, ("Loss",)),
-        ("LearningRate", I.draw_learning_rate, ("LearningRate",)),
-        ("BatchSize", I.draw_batch_size, ("BatchSize",)),
-        ("Findings", draw_findings, ()),  # shown when diagnosis=True and steps exist
-    ],
-}
-# Gray panels shown only when their instrument changes during the run; a constant learning
-# rate or batch size is written into the loss panel instead of taking a third of the row.
-_ONLY_IF_VARYING = {"LearningRate", "BatchSize"}
-_PANEL_HEIGHT = {"Layers": 0.8, "GradHist2d": 1.25}  # relative heights within a column
-_GRAY_WIDTH = {"Loss": 1.6, "LearningRate": 1.0, "BatchSize": 1.0, "Findings": 1.7}
+# drawing functions of the view's own panels (S.VIEW_PANELS); the instruments' are in
+# instruments.DRAWERS
+_VIEW_DRAWERS: dict[str, Drawer] = {"Layers": draw_layers_panel, "Findings": draw_findings}
 _COLUMN_WIDTH = {"step size": 1.0, "gradients": 1.3, "curvature": 1.0}
+
+
+def columns() -> dict[str, list[tuple[str, Drawer, tuple[str, ...]]]]:
+    """Column → [(panel key, drawing function, recorded names that make the panel appear)]
+    in the order drawn, from the instruments' descriptors (:data:`S.panels`). A panel
+    without a drawing function of its own draws its instruments as series over steps."""
+    found: dict[str, list] = {column: [] for column in COLUMN_ORDER}
+    for key, (panel, names) in sorted(S.panels().items(), key=lambda kv: kv[1][0].order):
+        drawer = _VIEW_DRAWERS.get(key) or I.DRAWERS.get(key) or I.series_drawer(key, names)
+        found[panel.column].append((key, drawer, names))
+    return found
 
 
 def _shown(out: Output, key: str, names: tuple[str, ...], diagnosis: bool) -> bool:
@@ -78,8 +83,8 @@ def _shown(out: Output, key: str, names: tuple[str, ...], diagnosis: bool) -> bo
         return bool(per_param_names(out, "GradHist1d"))
     if key == "Findings":
         return diagnosis and bool(out)
-    if key in _ONLY_IF_VARYING:
-        return is_tracked(out, key) and I.varies(out, key)
+    if S.panels()[key][0].only_if_varying:
+        return any(is_tracked(out, n) and I.varies(out, n) for n in names)
     return any(is_tracked(out, n) for n in names)
 
 
@@ -90,7 +95,7 @@ def active_panels(output: Mapping, *, diagnosis: bool = True) -> dict[str, list[
     out = normalize_output(output)
     return {
         column: [key for key, _, names in panels if _shown(out, key, names, diagnosis)]
-        for column, panels in COLUMNS.items()
+        for column, panels in columns().items()
     }
 
 
@@ -202,7 +207,8 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
         return fig
 
     xlim = _step_range(out)
-    drawers = {key: fn for column in COLUMNS.values() for key, fn, _ in column}
+    drawers = {key: fn for column in columns().values() for key, fn, _ in column}
+    sizes = {key: panel.size for key, (panel, _) in S.panels().items()}
     options: dict[str, Any] = {"xlim": xlim, "hist_range": hist_range, "notes": notes,
                                "meta": meta}
     if "Findings" in gray:
@@ -218,11 +224,11 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
         for i, column in enumerate(upper):
             keys = panels[column]
             sub = cols[i].subgridspec(len(keys), 1,
-                                      height_ratios=[_PANEL_HEIGHT.get(k, 1.0) for k in keys])
+                                      height_ratios=[sizes[k] for k in keys])
             for j, key in enumerate(keys):
                 drawers[key](fig, sub[j], out, **options)
     if gray:
-        sub = bottom_spec.subgridspec(1, len(gray), width_ratios=[_GRAY_WIDTH[k] for k in gray])
+        sub = bottom_spec.subgridspec(1, len(gray), width_ratios=[sizes[k] for k in gray])
         for j, key in enumerate(gray):
             drawers[key](fig, sub[j], out, **options)
     restarts = _restart_steps(meta)
@@ -253,77 +259,6 @@ def _mark_restarts(fig: Figure, xlim: tuple[float, float], restarts: list[int]) 
         for step in restarts:
             if xlim[0] <= step + 0.5 <= xlim[1]:
                 ax.axvline(step + 0.5, color=S.GRAY, linestyle=":", linewidth=0.9, zorder=0)
-
-
-_FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
-
-#: The modules that decide what the cockpit view draws (hashed into every saved PNG).
-DRAWING_MODULES = ("cockpit_view.py", "instruments.py", "layers.py", "findings_panel.py",
-                   "_style.py", "_hist.py", "_data.py")
-CODE_KEY = "cockpit-view-code"
-PANELS_KEY = "cockpit-panels"
-# The losses of the run's first tracked steps (JSON): which run a saved figure shows.
-RUN_KEY = "cockpit-run-start"
-RUN_KEY_STEPS = 8
-
-
-def drawing_code_hash(root: Path | None = None) -> str:
-    """SHA-256 (first 16 hex digits) of the view's drawing modules (in ``root``, default
-    this package): two PNGs with the same hash were drawn by the same code (line endings
-    normalized)."""
-    here = Path(__file__).resolve().parent if root is None else Path(root)
-    digest = hashlib.sha256()
-    for name in DRAWING_MODULES:
-        digest.update(name.encode())
-        digest.update((here / name).read_bytes().replace(b"\r\n", b"\n"))
-    return digest.hexdigest()[:16]
-
-
-def png_provenance(fig: Figure) -> dict[str, str]:
-    """PNG text chunks of a saved cockpit view: the drawing code's hash and the panels."""
-    from cockpit.view import _style as style
-
-    keys = {v: k for k, v in style.PANEL_TITLES.items()}
-    panels = [keys[ax.get_title(loc="left")] for ax in fig.axes
-              if ax.get_title(loc="left") in keys]
-    return {"Software": "cockpit.view", CODE_KEY: drawing_code_hash(),
-            PANELS_KEY: ",".join(panels)}
-
-
-def read_png_text(path: str | Path) -> dict[str, str]:
-    """The tEXt chunks of a PNG file (what :func:`save_figure` wrote into it)."""
-    data = Path(path).read_bytes()
-    if data[:8] != b"\x89PNG\r\n\x1a\n":
-        raise ValueError(f"{str(path)!r} is not a PNG file")
-    found, pos = {}, 8
-    while pos + 8 <= len(data):
-        length = int.from_bytes(data[pos:pos + 4], "big")
-        kind = data[pos + 4:pos + 8]
-        if kind == b"tEXt":
-            key, _, value = data[pos + 8:pos + 8 + length].partition(b"\0")
-            found[key.decode("latin-1")] = value.decode("latin-1")
-        if kind == b"IEND":
-            break
-        pos += 12 + length
-    return found
-
-
-def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110,
-                extra: Mapping[str, str] | None = None) -> Path:
-    """Save ``fig`` as PNG, PDF or SVG, chosen by the file extension. A PNG carries the
-    hash of the drawing code and the panels drawn (:func:`png_provenance`), so a figure
-    can be checked against the code that should have made it (README's figure)."""
-    path = Path(path)
-    fmt = _FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise ValueError(
-            f"Unsupported figure format {path.suffix!r} for {str(path)!r}: "
-            f"use one of {', '.join(_FORMATS)}."
-        )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {**png_provenance(fig), **(extra or {})} if fmt == "png" else None
-    fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
-    return path
 
 
 def plot_run(logdir: str | Path, out_path: str | Path | None = None, **kwargs: Any) -> Figure:

@@ -1,16 +1,19 @@
 """The cockpit view's instruments: one drawing function per panel.
 
-Every function has the signature ``draw_x(fig, spec, output, **options) -> Axes`` and
-draws into the ``SubplotSpec`` it is given (some panels use several axes, e.g. the 2-D
-histogram with its marginals); the returned axes carries the panel's title
-(:data:`~cockpit.view._style.PANEL_TITLES`). ``None`` values (not computed) and NaNs are
-left out of lines; non-finite values are marked by red crosses at the top of the panel.
+Every function has the signature ``draw_x(fig, spec, output, **options) -> Axes``, is
+registered for its panel's key (``@draws(key)``, the key of the instrument descriptor's
+:class:`~cockpit.quantities.descriptor.Panel`; a panel without one is drawn by
+:func:`series_drawer`) and draws into the ``SubplotSpec`` it is given (some panels use
+several axes, e.g. the 2-D histogram with its marginals); the returned axes carries the
+panel's title (:data:`~cockpit.view._style.PANEL_TITLES`). ``None`` values (not computed)
+and NaNs are left out of lines; non-finite values are marked by red crosses at the top of
+the panel.
 """
 
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,7 +39,35 @@ from cockpit.view._hist import Histogram, histogram_at, last_recorded_step
 
 # ---------------------------------------------------------------------------- helpers
 Notes = Mapping[int, Mapping[str, str]]  # step -> instrument -> why it has no value
+Drawer = Callable[..., Axes]
 _LOG_BASELINE = 0.5  # histogram baseline on log count axes (which start at 0.8)
+
+# panel key -> its drawing function
+DRAWERS: dict[str, Drawer] = {}
+
+
+def draws(key: str) -> Callable[[Drawer], Drawer]:
+    """Register the decorated function as the drawing of panel ``key``."""
+
+    def register(draw: Drawer) -> Drawer:
+        DRAWERS[key] = draw
+        return draw
+
+    return register
+
+
+def series_drawer(key: str, names: tuple[str, ...]) -> Drawer:
+    """The drawing of a panel without a function of its own: the scalar values of its
+    instruments ``names`` over steps (log axis where they span decades)."""
+
+    def draw(fig: Figure, spec: SubplotSpec, output: Output, *,
+             xlim: tuple[float, float] | None = None, notes: Notes | None = None,
+             **_: Any) -> Axes:
+        return _series_panel(fig, spec, output, key, list(names), xlim=xlim, notes=notes,
+                             gray=S.panels()[key][0].column == "gray")
+
+    return draw
+
 
 def _new_axes(fig: Figure, spec: SubplotSpec, key: str, *, gray: bool = False) -> Axes:
     ax = fig.add_subplot(spec)
@@ -102,8 +133,9 @@ def _corner_note(ax: Axes, text: str, *, loc: str = "upper right", color: str = 
 
 def plot_series(ax: Axes, output: Output, name: str, *, label: str | None = None,
                 color: str | None = None, linestyle: str = "-",
-                drawstyle: str = "default") -> np.ndarray:
-    """Draw the finite values of scalar instrument ``name`` over steps; mark non-finite ones.
+                drawstyle: str = "default", bad_color: str = S.RED) -> np.ndarray:
+    """Draw the finite values of scalar instrument ``name`` over steps; mark non-finite ones
+    (crosses in ``bad_color`` at the top of the panel).
 
     Returns the finite values (for the caller's choice of a log axis).
     """
@@ -116,7 +148,7 @@ def plot_series(ax: Axes, output: Output, name: str, *, label: str | None = None
     bad = steps[~np.isfinite(vals)]
     if bad.size:
         trans = blended_transform_factory(ax.transData, ax.transAxes)
-        ax.plot(bad, np.full(bad.size, 0.97), linestyle="none", marker="x", color=S.RED,
+        ax.plot(bad, np.full(bad.size, 0.97), linestyle="none", marker="x", color=bad_color,
                 markersize=6, markeredgewidth=1.8, transform=trans, clip_on=False)
     return fvals
 
@@ -185,6 +217,7 @@ def _kde(x: np.ndarray, grid: np.ndarray) -> np.ndarray:
     return np.exp(-0.5 * z**2).sum(axis=1) / (x.size * bw * np.sqrt(2 * np.pi))
 
 
+@draws("Alpha")
 def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, *,
                notes: Notes | None = None, **_: Any) -> Axes:
     """α-gauge (paper Sec. 2.1, eq. 10): distribution of α over the run and its last 10 %.
@@ -244,6 +277,7 @@ def draw_alpha(fig: Figure, spec: SubplotSpec, output: Output, *,
     return ax
 
 
+@draws("Distances")
 def draw_distances(fig: Figure, spec: SubplotSpec, output: Output, *,
                    xlim: tuple[float, float] | None = None, notes: Notes | None = None,
                    **_: Any) -> Axes:
@@ -279,6 +313,7 @@ def varies(output: Output, name: str) -> bool:
     return bool(vals.size) and bool(np.ptp(vals) > 1e-12 * max(abs(vals).max(), 1e-300))
 
 
+@draws("GradNorm")
 def draw_grad_norm(fig: Figure, spec: SubplotSpec, output: Output, *,
                    xlim: tuple[float, float] | None = None, notes: Notes | None = None,
                    **_: Any) -> Axes:
@@ -361,6 +396,7 @@ def _draw_test_geometry(ax: Axes, last: dict[str, float], step: int) -> None:
               fontsize=S.FONT_SIZES["small"] - 0.5, handlelength=1.2, borderaxespad=0)
 
 
+@draws("GradientTests")
 def draw_gradient_tests(fig: Figure, spec: SubplotSpec, output: Output, *,
                         xlim: tuple[float, float] | None = None, notes: Notes | None = None,
                         **_: Any) -> Axes:
@@ -482,6 +518,7 @@ def _draw_zoom(ax: Axes, hist: Histogram, lo: float, hi: float) -> Axes | None:
     return inset
 
 
+@draws("GradHist1d")
 def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
                       hist_range: tuple[float, float] | str | None = "auto",
                       step: int | None = None, name: str = "GradHist1d",
@@ -535,6 +572,7 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
     return ax
 
 
+@draws("GradHist2d")
 def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
                       step: int | None = None, notes: Notes | None = None, **_: Any) -> Axes:
     """2-D histogram of (θ_j, g_n,j) pairs (eq. 16) with both marginals, log colors."""
@@ -591,38 +629,8 @@ def draw_grad_hist_2d(fig: Figure, spec: SubplotSpec, output: Output, *,
     return top
 
 
-# ------------------------------------------------------------------- curvature column
-def draw_hess_max_ev(fig: Figure, spec: SubplotSpec, output: Output, *,
-                     xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
-    """λ_max(H_B) over steps (eq. 26)."""
-    ax = _series_panel(fig, spec, output, "HessMaxEV", ["HessMaxEV"], xlim=xlim)
-    ax.set_ylabel("λ_max", fontsize=S.FONT_SIZES["small"])
-    return ax
-
-
-def draw_hess_trace(fig: Figure, spec: SubplotSpec, output: Output, *,
-                    xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
-    """Tr(H_B) over steps (App. B.8)."""
-    ax = _series_panel(fig, spec, output, "HessTrace", ["HessTrace"], xlim=xlim)
-    # recorded beside the value when it is the GGN's trace (curvature="diag_ggn_*")
-    ggn = any(values.get("HessTrace.ggn") == 1.0 for values in output.values())
-    if ggn:
-        ax.set_title("GGN trace Tr(GGN) (not the Hessian's)", fontsize=S.FONT_SIZES["title"],
-                     loc="left")
-    ax.set_ylabel("Tr(GGN)" if ggn else "Tr(H_B)", fontsize=S.FONT_SIZES["small"])
-    return ax
-
-
-def draw_tic(fig: Figure, spec: SubplotSpec, output: Output, *,
-             xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
-    """Mini-batch TIC approximations over steps: TICDiag (eq. 29), TICTrace (eq. 28)."""
-    names = [n for n in ("TICDiag", "TICTrace") if is_tracked(output, n)]
-    labels = {"TICDiag": "TIC (diagonal, eq. 29)", "TICTrace": "TIC (trace, eq. 28)"}
-    return _series_panel(fig, spec, output, "TIC", names, labels=[labels[n] for n in names],
-                         xlim=xlim)
-
-
 # ------------------------------------------------------------------------ gray panels
+@draws("Loss")
 def draw_loss(fig: Figure, spec: SubplotSpec, output: Output, *,
               xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
     """Mini-batch loss over steps; non-finite losses are marked in red with a note. A
@@ -651,6 +659,7 @@ def constant_settings(output: Output) -> str:
     return " · ".join(parts) + " (constant)" if parts else ""
 
 
+@draws("LearningRate")
 def draw_learning_rate(fig: Figure, spec: SubplotSpec, output: Output, *,
                        xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
     """Learning rate over steps."""
@@ -660,6 +669,7 @@ def draw_learning_rate(fig: Figure, spec: SubplotSpec, output: Output, *,
     return ax
 
 
+@draws("BatchSize")
 def draw_batch_size(fig: Figure, spec: SubplotSpec, output: Output, *,
                     xlim: tuple[float, float] | None = None, **_: Any) -> Axes:
     """Batch size over steps (the y axis starts at 0, so a constant batch reads as such)."""
@@ -674,33 +684,3 @@ def _from_zero(ax: Axes, output: Output, name: str) -> None:
     vals = finite_part(*scalar_series(output, name))[1]
     if vals.size and vals.min() > 0 and ax.get_yscale() == "linear":
         ax.set_ylim(0, vals.max() * 1.15)
-
-
-def draw_hess_density(fig: Figure, spec: SubplotSpec, output: Output, **_: Any) -> Axes:
-    """The Hessian's spectral density at the last step that recorded it (stochastic Lanczos
-    quadrature, :mod:`cockpit.quantities.hess_density`): the nodes θ_{p,j} with weights
-    τ_{p,j}/P, each smoothed by a Gaussian of width 2 % of the spectrum's range, on a log
-    density axis as PyHessian draws it."""
-    ax = _new_axes(fig, spec, "HessDensity")
-    steps = [s for s, values in output.items()
-             if isinstance(values.get("HessDensity"), Mapping)
-             and "nodes" in values["HessDensity"]]
-    if not steps:
-        _no_data(ax)
-        return ax
-    step = max(steps)
-    value = output[step]["HessDensity"]
-    nodes = np.asarray(value["nodes"], dtype=float).ravel()
-    weights = np.asarray(value["weights"], dtype=float).ravel()
-    weights = weights / max(np.asarray(value["weights"]).shape[0], 1)
-    lo, hi = float(nodes.min()), float(nodes.max())
-    width = 0.02 * (hi - lo) if hi > lo else max(abs(hi), 1.0) * 0.02
-    grid = np.linspace(lo - 5 * width, hi + 5 * width, 400)
-    density = (weights[None, :] * np.exp(-0.5 * ((grid[:, None] - nodes[None, :]) / width) ** 2)
-               ).sum(1) / (width * np.sqrt(2 * np.pi))
-    ax.semilogy(grid, np.maximum(density, 1e-12), color=S.COLORS["HessMaxEV"], linewidth=1.2)
-    ax.set_ylim(bottom=max(density.max() * 1e-8, 1e-12))
-    ax.set_xlabel("eigenvalue λ", fontsize=S.FONT_SIZES["small"])
-    ax.set_ylabel("density", fontsize=S.FONT_SIZES["small"])
-    _corner_note(ax, f"step {step}")
-    return ax

@@ -27,6 +27,9 @@ from matplotlib.gridspec import SubplotSpec
 from cockpit.view import _style as S
 from cockpit.view._data import Output, normalize_output, per_param_names
 from cockpit.view._hist import Histogram, histogram_at
+from cockpit.view._source import load_run
+from cockpit.view.figure_file import save_figure
+from cockpit.view.instruments import note_for
 
 __all__ = ["draw_layers_panel", "layer_histograms", "model_order", "plot_layer_histograms",
            "plot_layers"]
@@ -158,9 +161,6 @@ def plot_layers(source: Any, path: str | Path | None = None, *, step: int | None
         hist_range: shared x range; default the recorded edges (the paper's [−2, 2]),
             ``"data"`` zooms to the span of all non-empty bins, or ``(lo, hi)``.
     """
-    from cockpit.view._source import load_run
-    from cockpit.view.cockpit_view import save_figure
-
     output, meta = load_run(source)
     fig = plot_layer_histograms(output, step, hist_range=hist_range, max_cols=max_cols,
                                 order=model_order(meta))
@@ -183,8 +183,6 @@ def draw_layers_panel(fig: Figure, spec: SubplotSpec, output: Output, *,
     hists = {p: h for p, h in hists.items() if h.total > 0}
     edges = {tuple(h.edges) for h in hists.values()}
     if not hists or len(edges) != 1:
-        from cockpit.view.instruments import note_for
-
         reason = note_for(notes, ["GradHist1d"])
         empty = ("\n".join(textwrap.wrap(f"not computed: {reason}", 60)) if reason else
                  "no per-layer histogram yet")

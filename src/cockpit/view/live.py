@@ -44,13 +44,14 @@ from urllib.parse import parse_qs, urlsplit
 from matplotlib.figure import Figure
 
 from cockpit.view import _style as S
-from cockpit.view._data import is_tracked, normalize_output, scalar_series
+from cockpit.view._data import is_tracked, normalize_output, per_param_names, scalar_series
 from cockpit.view._hist import histogram_at
 from cockpit.view._source import load_notes, load_run, run_status
 from cockpit.view.cockpit_view import figure_size, plot_cockpit, save_figure
 from cockpit.view.findings_panel import run_diagnosis
 
-__all__ = ["LivePlot", "findings_data", "hover_data", "make_server", "render_png", "serve"]
+__all__ = ["LivePlot", "findings_data", "hover_data", "make_server", "panel_readouts",
+           "readout_names", "render_png", "serve"]
 
 
 class LivePlot:
@@ -142,18 +143,23 @@ def render_png(logdir: str | Path, *, dpi: int = 90) -> bytes:
     return _render(logdir, dpi=dpi)[0]
 
 
-# Instruments read out when the pointer is over a panel with a step axis.
-PANEL_INSTRUMENTS: dict[str, tuple[str, ...]] = {
-    "Distances": ("Distance", "UpdateSize"),
-    "GradNorm": ("GradNorm", "LearningRate"),
-    "GradientTests": ("NormTest", "InnerTest", "OrthoTest"),
-    "HessMaxEV": ("HessMaxEV",),
-    "HessTrace": ("HessTrace",),
-    "TIC": ("TICDiag", "TICTrace"),
-    "Loss": ("Loss", "LearningRate", "BatchSize"),
-    "LearningRate": ("LearningRate",),
-    "BatchSize": ("BatchSize",),
-}
+def panel_readouts() -> dict[str, tuple[str, ...]]:
+    """Panel key → the recorded names read out when the pointer is over it (panels with a
+    step axis), from the instruments' descriptors (``Panel.readout``)."""
+    return {key: panel.readout for key, (panel, _) in S.panels().items() if panel.readout}
+
+
+def readout_names(output: Mapping, readout: tuple[str, ...]) -> list[str]:
+    """The recorded names of a panel's read-out: ``"<name>/*"`` stands for every
+    ``"<name>/<parameter>"`` recorded."""
+    names: list[str] = []
+    for name in readout:
+        if name.endswith("/*"):
+            prefix = name[:-2]
+            names += [f"{prefix}/{p}" for p in per_param_names(output, prefix)]
+        elif is_tracked(output, name):
+            names.append(name)
+    return names
 
 
 def _json_float(x: float) -> float | str:
@@ -170,6 +176,7 @@ def hover_data(fig: Figure, output: Mapping) -> dict[str, Any]:
     """
     out = normalize_output(output)
     keys = {title: key for key, title in S.PANEL_TITLES.items()}
+    readouts = panel_readouts()
     panels, names = [], set()
     for ax in fig.axes:
         key = keys.get(ax.get_title(loc="left"))
@@ -178,8 +185,8 @@ def hover_data(fig: Figure, output: Mapping) -> dict[str, Any]:
         pos = ax.get_position()
         entry: dict[str, Any] = {"key": key, "title": S.PANEL_TITLES[key],
                                  "box": [pos.x0, 1 - pos.y1, pos.x1, 1 - pos.y0]}
-        if key in PANEL_INSTRUMENTS:
-            shown = [n for n in PANEL_INSTRUMENTS[key] if is_tracked(out, n)]
+        if key in readouts:
+            shown = readout_names(out, readouts[key])
             entry.update(xlim=list(ax.get_xlim()), instruments=shown)
             names.update(shown)
         elif key == "GradHist1d":

@@ -60,6 +60,7 @@ def check(record: RunRecord) -> list[Finding]:
                              f"the mini-batch loss jumps by {jitter:.0%} of itself per step"))
     _, b = record.series("BatchSize")
     size = f" of {int(np.median(b))}" if b.size else ""
+    evidence += noise_scale_evidence(record)
     return [Finding(
         code="noise_dominated", severity="warning",
         message=f"The batch{size} is too small for the step size: the gradient tests say each "
@@ -68,6 +69,23 @@ def check(record: RunRecord) -> list[Finding]:
         advice="Use a larger batch (NormTest suggests about |B|·θ² / 0.5² samples), or lower "
                "the learning rate; gradient accumulation gives a larger batch without memory.",
     )]
+
+
+def noise_scale_evidence(record: RunRecord) -> list[Evidence]:
+    """GradientNoiseScale's moving average B_simple = tr(Σ)/‖G‖² over the last steps, where
+    it was recorded: the batch size below which a step mostly follows noise (McCandlish et
+    al. 2018: the critical batch size is of its order). Evidence only: the check rests on
+    the gradient tests."""
+    steps, scale = record.series("GradientNoiseScaleEMA")
+    keep = np.isfinite(scale) & (scale > 0)
+    steps, scale = steps[keep], scale[keep]
+    if steps.size == 0:
+        return []
+    last = scale[-max(1, steps.size // 10):]
+    return [Evidence("GradientNoiseScale", *pick(steps, scale),
+                     f"B_simple ≈ {float(np.median(last)):.3g} samples over the last steps "
+                     "(moving average): batches of about that size average most of the "
+                     "noise away")]
 
 
 RULE = Rule("noise_dominated", (("NormTest", "InnerTest", "Loss"),), check, T.MIN_STEPS)
