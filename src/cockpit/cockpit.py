@@ -1,4 +1,5 @@
-"""The orchestrator: schedule, hooks armed, step pipeline, sinks.
+"""The public API: a Cockpit watches a training loop; its steps go through the step
+pipeline (:mod:`cockpit.step`), its misuse checks are :mod:`cockpit.loop_checks`.
 
 Typical use, three added lines in an ordinary training loop::
 
@@ -171,6 +172,9 @@ class Cockpit:
         start_time = time.perf_counter()
         self._warn = WarnOnce(strict)
         combined = ranks.world_size() if distributed is None else 1
+        # every process's Cockpit must take part in the collectives: checked at the first
+        # tracked step
+        attachment = ranks.attach() if combined > 1 else None
         self._handles: list = []
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
@@ -193,10 +197,9 @@ class Cockpit:
                                          sinks, strict) if diagnose else None)
         if self._diagnosis is not None:
             recorder.on_record = self._diagnosis.add
-        # every process's Cockpit must take part in the collectives: checked at the first
-        # tracked step
-        self._steps = StepSequence(self._run, self._tracked, resumed_from,
-                                   ranks.attach() if combined > 1 else None, self._diagnosis)
+        self._steps = StepSequence(self._run, self._tracked, resumed_from, attachment,
+                                   self._diagnosis)
+        self._log, self._output = log, recorder.output  # (what tests read)
         self._closed = False
         if any(q.needs & PER_SAMPLE_STATS for q in self.quantities):
             for problem in self.tracker.check_batch_norm()[:1]:
@@ -335,15 +338,6 @@ class Cockpit:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-    # what tests and tools read of the recorded steps
-    @property
-    def _log(self) -> Any:
-        return self._run.recorder.log
-
-    @property
-    def _output(self) -> dict[int, dict[str, Value]]:
-        return self._run.recorder.output
 
 
 class _StepContext:

@@ -1,5 +1,7 @@
 """The step pipeline behind :class:`cockpit.Cockpit`.
 
+* :mod:`~cockpit.step.sequence`: the steps in the loop's order: which tracked step a
+  ``with cockpit(step, ...)`` block belongs to, step numbering, when a step is complete.
 * :mod:`~cockpit.step.tracked_step`: one tracked step, from its first block through its
   backward passes (micro-batches) to its values and, after the optimizer step, those of
   its update.
