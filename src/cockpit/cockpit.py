@@ -42,6 +42,7 @@ from cockpit.step.sequence import StepSequence
 from cockpit.step.warn_once import WarnOnce
 from cockpit.step.watched_run import WatchedRun
 from cockpit.store.metadata import run_metadata
+from cockpit.store.runlog import RunLogWriter
 
 
 class Cockpit:
@@ -321,12 +322,10 @@ class Cockpit:
             or self.tracker._probing
         )
 
-    def _open_log(self, logdir: str, resume: bool) -> Any:
-        from cockpit.store import RunLogWriter
-
-        meta = run_metadata(self.model, self.tracker.model, self._params, self.optimizer,
-                            self.quantities, self.batchnorm)
+    def _open_log(self, logdir: str, resume: bool) -> RunLogWriter:
         try:
+            meta = run_metadata(self.model, self.tracker.model, self._params, self.optimizer,
+                                self.quantities, self.batchnorm)
             return RunLogWriter(logdir, meta=meta, resume=resume)
         except BaseException:  # a refused run log leaves no hooks on the model
             self._remove_hooks()
