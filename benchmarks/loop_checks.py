@@ -1,4 +1,4 @@
-"""Cost of the loop checks (cockpit/loop_checks.py) per tracked step, as ratios to one
+"""Cost of the loop checks (cockpit/loop_checks/) per tracked step, as ratios to one
 untracked forward-backward pass of the same model in the same process: GradientMismatch at
 the optimizer step, the gradients-held check at the first block (p.grad zero tensors, as
 after ``zero_grad(set_to_none=False)``; with the default ``set_to_none=True`` it only reads

@@ -13,7 +13,7 @@ Parameters, Time, CABS, EarlyStopping and MeanGSNR are in no configuration; add 
 
 from __future__ import annotations
 
-from cockpit import quantities as q
+import cockpit.quantities as q
 from cockpit.schedules import Schedule
 
 _ECONOMY = ["Loss", "Distance", "UpdateSize", "GradNorm", "GradHist1d", "NormTest",

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from cockpit.diagnose.finding import CHECKS_SKIPPED, CODES, Evidence, Finding
 from cockpit.diagnose.record import RunRecord
 from cockpit.diagnose.rule import Rule
+
+
+@runtime_checkable
+class RecordedRun(Protocol):
+    """What :func:`diagnose` reads of a running :class:`~cockpit.Cockpit`."""
+
+    def get_output(self) -> Mapping[int, Mapping[str, Any]]: ...
+
+    def get_notes(self) -> Mapping[int, Mapping[str, str]]: ...
+
+    def parameter_shapes(self) -> dict[str, list[int]]: ...
 
 
 def all_rules() -> list[Rule]:
@@ -136,11 +147,8 @@ def sort_findings(findings: list[Finding]) -> list[Finding]:
 def _read_source(source: Any) -> tuple[Mapping[int, Mapping[str, Any]], dict[str, Any],
                                        Mapping[int, Mapping[str, str]]]:
     """(output, metadata, notes) of a Cockpit, a run directory or an output dict."""
-    from cockpit.cockpit import Cockpit
-
-    if isinstance(source, Cockpit):
-        return source.get_output(), {"parameters": {k: list(p.shape) for k, p in
-                                                    source._params.items()}}, source.get_notes()
+    if isinstance(source, RecordedRun):
+        return source.get_output(), {"parameters": source.parameter_shapes()}, source.get_notes()
     if isinstance(source, str | Path):
         from cockpit.store import RunLogReader
 

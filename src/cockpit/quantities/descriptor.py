@@ -30,8 +30,10 @@ DARK = "#333333"
 # Columns of the cockpit view, left to right, then the gray row below them.
 COLUMNS = ("step size", "gradients", "curvature", "gray")
 
-# Scopes of the problems that keep a step from being described (cockpit.loop_checks).
-MODEL, BATCH, GRADIENT = "model", "batch", "gradient"
+# Scopes of the problems that keep a step from being described (cockpit.loop_checks):
+GRADIENT = "gradient"  # the instruments reading the backward pass (individual gradients, ‖g‖)
+BATCH = "batch"  # those and the instruments of the individual losses (Loss, BatchSize, …)
+MODEL = "model"  # every instrument but Loss and Time
 
 PENDING_OTHER = "the instrument completes this step's value at a later step"
 

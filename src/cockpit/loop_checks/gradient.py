@@ -1,5 +1,5 @@
-"""Checks of the training loop around Cockpit: the gradient the optimizer steps on against
-the backward passes Cockpit's hooks saw.
+"""Checks of the gradient the optimizer steps on against the backward passes Cockpit's
+hooks saw.
 
 * **GradientMismatch** (a recorded value, never a warning): 1 − cos∠(p.grad, ḡ) over all
   parameters at ``optimizer.step()``, where p.grad is the gradient the optimizer steps on
@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from cockpit.engine.readout import Later
+from cockpit.engine.readout import Later, Noted
 from cockpit.engine.workspace import workspace
 from cockpit.quantities.base import sq_norm_tensor, sq_norms
 
@@ -70,11 +70,11 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖: one fused pass per parameter
         # into scratch memory (fresh temporaries cost page faults on a CPU)
         c = (sign * (grad_sq / mean_sq).sqrt()).to(grads[0].dtype)
-        half_sq = []
+        halves = []
         for a, b in zip(grads, means, strict=True):
             diff, _ = workspace().take("gradient_mismatch", a.shape, a.dtype, a.device)
-            half_sq.append(sq_norm_tensor(torch.addcmul(a, b, c, value=-1, out=diff)))
-        half_sq = torch.stack(half_sq).double().sum()
+            halves.append(sq_norm_tensor(torch.addcmul(a, b, c, value=-1, out=diff)))
+        half_sq = torch.stack(halves).double().sum()
     return Later(_mismatch, grad_sq, mean_sq, half_sq, name="GradientMismatch")
 
 
@@ -99,6 +99,28 @@ def parameters_holding_gradient(params: dict[str, Tensor]) -> tuple[list[str], T
     flags += [g.values().any().reshape(1) for _, g in sparse]
     names = [n for n, _ in dense] + [n for n, _ in sparse]
     return names, (torch.cat(flags) if flags else None)
+
+
+def gradients_held(step: int, stepped: dict[str, Tensor]) -> Later:
+    """Definite misuse: the parameters the optimizer steps on hold a gradient before the
+    step's first block (recorded as GradientHeld, 1.0 or 0.0, and warned about once;
+    decided when the step's numbers are read)."""
+    names, nonzero = parameters_holding_gradient(stepped)
+    if nonzero is None:
+        return Later(lambda: {"GradientHeld": 0.0})
+
+    def verdict(flags) -> Noted:
+        held = [n for n, flag in zip(names, flags, strict=True) if flag]
+        if not held:
+            return Noted({"GradientHeld": 0.0})
+        return Noted({"GradientHeld": 1.0}, warnings=((
+            f"step {step}: {listed(held)} already hold a gradient when the first "
+            f"`with cockpit({step}, ...)` block opens: zero the gradients before each step "
+            "(optimizer.zero_grad()) and call backward inside `with cockpit(step, ...)`; "
+            "the optimizer steps on more than the backward passes Cockpit sees",
+            "gradients-not-zeroed"),))
+
+    return Later(verdict, nonzero)
 
 
 class OutsideBackwardWatch:
@@ -159,7 +181,8 @@ class OutsideBackwardWatch:
         ref, version = self._left.get(name, (None, 0))
         current = self.params[name].grad
         self._onto_left[name] = (ref is not None and current is not None
-                                 and ref() is current and current._version == version)
+                                 and ref() is current
+                                 and current._version == version)  # type: ignore[union-attr]
 
     def _after(self, name: str, param: Tensor) -> None:
         if self.busy() or name not in self._onto_left:
@@ -171,65 +194,28 @@ class OutsideBackwardWatch:
             self.evidence = ADDED
 
 
-# ---------------------------------------------------------------- steps Cockpit cannot describe
-# Each check below names a reason; the step's instruments it touches are recorded as None
-# with that reason (warned once), never as a value of some other batch, model or loss.
-GRADIENT = "gradient"  # the instruments reading the backward pass (individual gradients, ‖g‖)
-BATCH = "batch"  # those and the instruments of the individual losses (Loss, BatchSize, …)
-MODEL = "model"  # every instrument but Loss and Time
-
-REPEATED_BACKWARD = (
-    "two backward passes inside one `with cockpit({step}, ...)` block (e.g. "
-    "backward(retain_graph=True) and a second loss term): the gradient is their sum, which no "
-    "batch of individual losses describes; backpropagate one loss per block — the sum of the "
-    "loss terms (`(losses.mean() + other).backward()`) — or give each micro-batch its own "
-    "block of the same step")
-SAME_FORWARD_AGAIN = (
-    "a second backward pass through the forward pass that an earlier block of step {step} "
-    "backpropagated already (retain_graph=True): the step's gradient is then the sum of both, "
-    "which no batch of individual losses describes; backpropagate the sum of the loss terms "
-    "once, inside one block")
-LOSSES_NOT_BACKPROPAGATED = (
-    "the backward pass inside `with cockpit({step}, losses=...)` did not go through the "
-    "`losses` passed (losses of another batch or forward pass, detached or made-up losses): "
-    "pass losses = loss_fn(output, target, reduction='none') of the batch you backpropagate, "
-    "and backpropagate losses.mean()")
-EMPTY_BATCH = (
-    "the batch is empty (`losses` has 0 entries): there is no batch to describe (skip empty "
-    "batches before the forward pass)")
-STEP_BACKWARDS = (
-    "step {step} comes after step {last}: Cockpit records each step number once and never "
-    "overwrites a recorded step, so a step number that repeats or goes back is not recorded "
-    "(warned once). Number the steps over the whole run (a global step counter, not the "
-    "batch index within an epoch); a run continued in its run log (resume=True) records the "
-    "steps after the last one logged")
+def report_backward_outside(step: int, evidence: str | None, no_gradient: bool,
+                            warn: Callable[..., None]) -> str | None:
+    """Warn about a backward pass outside the blocks of ``step`` (``evidence`` of the
+    :class:`OutsideBackwardWatch`); the note for the gradient instruments if the blocks saw
+    no gradient at all (else None)."""
+    if no_gradient:
+        outside = (" (a backward pass outside the block did)" if evidence == ONLY_OUTSIDE
+                   else "")
+        message = (f"no backward pass reached the parameters inside `with cockpit({step}, "
+                   f"...)`{outside}: call backward inside `with cockpit(step, ...)`")
+        warn(f"step {step}: {message}; the step's gradient instruments are not recorded",
+             key="backward-outside")
+        return message
+    if evidence is not None:
+        warn(f"step {step}: a backward pass outside `with cockpit({step}, ...)` added to the "
+             "gradient of the backward passes inside it: call every backward pass of a step "
+             "(every micro-batch) inside `with cockpit(step, ...)`; the step's values "
+             "describe only the backward passes inside the block", key="backward-outside")
+    return None
 
 
-def parameters_changed(model: torch.nn.Module, known: dict[int, str],
-                       trainable: dict[str, Tensor]) -> str | None:
-    """The reason Cockpit cannot describe ``model`` any more, if its parameters changed
-    since Cockpit was created: parameters added (``model.append``), replaced
-    (``model[2] = nn.Linear(...)``) or made trainable; else None. ``known``: id → name of
-    every parameter at construction; ``trainable``: the tracked ones (frozen later is
-    harmless: a parameter without a gradient adds nothing to any instrument)."""
-    names = set(known.values())
-    added, replaced, unfrozen = [], [], []
-    for name, p in model.named_parameters():
-        if id(p) not in known:
-            (replaced if name in names else added).append(name)
-        elif p.requires_grad and known[id(p)] not in trainable:
-            unfrozen.append(name)
-    if not (added or replaced or unfrozen):
-        return None
-    parts = [f"{what}: {_listed(found)}" for what, found in
-             (("added", added), ("replaced", replaced), ("made trainable", unfrozen)) if found]
-    return (f"the model's parameters changed after Cockpit was created ({'; '.join(parts)}): "
-            "its hooks, θ_0 and the optimizer's groups it reads cover the parameters it was "
-            "created with, so only Loss, BatchSize and Time are recorded from here on; create "
-            "a new Cockpit for the changed model (cockpit.close(); Cockpit(model, ..., "
-            "logdir=<new directory>))")
-
-
-def _listed(names: list[str], limit: int = 4) -> str:
+def listed(names: list[str], limit: int = 4) -> str:
+    """'a, b and 3 more' for messages."""
     shown = ", ".join(names[:limit])
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"

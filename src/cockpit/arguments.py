@@ -1,0 +1,69 @@
+"""Cockpit's arguments, checked at construction: a clear error for each misuse."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from cockpit.configurations import configuration
+from cockpit.engine import compiled
+from cockpit.engine import distributed as ranks
+from cockpit.engine.histogram import BinSpec, warn_if_slow
+from cockpit.quantities.base import Quantity
+
+
+def checked_arguments(model: Any, quantities: Sequence[Quantity] | str | None,
+                      optimizer: Any, grad_scaler: Any, distributed: Any, memory_steps: Any
+                      ) -> list[Quantity]:
+    """Raise on a misused argument; the instruments as a list."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Cockpit needs a torch.nn.Module, got {type(model).__name__}")
+    ranks.check_supported_wrapper(model)
+    compiled.check_supported(model)
+    quantities = checked_quantities(quantities)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+        raise TypeError(
+            f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
+        )
+    if distributed not in (None, False):
+        raise ValueError("distributed must be None (combine the processes of an "
+                         "initialised process group) or False (this process alone), "
+                         f"got {distributed!r}")
+    if memory_steps is not None and int(memory_steps) < 1:
+        raise ValueError(f"memory_steps must be at least 1 (or None), got {memory_steps!r}")
+    return quantities
+
+
+def checked_quantities(quantities: Sequence[Quantity] | str | None) -> list[Quantity]:
+    """The instruments: a list, a configuration's name, or None (economy)."""
+    if quantities is None:
+        quantities = configuration("economy")
+    elif isinstance(quantities, str):
+        quantities = configuration(quantities)
+    quantities = list(quantities)
+    for quantity in quantities:
+        if not isinstance(quantity, Quantity):
+            raise TypeError(
+                f"quantities must be Quantity instances (e.g. cockpit.quantities.NormTest()"
+                f"), got {quantity!r}"
+            )
+    return quantities
+
+
+def warn_slow_bins(quantities: list[Quantity], hist_bins: BinSpec | None,
+                   hist2d_bins: tuple[BinSpec, BinSpec]) -> None:
+    """Warn about bins so many that the histograms would slow training down."""
+    used = {type(q).__name__ for q in quantities}
+    fixed = () if hist_bins is None else ((hist_bins, "hist_bins", "GradHist1d"),)
+    for spec, name, user in (*fixed,
+                             (hist2d_bins[0], "hist2d_bins[0]", "GradHist2d"),
+                             (hist2d_bins[1], "hist2d_bins[1]", "GradHist2d")):
+        if user in used:
+            warn_if_slow(spec, name)

@@ -1,0 +1,160 @@
+"""The steps in the order the loop brings them: which tracked step a ``with cockpit(step,
+...)`` block belongs to, the step numbering, and the transitions of each
+:class:`~cockpit.step.tracked_step.TrackedStep`.
+
+A block with the step number of the open tracked step adds a micro-batch to it; a block
+with a new number completes the open step first (its values are recorded). A step is also
+completed at ``optimizer.step()`` (its pre-hook), by ``end_step()``, and before values are
+read (``get_output``, ``close``); the instruments of its update follow the optimizer step
+(its post-hook), or the next step's first block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from cockpit.diagnose.live import LiveDiagnosis
+from cockpit.loop_checks import STEP_BACKWARDS, every_rank_attached
+from cockpit.quantities.base import Quantity
+from cockpit.step.tracked_step import TrackedStep, check_block
+from cockpit.step.watched_run import WatchedRun
+
+
+class StepSequence:
+    """Opens and completes the tracked steps of one Cockpit.
+
+    Args:
+        run: what the steps share.
+        tracked: the schedule: the instruments tracked at a step.
+        last_step: the last step seen (a resumed run log's), None at the start: a step at
+            or below it is not recorded (never overwritten).
+        attachment: with combined processes, this process's attachment, checked at the
+            first tracked step (every process must run Cockpit); None: nothing to check.
+        diagnosis: the live diagnosis, fed before each new step.
+    """
+
+    def __init__(self, run: WatchedRun, tracked: Callable[[int], list[Quantity]],
+                 last_step: int | None, attachment: int | None,
+                 diagnosis: LiveDiagnosis | None):
+        self.run, self.tracked = run, tracked
+        self.last_step = last_step
+        self.consecutive = True  # the steps seen so far were consecutive
+        self.attachment = attachment
+        self.diagnosis = diagnosis
+        self.open: TrackedStep | None = None  # the tracked step whose blocks come in
+        self.awaiting_update: TrackedStep | None = None  # finished, before optimizer.step()
+
+    @property
+    def in_block(self) -> bool:
+        return self.open is not None and self.open.in_block
+
+    def capture_next(self, step: int) -> bool:
+        """Whether the coming forward pass must be recorded. Skipped only when the steps
+        seen so far were consecutive and the schedule leaves step + 1 untracked."""
+        return not self.consecutive or bool(self.tracked(step + 1))
+
+    # ------------------------------------------------------------------ transitions
+    def enter(self, step: int, losses: Tensor | None) -> None:
+        """A ``with cockpit(step, losses=...)`` block opens."""
+        last = self.last_step
+        try:
+            self._open_block(step, losses)
+        except BaseException:
+            self.last_step = last  # a block refused at its start saw no step
+            raise
+
+    def _open_block(self, step: int, losses: Tensor | None) -> None:
+        if self.in_block:
+            raise RuntimeError("cockpit(step) blocks cannot be nested; close the previous one")
+        self.run.watch.disarm()  # a block is open: its backward passes are seen
+        current = self.open
+        continues = current is not None and current.step == step
+        unstepped = False  # the previous tracked step had no optimizer step
+        if current is not None and not continues:
+            if (self.run.optimizer is not None and self.run.grad_scaler is None
+                    and bool(current.finite_losses)):  # (a non-finite loss: skipping is right)
+                unstepped = True
+                self.run.warn(
+                    f"step {current.step} was not followed by optimizer.step() before step "
+                    f"{step} began: if these backward passes are micro-batches of one "
+                    "optimizer step, give them the same step number (their values were "
+                    f"recorded as step {current.step} alone)", key="step-without-optimizer")
+            self.finish()
+        if not continues and not self._number(step):
+            return
+        tracked = self.tracked(step)
+        if tracked and self.attachment is not None:
+            index, self.attachment = self.attachment, None
+            if not every_rank_attached(index):
+                self.run.ranks = 1
+        tracker = self.run.tracker
+        if not tracked:
+            tracker.clear_calls()
+            tracker.drop_spare_gradients()
+            tracker.capturing = self.capture_next(step)
+            return
+        checks = check_block(self.run, step, tracked, losses, current if continues else None,
+                             check_held=not continues and not unstepped)
+        if current is None or not continues:
+            current = self.open = TrackedStep(self.run, step, tracked)
+        current.open_block(checks)
+
+    def _number(self, step: int) -> bool:
+        """A block with a new step number: the previous step's update and numbers first;
+        False where the step is not recorded (a repeated or earlier number)."""
+        self.finish_update()
+        self.run.recorder.read_back()  # the previous step's numbers, one wait for all of them
+        if self.diagnosis is not None:
+            self.diagnosis.feed()
+        tracker = self.run.tracker
+        if step == self.last_step and not self.tracked(step):
+            # another micro-batch of an untracked step: nothing to record, the next
+            # forward passes stay unrecorded (a compiled model stays compiled)
+            tracker.clear_calls()
+            tracker.capturing = self.capture_next(step)
+            return False
+        if self.last_step is not None and step <= self.last_step:
+            self.run.warn(STEP_BACKWARDS.format(step=step, last=self.last_step),
+                          key="step-backwards")
+            tracker.clear_calls()
+            tracker.drop_spare_gradients()
+            self.consecutive = False
+            tracker.capturing = True
+            return False
+        if self.last_step is not None and step != self.last_step + 1:
+            self.consecutive = False
+        self.last_step = step
+        return True
+
+    def exit(self, failed: bool) -> None:
+        """The block closes (``failed``: the user's backward pass raised)."""
+        current = self.open
+        if current is None or not current.in_block:
+            return
+        if not current.close_block(failed):
+            self.open = None  # the step cannot be completed
+
+    def end_step(self) -> None:
+        """The open step's backward passes are all done: measured against the gradient
+        the optimizer is about to step on, then finished."""
+        if self.open is not None:
+            self.open.measure_gradient_mismatch()
+        self.finish()
+
+    def finish(self) -> None:
+        """The open step is complete: its values are recorded (not inside a block: nothing
+        is complete there yet)."""
+        current = self.open
+        if current is None or current.in_block:
+            return
+        self.open = None
+        if current.finish(self.capture_next):
+            self.awaiting_update = current
+
+    def finish_update(self) -> None:
+        """After the optimizer step: the finished step's instruments of the update."""
+        awaiting, self.awaiting_update = self.awaiting_update, None
+        if awaiting is not None:
+            awaiting.finish_update()

@@ -1,0 +1,334 @@
+"""One tracked step, from its first ``with cockpit(step, ...)`` block to its values.
+
+Its life, each stage a method called by :class:`cockpit.Cockpit`:
+
+1. :func:`check_block`, then :meth:`TrackedStep.open_block` / :meth:`~TrackedStep.close_block`
+   around each backward pass (one per micro-batch; their statistics are summed by the
+   step's :class:`~cockpit.engine.reduction.StepReduction`);
+2. :meth:`~TrackedStep.measure_gradient_mismatch` at ``optimizer.step()`` (or ``end_step``);
+3. :meth:`~TrackedStep.finish` once its backward passes are complete: the reduction over
+   micro-batches and processes, every instrument's value, recorded;
+4. :meth:`~TrackedStep.finish_update` after the optimizer step, for the instruments of the
+   update θ_{t+1} − θ_t (UpdateSize, Alpha), recorded.
+
+Recording goes one way, :meth:`~TrackedStep._hand_over`: the step's values, then the values
+its instruments completed for earlier steps (Alpha's of step t − 1) and their warnings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cockpit.engine.readout import Later
+from cockpit.engine.reduction import StepReduction
+from cockpit.engine.request import StepRequest
+from cockpit.engine.rules.batchnorm_frozen import APPROXIMATION, FROZEN_STATISTICS
+from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics
+from cockpit.loop_checks import (
+    BATCH,
+    MODEL,
+    backward_problems,
+    check_losses,
+    first_problem,
+    gradient_mismatch,
+    gradients_held,
+    nonfinite_warning,
+    parameters_changed,
+    ranks_step_apart,
+    report_backward_outside,
+    step_problems,
+)
+from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.step import instruments
+from cockpit.step.instrument_traits import describes_the_batch, problem_of, reads_gradient
+from cockpit.step.watched_run import WatchedRun
+
+
+@dataclass
+class BlockChecks:
+    """What the checks at a block's start found (see :func:`check_block`)."""
+
+    losses: Tensor | None
+    finite: Tensor | None  # whether the losses are finite: a device flag, read later
+    problems: list[tuple[str, str]]  # (scope, reason): see cockpit.loop_checks
+    gradient_held: Later | None  # GradientHeld, checked at a step's first block
+
+
+def check_block(run: WatchedRun, step: int, tracked: list[Quantity], losses: Tensor | None,
+                continued: TrackedStep | None, check_held: bool) -> BlockChecks:
+    """The checks before a block of ``step`` opens (``continued``: the step it adds a
+    micro-batch to); raises where the losses passed cannot be used."""
+    finite = None
+    needing = [q.name for q in tracked if q.needs_losses]
+    if needing:
+        losses = check_losses(losses, step, needing)
+        finite = torch.isfinite(losses.detach()).all()
+    changed = parameters_changed(run.tracker.model, run.tracker.param_names, run.params)
+    problems = step_problems(step, losses, changed,
+                             None if continued is None else continued.forwards, run.warn)
+    held = gradients_held(step, run.stepped_params()) if check_held else None
+    return BlockChecks(losses, finite, problems, held)
+
+
+class TrackedStep:
+    """A tracked step: its backward passes (micro-batches) come in, then it is finished."""
+
+    def __init__(self, run: WatchedRun, step: int, tracked: list[Quantity]):
+        self.run, self.step, self.tracked = run, step, tracked
+        self.elapsed = time.perf_counter() - run.start_time
+        self.request: StepRequest | None = None  # of the first backward pass
+        self.reduction: StepReduction | None = None
+        self.in_block = False  # inside one of its ``with`` blocks
+        self.prepare_failures: dict[str, str] = {}
+        self.weights: list[float | None] = []  # loss weight w of each backward pass
+        self.mismatch: Later | None = None  # GradientMismatch, set at optimizer.step()
+        self.checks: list[Later] = []  # misuse checks decided when the numbers are read
+        self.gradient_held: Later | None = None  # GradientHeld, checked at the first block
+        # whether the first block's losses were finite: a device flag, read only where a
+        # warning depends on it
+        self.finite_losses: Tensor | bool = True
+        self.problems: list[tuple[str, str]] = []  # (scope, reason): see loop_checks
+        self.forwards: set = set()  # the losses' graph nodes backpropagated in its blocks
+        self.approximation: str | None = None  # how its individual gradients are defined
+        # after finish: what the instruments of the update need until the optimizer step
+        self._update: tuple[StepData, dict[str, Tensor], list[Quantity]] | None = None
+
+    @property
+    def micro_batches(self) -> int:
+        return 0 if self.reduction is None else self.reduction.micro_batches
+
+    # ------------------------------------------------------------------ blocks
+    def open_block(self, checks: BlockChecks) -> None:
+        """A ``with`` block of this step opens: the tracker is told what to collect in the
+        coming backward pass, the instruments prepare."""
+        run, tracker, losses = self.run, self.run.tracker, checks.losses
+        problems = checks.problems
+        recorded = tracker.num_calls  # forward calls before those of other graphs go
+        if losses is not None and losses.requires_grad:
+            losses.register_hook(tracker.losses_hook)
+            tracker.drop_calls_outside(losses)
+        captured = tracker.num_calls
+        if self.reduction is None:
+            request = self._first_request()
+            self.gradient_held = checks.gradient_held
+            if checks.finite is not None:
+                self.finite_losses = checks.finite
+        else:
+            # the previous backward's gradient copies belong to the step being merged
+            tracker.drop_spare_gradients()
+            request = self._next_request()
+        assert self.reduction is not None
+        self.problems.extend(problems)
+        if losses is not None:
+            self.forwards.add(losses.grad_fn)
+        if checks.finite is not None:
+            self.checks.append(Later(nonfinite_warning(self.step), checks.finite))
+        stats = tracker.begin(request, losses)
+        self.in_block = True
+        for quantity in self.tracked:
+            if problem_of(quantity, problems) is None:  # (else it records None anyway)
+                instruments.prepare(quantity, self.step, tracker, run.optimizer, losses,
+                                    self.prepare_failures, run.warn)
+        if request.needs & PER_SAMPLE_STATS or GRAM_MEAN in self.reduction.needs:
+            stats.problems.extend(tracker.check_batch_norm()[:1])
+            if (run.batchnorm == FROZEN_STATISTICS and losses is not None and captured
+                    and losses.requires_grad and not problems
+                    and tracker.has_training_batch_norm()):
+                tracker.run_frozen_pass(losses)
+                self.approximation = APPROXIMATION
+            if captured == 0 and not problems:
+                stats.problems.append(
+                    "the `losses` passed to cockpit(step, losses=...) do not depend on the "
+                    "forward pass Cockpit recorded: pass the individual losses of the batch "
+                    "you backpropagate" if recorded else
+                    "Cockpit did not see this step's forward pass (create the forward pass "
+                    "after the previous cockpit(...) context and call cockpit(step) with "
+                    "consecutive step numbers)"
+                )
+
+    def _first_request(self) -> StepRequest:
+        run = self.run
+        needs = frozenset().union(*(q.needs for q in self.tracked))
+        split = run.accumulating or run.ranks > 1
+        # one backward per process: the layers can wait for the synchronized gradient
+        defer = run.ranks > 1 and not run.accumulating
+        request = StepRequest(needs, gradient_scale=run.gradient_scale(), split=split,
+                              defer=defer)
+        if split and GRAM_MEAN in needs:
+            # g_nᵀḡ needs the whole step's ḡ: formed from kept calls at the reduction point
+            request.needs, request.union_gram = needs - {GRAM_MEAN}, True
+        self.request = request
+        self.reduction = StepReduction(run.tracker, needs, request,
+                                       instruments.sample_sum_keys(self.tracked),
+                                       ranks=run.ranks)
+        return request
+
+    def _next_request(self) -> StepRequest:
+        """The request of one more backward pass of this step: the same statistics; the
+        instruments register their directions again in ``prepare``."""
+        first = self.request
+        assert first is not None
+        return StepRequest(first.needs, gradient_scale=self.run.gradient_scale(),
+                           split=first.split, union_gram=first.union_gram, defer=first.defer)
+
+    def close_block(self, failed: bool) -> bool:
+        """The block's backward pass is done: its statistics join the step's. False where
+        the user's backward raised (``failed``): the step cannot be completed."""
+        run, tracker = self.run, self.run.tracker
+        assert self.reduction is not None
+        self.in_block = False
+        stats = tracker.end()
+        self.problems.extend(backward_problems(self.step, tracker, stats.losses,
+                                               bool(stats.batch_grads), run.warn))
+        calls = tracker.take_kept_calls()
+        # the same step may bring more micro-batches: keep recording forward passes
+        tracker.capturing = True
+        if failed:
+            return False
+        if self.reduction.micro_batches == 1 and not run.accumulating:
+            run.accumulating = True
+            run.warn(
+                f"step {self.step}: several backward passes with the same step number "
+                "(gradient accumulation); every instrument describes their union. Cockpit now "
+                "keeps each micro-batch's layer inputs until the optimizer step (pass "
+                "Cockpit(..., grad_accumulation=True) to say so from the start)",
+                key="accumulation-learned")
+        self.reduction.add(stats, calls, tracker.request)
+        self.weights.append(tracker.loss_weight)
+        # until the optimizer step (or the next block): see backward passes outside a block
+        reached = list(self.reduction.stats.batch_grads) if self.reduction.stats else []
+        run.watch.arm(blocks_saw_gradient=bool(reached), candidates=reached)
+        return True
+
+    def measure_gradient_mismatch(self) -> None:
+        """GradientMismatch: the gradient the optimizer is about to step on against the
+        batch gradient of the backward passes Cockpit saw (single process)."""
+        if self.in_block or self.run.ranks != 1 or self.reduction is None:
+            return
+        reduced = self.reduction.stats
+        mean = {} if reduced is None else reduced.batch_grads
+        stepped = self.run.stepped_params()
+        mean = {k: g for k, g in mean.items() if k in stepped}
+        self.mismatch = gradient_mismatch(stepped, mean, self.weights)
+
+    # ------------------------------------------------------------------ values
+    def finish(self, capture_next: Callable[[int], bool]) -> bool:
+        """Reduce the step's backward passes (micro-batches, then processes), compute its
+        instruments and record them. True where instruments of the update wait for the
+        optimizer step (:meth:`finish_update`). ``capture_next``: whether the forward pass
+        after a step must be recorded (the schedule's)."""
+        run = self.run
+        evidence = run.watch.evidence
+        run.watch.reset()
+        if self.reduction is None or self.reduction.micro_batches == 0:
+            return False
+        assert self.request is not None
+        run.tracker.capturing = capture_next(self.step)
+        step = self.step
+        stats = self.reduction.finish()
+        run.hist.settle(stats)
+        not_global = (None if run.ranks == 1 else ranks_step_apart(
+            step, run.stepped_params(), next(iter(run.params.values())).device, run.warn))
+        data = self._step_data(stats)
+        data.project = self.reduction.project_samples if self.reduction.keeps_calls else None
+        data.unmerged = self.reduction.unmerged
+        values: dict[str, Value] = {}
+        laters: list[Later] = list(self.checks)
+        model_problem = first_problem(self.problems, (MODEL,))
+        batch_problem = first_problem(self.problems, (BATCH,))
+        if model_problem is not None:
+            data.notes["LearningRate"] = model_problem
+        elif data.learning_rate is not None:  # one rate for the model's parameters
+            values["LearningRate"] = data.learning_rate
+        if stats.losses is not None and not_global is None:
+            values["BatchSize"] = None if batch_problem is not None else float(stats.num_samples)
+            if batch_problem is not None:
+                data.notes["BatchSize"] = batch_problem
+        if self.mismatch is not None and model_problem is None:
+            laters.append(self.mismatch)
+        if self.gradient_held is not None and model_problem is None:
+            laters.append(self.gradient_held)
+        split = self.request.split or stats.micro_batches > 1 or stats.ranks > 1
+        if self.approximation is not None:
+            run.recorder.approximated(step, self.approximation)
+        no_gradient = report_backward_outside(step, evidence, not stats.batch_grads, run.warn)
+        skipped = set()
+        for quantity in self.tracked:
+            reason = (not_global if not_global is not None and describes_the_batch(quantity)
+                      else no_gradient if no_gradient and reads_gradient(quantity)
+                      else problem_of(quantity, self.problems))
+            if reason is not None:
+                data.notes[quantity.name] = reason
+                values[quantity.name] = None
+                skipped.add(quantity.name)
+                continue
+            instruments.collect(
+                instruments.compute(quantity, data, stats, split, self.prepare_failures,
+                                    run.quantities, run.warn), values, laters)
+        self._hand_over(values, data, laters)
+        later = [q for q in self.tracked if q.needs_update and q.name not in skipped]
+        if not later:
+            return False
+        with torch.no_grad():  # θ_t, copied by one fused kernel (x·1 = x exactly)
+            copies = torch._foreach_mul(list(run.params.values()), 1.0)
+        self._update = (data, dict(zip(run.params, copies, strict=True)), later)
+        return True
+
+    def finish_update(self) -> None:
+        """After the optimizer step: the instruments of the update θ_{t+1} − θ_t, recorded."""
+        if self._update is None:
+            return
+        data, before, quantities = self._update
+        self._update = None
+        params = self.run.params
+        # θ_{t+1} − θ_t written over the snapshot (a fresh parameter-sized tensor costs page
+        # faults: as much as the subtraction itself)
+        with torch.no_grad():  # −(θ_t − θ_{t+1}) = θ_{t+1} − θ_t exactly
+            snapshots = [before[k] for k in params]
+            torch._foreach_sub_(snapshots, list(params.values()))
+            torch._foreach_neg_(snapshots)
+        update = dict(zip(params, snapshots, strict=True))
+        data.notes.clear()
+        values: dict[str, Value] = {}
+        laters: list[Later] = []
+        for quantity in quantities:
+            instruments.collect(instruments.compute_after_update(
+                quantity, data, update, self.run.warn.strict), values, laters)
+        self._hand_over(values, data, laters)
+
+    def _hand_over(self, values: dict[str, Value], data: StepData, laters: list[Later]
+                   ) -> None:
+        """Record the step's values, then those its instruments computed now for earlier
+        steps (Alpha's), then warn what they asked to."""
+        record = self.run.recorder.record
+        record(self.step, values, data.notes, laters)
+        for step in sorted({*data.late, *data.late_values}):
+            record(step, data.late.get(step, {}), data.late_notes.get(step, {}),
+                   data.late_values.get(step, ()))
+        data.late.clear()
+        data.late_notes.clear()
+        data.late_values.clear()
+        for message in data.warnings:
+            self.run.warn(message)
+        data.warnings.clear()
+
+    def _step_data(self, stats: BackwardStatistics) -> StepData:
+        run = self.run
+        return StepData(
+            step=self.step,
+            losses=stats.losses,
+            stats=stats,
+            batch_grads=stats.batch_grads,
+            params={k: p.detach() for k, p in run.params.items()},
+            initial_params=run.initial,
+            learning_rate=run.learning_rate(),
+            hist_spec=run.hist.spec,
+            hist2d_specs=run.hist2d_specs,
+            time=self.elapsed,
+            engine=run.tracker,
+        )

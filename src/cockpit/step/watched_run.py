@@ -1,0 +1,55 @@
+"""What every tracked step of one Cockpit shares: the model's tracker and parameters, the
+optimizer, the settings, and where the values go."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cockpit.engine.histogram import BinSpec
+from cockpit.engine.tracker import ModuleTracker
+from cockpit.loop_checks import OutsideBackwardWatch, learning_rate, stepped_params
+from cockpit.quantities.base import Quantity
+from cockpit.step.hist_range import HistogramRange
+from cockpit.step.recorder import Recorder
+from cockpit.step.warn_once import WarnOnce
+
+
+@dataclass
+class WatchedRun:
+    """The run Cockpit watches, as its steps see it.
+
+    ``ranks`` (processes whose statistics are combined; 1 after it turned out that not
+    every process runs Cockpit) and ``accumulating`` (backward passes are micro-batches,
+    said or learned at the first such step) change while the run goes on."""
+
+    tracker: ModuleTracker
+    quantities: list[Quantity]
+    optimizer: torch.optim.Optimizer | None
+    params: dict[str, Tensor]  # the model's trainable parameters, by name
+    initial: dict[str, Tensor] | None  # θ_0, kept where an instrument reads it
+    grad_scaler: Any
+    batchnorm: str | None
+    hist2d_specs: tuple[BinSpec, BinSpec]
+    hist: HistogramRange
+    warn: WarnOnce
+    watch: OutsideBackwardWatch
+    recorder: Recorder
+    ranks: int
+    accumulating: bool
+    start_time: float = field(default_factory=time.perf_counter)
+
+    def stepped_params(self) -> dict[str, Tensor]:
+        """The model's parameters the optimizer steps on (all without an optimizer)."""
+        return stepped_params(self.optimizer, self.params)
+
+    def learning_rate(self) -> float | None:
+        return learning_rate(self.optimizer, self.params)
+
+    def gradient_scale(self) -> float:
+        """The GradScaler's factor in the gradients of the coming backward pass."""
+        return 1.0 if self.grad_scaler is None else float(self.grad_scaler.get_scale())
