@@ -8,10 +8,14 @@
 * :mod:`.backward` — :class:`BackwardStatistics`, the values of one backward pass (or of a
   merged step), and :class:`GradientDots`.
 
-A new statistic is one more file here that calls :func:`register`, imported below; the
-order of the imports is the order in which a layer's statistics are formed.
+A new statistic is one more file here that calls :func:`register`: the package imports
+every module in it. The built-in statistics are imported first, in the order in which a
+layer's statistics are formed (the order of registration), the others after them by name.
 """
 # ruff: noqa: I001  (the statistics' imports are in registration order, not sorted)
+
+import importlib
+import pkgutil
 
 from cockpit.engine.statistics.backward import (
     PROJECTIONS,
@@ -37,6 +41,11 @@ from cockpit.engine.statistics.sum_sq import SUM_SQ
 from cockpit.engine.statistics.var_sum import VAR_SUM
 from cockpit.engine.statistics.hist1d import HIST1D
 from cockpit.engine.statistics.hist2d import HIST2D
+
+# Any other module of this package is a statistic too: imported (registered) by name order.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
 
 # Names an instrument can put into ``needs``: the registered statistics and the projections.
 PER_SAMPLE_STATS = frozenset({*REGISTRY, PROJECTIONS})
