@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from cockpit import Cockpit
-from cockpit.engine.statistics import REGISTRY, BackwardStatistics, Combine, Merge
+from cockpit.engine.statistics import REGISTRY, BackwardStatistics, Combine, Merge, register
 from cockpit.quantities import Quantity
 from tests.models import make_problem
 from tests.reference import individual_gradients
@@ -48,6 +48,9 @@ def test_the_statistic_is_registered_with_its_rules():
     assert (statistic.merge, statistic.combine) == (Merge.CONCAT, Combine.GATHER)
     with pytest.raises(KeyError, match="not a registered per-sample statistic"):
         BackwardStatistics(3)["l1_norm"]
+    # registered outside the package, the engine would never form it for the instruments
+    with pytest.raises(RuntimeError, match="add its module to the cockpit"):
+        register(type(statistic)())
 
 
 @pytest.mark.parametrize("name", ["cnn", "transformer"])

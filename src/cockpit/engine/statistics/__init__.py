@@ -33,6 +33,7 @@ from cockpit.engine.statistics.registry import (
     StatisticContext,
     register,
     requested,
+    seal,
     shared_chunks,
 )
 from cockpit.engine.statistics.sq_norms import SQ_NORMS
@@ -49,6 +50,7 @@ for _module in pkgutil.iter_modules(__path__):
 
 # Names an instrument can put into ``needs``: the registered statistics and the projections.
 PER_SAMPLE_STATS = frozenset({*REGISTRY, PROJECTIONS})
+seal()
 
 __all__ = [
     "GRAM_MEAN", "HIST1D", "HIST2D", "PER_SAMPLE_STATS", "PROJECTIONS", "REGISTRY",

@@ -123,14 +123,28 @@ class Statistic:
 
 
 REGISTRY: dict[str, Statistic] = {}
+_sealed = False  # set once the package has imported its statistics
 
 
 def register(statistic: Statistic) -> Statistic:
-    """Add a statistic to the registry under its name (refused twice)."""
+    """Add a statistic to the registry under its name (refused twice, and refused after the
+    package was imported: the names instruments may need are fixed then)."""
+    if _sealed:
+        raise RuntimeError(
+            f"per-sample statistic {statistic.name!r} registered after "
+            "cockpit.engine.statistics was imported: the engine would not form it for the "
+            "instruments that need it; add its module to the cockpit.engine.statistics package "
+            "(every module there is imported and registered with the package)")
     if statistic.name in REGISTRY:
         raise ValueError(f"a per-sample statistic {statistic.name!r} is registered already")
     REGISTRY[statistic.name] = statistic
     return statistic
+
+
+def seal() -> None:
+    """Refuse further registrations (called by the package once it imported every module)."""
+    global _sealed
+    _sealed = True
 
 
 def requested(needs: frozenset[str] | set[str]) -> list[Statistic]:
