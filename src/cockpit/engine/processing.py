@@ -245,7 +245,7 @@ class CallProcessor:
         stats, needs = engine.stats, engine.needs
         assert stats is not None
         layer = LayerContext(name, engine)
-        with shared_chunks(sg):
+        with shared_chunks(sg, layer):
             for statistic in requested(needs):
                 value = statistic.form(sg, layer)
                 if value is not None:

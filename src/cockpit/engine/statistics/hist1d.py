@@ -31,10 +31,13 @@ from cockpit.engine.statistics.registry import (
 )
 
 
-def _one_chunk_at_a_time(sg: SampleGrads) -> Iterator[Tensor]:
+def _one_chunk_at_a_time(sg: SampleGrads, layer: LayerContext) -> Iterator[Tensor]:
     """The individual gradients in sample chunks, each formed only when the previous one is
-    done with (factored layers' ``chunks()`` would form them all at once)."""
-    if isinstance(sg, OuterSampleGrads | SequenceOuterSampleGrads):
+    done with (factored layers' ``chunks()`` would form them all at once), unless another
+    statistic of the layer has formed them already (the same chunks: the same products)."""
+    if layer.chunks is not None:
+        yield from layer.chunks
+    elif isinstance(sg, OuterSampleGrads | SequenceOuterSampleGrads):
         size = max(1, _CHUNK_ELEMENTS // max(sg.shape.numel(), 1))
         for d, a in zip(sg.delta.split(size), sg.a.split(size), strict=True):
             yield (d.unsqueeze(2) * a.unsqueeze(1) if isinstance(sg, OuterSampleGrads)
@@ -53,7 +56,7 @@ class Hist1d(Statistic):
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
         spec = layer.context.hist_spec
         if isinstance(spec, AutoRange):
-            return magnitude_counts(_one_chunk_at_a_time(sg))
+            return magnitude_counts(_one_chunk_at_a_time(sg, layer))
         return sg.histogram(spec)
 
     def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:

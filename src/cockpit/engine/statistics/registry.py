@@ -69,6 +69,8 @@ class LayerContext:
 
     def __init__(self, name: str, context: StatisticContext):
         self.name, self.context = name, context
+        # the individual gradients in sample chunks, once a statistic has materialized them
+        self.chunks: list[Tensor] | None = None
 
     @property
     def param(self) -> Tensor:
@@ -153,25 +155,25 @@ def requested(needs: frozenset[str] | set[str]) -> list[Statistic]:
 
 
 @contextlib.contextmanager
-def shared_chunks(sg: SampleGrads) -> Iterator[None]:
-    """Inside the block ``sg.chunks()`` materializes the individual gradients once and
-    hands every statistic the same chunks (the sums of squares, centered sums and
-    histograms of a factored layer would otherwise each form them again). Representations
-    that hold or cache their chunks already are left alone."""
+def shared_chunks(sg: SampleGrads, layer: LayerContext) -> Iterator[None]:
+    """Inside the block ``sg.chunks()`` materializes the individual gradients once, into
+    ``layer.chunks``, and hands every statistic the same chunks (the sums of squares,
+    centered sums and histograms of a factored layer would otherwise each form them again).
+    Representations that hold or cache their chunks already are left alone. The chunks are
+    dropped when the block ends (peak memory stays one layer's |B|×D)."""
     if sg.caches_chunks:
         yield
         return
-    formed: list[Tensor] | None = None
     original = sg.chunks
 
     def chunks() -> list[Tensor]:
-        nonlocal formed
-        if formed is None:
-            formed = original()
-        return formed
+        if layer.chunks is None:
+            layer.chunks = original()
+        return layer.chunks
 
     sg.chunks = chunks  # type: ignore[method-assign]
     try:
         yield
     finally:
         del sg.chunks
+        layer.chunks = None
