@@ -5,7 +5,9 @@ pass, or after it for deferred units), :class:`CallProcessor` turns them into th
 losses' gradients δ_n = (∂L/∂y_n) / w_n, asks the layer rule for one :class:`SampleGrads`
 per parameter and reduces each to the statistics the step's instruments need:
 
-* the per-sample statistics proper (‖g_n‖², Σ_n g_n ⊙ g_n, histograms, …), and
+* the registered per-sample statistics (‖g_n‖², Σ_n g_n ⊙ g_n, histograms, …; see
+  :mod:`cockpit.engine.statistics`), in one loop over the registry per parameter that hands
+  each the same individual gradients, materialized at most once, and
 * the dot products g_nᵀu — with the mean ḡ, with the directions known before the backward
   pass and with those computed from the gradient the optimizer will see — in one
   ``dots_many`` pass per parameter (:meth:`CallProcessor.reduce_dots`). Where a dot product
