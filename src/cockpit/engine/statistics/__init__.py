@@ -8,9 +8,10 @@
 * :mod:`.backward` — :class:`BackwardStatistics`, the values of one backward pass (or of a
   merged step), and :class:`GradientDots`.
 
-A new statistic is one more file here that calls :func:`register`: the package imports
-every module in it. The built-in statistics are imported first, in the order in which a
-layer's statistics are formed (the order of registration), the others after them by name.
+A new statistic is one more file here that calls :func:`register` (:mod:`.l1_norms` is the
+smallest example): the package imports every module in it. The built-in statistics are
+imported first, in the order in which a layer's statistics are formed (the order of
+registration), the others after them by name.
 """
 # ruff: noqa: I001  (the statistics' imports are in registration order, not sorted)
 
