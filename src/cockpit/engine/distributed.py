@@ -6,11 +6,14 @@ or a per-sample vector, so two all-reduces (sum) of flat float64 buffers suffice
 individual gradient crosses the network:
 
 1. :func:`reduce_sums` — the sample counts N_r and the additive values: Σ_n g_n = N_r ḡ_r,
-   Σ_n g_n ⊙ g_n, histogram counts, instruments' sample sums, and for the elementwise
-   variance V_r + N_r ḡ_r ⊙ ḡ_r, from which V = Σ_r (V_r + N_r ḡ_r²) − N ḡ² (float64);
-2. :func:`gather_samples` — the per-sample vectors (‖g_n‖², g_nᵀḡ, projections, ℓ_n): each
-   rank writes its own slice [offset_r, offset_r + N_r) of a zero buffer of length N, so the
-   sum is their concatenation in rank order.
+   instruments' sample sums, and every requested statistic that ranks sum
+   (:class:`~cockpit.engine.statistics.Combine` ``SUM``: Σ_n g_n ⊙ g_n, histogram counts,
+   and for the elementwise variance V_r + N_r ḡ_r ⊙ ḡ_r, from which
+   V = Σ_r (V_r + N_r ḡ_r²) − N ḡ² in float64), each packed and unpacked as it declares;
+2. :func:`gather_samples` — the per-sample vectors (the statistics that ranks gather, such as
+   ‖g_n‖² and g_nᵀḡ, the projections, ℓ_n): each rank writes its own slice
+   [offset_r, offset_r + N_r) of a zero buffer of length N, so the sum is their
+   concatenation in rank order.
 
 The layout of both buffers comes from the parameter names and the requested statistics, the
 same on every rank; a parameter without gradient on a rank contributes zeros (its individual
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cockpit.engine.statistics import BackwardStatistics
+from cockpit.engine.statistics import BackwardStatistics, RankTotals, Statistic, StatisticContext
 from cockpit.engine.workspace import workspace
 
 _SUPPORTED_HINT = (
@@ -241,30 +244,33 @@ class _Layout:
 
 
 def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
-                kinds: set[str], hist_bins: dict[str, tuple[int, ...]],
+                statistics: Sequence[Statistic], context: StatisticContext,
                 sample_sum_keys: Sequence[str], projection_keys: Sequence[str],
                 device: torch.device
                 ) -> tuple[BackwardStatistics, list[int], dict[tuple[str, str], int]]:
     """Phase 1 (one all-reduce). ``shapes``: every tracked parameter, in the same order on
-    every rank; ``kinds``: the requested elementwise sums among "var_sum", "sum_sq";
-    ``hist_bins``: the count shapes of the requested "hist1d"/"hist2d" (the layout depends
-    on these arguments only, never on which values a rank happens to hold).
-    ``projection_keys``: the keys of the requested projections; their number of directions
-    per parameter is exchanged here for phase 2.
+    every rank; ``statistics``: the requested statistics that ranks sum
+    (:attr:`Combine.SUM`), each with one slot per parameter of the shape it declares for
+    ``context`` (the layout depends on these arguments only, never on which values a rank
+    happens to hold). ``projection_keys``: the keys of the requested projections; their
+    number of directions per parameter is exchanged here for phase 2.
     Returns the global statistics without per-sample vectors, the ranks' sample counts and
     the number of directions per (projection key, parameter)."""
     size, me = world_size(), rank()
     layout = _Layout()
     layout.add("header", "samples", [size])
     layout.add("header", "problems", [size])
-    kinds = ["batch_grads", *sorted(kinds & {"var_sum", "sum_sq"})]
-    for kind in kinds:
-        for name, shape in shapes.items():
-            layout.add(kind, name, shape)
-            layout.add(kind + "?", name, [1])
-    for kind, bins in hist_bins.items():
-        for name in shapes:
-            layout.add(kind, name, bins)
+    for name, shape in shapes.items():
+        layout.add("batch_grads", name, shape)
+        layout.add("batch_grads?", name, [1])
+    slots = {}  # statistic name → parameter → slot shape
+    for statistic in statistics:
+        slots[statistic.name] = {name: statistic.slot_shape(shape, context)
+                                 for name, shape in shapes.items()}
+        for name, shape in slots[statistic.name].items():
+            layout.add(statistic.name, name, shape)
+            if statistic.flagged:
+                layout.add(statistic.name + "?", name, [1])
     for key in sample_sum_keys:
         for name, shape in shapes.items():
             layout.add("sample_sums:" + key, name, shape)
@@ -287,19 +293,13 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
         if n:
             summed.mul_(n)
         layout.view(buffer, "batch_grads?", name).fill_(1)
-        if "var_sum" in kinds and name in stats.var_sum:
-            second = stats.var_sum[name].double().reshape(shapes[name]) + n * mean.double().pow(2)
-            layout.view(buffer, "var_sum", name).copy_(second)
-            layout.view(buffer, "var_sum?", name).fill_(1)
-    for name, value in stats.sum_sq.items():
-        if name in shapes:
-            layout.view(buffer, "sum_sq", name).copy_(value.double().reshape(shapes[name]))
-            layout.view(buffer, "sum_sq?", name).fill_(1)
-    for kind, counts in (("hist1d", stats.hist1d), ("hist2d", stats.hist2d)):
-        if kind in hist_bins:
-            for name, value in counts.items():
-                if name in shapes:
-                    layout.view(buffer, kind, name).copy_(value.double().reshape(hist_bins[kind]))
+    for statistic in statistics:
+        for name, shape in slots[statistic.name].items():
+            value = statistic.pack(stats, name, shape)
+            if value is not None:
+                layout.view(buffer, statistic.name, name).copy_(value)
+                if statistic.flagged:
+                    layout.view(buffer, statistic.name + "?", name).fill_(1)
     for key in sample_sum_keys:
         for name, value in stats.sample_sums.get(key, {}).items():
             if name in shapes:
@@ -325,24 +325,25 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
     def present(kind: str, name: str) -> bool:
         return bool(layout.view(buffer, kind + "?", name).item() > 0)
 
+    divisor = total if total else size
+    summed_means = {}
     for name in shapes:
         if not present("batch_grads", name):
             continue
         like = stats.batch_grads.get(name)
         dtype = like.dtype if like is not None else torch.float32
-        summed = layout.view(buffer, "batch_grads", name)
-        divisor = total if total else size
+        summed_means[name] = summed = layout.view(buffer, "batch_grads", name)
         out.batch_grads[name] = summed.to(dtype, copy=True).div_(divisor)
-        if "var_sum" in kinds and present("var_sum", name):
-            mean = summed / divisor
-            second = layout.view(buffer, "var_sum", name)
-            out.var_sum[name] = (second - total * mean.pow(2)).clamp_(min=0)
-        if "sum_sq" in kinds and present("sum_sq", name):
-            out.sum_sq[name] = layout.view(buffer, "sum_sq", name).clone()
-    for kind in hist_bins:
-        target = out.hist1d if kind == "hist1d" else out.hist2d
+    totals = RankTotals(total, summed_means, divisor)
+    for statistic in statistics:
+        target = out[statistic.name]
         for name in shapes:
-            target[name] = layout.view(buffer, kind, name).round().to(torch.int64)
+            # a summed value needs the parameter's gradient on some rank (counts do not)
+            if statistic.flagged and not (name in summed_means
+                                          and present(statistic.name, name)):
+                continue
+            target[name] = statistic.unpack(layout.view(buffer, statistic.name, name), totals,
+                                            name)
     for key in sample_sum_keys:
         for name in shapes:
             if present("sample_sums:" + key, name):
@@ -359,27 +360,27 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
 
 
 def gather_samples(local: BackwardStatistics, out: BackwardStatistics, counts: list[int],
-                   names: Sequence[str], kinds: set[str],
+                   names: Sequence[str], statistics: Sequence[Statistic],
                    directions: dict[tuple[str, str], int], device: torch.device) -> None:
     """Phase 2 (one all-reduce): the per-sample vectors of ``local`` (this rank's samples)
     into ``out`` as vectors over the global batch, in rank order. ``names``: the parameters
-    in a fixed order; ``kinds``: the requested per-sample vectors among "sq_norms",
-    "gram_mean"; ``directions``: the number of projection directions per (key, parameter),
-    from :func:`reduce_sums`; all three the same on every rank."""
+    in a fixed order; ``statistics``: the requested statistics that ranks gather
+    (:attr:`Combine.GATHER`, [N] per parameter); ``directions``: the number of projection
+    directions per (key, parameter), from :func:`reduce_sums`; all three the same on every
+    rank. The individual losses ℓ_n always come along."""
     total, me = sum(counts), rank()
     if total == 0:
         return
     start = sum(counts[:me])
     rows: list[tuple[str, str]] = [("losses", "")]
-    for kind in ("sq_norms", "gram_mean"):
-        if kind in kinds:
-            rows.extend((kind, name) for name in names)
+    for statistic in statistics:
+        rows.extend((statistic.name, name) for name in names)
     first_row = len(rows)
     buffer_rows = first_row + sum(directions.values())
     buffer = torch.zeros(buffer_rows, total + 1, dtype=torch.float64, device=device)
     # the last column flags rows present on some rank
     for index, (kind, name) in enumerate(rows):
-        value = _local_row(local, kind, name)
+        value = local.losses if kind == "losses" else local[kind].get(name)
         if value is not None:
             buffer[index, start: start + local.num_samples] = value.double().reshape(-1)
             buffer[index, total] = 1
@@ -401,22 +402,12 @@ def gather_samples(local: BackwardStatistics, out: BackwardStatistics, counts: l
         values = buffer[index, :total].clone()
         if kind == "losses":
             out.losses = values
-        elif kind == "sq_norms":
-            out.sq_norms[name] = values
         else:
-            out.gram_mean[name] = values
+            out[kind][name] = values
     for (key, name), k in directions.items():
         offset = placed[(key, name)]
         if buffer[offset, total] > 0:
             out.projections.setdefault(key, {})[name] = buffer[offset: offset + k, :total].clone()
-
-
-def _local_row(local: BackwardStatistics, kind: str, name: str) -> Tensor | None:
-    if kind == "losses":
-        return local.losses
-    if kind == "sq_norms":
-        return local.sq_norms.get(name)
-    return local.gram_mean.get(name)
 
 
 def gather_vector(local: Tensor, counts: list[int], device: torch.device) -> Tensor:

@@ -5,7 +5,9 @@ pass, or after it for deferred units), :class:`CallProcessor` turns them into th
 losses' gradients δ_n = (∂L/∂y_n) / w_n, asks the layer rule for one :class:`SampleGrads`
 per parameter and reduces each to the statistics the step's instruments need:
 
-* the per-sample statistics proper (‖g_n‖², Σ_n g_n ⊙ g_n, histograms, …), and
+* the registered per-sample statistics (‖g_n‖², Σ_n g_n ⊙ g_n, histograms, …; see
+  :mod:`cockpit.engine.statistics`), in one loop over the registry per parameter that hands
+  each the same individual gradients, materialized at most once, and
 * the dot products g_nᵀu — with the mean ḡ, with the directions known before the backward
   pass and with those computed from the gradient the optimizer will see — in one
   ``dots_many`` pass per parameter (:meth:`CallProcessor.reduce_dots`). Where a dot product
@@ -22,14 +24,12 @@ whose hooks record it; the processor reads it there.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from cockpit.engine.histogram import AutoRange, magnitude_counts
 from cockpit.engine.rules.batchnorm_frozen import (
     FROZEN_STATISTICS,
     frozen_batch_norm_rule,
@@ -37,23 +37,15 @@ from cockpit.engine.rules.batchnorm_frozen import (
 )
 from cockpit.engine.rules.fallback import batch_dim_of, fallback_rule, output_batch_dims
 from cockpit.engine.rules.norms import SampleMixingError
-from cockpit.engine.sample_grads import (
-    _CHUNK_ELEMENTS,
-    DenseSampleGrads,
-    OuterSampleGrads,
-    SampleGrads,
-    SequenceOuterSampleGrads,
-)
+from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
 from cockpit.engine.statistics import (
     GRAM_MEAN,
-    HIST1D,
-    HIST2D,
     PER_SAMPLE_STATS,
     PROJECTIONS,
     SAMPLE_GRAD_SUM,
-    SQ_NORMS,
-    SUM_SQ,
-    VAR_SUM,
+    LayerContext,
+    requested,
+    shared_chunks,
 )
 
 if TYPE_CHECKING:
@@ -71,18 +63,6 @@ GRADIENT = _Gradient()
 """A direction provider may put GRADIENT into its basis instead of a copy of the gradient it
 was given: the tracker then takes g_nᵀ(gradient) from g_nᵀḡ where that is this backward's
 own gradient (a closed form for Linear layers, one shared row otherwise)."""
-
-
-def _one_chunk_at_a_time(sg: SampleGrads) -> Iterator[Tensor]:
-    """The individual gradients in sample chunks, each formed only when the previous one is
-    done with (factored layers' ``chunks()`` would form them all at once)."""
-    if isinstance(sg, OuterSampleGrads | SequenceOuterSampleGrads):
-        size = max(1, _CHUNK_ELEMENTS // max(sg.shape.numel(), 1))
-        for d, a in zip(sg.delta.split(size), sg.a.split(size), strict=True):
-            yield (d.unsqueeze(2) * a.unsqueeze(1) if isinstance(sg, OuterSampleGrads)
-                   else torch.bmm(d.transpose(1, 2), a))
-    else:
-        yield from sg.chunks()
 
 
 class CallProcessor:
@@ -259,34 +239,28 @@ class CallProcessor:
         self.guarded(name, self.reduce, name, sg)
 
     def reduce(self, name: str, sg: SampleGrads) -> None:
+        """Every requested statistic of one parameter from its individual gradients, in one
+        loop over the registry that hands them the same :class:`SampleGrads` (materialized
+        at most once, :func:`shared_chunks`) and :class:`LayerContext`; then the dot
+        products (now, or when the parameter's gradient arrives)."""
         engine = self.engine
         stats, needs = engine.stats, engine.needs
         assert stats is not None
-        if SQ_NORMS in needs:
-            stats.sq_norms[name] = sg.sq_norms()
-        if GRAM_MEAN in needs and not sg.fuse_dots:
-            stats.gram_mean[name] = sg.gram_mean()
-        if SUM_SQ in needs:
-            stats.sum_sq[name] = sg.sum_sq()
-        if VAR_SUM in needs:
-            stats.var_sum[name] = sg.centered_sum_sq()
-        if HIST1D in needs:
-            stats.hist1d[name] = (magnitude_counts(_one_chunk_at_a_time(sg))
-                                  if isinstance(engine.hist_spec, AutoRange)
-                                  else sg.histogram(engine.hist_spec))
-        if HIST2D in needs:
-            spec_g, spec_theta = engine.hist2d_specs
-            stats.hist2d[name] = sg.histogram2d(engine.params[name].detach(), spec_g,
-                                                spec_theta)
-        if engine._frozen_pass:  # these g_n do not sum to the batch gradient: keep their sum
-            stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
-                sg.batch_mean() * sg.num_samples)
-        waits = engine.direction_providers or (GRAM_MEAN in needs and sg.fuse_dots)
-        if waits and name not in engine._seen_grads and not engine._frozen_pass:
-            # the parameter's gradient arrives right after this layer's output gradient
-            self.pending[name] = sg
-        else:
-            self.reduce_dots(name, sg)
+        layer = LayerContext(name, engine)
+        with shared_chunks(sg, layer):
+            for statistic in requested(needs):
+                value = statistic.form(sg, layer)
+                if value is not None:
+                    stats[statistic.name][name] = value
+            if engine._frozen_pass:  # these g_n do not sum to the batch gradient: keep their sum
+                stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
+                    sg.batch_mean() * sg.num_samples)
+            waits = engine.direction_providers or (GRAM_MEAN in needs and sg.fuse_dots)
+            if waits and name not in engine._seen_grads and not engine._frozen_pass:
+                # the parameter's gradient arrives right after this layer's output gradient
+                self.pending[name] = sg
+            else:
+                self.reduce_dots(name, sg)
 
     def reduce_dots_guarded(self, name: str, sg: SampleGrads) -> None:
         self.guarded(name, self.reduce_dots, name, sg)

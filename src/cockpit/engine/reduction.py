@@ -19,15 +19,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine import distributed
-from cockpit.engine.statistics import (
-    GRAM_MEAN,
-    HIST1D,
-    HIST2D,
-    SQ_NORMS,
-    SUM_SQ,
-    VAR_SUM,
-    BackwardStatistics,
-)
+from cockpit.engine.statistics import GRAM_MEAN, BackwardStatistics, Combine, requested
 
 
 class StepReduction:
@@ -95,15 +87,9 @@ class StepReduction:
         if ranks > 1:
             shapes = {name: p.shape for name, p in params.items()}
             device = _device(params)
-            kinds = {k for k in (VAR_SUM, SUM_SQ) if k in self.needs}
-            hist_bins = {}
-            if HIST1D in self.needs:
-                hist_bins[HIST1D] = (self.engine.hist_spec.bins,)
-            if HIST2D in self.needs:
-                spec_g, spec_theta = self.engine.hist2d_specs
-                hist_bins[HIST2D] = (spec_g.bins, spec_theta.bins)
+            summed = [s for s in requested(self.needs) if s.combine is Combine.SUM]
             result, counts, directions = distributed.reduce_sums(
-                local, shapes, kinds, hist_bins, self.sample_sum_keys,
+                local, shapes, summed, self.engine, self.sample_sum_keys,
                 sorted(self.projection_keys), device)
         else:
             result, counts = local, [local.num_samples]
@@ -112,9 +98,9 @@ class StepReduction:
             local.gram_mean = (gram if gram is not None
                                else self._gram_over_union(result.batch_grads))
         if ranks > 1:
-            kinds = {k for k in (SQ_NORMS, GRAM_MEAN) if k in self.needs}
-            distributed.gather_samples(local, result, counts, list(params), kinds, directions,
-                                       device)
+            gathered = [s for s in requested(self.needs) if s.combine is Combine.GATHER]
+            distributed.gather_samples(local, result, counts, list(params), gathered,
+                                       directions, device)
         self._counts = counts
         if not self.keeps_calls:
             self.calls = []

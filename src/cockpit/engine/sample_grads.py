@@ -51,6 +51,9 @@ class SampleGrads(ABC):
     # Whether g_nᵀḡ is best computed together with the other dot products, as one
     # ``dots_many`` pass over the gradients (False where gram_mean has its own closed form).
     fuse_dots: bool = True
+    # Whether ``chunks()`` is cheap to call again (held or cached); otherwise the per-layer
+    # loop memoizes it (:func:`cockpit.engine.statistics.shared_chunks`).
+    caches_chunks: bool = False
 
     @abstractmethod
     def materialize(self) -> Tensor:
@@ -148,6 +151,8 @@ def _sum_sq_64(c: Tensor) -> Tensor:
 
 class DenseSampleGrads(SampleGrads):
     """Individual gradients stored explicitly as ``G[n] = g_n``."""
+
+    caches_chunks = True
 
     def __init__(self, grads: Tensor):
         self.grads = grads

@@ -140,6 +140,8 @@ class ConvSampleGrads(SampleGrads):
       :meth:`to_rows` and :meth:`from_rows` translate parameter-shaped tensors.
     """
 
+    caches_chunks = True  # (see chunks)
+
     def __init__(
         self, module: nn.modules.conv._ConvNd, x_padded: Tensor, delta: Tensor, key=None,
         scale: float = 1.0,

@@ -1,6 +1,8 @@
 """The statistics of a tracked step: one value per backward pass, merged over micro-batches.
 
-A backward pass over a batch B_k of N_k samples leaves, per parameter tensor θ:
+A backward pass over a batch B_k of N_k samples leaves, per parameter tensor θ, the
+registered per-sample statistics (:mod:`cockpit.engine.statistics.registry`; by name in
+``values``, the built-in ones also as attributes):
 
 * per-sample vectors over n ∈ B_k: ‖g_n‖² (``sq_norms``), g_nᵀ ḡ (``gram_mean``), g_nᵀ u for
   registered directions u (``projections``, [K, N_k]), and the individual losses ℓ_n;
@@ -10,8 +12,9 @@ A backward pass over a batch B_k of N_k samples leaves, per parameter tensor θ:
   V_k = Σ_n (g_n − ḡ_k) ⊙ (g_n − ḡ_k) (``var_sum``).
 
 All of them describe the union B = ∪_k B_k of a step's micro-batches exactly after
-:meth:`BackwardStatistics.merge`: per-sample vectors are concatenated, sums added, means
-weighted by N_k / N, and centered sums combined by the parallel-variance identity
+:meth:`BackwardStatistics.merge`: each registered statistic merges as it declares
+(per-sample vectors are concatenated, sums added, centered sums combined by the
+parallel-variance identity), projections are concatenated, means weighted by N_k / N:
 
     V = V_a + V_b + (N_a N_b / N) (ḡ_a − ḡ_b) ⊙ (ḡ_a − ḡ_b).
 
@@ -31,17 +34,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-# Names of the per-sample statistics an instrument can ask for.
-SQ_NORMS = "sq_norms"  # ‖g_n‖²                    per parameter, shape [N]
-GRAM_MEAN = "gram_mean"  # g_nᵀ ḡ                  per parameter, shape [N]
-SUM_SQ = "sum_sq"  # Σ_n g_n ⊙ g_n                 per parameter, shape of θ
-VAR_SUM = "var_sum"  # Σ_n (g_n − ḡ) ⊙ (g_n − ḡ)   per parameter, shape of θ
-HIST1D = "hist1d"  # counts of g_{n,j}            per parameter, [bins]
-HIST2D = "hist2d"  # counts of (g_{n,j}, θ_j)     per parameter, [bins_g, bins_θ]
-PROJECTIONS = "projections"  # g_nᵀ u for registered directions u, per parameter, [K, N]
-PER_SAMPLE_STATS = frozenset(
-    {SQ_NORMS, GRAM_MEAN, SUM_SQ, VAR_SUM, HIST1D, HIST2D, PROJECTIONS}
-)
+from cockpit.engine.statistics.registry import REGISTRY, Merge
+
+# g_nᵀ u for registered directions u, per parameter, [K, N]: formed in the fused dot pass
+PROJECTIONS = "projections"
 # sample_sums key of Σ_n g_n where the individual gradients do not sum to the batch gradient
 # (BatchNorm with frozen statistics): the gradient tests then use their own mean
 SAMPLE_GRAD_SUM = "sample_grad_sum"
@@ -56,18 +52,27 @@ class GradientDots:
     dots: dict[str, Tensor] = field(default_factory=dict)
 
 
+def _statistic(name: str) -> property:
+    """``stats.<name>``: the values of a registered statistic, parameter → tensor."""
+
+    def get(self: BackwardStatistics) -> dict[str, Tensor]:
+        return self.values.setdefault(name, {})
+
+    def put(self: BackwardStatistics, value: dict[str, Tensor]) -> None:
+        self.values[name] = value
+
+    return property(get, put, doc=f"``values[{name!r}]``")
+
+
 @dataclass
 class BackwardStatistics:
     """Additive statistics of one tracked backward pass (or of a merged step), keyed by
     parameter name."""
 
     num_samples: int
-    sq_norms: dict[str, Tensor] = field(default_factory=dict)
-    gram_mean: dict[str, Tensor] = field(default_factory=dict)
-    sum_sq: dict[str, Tensor] = field(default_factory=dict)
-    var_sum: dict[str, Tensor] = field(default_factory=dict)
-    hist1d: dict[str, Tensor] = field(default_factory=dict)
-    hist2d: dict[str, Tensor] = field(default_factory=dict)
+    # statistic name → parameter → value, for the registered statistics (read them as
+    # ``stats[name]``; the built-in ones also as ``stats.sq_norms``, …)
+    values: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     # ḡ = (1/N) Σ_n g_n of this backward (Cockpit's own copies; a directly following tracked
     # step reuses their memory)
     batch_grads: dict[str, Tensor] = field(default_factory=dict)
@@ -83,23 +88,47 @@ class BackwardStatistics:
     micro_batches: int = 1
     ranks: int = 1
 
+    sq_norms = _statistic("sq_norms")
+    gram_mean = _statistic("gram_mean")
+    sum_sq = _statistic("sum_sq")
+    var_sum = _statistic("var_sum")
+    hist1d = _statistic("hist1d")
+    hist2d = _statistic("hist2d")
+
+    def __getitem__(self, name: str) -> dict[str, Tensor]:
+        """The values of the registered statistic ``name`` (parameter → tensor)."""
+        if name not in REGISTRY:
+            raise KeyError(f"{name!r} is not a registered per-sample statistic (registered: "
+                           f"{', '.join(REGISTRY)}); register it in cockpit.engine.statistics")
+        return self.values.setdefault(name, {})
+
     @property
     def valid(self) -> bool:
         return not self.problems
 
     def merge(self, other: BackwardStatistics) -> BackwardStatistics:
         """The statistics of the union of both batches (a new value; see the module doc)."""
-        if self.gram_mean or other.gram_mean:
-            raise ValueError("g_nᵀḡ depends on the whole batch's mean and cannot be merged; "
-                             "form it over the union (engine.project on kept calls)")
+        for name, statistic in REGISTRY.items():
+            if statistic.merge is Merge.NONE and (self.values.get(name)
+                                                   or other.values.get(name)):
+                raise ValueError(
+                    f"{name} depends on the whole batch's mean and cannot be merged; form it "
+                    "over the union (engine.project on kept calls)")
         na, nb = self.num_samples, other.num_samples
         n = na + nb
         merged = BackwardStatistics(n, micro_batches=self.micro_batches + other.micro_batches)
         merged.problems = list(dict.fromkeys(self.problems + other.problems))
-        merged.sq_norms = _concat(self.sq_norms, other.sq_norms, na, nb)
-        merged.sum_sq = _add(self.sum_sq, other.sum_sq)
-        merged.hist1d = _add(self.hist1d, other.hist1d)
-        merged.hist2d = _add(self.hist2d, other.hist2d)
+        for name, statistic in REGISTRY.items():
+            mine, theirs = self.values.get(name, {}), other.values.get(name, {})
+            if statistic.merge is Merge.CONCAT:
+                merged.values[name] = _concat(mine, theirs, na, nb, dim=statistic.sample_dim)
+            elif statistic.merge is Merge.ADD:
+                merged.values[name] = _add(mine, theirs)
+            elif statistic.merge is Merge.CENTERED:  # with the halves' means ḡ_a, ḡ_b
+                merged.values[name] = {
+                    key: _merge_centered(mine.get(key), self.batch_grads.get(key), na,
+                                         theirs.get(key), other.batch_grads.get(key), nb)
+                    for key in {**mine, **theirs}}
         merged.sample_sums = {
             key: _add(self.sample_sums.get(key, {}), other.sample_sums.get(key, {}))
             for key in {**self.sample_sums, **other.sample_sums}
@@ -117,10 +146,6 @@ class BackwardStatistics:
                 (a * (na / n) + b * (nb / n)) if a is not None and b is not None
                 else (a if a is not None else b) * ((na if a is not None else nb) / n)
             )
-        for name in {**self.var_sum, **other.var_sum}:
-            merged.var_sum[name] = _merge_centered(
-                self.var_sum.get(name), self.batch_grads.get(name), na,
-                other.var_sum.get(name), other.batch_grads.get(name), nb)
         return merged
 
 

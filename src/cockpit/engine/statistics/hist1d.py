@@ -1,0 +1,69 @@
+"""Counts of the individual-gradient elements g_{n,j} in the bins of the engine's
+``hist_spec`` (GradHist1d eq. 15), or in the magnitude keys of an undecided
+:class:`~cockpit.engine.histogram.AutoRange` (regrouped into bins at the reduction point).
+
+Per parameter [bins]; micro-batches and ranks add (every parameter has a slot: a rank without
+the parameter counts nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from cockpit.engine.histogram import AutoRange, magnitude_counts
+from cockpit.engine.sample_grads import (
+    _CHUNK_ELEMENTS,
+    OuterSampleGrads,
+    SampleGrads,
+    SequenceOuterSampleGrads,
+)
+from cockpit.engine.statistics.registry import (
+    Combine,
+    LayerContext,
+    Merge,
+    RankTotals,
+    Statistic,
+    StatisticContext,
+    register,
+)
+
+
+def _one_chunk_at_a_time(sg: SampleGrads, layer: LayerContext) -> Iterator[Tensor]:
+    """The individual gradients in sample chunks, each formed only when the previous one is
+    done with (factored layers' ``chunks()`` would form them all at once), unless another
+    statistic of the layer has formed them already (the same chunks: the same products)."""
+    if layer.chunks is not None:
+        yield from layer.chunks
+    elif isinstance(sg, OuterSampleGrads | SequenceOuterSampleGrads):
+        size = max(1, _CHUNK_ELEMENTS // max(sg.shape.numel(), 1))
+        for d, a in zip(sg.delta.split(size), sg.a.split(size), strict=True):
+            yield (d.unsqueeze(2) * a.unsqueeze(1) if isinstance(sg, OuterSampleGrads)
+                   else torch.bmm(d.transpose(1, 2), a))
+    else:
+        yield from sg.chunks()
+
+
+class Hist1d(Statistic):
+    name = "hist1d"
+    shape = "[bins]"
+    merge = Merge.ADD
+    combine = Combine.SUM
+    flagged = False
+
+    def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
+        spec = layer.context.hist_spec
+        if isinstance(spec, AutoRange):
+            return magnitude_counts(_one_chunk_at_a_time(sg, layer))
+        return sg.histogram(spec)
+
+    def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:
+        return (context.hist_spec.bins,)
+
+    def unpack(self, summed: Tensor, totals: RankTotals, name: str) -> Tensor:
+        return summed.round().to(torch.int64)
+
+
+HIST1D = register(Hist1d()).name

@@ -1,0 +1,43 @@
+"""Counts of the pairs (g_{n,j}, θ_j) in the bins of the engine's two ``hist2d_specs``
+(GradHist2d eq. 16).
+
+Per parameter [bins_g, bins_θ]; micro-batches and ranks add (every parameter has a slot).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.statistics.registry import (
+    Combine,
+    LayerContext,
+    Merge,
+    RankTotals,
+    Statistic,
+    StatisticContext,
+    register,
+)
+
+
+class Hist2d(Statistic):
+    name = "hist2d"
+    shape = "[bins_g, bins_θ]"
+    merge = Merge.ADD
+    combine = Combine.SUM
+    flagged = False
+
+    def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
+        spec_g, spec_theta = layer.context.hist2d_specs
+        return sg.histogram2d(layer.param, spec_g, spec_theta)
+
+    def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:
+        spec_g, spec_theta = context.hist2d_specs
+        return (spec_g.bins, spec_theta.bins)
+
+    def unpack(self, summed: Tensor, totals: RankTotals, name: str) -> Tensor:
+        return summed.round().to(torch.int64)
+
+
+HIST2D = register(Hist2d()).name

@@ -1,0 +1,24 @@
+"""‖g_n‖², the squared norm of each individual gradient (NormTest eq. 19c, TIC, CABS, …).
+
+Per parameter [N]; micro-batches concatenate their samples, ranks gather them.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.statistics.registry import Combine, LayerContext, Merge, Statistic, register
+
+
+class SqNorms(Statistic):
+    name = "sq_norms"
+    shape = "[N]"
+    merge = Merge.CONCAT
+    combine = Combine.GATHER
+
+    def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
+        return sg.sq_norms()
+
+
+SQ_NORMS = register(SqNorms()).name
