@@ -14,7 +14,7 @@ from torch import nn
 
 from cockpit import Cockpit, quantities
 from cockpit.engine.rules.batchnorm_frozen import APPROXIMATION, FROZEN_STATISTICS
-from cockpit.engine.tracker import SAMPLE_GRAD_SUM, SQ_NORMS
+from cockpit.engine.statistics import SAMPLE_GRAD_SUM, SQ_NORMS
 from cockpit.quantities.base import Quantity
 from cockpit.view.cockpit_view import describe_run
 from tests.reference import flat, gradient_tests, individual_gradients, rel_close, same_histogram

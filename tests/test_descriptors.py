@@ -8,7 +8,7 @@ import pytest
 
 from cockpit import loop_checks
 from cockpit import quantities as q
-from cockpit.engine.tracker import PER_SAMPLE_STATS
+from cockpit.engine.statistics import PER_SAMPLE_STATS
 from cockpit.quantities.descriptor import (
     BATCH,
     COLUMNS,

@@ -31,7 +31,8 @@ from cockpit.engine import compiled
 from cockpit.engine import distributed as ranks
 from cockpit.engine.histogram import AutoRange, BinSpec
 from cockpit.engine.rules.batchnorm_frozen import FROZEN_STATISTICS
-from cockpit.engine.tracker import PER_SAMPLE_STATS, ModuleTracker
+from cockpit.engine.statistics import PER_SAMPLE_STATS
+from cockpit.engine.tracker import ModuleTracker
 from cockpit.engine.workspace import release_workspace
 from cockpit.loop_checks import OutsideBackwardWatch, check_optimizer_owns_parameters
 from cockpit.quantities.base import Quantity, Value

@@ -15,7 +15,7 @@ from torch import Tensor
 
 DirectionProvider = Callable[[str, Tensor, Tensor], "list | None"]
 """fn(parameter name, parameter, gradient the optimizer will see) → a basis of directions
-(tensors, or :data:`cockpit.engine.tracker.GRADIENT`), or None if it cannot predict one."""
+(tensors, or :data:`cockpit.engine.processing.GRADIENT`), or None if it cannot predict one."""
 
 
 @dataclass
@@ -24,7 +24,7 @@ class StepRequest:
 
     Attributes:
         needs: names of the per-sample statistics to reduce in the hooks
-            (see :mod:`cockpit.engine.tracker`).
+            (see :mod:`cockpit.engine.statistics`).
         directions: key → parameter name → direction u known before the backward pass;
             the engine records g_nᵀu as ``projections[key]``.
         direction_providers: key → :data:`DirectionProvider`, called per parameter once

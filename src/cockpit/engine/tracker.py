@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from cockpit.engine.capture import Call, Capture, Unit, layer_outputs, owner
 from cockpit.engine.histogram import AutoRange, BinSpec
-from cockpit.engine.processing import GRADIENT, CallProcessor, accumulate
+from cockpit.engine.processing import CallProcessor, accumulate
 from cockpit.engine.request import StepRequest
 from cockpit.engine.rules.batchnorm_frozen import (
     FROZEN_STATISTICS,
@@ -42,22 +42,9 @@ from cockpit.engine.rules.batchnorm_frozen import (
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
 from cockpit.engine.rules.norms import batch_norm_message, uses_batch_statistics
 from cockpit.engine.sample_grads import SampleGrads
-from cockpit.engine.statistics import (  # noqa: F401  (the statistics' names, imported from here)
-    GRAM_MEAN,
-    HIST1D,
-    HIST2D,
-    PER_SAMPLE_STATS,
-    PROJECTIONS,
-    SAMPLE_GRAD_SUM,
-    SQ_NORMS,
-    SUM_SQ,
-    VAR_SUM,
-    BackwardStatistics,
-    GradientDots,
-)
+from cockpit.engine.statistics import GRAM_MEAN, BackwardStatistics, GradientDots
 
-__all__ = ["GRADIENT", "PER_SAMPLE_STATS", "BackwardStatistics", "Call", "ModuleTracker",
-           "StepRequest", "Unit"]
+__all__ = ["Call", "ModuleTracker", "Unit"]
 
 
 class ModuleTracker:

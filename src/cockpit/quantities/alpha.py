@@ -43,8 +43,9 @@ from torch import Tensor
 
 from cockpit.engine import update_prediction as up
 from cockpit.engine.engine_view import EngineView
+from cockpit.engine.processing import GRADIENT
 from cockpit.engine.readout import Later, Noted
-from cockpit.engine.tracker import GRADIENT, PROJECTIONS
+from cockpit.engine.statistics import PROJECTIONS
 from cockpit.quantities.alpha_fit import Observations, compute_alpha
 from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.quantities.descriptor import BLUE, Descriptor, Panel

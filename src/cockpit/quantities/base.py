@@ -94,7 +94,7 @@ class StepData:
 class Quantity:
     """Base class of all instruments."""
 
-    needs: frozenset[str] = frozenset()  # per-sample statistics (see engine.tracker)
+    needs: frozenset[str] = frozenset()  # per-sample statistics (see engine.statistics)
     needs_losses: bool = True
     needs_update: bool = False
     handles_invalid_statistics: bool = False  # compute() also runs when a layer failed

@@ -9,7 +9,7 @@ or with groups of different learning rates, it is None with a note.
 
 from __future__ import annotations
 
-from cockpit.engine.tracker import SQ_NORMS
+from cockpit.engine.statistics import SQ_NORMS
 from cockpit.quantities.base import Quantity, StepData, Value, to_float
 from cockpit.quantities.descriptor import Descriptor
 

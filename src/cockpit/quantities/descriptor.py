@@ -166,7 +166,7 @@ def reads_gradient(quantity: Any) -> bool:
     """Whether an instrument reads the user's backward pass (the batch gradient or the
     individual gradients), so it has nothing to describe without one: its descriptor says
     so, or it asks for per-sample statistics."""
-    from cockpit.engine.tracker import PER_SAMPLE_STATS
+    from cockpit.engine.statistics import PER_SAMPLE_STATS
 
     needs = getattr(quantity, "needs", frozenset())
     return _descriptor(quantity).reads_gradient or bool(needs & PER_SAMPLE_STATS)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from cockpit.engine.tracker import VAR_SUM
+from cockpit.engine.statistics import VAR_SUM
 from cockpit.quantities.base import Quantity, StepData, Value, to_float
 from cockpit.quantities.descriptor import Descriptor
 from cockpit.quantities.elementwise_variance import check_convention, mean_and_variance_sum

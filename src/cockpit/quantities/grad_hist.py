@@ -23,7 +23,7 @@ from torch import Tensor
 
 from cockpit.engine.histogram import BinSpec, DecidedRange
 from cockpit.engine.readout import Later
-from cockpit.engine.tracker import HIST1D, HIST2D
+from cockpit.engine.statistics import HIST1D, HIST2D
 from cockpit.quantities.base import Quantity, StepData, Value, Values
 from cockpit.quantities.descriptor import BLUE, Descriptor, Panel
 

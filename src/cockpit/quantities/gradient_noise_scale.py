@@ -36,7 +36,7 @@ import math
 import torch
 
 from cockpit.engine.readout import Later, Noted
-from cockpit.engine.tracker import SQ_NORMS
+from cockpit.engine.statistics import SQ_NORMS
 from cockpit.quantities.base import Quantity, StepData, Value, Values
 from cockpit.quantities.descriptor import BLUE, Descriptor, Panel
 from cockpit.quantities.gradient_tests import batch_gradient_sq_norms, sq_norm_sums

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.readout import Later, Noted
-from cockpit.engine.tracker import GRAM_MEAN, SAMPLE_GRAD_SUM, SQ_NORMS
+from cockpit.engine.statistics import GRAM_MEAN, SAMPLE_GRAD_SUM, SQ_NORMS
 from cockpit.quantities.base import Quantity, StepData, Value, Values, sq_norms
 from cockpit.quantities.descriptor import Panel
 

@@ -7,7 +7,7 @@ the smallest band width θ for which the practical inner product test (22a) hold
 
 from __future__ import annotations
 
-from cockpit.engine.tracker import GRAM_MEAN
+from cockpit.engine.statistics import GRAM_MEAN
 from cockpit.quantities.descriptor import ORANGE, Descriptor
 from cockpit.quantities.gradient_tests import GRADIENT_TESTS, GradientTest, sqrt_nonneg
 

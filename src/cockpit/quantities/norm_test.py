@@ -7,7 +7,7 @@ the smallest radius θ for which the practical norm test (19a) holds.
 
 from __future__ import annotations
 
-from cockpit.engine.tracker import SQ_NORMS
+from cockpit.engine.statistics import SQ_NORMS
 from cockpit.quantities.descriptor import BLUE, Descriptor
 from cockpit.quantities.gradient_tests import GRADIENT_TESTS, GradientTest, sqrt_nonneg
 

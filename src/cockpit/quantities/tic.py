@@ -22,7 +22,7 @@ import math
 import torch
 
 from cockpit.engine.readout import Noted
-from cockpit.engine.tracker import SQ_NORMS, SUM_SQ
+from cockpit.engine.statistics import SQ_NORMS, SUM_SQ
 from cockpit.quantities.base import StepData, Value, Values, to_float
 from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity, standard_error
 from cockpit.quantities.descriptor import GREEN, ORANGE, Descriptor, Panel

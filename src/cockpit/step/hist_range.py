@@ -15,7 +15,7 @@ from cockpit.engine.histogram import (
     narrower_range,
     regroup,
 )
-from cockpit.engine.tracker import BackwardStatistics
+from cockpit.engine.statistics import BackwardStatistics
 from cockpit.quantities.base import Value
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from cockpit.engine.readout import Later
-from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics
+from cockpit.engine.statistics import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics
 from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.step.warn_once import WarnOnce
 

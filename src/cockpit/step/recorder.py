@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cockpit.engine.readout import Failed, Later, Noted, Readout
-from cockpit.engine.tracker import PER_SAMPLE_STATS
+from cockpit.engine.statistics import PER_SAMPLE_STATS
 from cockpit.quantities.base import Quantity, Value
 from cockpit.step.hist_range import HistogramRange
 from cockpit.step.instrument_traits import pending_reason, scheduled

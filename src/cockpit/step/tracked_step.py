@@ -28,7 +28,7 @@ from cockpit.engine.readout import Later
 from cockpit.engine.reduction import StepReduction
 from cockpit.engine.request import StepRequest
 from cockpit.engine.rules.batchnorm_frozen import APPROXIMATION, FROZEN_STATISTICS
-from cockpit.engine.tracker import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics
+from cockpit.engine.statistics import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics
 from cockpit.loop_checks import (
     BATCH,
     MODEL,
