@@ -9,7 +9,7 @@ end of this module (:func:`reads_gradient`, :func:`describes_the_batch`, ...).
 Adding a drawn instrument: its quantity file with a descriptor that names a :class:`Panel`,
 and — unless the panel is a plain series over steps, which the view draws by default — one
 drawing function registered for the panel's key (``@draws(key)``, e.g. in
-:mod:`cockpit.view.trend_panels`).
+:mod:`cockpit.view.gradient_panels`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,12 @@ from matplotlib.figure import Figure
 
 from cockpit.quantities.descriptor import COLUMNS as COLUMN_ORDER
 from cockpit.view import _style as S
-from cockpit.view import curvature_panels, trend_panels  # noqa: F401  (register drawings)
+from cockpit.view import (  # noqa: F401  (register the instruments' drawings)
+    curvature_panels,
+    gradient_panels,
+    gray_panels,
+    step_size_panels,
+)
 from cockpit.view import instruments as I
 from cockpit.view._data import Output, is_tracked, normalize_output, per_param_names
 from cockpit.view._source import load_notes, load_run
@@ -38,6 +43,7 @@ from cockpit.view.figure_file import (
 )
 from cockpit.view.findings_panel import draw_findings, run_diagnosis
 from cockpit.view.layers import draw_layers_panel, plot_layer_histograms, plot_layers
+from cockpit.view.panel_parts import varies
 
 __all__ = [
     "CODE_KEY",
@@ -84,7 +90,7 @@ def _shown(out: Output, key: str, names: tuple[str, ...], diagnosis: bool) -> bo
     if key == "Findings":
         return diagnosis and bool(out)
     if S.panels()[key][0].only_if_varying:
-        return any(is_tracked(out, n) and I.varies(out, n) for n in names)
+        return any(is_tracked(out, n) and varies(out, n) for n in names)
     return any(is_tracked(out, n) for n in names)
 
 
