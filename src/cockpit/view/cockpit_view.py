@@ -20,6 +20,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from cockpit.quantities.descriptor import COLUMNS as COLUMN_ORDER
+from cockpit.quantities.descriptor import remember_descriptions
 from cockpit.view import _style as S
 from cockpit.view import (  # noqa: F401  (register the instruments' drawings)
     curvature_panels,
@@ -179,7 +180,9 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
     Args:
         output: Cockpit output (``Cockpit.get_output()``, ``read_output(logdir)``, a
             loaded JSON export with string steps works too).
-        meta: Run metadata; the model and optimizer go into the figure's title.
+        meta: Run metadata; the model and optimizer go into the figure's title, the
+            instruments' descriptors it carries give their panels (also where this
+            process has not imported an instrument's class).
         fig: Figure to draw into (it is cleared); default a new figure sized to the
             panels (not registered with pyplot, so it is safe in threads and servers).
         hist_range: x range of the gradient-element histogram: ``"auto"`` its edges where
@@ -190,6 +193,7 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
         diagnosis: show the diagnosis panel (findings of :func:`cockpit.diagnose.diagnose`
             on ``output``, or the given ``findings``).
     """
+    remember_descriptions(meta)  # panels of instruments known only from the run log
     out = normalize_output(output)
     panels = active_panels(out, diagnosis=diagnosis)
     upper = [c for c in ("step size", "gradients", "curvature") if panels[c]]
