@@ -191,7 +191,7 @@ def test_requests_never_wait_for_a_drawing_and_one_is_drawn_at_a_time(served_run
     """While a drawing takes long, status, the image (the last finished one) and the page
     answer at once; new steps during a drawing give one more drawing, not one per
     request; the view is drawn at the size the page asks for."""
-    import cockpit.view.live as live
+    import cockpit.view.live.renderer as live
 
     run, server = served_run
     state = server.view_state

@@ -34,7 +34,8 @@ from cockpit.view.synthetic import PARAMS_3C3D, synthetic_meta, synthetic_output
 # The synthetic run's learning rate changes (a panel), its batch size does not (written in
 # the loss panel); per-layer histograms give the per-layer panel; the diagnosis panel is on.
 ECONOMY_PANELS = {"Alpha", "Distances", "GradNorm", "GradientTests", "GradHist1d", "Layers",
-                  "Loss", "LearningRate", "Findings"}
+                  "Loss", "LearningRate", "Findings", "GradientNoiseScale", "ParamNorm",
+                  "UpdateRatio"}
 BUSINESS_PANELS = ECONOMY_PANELS | {"HessTrace", "TIC"}
 FULL_PANELS = BUSINESS_PANELS | {"HessMaxEV", "GradHist2d"}
 

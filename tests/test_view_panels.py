@@ -241,7 +241,8 @@ def test_findings_panel_reads_diagnose() -> None:
 
 def test_findings_that_do_not_fit_end_in_a_count_and_the_command() -> None:
     out = synthetic_output("economy", num_steps=20, every=10, seed=12)
-    many = [Finding("noise_dominated", "warning", f"Finding number {k} in plain words.",
+    # messages short enough for one line at any panel width (≥ 30 characters)
+    many = [Finding("noise_dominated", "warning", f"Finding {k}.",
                     advice="Use a larger batch.") for k in range(40)]
     shown = texts(panel(plot_cockpit(out, findings=many), "Findings"))
     assert 3 <= len(shown) < 80

@@ -9,13 +9,19 @@ end of this module (:func:`reads_gradient`, :func:`describes_the_batch`, ...).
 Adding a drawn instrument: its quantity file with a descriptor that names a :class:`Panel`,
 and — unless the panel is a plain series over steps, which the view draws by default — one
 drawing function registered for the panel's key (``@draws(key)``, e.g. in
-:mod:`cockpit.view.trend_panels`).
+:mod:`cockpit.view.gradient_panels`).
+
+A run log's metadata carries the drawing part of the recorded instruments' descriptors
+(:func:`describe_instruments`); a view reading the run takes them in
+(:func:`remember_descriptions`), so an instrument whose class the viewing process never
+imported still gets its panel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 # Colours, one per instrument wherever it appears (the view's palette).
@@ -125,7 +131,85 @@ def registry(*, package_only: bool = False) -> dict[str, Descriptor]:
         for cls in _subclasses(Quantity):
             if "descriptor" in vars(cls) and _is_packaged(cls) == own:
                 found.setdefault(cls.__name__, cls.descriptor)
+    if not package_only:
+        for name, desc in _FROM_RUN_LOGS.items():
+            found.setdefault(name, desc)
     return found
+
+
+# ------------------------------------------ descriptors carried by a run log's metadata
+#: The run log's metadata key that holds :func:`describe_instruments` of the run.
+METADATA_KEY = "descriptors"
+# What a run log carries of a descriptor: what the views need to draw the instrument.
+_CARRIED = ("color", "records", "per_parameter")
+_PANEL_TYPES = {"key": str, "column": str, "title": str, "order": int | float,
+                "size": int | float, "only_if_varying": bool}
+# Descriptors read from run logs (:func:`remember_descriptions`): the instruments of a run
+# whose classes this process has not imported. Replaced, never changed in place, so a
+# thread that reads it meanwhile sees the old or the new mapping.
+_FROM_RUN_LOGS: dict[str, Descriptor] = {}
+
+
+def describe_instruments(quantities: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """Recorded name → what the cockpit view needs to draw it (its panel, colour, the names it
+    records besides its own, per-parameter values), JSON-able, for the run log's metadata
+    (:data:`METADATA_KEY`): a view of the run in a process that has not imported an
+    instrument's class still draws its panel. Instruments without a panel are left out."""
+    found = {}
+    for quantity in quantities:
+        desc = _descriptor(quantity)
+        if desc.panel is not None:
+            found[quantity.name] = {"panel": asdict(desc.panel),
+                                    **{k: getattr(desc, k) for k in _CARRIED}}
+    return found
+
+
+def descriptor_from_description(described: Mapping[str, Any]) -> Descriptor:
+    """The :class:`Descriptor` (its drawing part) that :func:`describe_instruments` wrote;
+    ValueError, saying what is wrong, for anything else."""
+    if not isinstance(described, Mapping) or not isinstance(described.get("panel"), Mapping):
+        raise ValueError("expected {'panel': {...}, 'color': ..., 'records': [...], "
+                         f"'per_parameter': ...}}, got {described!r}")
+    names = {f.name for f in fields(Panel)}
+    panel = dict(described["panel"])
+    if not names >= set(panel) or not {"key", "column", "title", "order"} <= set(panel):
+        raise ValueError(f"a panel has the fields {sorted(names)} (key, column, title and "
+                         f"order required), got {sorted(panel)}")
+    readout, records = panel.get("readout") or (), described.get("records") or ()
+    color = described.get("color")
+    wrong = [f"{k}={panel[k]!r}" for k, kind in _PANEL_TYPES.items()
+             if k in panel and not isinstance(panel[k], kind)]
+    wrong += [f"{k}={v!r} (a list of names)" for k, v in (("readout", readout),
+              ("records", records)) if not isinstance(v, list | tuple)
+              or not all(isinstance(r, str) for r in v)]
+    wrong += [f"color={color!r}"] if color is not None and not isinstance(color, str) else []
+    if wrong:
+        raise ValueError("of the wrong type: " + ", ".join(wrong))
+    panel["readout"] = tuple(readout)
+    try:
+        return Descriptor(panel=Panel(**panel), color=color, records=tuple(records),
+                          per_parameter=bool(described.get("per_parameter")))
+    except TypeError as err:
+        raise ValueError(str(err)) from None
+
+
+def remember_descriptions(meta: Mapping[str, Any] | None) -> None:
+    """Take the descriptors a run log's metadata carries (:data:`METADATA_KEY`) into
+    :func:`registry`, below those of the imported instrument classes (the code in this
+    process wins). An entry that cannot be read is left out with a warning that names it."""
+    global _FROM_RUN_LOGS
+    described = meta.get(METADATA_KEY) if isinstance(meta, Mapping) else None
+    if not isinstance(described, Mapping) or not described:
+        return
+    found = dict(_FROM_RUN_LOGS)
+    for name, entry in described.items():
+        try:
+            found[str(name)] = descriptor_from_description(entry)
+        except ValueError as err:
+            warnings.warn(f"the run log's description of instrument {name!r} cannot be read "
+                          f"({err}); its panel is left out of the view", RuntimeWarning,
+                          stacklevel=2)
+    _FROM_RUN_LOGS = found
 
 
 def _is_packaged(cls: type) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cockpit.quantities.descriptor import remember_descriptions
 from cockpit.view._data import Output, normalize_output
 
 
@@ -26,8 +27,17 @@ def _meta_of(obj: Any) -> dict[str, Any] | None:
 def load_run(source: Any, meta: Mapping[str, Any] | None = None) -> tuple[Output, dict]:
     """Return ``(output, meta)`` of a run directory, JSON export, output dict or cockpit.
 
-    A JSON export (``*.json``, the ``{step: {name: value}}`` layout) has no metadata.
+    A JSON export (``*.json``, the ``{step: {name: value}}`` layout) has no metadata. The
+    descriptors the metadata carries are taken into the registry of instruments
+    (:func:`~cockpit.quantities.descriptor.remember_descriptions`), so instruments whose
+    classes this process has not imported get their panels too.
     """
+    output, run_meta = _load(source, meta)
+    remember_descriptions(run_meta)
+    return output, run_meta
+
+
+def _load(source: Any, meta: Mapping[str, Any] | None) -> tuple[Output, dict]:
     if isinstance(source, str | Path):
         path = Path(source)
         if path.suffix == ".json" and path.is_file():

@@ -20,8 +20,14 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from cockpit.quantities.descriptor import COLUMNS as COLUMN_ORDER
+from cockpit.quantities.descriptor import remember_descriptions
 from cockpit.view import _style as S
-from cockpit.view import curvature_panels, trend_panels  # noqa: F401  (register drawings)
+from cockpit.view import (  # noqa: F401  (register the instruments' drawings)
+    curvature_panels,
+    gradient_panels,
+    gray_panels,
+    step_size_panels,
+)
 from cockpit.view import instruments as I
 from cockpit.view._data import Output, is_tracked, normalize_output, per_param_names
 from cockpit.view._source import load_notes, load_run
@@ -38,6 +44,7 @@ from cockpit.view.figure_file import (
 )
 from cockpit.view.findings_panel import draw_findings, run_diagnosis
 from cockpit.view.layers import draw_layers_panel, plot_layer_histograms, plot_layers
+from cockpit.view.panel_parts import varies
 
 __all__ = [
     "CODE_KEY",
@@ -84,7 +91,7 @@ def _shown(out: Output, key: str, names: tuple[str, ...], diagnosis: bool) -> bo
     if key == "Findings":
         return diagnosis and bool(out)
     if S.panels()[key][0].only_if_varying:
-        return any(is_tracked(out, n) and I.varies(out, n) for n in names)
+        return any(is_tracked(out, n) and varies(out, n) for n in names)
     return any(is_tracked(out, n) for n in names)
 
 
@@ -173,7 +180,9 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
     Args:
         output: Cockpit output (``Cockpit.get_output()``, ``read_output(logdir)``, a
             loaded JSON export with string steps works too).
-        meta: Run metadata; the model and optimizer go into the figure's title.
+        meta: Run metadata; the model and optimizer go into the figure's title, the
+            instruments' descriptors it carries give their panels (also where this
+            process has not imported an instrument's class).
         fig: Figure to draw into (it is cleared); default a new figure sized to the
             panels (not registered with pyplot, so it is safe in threads and servers).
         hist_range: x range of the gradient-element histogram: ``"auto"`` its edges where
@@ -184,6 +193,7 @@ def plot_cockpit(output: Mapping, meta: Mapping[str, Any] | None = None, *,
         diagnosis: show the diagnosis panel (findings of :func:`cockpit.diagnose.diagnose`
             on ``output``, or the given ``findings``).
     """
+    remember_descriptions(meta)  # panels of instruments known only from the run log
     out = normalize_output(output)
     panels = active_panels(out, diagnosis=diagnosis)
     upper = [c for c in ("step size", "gradients", "curvature") if panels[c]]

@@ -1,6 +1,6 @@
 """The curvature column of the cockpit view: λ_max, the top eigenvalues, Tr(H), the TIC
-and the Hessian's eigenvalue density. Registered for their panels' keys like
-:mod:`cockpit.view.instruments`.
+and the Hessian's eigenvalue density. Registered for their panels' keys
+(:func:`cockpit.view.instruments.draws`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from matplotlib.gridspec import SubplotSpec
 
 from cockpit.view import _style as S
 from cockpit.view._data import Output, is_tracked
-from cockpit.view.instruments import (
+from cockpit.view.instruments import draws
+from cockpit.view.panel_parts import (
     Notes,
     _auto_log,
     _corner_note,
@@ -25,7 +26,6 @@ from cockpit.view.instruments import (
     _no_data,
     _series_panel,
     _time_axis,
-    draws,
     legend_above,
 )
 

@@ -20,8 +20,9 @@ _FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
 
 #: The modules that decide what the cockpit view draws (hashed into every saved PNG, with
 #: the instruments' descriptors).
-DRAWING_MODULES = ("cockpit_view.py", "instruments.py", "layers.py", "findings_panel.py",
-                   "trend_panels.py", "curvature_panels.py", "_style.py", "_hist.py",
+DRAWING_MODULES = ("cockpit_view.py", "instruments.py", "panel_parts.py", "parameter_lines.py",
+                   "step_size_panels.py", "gradient_panels.py", "curvature_panels.py",
+                   "gray_panels.py", "layers.py", "findings_panel.py", "_style.py", "_hist.py",
                    "_data.py")
 CODE_KEY = "cockpit-view-code"
 PANELS_KEY = "cockpit-panels"

@@ -29,7 +29,7 @@ from cockpit.view._data import Output, normalize_output, per_param_names
 from cockpit.view._hist import Histogram, histogram_at
 from cockpit.view._source import load_run
 from cockpit.view.figure_file import save_figure
-from cockpit.view.instruments import note_for
+from cockpit.view.panel_parts import note_for
 
 __all__ = ["draw_layers_panel", "layer_histograms", "model_order", "plot_layer_histograms",
            "plot_layers"]
