@@ -144,3 +144,35 @@ def test_an_unreadable_description_is_left_out_with_a_warning(entry, monkeypatch
     with pytest.warns(RuntimeWarning, match="'Bad'.*left out of the view"):
         remember_descriptions({METADATA_KEY: {"Bad": entry, "Good": good}})
     assert "Bad" not in registry() and registry()["Good"].panel.title == Curl.descriptor.panel.title
+
+
+def test_a_cockpit_run_log_carries_its_instruments_descriptions(tmp_path) -> None:
+    """Cockpit itself writes the descriptions: its run log of a custom drawn instrument is
+    drawn with that panel by a process that never imported the class."""
+    import torch
+
+    from cockpit import Cockpit
+    from cockpit.store import read_meta
+
+    class Recorded(Curl):
+        name = "Curl"
+
+        def compute(self, data):
+            return {"Curl": 2.0}
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logdir, out = tmp_path / "run", tmp_path / "view.png"
+    with Cockpit(model, [q.Loss(), Recorded()], optimizer=opt, logdir=str(logdir)) as cockpit:
+        for step in range(3):
+            x, y = torch.randn(4, 3), torch.randn(4, 2)
+            opt.zero_grad()
+            losses = ((model(x) - y) ** 2).mean(1)
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            opt.step()
+    assert "Curl" in read_meta(logdir)[METADATA_KEY]
+    done = plot_in_a_fresh_process(logdir, out)
+    assert done.returncode == 0, done.stderr
+    assert read_png_text(out)[PANELS_KEY].split(",") == ["Curl", "Loss", "Findings"]

@@ -14,6 +14,7 @@ from cockpit._version import __version__
 from cockpit.engine.rules.batchnorm_frozen import APPROXIMATION
 from cockpit.loop_checks import model_param_groups, stepped_params
 from cockpit.quantities.base import Quantity
+from cockpit.quantities.descriptor import METADATA_KEY, describe_instruments
 
 
 def run_metadata(model: nn.Module, tracked_model: nn.Module, params: dict[str, Tensor],
@@ -36,6 +37,8 @@ def run_metadata(model: nn.Module, tracked_model: nn.Module, params: dict[str, T
         "parameters_not_in_optimizer": [n for n in params if n not in stepped],
         "quantities": [q.name for q in quantities],
         "schedules": {q.name: repr(q.schedule) for q in quantities},
+        # panels, colours, recorded names: `cockpit plot` draws them in a fresh process
+        METADATA_KEY: describe_instruments(quantities),
         "versions": {
             "cockpit": __version__,
             "torch": torch.__version__,
