@@ -34,12 +34,16 @@ def run_worker(worker: str, *args: str) -> dict:
 
 
 def load_old(commit: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The histogram kernels (``histogram``, ``histogram2d_outer``) as they were at ``commit``,
-    read from git and loaded as separate modules beside the current ones."""
+    """The histogram kernels (``histogram``, ``histogram2d_outer``) as they were at ``commit``
+    (a commit before they moved into ``engine/histograms/``), read from git and loaded as
+    separate modules beside the current ones."""
 
     def source(path: str) -> str:
-        return subprocess.run(["git", "show", f"{commit}:{path}"], check=True,
+        text = subprocess.run(["git", "show", f"{commit}:{path}"], check=True,
                               capture_output=True, text=True).stdout
+        return text.replace(  # their helpers at today's place
+            "from cockpit.engine import histogram_device, rounding",
+            "from cockpit.engine.histograms import device as histogram_device, rounding")
 
     old_hist = types.ModuleType("_old_histogram")
     sys.modules["_old_histogram"] = old_hist

@@ -28,7 +28,7 @@ from torch import nn
 from _common import timed
 from cockpit.benchmark.problems.paper_models import BUILDERS, synthetic_batches
 from cockpit.engine.rules.conv import ConvSampleGrads, _explicit_padding
-from cockpit.engine.sample_grads import OuterSampleGrads
+from cockpit.engine.rules.sample_grads import OuterSampleGrads
 from cockpit.engine.update_prediction import fit_basis_coefficients
 
 

@@ -13,8 +13,8 @@ import argparse
 import torch
 
 from _common import interleaved, load_old
-from cockpit.engine import histogram as new_hist
-from cockpit.engine import histogram2d_outer as new_2d
+from cockpit.engine.histograms import exact as new_hist
+from cockpit.engine.histograms import outer2d as new_2d
 
 
 def report(name: str, n: int, old_new: tuple[float, float]) -> None:

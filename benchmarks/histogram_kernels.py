@@ -11,9 +11,14 @@ import argparse
 import torch
 
 from _common import timed
-from cockpit.engine import histogram as hmod
-from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
-from cockpit.engine.histogram2d_outer import histogram2d_outer
+from cockpit.engine.histograms import exact as hmod
+from cockpit.engine.histograms.exact import (
+    BinSpec,
+    histogram2d_dense,
+    histogram_dense,
+    histogram_outer,
+)
+from cockpit.engine.histograms.outer2d import histogram2d_outer
 
 SPEC = BinSpec(-2.0, 2.0, 100)  # Cockpit's GradHist1d default
 SPEC_G, SPEC_THETA = BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)  # GradHist2d defaults

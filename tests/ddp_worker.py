@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from cockpit import Cockpit
-from cockpit.engine import distributed as cockpit_distributed
-from cockpit.engine.reduction import StepReduction
+from cockpit.engine.reduction import ranks as cockpit_distributed
+from cockpit.engine.reduction.step_reduction import StepReduction
 from tests.exit_worker import leave_process_group
 from tests.models import make_problem
 from tests.split_reference import instruments

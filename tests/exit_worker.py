@@ -11,7 +11,7 @@ chooses the last collective: Cockpit's reduction at the end of the last tracked 
 or DDP's own gradient all-reduce (``ddp``).
 
 The levers make the exit race of gloo's worker thread (see
-``cockpit.engine.distributed.all_reduce_sum``) happen on purpose instead of by chance under
+``cockpit.engine.reduction.ranks.all_reduce_sum``) happen on purpose instead of by chance under
 load: ``--pin`` puts all threads of rank r on one CPU, ``--idle`` gives gloo's worker threads
 the SCHED_IDLE policy, so a gloo thread that has just woken the main thread is preempted
 before it drops its references to the collective's tensors and runs again only when the
@@ -78,7 +78,7 @@ def run(rank: int, port: int, options: argparse.Namespace) -> None:
     generator = torch.Generator().manual_seed(rank)
     cockpit = None
     if options.last == "cockpit":
-        import cockpit.engine.distributed as reduction
+        import cockpit.engine.reduction.ranks as reduction
         from cockpit import Cockpit, quantities
 
         if options.unsafe_release:
@@ -102,7 +102,7 @@ def run(rank: int, port: int, options: argparse.Namespace) -> None:
     if cockpit is not None:
         cockpit.close()
         if options.threads > 1:
-            from cockpit.engine import histogram
+            from cockpit.engine.histograms import exact as histogram
 
             print(f"rank {rank}: Cockpit's histogram thread pool "
                   f"{'ran' if histogram._POOL is not None else 'was not used'}",

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from cockpit.engine.histogram import BinSpec
+from cockpit.engine.histograms.exact import BinSpec
 
 
 def individual_gradients(model: nn.Module, loss_fn, x: Tensor, y: Tensor) -> dict[str, Tensor]:

@@ -213,7 +213,7 @@ def test_sgd_momentum_projects_on_the_previous_update_once(monkeypatch, opt, exp
     next update: each Linear weight gets one projection per step for s_{t−1} and the buffer
     (plus one for θ with weight decay; the gradient's is the Gram closed form), and α stays
     exact."""
-    from cockpit.engine.sample_grads import OuterSampleGrads
+    from cockpit.engine.rules.sample_grads import OuterSampleGrads
 
     directions: list[int] = []
     original = OuterSampleGrads.dots_many

@@ -195,7 +195,7 @@ def _statistics_with_gradient(gradient: dict, dots: dict, n: int = 4):
 
 def test_gram_from_the_synchronized_gradient_only_where_it_is_proportional():
     """g_nᵀḡ = g_nᵀG / c where G = c·ḡ to rounding; otherwise None (the caller projects)."""
-    from cockpit.engine.reduction import gram_from_gradient
+    from cockpit.engine.reduction.step_reduction import gram_from_gradient
     generator = torch.Generator().manual_seed(0)
     g = {name: torch.randn(4, *shape, generator=generator, dtype=torch.float64)
          for name, shape in (("w", (3, 5)), ("b", (3,)))}

@@ -8,7 +8,7 @@ object, and the gloo thread takes the GIL to let go of it (core dump: runLoop �
 ~AsyncAllreduceWork → TensorImpl::decref_pyobject → take_gil → pthread_exit →
 std::terminate). If the interpreter is finalizing by then, CPython ≤ 3.13 ends the thread
 with pthread_exit and the unwinding aborts the process in a ``noexcept`` destructor.
-``cockpit.engine.distributed.all_reduce_sum`` keeps Cockpit's buffers until gloo has let
+``cockpit.engine.reduction.ranks.all_reduce_sum`` keeps Cockpit's buffers until gloo has let
 go of them (``settle`` waits for the rest at exit, before the interpreter finalizes).
 
 The exit test makes the race nearly certain instead of rare (tests/exit_worker.py): all
@@ -31,8 +31,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cockpit.engine import distributed
-from cockpit.engine.distributed import all_reduce_sum, settle
+from cockpit.engine.reduction import ranks as distributed
+from cockpit.engine.reduction.ranks import all_reduce_sum, settle
 from tests.exit_worker import free_port, run_pair
 
 pytestmark = [

@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from cockpit.engine import histogram as hmod
-from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
+from cockpit.engine.histograms import exact as hmod
+from cockpit.engine.histograms.exact import (
+    BinSpec,
+    histogram2d_dense,
+    histogram_dense,
+    histogram_outer,
+)
 from tests.reference import bin_indices_np as np_bins
 from tests.reference import edge_neighbours
 

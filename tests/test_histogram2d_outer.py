@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from cockpit import Cockpit, quantities
-from cockpit.engine import histogram2d_outer as h2
-from cockpit.engine import sample_grads
-from cockpit.engine.histogram import BinSpec, histogram2d_dense
-from cockpit.engine.histogram2d_outer import histogram2d_outer
-from cockpit.engine.sample_grads import OuterSampleGrads, SampleGrads
+from cockpit.engine.histograms import outer2d as h2
+from cockpit.engine.histograms.exact import BinSpec, histogram2d_dense
+from cockpit.engine.histograms.outer2d import histogram2d_outer
+from cockpit.engine.rules import sample_grads
+from cockpit.engine.rules.sample_grads import OuterSampleGrads, SampleGrads
 from tests.models import make_problem
 from tests.reference import bin_indices_np as np_bins
 from tests.reference import edge_neighbours, individual_gradients

@@ -17,11 +17,17 @@ from fractions import Fraction
 import pytest
 import torch
 
-from cockpit.engine import histogram as hmod
-from cockpit.engine import histogram2d_outer as h2
-from cockpit.engine import histogram_device, rounding
-from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
-from cockpit.engine.histogram2d_outer import histogram2d_outer
+from cockpit.engine.histograms import device as histogram_device
+from cockpit.engine.histograms import exact as hmod
+from cockpit.engine.histograms import outer2d as h2
+from cockpit.engine.histograms import rounding
+from cockpit.engine.histograms.exact import (
+    BinSpec,
+    histogram2d_dense,
+    histogram_dense,
+    histogram_outer,
+)
+from cockpit.engine.histograms.outer2d import histogram2d_outer
 from tests.reference import bin_indices
 
 F32, F64 = torch.float32, torch.float64
@@ -73,7 +79,7 @@ def tiny_values(dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.fixture(autouse=True, params=["rounded", "searched"])
 def binning(request, monkeypatch):
-    """rounded: ⌊fl↓(x·s)⌋ + m where the spec has that form (cockpit.engine.rounding);
+    """rounded: ⌊fl↓(x·s)⌋ + m where the spec has that form (cockpit.engine.histograms.rounding);
     searched: as on a platform without directed rounding (or a GPU), every value compared
     with the rounded-up edges."""
     if request.param == "searched":
@@ -355,7 +361,7 @@ def test_cockpit_warns_at_setup_when_its_bins_are_searched():
 
 @pytest.fixture
 def device_path(monkeypatch):
-    """The path GPUs take (cockpit.engine.histogram_device), run on the CPU, in chunks of 97
+    """The path GPUs take (cockpit.engine.histograms.device), run on the CPU, in chunks of 97
     elements (the counts of every chunk summed)."""
     monkeypatch.setattr(histogram_device, "CHUNK", 97)
     with histogram_device.forced():

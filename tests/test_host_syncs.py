@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cockpit import Cockpit, configuration
 from cockpit.benchmark.problems.small_nets import cifar10_3c3d
-from cockpit.engine import histogram_device
+from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.readout import Readout
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2",

@@ -12,11 +12,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from cockpit.engine.histogram import BinSpec
+from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.rules import conv as conv_module
 from cockpit.engine.rules.conv import ConvSampleGrads, conv_rule, reuse_unfolded_inputs
 from cockpit.engine.rules.linear import linear_rule
-from cockpit.engine.sample_grads import (
+from cockpit.engine.rules.sample_grads import (
     DenseSampleGrads,
     OuterSampleGrads,
     SampleGrads,

@@ -1,6 +1,6 @@
-"""Products rounded toward −∞ (cockpit.engine.rounding): exact floors against Fraction, only
-in Cockpit's worker threads, the caller's rounding mode untouched, flush-to-zero inherited by
-a worker switched off, and a clear fallback where the platform has no directed rounding."""
+"""Products rounded toward −∞ (cockpit.engine.histograms.rounding): exact floors against Fraction,
+only in Cockpit's worker threads, the caller's rounding mode untouched, flush-to-zero inherited by a
+worker switched off, and a clear fallback where the platform has no directed rounding."""
 
 from __future__ import annotations
 
@@ -15,10 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from cockpit.engine import histogram as hmod
-from cockpit.engine import rounding
-from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
-from cockpit.engine.histogram2d_outer import histogram2d_outer
+from cockpit.engine.histograms import exact as hmod
+from cockpit.engine.histograms import rounding
+from cockpit.engine.histograms.exact import (
+    BinSpec,
+    histogram2d_dense,
+    histogram_dense,
+    histogram_outer,
+)
+from cockpit.engine.histograms.outer2d import histogram2d_outer
 from tests.reference import bin_indices
 
 pytestmark = pytest.mark.skipif(not rounding.available(), reason="no directed rounding here")

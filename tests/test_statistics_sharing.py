@@ -12,7 +12,7 @@ from torch import nn
 
 from cockpit import Cockpit, quantities
 from cockpit.engine import processing
-from cockpit.engine.sample_grads import SequenceOuterSampleGrads
+from cockpit.engine.rules.sample_grads import SequenceOuterSampleGrads
 
 
 class SequenceModel(nn.Module):

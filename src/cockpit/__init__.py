@@ -5,7 +5,7 @@ from cockpit._version import __version__
 from cockpit.cockpit import Cockpit
 from cockpit.configurations import configuration
 from cockpit.diagnose import Finding, diagnose
-from cockpit.engine.histogram import BinSpec
+from cockpit.engine.histograms.exact import BinSpec
 from cockpit.schedules import at, every, logspaced
 
 __all__ = [

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from cockpit.configurations import configuration
-from cockpit.engine import compiled
-from cockpit.engine import distributed as ranks
-from cockpit.engine.histogram import BinSpec, warn_if_slow
+from cockpit.engine.capture import compiled
+from cockpit.engine.histograms.exact import BinSpec, warn_if_slow
+from cockpit.engine.reduction import ranks
 from cockpit.quantities.base import Quantity
 
 

@@ -27,9 +27,9 @@ from torch import Tensor, nn
 
 from cockpit.arguments import checked_arguments, warn_slow_bins
 from cockpit.diagnose.live import LiveDiagnosis
-from cockpit.engine import compiled
-from cockpit.engine import distributed as ranks
-from cockpit.engine.histogram import AutoRange, BinSpec
+from cockpit.engine.capture import compiled
+from cockpit.engine.histograms.exact import AutoRange, BinSpec
+from cockpit.engine.reduction import ranks
 from cockpit.engine.rules.batchnorm_frozen import FROZEN_STATISTICS
 from cockpit.engine.statistics import PER_SAMPLE_STATS
 from cockpit.engine.tracker import ModuleTracker
@@ -54,7 +54,7 @@ class Cockpit:
             :meth:`close`. A compiled model (``torch.compile(model)``, or ``model.compile()``
             called before) runs its compiled graph at untracked steps and its eager module
             at tracked ones, whose values are the eager model's
-            (:mod:`cockpit.engine.compiled`).
+            (:mod:`cockpit.engine.capture.compiled`).
         quantities: the instruments — a list of :class:`~cockpit.quantities.Quantity`, a
             configuration name (``"economy"``, ``"business"``, ``"full"``) or None (economy).
         optimizer: the optimizer whose steps are watched (needed by UpdateSize, CABS and the
@@ -156,7 +156,7 @@ class Cockpit:
         self.memory_steps = None if memory_steps is None else int(memory_steps)
         warn_slow_bins(self.quantities, hist_bins, hist2d_bins)
         # a compiled model (torch.compile): hooks on the eager module inside, which runs at
-        # tracked steps only (see cockpit.engine.compiled)
+        # tracked steps only (see cockpit.engine.capture.compiled)
         hist_spec: BinSpec | AutoRange = AutoRange() if hist_bins is None else hist_bins
         self.tracker = ModuleTracker(compiled.uncompiled(model), hist_spec, hist2d_bins,
                                      strict=strict, batchnorm=batchnorm)

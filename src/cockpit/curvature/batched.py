@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from cockpit.engine.capture import Call
+from cockpit.engine.capture.hooks import Call
 from cockpit.engine.engine_view import EngineView
 
 # Layers whose rule reads one batched input ``args[0]`` (batch dimension first) and whose

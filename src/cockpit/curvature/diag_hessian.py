@@ -28,7 +28,7 @@ backpropagations per element of the slice and position, as for elementwise activ
 Applicability is checked on the autograd graph of the model output: every node must be a
 linear or piecewise-linear operation, or the output of a recorded activation or
 normalization module listed in :data:`SECOND_DERIVATIVES` / :data:`NORMALIZATIONS` (the
-engine records the calls of exactly these, :mod:`cockpit.engine.activations`);
+engine records the calls of exactly these, :mod:`cockpit.engine.capture.activations`);
 anything else (attention, GroupNorm, a sigmoid called as a function) raises
 :class:`~cockpit.curvature.diagonal.CurvatureError`.
 """

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from cockpit.engine.request import StepRequest
 
 if TYPE_CHECKING:
-    from cockpit.engine.capture import Call, Unit
-    from cockpit.engine.sample_grads import SampleGrads
+    from cockpit.engine.capture.hooks import Call, Unit
+    from cockpit.engine.rules.sample_grads import SampleGrads
 
 __all__ = ["EngineView"]
 
@@ -51,7 +51,7 @@ class EngineView(Protocol):
     @property
     def activation_calls(self) -> list[tuple[nn.Module, Tensor, Tensor]]:
         """(module, input z, output a) of each recorded call of a smooth activation or
-        normalization module (:mod:`cockpit.engine.activations`)."""
+        normalization module (:mod:`cockpit.engine.capture.activations`)."""
 
     @property
     def step_cache(self) -> dict[Any, Any]:

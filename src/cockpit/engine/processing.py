@@ -37,7 +37,7 @@ from cockpit.engine.rules.batchnorm_frozen import (
 )
 from cockpit.engine.rules.fallback import batch_dim_of, fallback_rule, output_batch_dims
 from cockpit.engine.rules.norms import SampleMixingError
-from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 from cockpit.engine.statistics import (
     GRAM_MEAN,
     PER_SAMPLE_STATS,

@@ -3,7 +3,7 @@ additive statistics.
 
 Data flow at a tracked step:
 
-1. forward: the hooks of :class:`~cockpit.engine.capture.Capture` record each unit's calls
+1. forward: the hooks of :class:`~cockpit.engine.capture.hooks.Capture` record each unit's calls
    (a *unit* is a module with a rule, or a module owning parameters no rule covers), the
    model's output and the smooth activations' inputs and outputs;
 2. the user's backward: the hook on the per-sample ``losses`` fires first and yields the
@@ -30,8 +30,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from cockpit.engine.capture import Call, Capture, Unit, layer_outputs, owner
-from cockpit.engine.histogram import AutoRange, BinSpec
+from cockpit.engine.capture.hooks import Call, Capture, Unit, layer_outputs, owner
+from cockpit.engine.histograms.exact import AutoRange, BinSpec
 from cockpit.engine.processing import CallProcessor, accumulate
 from cockpit.engine.request import StepRequest
 from cockpit.engine.rules.batchnorm_frozen import (
@@ -41,7 +41,7 @@ from cockpit.engine.rules.batchnorm_frozen import (
 )
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
 from cockpit.engine.rules.norms import batch_norm_message, uses_batch_statistics
-from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.rules.sample_grads import SampleGrads
 from cockpit.engine.statistics import GRAM_MEAN, BackwardStatistics, GradientDots
 
 __all__ = ["Call", "ModuleTracker", "Unit"]

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from cockpit._stacklevel import user_stacklevel
-from cockpit.engine import distributed as ranks
+from cockpit.engine.reduction import ranks
 
 
 def every_rank_attached(index: int) -> bool:

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cockpit.engine import histogram_device
 from cockpit.engine.engine_view import EngineView
-from cockpit.engine.histogram import AutoRange, BinSpec
+from cockpit.engine.histograms import device as histogram_device
+from cockpit.engine.histograms.exact import AutoRange, BinSpec
 from cockpit.engine.readout import Later
 from cockpit.engine.statistics import BackwardStatistics
 from cockpit.schedules import Schedule, as_schedule
@@ -137,7 +137,7 @@ def sq_norm(x: Tensor) -> float:
 def sq_norms(tensors: list[Tensor]) -> Tensor:
     """‖x‖² of every tensor as one float64 vector on their device. On a CPU one BLAS dot
     product per tensor in its dtype (as fast as reading it once); elsewhere (and on the CPU
-    under :func:`cockpit.engine.histogram_device.forced`) one fused norm kernel for all
+    under :func:`cockpit.engine.histograms.device.forced`) one fused norm kernel for all
     (``torch._foreach_norm``), squared in float64."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)

@@ -1,5 +1,5 @@
 """The range of GradHist1d: fixed by the user, or chosen automatically at the first tracked
-step and narrowed later (:mod:`cockpit.engine.histogram`)."""
+step and narrowed later (:mod:`cockpit.engine.histograms.exact`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from cockpit.engine.histogram import (
+from cockpit.engine.histograms.exact import (
     AutoRange,
     BinSpec,
     DecidedRange,

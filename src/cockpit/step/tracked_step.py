@@ -4,7 +4,7 @@ Its life, each stage a method called by :class:`cockpit.Cockpit`:
 
 1. :func:`check_block`, then :meth:`TrackedStep.open_block` / :meth:`~TrackedStep.close_block`
    around each backward pass (one per micro-batch; their statistics are summed by the
-   step's :class:`~cockpit.engine.reduction.StepReduction`);
+   step's :class:`~cockpit.engine.reduction.step_reduction.StepReduction`);
 2. :meth:`~TrackedStep.measure_gradient_mismatch` at ``optimizer.step()`` (or ``end_step``);
 3. :meth:`~TrackedStep.finish` once its backward passes are complete: the reduction over
    micro-batches and processes, every instrument's value, recorded;
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.readout import Later
-from cockpit.engine.reduction import StepReduction
+from cockpit.engine.reduction.step_reduction import StepReduction
 from cockpit.engine.request import StepRequest
 from cockpit.engine.rules.batchnorm_frozen import APPROXIMATION, FROZEN_STATISTICS
 from cockpit.engine.statistics import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics

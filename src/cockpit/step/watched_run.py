@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cockpit.engine.histogram import BinSpec
+from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.tracker import ModuleTracker
 from cockpit.loop_checks import OutsideBackwardWatch, learning_rate, stepped_params
 from cockpit.quantities.base import Quantity

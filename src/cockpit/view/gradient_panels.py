@@ -16,7 +16,7 @@ from matplotlib.gridspec import SubplotSpec
 from matplotlib.patches import Circle, Patch
 from matplotlib.ticker import MaxNLocator
 
-from cockpit.engine.histogram import symmetric_fast_spec
+from cockpit.engine.histograms.exact import symmetric_fast_spec
 from cockpit.view import _style as S
 from cockpit.view._data import Output, finite_part, is_tracked, scalar_series, structured_at
 from cockpit.view._hist import Histogram, histogram_at, last_recorded_step

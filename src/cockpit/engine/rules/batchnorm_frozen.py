@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.rules.sample_grads import SampleGrads
 
 FROZEN_STATISTICS = "frozen_statistics"
 BATCHNORM_MODES = (None, FROZEN_STATISTICS)

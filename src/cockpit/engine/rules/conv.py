@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cockpit.engine.rules.registry import register_rule
-from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 from cockpit.engine.workspace import workspace
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense
+from cockpit.engine.histograms.exact import BinSpec, histogram2d_dense, histogram_dense
 from cockpit.engine.rules.registry import register_rule
-from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.rules.sample_grads import SampleGrads
 
 
 class EmbeddingSampleGrads(SampleGrads):

@@ -26,7 +26,7 @@ from cockpit.engine.rules.recurrent import (
     recurrent_message,
     unpack_input,
 )
-from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 
 # Start of the warning torch.func.vmap gives for an operator without a batching rule.
 _NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented the batching"

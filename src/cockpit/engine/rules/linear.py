@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from cockpit.engine.rules.registry import register_rule
-from cockpit.engine.sample_grads import (
+from cockpit.engine.rules.sample_grads import (
     DenseSampleGrads,
     OuterSampleGrads,
     SampleGrads,

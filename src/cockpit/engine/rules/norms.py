@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from cockpit.engine.rules.registry import register_rule
-from cockpit.engine.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 
 
 class SampleMixingError(ValueError):

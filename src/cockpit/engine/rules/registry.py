@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.rules.sample_grads import SampleGrads
 
 Rule = Callable[[nn.Module, tuple, dict, Any, Tensor], dict[str, SampleGrads]]
 

@@ -23,8 +23,8 @@ engine forms it over the union instead (:meth:`Cockpit`'s reduction point projec
 layer calls on the union's ḡ), so merging two ``gram_mean`` is refused. With one backward
 per process (DistributedDataParallel), the engine also records g_nᵀG for the gradient G the
 optimizer steps on (``gradient_dots``): where G = c·ḡ, that gives g_nᵀḡ = g_nᵀG / c without
-a second pass over the layers (:func:`cockpit.engine.reduction.gram_from_gradient`).
-:mod:`cockpit.engine.distributed` reduces the same value over processes.
+a second pass over the layers (:func:`cockpit.engine.reduction.step_reduction.gram_from_gradient`).
+:mod:`cockpit.engine.reduction.ranks` reduces the same value over processes.
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
-"""g_nᵀḡ with ḡ = (1/N) Σ_m g_m the mean over the backward pass' own samples (InnerTest
-eq. 22c, OrthoTest eq. 25b).
+"""g_nᵀḡ with ḡ = (1/N) Σ_m g_m the mean over the backward pass' own samples (InnerTest eq. 22c,
+OrthoTest eq. 25b).
 
-Per parameter [N]. It is relative to the mean of the batch that formed it, so two
-micro-batches' values cannot be merged: for a split batch the reduction point forms it over
-the union (:class:`cockpit.engine.reduction.StepReduction`). Ranks gather their samples'
-values (formed against the global ḡ). Where the layer has a closed form (a Gram matrix for
-Linear layers, ``fuse_dots`` false) it is formed here; otherwise it is one row of the
-processor's fused dot-product pass, beside the projections.
+Per parameter [N]. It is relative to the mean of the batch that formed it, so two micro-batches'
+values cannot be merged: for a split batch the reduction point forms it over the union
+(:class:`~cockpit.engine.reduction.step_reduction.StepReduction`). Ranks gather their samples'
+values (formed against the global ḡ). Where the layer has a closed form (a Gram matrix for Linear
+layers, ``fuse_dots`` false) it is formed here; otherwise it is one row of the processor's fused
+dot-product pass, beside the projections.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.rules.sample_grads import SampleGrads
 from cockpit.engine.statistics.registry import Combine, LayerContext, Merge, Statistic, register
 
 

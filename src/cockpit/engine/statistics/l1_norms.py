@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cockpit.engine.sample_grads import OuterSampleGrads, SampleGrads
+from cockpit.engine.rules.sample_grads import OuterSampleGrads, SampleGrads
 from cockpit.engine.statistics.registry import Combine, LayerContext, Merge, Statistic, register
 
 

@@ -4,14 +4,14 @@ A per-sample statistic is one object (one file of this package) that says
 
 * its ``name``, the string instruments put into ``needs``, and its ``shape`` per parameter;
 * how it is formed from a layer's individual gradients (:meth:`Statistic.form`, given the
-  parameter's :class:`~cockpit.engine.sample_grads.SampleGrads` and a :class:`LayerContext`);
+  parameter's :class:`~cockpit.engine.rules.sample_grads.SampleGrads` and a :class:`LayerContext`);
 * how the statistics of two micro-batches B_a, B_b merge into those of B_a ∪ B_b
   (:class:`Merge`): per-sample vectors are concatenated, sums added, centered sums
   combined by the parallel-variance identity, and statistics relative to the batch's own
   mean (g_nᵀḡ) cannot be merged at all;
 * how the ranks of a process group combine (:class:`Combine`): sums go into the phase-1
   all-reduce buffer (their slot shape, :meth:`Statistic.pack`, :meth:`Statistic.unpack`),
-  per-sample vectors into the phase-2 rows (:mod:`cockpit.engine.distributed`).
+  per-sample vectors into the phase-2 rows (:mod:`cockpit.engine.reduction.ranks`).
 
 The processing loop (:class:`cockpit.engine.processing.CallProcessor`), the micro-batch merge
 (:meth:`BackwardStatistics.merge`) and the rank reduction loop over :data:`REGISTRY`, so a new
@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from cockpit.engine.histogram import AutoRange, BinSpec
-    from cockpit.engine.sample_grads import SampleGrads
+    from cockpit.engine.histograms.exact import AutoRange, BinSpec
+    from cockpit.engine.rules.sample_grads import SampleGrads
     from cockpit.engine.statistics.backward import BackwardStatistics
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.rules.sample_grads import SampleGrads
 from cockpit.engine.statistics.registry import Combine, LayerContext, Merge, Statistic, register
 
 

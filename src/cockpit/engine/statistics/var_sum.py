@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.rules.sample_grads import SampleGrads
 from cockpit.engine.statistics.backward import BackwardStatistics
 from cockpit.engine.statistics.registry import (
     Combine,

@@ -14,7 +14,7 @@ at every edge, in float32 and float64, on every path below; two ways of evaluati
 * Rounded form, where s = bins/(hi − lo) and m = −lo·s are an exact float and an integer
   (the defaults (−2, 2, 100), (−1, 1, 40), (−2, 2, 50); also (0, 1, 10), …): the edges are
   e_k = (k − m)/s and k(x) = clamp(⌊x·s⌋ + m, 0, bins − 1). The product and the sum are
-  rounded toward −∞ (:mod:`cockpit.engine.rounding`): fl↓(y) ≥ j ⟺ y ≥ j for every integer
+  rounded toward −∞ (:mod:`.rounding`): fl↓(y) ≥ j ⟺ y ≥ j for every integer
   j, so ⌊fl↓(fl↓(x·s) + m)⌋ = ⌊x·s⌋ + m exactly, at the cost of the two operations. (Rounded
   to nearest, a value just below an edge could round up onto it and be counted one bin
   high.) On CPU, where the platform supports it (checked once).
@@ -59,7 +59,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cockpit.engine import histogram_device, rounding
+from cockpit.engine.histograms import device as histogram_device
+from cockpit.engine.histograms import rounding
 
 # Elements per chunk on CPU: the float buffer (2 MiB for float32) and the index buffer stay
 # in cache. Chunks are spread over a few Python worker threads (torch releases the GIL inside
@@ -231,7 +232,7 @@ def _sum_over_chunks(
 
     Each worker takes every w-th chunk and owns its buffers; results are summed. On CPU the
     workers are Cockpit's own threads and the caller waits (products rounded toward −∞ are
-    only formed there, see :mod:`cockpit.engine.rounding`); a single chunk (on other devices
+    only formed there, see :mod:`.rounding`); a single chunk (on other devices
     always) runs in the caller.
     """
 

@@ -7,8 +7,8 @@ pairs with θ_{i,j} = W[i, j]. :func:`histogram2d_outer` returns the counts
     H[b, k] = #{(n, i, j) : k_g(g_{n,i,j}) = b, k_θ(θ_{i,j}) = k}       (paper eq. 16)
 
 bit for bit equal to materializing the products and applying
-:func:`~cockpit.engine.histogram.histogram2d_dense` (bins k(·) as defined in
-:mod:`cockpit.engine.histogram`; a pair with a non-finite product or θ is counted in no bin
+:func:`~cockpit.engine.histograms.exact.histogram2d_dense` (bins k(·) as defined in
+:mod:`cockpit.engine.histograms.exact`; a pair with a non-finite product or θ is counted in no bin
 but in ``num_nonfinite``).
 
 Classes. The columns of sample n split into Pos_n = {j : a_{n,j} > 0},
@@ -38,7 +38,7 @@ base bin: then its base counts are exact. Otherwise the products of a class that
 base bin b lie at its ends: by monotonicity they are the m entries nearest to that end, with
 m an exact threshold count, m = #{j in the class end : fl(δ a_{n,j}) ≥ t_{b+1}} if that end's
 bin is above b and #{… < t_b} if below (t_k = the exact thresholds of k_g, see
-:func:`~cockpit.engine.histogram._thresholds`). Per class end only the K entries nearest to
+:func:`~cockpit.engine.histograms.exact._thresholds`). Per class end only the K entries nearest to
 it are kept (``topk``, or one sort when K is large); K is bounded from the a-space crossing
 points t/δ with a margin. m is located by a ``searchsorted`` guess at the crossing point and
 verified with the exact products on both sides of the boundary (bisection where the guess
@@ -53,7 +53,7 @@ half of their products are formed whole and binned directly: +1 at (k_g(p), k_θ
 base bin of p's class.
 
 Work and fallbacks. On CPU the θ bins, the base counts, the scans and the ``topk`` run in the
-worker threads of :mod:`cockpit.engine.histogram` while the moved products are counted, and
+worker threads of :mod:`cockpit.engine.histograms.exact` while the moved products are counted, and
 the binning tasks are shared by up to ``torch.get_num_threads()`` threads. Small layers
 (fewer than ``_MIN_PRODUCTS`` products) and unsupported dtypes form their products for blocks
 of samples and bin them with ``histogram2d_dense``. Samples with a non-finite entry or a
@@ -73,8 +73,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from cockpit.engine import histogram_device, rounding
-from cockpit.engine.histogram import (
+from cockpit.engine.histograms import device as histogram_device
+from cockpit.engine.histograms import rounding
+from cockpit.engine.histograms.exact import (
     _MAX_WORKERS,
     BinSpec,
     _chunk_size,
@@ -186,7 +187,7 @@ def _plain(
 
 
 def _parallel(device: torch.device) -> bool:
-    """Whether independent work may run in the worker threads of cockpit.engine.histogram."""
+    """Whether independent work may run in the worker threads of cockpit.engine.histograms.exact."""
     return device.type == "cpu" and torch.get_num_threads() > 1 and not rounding.work_here()
 
 
@@ -205,7 +206,7 @@ def _run(tasks: list[Callable[[], Tensor]], size: int, device: torch.device) -> 
     if device.type != "cpu" or rounding.work_here():
         return work()
     # The caller only waits: binning forms its products rounded toward −∞ in Cockpit's own
-    # threads (cockpit.engine.rounding), so work in the caller would hand every task over.
+    # threads (histograms.rounding), so work in the caller would hand every task over.
     workers = min(torch.get_num_threads(), len(tasks), _MAX_WORKERS)
     futures = [_pool().submit(work) for _ in range(max(1, workers))]
     total = futures[0].result()

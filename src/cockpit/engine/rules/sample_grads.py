@@ -35,8 +35,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from cockpit.engine.histogram import BinSpec, histogram2d_dense, histogram_dense, histogram_outer
-from cockpit.engine.histogram2d_outer import histogram2d_outer
+from cockpit.engine.histograms.exact import (
+    BinSpec,
+    histogram2d_dense,
+    histogram_dense,
+    histogram_outer,
+)
+from cockpit.engine.histograms.outer2d import histogram2d_outer
 
 # Materialize factored per-sample gradients in chunks of at most this many elements so
 # that the extra memory stays near one layer's |B|×D even for sequence inputs.

@@ -1,6 +1,6 @@
 """Exact histograms on accelerators: no read of the device, no contended counter.
 
-The CPU kernels of :mod:`cockpit.engine.histogram` are built for a CPU: directed rounding in
+The CPU kernels of :mod:`cockpit.engine.histograms.exact` are built for a CPU: directed rounding in
 NumPy, worker threads, sorted rows searched per query, chunk-by-chunk decisions read from
 the data (a chunk with a non-finite value takes another path). On a GPU each of those
 decisions is a wait for the device, and ``bincount`` into a few crowded bins serializes on

@@ -11,7 +11,7 @@
    all its outputs' gradients arrived; each parameter's hook records the batch gradient
    (and the gradient the optimizer will see, for projections on it);
 3. layer outputs shared by the batch (position embeddings, …) get hooks on the nodes that
-   broadcast them (:mod:`cockpit.engine.broadcast`), so that their δ_n arrive per sample.
+   broadcast them (:mod:`cockpit.engine.capture.broadcast`), so that their δ_n arrive per sample.
 
 During Cockpit's own backpropagations (``probing``) the output hooks record δ apart, for
 :meth:`~cockpit.engine.tracker.ModuleTracker.sum_sq_of_backprops`. At untracked steps, and
@@ -30,8 +30,13 @@ import torch
 from torch import Tensor, nn
 
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
-from cockpit.engine.activations import is_activation
-from cockpit.engine.broadcast import BroadcastTap, consumers_of, find_paths, per_sample_delta
+from cockpit.engine.capture.activations import is_activation
+from cockpit.engine.capture.broadcast import (
+    BroadcastTap,
+    consumers_of,
+    find_paths,
+    per_sample_delta,
+)
 from cockpit.engine.processing import weights_problem
 from cockpit.engine.rules.batchnorm_frozen import (
     FROZEN_STATISTICS,
@@ -354,7 +359,7 @@ class Capture:
 
     # ------------------------------------------------------------------ broadcast taps
     def tap_broadcasts(self, losses: Tensor, n: int) -> None:
-        """Find the layer outputs shared by the batch (see :mod:`cockpit.engine.broadcast`)
+        """Find the layer outputs shared by the batch (see :mod:`cockpit.engine.capture.broadcast`)
         and hook the nodes that broadcast them, so that their δ_n arrive per sample.
 
         Candidates: outputs without the batch size at the batch dimension, and outputs of

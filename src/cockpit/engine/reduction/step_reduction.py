@@ -4,7 +4,7 @@ A tracked step may consist of several backward passes (gradient accumulation: se
 ``with cockpit(step, ...)`` blocks before one optimizer step) on several processes
 (torch.distributed). Each backward pass leaves finished :class:`BackwardStatistics`;
 :class:`StepReduction` merges them as they come (:meth:`BackwardStatistics.merge`) and, when
-the step is complete, combines the ranks (:mod:`cockpit.engine.distributed`) and forms the
+the step is complete, combines the ranks (:mod:`cockpit.engine.reduction.ranks`) and forms the
 statistics that need the whole batch's mean gradient ḡ: g_nᵀḡ for every sample, by
 projecting each backward's kept layer calls on ḡ (the engine's :meth:`project`) — or, with
 one backward per process where the synchronized gradient G is c·ḡ (DistributedDataParallel
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cockpit.engine import distributed
+from cockpit.engine.reduction import ranks as distributed
 from cockpit.engine.statistics import GRAM_MEAN, BackwardStatistics, Combine, requested
 
 

@@ -1,4 +1,4 @@
-"""Products rounded toward −∞, for exact histogram bins (:mod:`cockpit.engine.histogram`).
+"""Products rounded toward −∞, for exact histogram bins (:mod:`cockpit.engine.histograms.exact`).
 
 With round-to-nearest, fl(x·s) may round *up* onto an integer j although x·s < j: a value
 just below a bin edge j/s is then counted one bin high. Rounded toward −∞ instead,
