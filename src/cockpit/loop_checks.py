@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.readout import Later
+from cockpit.engine.sharded import unsharded_parameters
 from cockpit.engine.workspace import workspace
 from cockpit.quantities.base import sq_norm_tensor, sq_norms
 
@@ -214,7 +215,11 @@ def parameters_changed(model: torch.nn.Module, known: dict[int, str],
     harmless: a parameter without a gradient adds nothing to any instrument)."""
     names = set(known.values())
     added, replaced, unfrozen = [], [], []
+    twins: dict[int, str] | None = None
     for name, p in model.named_parameters():
+        if id(p) not in known and twins is None:  # fully_shard's unsharded parameters
+            twins = {id(t): n for n, t in unsharded_parameters(model, trainable).items()}
+            known = {**known, **twins}
         if id(p) not in known:
             (replaced if name in names else added).append(name)
         elif p.requires_grad and known[id(p)] not in trainable:

@@ -42,6 +42,7 @@ from cockpit.engine.rules.batchnorm_frozen import (
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
 from cockpit.engine.rules.norms import batch_norm_message, uses_batch_statistics
 from cockpit.engine.sample_grads import SampleGrads
+from cockpit.engine.sharded import has_sharded, whole
 from cockpit.engine.statistics import (  # noqa: F401  (the statistics' names, imported from here)
     GRAM_MEAN,
     HIST1D,
@@ -81,6 +82,7 @@ class ModuleTracker:
         self.param_names = {id(p): name for name, p in model.named_parameters()}
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.parameter_owners = {name: owner(model, name) for name in self.params}
+        self.sharded = has_sharded(self.params.values())  # fully_shard (engine/sharded.py)
         self.capturing = True
         self.active = False
         self.needs: frozenset[str] = frozenset()
@@ -175,6 +177,8 @@ class ModuleTracker:
         self._pure_grads = set()
         self._spare_grads, self._last_batch_grads = self._last_batch_grads, {}
         self.processor.begin()
+        if self.sharded:
+            self.capture.hook_unsharded_parameters()
         self.release_step_cache()
         if losses is not None and losses.grad_fn is not None and num_samples > 1:
             # also without per-sample instruments: the diagonal curvature's backprops
@@ -351,7 +355,7 @@ class ModuleTracker:
             self.stats.gradient_dots = GradientDots({})
         for name, param in self.params.items():
             if param.grad is not None:
-                grad = param.grad.detach()
+                grad = whole(param.grad.detach())  # g_nᵀG needs all of G (sharded.py)
                 grad = grad.to_dense() if grad.layout != torch.strided else grad
                 if synced:  # g_nᵀG for the reduction point, against G as it is now
                     grad = grad.clone()

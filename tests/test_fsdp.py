@@ -1,0 +1,87 @@
+"""A model sharded by ``fully_shard`` (FSDP2) on 2 processes (gloo, 127.0.0.1): every rank's
+economy instruments describe the global batch, exactly as one process on the whole batch
+(tests/split_reference.py), with parameters resharded after the forward pass or not, and
+with gradient accumulation."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cockpit import configuration
+from tests import fsdp_worker
+from tests.models import make_problem
+from tests.split_reference import MISUSE, assert_same_values, whole_batch_run
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+STEPS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def two_processes(tmp_path, config: dict) -> list[dict]:
+    mp.start_processes(fsdp_worker.run, args=(2, free_port(), config, str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    ranks = []
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
+            ranks.append(pickle.load(file))
+    return ranks
+
+
+def make_config(name: str, shard_sizes: list[int], **extra) -> dict:
+    problem = make_problem(name, 48)
+    generator = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(STEPS):
+        index = torch.randint(0, 48, (sum(shard_sizes),), generator=generator)
+        batches.append((problem.x[index], problem.y[index]))
+    return {"problem": name, "batches": batches, "shard_sizes": shard_sizes,
+            "make_optimizer": sgd, **extra}
+
+
+@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "reshard"), [
+    ("mlp_relu", [12, 12], 1, sgd, True),
+    # uneven shards (FSDP averages the shard means) with 2 micro-batches per step and the
+    # parameters kept whole between forward and backward
+    ("cnn", [10, 14], 2, adam, False),
+])
+def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
+                                             make_optimizer, reshard):
+    config = make_config(name, shard_sizes, micro_batches=micro,
+                         make_optimizer=make_optimizer, reshard_after_forward=reshard)
+    ranks = two_processes(tmp_path, config)
+    uniform = len(set(shard_sizes)) == 1 and micro == 1
+    expected, _ = whole_batch_run(make_problem(name, 48), config["batches"], make_optimizer,
+                                  gradients=None if uniform else ranks[0]["stepped"],
+                                  chosen=configuration("economy"))
+    for result in ranks:
+        assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
+        output = result["output"]
+        assert assert_same_values(output, expected, range(STEPS)) > 50 * STEPS
+        for step in range(STEPS):
+            assert output[step]["BatchSize"] == sum(shard_sizes)
+        assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
+        # the gradient the optimizer stepped on is the global one (FSDP's reduce-scatter)
+        for step, grads in enumerate(result["stepped"]):
+            for key, grad in grads.items():
+                torch.testing.assert_close(grad, ranks[0]["stepped"][step][key])
