@@ -33,9 +33,9 @@ def shard_model(model: torch.nn.Module, config: dict) -> torch.nn.Module:
     kwargs = {"reshard_after_forward": config.get("reshard_after_forward", True)}
     if config.get("mixed_precision"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(**config["mixed_precision"])
-    for module in model.modules():
-        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
-            fully_shard(module, **kwargs)
+    for child in model.children():  # each top-level layer or block with parameters
+        if any(True for _ in child.parameters()):
+            fully_shard(child, **kwargs)
     fully_shard(model, **kwargs)
     return model
 

@@ -175,14 +175,16 @@ class Capture:
             if is_activation(module):
                 self._handles.append(module.register_forward_hook(self._record_activation))
 
-    def hook_unsharded_parameters(self) -> None:
+    def hook_unsharded_parameters(self) -> dict[str, Tensor]:
         """``fully_shard``: the parameter hooks go on the unsharded parameters the backward
-        pass reaches (see :func:`cockpit.engine.sharded.unsharded_parameters`), each once."""
-        for name, twin in sharded.unsharded_parameters(self.engine.model,
-                                                       self.engine.params).items():
+        pass reaches (see :func:`cockpit.engine.sharded.unsharded_parameters`), each once.
+        Returns them by name."""
+        twins = sharded.unsharded_parameters(self.engine.model, self.engine.params)
+        for name, twin in twins.items():
             if id(twin) not in self._hooked_twins:
                 self._hooked_twins.add(id(twin))
                 self._handles.append(twin.register_hook(self._make_param_hook(name)))
+        return twins
 
     def remove(self) -> None:
         for handle in self._handles:

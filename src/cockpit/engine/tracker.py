@@ -83,6 +83,8 @@ class ModuleTracker:
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.parameter_owners = {name: owner(model, name) for name in self.params}
         self.sharded = has_sharded(self.params.values())  # fully_shard (engine/sharded.py)
+        # fully_shard: all of θ per name while a tracked backward pass is processed
+        self.gathered_params: dict[str, Tensor] = {}
         self.capturing = True
         self.active = False
         self.needs: frozenset[str] = frozenset()
@@ -177,8 +179,8 @@ class ModuleTracker:
         self._pure_grads = set()
         self._spare_grads, self._last_batch_grads = self._last_batch_grads, {}
         self.processor.begin()
-        if self.sharded:
-            self.capture.hook_unsharded_parameters()
+        if self.sharded:  # the unsharded parameters hold all of θ during the backward pass
+            self.gathered_params = self.capture.hook_unsharded_parameters()
         self.release_step_cache()
         if losses is not None and losses.grad_fn is not None and num_samples > 1:
             # also without per-sample instruments: the diagonal curvature's backprops
@@ -327,6 +329,8 @@ class ModuleTracker:
             self.capture.check_output_gradients_arrived()
             if self.request.defer:
                 self._see_optimizer_gradients()
+            if self.sharded:  # FSDP has freed the unsharded parameters again by now
+                self.gathered_params = self._gather_for_end()
             self.capture.process_remaining()
             self.processor.reduce_accumulated()
             self.processor.reduce_pending()
@@ -335,6 +339,7 @@ class ModuleTracker:
             self.processor.accumulated, self.processor.pending = {}, {}
             self.release_step_cache()
             self.clear_calls()
+            self.gathered_params = {}
         stats, self.stats = self.stats, None
         self._spare_grads = {}
         self._last_batch_grads = dict(stats.batch_grads)  # own copies, valid until next begin
@@ -342,6 +347,17 @@ class ModuleTracker:
         if weight not in (None, 0.0) and n and weight * n != 1.0:
             stats.batch_grads = {k: g * (1.0 / (weight * n)) for k, g in stats.batch_grads.items()}
         return stats
+
+    def _gather_for_end(self) -> dict[str, Tensor]:
+        """``fully_shard``: all of θ (gathered, the same names on every rank) for the calls
+        processed after the backward pass: the torch.func fallback's layers always, every
+        parameter for GradHist2d's (θ_j, g_n,j) when every call waits (``defer``)."""
+        if self.request.defer and HIST2D in self.needs:
+            names = list(self.params)
+        else:
+            names = [self.unit_param_name(unit, attr) for unit in self.capture.units
+                     if unit.deferred for attr in unit.params]
+        return {k: whole(self.params[k].detach()) for k in names if k in self.params}
 
     def _see_optimizer_gradients(self) -> None:
         """Deferred processing: the gradient the optimizer will step on is ``p.grad`` after

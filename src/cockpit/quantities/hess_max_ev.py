@@ -37,8 +37,10 @@ from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
 from cockpit.curvature.lanczos import EigResult, lanczos_max_eigenvalue
+from cockpit.engine import sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.quantities.curvature_base import SHARDED
 from cockpit.schedules import Schedule
 
 NON_FINITE = "non-finite loss at this step: the Hessian-vector products were not finite"
@@ -76,6 +78,9 @@ class HessMaxEV(Quantity):
                 ) -> None:
         self._result, self._skipped, self._blocks = None, None, {}
         if losses is None or engine.request.split:
+            return
+        if sharded.has_sharded(engine.params.values()):  # (one process; split: above)
+            self._skipped = SHARDED
             return
         hvp = hessian_vector_product(engine, losses, engine.params)
         v0 = self._vector if self.warm_start else None
