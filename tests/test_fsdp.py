@@ -59,27 +59,36 @@ def make_config(name: str, shard_sizes: list[int], **extra) -> dict:
             "make_optimizer": sgd, **extra}
 
 
-@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "reshard"), [
-    ("mlp_relu", [12, 12], 1, sgd, True),
+@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "reshard", "config"), [
+    ("mlp_relu", [12, 12], 1, sgd, True, "economy"),
     # uneven shards (FSDP averages the shard means) with 2 micro-batches per step and the
-    # parameters kept whole between forward and backward
-    ("cnn", [10, 14], 2, adam, False),
+    # parameters kept whole between forward and backward; GradHist2d reads all of θ
+    ("cnn", [10, 14], 2, adam, False, "full"),
+    # attention: the torch.func fallback on the gathered parameters after the backward pass
+    ("transformer", [12, 12], 1, sgd, True, "economy"),
 ])
 def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
-                                             make_optimizer, reshard):
-    config = make_config(name, shard_sizes, micro_batches=micro,
+                                             make_optimizer, reshard, config):
+    config = make_config(name, shard_sizes, micro_batches=micro, configuration=config,
                          make_optimizer=make_optimizer, reshard_after_forward=reshard)
     ranks = two_processes(tmp_path, config)
     uniform = len(set(shard_sizes)) == 1 and micro == 1
     expected, _ = whole_batch_run(make_problem(name, 48), config["batches"], make_optimizer,
                                   gradients=None if uniform else ranks[0]["stepped"],
-                                  chosen=configuration("economy"))
+                                  chosen=configuration(config["configuration"]))
+    # the key bias of attention has individual gradients that are zero up to rounding: their
+    # signs, and so their histogram bins, depend on the order of summation
+    skip = {"HessTrace", "TICDiag"} | ({"GradHist1d"} if name == "transformer" else set())
     for result in ranks:
         assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
-        output = result["output"]
-        assert assert_same_values(output, expected, range(STEPS)) > 50 * STEPS
+        output, notes = result["output"], result["notes"]
+        assert assert_same_values(output, expected, range(STEPS), skip=skip) > 50 * STEPS
         for step in range(STEPS):
             assert output[step]["BatchSize"] == sum(shard_sizes)
+            if config["configuration"] == "full":  # the curvature is refused, not wrong
+                for curvature in ("HessTrace", "TICDiag"):
+                    assert output[step][curvature] is None
+                    assert "fully_shard" in notes[step][curvature]
         assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
         # the gradient the optimizer stepped on is the global one (FSDP's reduce-scatter)
         for step, grads in enumerate(result["stepped"]):

@@ -41,8 +41,16 @@ from cockpit.engine.workspace import workspace
 def check_supported_wrapper(model) -> None:
     """Models sharded over processes: ``fully_shard`` (FSDP2) is supported
     (:mod:`cockpit.engine.sharded`); FSDP1, tensor parallelism and other meshes are refused
-    clearly."""
+    clearly; so is ``nn.DataParallel`` over several devices (replicas of the model run
+    in threads, each on a slice of the batch: their hooks would race), while over one
+    device (or none: on a CPU) it only calls the model and is supported."""
     check_sharding(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.DataParallel) and len(module.device_ids) > 1:
+            raise NotImplementedError(
+                f"Cockpit does not support nn.DataParallel over {len(module.device_ids)} "
+                "devices: use DistributedDataParallel (one process per device; Cockpit "
+                "combines the processes' statistics), or DataParallel over one device")
 
 OTHER_RANK_PROBLEM = (
     "another process could not form its individual gradients (see the warnings of that "

@@ -122,8 +122,6 @@ def check_sharding(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if not is_sharded(param):
             continue
-        if not isinstance(getattr(param, "_local_tensor", None), Tensor):
-            continue
         mesh = param.device_mesh
         if mesh.ndim != 1 or mesh.size() != world or not isinstance(param.placements[0], Shard):
             raise NotImplementedError(
@@ -132,7 +130,9 @@ def check_sharding(model: nn.Module) -> None:
         if not _owned_by_fully_shard(model, param):
             raise NotImplementedError(
                 f"Cockpit does not support parameter {name}: a DTensor not sharded by "
-                f"fully_shard (e.g. tensor parallelism): {_WAY_OUT}")
+                f"fully_shard on this model (tensor parallelism, or an inner module of a "
+                f"sharded model: attach Cockpit to the root module fully_shard was applied "
+                f"to last): {_WAY_OUT}")
 
 
 def _world_size() -> int:
@@ -151,3 +151,12 @@ def _owned_by_fully_shard(model: nn.Module, param: Tensor) -> bool:
                                          for fp in group.fsdp_params):
                 return True
     return False
+
+
+def shard_like(full: Tensor, like: Tensor) -> Tensor:
+    """``full`` (a whole tensor, the same on every rank) as a ``DTensor`` sharded like
+    ``like``: each rank keeps its own slice, without communication."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.detach(), like.device_mesh, like.placements,
+                             src_data_rank=None)

@@ -110,7 +110,7 @@ class HessMaxEV(Quantity):
         skipped, self._skipped = self._skipped, None
         if skipped is not None:
             data.notes["HessMaxEV"] = skipped
-            return {"HessMaxEV": math.nan}
+            return {"HessMaxEV": None if skipped == SHARDED else math.nan}
         if result is None:
             data.notes["HessMaxEV"] = "not computed (no individual losses at this step)"
             return {"HessMaxEV": None}
