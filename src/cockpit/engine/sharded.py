@@ -99,8 +99,7 @@ def check_sharding(model: nn.Module) -> None:
     no layer shape), parameters sharded otherwise than by ``fully_shard`` on a 1-D mesh of
     the whole process group (tensor parallelism, HSDP's 2-D mesh: the sums over ranks
     would count replicas twice or miss the other mesh dimension), and ``fully_shard``
-    models with a mixed precision policy (not yet: the per-sample statistics would be
-    formed from the low-precision copies)."""
+    models whose mixed precision policy changes a dtype (see the message)."""
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
         from torch.distributed.tensor import Shard
@@ -113,11 +112,15 @@ def check_sharding(model: nn.Module) -> None:
                 f"({name or 'the model'}): {_WAY_OUT}")
         if isinstance(module, FSDPModule):
             policy = module._get_fsdp_state()._mp_policy  # no public accessor
-            if policy.param_dtype is not None or policy.reduce_dtype is not None:
+            dtypes = {p.dtype for p in module.parameters()}
+            if {policy.param_dtype, policy.reduce_dtype} - {None} - dtypes:
                 raise NotImplementedError(
-                    f"Cockpit does not support fully_shard with a mixed precision policy yet "
-                    f"({name or 'the model'}: {policy}): shard without mp_policy (use "
-                    "torch.autocast for mixed precision), or use DistributedDataParallel")
+                    f"Cockpit does not support fully_shard with a mixed precision policy "
+                    f"({name or 'the model'}: {policy}): the layers would compute in "
+                    "param_dtype, so the individual gradients come from rounded copies of "
+                    "the parameters, inputs and output gradients, and no tolerance holds for "
+                    "every instrument (variances of nearly equal gradients lose all digits); "
+                    "shard without mp_policy, or use DistributedDataParallel")
     world = _world_size()
     for name, param in model.named_parameters():
         if not is_sharded(param):
