@@ -84,17 +84,17 @@ def test_refused_sharded_models_name_the_way_out(group_of_one):
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 
     flat = FullyShardedDataParallel(small_model(), device_id=torch.device("cpu"))
-    with pytest.raises(NotImplementedError, match="FSDP1.*fully_shard"):
+    with pytest.raises(NotImplementedError, match=r"FSDP1.*fully_shard"):
         Cockpit(flat)
     mixed = small_model()
     fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    with pytest.raises(NotImplementedError, match="mixed precision.*mp_policy"):
+    with pytest.raises(NotImplementedError, match=r"mixed precision.*mp_policy"):
         Cockpit(mixed)
     model = small_model()
     fully_shard(model[0])
     fully_shard(model)
     Cockpit(model).close()
-    with pytest.raises(NotImplementedError, match="not sharded by fully_shard.*root"):
+    with pytest.raises(NotImplementedError, match=r"not sharded by fully_shard.*root"):
         Cockpit(model[2])  # an inner module: its parameters belong to the root's FSDP group
 
 
