@@ -12,13 +12,18 @@ What needs a parameter-space tensor u besides g_n (a per-sample projection g_n�
 gradient G = p.grad or on the update s = θ_{t+1} − θ_t) needs all of u on every rank, for
 the rank forms g_nᵀu for its own samples over all coordinates: :func:`whole` gathers it
 (one all-gather per parameter, at points every rank passes in the same order). Norms and
-inner products of parameter-space tensors alone (‖θ‖, ‖s‖, ‖G‖, θᵀs) are sums over
-coordinates: DTensor arithmetic forms them from the local shards and sums over ranks.
+inner products of parameter-space tensors alone (‖θ‖, ‖s‖, ‖G‖) are sums over coordinates:
+:func:`sq_norms` forms them from the local shards and sums them over the ranks.
+
+Two things have no public accessor in torch 2.13 and are read from ``fully_shard``'s state:
+the unsharded parameter of each sharded one (:func:`unsharded_parameters`) and the mixed
+precision policy; :func:`check_sharding` refuses a torch whose ``fully_shard`` lacks them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import TypeGuard, cast
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +34,7 @@ except ImportError:  # torch without distributed tensors
     DTensor = None  # type: ignore[assignment,misc]
 
 
-def is_sharded(tensor: object) -> bool:
+def is_sharded(tensor: object) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a ``DTensor`` (a slice of it per process)."""
     return DTensor is not None and isinstance(tensor, DTensor)
 
@@ -37,7 +42,9 @@ def is_sharded(tensor: object) -> bool:
 def whole(tensor: Tensor) -> Tensor:
     """The full tensor of a ``DTensor`` (an all-gather: every rank must call it, in the same
     order), else ``tensor`` itself."""
-    return tensor.full_tensor() if is_sharded(tensor) else tensor
+    if is_sharded(tensor):
+        return tensor.full_tensor()
+    return tensor
 
 
 def has_sharded(tensors: Iterable[Tensor]) -> bool:
@@ -48,7 +55,9 @@ def has_sharded(tensors: Iterable[Tensor]) -> bool:
 
 def local(tensor: Tensor) -> Tensor:
     """This rank's slice of a ``DTensor``, else ``tensor`` itself."""
-    return tensor.to_local() if is_sharded(tensor) else tensor
+    if is_sharded(tensor):
+        return tensor.to_local()
+    return tensor
 
 
 def sq_norms(tensors: list[Tensor]) -> Tensor:
@@ -63,7 +72,7 @@ def sq_norms(tensors: list[Tensor]) -> Tensor:
     return summed.clone()  # the buffer itself stays with all_reduce_sum
 
 
-def unsharded_parameters(model: nn.Module, params: dict[str, Tensor]) -> dict[str, Tensor]:
+def unsharded_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The unsharded parameter that ``fully_shard`` puts on the module for the forward and
     backward passes, per name of ``params`` (the sharded parameters): the backward pass
     computes the layer's gradient for it (this rank's samples, all coordinates), never for
@@ -105,14 +114,23 @@ def check_sharding(model: nn.Module) -> None:
         from torch.distributed.tensor import Shard
     except ImportError:  # torch without distributed
         return
+    owned: set[int] = set()  # the parameters fully_shard shards on this model
     for name, module in model.named_modules():
         if isinstance(module, FullyShardedDataParallel):
             raise NotImplementedError(
                 f"Cockpit does not support FullyShardedDataParallel (FSDP1) models "
                 f"({name or 'the model'}): {_WAY_OUT}")
         if isinstance(module, FSDPModule):
-            policy = module._get_fsdp_state()._mp_policy  # no public accessor
-            dtypes = {p.dtype for p in module.parameters()}
+            try:
+                state = module._get_fsdp_state()
+                policy, group = state._mp_policy, state._fsdp_param_group
+                owned.update(id(fp.sharded_param) for fp in (group.fsdp_params if group else ()))
+            except AttributeError as error:
+                raise NotImplementedError(
+                    f"Cockpit does not support fully_shard of torch {torch.__version__}: its "
+                    f"internal state differs from torch 2.13's ({error}); use "
+                    "DistributedDataParallel") from None
+            dtypes = {p.dtype for p in cast(nn.Module, module).parameters()}
             if {policy.param_dtype, policy.reduce_dtype} - {None} - dtypes:
                 raise NotImplementedError(
                     f"Cockpit does not support fully_shard with a mixed precision policy "
@@ -130,7 +148,7 @@ def check_sharding(model: nn.Module) -> None:
             raise NotImplementedError(
                 f"Cockpit does not support parameter {name} sharded as {param.placements} on "
                 f"a device mesh of shape {tuple(mesh.shape)} ({world} processes): {_WAY_OUT}")
-        if not _owned_by_fully_shard(model, param):
+        if id(param) not in owned:
             raise NotImplementedError(
                 f"Cockpit does not support parameter {name}: a DTensor not sharded by "
                 f"fully_shard on this model (tensor parallelism, or an inner module of a "
@@ -144,19 +162,7 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _owned_by_fully_shard(model: nn.Module, param: Tensor) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None and any(fp.sharded_param is param
-                                         for fp in group.fsdp_params):
-                return True
-    return False
-
-
-def shard_like(full: Tensor, like: Tensor) -> Tensor:
+def shard_like(full: Tensor, like: DTensor) -> Tensor:
     """``full`` (a whole tensor, the same on every rank) as a ``DTensor`` sharded like
     ``like``: each rank keeps its own slice, without communication."""
     from torch.distributed.tensor import distribute_tensor
