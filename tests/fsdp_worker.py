@@ -55,7 +55,7 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
             chosen = configuration(config.get("configuration", "economy"))
             cockpit = Cockpit(model, chosen, optimizer=opt, strict=True,
                               write_on_all_ranks=True, grad_accumulation=micro > 1)
-            stepped, touched = [], []
+            stepped = []
             for step, (x, y) in enumerate(config["batches"]):
                 opt.zero_grad()
                 part = shards(len(x), config["shard_sizes"], rank)
@@ -73,7 +73,7 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
             cockpit.close()
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
             pickle.dump({"output": cockpit.get_output(), "notes": cockpit.get_notes(),
-                         "stepped": stepped, "touched": touched,
+                         "stepped": stepped,
                          "warnings": [str(w.message) for w in recorded]}, file)
         leave_process_group()  # barrier, os._exit(0): no gloo thread can abort our exit
     except BaseException:

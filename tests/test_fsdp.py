@@ -1,7 +1,8 @@
 """A model sharded by ``fully_shard`` (FSDP2) on 2 processes (gloo, 127.0.0.1): every rank's
-economy instruments describe the global batch, exactly as one process on the whole batch
-(tests/split_reference.py), with parameters resharded after the forward pass or not, and
-with gradient accumulation."""
+instruments describe the global batch, exactly as one process on the whole batch
+(tests/split_reference.py), with parameters resharded after the forward pass or not, with
+gradient accumulation and with the torch.func fallback; the curvature instruments are None
+with the reason, and the optimizer steps on the gradients of a plain loop."""
 
 from __future__ import annotations
 
@@ -83,6 +84,9 @@ def plain_gradients(name: str, config: dict) -> list[dict[str, torch.Tensor]]:
     # uneven shards (FSDP averages the shard means) with 2 micro-batches per step and the
     # parameters kept whole between forward and backward; GradHist2d reads all of θ
     ("cnn", [10, 14], 2, adam, False, "full"),
+    # accumulation with the parameters gathered again for the backward pass: the layers are
+    # processed inside it, GradHist2d on the unsharded parameters
+    ("mlp_relu", [12, 12], 2, sgd, True, "full"),
     # attention: the torch.func fallback on the gathered parameters after the backward pass
     ("transformer", [12, 12], 1, sgd, True, "economy"),
 ])
