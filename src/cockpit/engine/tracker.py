@@ -350,9 +350,9 @@ class ModuleTracker:
 
     def _gather_for_end(self) -> dict[str, Tensor]:
         """``fully_shard``: all of θ (gathered, the same names on every rank) for the calls
-        processed after the backward pass: the torch.func fallback's layers always, every
-        parameter for GradHist2d's (θ_j, g_n,j) when every call waits (``defer``)."""
-        if self.request.defer and HIST2D in self.needs:
+        processed after the backward pass: the torch.func fallback's layers, and every
+        parameter for GradHist2d's (θ_j, g_n,j)."""
+        if HIST2D in self.needs:
             names = list(self.params)
         else:
             names = [self.unit_param_name(unit, attr) for unit in self.capture.units
