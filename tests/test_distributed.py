@@ -178,14 +178,6 @@ def test_distributed_takes_none_or_false():
         Cockpit(torch.nn.Linear(2, 2), distributed=True)
 
 
-def test_sharded_models_are_refused_with_the_way_out():
-    class FSDPLinear(torch.nn.Linear):  # the class name fully_shard gives a module
-        pass
-
-    with pytest.raises(NotImplementedError, match="DistributedDataParallel"):
-        Cockpit(torch.nn.Sequential(FSDPLinear(2, 2)))
-
-
 def _statistics_with_gradient(gradient: dict, dots: dict, n: int = 4):
     from cockpit.engine.statistics import BackwardStatistics, GradientDots
     stats = BackwardStatistics(n)

@@ -119,7 +119,8 @@ class Cockpit:
     misuse found in the numbers (non-finite loss, gradients not zeroed) see a step then.
 
     torch.distributed: with a process group initialised (e.g. a model wrapped in
-    ``DistributedDataParallel``), every rank's values describe the global batch; the
+    ``DistributedDataParallel`` or sharded by ``fully_shard``: see docs/conventions.md
+    for what the latter refuses), every rank's values describe the global batch; the
     per-rank statistics are combined with two all-reduces per tracked step. Gradients
     all-reduced by hand instead of by DDP: do it inside the ``with`` block, after the
     backward pass, so that Cockpit sees the gradient the optimizer steps on. At every

@@ -14,6 +14,8 @@ tracked step. Its rooms, in the order the data flows through them:
 :class:`~.tracker.ModuleTracker` composes capture and processing and holds the state of the
 tracked backward pass; :class:`~.engine_view.EngineView` is all that instruments and
 curvature code may ask of it; :class:`~.request.StepRequest` is what they ask for.
-:mod:`.update_prediction` predicts the optimizer's step for Alpha; :mod:`.workspace` keeps
-scratch buffers from step to step.
+:mod:`.sharded` handles parameters sharded by ``fully_shard`` (FSDP2): hooks on the
+unsharded parameters, norms of local shards summed over ranks, whole tensors gathered where
+a per-sample projection needs them. :mod:`.update_prediction` predicts the optimizer's step
+for Alpha; :mod:`.workspace` keeps scratch buffers from step to step.
 """

@@ -49,7 +49,7 @@ from cockpit.engine.statistics import (
 )
 
 if TYPE_CHECKING:
-    from cockpit.engine.tracker import Call, ModuleTracker
+    from cockpit.engine.tracker import Call, ModuleTracker, Unit
 
 
 class _Gradient:
@@ -153,7 +153,7 @@ class CallProcessor:
                                                                      strict=True)]
         if keep_calls:  # for projections on directions known only after the step
             params = (None if unit.rule is not None and len(grads) == 1
-                      else {k: p.detach().clone() for k, p in unit.params.items()})
+                      else {k: p.detach().clone() for k, p in self.whole_params(unit).items()})
             self.kept_calls.append(type(call)(
                 unit, call.args, call.kwargs, [], call.versions, grads,
                 output_positions=call.output_positions, params=params))
@@ -228,11 +228,20 @@ class CallProcessor:
             args, kwargs, grads = common_precision(call.args, call.kwargs, grads)
             sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
         else:
-            params = unit.params if call.params is None else call.params
+            params = self.whole_params(unit) if call.params is None else call.params
             sample_grads = fallback_rule(
                 unit.module, call.args, call.kwargs, call.output_positions, grads, params
             )
         return {engine.unit_param_name(unit, attr): sg for attr, sg in sample_grads.items()}
+
+    def whole_params(self, unit: Unit) -> dict[str, Tensor]:
+        """The unit's parameters, all of each (``fully_shard``: the engine's gathered ones
+        in place of the local shards)."""
+        gathered = self.engine.gathered_params
+        if not gathered:
+            return unit.params
+        return {k: gathered.get(self.engine.unit_param_name(unit, k), p)
+                for k, p in unit.params.items()}
 
     # ------------------------------------------------------------------ statistics
     def reduce_guarded(self, name: str, sg: SampleGrads) -> None:

@@ -42,7 +42,8 @@ from cockpit.engine.rules.batchnorm_frozen import (
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
 from cockpit.engine.rules.norms import batch_norm_message, uses_batch_statistics
 from cockpit.engine.rules.sample_grads import SampleGrads
-from cockpit.engine.statistics import GRAM_MEAN, BackwardStatistics, GradientDots
+from cockpit.engine.sharded import has_sharded, whole
+from cockpit.engine.statistics import GRAM_MEAN, HIST2D, BackwardStatistics, GradientDots
 
 __all__ = ["Call", "ModuleTracker", "Unit"]
 
@@ -68,6 +69,9 @@ class ModuleTracker:
         self.param_names = {id(p): name for name, p in model.named_parameters()}
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.parameter_owners = {name: owner(model, name) for name in self.params}
+        self.sharded = has_sharded(self.params.values())  # fully_shard (engine/sharded.py)
+        # fully_shard: all of θ per name while a tracked backward pass is processed
+        self.gathered_params: dict[str, Tensor] = {}
         self.capturing = True
         self.active = False
         self.needs: frozenset[str] = frozenset()
@@ -162,6 +166,8 @@ class ModuleTracker:
         self._pure_grads = set()
         self._spare_grads, self._last_batch_grads = self._last_batch_grads, {}
         self.processor.begin()
+        if self.sharded:  # the unsharded parameters hold all of θ during the backward pass
+            self.gathered_params = self.capture.hook_unsharded_parameters()
         self.release_step_cache()
         if losses is not None and losses.grad_fn is not None and num_samples > 1:
             # also without per-sample instruments: the diagonal curvature's backprops
@@ -310,6 +316,8 @@ class ModuleTracker:
             self.capture.check_output_gradients_arrived()
             if self.request.defer:
                 self._see_optimizer_gradients()
+            if self.sharded:  # FSDP has freed the unsharded parameters again by now
+                self.gathered_params = self._gather_for_end()
             self.capture.process_remaining()
             self.processor.reduce_accumulated()
             self.processor.reduce_pending()
@@ -318,6 +326,7 @@ class ModuleTracker:
             self.processor.accumulated, self.processor.pending = {}, {}
             self.release_step_cache()
             self.clear_calls()
+            self.gathered_params = {}
         stats, self.stats = self.stats, None
         self._spare_grads = {}
         self._last_batch_grads = dict(stats.batch_grads)  # own copies, valid until next begin
@@ -325,6 +334,17 @@ class ModuleTracker:
         if weight not in (None, 0.0) and n and weight * n != 1.0:
             stats.batch_grads = {k: g * (1.0 / (weight * n)) for k, g in stats.batch_grads.items()}
         return stats
+
+    def _gather_for_end(self) -> dict[str, Tensor]:
+        """``fully_shard``: all of θ (gathered, the same names on every rank) for the calls
+        processed after the backward pass: the torch.func fallback's layers, and every
+        parameter for GradHist2d's (θ_j, g_n,j)."""
+        if HIST2D in self.needs:
+            names = list(self.params)
+        else:
+            names = [self.unit_param_name(unit, attr) for unit in self.capture.units
+                     if unit.deferred for attr in unit.params]
+        return {k: whole(self.params[k].detach()) for k in names if k in self.params}
 
     def _see_optimizer_gradients(self) -> None:
         """Deferred processing: the gradient the optimizer will step on is ``p.grad`` after
@@ -338,7 +358,7 @@ class ModuleTracker:
             self.stats.gradient_dots = GradientDots({})
         for name, param in self.params.items():
             if param.grad is not None:
-                grad = param.grad.detach()
+                grad = whole(param.grad.detach())  # g_nᵀG needs all of G (sharded.py)
                 grad = grad.to_dense() if grad.layout != torch.strided else grad
                 if synced:  # g_nᵀG for the reduction point, against G as it is now
                     grad = grad.clone()

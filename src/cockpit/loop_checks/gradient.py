@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.readout import Later, Noted
+from cockpit.engine.sharded import is_sharded, shard_like
 from cockpit.engine.workspace import workspace
 from cockpit.quantities.base import sq_norm_tensor, sq_norms
 
@@ -64,6 +65,8 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
             return None
         grads.append(p.grad.detach())
         means.append(g.detach().to(p.grad.dtype))
+        if is_sharded(p.grad):  # fully_shard: ḡ sliced like this rank's shard of p.grad
+            means[-1] = shard_like(means[-1], p.grad)
     with torch.no_grad():
         grad_sq = sq_norms(grads).sum()
         mean_sq = sq_norms(means).sum()
@@ -72,6 +75,9 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         c = (sign * (grad_sq / mean_sq).sqrt()).to(grads[0].dtype)
         halves = []
         for a, b in zip(grads, means, strict=True):
+            if is_sharded(a):  # (scratch memory is not a DTensor)
+                halves.append(sq_norm_tensor(a - b * float(c)))
+                continue
             diff, _ = workspace().take("gradient_mismatch", a.shape, a.dtype, a.device)
             halves.append(sq_norm_tensor(torch.addcmul(a, b, c, value=-1, out=diff)))
         half_sq = torch.stack(halves).double().sum()

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.readout import Noted
+from cockpit.engine.sharded import unsharded_parameters
 from cockpit.loop_checks.gradient import listed
 
 # The scopes a problem voids (which instruments read what: their descriptors say)
@@ -54,7 +55,11 @@ def parameters_changed(model: torch.nn.Module, known: dict[int, str],
     added: list[str] = []
     replaced: list[str] = []
     unfrozen: list[str] = []
+    twins: dict[int, str] | None = None
     for name, p in model.named_parameters():
+        if id(p) not in known and twins is None:  # fully_shard's unsharded parameters
+            twins = {id(t): n for n, t in unsharded_parameters(model, trainable).items()}
+            known = {**known, **twins}
         if id(p) not in known:
             (replaced if name in names else added).append(name)
         elif p.requires_grad and known[id(p)] not in trainable:
@@ -68,7 +73,6 @@ def parameters_changed(model: torch.nn.Module, known: dict[int, str],
             "created with, so only Loss, BatchSize and Time are recorded from here on; create "
             "a new Cockpit for the changed model (cockpit.close(); Cockpit(model, ..., "
             "logdir=<new directory>))")
-
 
 
 def first_problem(problems: list[tuple[str, str]], scopes: tuple[str, ...]) -> str | None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from cockpit.engine import sharded
 from cockpit.engine import update_prediction as up
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.processing import GRADIENT
@@ -153,7 +154,10 @@ class Alpha(Quantity):
             # a batch split over micro-batches: no backward pass sees the gradient the
             # optimizer steps on (over processes, deferred processing does: ``defer``)
             sees_step_gradient = not request.split or request.defer
-            predicted = not self._general and sees_step_gradient and up.supports(optimizer)
+            # sharded parameters (fully_shard): the general path, which needs no θ_t, no
+            # optimizer state and no gradient gathered on every rank
+            predicted = (not self._general and sees_step_gradient and up.supports(optimizer)
+                         and not sharded.has_sharded(engine.params.values()))
             is_sgd = up.supported_base(optimizer) is torch.optim.SGD
             state = _OpenStep(step, None, predicted, sgd=predicted and is_sgd)
             self._starting = state
@@ -253,6 +257,8 @@ class Alpha(Quantity):
             data.notes["Alpha"] = "non-finite loss or update: α is undefined"
             return {"Alpha": math.nan}
         moved = [k for k, sq in sq_norms.items() if sq > 0]
+        if sharded.has_sharded(update.values()):  # g_nᵀs_t needs all of s_t (sharded.py)
+            update = {k: sharded.whole(s.detach()) for k, s in update.items()}
         dots, reason = (
             (None, state.failure) if state.failure
             else self._slopes(state, update, sq_norms, moved, noise, fitted)

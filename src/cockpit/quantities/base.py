@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from cockpit.engine import sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms.exact import AutoRange, BinSpec
@@ -141,6 +142,8 @@ def sq_norms(tensors: list[Tensor]) -> Tensor:
     (``torch._foreach_norm``), squared in float64."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
+    if sharded.is_sharded(tensors[0]):
+        return sharded.sq_norms(tensors)
     with torch.no_grad():
         if not histogram_device.device_path(tensors[0].device):
             return torch.stack([sq_norm_tensor(t) for t in tensors]).double()
@@ -149,6 +152,8 @@ def sq_norms(tensors: list[Tensor]) -> Tensor:
 
 def sq_norm_tensor(x: Tensor) -> Tensor:
     """‖x‖² as a 0-dim tensor on x's device, by one dot product in x's dtype."""
+    if sharded.is_sharded(x):
+        return sharded.sq_norms([x])[0]
     flat = x.detach().reshape(-1)
     return torch.dot(flat, flat) if flat.is_floating_point() else flat.pow(2).sum()
 

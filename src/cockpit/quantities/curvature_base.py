@@ -30,12 +30,19 @@ from cockpit.curvature.diagonal import (
     diagonal_replicates,
     resolve_method,
 )
+from cockpit.engine import sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.readout import Later, Noted
 from cockpit.quantities.base import Quantity, StepData
 from cockpit.schedules import Schedule
 
 NON_FINITE = "non-finite loss at this step: the curvature was not computed"
+SHARDED = (
+    "not computed for a model sharded by fully_shard: the curvature's own backward passes "
+    "through the model would run FSDP's backward hooks (all-gathers, and a reduce-scatter "
+    "into the parameters' .grad); compute the curvature instruments with "
+    "DistributedDataParallel or in a single process"
+)
 
 
 class DiagonalCurvatureQuantity(Quantity):
@@ -72,6 +79,7 @@ class DiagonalCurvatureQuantity(Quantity):
         self.method_used: str | None = None
         self.fallback_reason: str | None = None
         self._warned = False
+        self._sharded = False  # the model is sharded by fully_shard: not computed
         self._replicate_step: int | None = None
         self._replicates: list[dict[str, Tensor]] = []
         self._nonfinite = False  # known on the host: the computation failed on it
@@ -86,6 +94,13 @@ class DiagonalCurvatureQuantity(Quantity):
             self._replicate_step, self._replicates, self._nonfinite = step, [], False
             self._finite = None
         if losses is None or self._nonfinite:
+            return
+        if sharded.has_sharded(engine.params.values()):  # no backward pass of our own
+            self._sharded = True
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"{self.name}: {SHARDED}", RuntimeWarning,
+                              stacklevel=user_stacklevel())
             return
         finite = torch.isfinite(losses.detach()).all()
         self._finite = finite if self._finite is None else self._finite & finite
@@ -141,6 +156,12 @@ class DiagonalCurvatureQuantity(Quantity):
         return replicates
 
     # ------------------------------------------------------------------ for compute()
+    def skip_sharded(self, data: StepData) -> bool:
+        """Whether the model is sharded by ``fully_shard`` (noted if so): see SHARDED."""
+        if self._sharded:
+            data.notes[self.name] = SHARDED
+        return self._sharded
+
     def skip_non_finite(self, data: StepData) -> bool:
         """Whether the step's loss is non-finite (read on the host; noted if so)."""
         flag = self.finite_flag(data)

@@ -7,8 +7,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cockpit.engine import sharded
 from cockpit.engine.workspace import workspace
-from cockpit.quantities.base import Quantity, StepData, Values, per_param_norms, sq_norm_tensor
+from cockpit.quantities.base import (
+    Quantity,
+    StepData,
+    Values,
+    per_param_norms,
+    sq_norm_tensor,
+    sq_norms,
+)
 from cockpit.quantities.descriptor import BLUE, ORANGE, Descriptor, Panel
 
 # the panel the two share
@@ -24,6 +32,9 @@ class Distance(Quantity):
 
     def compute(self, data: StepData) -> Values:
         assert data.initial_params is not None
+        if sharded.has_sharded(data.params.values()):
+            return per_param_norms("Distance", list(data.params), sq_norms(
+                [p.detach() - data.initial_params[k] for k, p in data.params.items()]))
         sq = []
         for k, p in data.params.items():
             # θ_t − θ_0 in scratch memory (a fresh parameter-sized tensor per step costs page

@@ -37,8 +37,10 @@ from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
 from cockpit.curvature.lanczos import EigResult, lanczos_max_eigenvalue
+from cockpit.engine import sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.quantities.curvature_base import SHARDED
 from cockpit.quantities.descriptor import PURPLE, Descriptor, Panel
 from cockpit.schedules import Schedule
 
@@ -82,6 +84,9 @@ class HessMaxEV(Quantity):
         self._result, self._skipped, self._blocks = None, None, {}
         if losses is None or engine.request.split:
             return
+        if sharded.has_sharded(engine.params.values()):  # (one process; split: above)
+            self._skipped = SHARDED
+            return
         hvp = hessian_vector_product(engine, losses, engine.params)
         v0 = self._vector if self.warm_start else None
         if v0 is not None and v0.numel() != hvp.dim:
@@ -110,7 +115,7 @@ class HessMaxEV(Quantity):
         skipped, self._skipped = self._skipped, None
         if skipped is not None:
             data.notes["HessMaxEV"] = skipped
-            return {"HessMaxEV": math.nan}
+            return {"HessMaxEV": None if skipped == SHARDED else math.nan}
         if result is None:
             data.notes["HessMaxEV"] = "not computed (no individual losses at this step)"
             return {"HessMaxEV": None}

@@ -15,8 +15,10 @@ import torch
 from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
+from cockpit.engine import sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.quantities.base import Quantity, StepData
+from cockpit.quantities.curvature_base import SHARDED
 from cockpit.schedules import Schedule
 
 NON_FINITE = "non-finite loss at this step: no Hessian-vector products"
@@ -40,6 +42,9 @@ class HessianOperatorQuantity(Quantity):
                 ) -> None:
         self._result, self._skipped = None, None
         if losses is None or engine.request.split:
+            return
+        if sharded.has_sharded(engine.params.values()):  # (one process; split: above)
+            self._skipped = SHARDED
             return
         if not bool(torch.isfinite(losses.detach()).all()):
             self._skipped = NON_FINITE

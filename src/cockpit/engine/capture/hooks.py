@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
+from cockpit.engine import sharded
 from cockpit.engine.capture.activations import is_activation
 from cockpit.engine.capture.broadcast import (
     BroadcastTap,
@@ -163,6 +164,7 @@ class Capture:
         self.activation_calls: list[tuple[nn.Module, Tensor, Tensor]] = []
         self.frozen_backward = FrozenStatisticsBackward()
         self._handles: list = []
+        self._hooked_twins: set[int] = set()
         for unit in self.units:
             self._handles.append(unit.module.register_forward_hook(
                 self._make_forward_hook(unit), with_kwargs=True))
@@ -177,6 +179,17 @@ class Capture:
         for module in model.modules():
             if is_activation(module):
                 self._handles.append(module.register_forward_hook(self._record_activation))
+
+    def hook_unsharded_parameters(self) -> dict[str, Tensor]:
+        """``fully_shard``: the parameter hooks go on the unsharded parameters the backward
+        pass reaches (see :func:`cockpit.engine.sharded.unsharded_parameters`), each once.
+        Returns them by name."""
+        twins = sharded.unsharded_parameters(self.engine.model, self.engine.params)
+        for name, twin in twins.items():
+            if id(twin) not in self._hooked_twins:
+                self._hooked_twins.add(id(twin))
+                self._handles.append(twin.register_hook(self._make_param_hook(name)))
+        return twins
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -313,7 +326,8 @@ class Capture:
                 stats.batch_grads[name] = stats.batch_grads[name] + grad.detach()
             if engine.direction_providers or GRAM_MEAN in engine.needs:
                 param = engine.params[name]
-                seen = grad.detach() if param.grad is None else grad.detach() + param.grad
+                held = None if sharded.is_sharded(param.grad) else param.grad  # (deferred)
+                seen = grad.detach() if held is None else grad.detach() + held
                 engine._seen_grads[name] = seen
                 if first and param.grad is None and name not in engine._multi_use:
                     engine._pure_grads.add(name)

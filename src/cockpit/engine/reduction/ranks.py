@@ -36,34 +36,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cockpit.engine.sharded import check_sharding, is_sharded
 from cockpit.engine.statistics import BackwardStatistics, RankTotals, Statistic, StatisticContext
 from cockpit.engine.workspace import workspace
 
-_SUPPORTED_HINT = (
-    "use DistributedDataParallel (each process holds the whole model), or attach Cockpit to "
-    "the unsharded model in a single process"
-)
-
 
 def check_supported_wrapper(model) -> None:
-    """Sharded models (FSDP, ``fully_shard``) hold a slice of each parameter per process:
-    individual gradients of a layer would need the whole parameter. Refuse them clearly."""
+    """Models sharded over processes: ``fully_shard`` (FSDP2) is supported
+    (:mod:`cockpit.engine.sharded`); FSDP1, tensor parallelism and other meshes are refused
+    clearly; so is ``nn.DataParallel`` over several devices (replicas of the model run
+    in threads, each on a slice of the batch: their hooks would race), while over one
+    device (or none: on a CPU) it only calls the model and is supported."""
+    check_sharding(model)
     for module in model.modules():
-        kind = type(module).__name__
-        if kind in ("FullyShardedDataParallel", "FSDPModule") or kind.startswith("FSDP"):
+        if isinstance(module, torch.nn.DataParallel) and len(module.device_ids) > 1:
             raise NotImplementedError(
-                f"Cockpit does not support sharded models ({kind}) yet: {_SUPPORTED_HINT}")
-    if not (dist.is_available() and dist.is_initialized()):
-        return  # sharded (DTensor) parameters live on a device mesh of a process group
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without distributed tensors
-        return
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"Cockpit does not support sharded parameters ({name} is a DTensor, e.g. of a "
-                f"model sharded by fully_shard or tensor parallelism) yet: {_SUPPORTED_HINT}")
+                f"Cockpit does not support nn.DataParallel over {len(module.device_ids)} "
+                "devices: use DistributedDataParallel (one process per device; Cockpit "
+                "combines the processes' statistics), or DataParallel over one device")
 
 OTHER_RANK_PROBLEM = (
     "another process could not form its individual gradients (see the warnings of that "
@@ -80,6 +70,8 @@ def stepped_gradient_differs(params: dict[str, Tensor], device: torch.device) ->
     are taken in the gradients' dtype (1.3 ms on 3C3D against 7 ms in float64); 1e-4 leaves
     room for reductions in another order on another rank."""
     grads = [p.grad.detach() for p in params.values() if p.grad is not None]
+    if any(is_sharded(g) for g in grads):
+        return False  # fully_shard: each rank holds a slice of the one reduce-scattered G
     grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
     local = torch.zeros(2, dtype=torch.float64, device=device)
     if grads:  # a missing gradient counts as zero (DDP may leave unused ones None)

@@ -60,6 +60,8 @@ class StatisticContext(Protocol):
     hist_spec: BinSpec | AutoRange
     hist2d_specs: tuple[BinSpec, BinSpec]
     params: dict[str, Tensor]
+    # whole θ of sharded parameters (FSDP2), gathered for this step; empty otherwise
+    gathered_params: dict[str, Tensor]
 
 
 class LayerContext:
@@ -74,8 +76,9 @@ class LayerContext:
 
     @property
     def param(self) -> Tensor:
-        """θ of the parameter (detached)."""
-        return self.context.params[self.name].detach()
+        """θ of the parameter (detached; the whole tensor where the parameter is sharded)."""
+        gathered = self.context.gathered_params.get(self.name)
+        return (self.context.params[self.name] if gathered is None else gathered).detach()
 
 
 class RankTotals:

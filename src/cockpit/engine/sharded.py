@@ -1,0 +1,171 @@
+"""Parameters sharded over processes by torch's ``fully_shard`` (FSDP2).
+
+Under ``fully_shard`` every parameter outside the forward and backward passes is a
+``DTensor``: the full shape, of which each rank holds a slice (its *local shard*); so are
+``p.grad`` (this rank's slice of the gradient averaged over ranks) and the optimizer state.
+Inside a layer's backward hook the layer's parameters are whole again (FSDP all-gathered
+them), so the individual gradients g_n of a rank's own samples are formed as without
+sharding, and the ranks' statistics combine as under DistributedDataParallel
+(:mod:`cockpit.engine.reduction.ranks`).
+
+What needs a parameter-space tensor u besides g_n (a per-sample projection g_nᵀu on the
+gradient G = p.grad or on the update s = θ_{t+1} − θ_t) needs all of u on every rank, for
+the rank forms g_nᵀu for its own samples over all coordinates: :func:`whole` gathers it
+(one all-gather per parameter, at points every rank passes in the same order). Norms and
+inner products of parameter-space tensors alone (‖θ‖, ‖s‖, ‖G‖) are sums over coordinates:
+:func:`sq_norms` forms them from the local shards and sums them over the ranks.
+
+Two things have no public accessor in torch 2.13 and are read from ``fully_shard``'s state:
+the unsharded parameter of each sharded one (:func:`unsharded_parameters`) and the mixed
+precision policy; :func:`check_sharding` refuses a torch whose ``fully_shard`` lacks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TypeGuard, cast
+
+import torch
+from torch import Tensor, nn
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch without distributed tensors
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def is_sharded(tensor: object) -> TypeGuard[DTensor]:
+    """Whether ``tensor`` is a ``DTensor`` (a slice of it per process)."""
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def whole(tensor: Tensor) -> Tensor:
+    """The full tensor of a ``DTensor`` (an all-gather: every rank must call it, in the same
+    order), else ``tensor`` itself."""
+    if is_sharded(tensor):
+        return tensor.full_tensor()
+    return tensor
+
+
+def has_sharded(tensors: Iterable[Tensor]) -> bool:
+    """Whether any of ``tensors`` is a ``DTensor`` (e.g. the parameters of a model sharded
+    by ``fully_shard``)."""
+    return any(is_sharded(t) for t in tensors)
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's slice of a ``DTensor``, else ``tensor`` itself."""
+    if is_sharded(tensor):
+        return tensor.to_local()
+    return tensor
+
+
+def sq_norms(tensors: list[Tensor]) -> Tensor:
+    """‖x_k‖² = Σ_r ‖x_k,r‖² of every sharded tensor from the local shards x_k,r, summed
+    over the ranks in one all-reduce (float64, on the shards' device)."""
+    from cockpit.engine.reduction.ranks import all_reduce_sum
+
+    shards = [local(t).detach().reshape(-1) for t in tensors]
+    summed = torch.stack([torch.dot(s, s) if s.is_floating_point() else s.pow(2).sum()
+                          for s in shards]).double()
+    all_reduce_sum(summed)
+    return summed.clone()  # the buffer itself stays with all_reduce_sum
+
+
+def unsharded_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The unsharded parameter that ``fully_shard`` puts on the module for the forward and
+    backward passes, per name of ``params`` (the sharded parameters): the backward pass
+    computes the layer's gradient for it (this rank's samples, all coordinates), never for
+    the sharded one, which FSDP fills afterwards by a reduce-scatter. FSDP creates each one
+    at its first all-gather and reuses it from then on; before, a name is missing."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return {}
+    names = {id(p): name for name, p in params.items()}
+    out = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group  # no public accessor
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            name = names.get(id(fsdp_param.sharded_param))
+            twin = getattr(fsdp_param, "_unsharded_param", None)
+            if name is not None and twin is not None:
+                out[name] = twin
+    return out
+
+
+_WAY_OUT = (
+    "shard the model with torch.distributed.fsdp.fully_shard (FSDP2) on a 1-D device mesh "
+    "of all processes, or use DistributedDataParallel"
+)
+
+
+def check_sharding(model: nn.Module) -> None:
+    """Refuse the sharded models Cockpit cannot describe exactly, with the way out:
+    FSDP1 (``FullyShardedDataParallel``: flat parameters, whose individual gradients have
+    no layer shape), parameters sharded otherwise than by ``fully_shard`` on a 1-D mesh of
+    the whole process group (tensor parallelism, HSDP's 2-D mesh: the sums over ranks
+    would count replicas twice or miss the other mesh dimension), and ``fully_shard``
+    models whose mixed precision policy changes a dtype (see the message)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.tensor import Shard
+    except ImportError:  # torch without distributed
+        return
+    owned: set[int] = set()  # the parameters fully_shard shards on this model
+    for name, module in model.named_modules():
+        if isinstance(module, FullyShardedDataParallel):
+            raise NotImplementedError(
+                f"Cockpit does not support FullyShardedDataParallel (FSDP1) models "
+                f"({name or 'the model'}): {_WAY_OUT}")
+        if isinstance(module, FSDPModule):
+            try:
+                state = module._get_fsdp_state()
+                policy, group = state._mp_policy, state._fsdp_param_group
+                owned.update(id(fp.sharded_param) for fp in (group.fsdp_params if group else ()))
+            except AttributeError as error:
+                raise NotImplementedError(
+                    f"Cockpit does not support fully_shard of torch {torch.__version__}: its "
+                    f"internal state differs from torch 2.13's ({error}); use "
+                    "DistributedDataParallel") from None
+            dtypes = {p.dtype for p in cast(nn.Module, module).parameters()}
+            if {policy.param_dtype, policy.reduce_dtype} - {None} - dtypes:
+                raise NotImplementedError(
+                    f"Cockpit does not support fully_shard with a mixed precision policy "
+                    f"({name or 'the model'}: {policy}): the layers would compute in "
+                    "param_dtype, so the individual gradients come from rounded copies of "
+                    "the parameters, inputs and output gradients, and no tolerance holds for "
+                    "every instrument (variances of nearly equal gradients lose all digits); "
+                    "shard without mp_policy, or use DistributedDataParallel")
+    world = _world_size()
+    for name, param in model.named_parameters():
+        if not is_sharded(param):
+            continue
+        mesh = param.device_mesh
+        if mesh.ndim != 1 or mesh.size() != world or not isinstance(param.placements[0], Shard):
+            raise NotImplementedError(
+                f"Cockpit does not support parameter {name} sharded as {param.placements} on "
+                f"a device mesh of shape {tuple(mesh.shape)} ({world} processes): {_WAY_OUT}")
+        if id(param) not in owned:
+            raise NotImplementedError(
+                f"Cockpit does not support parameter {name}: a DTensor not sharded by "
+                f"fully_shard on this model (tensor parallelism, or an inner module of a "
+                f"sharded model: attach Cockpit to the root module fully_shard was applied "
+                f"to last): {_WAY_OUT}")
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def shard_like(full: Tensor, like: DTensor) -> Tensor:
+    """``full`` (a whole tensor, the same on every rank) as a ``DTensor`` sharded like
+    ``like``: each rank keeps its own slice, without communication."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.detach(), like.device_mesh, like.placements,
+                             src_data_rank=None)
