@@ -10,6 +10,7 @@
 * :mod:`~cockpit.step.recorder`: where every value goes: memory, the run log, the sinks.
 * :mod:`~cockpit.step.watched_run`: what every step of one Cockpit shares.
 * :mod:`~cockpit.step.hist_range`: the automatic range of the gradient histograms.
-* :mod:`~cockpit.step.instrument_traits`: what the pipeline knows of particular instruments.
+* :mod:`~cockpit.step.instrument_traits`: what the pipeline asks of an instrument beyond its
+  descriptor (:mod:`cockpit.quantities.descriptor`).
 * :mod:`~cockpit.step.warn_once`: warnings, once per kind.
 """
