@@ -4,7 +4,7 @@ columns or Hutchinson samples) against the one-by-one loop, on one device.
 Inside one tracked step of 3C3D (CIFAR-10, C = 10) or All-CNN-C (CIFAR-100, C = 100), |B| =
 128 (``--batch``), each method's diagonal is computed with ``batched=False`` and
 ``batched=True`` alternately, ``--repeats`` times; printed: the median time of each and
-loop / batched. Both give the same numbers (tests/test_curvature_batched.py).
+loop / batched. Both give the same numbers (tests/curvature/test_curvature_batched.py).
 
     python benchmarks/curvature_batched.py                          # CPU, 3C3D
     python benchmarks/curvature_batched.py --device cuda --problems cifar10_3c3d cifar100_allcnnc

@@ -4,7 +4,7 @@ Runs ``cockpit demo`` with its default arguments (into a temporary run directory
 ``--keep DIR``) and copies the figure the demo wrote, byte for byte. ``--redraw DIR``
 instead redraws a kept demo run log the way the demo draws it (``plot_run``), which takes
 seconds instead of minutes. The PNG carries the hash of the view's drawing code;
-``tests/test_readme_figure.py`` fails when that code changed since, so run this again after
+``tests/view/test_readme_figure.py`` fails when that code changed since, so run this again after
 changing the view:
 
     python docs/make_readme_figure.py [--keep DIR | --redraw DIR]

@@ -35,6 +35,6 @@ fi
 # the module hooks from the second call on, so Cockpit sees no layer at all there and the
 # step is missing instead of reported (README, "torch.compile").
 "$PYTHON" -m pytest -p no:cacheprovider \
-  tests/test_first_order.py tests/test_engine.py tests/test_accumulation.py \
-  "tests/test_distributed.py::test_every_rank_reports_the_global_batch[cnn-shard_sizes1-1-adam-None]" \
-  --deselect tests/test_engine.py::test_compiled_model_is_reported_not_a_zero_gradient
+  tests/quantities/test_first_order.py tests/engine/test_engine.py tests/engine/test_accumulation.py \
+  "tests/engine/test_distributed.py::test_every_rank_reports_the_global_batch[cnn-shard_sizes1-1-adam-None]" \
+  --deselect tests/engine/test_engine.py::test_compiled_model_is_reported_not_a_zero_gradient

@@ -1,5 +1,5 @@
 """One process of a 2-process gloo run that ends right after its last collective, started (with
-:func:`run_pair`) by tests/test_distributed_exit.py and scripts/ddp_exit_stress.py:
+:func:`run_pair`) by tests/engine/test_distributed_exit.py and scripts/ddp_exit_stress.py:
 
     python -m tests.exit_worker RANK PORT [--last cockpit|tensor|ddp] [--pin] [--idle]
                                           [--linger SECONDS] [--unsafe-release]

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from cockpit import Cockpit, configuration
+from tests.quantities.test_alpha import reference_alpha
 from tests.reference import bin_indices, gradient_tests, per_sample_backward, rel_close
-from tests.test_alpha import reference_alpha
 
 LR = 0.05
 

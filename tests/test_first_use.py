@@ -266,7 +266,7 @@ def test_test_extra_installs_every_package_the_tests_import_optionally():
                 for d in project["dependencies"] + project["optional-dependencies"]["test"]}
     distribution = {"IPython": "ipython", "sklearn": "scikit-learn"}
     optional = set()
-    for path in (ROOT / "tests").glob("*.py"):
+    for path in (ROOT / "tests").rglob("*.py"):
         for module in re.findall(r"importorskip\(\s*[\"']([\w.]+)", path.read_text()):
             top = module.split(".")[0]
             optional.add(distribution.get(top, top).lower())

@@ -15,7 +15,8 @@ cifar10_3c3d (cosine), of SGD on mnist_vae (cosine with warm restarts) and of Ad
 tolstoi_char_rnn; and the one-shot runs — are committed in
 ``benchmarks/data/crowded_valley_settings.txt``; ``python benchmarks/crowded_valley_spaces.py``
 rebuilds the evidence table ``benchmarks/data/crowded_valley_spaces.csv`` from them and
-``tests/test_crowded_valley_spaces.py`` checks the spaces below against it. What they show:
+``tests/benchmark/test_crowded_valley_spaces.py`` checks the spaces below against it. What
+they show:
 
 * Every tuned value is, to 10⁻⁹ of its uniform draw, the image of a draw of numpy's
   ``RandomState(42)`` under the distribution below (run i of an optimizer with k tuned

@@ -2,7 +2,7 @@
 
 A PNG carries the hash of the view's drawing modules and of the instruments' descriptors
 (their panels and colours), and the panels drawn, so a figure can be checked against the
-code that should have made it (the README's figure, ``tests/test_readme_figure.py``).
+code that should have made it (the README's figure, ``tests/view/test_readme_figure.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,43 @@
+"""``benchmarks/gpu_overhead.py --device cpu --quick``: the dry run of the GPU benchmark runs
+every part without an error, writes its JSON, and prints the original package's H200 numbers
+beside ours with the ratio ours/original."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_overhead_dry_run_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpu_overhead.py", "--device", "cpu", "--quick",
+         "--problems", "cifar10_3c3d", "--configs", "economy", "--every", "4",
+         "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    records = data["records"]
+    assert {r["part"] for r in records} == {"side", "gpt2", "resnet", "fig7"}
+    assert not [r for r in records if "error" in r or "skipped" in r], records
+    side = next(r for r in records if r["part"] == "side")
+    assert side["problem"] == "cifar10_3c3d" and side["ratio"] > 0 and side["n"] == 2
+    assert {r["every"] for r in records if r["part"] == "resnet"} == {1, 10}
+    assert [(r["config"], r["every"]) for r in records if r["part"] == "fig7"] == [
+        ("economy", 4), ("business", 4), ("full", 4)]
+    table = result.stdout
+    # the original package's H200 cell beside ours, and ours/original of the tracked step
+    row = next(line for line in table.splitlines()
+               if line.startswith("| cifar10_3c3d | economy |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4].startswith("7.53× (24.3 ms)")
+    assert float(cells[5]) == round(side["tracked_ms"] / 24.344187999993494, 2)
+    fig7_row = next(line for line in table.splitlines() if line.startswith("| economy | "))
+    assert "/ 4.54 (" in fig7_row
+    assert data["meta"]["device"].startswith("CPU")

@@ -1,0 +1,193 @@
+"""Batched vector backpropagations (one vmap'd backward pass for many GGN factor columns)
+give the diagonal curvature of dense float64 references, as the one-by-one loop does, also
+when a small memory budget splits them into chunks; Hutchinson's batched Hessian-vector
+products equal the loop's draw for draw; ``curvature="auto"`` picks the Monte-Carlo GGN for
+many classes and says so."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from curvature_reference import single_thread  # noqa: F401  (autouse fixture)
+from torch import nn
+
+from cockpit import Cockpit, quantities
+from cockpit.curvature import batched as batched_module
+from cockpit.curvature.diagonal import diagonal_curvature, diagonal_replicates
+from cockpit.curvature.hutchinson import hutchinson_diagonal
+from cockpit.curvature.hvp import HessianVectorProduct
+from tests.curvature.test_curvature_instruments import (
+    dense_ggn_diagonal,
+    dense_hessian,
+    math_attention,
+)
+from tests.models import Problem, cross_entropy, make_problem
+from tests.reference import rel_close
+
+
+def cnn_problem(batch_size: int = 5) -> Problem:
+    """Convolutions (one grouped and strided), max-pooling, ReLU, GroupNorm, cross-entropy."""
+    torch.manual_seed(2)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 4, 3, stride=2, groups=2), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4),
+    ).double()
+    x = torch.randn(batch_size, 2, 8, 8, dtype=torch.float64)
+    return Problem("cnn_plain", model, x, torch.randint(0, 4, (batch_size,)), cross_entropy)
+
+
+def problem_of(name: str) -> Problem:
+    return cnn_problem() if name == "cnn_plain" else make_problem(name, 5)
+
+
+class _Probe(quantities.Quantity):
+    """Calls the curvature primitives inside a tracked step; the one-by-one loop raises, so
+    a value can only come from the batched passes."""
+
+    def __init__(self, fn, forbid_loop: bool = True):
+        super().__init__()
+        self.fn, self.forbid_loop, self.result = fn, forbid_loop, None
+
+    def prepare(self, step, tracker, optimizer, losses):
+        if self.forbid_loop:
+            def loop(*args, **kwargs):
+                raise AssertionError("the one-by-one loop ran")
+
+            tracker.sum_sq_of_backprops = loop
+        self.result = self.fn(tracker, losses)
+
+
+def run_probe(problem: Problem, fn, forbid_loop: bool = True):
+    problem.model.zero_grad(set_to_none=True)
+    probe = _Probe(fn, forbid_loop)
+    cockpit = Cockpit(problem.model, [probe], strict=True)
+    losses = problem.losses()
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    return probe.result
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("name", ["mlp_relu", "mlp_sigmoid", "cnn_plain", "residual"])
+def test_batched_exact_ggn_equals_dense_reference(name, budget, monkeypatch):
+    monkeypatch.setattr(batched_module, "DEFAULT_BUDGET_BYTES", budget)
+    problem = problem_of(name)
+    expected = dense_ggn_diagonal(problem)
+    got = run_probe(problem, lambda tracker, losses: diagonal_curvature(
+        "diag_ggn_exact", tracker, losses, tracker.params, batched=True))
+    assert set(got) == set(expected)
+    for k, d in expected.items():
+        assert torch.allclose(got[k], d, rtol=1e-9, atol=1e-13), k
+
+
+@pytest.mark.parametrize("name", ["mlp_sigmoid", "smooth"])
+def test_batched_exact_hessian_diagonal(name):
+    from tests.curvature.test_curvature_instruments import smooth_problem
+
+    problem = smooth_problem() if name == "smooth" else make_problem(name, 5)
+    H, names, shapes = dense_hessian(problem)
+    diag = torch.diagonal(H).split([math.prod(s) for s in shapes])
+    got = run_probe(problem, lambda tracker, losses: diagonal_curvature(
+        "diag_hessian", tracker, losses, tracker.params, batched=True))
+    for k, d, s in zip(names, diag, shapes, strict=True):
+        assert torch.allclose(got[k], d.reshape(s), rtol=1e-9, atol=1e-12), k
+
+
+def test_batched_mc_replicates_equal_the_loop():
+    """The MC GGN's replicates (one sampled column each) are the loop's, one by one."""
+    problem = cnn_problem()
+
+    def replicates(batched):
+        def fn(tracker, losses):
+            generator = torch.Generator().manual_seed(3)
+            return diagonal_replicates("diag_ggn_mc", tracker, losses, tracker.params,
+                                       num_samples=4, generator=generator, batched=batched)
+        return fn
+
+    got = run_probe(problem, replicates(True))
+    want = run_probe(problem, replicates(False), forbid_loop=False)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want, strict=True):
+        for k in w:
+            assert torch.allclose(g[k], w[k], rtol=1e-10, atol=1e-15), k
+    assert not torch.allclose(got[0]["0.weight"], got[1]["0.weight"])  # independent draws
+
+
+def test_unfoldable_layers_fall_back_to_the_loop():
+    """ReLU(inplace=True) modifies a layer output after the call: the loop runs, exactly."""
+    problem = make_problem("cnn", 5)
+    expected = dense_ggn_diagonal(problem)
+    got = run_probe(problem, lambda tracker, losses: diagonal_curvature(
+        "diag_ggn_exact", tracker, losses, tracker.params, batched=True), forbid_loop=False)
+    for k, d in expected.items():
+        assert torch.allclose(got[k], d, rtol=1e-9, atol=1e-13), k
+    with pytest.raises(AssertionError, match="loop ran"):
+        run_probe(problem, lambda tracker, losses: diagonal_curvature(
+            "diag_ggn_exact", tracker, losses, tracker.params, batched=True))
+
+
+@pytest.mark.parametrize("name", ["mlp_sigmoid", "transformer"])
+def test_batched_hutchinson_equals_the_loop(name):
+    """Hutchinson with M Rademacher draws: the batched products equal one product per draw
+    (same draws, same order of the generator)."""
+    problem = make_problem(name, 4)
+    params = [p for p in problem.model.parameters() if p.requires_grad]
+    results = {}
+    for batched in (False, True):
+        with math_attention():
+            loss = problem.losses().mean()
+        hvp = HessianVectorProduct(loss, params)
+        generator = torch.Generator().manual_seed(5)
+        results[batched] = hutchinson_diagonal(hvp, params, 6, generator, batched=batched)
+        assert hvp.num_calls == 6
+        hvp.release()
+    for a, b in zip(results[False], results[True], strict=True):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+
+
+def wide_classifier(classes: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, classes)).double()
+    return model, torch.randn(16, 6, dtype=torch.float64), torch.randint(0, classes, (16,))
+
+
+@pytest.mark.parametrize("classes,method", [(32, "diag_hessian"), (33, "diag_ggn_mc"),
+                                            (100, "diag_ggn_mc")])
+def test_auto_picks_the_mc_ggn_for_many_classes(classes, method):
+    model, x, y = wide_classifier(classes)
+    trace, tic = quantities.HessTrace(), quantities.TICDiag()
+    cockpit = Cockpit(model, [trace, tic], strict=True)
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+    cockpit.close()
+    assert trace.method_used == tic.method_used == method
+    note = cockpit.get_notes()[0]["HessTrace"]
+    if method == "diag_ggn_mc":
+        assert "Monte-Carlo" in note and f"{classes} outputs" in note
+        assert "mc_threshold=32" in note
+        assert any("Monte-Carlo" in str(w.message) for w in caught)
+    else:
+        assert "Monte-Carlo" not in note
+    # the choice is cost, not a failure: the MC GGN is unbiased for the exact value here
+    model.zero_grad(set_to_none=True)
+    exact = Cockpit(model, [quantities.HessTrace(curvature="diag_ggn_exact")], strict=True)
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with exact(0, losses=losses):
+        losses.mean().backward()
+    exact.close()
+    value = cockpit.get_output()[0]["HessTrace"]
+    reference = exact.get_output()[0]["HessTrace"]
+    stderr = cockpit.get_output()[0].get("HessTrace.stderr")
+    if method == "diag_ggn_mc":
+        assert abs(value - reference) <= 5 * stderr
+    else:
+        assert rel_close(value, reference, 1e-9)

@@ -1,0 +1,81 @@
+"""One process of a 2-process run of a model sharded by ``fully_shard`` (FSDP2; gloo on
+127.0.0.1), started by tests/engine/test_fsdp.py: trains on its shard of each step's batch with
+Cockpit attached and saves what Cockpit recorded on this rank, with the gradients the
+optimizer stepped on (gathered to full tensors)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from cockpit import Cockpit, configuration
+from tests.exit_worker import leave_process_group
+from tests.models import make_problem
+
+
+def shards(total: int, sizes: list[int], rank: int) -> slice:
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective), else the tensor."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def shard_model(model: torch.nn.Module, config: dict) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"reshard_after_forward": config.get("reshard_after_forward", True)}
+    if config.get("mixed_precision"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(**config["mixed_precision"])
+    for child in model.children():  # each top-level layer or block with parameters
+        if any(True for _ in child.parameters()):
+            fully_shard(child, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        problem = make_problem(config["problem"], 48)  # the same initial model everywhere
+        model = shard_model(problem.model, config)
+        opt = config["make_optimizer"](model)
+        micro = config.get("micro_batches", 1)
+        with warnings.catch_warnings(record=True) as recorded:
+            warnings.simplefilter("always")
+            chosen = configuration(config.get("configuration", "economy"))
+            cockpit = Cockpit(model, chosen, optimizer=opt, strict=True,
+                              write_on_all_ranks=True, grad_accumulation=micro > 1)
+            stepped = []
+            for step, (x, y) in enumerate(config["batches"]):
+                opt.zero_grad()
+                part = shards(len(x), config["shard_sizes"], rank)
+                xs, ys = x[part], y[part]
+                bounds = torch.linspace(0, len(xs), micro + 1).round().long().tolist()
+                for k in range(micro):
+                    xb, yb = xs[bounds[k]: bounds[k + 1]], ys[bounds[k]: bounds[k + 1]]
+                    if micro > 1:  # reduce-scatter once, after the last micro-batch
+                        model.set_requires_gradient_sync(k == micro - 1)
+                    losses = problem.loss_fn(model(xb), yb)
+                    with cockpit(step, losses=losses):
+                        (losses.sum() / len(xs)).backward()
+                stepped.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
+                opt.step()
+            cockpit.close()
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
+            pickle.dump({"output": cockpit.get_output(), "notes": cockpit.get_notes(),
+                         "stepped": stepped,
+                         "warnings": [str(w.message) for w in recorded]}, file)
+        leave_process_group()  # barrier, os._exit(0): no gloo thread can abort our exit
+    except BaseException:
+        dist.destroy_process_group()
+        raise

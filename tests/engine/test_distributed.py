@@ -1,0 +1,211 @@
+"""torch.distributed: with DistributedDataParallel on 2 processes (gloo, 127.0.0.1) every
+rank's instruments describe the global batch, exactly as one process on the whole batch
+(tests/split_reference.py), also with uneven shards and with gradient accumulation."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cockpit import Cockpit
+from tests.engine import ddp_worker
+from tests.models import make_problem
+from tests.split_reference import MISUSE, assert_same_values, whole_batch_run
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+STEPS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def strip(output: dict) -> dict:
+    """DDP's parameter names carry the wrapper's "module." prefix."""
+    return {step: {k.replace("/module.", "/"): v for k, v in values.items()}
+            for step, values in output.items()}
+
+
+def _two_processes(tmp_path, config: dict) -> list[dict]:
+    mp.start_processes(ddp_worker.run, args=(2, free_port(), config, str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    ranks = []
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
+            ranks.append(pickle.load(file))
+    return ranks
+
+
+def _config(name: str, shard_sizes: list[int], seed: int = 5, **extra) -> dict:
+    """A 2-process run of ``STEPS`` steps on batches drawn from the problem's data."""
+    problem = make_problem(name, 48)
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(STEPS):
+        index = torch.randint(0, 48, (sum(shard_sizes),), generator=generator)
+        batches.append((problem.x[index], problem.y[index]))
+    return {"problem": name, "batches": batches, "shard_sizes": shard_sizes,
+            "micro_batches": 1, "make_optimizer": sgd, **extra}
+
+
+@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "by_hand"), [
+    # DDP's gradient is (w·N/2)·ḡ: g_nᵀḡ from the dots with it, no pass over kept calls
+    ("mlp_relu", [12, 12], 1, sgd, None),
+    ("cnn", [7, 13], 1, adam, None),  # uneven shards: DDP's mean of shard means is not uniform
+    ("mlp_relu", [10, 14], 2, sgd, None),  # accumulation inside each process (no_sync)
+    ("cnn", [12, 12], 1, sgd, "inside"),  # no DDP: gradients all-reduced by hand in the block
+])
+def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
+                                             make_optimizer, by_hand):
+    config = _config(name, shard_sizes, seed=3, micro_batches=micro,
+                     make_optimizer=make_optimizer, allreduce_by_hand=by_hand)
+    batches = config["batches"]
+    ranks = _two_processes(tmp_path, config)
+    uniform = len(set(shard_sizes)) == 1 and micro == 1
+    expected, _ = whole_batch_run(make_problem(name, 48), batches, make_optimizer,
+                                  gradients=None if uniform else ranks[0]["stepped"])
+    for result in ranks:
+        assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
+        output = strip(result["output"])
+        assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
+        for step in range(STEPS):
+            assert output[step]["BatchSize"] == sum(shard_sizes)
+            assert output[step]["HessMaxEV"] is None
+        assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
+        # the shortcut for g_nᵀḡ is taken exactly where the gradient seen is ∝ the global ḡ
+        assert (result["union_projections"] == 0) == uniform
+
+
+def test_gradients_all_reduced_after_the_block_give_the_global_batch(tmp_path):
+    """Against the advice, the gradients are averaged after the ``with`` block: at the
+    optimizer step every process holds the global gradient, so the values are the global
+    batch's. Alpha's update predicted inside the block (from the unsynchronized gradient)
+    misses the real one at the first step: None there with the reason, then the general path,
+    exact."""
+    config = _config("mlp_relu", [12, 12], allreduce_by_hand="after")
+    ranks = _two_processes(tmp_path, config)
+    expected, _ = whole_batch_run(make_problem("mlp_relu", 48), config["batches"], sgd)
+    for result in ranks:
+        assert not [m for m in result["warnings"] if "different gradients" in m]
+        output = result["output"]
+        assert assert_same_values(output, expected, range(STEPS), skip={"Alpha"}) > 30 * STEPS
+        assert output[0]["Alpha"] is None
+        assert "all-reduced after it" in result["notes"][0]["Alpha"]
+        assert assert_same_values(output, expected, range(1, STEPS)) > 30 * (STEPS - 1)
+
+
+def test_processes_stepping_apart_get_no_global_values(tmp_path):
+    """Each process trains its own copy on its own shards (a process group, but no
+    synchronization): the combined statistics would describe a batch no optimizer steps on.
+    The batch instruments are None with the reason and the way out; the process's own
+    Distance and UpdateSize are recorded."""
+    config = _config("mlp_relu", [12, 12], allreduce_by_hand="never")
+    for result in _two_processes(tmp_path, config):
+        said = [m for m in result["warnings"] if "different gradients" in m]
+        assert len(said) == 1 and "distributed=False" in said[0]
+        for step in range(STEPS):
+            values, notes = result["output"][step], result["notes"][step]
+            for name in ("Loss", "GradNorm", "NormTest", "InnerTest", "GradHist1d", "Alpha",
+                         "HessTrace", "TICDiag"):
+                assert values[name] is None, (step, name)
+                assert "different gradients" in notes[name]
+            assert "BatchSize" not in values
+            assert values["Distance"] is not None and values["UpdateSize"] is not None
+
+
+def test_distributed_false_watches_each_process_alone(tmp_path):
+    """Cockpit(..., distributed=False): every process's values are those of a single
+    process training on its own shards (its own reference run), and every process writes."""
+    shard_sizes = [10, 14]
+    config = _config("mlp_relu", shard_sizes, allreduce_by_hand="never",
+                     cockpit_kwargs={"distributed": False})
+    ranks = _two_processes(tmp_path, config)
+    for rank, result in enumerate(ranks):
+        part = ddp_worker.shards(sum(shard_sizes), shard_sizes, rank)
+        own = [(x[part], y[part]) for x, y in config["batches"]]
+        expected, _ = whole_batch_run(make_problem("mlp_relu", 48), own, sgd)
+        output = result["output"]
+        assert not [m for m in result["warnings"] if "different gradients" in m]
+        assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
+        assert all(output[step]["BatchSize"] == shard_sizes[rank] for step in range(STEPS))
+    # the two processes' values differ (their shards do)
+    assert ranks[0]["output"][0]["Loss"] != ranks[1]["output"][0]["Loss"]
+
+
+def test_cockpit_on_rank_0_only_watches_its_own_batch_instead_of_hanging(tmp_path):
+    """Cockpit created on rank 0 only (a common `if rank == 0:` habit): its all-reduces
+    would never be answered and rank 0 would wait for ever. It waits a moment for the other
+    processes' Cockpits, then describes its own batch, exactly, with one warning."""
+    shard_sizes = [10, 14]
+    config = _config("mlp_relu", shard_sizes, cockpit_ranks=[0], attach_timeout=2.0)
+    ranks = _two_processes(tmp_path, config)  # returns: no process hung
+    assert ranks[1]["output"] is None
+    said = [m for m in ranks[0]["warnings"] if "only some of the 2 processes" in m]
+    assert len(said) == 1
+    part = ddp_worker.shards(sum(shard_sizes), shard_sizes, 0)
+    own = [(x[part], y[part]) for x, y in config["batches"]]
+    # DDP steps on the global gradient: the reference steps on what rank 0 stepped on
+    expected, _ = whole_batch_run(make_problem("mlp_relu", 48), own, sgd,
+                                  gradients=ranks[0]["stepped"])
+    output = strip(ranks[0]["output"])
+    # Alpha predicted rank 0's own SGD step; DDP stepped on the global gradient: None at the
+    # first step with the reason, the general path (exact) from then on
+    assert output[0]["Alpha"] is None and ranks[0]["notes"][0]["Alpha"]
+    assert assert_same_values(output, expected, range(STEPS), skip={"Alpha"}) > 30 * STEPS
+    assert assert_same_values(output, expected, range(1, STEPS)) > 30 * (STEPS - 1)
+    assert all(output[step]["BatchSize"] == shard_sizes[0] for step in range(STEPS))
+
+
+def test_distributed_takes_none_or_false():
+    with pytest.raises(ValueError, match="distributed must be None"):
+        Cockpit(torch.nn.Linear(2, 2), distributed=True)
+
+
+def _statistics_with_gradient(gradient: dict, dots: dict, n: int = 4):
+    from cockpit.engine.statistics import BackwardStatistics, GradientDots
+    stats = BackwardStatistics(n)
+    stats.gradient_dots = GradientDots(gradient, dots)
+    return stats
+
+
+def test_gram_from_the_synchronized_gradient_only_where_it_is_proportional():
+    """g_nᵀḡ = g_nᵀG / c where G = c·ḡ to rounding; otherwise None (the caller projects)."""
+    from cockpit.engine.reduction.step_reduction import gram_from_gradient
+    generator = torch.Generator().manual_seed(0)
+    g = {name: torch.randn(4, *shape, generator=generator, dtype=torch.float64)
+         for name, shape in (("w", (3, 5)), ("b", (3,)))}
+    mean = {name: value.mean(0) for name, value in g.items()}
+    c = 24 * 0.5 / 2  # DDP with loss weight w = 0.5 on N = 24 samples, R = 2 processes
+    gradient = {name: c * value for name, value in mean.items()}
+    dots = {name: g[name].flatten(1) @ gradient[name].flatten() for name in g}
+    gram = gram_from_gradient(_statistics_with_gradient(gradient, dots), mean)
+    assert gram is not None
+    for name in g:
+        torch.testing.assert_close(gram[name], g[name].flatten(1) @ mean[name].flatten(),
+                                   rtol=1e-12, atol=0)
+    # one parameter's gradient off the line through ḡ (e.g. unequal loss weights): refused
+    bent = dict(gradient, b=gradient["b"] + 1e-6 * gradient["b"].norm() * torch.tensor(
+        [1.0, -1.0, 0.0], dtype=torch.float64))
+    assert gram_from_gradient(_statistics_with_gradient(bent, dots), mean) is None
+    # a parameter without a recorded gradient, or ḡ = 0: refused
+    assert gram_from_gradient(_statistics_with_gradient({"w": gradient["w"]}, dots),
+                              mean) is None
+    zero = {name: torch.zeros_like(value) for name, value in mean.items()}
+    assert gram_from_gradient(_statistics_with_gradient(gradient, dots), zero) is None

@@ -1,0 +1,121 @@
+"""A model sharded by ``fully_shard`` (FSDP2) on 2 processes (gloo, 127.0.0.1): every rank's
+instruments describe the global batch, exactly as one process on the whole batch
+(tests/split_reference.py), with parameters resharded after the forward pass or not, with
+gradient accumulation and with the torch.func fallback; the curvature instruments are None
+with the reason, and the optimizer steps on the gradients of a plain loop."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cockpit import configuration
+from tests.engine import fsdp_worker
+from tests.models import make_problem
+from tests.split_reference import MISUSE, assert_same_values, whole_batch_run
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+STEPS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def two_processes(tmp_path, config: dict) -> list[dict]:
+    mp.start_processes(fsdp_worker.run, args=(2, free_port(), config, str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    ranks = []
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
+            ranks.append(pickle.load(file))
+    return ranks
+
+
+def make_config(name: str, shard_sizes: list[int], **extra) -> dict:
+    problem = make_problem(name, 48)
+    generator = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(STEPS):
+        index = torch.randint(0, 48, (sum(shard_sizes),), generator=generator)
+        batches.append((problem.x[index], problem.y[index]))
+    return {"problem": name, "batches": batches, "shard_sizes": shard_sizes,
+            "make_optimizer": sgd, **extra}
+
+
+def plain_gradients(name: str, config: dict) -> list[dict[str, torch.Tensor]]:
+    """The gradients FSDP's optimizer must step on, from a plain loop in one process without
+    Cockpit: the mean over ranks of each rank's mean gradient over its shard."""
+    problem = make_problem(name, 48)
+    model = problem.model
+    opt = config["make_optimizer"](model)
+    sizes = config["shard_sizes"]
+    out = []
+    for x, y in config["batches"]:
+        opt.zero_grad()
+        for rank in range(len(sizes)):
+            part = fsdp_worker.shards(len(x), sizes, rank)
+            losses = problem.loss_fn(model(x[part]), y[part])
+            (losses.mean() / len(sizes)).backward()
+        out.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+    return out
+
+
+@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "reshard", "config"), [
+    ("mlp_relu", [12, 12], 1, sgd, True, "economy"),
+    # uneven shards (FSDP averages the shard means) with 2 micro-batches per step and the
+    # parameters kept whole between forward and backward; GradHist2d reads all of θ
+    ("cnn", [10, 14], 2, adam, False, "full"),
+    # accumulation with the parameters gathered again for the backward pass: the layers are
+    # processed inside it, GradHist2d on the unsharded parameters
+    ("mlp_relu", [12, 12], 2, sgd, True, "full"),
+    # attention: the torch.func fallback on the gathered parameters after the backward pass
+    ("transformer", [12, 12], 1, sgd, True, "economy"),
+])
+def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
+                                             make_optimizer, reshard, config):
+    config = make_config(name, shard_sizes, micro_batches=micro, configuration=config,
+                         make_optimizer=make_optimizer, reshard_after_forward=reshard)
+    ranks = two_processes(tmp_path, config)
+    plain = plain_gradients(name, config)
+    uniform = len(set(shard_sizes)) == 1 and micro == 1
+    expected, _ = whole_batch_run(make_problem(name, 48), config["batches"], make_optimizer,
+                                  gradients=None if uniform else ranks[0]["stepped"],
+                                  chosen=configuration(config["configuration"]))
+    # the key bias of attention has individual gradients that are zero up to rounding: their
+    # signs, and so their histogram bins, depend on the order of summation
+    skip = {"HessTrace", "TICDiag"} | ({"GradHist1d"} if name == "transformer" else set())
+    for result in ranks:
+        assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
+        output, notes = result["output"], result["notes"]
+        assert assert_same_values(output, expected, range(STEPS), skip=skip) > 50 * STEPS
+        for step in range(STEPS):
+            assert output[step]["BatchSize"] == sum(shard_sizes)
+            if config["configuration"] == "full":  # the curvature is refused, not wrong
+                for curvature in ("HessTrace", "TICDiag"):
+                    assert output[step][curvature] is None
+                    assert "fully_shard" in notes[step][curvature]
+        assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
+        # the optimizer stepped on the gradients of the plain loop: Cockpit (the curvature
+        # refused included) left them alone
+        for step, grads in enumerate(result["stepped"]):
+            for key, grad in grads.items():
+                torch.testing.assert_close(grad, plain[step][key], rtol=1e-10, atol=1e-12)

@@ -1,0 +1,159 @@
+"""What a tracked step asks of the device, counted on the CPU (the GPU's cost predicted).
+
+Under a TorchDispatchMode every aten op of one step is counted (on a GPU each is a kernel
+launch or host work) with the ops that wait for the device (``_local_scalar_dense`` of
+``.item()``/``float(t)``/``bool(t)``, ``nonzero``, ...); reads that dispatch no op on a
+CPU (``.tolist()``, ``.cpu()``) are counted where Cockpit's code calls them. The histograms
+take the accelerator path (``histogram_device.forced``), as they would on a GPU. On CUDA
+the step itself is run under ``torch.cuda.set_sync_debug_mode``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cockpit import Cockpit, configuration
+from cockpit.benchmark.problems.small_nets import cifar10_3c3d
+from cockpit.engine.histograms import device as histogram_device
+from cockpit.engine.readout import Readout
+
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2",
+            "unique_consecutive", "repeat_interleave", "equal", "is_nonzero", "allclose"}
+PACKAGE = str(Path(__file__).resolve().parents[2] / "src" / "cockpit")
+READOUT = str(Path(PACKAGE) / "engine" / "readout.py")
+
+
+class Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _caller_in_cockpit() -> str | None:
+    frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(PACKAGE)]
+    if not frames or frames[-1].filename == READOUT:
+        return None
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}"
+
+
+def count_step(monkeypatch, config: str | None, device="cpu", batch=32,
+               around=contextlib.nullcontext):
+    """aten ops, host reads (where) and readout waits of the third step of 3C3D (run inside
+    ``around()``)."""
+    torch.manual_seed(0)
+    model = cifar10_3c3d().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    cockpit = (None if config is None
+               else Cockpit(model, configuration(config), optimizer=opt, strict=True))
+    data = [(torch.randn(batch, 3, 32, 32, device=device),
+             torch.randint(0, 10, (batch,), device=device)) for _ in range(4)]
+    reads: collections.Counter = collections.Counter()
+    counting = [False]
+    for method in ("tolist", "cpu", "item"):  # (.numpy() refuses device tensors)
+        original = getattr(torch.Tensor, method)
+
+        def wrapped(self, *args, _original=original, _method=method, **kwargs):
+            if counting[0] and (where := _caller_in_cockpit()) is not None:
+                reads[f"{_method} {where}"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, wrapped)
+    waits = [0]
+    receive = Readout.receive
+
+    def counted_receive(self):
+        waits[0] += counting[0]
+        return receive(self)
+
+    monkeypatch.setattr(Readout, "receive", counted_receive)
+
+    def step(i):
+        x, y = data[i]
+        opt.zero_grad()
+        losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        if cockpit is None:
+            losses.mean().backward()
+        else:
+            with cockpit(i, losses=losses):
+                losses.mean().backward()
+        opt.step()
+
+    step(0)
+    step(1)
+    counter = Count()
+    counting[0] = True
+    with counter, around():
+        step(2)
+    counting[0] = False
+    if cockpit is not None:
+        output = cockpit.get_output()
+        cockpit.close()
+        assert output[1]["Alpha"] is not None and output[2]["NormTest"] is not None
+    return counter.ops, reads, waits[0]
+
+
+@pytest.mark.parametrize("config", ["economy", "business", "full"])
+def test_a_tracked_step_waits_for_the_device_at_most_a_few_times(config, monkeypatch,
+                                                                  one_thread):
+    """Economy and business: no op that waits for the device; the remaining reads are the
+    loss weights (one, in the losses' hook) and Alpha's fit (two: its normal equations with
+    ‖s_t‖², the residuals); the values cross in one read at the next step (the curvature
+    instruments' check of the losses travels with their values). Full adds HessMaxEV's
+    check of the losses and Lanczos's reads of its coefficients, one per 4 products (16
+    products here: 4 reads)."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    ops, reads, waits = count_step(monkeypatch, config)
+    syncs = {k: v for k, v in ops.items() if k in SYNC_OPS}
+    bound = {"economy": 3, "business": 3, "full": 10}[config]
+    if config != "full":
+        assert syncs == {}, syncs
+    assert sum(syncs.values()) + sum(reads.values()) <= bound, (syncs, reads)
+    assert waits <= 1
+
+
+def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
+    """Economy on 3C3D against the same step without Cockpit: 9.8× at |B| = 32 (21× before
+    the step stopped reading the device per number, 13× before the per-parameter small ops
+    of Alpha and the workspace were merged; the goal is 3×). A regression bound."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    tracked, _, _ = count_step(monkeypatch, "economy")
+    untracked, _, _ = count_step(monkeypatch, None)
+    ratio = sum(tracked.values()) / sum(untracked.values())
+    assert ratio <= 11, (ratio, tracked.most_common(8))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_tracked_economy_step_on_cuda_waits_only_where_counted(monkeypatch):
+    """The third step under torch.cuda.set_sync_debug_mode("warn"): the synchronizing calls
+    are the reads counted on the CPU (loss weights, Alpha's fit: 3 on an H200), the read of
+    the previous step's values included."""
+    caught = []
+
+    @contextlib.contextmanager
+    def sync_debug():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        caught.extend(f"{w.filename}:{w.lineno}" for w in seen
+                      if "synchronizing" in str(w.message))
+
+    count_step(monkeypatch, "economy", device="cuda", around=sync_debug)
+    assert len(caught) <= 3, caught

@@ -1,0 +1,114 @@
+"""Sharded and replicated models in one process: ``fully_shard`` (FSDP2) on a process group of
+one gives exactly the values of the unsharded model; FSDP1, a mixed precision policy, an inner
+module of a sharded model and ``nn.DataParallel`` over several devices are refused with the
+way out; ``nn.DataParallel`` on a CPU gives the plain model's values. (Two processes:
+tests/engine/test_fsdp.py.)"""
+
+from __future__ import annotations
+
+import copy
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cockpit import Cockpit, configuration
+from tests.models import make_problem
+from tests.split_reference import assert_same_values
+
+needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def group_of_one():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def economy_run(model: nn.Module, problem, steps: int = 3, config: str = "economy") -> dict:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    cockpit = Cockpit(model, configuration(config), optimizer=opt, strict=True)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        index = torch.randint(0, problem.x.shape[0], (16,), generator=generator)
+        opt.zero_grad()
+        losses = problem.loss_fn(model(problem.x[index]), problem.y[index])
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    return cockpit.get_output(), cockpit.get_notes()
+
+
+@needs_gloo
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fully_shard_in_one_process_equals_the_unsharded_model(group_of_one, reshard):
+    from torch.distributed.fsdp import fully_shard
+
+    problem = make_problem("mlp_relu", 48)
+    expected, _ = economy_run(copy.deepcopy(problem.model), problem)
+    model = problem.model
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    output, notes = economy_run(model, problem, config="full")
+    assert assert_same_values(output, expected, range(3)) > 100
+    for step in range(3):  # p.grad (sharded) against ḡ: one process only
+        assert output[step]["GradientMismatch"] == pytest.approx(
+            expected[step]["GradientMismatch"], abs=1e-12)
+    for name in ("HessTrace", "TICDiag", "HessMaxEV"):
+        assert output[0][name] is None and "fully_shard" in notes[0][name]
+
+
+@needs_gloo
+def test_refused_sharded_models_name_the_way_out(group_of_one):
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
+
+    flat = FullyShardedDataParallel(small_model(), device_id=torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match=r"FSDP1.*fully_shard"):
+        Cockpit(flat)
+    mixed = small_model()
+    fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError, match=r"mixed precision.*mp_policy"):
+        Cockpit(mixed)
+    model = small_model()
+    fully_shard(model[0])
+    fully_shard(model)
+    Cockpit(model).close()
+    with pytest.raises(NotImplementedError, match=r"not sharded by fully_shard.*root"):
+        Cockpit(model[2])  # an inner module: its parameters belong to the root's FSDP group
+
+
+def test_data_parallel_on_a_cpu_is_the_plain_model():
+    problem = make_problem("mlp_relu", 48)
+    expected, _ = economy_run(copy.deepcopy(problem.model), problem)
+    output, _ = economy_run(nn.DataParallel(problem.model), problem)
+    output = {step: {k.replace("/module.", "/"): v for k, v in values.items()}
+              for step, values in output.items()}
+    assert assert_same_values(output, expected, range(3)) > 100
+
+
+def test_data_parallel_over_several_devices_is_refused():
+    wrapped = nn.DataParallel(small_model())
+    wrapped.device_ids = [0, 1]  # as over two GPUs (this machine need not have them)
+    with pytest.raises(NotImplementedError, match="DistributedDataParallel"):
+        Cockpit(wrapped)
