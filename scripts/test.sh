@@ -19,7 +19,9 @@ ruff check src tests benchmarks examples
 python -m mypy src/cockpit/__init__.py src/cockpit/__main__.py src/cockpit/_extras.py \
   src/cockpit/cli.py src/cockpit/schedules.py src/cockpit/configurations.py \
   src/cockpit/integrations src/cockpit/store/__init__.py src/cockpit/store/sinks.py \
-  src/cockpit/cockpit.py src/cockpit/engine/engine_view.py src/cockpit/engine/activations.py
+  src/cockpit/cockpit.py src/cockpit/engine/engine_view.py src/cockpit/engine/capture/activations.py \
+  src/cockpit/step src/cockpit/loop_checks src/cockpit/arguments.py src/cockpit/store/metadata.py \
+  src/cockpit/quantities/descriptor.py src/cockpit/engine/statistics
 python -m pytest -p no:cacheprovider "$@"
 # a subset on the oldest torch the package supports (only for the whole suite, not when
 # arguments pick tests)

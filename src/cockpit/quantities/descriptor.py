@@ -130,7 +130,7 @@ def registry(*, package_only: bool = False) -> dict[str, Descriptor]:
     for own in (True, False) if not package_only else (True,):
         for cls in _subclasses(Quantity):
             if "descriptor" in vars(cls) and _is_packaged(cls) == own:
-                found.setdefault(cls.__name__, cls.descriptor)
+                found.setdefault(cls.__name__, vars(cls)["descriptor"])
     if not package_only:
         for name, desc in _FROM_RUN_LOGS.items():
             found.setdefault(name, desc)
@@ -218,6 +218,7 @@ def _is_packaged(cls: type) -> bool:
 
 def _subclasses(cls: type) -> Iterator[type]:
     """Subclasses of ``cls``, depth first."""
+    sub: type
     for sub in cls.__subclasses__():
         yield sub
         yield from _subclasses(sub)
@@ -252,7 +253,7 @@ def reads_gradient(quantity: Any) -> bool:
     so, or it asks for per-sample statistics."""
     from cockpit.engine.statistics import PER_SAMPLE_STATS
 
-    needs = getattr(quantity, "needs", frozenset())
+    needs: frozenset[str] = getattr(quantity, "needs", frozenset())
     return _descriptor(quantity).reads_gradient or bool(needs & PER_SAMPLE_STATS)
 
 

@@ -142,10 +142,12 @@ class BackwardStatistics:
             merged.losses = torch.cat([self.losses, other.losses.to(self.losses.device)])
         for name in {**self.batch_grads, **other.batch_grads}:
             a, b = self.batch_grads.get(name), other.batch_grads.get(name)
-            merged.batch_grads[name] = (
-                (a * (na / n) + b * (nb / n)) if a is not None and b is not None
-                else (a if a is not None else b) * ((na if a is not None else nb) / n)
-            )
+            if a is not None and b is not None:
+                merged.batch_grads[name] = a * (na / n) + b * (nb / n)
+            elif a is not None:
+                merged.batch_grads[name] = a * (na / n)
+            elif b is not None:
+                merged.batch_grads[name] = b * (nb / n)
         return merged
 
 
