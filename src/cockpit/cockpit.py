@@ -320,7 +320,7 @@ class Cockpit:
     def _open_log(self, logdir: str, resume: bool) -> RunLogWriter:
         try:
             meta = run_metadata(self.model, self.tracker.model, self._params, self.optimizer,
-                                self.quantities, self.batchnorm)
+                                self.quantities, self.batchnorm, self.tracker.precision_note)
             return RunLogWriter(logdir, meta=meta, resume=resume)
         except BaseException:  # a refused run log leaves no hooks on the model
             self._remove_hooks()

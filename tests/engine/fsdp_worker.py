@@ -1,7 +1,8 @@
 """One process of a 2-process run of a model sharded by ``fully_shard`` (FSDP2; gloo on
 127.0.0.1), started by tests/engine/test_fsdp.py: trains on its shard of each step's batch with
 Cockpit attached and saves what Cockpit recorded on this rank, with the gradients the
-optimizer stepped on (gathered to full tensors)."""
+optimizer stepped on (gathered to full tensors). On a process group of one it is the
+reference run of a mixed precision policy, stepping on the gradients of the 2-process run."""
 
 from __future__ import annotations
 
@@ -40,13 +41,28 @@ def shard_model(model: torch.nn.Module, config: dict) -> torch.nn.Module:
     return model
 
 
+def step_on(model: torch.nn.Module, gradients: dict[str, torch.Tensor]) -> None:
+    """Put ``gradients`` (whole tensors) into p.grad, each rank its own shard: the optimizer
+    then steps on them instead of on this run's own."""
+    for name, p in model.named_parameters():
+        if hasattr(p.grad, "to_local"):
+            from torch.distributed.tensor import distribute_tensor
+
+            shard = distribute_tensor(gradients[name].to(p.dtype), p.device_mesh, p.placements,
+                                      src_data_rank=None)
+            p.grad.to_local().copy_(shard.to_local())
+        else:
+            p.grad.copy_(gradients[name])
+
+
 def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        problem = make_problem(config["problem"], 48)  # the same initial model everywhere
+        # the same initial model everywhere
+        problem = make_problem(config["problem"], 48, dtype=config.get("dtype", torch.float64))
         model = shard_model(problem.model, config)
         opt = config["make_optimizer"](model)
         micro = config.get("micro_batches", 1)
@@ -68,6 +84,8 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
                     losses = problem.loss_fn(model(xb), yb)
                     with cockpit(step, losses=losses):
                         (losses.sum() / len(xs)).backward()
+                if "gradients" in config:  # a reference run: step where another run stepped
+                    step_on(model, config["gradients"][step])
                 stepped.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
                 opt.step()
             cockpit.close()

@@ -236,12 +236,16 @@ class CallProcessor:
 
     def whole_params(self, unit: Unit) -> dict[str, Tensor]:
         """The unit's parameters, all of each (``fully_shard``: the engine's gathered ones
-        in place of the local shards)."""
-        gathered = self.engine.gathered_params
+        in place of the local shards, in the dtype the layer computed in)."""
+        gathered, dtypes = self.engine.gathered_params, self.engine.compute_dtypes
         if not gathered:
             return unit.params
-        return {k: gathered.get(self.engine.unit_param_name(unit, k), p)
-                for k, p in unit.params.items()}
+        out = {}
+        for k, p in unit.params.items():
+            name = self.engine.unit_param_name(unit, k)
+            # mixed precision: θ rounded to param_dtype, as the layer computed with it
+            out[k] = gathered.get(name, p).to(dtypes.get(name, p.dtype))
+        return out
 
     # ------------------------------------------------------------------ statistics
     def reduce_guarded(self, name: str, sg: SampleGrads) -> None:
@@ -261,7 +265,7 @@ class CallProcessor:
                 value = statistic.form(sg, layer)
                 if value is not None:
                     stats[statistic.name][name] = value
-            if engine._frozen_pass:  # these g_n do not sum to the batch gradient: keep their sum
+            if engine._frozen_pass or engine.compute_dtypes:  # their sum (not ∂L/∂θ): keep it
                 stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
                     sg.batch_mean() * sg.num_samples)
             waits = engine.direction_providers or (GRAM_MEAN in needs and sg.fuse_dots)

@@ -15,6 +15,15 @@ the rank forms g_nᵀu for its own samples over all coordinates: :func:`whole` g
 inner products of parameter-space tensors alone (‖θ‖, ‖s‖, ‖G‖) are sums over coordinates:
 :func:`sq_norms` forms them from the local shards and sums them over the ranks.
 
+A mixed precision policy (``MixedPrecisionPolicy(param_dtype=torch.bfloat16, ...)``) has
+the layers compute on copies of θ rounded to ``param_dtype`` (:func:`compute_dtypes`), with
+inputs and output gradients in that dtype; the optimizer steps on the full-precision θ with
+the gradient reduced in ``reduce_dtype``. Cockpit then describes that computation: each g_n
+is formed from the layer's own rounded (a_n, δ_n) (exact in float32), ḡ = (1/N) Σ_n g_n is
+summed from them in full precision rather than read from the rounded gradient autograd
+produced (which would depend on how the batch is split over processes), and θ means the
+full-precision parameters (GradHist2d, the norms of θ and of the update).
+
 Two things have no public accessor in torch 2.13 and are read from ``fully_shard``'s state:
 the unsharded parameter of each sharded one (:func:`unsharded_parameters`) and the mixed
 precision policy; :func:`check_sharding` refuses a torch whose ``fully_shard`` lacks them.
@@ -96,6 +105,41 @@ def unsharded_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> dict
     return out
 
 
+def compute_dtypes(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, torch.dtype]:
+    """Per name of ``params``: the dtype the layers compute in under a ``fully_shard`` mixed
+    precision policy, where it differs from the parameter's own (``param_dtype`` of the
+    innermost ``fully_shard`` module that owns the parameter; FSDP leaves parameters of
+    other dtypes, and non-floating ones, alone). Empty without such a policy."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return {}
+    owner_dtype: dict[int, torch.dtype | None] = {}
+    for module in model.modules():  # parents first: an inner fully_shard overrides
+        if isinstance(module, FSDPModule):
+            policy = module._get_fsdp_state()._mp_policy  # no public accessor
+            for p in cast(nn.Module, module).parameters():
+                owner_dtype[id(p)] = policy.param_dtype
+    out = {}
+    for name, p in params.items():
+        dtype = owner_dtype.get(id(p))
+        if dtype is not None and p.is_floating_point() and dtype != p.dtype:
+            out[name] = dtype
+    return out
+
+
+def precision_note(dtypes: Mapping[str, torch.dtype]) -> str | None:
+    """What the per-sample values describe under a mixed precision policy (the step's note
+    and the run's metadata); None without one."""
+    if not dtypes:
+        return None
+    names = ", ".join(sorted({str(d).removeprefix("torch.") for d in dtypes.values()}))
+    return (f"mixed precision (fully_shard mp_policy, param_dtype {names}): the individual "
+            f"gradients are those of the layers' computation in {names} (θ, inputs and output "
+            "gradients rounded as the layers used them), summed in float64; θ, the update and "
+            "p.grad are the full-precision parameters the optimizer steps on and their gradient")
+
+
 _WAY_OUT = (
     "shard the model with torch.distributed.fsdp.fully_shard (FSDP2) on a 1-D device mesh "
     "of all processes, or use DistributedDataParallel"
@@ -107,8 +151,8 @@ def check_sharding(model: nn.Module) -> None:
     FSDP1 (``FullyShardedDataParallel``: flat parameters, whose individual gradients have
     no layer shape), parameters sharded otherwise than by ``fully_shard`` on a 1-D mesh of
     the whole process group (tensor parallelism, HSDP's 2-D mesh: the sums over ranks
-    would count replicas twice or miss the other mesh dimension), and ``fully_shard``
-    models whose mixed precision policy changes a dtype (see the message)."""
+    would count replicas twice or miss the other mesh dimension), and a mixed precision
+    ``param_dtype`` narrower than 16 bits."""
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
         from torch.distributed.tensor import Shard
@@ -130,15 +174,12 @@ def check_sharding(model: nn.Module) -> None:
                     f"Cockpit does not support fully_shard of torch {torch.__version__}: its "
                     f"internal state differs from torch 2.13's ({error}); use "
                     "DistributedDataParallel") from None
-            dtypes = {p.dtype for p in cast(nn.Module, module).parameters()}
-            if {policy.param_dtype, policy.reduce_dtype} - {None} - dtypes:
+            compute = policy.param_dtype
+            if compute is not None and not (compute.is_floating_point
+                                            and torch.finfo(compute).bits >= 16):
                 raise NotImplementedError(
-                    f"Cockpit does not support fully_shard with a mixed precision policy "
-                    f"({name or 'the model'}: {policy}): the layers would compute in "
-                    "param_dtype, so the individual gradients come from rounded copies of "
-                    "the parameters, inputs and output gradients, and no tolerance holds for "
-                    "every instrument (variances of nearly equal gradients lose all digits); "
-                    "shard without mp_policy, or use DistributedDataParallel")
+                    f"Cockpit does not support fully_shard with param_dtype {compute} "
+                    f"({name or 'the model'}): use bfloat16, float16 or float32")
     world = _world_size()
     for name, param in model.named_parameters():
         if not is_sharded(param):
