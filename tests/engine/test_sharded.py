@@ -1,5 +1,6 @@
 """Sharded and replicated models in one process: ``fully_shard`` (FSDP2) on a process group of
-one gives exactly the values of the unsharded model; FSDP1, a mixed precision policy, an inner
+one gives exactly the values of the unsharded model, and with a mixed precision policy draws
+the full-precision θ in GradHist2d; FSDP1, a param_dtype that is no float, an inner
 module of a sharded model and ``nn.DataParallel`` over several devices are refused with the
 way out; ``nn.DataParallel`` on a CPU gives the plain model's values. (Two processes:
 tests/engine/test_fsdp.py.)"""
@@ -9,12 +10,14 @@ from __future__ import annotations
 import copy
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cockpit import Cockpit, configuration
+from cockpit import Cockpit, configuration, quantities
+from cockpit.engine.histograms.exact import BinSpec
 from tests.models import make_problem
 from tests.split_reference import assert_same_values
 
@@ -87,8 +90,8 @@ def test_refused_sharded_models_name_the_way_out(group_of_one):
     with pytest.raises(NotImplementedError, match=r"FSDP1.*fully_shard"):
         Cockpit(flat)
     mixed = small_model()
-    fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    with pytest.raises(NotImplementedError, match=r"mixed precision.*mp_policy"):
+    fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
+    with pytest.raises(NotImplementedError, match=r"param_dtype torch.int8.*bfloat16"):
         Cockpit(mixed)
     model = small_model()
     fully_shard(model[0])
@@ -112,3 +115,46 @@ def test_data_parallel_over_several_devices_is_refused():
     wrapped.device_ids = [0, 1]  # as over two GPUs (this machine need not have them)
     with pytest.raises(NotImplementedError, match="DistributedDataParallel"):
         Cockpit(wrapped)
+
+
+@needs_gloo
+def test_mixed_precision_draws_the_full_precision_parameters(group_of_one):
+    """bfloat16 layers over float32 parameters: GradHist2d's pairs (g_n,j, θ_j) hold the θ
+    the optimizer steps on (float32), not the copy rounded to bfloat16 the layers computed
+    with; summed over the gradient bins (all of them: outliers are clamped) the counts are
+    N times the histogram of θ. The θ bins are narrow enough that the rounded copy's
+    histogram differs (checked), so the test tells the two apart."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    problem = make_problem("mlp_relu", 48, dtype=torch.float32)
+    model = problem.model
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    spec_theta = BinSpec(-0.5, 0.5, 1000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    cockpit = Cockpit(model, [quantities.GradHist2d()], optimizer=opt, strict=True,
+                      hist2d_bins=(BinSpec(-1.0, 1.0, 8), spec_theta))
+    thetas, told_apart = [], 0
+    for step in range(2):
+        opt.zero_grad()
+        losses = problem.loss_fn(model(problem.x[:16]), problem.y[:16])
+        thetas.append({k: p.full_tensor().detach().clone() for k, p in model.named_parameters()})
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    output = cockpit.get_output()
+
+    def counts(theta: torch.Tensor) -> np.ndarray:
+        index = ((theta.double() - spec_theta.lo) * spec_theta.scale).floor().long()
+        return 16 * np.bincount(index.clamp(0, spec_theta.bins - 1).reshape(-1).numpy(),
+                                minlength=spec_theta.bins)
+
+    for step, theta in enumerate(thetas):
+        for name, value in theta.items():
+            drawn = output[step][f"GradHist2d/{name}"]["counts"].sum(0)
+            np.testing.assert_array_equal(drawn, counts(value), err_msg=f"{step} {name}")
+            told_apart += not np.array_equal(counts(value), counts(value.bfloat16()))
+    assert told_apart >= 4
