@@ -97,3 +97,55 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
     except BaseException:
         dist.destroy_process_group()
         raise
+
+
+def run_resumed(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
+    """Distance over a resume: steps 0-1 with one Cockpit, whose ``state_dict()`` each rank
+    saves; then a new Cockpit with ``resume=True`` loads it (after trying the other rank's,
+    which must be refused) for steps 2-3. Saves its output and ‖θ_t − θ_0‖ per parameter from
+    the whole tensors, measured by this worker."""
+    from cockpit import quantities
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        problem = make_problem(config["problem"], 48)
+        model = shard_model(problem.model, config)
+        opt = config["make_optimizer"](model)
+        initial = {k: full(p).detach().clone() for k, p in model.named_parameters()}
+        logdir = os.path.join(outdir, f"log{rank}")
+        state_file = os.path.join(outdir, "state{}.pt")
+        distances, refused = [], None
+        for phase, steps in enumerate((range(2), range(2, 4))):
+            cockpit = Cockpit(model, [quantities.Distance()], optimizer=opt, strict=True,
+                              write_on_all_ranks=True, logdir=logdir, resume=phase > 0)
+            if phase:
+                dist.barrier()  # every rank's state is saved
+                try:
+                    cockpit.load_state_dict(torch.load(state_file.format(1 - rank),
+                                                       weights_only=False))
+                except ValueError as error:
+                    refused = str(error)
+                cockpit.load_state_dict(torch.load(state_file.format(rank), weights_only=False))
+            for step in steps:
+                x, y = config["batches"][step]
+                part = shards(len(x), config["shard_sizes"], rank)
+                opt.zero_grad()
+                distances.append({k: float((full(p).detach() - initial[k]).norm())
+                                  for k, p in model.named_parameters()})
+                losses = problem.loss_fn(model(x[part]), y[part])
+                with cockpit(step, losses=losses):
+                    (losses.sum() / len(x[part])).backward()
+                opt.step()
+            if not phase:
+                torch.save(cockpit.state_dict(), state_file.format(rank))
+            cockpit.close()
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
+            pickle.dump({"output": cockpit.get_output(), "distances": distances,
+                         "refused": refused}, file)
+        leave_process_group()
+    except BaseException:
+        dist.destroy_process_group()
+        raise

@@ -40,9 +40,9 @@ def adam(model):
     return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
-def two_processes(tmp_path, config: dict, world: int = 2) -> list[dict]:
+def two_processes(tmp_path, config: dict, world: int = 2, worker=fsdp_worker.run) -> list[dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(fsdp_worker.run, args=(world, free_port(), config, str(tmp_path)),
+    mp.start_processes(worker, args=(world, free_port(), config, str(tmp_path)),
                        nprocs=world, join=True, start_method="spawn")
     ranks = []
     for rank in range(world):
@@ -184,3 +184,22 @@ def test_mixed_precision_equals_one_process_on_the_whole_batch(tmp_path, name, s
         mismatch = expected[step]["GradientMismatch"]  # (one process: p.grad against ḡ)
         half_eps = torch.finfo(param_dtype).eps
         assert 0.0 < mismatch <= half_eps ** 2, (step, mismatch)
+
+
+def test_distance_continues_after_a_resume(tmp_path):
+    """θ_0 is sharded like θ: each rank's ``cockpit.state_dict()`` holds its own slice. A run
+    resumed from it (``resume=True``, the saved state loaded on each rank) continues
+    Distance = ‖θ_t − θ_0‖ as measured from the whole tensors; another rank's state, which
+    holds another slice, is refused instead of giving a plausible wrong distance."""
+    config = make_config("mlp_relu", [12, 12])
+    config["batches"] = config["batches"] + make_config("mlp_relu", [12, 12])["batches"][:1]
+    ranks = two_processes(tmp_path, config, worker=fsdp_worker.run_resumed)
+    for rank, result in enumerate(ranks):
+        assert result["refused"] is not None and "rank" in result["refused"], result["refused"]
+        output = result["output"]
+        assert sorted(output) == [0, 1, 2, 3]  # steps 0-1 read back from the run log
+        for step, expected in enumerate(result["distances"]):
+            assert expected["0.weight"] > 0 or step == 0
+            for name, value in expected.items():
+                assert output[step][f"Distance/{name}"] == pytest.approx(value, rel=1e-9,
+                                                                         abs=1e-12), (rank, step)

@@ -210,3 +210,52 @@ def shard_like(full: Tensor, like: DTensor) -> Tensor:
 
     return distribute_tensor(full.detach(), like.device_mesh, like.placements,
                              src_data_rank=None)
+
+
+def saved_slices(tensors: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, int] | None]:
+    """``tensors`` for a checkpoint, on the CPU: each sharded one as this rank's slice (a
+    plain tensor), with ``{"rank", "world"}`` saying whose slice it is (None where nothing
+    is sharded). Gathering them instead would be a collective, which a checkpoint written
+    by rank 0 alone would never finish."""
+    out = {k: local(v).detach().cpu().clone() for k, v in tensors.items()}
+    if not has_sharded(tensors.values()):
+        return out, None
+    from cockpit.engine.reduction.ranks import rank
+
+    return out, {"rank": rank(), "world": _world_size()}
+
+
+def restored_slices(saved: Mapping[str, Tensor], holder: Mapping[str, int] | None,
+                    own: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The saved ``tensors`` of :func:`saved_slices` in place of ``own`` (same names, on
+    their devices and dtypes): a sharded one from this rank's saved slice, or from a whole
+    tensor (sliced here, without communication). Another rank's slice, or a slice saved on
+    another number of processes, is refused (it would give plausible wrong values)."""
+    from cockpit.engine.reduction.ranks import rank
+
+    out = {}
+    for name, mine in own.items():
+        value = saved[name]
+        if is_sharded(value):
+            value = value.to_local()  # (a state saved with DTensors: whose slice is unknown)
+            holder = holder or {"rank": -1, "world": -1}
+        if not is_sharded(mine) or tuple(value.shape) == tuple(mine.shape):
+            if tuple(value.shape) != tuple(mine.shape):
+                raise ValueError(f"the saved {name} has shape {tuple(value.shape)}, the model's "
+                                 f"{tuple(mine.shape)}: it was saved for another model")
+            whole_value = value.to(device=mine.device, dtype=mine.dtype)
+            out[name] = shard_like(whole_value, mine) if is_sharded(mine) else whole_value
+            continue
+        me, world = rank(), _world_size()
+        if holder is None or (holder["rank"], holder["world"]) != (me, world):
+            whose = ("a slice of unknown origin" if holder is None or holder["rank"] < 0
+                     else f"rank {holder['rank']}'s slice of {holder['world']} processes")
+            raise ValueError(
+                f"the saved {name} is {whose}, and this is rank {me} of {world}: under "
+                "fully_shard each rank holds its own slice of the parameters, so save "
+                "cockpit.state_dict() on every rank and load each rank's own, on the same "
+                "number of processes (or pass whole tensors)")
+        restored = mine.detach().clone()
+        local(restored).copy_(value.reshape(local(mine).shape))
+        out[name] = restored
+    return out
