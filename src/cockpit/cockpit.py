@@ -270,7 +270,12 @@ class Cockpit:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a run saved by :meth:`state_dict` (call it before the first step)."""
+        """Continue a run saved by :meth:`state_dict` (call it before the first step). A
+        θ_0 that does not fit the model (another model, or under ``fully_shard`` another
+        rank's slice) raises ValueError; the step numbering is restored even then."""
+        last, seen = state.get("last_step"), self._steps.last_step
+        if last is not None:  # (a resumed run log may be ahead of the checkpoint)
+            self._steps.last_step = max(int(last), seen if seen is not None else int(last))
         initial, own = state.get("initial_params"), self._run.initial
         if initial is not None and own is not None:
             missing = set(own) - set(initial)
@@ -280,9 +285,6 @@ class Cockpit:
                     "for another model")
             self._run.initial = sharded.restored_slices(
                 initial, state.get("initial_params_holder"), own)
-        last, seen = state.get("last_step"), self._steps.last_step
-        if last is not None:  # (a resumed run log may be ahead of the checkpoint)
-            self._steps.last_step = max(int(last), seen if seen is not None else int(last))
 
     def close(self) -> None:
         """Finish pending work, remove every hook and close the sinks. Idempotent."""
