@@ -18,6 +18,7 @@ from torch import nn
 
 from cockpit import Cockpit, configuration, quantities
 from cockpit.engine.histograms.exact import BinSpec
+from cockpit.store.reader import read_meta
 from tests.models import make_problem
 from tests.split_reference import assert_same_values
 
@@ -118,7 +119,7 @@ def test_data_parallel_over_several_devices_is_refused():
 
 
 @needs_gloo
-def test_mixed_precision_draws_the_full_precision_parameters(group_of_one):
+def test_mixed_precision_draws_the_full_precision_parameters(group_of_one, tmp_path):
     """bfloat16 layers over float32 parameters: GradHist2d's pairs (g_n,j, θ_j) hold the θ
     the optimizer steps on (float32), not the copy rounded to bfloat16 the layers computed
     with; summed over the gradient bins (all of them: outliers are clamped) the counts are
@@ -135,7 +136,7 @@ def test_mixed_precision_draws_the_full_precision_parameters(group_of_one):
     spec_theta = BinSpec(-0.5, 0.5, 1000)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     cockpit = Cockpit(model, [quantities.GradHist2d()], optimizer=opt, strict=True,
-                      hist2d_bins=(BinSpec(-1.0, 1.0, 8), spec_theta))
+                      hist2d_bins=(BinSpec(-1.0, 1.0, 8), spec_theta), logdir=str(tmp_path))
     thetas, told_apart = [], 0
     for step in range(2):
         opt.zero_grad()
@@ -158,3 +159,70 @@ def test_mixed_precision_draws_the_full_precision_parameters(group_of_one):
             np.testing.assert_array_equal(drawn, counts(value), err_msg=f"{step} {name}")
             told_apart += not np.array_equal(counts(value), counts(value.bfloat16()))
     assert told_apart >= 4
+    # the run log and the notes say what the values describe
+    assert "param_dtype bfloat16" in read_meta(tmp_path)["mixed_precision"]
+    assert "mixed precision" in cockpit.get_notes()[0]["GradHist2d"]
+
+
+class AsComputed(nn.Module):
+    """A layer as ``fully_shard`` with ``MixedPrecisionPolicy(bfloat16, output_dtype=float32)``
+    runs it: input and θ rounded to bfloat16, the output cast to float32 after the layer."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = copy.deepcopy(layer).bfloat16()
+
+    def forward(self, x):
+        return self.layer(x.bfloat16()).float()
+
+
+@needs_gloo
+def test_mixed_precision_with_an_output_dtype_describes_the_layers_computation(group_of_one):
+    """With ``output_dtype=float32`` Cockpit's hooks see float32 output gradients, but the
+    layers backpropagate them rounded to bfloat16 (the cast's backward). The gradient tests
+    equal those of individual gradients g_n = δ_n a_nᵀ/w formed in float64 from the bfloat16
+    (a_n, δ_n) a plain model computing the same way hands its layers (hooks on it, no FSDP).
+    Tolerance 2e-5: Cockpit sums over 16 samples and at most 42 coordinates in float32
+    (relative error below 1e-6 each); unrounded δ_n are 1.6e-4 off."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from tests.reference import flat, gradient_tests
+
+    problem = make_problem("mlp_relu", 48, dtype=torch.float32)
+    x, y = problem.x[:16], problem.y[:16]
+    plain = nn.Sequential(*(AsComputed(m) if isinstance(m, nn.Linear) else m
+                            for m in problem.model))
+    recorded: dict[int, list] = {}
+
+    def record(module, args, output):
+        recorded[id(module)] = [args[0].detach()]
+        output.register_hook(lambda grad: recorded[id(module)].append(grad))
+
+    for m in plain.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(record)
+    problem.loss_fn(plain(x), y).mean().backward()
+    grads = {}
+    for i in (0, 2, 4):
+        a, delta = (t.double() for t in recorded[id(plain[i].layer)])
+        delta = delta * len(x)  # δ_n = ∂ℓ_n/∂y_n (w = 1/N: exact)
+        assert recorded[id(plain[i].layer)][1].dtype == torch.bfloat16
+        grads[f"{i}.weight"] = torch.einsum("ni,nj->nij", delta, a)
+        grads[f"{i}.bias"] = delta
+    expected = gradient_tests(flat(grads))
+
+    model = problem.model
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  output_dtype=torch.float32)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    cockpit = Cockpit(model, [quantities.NormTest(), quantities.InnerTest(),
+                              quantities.OrthoTest()], strict=True)
+    losses = problem.loss_fn(model(x), y)
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    output = cockpit.get_output()[0]
+    for name, value in expected.items():
+        assert output[name] == pytest.approx(value, rel=2e-5), name

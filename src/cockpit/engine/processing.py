@@ -218,6 +218,9 @@ class CallProcessor:
         the rule applies to ``grads`` (only rules with ``takes_scale``)."""
         engine = self.engine
         unit = call.unit
+        if engine.compute_dtypes and unit.params:
+            grads = as_computed(grads, engine.compute_dtypes.get(
+                engine.unit_param_name(unit, next(iter(unit.params)))))
         if unit.rule is not None and len(grads) == 1:
             rule = unit.rule
             if (engine.batchnorm == FROZEN_STATISTICS and not engine._probing
@@ -342,6 +345,17 @@ class CallProcessor:
         for key, refs in projections:
             stats.projections.setdefault(key, {})[name] = torch.stack(
                 [dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
+
+
+def as_computed(grads: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:
+    """``fully_shard`` mixed precision: output gradients wider than the dtype the layer
+    computed in (an ``output_dtype`` cast after the layer) rounded to it, as the cast's
+    backward hands them to the layer."""
+    if dtype is None:
+        return grads
+    bits = torch.finfo(dtype).bits
+    return [g.to(dtype) if isinstance(g, Tensor) and g.is_floating_point()
+            and torch.finfo(g.dtype).bits > bits else g for g in grads]
 
 
 def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
