@@ -123,16 +123,18 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
                 torch.testing.assert_close(grad, plain[step][key], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize(("name", "shard_sizes", "config", "param_dtype"), [
-    ("mlp_relu", [12, 12], "economy", torch.bfloat16),
-    # convolutions, GradHist2d, the gradient tests' projections; float16
-    ("cnn", [12, 12], "full", torch.float16),
+@pytest.mark.parametrize(("name", "config", "param_dtype", "output_dtype"), [
+    ("mlp_relu", "economy", torch.bfloat16, None),
+    # convolutions, GradHist2d; float16, outputs cast to float32 after each layer
+    ("cnn", "full", torch.float16, torch.float32),
+    # attention: the torch.func fallback (on the rounded values, in float32), embeddings
+    ("transformer", "economy", torch.bfloat16, None),
 ])
-def test_mixed_precision_equals_one_process_on_the_whole_batch(tmp_path, name, shard_sizes,
-                                                               config, param_dtype):
+def test_mixed_precision_equals_one_process_on_the_whole_batch(tmp_path, name, config,
+                                                               param_dtype, output_dtype):
     """``MixedPrecisionPolicy(param_dtype=bfloat16 or float16, reduce_dtype=float32)`` on
     float32 parameters: the layers compute in param_dtype, and the instruments describe that
-    computation. The reference is the same policy on one process over the whole batch,
+    computation (docs/conventions.md, "Mixed precision under fully_shard"). The reference is the same policy on one process over the whole batch,
     stepping on the gradients the 2-process run stepped on (their bf16 rounding depends on
     the split; the optimizer's θ then agree exactly).
 
@@ -141,7 +143,8 @@ def test_mixed_precision_equals_one_process_on_the_whole_batch(tmp_path, name, s
     weights 1/12 per rank and 1/24 differ by a power of 2, so w·∂ℓ_n/∂y_n rounds alike —
     with other shard sizes δ_n differs by the rounding to param_dtype, which the values then
     inherit: it is part of the computation), and products of two half-precision numbers are
-    exact in float32. Only sums over samples differ in
+    exact in float32 (layers without a closed form are evaluated in float32 at the rounded
+    values: no sample's result depends on the batch). Only sums over samples differ in
     order: ḡ is summed in float32 (relative error ≤ N·u·Σ|g_n|/|Σ g_n|, u = 2⁻²⁴, N = 24:
     1.4e-6 times that condition), everything after in float64; norms of θ and of the update
     are float32 sums over coordinates, local shards first. A relative 1e-4 leaves a factor
@@ -150,7 +153,9 @@ def test_mixed_precision_equals_one_process_on_the_whole_batch(tmp_path, name, s
     |G|² = (B‖ḡ_B‖² − b‖ḡ_b‖²)/(B − b) estimate (B/b ≤ 24 times ‖ḡ‖²/|G|² larger),
     the gradient tests' variances (relative to the mean of the terms they average):
     1e-4 on the terms, i.e. 1e-4·(|value| + the terms' scale, here the value itself or 1)."""
-    policy = {"param_dtype": param_dtype, "reduce_dtype": torch.float32}
+    policy = {"param_dtype": param_dtype, "reduce_dtype": torch.float32,
+              "output_dtype": output_dtype}
+    shard_sizes = [12, 12]
     run = make_config(name, shard_sizes, configuration=config, dtype=torch.float32,
                       mixed_precision=policy)
     ranks = two_processes(tmp_path / "two", run)

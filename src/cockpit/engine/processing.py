@@ -232,8 +232,13 @@ class CallProcessor:
             sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
         else:
             params = self.whole_params(unit) if call.params is None else call.params
+            args, kwargs = call.args, call.kwargs
+            if engine.compute_dtypes:  # the rounded values, evaluated in float32 (as above)
+                args, kwargs, grads = common_precision(args, kwargs, grads)
+                params = {k: v.float() if v.is_floating_point() and v.element_size() < 4
+                          else v for k, v in params.items()}
             sample_grads = fallback_rule(
-                unit.module, call.args, call.kwargs, call.output_positions, grads, params
+                unit.module, args, kwargs, call.output_positions, grads, params
             )
         return {engine.unit_param_name(unit, attr): sg for attr, sg in sample_grads.items()}
 
