@@ -134,9 +134,10 @@ def test_mixed_precision_equals_one_process_on_the_whole_batch(tmp_path, name, c
                                                                param_dtype, output_dtype):
     """``MixedPrecisionPolicy(param_dtype=bfloat16 or float16, reduce_dtype=float32)`` on
     float32 parameters: the layers compute in param_dtype, and the instruments describe that
-    computation (docs/conventions.md, "Mixed precision under fully_shard"). The reference is the same policy on one process over the whole batch,
-    stepping on the gradients the 2-process run stepped on (their bf16 rounding depends on
-    the split; the optimizer's θ then agree exactly).
+    computation (docs/conventions.md, "Mixed precision under fully_shard"). The reference
+    is the same policy on one process over the whole batch, stepping on the gradients the
+    2-process run stepped on (their half-precision rounding depends on the split; the
+    optimizer's θ then agree exactly).
 
     Tolerance: each g_n is formed from the layer's own rounded (a_n, δ_n), the same numbers
     on both runs (a row of a matrix product does not depend on the other rows; the loss
