@@ -226,3 +226,25 @@ def test_mixed_precision_with_an_output_dtype_describes_the_layers_computation(g
     output = cockpit.get_output()[0]
     for name, value in expected.items():
         assert output[name] == pytest.approx(value, rel=2e-5), name
+
+
+@needs_gloo
+def test_a_reduce_dtype_alone_leaves_the_values_exact(group_of_one):
+    """``MixedPrecisionPolicy(reduce_dtype=bfloat16)``: the layers compute in the parameters'
+    float32 and only FSDP's reduction of the gradient rounds, so the values of the first step
+    are the unsharded model's, without a mixed precision note (except the update, made from
+    the rounded gradient)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    problem = make_problem("mlp_relu", 48, dtype=torch.float32)
+    expected, _ = economy_run(copy.deepcopy(problem.model), problem, steps=1)
+    model = problem.model
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    output, notes = economy_run(model, problem, steps=1)
+    # (the update is the optimizer's on the gradient rounded to bfloat16 by the reduction)
+    assert assert_same_values(output, expected, range(1), rtol=1e-12,
+                              skip={"UpdateSize", "UpdateRatio"}) > 30
+    assert not any("mixed precision" in note for note in notes.get(0, {}).values())
