@@ -136,8 +136,9 @@ def precision_note(dtypes: Mapping[str, torch.dtype]) -> str | None:
     names = ", ".join(sorted({str(d).removeprefix("torch.") for d in dtypes.values()}))
     return (f"mixed precision (fully_shard mp_policy, param_dtype {names}): the individual "
             f"gradients are those of the layers' computation in {names} (θ, inputs and output "
-            "gradients rounded as the layers used them), summed in float64; θ, the update and "
-            "p.grad are the full-precision parameters the optimizer steps on and their gradient")
+            "gradients rounded as the layers used them), summed in float32 or wider; θ, the update "
+            "and p.grad are the full-precision parameters the optimizer steps on and their "
+            "gradient")
 
 
 _WAY_OUT = (

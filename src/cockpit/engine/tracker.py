@@ -352,7 +352,7 @@ class ModuleTracker:
     @staticmethod
     def _mean_of_individual_gradients(stats: BackwardStatistics, weight: float | None) -> None:
         """Mixed precision (:mod:`cockpit.engine.sharded`): ḡ = (1/N) Σ_n g_n summed from
-        the individual gradients in float64, in place of the gradient autograd produced in
+        the individual gradients (float32 or wider), in place of the gradient autograd made in
         param_dtype (rounded once per process: its digits would depend on how the batch is
         split). Parameters without individual gradients at this step keep autograd's
         gradient, widened to at least float32."""
