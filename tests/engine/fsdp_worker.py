@@ -102,7 +102,7 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
 def run_resumed(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
     """Distance over a resume: steps 0-1 with one Cockpit, whose ``state_dict()`` each rank
     saves; then a new Cockpit with ``resume=True`` loads it (after trying the other rank's,
-    which must be refused) for steps 2-3. Saves its output and ‖θ_t − θ_0‖ per parameter from
+    which must be refused) for steps 2-3: rank 0 its own slice of θ_0, rank 1 the whole θ_0. Saves its output and ‖θ_t − θ_0‖ per parameter from
     the whole tensors, measured by this worker."""
     from cockpit import quantities
 
@@ -125,10 +125,13 @@ def run_resumed(rank: int, world: int, port: int, config: dict, outdir: str) -> 
                 dist.barrier()  # every rank's state is saved
                 try:
                     cockpit.load_state_dict(torch.load(state_file.format(1 - rank),
-                                                       weights_only=False))
+                                                       weights_only=True))
                 except ValueError as error:
                     refused = str(error)
-                cockpit.load_state_dict(torch.load(state_file.format(rank), weights_only=False))
+                own = torch.load(state_file.format(rank), weights_only=True)
+                if rank == 1:  # a whole θ_0 (e.g. gathered by hand) is sliced on loading
+                    own = {"initial_params": initial, "last_step": own["last_step"]}
+                cockpit.load_state_dict(own)
             for step in steps:
                 x, y = config["batches"][step]
                 part = shards(len(x), config["shard_sizes"], rank)

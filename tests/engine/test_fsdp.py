@@ -194,9 +194,10 @@ def test_mixed_precision_equals_one_process_on_the_whole_batch(tmp_path, name, c
 
 def test_distance_continues_after_a_resume(tmp_path):
     """θ_0 is sharded like θ: each rank's ``cockpit.state_dict()`` holds its own slice. A run
-    resumed from it (``resume=True``, the saved state loaded on each rank) continues
-    Distance = ‖θ_t − θ_0‖ as measured from the whole tensors; another rank's state, which
-    holds another slice, is refused instead of giving a plausible wrong distance."""
+    resumed from it (``resume=True``, the saved state loaded on each rank; or a whole θ_0,
+    sliced on loading) continues Distance = ‖θ_t − θ_0‖ as measured from the whole tensors;
+    another rank's state, which holds another slice, is refused instead of giving a plausible
+    wrong distance. The state loads with ``weights_only=True`` (plain tensors)."""
     config = make_config("mlp_relu", [12, 12])
     config["batches"] = config["batches"] + make_config("mlp_relu", [12, 12])["batches"][:1]
     ranks = two_processes(tmp_path, config, worker=fsdp_worker.run_resumed)
