@@ -102,8 +102,9 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
 def run_resumed(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
     """Distance over a resume: steps 0-1 with one Cockpit, whose ``state_dict()`` each rank
     saves; then a new Cockpit with ``resume=True`` loads it (after trying the other rank's,
-    which must be refused) for steps 2-3: rank 0 its own slice of θ_0, rank 1 the whole θ_0. Saves its output and ‖θ_t − θ_0‖ per parameter from
-    the whole tensors, measured by this worker."""
+    which must be refused) for steps 2-3: rank 0 its own slice of θ_0, rank 1 the whole
+    θ_0. Saves its output and ‖θ_t − θ_0‖ per parameter from the whole tensors, measured by
+    this worker."""
     from cockpit import quantities
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
