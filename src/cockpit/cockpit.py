@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from cockpit.arguments import checked_arguments, warn_slow_bins
 from cockpit.diagnose.live import LiveDiagnosis
+from cockpit.engine import sharded
 from cockpit.engine.capture import compiled
 from cockpit.engine.histograms.exact import AutoRange, BinSpec
 from cockpit.engine.reduction import ranks
@@ -258,13 +259,23 @@ class Cockpit:
 
     def state_dict(self) -> dict[str, Any]:
         """What a run resumed from a checkpoint needs to continue with the same values:
-        θ_0 of Distance (on the CPU) and the last step seen (step numbering)."""
-        initial = (None if self._run.initial is None
-                   else {k: v.detach().cpu().clone() for k, v in self._run.initial.items()})
-        return {"initial_params": initial, "last_step": self._steps.last_step}
+        θ_0 of Distance (on the CPU) and the last step seen (step numbering). Under
+        ``fully_shard`` θ_0 is this rank's slice (``"initial_params_holder"`` says whose):
+        save it on every rank and load each rank's own."""
+        initial, holder = (None, None) if self._run.initial is None else (
+            sharded.saved_slices(self._run.initial))
+        state = {"initial_params": initial, "last_step": self._steps.last_step}
+        if holder is not None:
+            state["initial_params_holder"] = holder
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a run saved by :meth:`state_dict` (call it before the first step)."""
+        """Continue a run saved by :meth:`state_dict` (call it before the first step). A
+        θ_0 that does not fit the model (another model, or under ``fully_shard`` another
+        rank's slice) raises ValueError; the step numbering is restored even then."""
+        last, seen = state.get("last_step"), self._steps.last_step
+        if last is not None:  # (a resumed run log may be ahead of the checkpoint)
+            self._steps.last_step = max(int(last), seen if seen is not None else int(last))
         initial, own = state.get("initial_params"), self._run.initial
         if initial is not None and own is not None:
             missing = set(own) - set(initial)
@@ -272,11 +283,8 @@ class Cockpit:
                 raise ValueError(
                     f"the saved Cockpit state lacks θ_0 of {sorted(missing)[:3]}: it was saved "
                     "for another model")
-            self._run.initial = {k: initial[k].to(device=v.device, dtype=v.dtype)
-                                 for k, v in own.items()}
-        last, seen = state.get("last_step"), self._steps.last_step
-        if last is not None:  # (a resumed run log may be ahead of the checkpoint)
-            self._steps.last_step = max(int(last), seen if seen is not None else int(last))
+            self._run.initial = sharded.restored_slices(
+                initial, state.get("initial_params_holder"), own)
 
     def close(self) -> None:
         """Finish pending work, remove every hook and close the sinks. Idempotent."""
@@ -320,7 +328,7 @@ class Cockpit:
     def _open_log(self, logdir: str, resume: bool) -> RunLogWriter:
         try:
             meta = run_metadata(self.model, self.tracker.model, self._params, self.optimizer,
-                                self.quantities, self.batchnorm)
+                                self.quantities, self.batchnorm, self.tracker.precision_note)
             return RunLogWriter(logdir, meta=meta, resume=resume)
         except BaseException:  # a refused run log leaves no hooks on the model
             self._remove_hooks()

@@ -1,7 +1,8 @@
 """One process of a 2-process run of a model sharded by ``fully_shard`` (FSDP2; gloo on
 127.0.0.1), started by tests/engine/test_fsdp.py: trains on its shard of each step's batch with
 Cockpit attached and saves what Cockpit recorded on this rank, with the gradients the
-optimizer stepped on (gathered to full tensors)."""
+optimizer stepped on (gathered to full tensors). On a process group of one it is the
+reference run of a mixed precision policy, stepping on the gradients of the 2-process run."""
 
 from __future__ import annotations
 
@@ -40,13 +41,28 @@ def shard_model(model: torch.nn.Module, config: dict) -> torch.nn.Module:
     return model
 
 
+def step_on(model: torch.nn.Module, gradients: dict[str, torch.Tensor]) -> None:
+    """Put ``gradients`` (whole tensors) into p.grad, each rank its own shard: the optimizer
+    then steps on them instead of on this run's own."""
+    for name, p in model.named_parameters():
+        if hasattr(p.grad, "to_local"):
+            from torch.distributed.tensor import distribute_tensor
+
+            shard = distribute_tensor(gradients[name].to(p.dtype), p.device_mesh, p.placements,
+                                      src_data_rank=None)
+            p.grad.to_local().copy_(shard.to_local())
+        else:
+            p.grad.copy_(gradients[name])
+
+
 def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        problem = make_problem(config["problem"], 48)  # the same initial model everywhere
+        # the same initial model everywhere
+        problem = make_problem(config["problem"], 48, dtype=config.get("dtype", torch.float64))
         model = shard_model(problem.model, config)
         opt = config["make_optimizer"](model)
         micro = config.get("micro_batches", 1)
@@ -68,6 +84,8 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
                     losses = problem.loss_fn(model(xb), yb)
                     with cockpit(step, losses=losses):
                         (losses.sum() / len(xs)).backward()
+                if "gradients" in config:  # a reference run: step where another run stepped
+                    step_on(model, config["gradients"][step])
                 stepped.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
                 opt.step()
             cockpit.close()
@@ -76,6 +94,62 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
                          "stepped": stepped,
                          "warnings": [str(w.message) for w in recorded]}, file)
         leave_process_group()  # barrier, os._exit(0): no gloo thread can abort our exit
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+
+
+def run_resumed(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
+    """Distance over a resume: steps 0-1 with one Cockpit, whose ``state_dict()`` each rank
+    saves; then a new Cockpit with ``resume=True`` loads it (after trying the other rank's,
+    which must be refused) for steps 2-3: rank 0 its own slice of θ_0, rank 1 the whole
+    θ_0. Saves its output and ‖θ_t − θ_0‖ per parameter from the whole tensors, measured by
+    this worker."""
+    from cockpit import quantities
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        problem = make_problem(config["problem"], 48)
+        model = shard_model(problem.model, config)
+        opt = config["make_optimizer"](model)
+        initial = {k: full(p).detach().clone() for k, p in model.named_parameters()}
+        logdir = os.path.join(outdir, f"log{rank}")
+        state_file = os.path.join(outdir, "state{}.pt")
+        distances, refused = [], None
+        for phase, steps in enumerate((range(2), range(2, 4))):
+            cockpit = Cockpit(model, [quantities.Distance()], optimizer=opt, strict=True,
+                              write_on_all_ranks=True, logdir=logdir, resume=phase > 0)
+            if phase:
+                dist.barrier()  # every rank's state is saved
+                try:
+                    cockpit.load_state_dict(torch.load(state_file.format(1 - rank),
+                                                       weights_only=True))
+                except ValueError as error:
+                    refused = str(error)
+                own = torch.load(state_file.format(rank), weights_only=True)
+                if rank == 1:  # a whole θ_0 (e.g. gathered by hand) is sliced on loading
+                    own = {"initial_params": initial, "last_step": own["last_step"]}
+                cockpit.load_state_dict(own)
+            for step in steps:
+                x, y = config["batches"][step]
+                part = shards(len(x), config["shard_sizes"], rank)
+                opt.zero_grad()
+                distances.append({k: float((full(p).detach() - initial[k]).norm())
+                                  for k, p in model.named_parameters()})
+                losses = problem.loss_fn(model(x[part]), y[part])
+                with cockpit(step, losses=losses):
+                    (losses.sum() / len(x[part])).backward()
+                opt.step()
+            if not phase:
+                torch.save(cockpit.state_dict(), state_file.format(rank))
+            cockpit.close()
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
+            pickle.dump({"output": cockpit.get_output(), "distances": distances,
+                         "refused": refused}, file)
+        leave_process_group()
     except BaseException:
         dist.destroy_process_group()
         raise

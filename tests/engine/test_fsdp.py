@@ -6,6 +6,7 @@ with the reason, and the optimizer steps on the gradients of a plain loop."""
 
 from __future__ import annotations
 
+import math
 import pickle
 import socket
 
@@ -39,11 +40,12 @@ def adam(model):
     return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
-def two_processes(tmp_path, config: dict) -> list[dict]:
-    mp.start_processes(fsdp_worker.run, args=(2, free_port(), config, str(tmp_path)),
-                       nprocs=2, join=True, start_method="spawn")
+def two_processes(tmp_path, config: dict, world: int = 2, worker=fsdp_worker.run) -> list[dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(worker, args=(world, free_port(), config, str(tmp_path)),
+                       nprocs=world, join=True, start_method="spawn")
     ranks = []
-    for rank in range(2):
+    for rank in range(world):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as file:
             ranks.append(pickle.load(file))
     return ranks
@@ -119,3 +121,92 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
         for step, grads in enumerate(result["stepped"]):
             for key, grad in grads.items():
                 torch.testing.assert_close(grad, plain[step][key], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(("name", "config", "param_dtype", "output_dtype"), [
+    ("mlp_relu", "economy", torch.bfloat16, None),
+    # convolutions, GradHist2d; float16, outputs cast to float32 after each layer
+    ("cnn", "full", torch.float16, torch.float32),
+    # attention: the torch.func fallback (on the rounded values, in float32), embeddings
+    ("transformer", "economy", torch.bfloat16, None),
+])
+def test_mixed_precision_equals_one_process_on_the_whole_batch(tmp_path, name, config,
+                                                               param_dtype, output_dtype):
+    """``MixedPrecisionPolicy(param_dtype=bfloat16 or float16, reduce_dtype=float32)`` on
+    float32 parameters: the layers compute in param_dtype, and the instruments describe that
+    computation (docs/conventions.md, "Mixed precision under fully_shard"). The reference
+    is the same policy on one process over the whole batch, stepping on the gradients the
+    2-process run stepped on (their half-precision rounding depends on the split; the
+    optimizer's θ then agree exactly).
+
+    Tolerance: each g_n is formed from the layer's own rounded (a_n, δ_n), the same numbers
+    on both runs (a row of a matrix product does not depend on the other rows; the loss
+    weights 1/12 per rank and 1/24 differ by a power of 2, so w·∂ℓ_n/∂y_n rounds alike —
+    with other shard sizes δ_n differs by the rounding to param_dtype, which the values then
+    inherit: it is part of the computation), and products of two half-precision numbers are
+    exact in float32 (layers without a closed form are evaluated in float32 at the rounded
+    values: no sample's result depends on the batch). Only sums over samples differ in
+    order: ḡ is summed in float32 (relative error ≤ N·u·Σ|g_n|/|Σ g_n|, u = 2⁻²⁴, N = 24:
+    1.4e-6 times that condition), everything after in float64; norms of θ and of the update
+    are float32 sums over coordinates, local shards first. A relative 1e-4 leaves a factor
+    70 for the condition of the sums. The instruments that subtract nearly equal quantities
+    get an absolute bound from the magnitudes they subtract: GradientNoiseScale's
+    |G|² = (B‖ḡ_B‖² − b‖ḡ_b‖²)/(B − b) estimate (B/b ≤ 24 times ‖ḡ‖²/|G|² larger),
+    the gradient tests' variances (relative to the mean of the terms they average):
+    1e-4 on the terms, i.e. 1e-4·(|value| + the terms' scale, here the value itself or 1)."""
+    policy = {"param_dtype": param_dtype, "reduce_dtype": torch.float32,
+              "output_dtype": output_dtype}
+    shard_sizes = [12, 12]
+    run = make_config(name, shard_sizes, configuration=config, dtype=torch.float32,
+                      mixed_precision=policy)
+    ranks = two_processes(tmp_path / "two", run)
+    reference = two_processes(tmp_path / "one", dict(run, shard_sizes=[sum(shard_sizes)],
+                                                     gradients=ranks[0]["stepped"]), world=1)
+    expected = reference[0]["output"]
+    skip = {"HessTrace", "TICDiag", "GradientNoiseScale", "GradientNoiseScaleEMA"}
+    for result in ranks:
+        assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
+        output = result["output"]
+        assert assert_same_values(output, expected, range(STEPS), rtol=1e-4, skip=skip) > 40
+        for step in range(STEPS):
+            for key, value in expected[step].items():
+                if key.startswith("GradientNoiseScale") and value is not None:
+                    got = output[step][key]
+                    if math.isnan(value):
+                        assert math.isnan(got), (step, key, got)
+                        continue
+                    scale = max(abs(value), 1.0)  # B/b·‖ḡ‖²/|G|² is the value's own scale
+                    assert abs(got - value) <= 1e-4 * scale * 24, (step, key)
+            # the values say what they describe
+            if step < STEPS - 1:  # Alpha's general path: g_nᵀs from the kept bf16 calls
+                assert output[step]["Alpha"] is not None
+            note = result["notes"][step]["NormTest"]
+            assert "mixed precision" in note and f"param_dtype {str(param_dtype)[6:]}" in note
+    # the optimizer stepped on FSDP's float32 reduction of the half-precision gradients:
+    # the same on both ranks, and a multiple of Cockpit's ḡ up to that rounding only
+    for step in range(STEPS):
+        for key, grad in ranks[0]["stepped"][step].items():
+            torch.testing.assert_close(grad, ranks[1]["stepped"][step][key], rtol=0, atol=0)
+        mismatch = expected[step]["GradientMismatch"]  # (one process: p.grad against ḡ)
+        half_eps = torch.finfo(param_dtype).eps
+        assert 0.0 < mismatch <= half_eps ** 2, (step, mismatch)
+
+
+def test_distance_continues_after_a_resume(tmp_path):
+    """θ_0 is sharded like θ: each rank's ``cockpit.state_dict()`` holds its own slice. A run
+    resumed from it (``resume=True``, the saved state loaded on each rank; or a whole θ_0,
+    sliced on loading) continues Distance = ‖θ_t − θ_0‖ as measured from the whole tensors;
+    another rank's state, which holds another slice, is refused instead of giving a plausible
+    wrong distance. The state loads with ``weights_only=True`` (plain tensors)."""
+    config = make_config("mlp_relu", [12, 12])
+    config["batches"] = config["batches"] + make_config("mlp_relu", [12, 12])["batches"][:1]
+    ranks = two_processes(tmp_path, config, worker=fsdp_worker.run_resumed)
+    for rank, result in enumerate(ranks):
+        assert result["refused"] is not None and "rank" in result["refused"], result["refused"]
+        output = result["output"]
+        assert sorted(output) == [0, 1, 2, 3]  # steps 0-1 read back from the run log
+        for step, expected in enumerate(result["distances"]):
+            assert expected["0.weight"] > 0 or step == 0
+            for name, value in expected.items():
+                assert output[step][f"Distance/{name}"] == pytest.approx(value, rel=1e-9,
+                                                                         abs=1e-12), (rank, step)

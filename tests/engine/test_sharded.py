@@ -1,5 +1,6 @@
 """Sharded and replicated models in one process: ``fully_shard`` (FSDP2) on a process group of
-one gives exactly the values of the unsharded model; FSDP1, a mixed precision policy, an inner
+one gives exactly the values of the unsharded model, and with a mixed precision policy draws
+the full-precision θ in GradHist2d; FSDP1, a param_dtype that is no float, an inner
 module of a sharded model and ``nn.DataParallel`` over several devices are refused with the
 way out; ``nn.DataParallel`` on a CPU gives the plain model's values. (Two processes:
 tests/engine/test_fsdp.py.)"""
@@ -9,12 +10,15 @@ from __future__ import annotations
 import copy
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cockpit import Cockpit, configuration
+from cockpit import Cockpit, configuration, quantities
+from cockpit.engine.histograms.exact import BinSpec
+from cockpit.store.reader import read_meta
 from tests.models import make_problem
 from tests.split_reference import assert_same_values
 
@@ -87,8 +91,8 @@ def test_refused_sharded_models_name_the_way_out(group_of_one):
     with pytest.raises(NotImplementedError, match=r"FSDP1.*fully_shard"):
         Cockpit(flat)
     mixed = small_model()
-    fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    with pytest.raises(NotImplementedError, match=r"mixed precision.*mp_policy"):
+    fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
+    with pytest.raises(NotImplementedError, match=r"param_dtype torch.int8.*bfloat16"):
         Cockpit(mixed)
     model = small_model()
     fully_shard(model[0])
@@ -112,3 +116,135 @@ def test_data_parallel_over_several_devices_is_refused():
     wrapped.device_ids = [0, 1]  # as over two GPUs (this machine need not have them)
     with pytest.raises(NotImplementedError, match="DistributedDataParallel"):
         Cockpit(wrapped)
+
+
+@needs_gloo
+def test_mixed_precision_draws_the_full_precision_parameters(group_of_one, tmp_path):
+    """bfloat16 layers over float32 parameters: GradHist2d's pairs (g_n,j, θ_j) hold the θ
+    the optimizer steps on (float32), not the copy rounded to bfloat16 the layers computed
+    with; summed over the gradient bins (all of them: outliers are clamped) the counts are
+    N times the histogram of θ. The θ bins are narrow enough that the rounded copy's
+    histogram differs (checked), so the test tells the two apart."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    problem = make_problem("mlp_relu", 48, dtype=torch.float32)
+    model = problem.model
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    spec_theta = BinSpec(-0.5, 0.5, 1000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    cockpit = Cockpit(model, [quantities.GradHist2d()], optimizer=opt, strict=True,
+                      hist2d_bins=(BinSpec(-1.0, 1.0, 8), spec_theta), logdir=str(tmp_path))
+    thetas, told_apart = [], 0
+    for step in range(2):
+        opt.zero_grad()
+        losses = problem.loss_fn(model(problem.x[:16]), problem.y[:16])
+        thetas.append({k: p.full_tensor().detach().clone() for k, p in model.named_parameters()})
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    output = cockpit.get_output()
+
+    def counts(theta: torch.Tensor) -> np.ndarray:
+        index = ((theta.double() - spec_theta.lo) * spec_theta.scale).floor().long()
+        return 16 * np.bincount(index.clamp(0, spec_theta.bins - 1).reshape(-1).numpy(),
+                                minlength=spec_theta.bins)
+
+    for step, theta in enumerate(thetas):
+        for name, value in theta.items():
+            drawn = output[step][f"GradHist2d/{name}"]["counts"].sum(0)
+            np.testing.assert_array_equal(drawn, counts(value), err_msg=f"{step} {name}")
+            told_apart += not np.array_equal(counts(value), counts(value.bfloat16()))
+    assert told_apart >= 4
+    # the run log and the notes say what the values describe
+    assert "param_dtype bfloat16" in read_meta(tmp_path)["mixed_precision"]
+    assert "mixed precision" in cockpit.get_notes()[0]["GradHist2d"]
+
+
+class AsComputed(nn.Module):
+    """A layer as ``fully_shard`` with ``MixedPrecisionPolicy(bfloat16, output_dtype=float32)``
+    runs it: input and θ rounded to bfloat16, the output cast to float32 after the layer."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = copy.deepcopy(layer).bfloat16()
+
+    def forward(self, x):
+        return self.layer(x.bfloat16()).float()
+
+
+@needs_gloo
+def test_mixed_precision_with_an_output_dtype_describes_the_layers_computation(group_of_one):
+    """With ``output_dtype=float32`` Cockpit's hooks see float32 output gradients, but the
+    layers backpropagate them rounded to bfloat16 (the cast's backward). The gradient tests
+    equal those of individual gradients g_n = δ_n a_nᵀ/w formed in float64 from the bfloat16
+    (a_n, δ_n) a plain model computing the same way hands its layers (hooks on it, no FSDP).
+    Tolerance 2e-5: Cockpit sums over 16 samples and at most 42 coordinates in float32
+    (relative error below 1e-6 each); unrounded δ_n are 1.6e-4 off."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from tests.reference import flat, gradient_tests
+
+    problem = make_problem("mlp_relu", 48, dtype=torch.float32)
+    x, y = problem.x[:16], problem.y[:16]
+    plain = nn.Sequential(*(AsComputed(m) if isinstance(m, nn.Linear) else m
+                            for m in problem.model))
+    recorded: dict[int, list] = {}
+
+    def record(module, args, output):
+        recorded[id(module)] = [args[0].detach()]
+        output.register_hook(lambda grad: recorded[id(module)].append(grad))
+
+    for m in plain.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(record)
+    problem.loss_fn(plain(x), y).mean().backward()
+    grads = {}
+    for i in (0, 2, 4):
+        a, delta = (t.double() for t in recorded[id(plain[i].layer)])
+        delta = delta * len(x)  # δ_n = ∂ℓ_n/∂y_n (w = 1/N: exact)
+        assert recorded[id(plain[i].layer)][1].dtype == torch.bfloat16
+        grads[f"{i}.weight"] = torch.einsum("ni,nj->nij", delta, a)
+        grads[f"{i}.bias"] = delta
+    expected = gradient_tests(flat(grads))
+
+    model = problem.model
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  output_dtype=torch.float32)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    cockpit = Cockpit(model, [quantities.NormTest(), quantities.InnerTest(),
+                              quantities.OrthoTest()], strict=True)
+    losses = problem.loss_fn(model(x), y)
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    output = cockpit.get_output()[0]
+    for name, value in expected.items():
+        assert output[name] == pytest.approx(value, rel=2e-5), name
+
+
+@needs_gloo
+def test_a_reduce_dtype_alone_leaves_the_values_exact(group_of_one):
+    """``MixedPrecisionPolicy(reduce_dtype=bfloat16)``: the layers compute in the parameters'
+    float32 and only FSDP's reduction of the gradient rounds, so the values of the first step
+    are the unsharded model's, without a mixed precision note (except the update, made from
+    the rounded gradient)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    problem = make_problem("mlp_relu", 48, dtype=torch.float32)
+    expected, _ = economy_run(copy.deepcopy(problem.model), problem, steps=1)
+    model = problem.model
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    output, notes = economy_run(model, problem, steps=1)
+    # (the update is the optimizer's on the gradient rounded to bfloat16 by the reduction)
+    assert assert_same_values(output, expected, range(1), rtol=1e-12,
+                              skip={"UpdateSize", "UpdateRatio"}) > 30
+    assert not any("mixed precision" in note for note in notes.get(0, {}).values())

@@ -218,6 +218,9 @@ class CallProcessor:
         the rule applies to ``grads`` (only rules with ``takes_scale``)."""
         engine = self.engine
         unit = call.unit
+        if engine.compute_dtypes and unit.params:
+            grads = as_computed(grads, engine.compute_dtypes.get(
+                engine.unit_param_name(unit, next(iter(unit.params)))))
         if unit.rule is not None and len(grads) == 1:
             rule = unit.rule
             if (engine.batchnorm == FROZEN_STATISTICS and not engine._probing
@@ -229,19 +232,28 @@ class CallProcessor:
             sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
         else:
             params = self.whole_params(unit) if call.params is None else call.params
+            args, kwargs = call.args, call.kwargs
+            if engine.compute_dtypes:  # the rounded values, evaluated in float32 (as above)
+                args, kwargs, grads = common_precision(args, kwargs, grads)
+                params = {k: v.float() if v.is_floating_point() and v.element_size() < 4
+                          else v for k, v in params.items()}
             sample_grads = fallback_rule(
-                unit.module, call.args, call.kwargs, call.output_positions, grads, params
+                unit.module, args, kwargs, call.output_positions, grads, params
             )
         return {engine.unit_param_name(unit, attr): sg for attr, sg in sample_grads.items()}
 
     def whole_params(self, unit: Unit) -> dict[str, Tensor]:
         """The unit's parameters, all of each (``fully_shard``: the engine's gathered ones
-        in place of the local shards)."""
-        gathered = self.engine.gathered_params
+        in place of the local shards, in the dtype the layer computed in)."""
+        gathered, dtypes = self.engine.gathered_params, self.engine.compute_dtypes
         if not gathered:
             return unit.params
-        return {k: gathered.get(self.engine.unit_param_name(unit, k), p)
-                for k, p in unit.params.items()}
+        out = {}
+        for k, p in unit.params.items():
+            name = self.engine.unit_param_name(unit, k)
+            # mixed precision: θ rounded to param_dtype, as the layer computed with it
+            out[k] = gathered.get(name, p).to(dtypes.get(name, p.dtype))
+        return out
 
     # ------------------------------------------------------------------ statistics
     def reduce_guarded(self, name: str, sg: SampleGrads) -> None:
@@ -261,7 +273,7 @@ class CallProcessor:
                 value = statistic.form(sg, layer)
                 if value is not None:
                     stats[statistic.name][name] = value
-            if engine._frozen_pass:  # these g_n do not sum to the batch gradient: keep their sum
+            if engine._frozen_pass or engine.compute_dtypes:  # their sum (not ∂L/∂θ): keep it
                 stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
                     sg.batch_mean() * sg.num_samples)
             waits = engine.direction_providers or (GRAM_MEAN in needs and sg.fuse_dots)
@@ -338,6 +350,17 @@ class CallProcessor:
         for key, refs in projections:
             stats.projections.setdefault(key, {})[name] = torch.stack(
                 [dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
+
+
+def as_computed(grads: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:
+    """``fully_shard`` mixed precision: output gradients wider than the dtype the layer
+    computed in (an ``output_dtype`` cast after the layer) rounded to it, as the cast's
+    backward hands them to the layer."""
+    if dtype is None:
+        return grads
+    bits = torch.finfo(dtype).bits
+    return [g.to(dtype) if isinstance(g, Tensor) and g.is_floating_point()
+            and torch.finfo(g.dtype).bits > bits else g for g in grads]
 
 
 def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]

@@ -15,6 +15,15 @@ the rank forms g_nᵀu for its own samples over all coordinates: :func:`whole` g
 inner products of parameter-space tensors alone (‖θ‖, ‖s‖, ‖G‖) are sums over coordinates:
 :func:`sq_norms` forms them from the local shards and sums them over the ranks.
 
+A mixed precision policy (``MixedPrecisionPolicy(param_dtype=torch.bfloat16, ...)``) has
+the layers compute on copies of θ rounded to ``param_dtype`` (:func:`compute_dtypes`), with
+inputs and output gradients in that dtype; the optimizer steps on the full-precision θ with
+the gradient reduced in ``reduce_dtype``. Cockpit then describes that computation: each g_n
+is formed from the layer's own rounded (a_n, δ_n) (exact in float32), ḡ = (1/N) Σ_n g_n is
+summed from them in full precision rather than read from the rounded gradient autograd
+produced (which would depend on how the batch is split over processes), and θ means the
+full-precision parameters (GradHist2d, the norms of θ and of the update).
+
 Two things have no public accessor in torch 2.13 and are read from ``fully_shard``'s state:
 the unsharded parameter of each sharded one (:func:`unsharded_parameters`) and the mixed
 precision policy; :func:`check_sharding` refuses a torch whose ``fully_shard`` lacks them.
@@ -96,6 +105,42 @@ def unsharded_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> dict
     return out
 
 
+def compute_dtypes(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, torch.dtype]:
+    """Per name of ``params``: the dtype the layers compute in under a ``fully_shard`` mixed
+    precision policy, where it differs from the parameter's own (``param_dtype`` of the
+    innermost ``fully_shard`` module that owns the parameter; FSDP leaves parameters of
+    other dtypes, and non-floating ones, alone). Empty without such a policy."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return {}
+    owner_dtype: dict[int, torch.dtype | None] = {}
+    for module in model.modules():  # parents first: an inner fully_shard overrides
+        if isinstance(module, FSDPModule):
+            policy = module._get_fsdp_state()._mp_policy  # no public accessor
+            for p in cast(nn.Module, module).parameters():
+                owner_dtype[id(p)] = policy.param_dtype
+    out = {}
+    for name, p in params.items():
+        dtype = owner_dtype.get(id(p))
+        if dtype is not None and p.is_floating_point() and dtype != p.dtype:
+            out[name] = dtype
+    return out
+
+
+def precision_note(dtypes: Mapping[str, torch.dtype]) -> str | None:
+    """What the per-sample values describe under a mixed precision policy (the step's note
+    and the run's metadata); None without one."""
+    if not dtypes:
+        return None
+    names = ", ".join(sorted({str(d).removeprefix("torch.") for d in dtypes.values()}))
+    return (f"mixed precision (fully_shard mp_policy, param_dtype {names}): the individual "
+            f"gradients are those of the layers' computation in {names} (θ, inputs and output "
+            "gradients rounded as the layers used them), summed in float32 or wider; θ, the update "
+            "and p.grad are the full-precision parameters the optimizer steps on and their "
+            "gradient")
+
+
 _WAY_OUT = (
     "shard the model with torch.distributed.fsdp.fully_shard (FSDP2) on a 1-D device mesh "
     "of all processes, or use DistributedDataParallel"
@@ -107,8 +152,8 @@ def check_sharding(model: nn.Module) -> None:
     FSDP1 (``FullyShardedDataParallel``: flat parameters, whose individual gradients have
     no layer shape), parameters sharded otherwise than by ``fully_shard`` on a 1-D mesh of
     the whole process group (tensor parallelism, HSDP's 2-D mesh: the sums over ranks
-    would count replicas twice or miss the other mesh dimension), and ``fully_shard``
-    models whose mixed precision policy changes a dtype (see the message)."""
+    would count replicas twice or miss the other mesh dimension), and a mixed precision
+    ``param_dtype`` narrower than 16 bits."""
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
         from torch.distributed.tensor import Shard
@@ -130,15 +175,12 @@ def check_sharding(model: nn.Module) -> None:
                     f"Cockpit does not support fully_shard of torch {torch.__version__}: its "
                     f"internal state differs from torch 2.13's ({error}); use "
                     "DistributedDataParallel") from None
-            dtypes = {p.dtype for p in cast(nn.Module, module).parameters()}
-            if {policy.param_dtype, policy.reduce_dtype} - {None} - dtypes:
+            compute = policy.param_dtype
+            if compute is not None and not (compute.is_floating_point
+                                            and torch.finfo(compute).bits >= 16):
                 raise NotImplementedError(
-                    f"Cockpit does not support fully_shard with a mixed precision policy "
-                    f"({name or 'the model'}: {policy}): the layers would compute in "
-                    "param_dtype, so the individual gradients come from rounded copies of "
-                    "the parameters, inputs and output gradients, and no tolerance holds for "
-                    "every instrument (variances of nearly equal gradients lose all digits); "
-                    "shard without mp_policy, or use DistributedDataParallel")
+                    f"Cockpit does not support fully_shard with param_dtype {compute} "
+                    f"({name or 'the model'}): use bfloat16, float16 or float32")
     world = _world_size()
     for name, param in model.named_parameters():
         if not is_sharded(param):
@@ -169,3 +211,52 @@ def shard_like(full: Tensor, like: DTensor) -> Tensor:
 
     return distribute_tensor(full.detach(), like.device_mesh, like.placements,
                              src_data_rank=None)
+
+
+def saved_slices(tensors: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, int] | None]:
+    """``tensors`` for a checkpoint, on the CPU: each sharded one as this rank's slice (a
+    plain tensor), with ``{"rank", "world"}`` saying whose slice it is (None where nothing
+    is sharded). Gathering them instead would be a collective, which a checkpoint written
+    by rank 0 alone would never finish."""
+    out = {k: local(v).detach().cpu().clone() for k, v in tensors.items()}
+    if not has_sharded(tensors.values()):
+        return out, None
+    from cockpit.engine.reduction.ranks import rank
+
+    return out, {"rank": rank(), "world": _world_size()}
+
+
+def restored_slices(saved: Mapping[str, Tensor], holder: Mapping[str, int] | None,
+                    own: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The saved ``tensors`` of :func:`saved_slices` in place of ``own`` (same names, on
+    their devices and dtypes): a sharded one from this rank's saved slice, or from a whole
+    tensor (sliced here, without communication). Another rank's slice, or a slice saved on
+    another number of processes, is refused (it would give plausible wrong values)."""
+    from cockpit.engine.reduction.ranks import rank
+
+    out = {}
+    for name, mine in own.items():
+        value = saved[name]
+        if is_sharded(value):
+            value = value.to_local()  # (a state saved with DTensors: whose slice is unknown)
+            holder = holder or {"rank": -1, "world": -1}
+        if not is_sharded(mine) or tuple(value.shape) == tuple(mine.shape):
+            if tuple(value.shape) != tuple(mine.shape):
+                raise ValueError(f"the saved {name} has shape {tuple(value.shape)}, the model's "
+                                 f"{tuple(mine.shape)}: it was saved for another model")
+            whole_value = value.to(device=mine.device, dtype=mine.dtype)
+            out[name] = shard_like(whole_value, mine) if is_sharded(mine) else whole_value
+            continue
+        me, world = rank(), _world_size()
+        if holder is None or (holder["rank"], holder["world"]) != (me, world):
+            whose = ("a slice of unknown origin" if holder is None or holder["rank"] < 0
+                     else f"rank {holder['rank']}'s slice of {holder['world']} processes")
+            raise ValueError(
+                f"the saved {name} is {whose}, and this is rank {me} of {world}: under "
+                "fully_shard each rank holds its own slice of the parameters, so save "
+                "cockpit.state_dict() on every rank and load each rank's own, on the same "
+                "number of processes (or pass whole tensors)")
+        restored = mine.detach().clone()
+        local(restored).copy_(value.reshape(local(mine).shape))
+        out[name] = restored
+    return out

@@ -42,8 +42,14 @@ from cockpit.engine.rules.batchnorm_frozen import (
 from cockpit.engine.rules.conv import reuse_unfolded_inputs
 from cockpit.engine.rules.norms import batch_norm_message, uses_batch_statistics
 from cockpit.engine.rules.sample_grads import SampleGrads
-from cockpit.engine.sharded import has_sharded, whole
-from cockpit.engine.statistics import GRAM_MEAN, HIST2D, BackwardStatistics, GradientDots
+from cockpit.engine.sharded import compute_dtypes, has_sharded, precision_note, whole
+from cockpit.engine.statistics import (
+    GRAM_MEAN,
+    HIST2D,
+    SAMPLE_GRAD_SUM,
+    BackwardStatistics,
+    GradientDots,
+)
 
 __all__ = ["Call", "ModuleTracker", "Unit"]
 
@@ -70,6 +76,9 @@ class ModuleTracker:
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.parameter_owners = {name: owner(model, name) for name in self.params}
         self.sharded = has_sharded(self.params.values())  # fully_shard (engine/sharded.py)
+        # fully_shard's mixed precision: the dtype each parameter's layer computes in
+        self.compute_dtypes = compute_dtypes(model, self.params) if self.sharded else {}
+        self.precision_note = precision_note(self.compute_dtypes)  # (None without)
         # fully_shard: all of θ per name while a tracked backward pass is processed
         self.gathered_params: dict[str, Tensor] = {}
         self.capturing = True
@@ -168,6 +177,9 @@ class ModuleTracker:
         self.processor.begin()
         if self.sharded:  # the unsharded parameters hold all of θ during the backward pass
             self.gathered_params = self.capture.hook_unsharded_parameters()
+            if self.compute_dtypes and HIST2D in self.needs and not request.defer:
+                # rounded to param_dtype: GradHist2d draws the full-precision θ instead
+                self.gathered_params = {k: whole(p.detach()) for k, p in self.params.items()}
         self.release_step_cache()
         if losses is not None and losses.grad_fn is not None and num_samples > 1:
             # also without per-sample instruments: the diagonal curvature's backprops
@@ -333,7 +345,24 @@ class ModuleTracker:
         weight, n = self.loss_weight, stats.num_samples
         if weight not in (None, 0.0) and n and weight * n != 1.0:
             stats.batch_grads = {k: g * (1.0 / (weight * n)) for k, g in stats.batch_grads.items()}
+        if self.compute_dtypes:
+            self._mean_of_individual_gradients(stats, weight)
         return stats
+
+    @staticmethod
+    def _mean_of_individual_gradients(stats: BackwardStatistics, weight: float | None) -> None:
+        """Mixed precision (:mod:`cockpit.engine.sharded`): ḡ = (1/N) Σ_n g_n summed from
+        the individual gradients (float32 or wider), in place of the gradient autograd made in
+        param_dtype (rounded once per process: its digits would depend on how the batch is
+        split). Parameters without individual gradients at this step keep autograd's
+        gradient, widened to at least float32."""
+        sums = stats.sample_sums.pop(SAMPLE_GRAD_SUM, {})
+        n = stats.num_samples
+        for name, grad in stats.batch_grads.items():
+            if name in sums and n and weight not in (None, 0.0):
+                stats.batch_grads[name] = sums[name].double().reshape(grad.shape) / n
+            elif grad.is_floating_point() and torch.finfo(grad.dtype).bits < 32:
+                stats.batch_grads[name] = grad.float()
 
     def _gather_for_end(self) -> dict[str, Tensor]:
         """``fully_shard``: all of θ (gathered, the same names on every rank) for the calls

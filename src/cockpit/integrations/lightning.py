@@ -122,7 +122,12 @@ class CockpitCallback(pl.Callback):
         # Lightning's backward runs inside optimizer.step(closure): the step ends here
         self.cockpit.ends_steps_at_optimizer_step = False
         if self._restored is not None:
-            self.cockpit.load_state_dict(self._restored)
+            try:
+                self.cockpit.load_state_dict(self._restored)
+            except ValueError as error:  # (fully_shard: another rank's slice of θ_0)
+                warnings.warn(f"training resumed without Cockpit's θ_0 ({error}): Distance is "
+                              "measured from the resumed parameters", RuntimeWarning,
+                              stacklevel=2)
             self._restored = None
         self._wrap_training_step(pl_module)
 

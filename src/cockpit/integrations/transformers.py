@@ -172,7 +172,12 @@ class CockpitCallback(TrainerCallback):
         if state.global_step > 0:  # resumed from a checkpoint
             path = os.path.join(_checkpoint_folder(args, state), STATE_FILE)
             if os.path.exists(path):
-                self.cockpit.load_state_dict(torch.load(path, weights_only=True))
+                try:
+                    self.cockpit.load_state_dict(torch.load(path, weights_only=True))
+                except ValueError as error:  # (fully_shard: rank 0's slice of θ_0 on another)
+                    warnings.warn(f"training resumed at step {state.global_step} without "
+                                  f"Cockpit's θ_0 ({error}): Distance is measured from the "
+                                  "resumed parameters", RuntimeWarning, stacklevel=2)
             else:
                 warnings.warn(
                     f"training resumed at step {state.global_step} without Cockpit's state "

@@ -94,7 +94,8 @@ class TrackedStep:
         self.finite_losses: Tensor | bool = True
         self.problems: list[tuple[str, str]] = []  # (scope, reason): see loop_checks
         self.forwards: set = set()  # the losses' graph nodes backpropagated in its blocks
-        self.approximation: str | None = None  # how its individual gradients are defined
+        # how its individual gradients are defined, where they are not the exact ones
+        self.approximation: str | None = run.tracker.precision_note
         # after finish: what the instruments of the update need until the optimizer step
         self._update: tuple[StepData, dict[str, Tensor], list[Quantity]] | None = None
 
@@ -154,7 +155,9 @@ class TrackedStep:
     def _first_request(self) -> StepRequest:
         run = self.run
         needs = frozenset().union(*(q.needs for q in self.tracked))
-        split = run.accumulating or run.ranks > 1
+        # mixed precision (fully_shard): ḡ is summed from the g_n after the backward pass,
+        # so g_nᵀḡ is formed at the reduction point as for a split batch
+        split = run.accumulating or run.ranks > 1 or bool(run.tracker.compute_dtypes)
         # one backward per process: the layers can wait for the synchronized gradient
         defer = run.ranks > 1 and not run.accumulating
         request = StepRequest(needs, gradient_scale=run.gradient_scale(), split=split,

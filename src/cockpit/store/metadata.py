@@ -19,9 +19,11 @@ from cockpit.quantities.descriptor import METADATA_KEY, describe_instruments
 
 def run_metadata(model: nn.Module, tracked_model: nn.Module, params: dict[str, Tensor],
                  optimizer: torch.optim.Optimizer | None, quantities: list[Quantity],
-                 batchnorm: str | None) -> dict[str, Any]:
+                 batchnorm: str | None, precision: str | None = None) -> dict[str, Any]:
     """``model``: as passed to Cockpit; ``tracked_model``: the module its hooks are on
-    (inside torch.compile's wrapper); ``params``: its trainable parameters by name."""
+    (inside torch.compile's wrapper); ``params``: its trainable parameters by name;
+    ``precision``: what the values describe under a mixed precision policy (None: the
+    parameters' own precision)."""
     # only an optimizer that trains (some of) this model, only its groups that do
     groups = model_param_groups(optimizer, params)
     stepped = stepped_params(optimizer, params)
@@ -48,6 +50,7 @@ def run_metadata(model: nn.Module, tracked_model: nn.Module, params: dict[str, T
         "device": str(next(iter(params.values())).device) if params else "cpu",
         "batchnorm": (None if batchnorm is None
                       else {"mode": batchnorm, "note": APPROXIMATION}),
+        "mixed_precision": precision,
     }
 
 

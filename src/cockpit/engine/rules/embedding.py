@@ -50,7 +50,7 @@ class EmbeddingSampleGrads(SampleGrads):
         return out.index_add_(0, self.pair_token, self.rows) / self.num_samples
 
     def dots(self, u: Tensor) -> Tensor:
-        per_pair = (self.rows * u.reshape(self.shape)[self.pair_token]).sum(1)
+        per_pair = (self.rows * u.reshape(self.shape).to(self.rows.dtype)[self.pair_token]).sum(1)
         return self.rows.new_zeros(self.num_samples).index_add_(0, self.pair_sample, per_pair)
 
     def sum_sq(self) -> Tensor:
