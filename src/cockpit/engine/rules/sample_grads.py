@@ -69,6 +69,20 @@ class SampleGrads(ABC):
         reuses (:mod:`cockpit.engine.workspace`): safe to keep."""
         return self.materialize()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the individual gradients are formed in."""
+        return self.materialize().dtype
+
+    def scratch_bytes(self) -> int:
+        """Bytes of all |B| individual gradients at once: |B| · D · itemsize."""
+        return self.num_samples * self.shape.numel() * self.dtype.itemsize
+
+    def select(self, start: int, stop: int) -> SampleGrads | None:
+        """The individual gradients of the samples ``start ≤ n < stop`` alone, formed without
+        materializing the others (None where this representation cannot)."""
+        return None
+
     def chunks(self) -> list[Tensor]:
         """Individual gradients in sample chunks ``[n_chunk, ...]`` (default: one chunk of
         shape ``[N, *shape]``). A representation may order each sample's D numbers
@@ -167,6 +181,13 @@ class DenseSampleGrads(SampleGrads):
     def materialize(self) -> Tensor:
         return self.grads
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.grads.dtype
+
+    def select(self, start: int, stop: int) -> SampleGrads:
+        return DenseSampleGrads(self.grads[start:stop])
+
     def add_(self, other: SampleGrads) -> None:
         """Accumulate another use of the same parameter (tied weights, reused modules)."""
         self.grads = self.grads + other.materialize()
@@ -189,6 +210,13 @@ class OuterSampleGrads(SampleGrads):
 
     def materialize(self) -> Tensor:
         return self.delta.unsqueeze(2) * self.a.unsqueeze(1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.promote_types(self.delta.dtype, self.a.dtype)
+
+    def select(self, start: int, stop: int) -> SampleGrads:
+        return OuterSampleGrads(self.delta[start:stop], self.a[start:stop])
 
     def chunks(self) -> list[Tensor]:
         per_sample = self.shape.numel()
@@ -251,6 +279,13 @@ class SequenceOuterSampleGrads(SampleGrads):
 
     def materialize(self) -> Tensor:
         return torch.bmm(self.delta.transpose(1, 2), self.a)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.promote_types(self.delta.dtype, self.a.dtype)
+
+    def select(self, start: int, stop: int) -> SampleGrads:
+        return SequenceOuterSampleGrads(self.delta[start:stop], self.a[start:stop])
 
     def chunks(self) -> list[Tensor]:
         size = max(1, _CHUNK_ELEMENTS // max(self.shape.numel(), 1))
