@@ -301,7 +301,7 @@ class CallProcessor:
             if isinstance(sg, SampleChunks):
                 self.engine.chunked_layers[name] = sg.num_chunks
             return sg
-        if sg.num_samples > 1 and sg.select(0, 1) is not None:
+        if sg.num_samples > 1 and sg.selectable:
             per_sample = -(-sg.scratch_bytes() // sg.num_samples)
             sg = SampleChunks(sg.num_samples, sg.shape, sg.dtype, sg.select,
                               samples_per_chunk(per_sample, budget))
@@ -319,9 +319,13 @@ class CallProcessor:
         statistics = requested(engine.needs)
         values: dict[str, list[Tensor]] = {}
         centered: dict[str, tuple[Tensor, Tensor, int]] = {}
+        total: Tensor | None = None  # Σ_n g_n, for the dot products with ḡ later
         for part in sg.parts():
             layer = LayerContext(name, engine)
             with shared_chunks(part, layer):
+                mean = part.batch_mean()
+                total = (mean * part.num_samples if total is None
+                         else total + mean * part.num_samples)
                 for statistic in statistics:
                     if statistic.merge is Merge.NONE:
                         continue
@@ -331,12 +335,14 @@ class CallProcessor:
                     if statistic.merge is Merge.CENTERED:
                         centered[statistic.name] = merge_centered(
                             centered.get(statistic.name),
-                            (value, part.batch_mean(), part.num_samples))
+                            (value, mean, part.num_samples))
                     elif statistic.merge is Merge.ADD and statistic.name in values:
                         values[statistic.name][0] = values[statistic.name][0] + value
                     else:
                         values.setdefault(statistic.name, []).append(value)
             del part, layer
+        if total is not None:
+            sg.mean = total / sg.num_samples
         for statistic in statistics:
             if statistic.merge is Merge.NONE:
                 value = statistic.form(sg, LayerContext(name, engine))
@@ -507,11 +513,11 @@ def accumulate(accumulated: dict[str, DenseSampleGrads | CallSum], name: str,
     if budget is not None and (name in accumulated or sg.scratch_bytes() > budget // 2):
         held = accumulated.get(name)
         if isinstance(held, CallSum):
-            if sg.select(0, 1) is not None:
+            if sg.selectable:
                 held.add_(sg)
                 return
             accumulated[name] = held = DenseSampleGrads(held.materialize())
-        elif held is None and sg.num_samples > 1 and sg.select(0, 1) is not None:
+        elif held is None and sg.num_samples > 1 and sg.selectable:
             accumulated[name] = CallSum([sg])
             return
     dense = DenseSampleGrads(sg.materialize_owned())

@@ -141,6 +141,7 @@ class ConvSampleGrads(SampleGrads):
     """
 
     caches_chunks = True  # (see chunks)
+    selectable = True
 
     def __init__(
         self, module: nn.modules.conv._ConvNd, x_padded: Tensor, delta: Tensor, key=None,

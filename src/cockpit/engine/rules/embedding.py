@@ -21,6 +21,8 @@ from cockpit.engine.rules.sample_grads import SampleGrads
 
 
 class EmbeddingSampleGrads(SampleGrads):
+    selectable = True
+
     def __init__(self, indices: Tensor, delta: Tensor, num_embeddings: int, padding_idx):
         n = indices.shape[0]
         idx = indices.reshape(n, -1)

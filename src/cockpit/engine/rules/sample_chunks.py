@@ -32,10 +32,13 @@ class SampleChunks(SampleGrads):
     """The individual gradients of |B| samples, held as a way to form those of any sample
     range (``part(start, stop)``) and answered chunk by chunk of ``size`` samples."""
 
+    selectable = True
+
     def __init__(self, num_samples: int, shape: torch.Size, dtype: torch.dtype,
                  part: Callable[[int, int], SampleGrads], size: int):
         self.num_samples, self.shape, self._dtype = num_samples, shape, dtype
         self.part, self.size = part, size
+        self.mean: Tensor | None = None  # ḡ, once known (saves a pass over the chunks)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -63,12 +66,14 @@ class SampleChunks(SampleGrads):
         return torch.cat([p.sq_norms() for p in self.parts()])
 
     def batch_mean(self) -> Tensor:
-        total = None
-        for p in self.parts():
-            addend = p.batch_mean() * p.num_samples
-            total = addend if total is None else total + addend
-        assert total is not None
-        return total / self.num_samples
+        if self.mean is None:
+            total = None
+            for p in self.parts():
+                addend = p.batch_mean() * p.num_samples
+                total = addend if total is None else total + addend
+            assert total is not None
+            self.mean = total / self.num_samples
+        return self.mean
 
     def gram_mean(self) -> Tensor:
         return self.dots(self.batch_mean())
@@ -115,6 +120,8 @@ class CallSum(SampleGrads):
     """g_n = Σ_c g_n^{(c)} over the calls c of a parameter used by several calls (tied
     weights), kept per call and summed per sample range when asked (:meth:`select`)."""
 
+    selectable = True
+
     def __init__(self, calls: list[SampleGrads]):
         self.calls = calls
         self.num_samples, self.shape = calls[0].num_samples, calls[0].shape
@@ -133,7 +140,6 @@ class CallSum(SampleGrads):
         total: Tensor | None = None
         for call in self.calls:
             part = call.select(start, stop)
-            assert part is not None
             if total is None:
                 total = part.materialize_owned()
                 if isinstance(part, DenseSampleGrads):  # a view of the call's own tensor

@@ -78,10 +78,13 @@ class SampleGrads(ABC):
         """Bytes of all |B| individual gradients at once: |B| · D · itemsize."""
         return self.num_samples * self.shape.numel() * self.dtype.itemsize
 
-    def select(self, start: int, stop: int) -> SampleGrads | None:
-        """The individual gradients of the samples ``start ≤ n < stop`` alone, formed without
-        materializing the others (None where this representation cannot)."""
-        return None
+    # whether :meth:`select` forms a sample range without materializing the others
+    selectable: bool = False
+
+    def select(self, start: int, stop: int) -> SampleGrads:
+        """The individual gradients of the samples ``start ≤ n < stop`` alone (where
+        ``selectable``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot select samples")
 
     def chunks(self) -> list[Tensor]:
         """Individual gradients in sample chunks ``[n_chunk, ...]`` (default: one chunk of
@@ -172,6 +175,7 @@ class DenseSampleGrads(SampleGrads):
     """Individual gradients stored explicitly as ``G[n] = g_n``."""
 
     caches_chunks = True
+    selectable = True
 
     def __init__(self, grads: Tensor):
         self.grads = grads
@@ -202,6 +206,7 @@ class OuterSampleGrads(SampleGrads):
     """
 
     fuse_dots = False
+    selectable = True
 
     def __init__(self, delta: Tensor, a: Tensor):
         self.delta, self.a = delta, a
@@ -271,6 +276,8 @@ class SequenceOuterSampleGrads(SampleGrads):
     ‖g_n‖² = Σ_{t,t'} (δ_{n,t}ᵀδ_{n,t'})(a_{n,t}ᵀa_{n,t'}) by per-sample Gram matrices when
     that is cheaper than materializing;  g_nᵀ U = Σ_t δ_{n,t}ᵀ U a_{n,t}.
     """
+
+    selectable = True
 
     def __init__(self, delta: Tensor, a: Tensor):
         self.delta, self.a = delta, a
