@@ -231,3 +231,64 @@ def test_every_instrument_is_unchanged_by_chunking(configuration, micro_batches)
                 np.testing.assert_allclose(np.asarray(got[key], dtype=float),
                                            np.asarray(value, dtype=float), rtol=1e-9,
                                            atol=1e-12, equal_nan=True, err_msg=key)
+
+
+def representations() -> dict:
+    """One of each selectable representation, float64, |B| = 7."""
+    from cockpit.engine.rules.conv import ConvSampleGrads, _explicit_padding
+    from cockpit.engine.rules.embedding import EmbeddingSampleGrads
+    from cockpit.engine.rules.sample_chunks import CallSum
+    from cockpit.engine.rules.sample_grads import (
+        DenseSampleGrads,
+        OuterSampleGrads,
+        SequenceOuterSampleGrads,
+    )
+    torch.manual_seed(3)
+    n = 7
+    conv = nn.Conv2d(2, 3, 3, padding=1, stride=2).double()
+    x = torch.randn(n, 2, 6, 5, dtype=torch.float64)
+    delta_conv = torch.randn_like(conv(x))
+
+    def embedding():
+        return EmbeddingSampleGrads(torch.randint(0, 6, (n, 5)),
+                                    torch.randn(n, 5, 4, dtype=torch.float64), 6, None)
+
+    def sequence():
+        return SequenceOuterSampleGrads(torch.randn(n, 5, 6, dtype=torch.float64),
+                                        torch.randn(n, 5, 4, dtype=torch.float64))
+
+    return {
+        "dense": DenseSampleGrads(torch.randn(n, 3, 4, dtype=torch.float64)),
+        "outer": OuterSampleGrads(torch.randn(n, 3, dtype=torch.float64),
+                                  torch.randn(n, 4, dtype=torch.float64)),
+        "sequence": sequence(),
+        "embedding": embedding(),
+        "conv": ConvSampleGrads(conv, _explicit_padding(conv, x), delta_conv, scale=0.5),
+        "tied": CallSum([sequence(), embedding()]),
+    }
+
+
+@pytest.mark.parametrize("kind", ["dense", "outer", "sequence", "embedding", "conv", "tied"])
+def test_sample_chunks_answer_like_the_whole_batch(kind):
+    from cockpit.engine.rules.sample_chunks import SampleChunks
+    from cockpit.engine.rules.sample_grads import DenseSampleGrads
+    sg = representations()[kind]
+    whole = DenseSampleGrads(sg.materialize_owned().clone())
+    assert sg.selectable
+    for start, stop in ((0, 7), (2, 5), (6, 7)):
+        torch.testing.assert_close(sg.select(start, stop).materialize(),
+                                   whole.grads[start:stop], rtol=1e-12, atol=1e-14)
+    chunked = SampleChunks(sg.num_samples, sg.shape, sg.dtype, sg.select, size=3)
+    assert chunked.num_chunks == 3
+    us = [torch.randn(sg.shape, dtype=torch.float64) for _ in range(2)]
+    spec = BinSpec(-1.0, 1.0, 9)
+    theta = torch.randn(sg.shape, dtype=torch.float64)
+    for question in (lambda g: g.sq_norms(), lambda g: g.batch_mean(),
+                     lambda g: g.gram_mean(), lambda g: g.dots(us[0]),
+                     lambda g: g.dots_many(us), lambda g: g.sum_sq(),
+                     lambda g: g.centered_sum_sq(), lambda g: g.histogram(spec),
+                     lambda g: g.histogram2d(theta, spec, BinSpec(-2.0, 2.0, 5)),
+                     lambda g: g.materialize()):
+        expected = question(whole)
+        torch.testing.assert_close(question(chunked).to(expected.dtype).reshape(expected.shape),
+                                   expected, rtol=1e-10, atol=1e-12)
