@@ -109,8 +109,7 @@ class Cockpit:
         memory_budget: bytes of individual gradients one layer may hold at once; a layer
             above it (e.g. a large vocabulary's embedding) is processed in sample chunks,
             exactly, at some extra time, and said so once in the notes. ``"auto"``
-            (default): 1 GiB on a CPU, min(512 MiB, 1/16 of its memory) on a GPU; None: no
-            limit.
+            (default): 512 MiB, at most 1/16 of a GPU's memory; None: no limit.
 
     Gradient accumulation: all backward passes of one optimizer step go inside
     ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values

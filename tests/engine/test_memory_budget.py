@@ -181,8 +181,8 @@ def test_a_bad_budget_is_refused(bad):
         Cockpit(nn.Linear(2, 2), memory_budget=bad)
 
 
-def test_the_automatic_budget_on_a_cpu_is_one_gib():
-    assert Cockpit(nn.Linear(2, 2)).tracker.memory_budget == 2**30
+def test_the_automatic_budget_on_a_cpu_is_512_mib():
+    assert Cockpit(nn.Linear(2, 2)).tracker.memory_budget == 2**29
     assert Cockpit(nn.Linear(2, 2), memory_budget=None).tracker.memory_budget is None
 
 

@@ -223,6 +223,12 @@ class OuterSampleGrads(SampleGrads):
     def select(self, start: int, stop: int) -> SampleGrads:
         return OuterSampleGrads(self.delta[start:stop], self.a[start:stop])
 
+    def scratch_bytes(self) -> int:
+        """Every statistic has a closed form or forms one chunk of at most 2^25 elements
+        at a time (the automatic histogram range), never all |B| gradients at once."""
+        per_chunk = min(self.num_samples * self.shape.numel(), _CHUNK_ELEMENTS)
+        return per_chunk * self.dtype.itemsize
+
     def chunks(self) -> list[Tensor]:
         per_sample = self.shape.numel()
         size = max(1, _CHUNK_ELEMENTS // max(per_sample, 1))
