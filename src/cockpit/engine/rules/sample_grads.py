@@ -16,6 +16,10 @@ instruments ask, each with a closed form where the layer structure allows one:
 * ``centered_sum_sq()`` Σ_n (g_n − ḡ) ⊙ (g_n − ḡ)    shape of θ, float64 (no cancellation)
 * ``histogram(spec)`` counts of all N·D elements g_{n,j}
 * ``histogram2d(theta, spec_g, spec_theta)`` counts of the pairs (g_{n,j}, θ_j)
+* ``select(start, stop)`` the samples of a range alone (where ``selectable``), so that a
+  layer above the memory budget is processed in sample chunks
+  (:mod:`cockpit.engine.rules.sample_chunks`); ``scratch_bytes()`` what its statistics
+  would hold at once
 
 :class:`DenseSampleGrads` materializes ``[N, *shape]`` and serves as the general fallback;
 :class:`OuterSampleGrads` and :class:`SequenceOuterSampleGrads` hold g_n = Σ_t δ_{n,t} a_{n,t}ᵀ
