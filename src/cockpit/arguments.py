@@ -67,3 +67,28 @@ def warn_slow_bins(quantities: list[Quantity], hist_bins: BinSpec | None,
                              (hist2d_bins[1], "hist2d_bins[1]", "GradHist2d")):
         if user in used:
             warn_if_slow(spec, name)
+
+
+def resolved_memory_budget(memory_budget: Any, model: nn.Module) -> int | None:
+    """The bytes of individual gradients one layer may hold at once: ``memory_budget`` as
+    given (a positive number of bytes, or None for no limit), or for ``"auto"`` 512 MiB,
+    at most 1/16 of a GPU's memory. The statistics' temporaries add a few times the
+    gradients held (GPT-2's tied token embedding at |B| = 8 with 411 MB of individual
+    gradients added 4.6 GB to a CPU step's peak, 0.37 GB in chunks of 128 MiB:
+    benchmarks/memory_budget.py), while layers below 512 MiB (3C3D's largest at |B| = 128:
+    288 MiB; a Linear layer without sequence dimensions never materializes all at once)
+    keep their one pass."""
+    if isinstance(memory_budget, str) and memory_budget == "auto":
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            return min(2**29, total // 16)
+        return 2**29
+    if memory_budget is None:
+        return None
+    if (isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float)
+            or not memory_budget >= 1):
+        raise ValueError(
+            "memory_budget must be a positive number of bytes (e.g. 2**30), 'auto' (the "
+            f"default) or None (no limit), got {memory_budget!r}")
+    return int(memory_budget)

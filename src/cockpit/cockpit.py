@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from cockpit.arguments import checked_arguments, warn_slow_bins
+from cockpit.arguments import checked_arguments, resolved_memory_budget, warn_slow_bins
 from cockpit.diagnose.live import LiveDiagnosis
 from cockpit.engine import sharded
 from cockpit.engine.capture import compiled
@@ -107,6 +107,10 @@ class Cockpit:
             without weight gradients per tracked step; labelled in the notes, the view and
             the run log; puts Alpha on its general path (kept layer calls). One backward
             pass per step in one process only.
+        memory_budget: bytes of individual gradients one layer may hold at once; a layer
+            above it (e.g. a large vocabulary's embedding) is processed in sample chunks,
+            exactly, at some extra time, and said so once in the notes. ``"auto"``
+            (default): 512 MiB, at most 1/16 of a GPU's memory; None: no limit.
 
     Gradient accumulation: all backward passes of one optimizer step go inside
     ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values
@@ -150,6 +154,7 @@ class Cockpit:
         strict: bool = False,
         diagnose: bool = False,
         batchnorm: str | None = None,
+        memory_budget: int | str | None = "auto",
     ):
         self.quantities = checked_arguments(model, quantities, optimizer, grad_scaler,
                                             distributed, memory_steps)
@@ -161,7 +166,8 @@ class Cockpit:
         # tracked steps only (see cockpit.engine.capture.compiled)
         hist_spec: BinSpec | AutoRange = AutoRange() if hist_bins is None else hist_bins
         self.tracker = ModuleTracker(compiled.uncompiled(model), hist_spec, hist2d_bins,
-                                     strict=strict, batchnorm=batchnorm)
+                                     strict=strict, batchnorm=batchnorm,
+                                     memory_budget=resolved_memory_budget(memory_budget, model))
         self._compiled = compiled.EagerAtTrackedSteps(model, self.tracker)
         if batchnorm == FROZEN_STATISTICS and any(
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):

@@ -15,7 +15,9 @@ per parameter and reduces each to the statistics the step's instruments need:
   the :class:`SampleGrads` waits for it (``pending``).
 
 Parameters used by several calls (tied weights) have their individual gradients summed over
-the calls (``accumulated``) and are reduced when the backward pass ends. The state of the
+the calls (``accumulated``) and are reduced when the backward pass ends. A parameter whose
+|B| individual gradients exceed the engine's ``memory_budget`` (bytes) is reduced in sample
+chunks that each fit it (:mod:`cockpit.engine.rules.sample_chunks`; exact). The state of the
 backward pass itself (the request, the loss weights w_n, the gradients seen so far, the
 statistics being filled) belongs to the :class:`~cockpit.engine.tracker.ModuleTracker`
 whose hooks record it; the processor reads it there.
@@ -23,6 +25,7 @@ whose hooks record it; the processor reads it there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import TYPE_CHECKING
 
@@ -35,8 +38,19 @@ from cockpit.engine.rules.batchnorm_frozen import (
     frozen_batch_norm_rule,
     is_training_batch_norm,
 )
-from cockpit.engine.rules.fallback import batch_dim_of, fallback_rule, output_batch_dims
+from cockpit.engine.rules.fallback import (
+    batch_dim_of,
+    fallback_in_chunks,
+    fallback_rule,
+    output_batch_dims,
+)
 from cockpit.engine.rules.norms import SampleMixingError
+from cockpit.engine.rules.sample_chunks import (
+    CallSum,
+    SampleChunks,
+    merge_centered,
+    samples_per_chunk,
+)
 from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 from cockpit.engine.statistics import (
     GRAM_MEAN,
@@ -44,6 +58,7 @@ from cockpit.engine.statistics import (
     PROJECTIONS,
     SAMPLE_GRAD_SUM,
     LayerContext,
+    Merge,
     requested,
     shared_chunks,
 )
@@ -75,7 +90,7 @@ class CallProcessor:
     def __init__(self, engine: ModuleTracker):
         self.engine = engine
         # individual gradients of parameters used by several calls, summed over the calls
-        self.accumulated: dict[str, DenseSampleGrads] = {}
+        self.accumulated: dict[str, DenseSampleGrads | CallSum] = {}
         # parameter → its individual gradients, waiting for the parameter's gradient
         self.pending: dict[str, SampleGrads] = {}
         # calls kept (inputs and individual output gradients) for later projections
@@ -164,7 +179,7 @@ class CallProcessor:
             if sg.num_samples != stats.num_samples:
                 raise ValueError(batch_size_message(sg.num_samples, stats.num_samples))
             if name in engine._multi_use:
-                accumulate(self.accumulated, name, sg)
+                accumulate(self.accumulated, name, sg, engine.memory_budget)
             else:
                 self.reduce(name, sg)
 
@@ -237,7 +252,10 @@ class CallProcessor:
                 args, kwargs, grads = common_precision(args, kwargs, grads)
                 params = {k: v.float() if v.is_floating_point() and v.element_size() < 4
                           else v for k, v in params.items()}
-            sample_grads = fallback_rule(
+            chunked = (None if engine.memory_budget is None else fallback_in_chunks(
+                unit.module, args, kwargs, call.output_positions, grads, params,
+                engine.memory_budget))
+            sample_grads = chunked if chunked is not None else fallback_rule(
                 unit.module, args, kwargs, call.output_positions, grads, params
             )
         return {engine.unit_param_name(unit, attr): sg for attr, sg in sample_grads.items()}
@@ -267,12 +285,17 @@ class CallProcessor:
         engine = self.engine
         stats, needs = engine.stats, engine.needs
         assert stats is not None
+        sg = self.within_budget(name, sg)
         layer = LayerContext(name, engine)
-        with shared_chunks(sg, layer):
-            for statistic in requested(needs):
-                value = statistic.form(sg, layer)
-                if value is not None:
-                    stats[statistic.name][name] = value
+        chunked = isinstance(sg, SampleChunks)
+        with contextlib.nullcontext() if chunked else shared_chunks(sg, layer):
+            if chunked:
+                self.form_in_chunks(name, sg)
+            else:
+                for statistic in requested(needs):
+                    value = statistic.form(sg, layer)
+                    if value is not None:
+                        stats[statistic.name][name] = value
             if engine._frozen_pass or engine.compute_dtypes:  # their sum (not ∂L/∂θ): keep it
                 stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
                     sg.batch_mean() * sg.num_samples)
@@ -282,6 +305,71 @@ class CallProcessor:
                 self.pending[name] = sg
             else:
                 self.reduce_dots(name, sg)
+
+    def within_budget(self, name: str, sg: SampleGrads) -> SampleGrads:
+        """``sg`` as :class:`SampleChunks` where its |B| individual gradients exceed the
+        engine's memory budget (and it can form sample ranges alone); recorded in
+        ``engine.chunked_layers``."""
+        budget = self.engine.memory_budget
+        if budget is None or isinstance(sg, SampleChunks) or sg.scratch_bytes() <= budget:
+            if isinstance(sg, SampleChunks):
+                self.engine.chunked_layers[name] = sg.num_chunks
+            return sg
+        if sg.num_samples > 1 and sg.selectable:
+            per_sample = -(-sg.scratch_bytes() // sg.num_samples)
+            sg = SampleChunks(sg.num_samples, sg.shape, sg.dtype, sg.select,
+                              samples_per_chunk(per_sample, budget))
+            self.engine.chunked_layers[name] = sg.num_chunks
+        return sg
+
+    def form_in_chunks(self, name: str, sg: SampleChunks) -> None:
+        """Every requested statistic of one parameter, formed per sample chunk (all of a
+        chunk's statistics share its one materialization) and merged as each declares:
+        per-sample values concatenated, sums added, centered sums by the parallel-variance
+        identity; statistics relative to the whole batch's mean on the whole ``sg``."""
+        engine = self.engine
+        stats = engine.stats
+        assert stats is not None
+        statistics = requested(engine.needs)
+        values: dict[str, list[Tensor]] = {}
+        centered: dict[str, tuple[Tensor, Tensor, int]] = {}
+        total: Tensor | None = None  # Σ_n g_n, for the dot products with ḡ later
+        for part in sg.parts():
+            layer = LayerContext(name, engine)
+            with shared_chunks(part, layer):
+                mean = part.batch_mean()
+                total = (mean * part.num_samples if total is None
+                         else total + mean * part.num_samples)
+                for statistic in statistics:
+                    if statistic.merge is Merge.NONE:
+                        continue
+                    value = statistic.form(part, layer)
+                    if value is None:
+                        continue
+                    if statistic.merge is Merge.CENTERED:
+                        centered[statistic.name] = merge_centered(
+                            centered.get(statistic.name),
+                            (value, mean, part.num_samples))
+                    elif statistic.merge is Merge.ADD and statistic.name in values:
+                        values[statistic.name][0] = values[statistic.name][0] + value
+                    else:
+                        values.setdefault(statistic.name, []).append(value)
+            del part, layer
+        if total is not None:
+            sg.mean = total / sg.num_samples
+        for statistic in statistics:
+            if statistic.merge is Merge.NONE:
+                value = statistic.form(sg, LayerContext(name, engine))
+            elif statistic.merge is Merge.CENTERED:
+                value = centered[statistic.name][0] if statistic.name in centered else None
+            elif statistic.name not in values:
+                value = None
+            elif statistic.merge is Merge.CONCAT:
+                value = torch.cat(values[statistic.name], dim=statistic.sample_dim)
+            else:
+                value = values[statistic.name][0]
+            if value is not None:
+                stats[statistic.name][name] = value
 
     def reduce_dots_guarded(self, name: str, sg: SampleGrads) -> None:
         self.guarded(name, self.reduce_dots, name, sg)
@@ -442,8 +530,21 @@ def weights_problem(w: Tensor) -> tuple[str | None, float]:
     return None, value
 
 
-def accumulate(accumulated: dict[str, DenseSampleGrads], name: str, sg: SampleGrads) -> None:
-    """Sum the individual gradients of a parameter over the calls that use it."""
+def accumulate(accumulated: dict[str, DenseSampleGrads | CallSum], name: str,
+               sg: SampleGrads, budget: int | None = None) -> None:
+    """Sum the individual gradients of a parameter over the calls that use it. Where their
+    sum would exceed ``budget`` the calls are kept (:class:`CallSum`) and summed per sample
+    chunk later (:meth:`CallProcessor.within_budget`)."""
+    if budget is not None and (name in accumulated or sg.scratch_bytes() > budget // 2):
+        held = accumulated.get(name)
+        if isinstance(held, CallSum):
+            if sg.selectable:
+                held.add_(sg)
+                return
+            accumulated[name] = held = DenseSampleGrads(held.materialize())
+        elif held is None and sg.num_samples > 1 and sg.selectable:
+            accumulated[name] = CallSum([sg])
+            return
     dense = DenseSampleGrads(sg.materialize_owned())
     if name in accumulated:
         accumulated[name].add_(dense)

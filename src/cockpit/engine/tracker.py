@@ -65,8 +65,14 @@ class ModuleTracker:
         hist2d_specs: tuple[BinSpec, BinSpec],
         strict: bool = False,
         batchnorm: str | None = None,
+        memory_budget: int | None = None,
     ):
         self.model = model
+        # bytes of individual gradients one layer may hold at once (None: no limit); above
+        # it a layer is processed in sample chunks (cockpit.engine.rules.sample_chunks)
+        self.memory_budget = memory_budget
+        self.chunked_layers: dict[str, int] = {}  # parameter → sample chunks, when chunked
+        self._chunks_told: set[str] = set()
         self.batchnorm = check_batchnorm_mode(batchnorm)
         self._frozen_pass = False  # True during the extra backward of frozen statistics
         self.hist_spec = hist_spec
@@ -207,6 +213,17 @@ class ModuleTracker:
         """Whether Cockpit's own work runs now: a rule running a module again, curvature
         work, or one of Cockpit's backpropagations (:meth:`sum_sq_of_backprops`)."""
         return self._suspended or self._probing
+
+    def chunking_note(self) -> str | None:
+        """Which parameters' individual gradients were formed in sample chunks to stay within
+        the memory budget, for those not told before (None: none new)."""
+        new = {k: v for k, v in self.chunked_layers.items() if k not in self._chunks_told}
+        if not new:
+            return None
+        self._chunks_told.update(new)
+        layers = ", ".join(f"{k} ({v} chunks)" for k, v in new.items())
+        return (f"individual gradients formed in sample chunks to stay within memory_budget="
+                f"{self.memory_budget} bytes (exact, slower): {layers}")
 
     def sample_grads(self, call: Call, grads: list[Tensor]) -> dict[str, SampleGrads]:
         """The individual gradients of ``call``'s parameters for its output gradients

@@ -241,6 +241,9 @@ class TrackedStep:
         data.project = self.reduction.project_samples if self.reduction.keeps_calls else None
         data.unmerged = self.reduction.unmerged
         values: dict[str, Value] = {}
+        chunking = run.tracker.chunking_note()
+        if chunking is not None:
+            data.notes["Cockpit"] = chunking
         laters: list[Later] = list(self.checks)
         model_problem = first_problem(self.problems, (MODEL,))
         batch_problem = first_problem(self.problems, (BATCH,))

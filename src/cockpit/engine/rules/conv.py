@@ -141,6 +141,7 @@ class ConvSampleGrads(SampleGrads):
     """
 
     caches_chunks = True  # (see chunks)
+    selectable = True
 
     def __init__(
         self, module: nn.modules.conv._ConvNd, x_padded: Tensor, delta: Tensor, key=None,
@@ -154,6 +155,15 @@ class ConvSampleGrads(SampleGrads):
         self._ticket: tuple | None = None  # workspace ticket of self._rows, if borrowed
         self._key = key  # identifies the input in the unfold cache, if one is active
         self._channels_last: bool | None = None  # row order, known once the method is
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.delta.dtype
+
+    def select(self, start: int, stop: int) -> SampleGrads:
+        key = None if self._key is None else (self._key, start, stop)
+        return ConvSampleGrads(self.module, self.x[start:stop], self.delta[start:stop], key,
+                               self.scale)
 
     def _unfolded(self, channels_last: bool = False) -> Tensor:
         """The unfolded input of :func:`_patches` (or :func:`_patches_channels_last`): in

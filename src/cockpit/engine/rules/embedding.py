@@ -10,6 +10,8 @@ N·V·E − P·E exact zeros (P distinct pairs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -19,6 +21,8 @@ from cockpit.engine.rules.sample_grads import SampleGrads
 
 
 class EmbeddingSampleGrads(SampleGrads):
+    selectable = True
+
     def __init__(self, indices: Tensor, delta: Tensor, num_embeddings: int, padding_idx):
         n = indices.shape[0]
         idx = indices.reshape(n, -1)
@@ -36,6 +40,22 @@ class EmbeddingSampleGrads(SampleGrads):
         self.num_samples = n
         self.shape = torch.Size((num_embeddings, rows.shape[-1]))
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rows.dtype
+
+    def select(self, start: int, stop: int) -> SampleGrads:
+        """Samples start ≤ n < stop: their pairs are one run of the (sample-major) sorted
+        keys."""
+        lo, hi = torch.searchsorted(
+            self.pair_sample, torch.tensor([start, stop], device=self.pair_sample.device)
+        ).tolist()
+        part = EmbeddingSampleGrads.__new__(EmbeddingSampleGrads)
+        part.rows, part.pair_token = self.rows[lo:hi], self.pair_token[lo:hi]
+        part.pair_sample = self.pair_sample[lo:hi] - start
+        part.num_samples, part.shape = stop - start, self.shape
+        return part
+
     def materialize(self) -> Tensor:
         dense = self.rows.new_zeros(self.num_samples, *self.shape)
         dense[self.pair_sample, self.pair_token] = self.rows
@@ -52,6 +72,9 @@ class EmbeddingSampleGrads(SampleGrads):
     def dots(self, u: Tensor) -> Tensor:
         per_pair = (self.rows * u.reshape(self.shape).to(self.rows.dtype)[self.pair_token]).sum(1)
         return self.rows.new_zeros(self.num_samples).index_add_(0, self.pair_sample, per_pair)
+
+    def dots_many(self, us: Sequence[Tensor]) -> Tensor:
+        return torch.stack([self.dots(u) for u in us])
 
     def sum_sq(self) -> Tensor:
         rows = self.rows.double()

@@ -26,6 +26,7 @@ from cockpit.engine.rules.recurrent import (
     recurrent_message,
     unpack_input,
 )
+from cockpit.engine.rules.sample_chunks import SampleChunks, samples_per_chunk
 from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 
 # Start of the warning torch.func.vmap gives for an operator without a batching rule.
@@ -140,6 +141,51 @@ def fallback_rule(
     # a module whose children own other parameters (e.g. a scale around a Linear) is called
     # with those real parameters: the result must not carry a graph to them
     return {name: DenseSampleGrads(g.detach()) for name, g in per_sample.items()}
+
+
+def fallback_in_chunks(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    positions: list[int],
+    grad_outputs: list[Tensor],
+    params: dict[str, Tensor],
+    budget: int,
+) -> dict[str, SampleGrads] | None:
+    """:func:`fallback_rule` run on sample chunks of the call, each chunk only when a
+    statistic asks for it, where all |B| individual gradients of the unit (|B| · Σ D ·
+    itemsize bytes) would exceed ``budget``; None where they fit (or for recurrent layers,
+    whose packed inputs have no batch dimension to slice)."""
+    if isinstance(module, nn.RNNBase) or not params:
+        return None
+    bd = batch_dim_of(module)
+    n = grad_outputs[0].shape[bd]
+    itemsize = grad_outputs[0].dtype.itemsize
+    per_sample = sum(p.numel() for p in params.values()) * itemsize
+    if n * per_sample <= budget:
+        return None
+    arg_dims, kwarg_dims = _input_dims(module, args, kwargs, n)
+    delta_dims = output_batch_dims(module, positions)
+    last: dict = {}  # the chunk formed last: every parameter of the unit shares it
+
+    def run(start: int, stop: int) -> dict[str, SampleGrads]:
+        if last.get("range") != (start, stop):
+            last.clear()
+
+            def cut(value, dim):
+                return value if dim is None else value.narrow(dim, start, stop - start)
+
+            last["grads"] = fallback_rule(
+                module, tuple(cut(v, d) for v, d in zip(args, arg_dims, strict=True)),
+                {k: cut(v, kwarg_dims[k]) for k, v in kwargs.items()}, positions,
+                [cut(g, d) for g, d in zip(grad_outputs, delta_dims, strict=True)], params)
+            last["range"] = (start, stop)
+        return last["grads"]
+
+    size = samples_per_chunk(per_sample, budget)
+    return {name: SampleChunks(n, p.shape, grad_outputs[0].dtype,
+                               lambda start, stop, name=name: run(start, stop)[name], size)
+            for name, p in params.items()}
 
 
 def _detached(value):

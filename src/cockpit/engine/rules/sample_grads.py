@@ -16,6 +16,10 @@ instruments ask, each with a closed form where the layer structure allows one:
 * ``centered_sum_sq()`` Σ_n (g_n − ḡ) ⊙ (g_n − ḡ)    shape of θ, float64 (no cancellation)
 * ``histogram(spec)`` counts of all N·D elements g_{n,j}
 * ``histogram2d(theta, spec_g, spec_theta)`` counts of the pairs (g_{n,j}, θ_j)
+* ``select(start, stop)`` the samples of a range alone (where ``selectable``), so that a
+  layer above the memory budget is processed in sample chunks
+  (:mod:`cockpit.engine.rules.sample_chunks`); ``scratch_bytes()`` what its statistics
+  would hold at once
 
 :class:`DenseSampleGrads` materializes ``[N, *shape]`` and serves as the general fallback;
 :class:`OuterSampleGrads` and :class:`SequenceOuterSampleGrads` hold g_n = Σ_t δ_{n,t} a_{n,t}ᵀ
@@ -68,6 +72,23 @@ class SampleGrads(ABC):
         """Like :meth:`materialize`, but never a view of scratch memory that later work
         reuses (:mod:`cockpit.engine.workspace`): safe to keep."""
         return self.materialize()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the individual gradients are formed in."""
+        return self.materialize().dtype
+
+    def scratch_bytes(self) -> int:
+        """Bytes of all |B| individual gradients at once: |B| · D · itemsize."""
+        return self.num_samples * self.shape.numel() * self.dtype.itemsize
+
+    # whether :meth:`select` forms a sample range without materializing the others
+    selectable: bool = False
+
+    def select(self, start: int, stop: int) -> SampleGrads:
+        """The individual gradients of the samples ``start ≤ n < stop`` alone (where
+        ``selectable``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot select samples")
 
     def chunks(self) -> list[Tensor]:
         """Individual gradients in sample chunks ``[n_chunk, ...]`` (default: one chunk of
@@ -158,6 +179,7 @@ class DenseSampleGrads(SampleGrads):
     """Individual gradients stored explicitly as ``G[n] = g_n``."""
 
     caches_chunks = True
+    selectable = True
 
     def __init__(self, grads: Tensor):
         self.grads = grads
@@ -166,6 +188,13 @@ class DenseSampleGrads(SampleGrads):
 
     def materialize(self) -> Tensor:
         return self.grads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.grads.dtype
+
+    def select(self, start: int, stop: int) -> SampleGrads:
+        return DenseSampleGrads(self.grads[start:stop])
 
     def add_(self, other: SampleGrads) -> None:
         """Accumulate another use of the same parameter (tied weights, reused modules)."""
@@ -181,6 +210,7 @@ class OuterSampleGrads(SampleGrads):
     """
 
     fuse_dots = False
+    selectable = True
 
     def __init__(self, delta: Tensor, a: Tensor):
         self.delta, self.a = delta, a
@@ -189,6 +219,19 @@ class OuterSampleGrads(SampleGrads):
 
     def materialize(self) -> Tensor:
         return self.delta.unsqueeze(2) * self.a.unsqueeze(1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.promote_types(self.delta.dtype, self.a.dtype)
+
+    def select(self, start: int, stop: int) -> SampleGrads:
+        return OuterSampleGrads(self.delta[start:stop], self.a[start:stop])
+
+    def scratch_bytes(self) -> int:
+        """Every statistic has a closed form or forms one chunk of at most 2^25 elements
+        at a time (the automatic histogram range), never all |B| gradients at once."""
+        per_chunk = min(self.num_samples * self.shape.numel(), _CHUNK_ELEMENTS)
+        return per_chunk * self.dtype.itemsize
 
     def chunks(self) -> list[Tensor]:
         per_sample = self.shape.numel()
@@ -244,6 +287,8 @@ class SequenceOuterSampleGrads(SampleGrads):
     that is cheaper than materializing;  g_nᵀ U = Σ_t δ_{n,t}ᵀ U a_{n,t}.
     """
 
+    selectable = True
+
     def __init__(self, delta: Tensor, a: Tensor):
         self.delta, self.a = delta, a
         self.num_samples = delta.shape[0]
@@ -251,6 +296,13 @@ class SequenceOuterSampleGrads(SampleGrads):
 
     def materialize(self) -> Tensor:
         return torch.bmm(self.delta.transpose(1, 2), self.a)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.promote_types(self.delta.dtype, self.a.dtype)
+
+    def select(self, start: int, stop: int) -> SampleGrads:
+        return SequenceOuterSampleGrads(self.delta[start:stop], self.a[start:stop])
 
     def chunks(self) -> list[Tensor]:
         size = max(1, _CHUNK_ELEMENTS // max(self.shape.numel(), 1))

@@ -30,6 +30,20 @@ from cockpit.engine.statistics.registry import (
     register,
 )
 
+# Peak bytes per element of magnitude_counts' temporaries (64-bit keys and their copies),
+# measured on float32 gradients: 2.5 GiB for 49 M elements.
+_KEY_BYTES_PER_ELEMENT = 64
+
+
+def _within_budget(chunks: Iterator[Tensor], budget: int | None) -> Iterator[Tensor]:
+    """The chunks' elements in flat pieces whose key temporaries fit ``budget`` bytes (None:
+    the chunks as they are); counts add over pieces, so this is exact."""
+    for chunk in chunks:
+        if budget is None or chunk.numel() * _KEY_BYTES_PER_ELEMENT <= budget:
+            yield chunk
+        else:
+            yield from chunk.reshape(-1).split(max(1, budget // _KEY_BYTES_PER_ELEMENT))
+
 
 def _one_chunk_at_a_time(sg: SampleGrads, layer: LayerContext) -> Iterator[Tensor]:
     """The individual gradients in sample chunks, each formed only when the previous one is
@@ -56,7 +70,8 @@ class Hist1d(Statistic):
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
         spec = layer.context.hist_spec
         if isinstance(spec, AutoRange):
-            return magnitude_counts(_one_chunk_at_a_time(sg, layer))
+            budget = getattr(layer.context, "memory_budget", None)
+            return magnitude_counts(_within_budget(_one_chunk_at_a_time(sg, layer), budget))
         return sg.histogram(spec)
 
     def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:

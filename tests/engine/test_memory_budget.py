@@ -1,0 +1,294 @@
+"""Cockpit(..., memory_budget=...): a layer whose |B| individual gradients exceed the budget
+is processed in sample chunks. Every per-sample statistic equals the unchunked one (float64)
+and torch.func's, on Linear over sequences, an embedding tied to the output layer, Conv2d and
+a layer without a rule (torch.func fallback); the largest tensor formed while the backward
+pass is processed stays within the budget; bad budgets are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cockpit import Cockpit
+from cockpit.engine.histograms.exact import BinSpec
+from cockpit.quantities import Quantity
+from tests.reference import individual_gradients
+
+STATISTICS = ("sq_norms", "gram_mean", "sum_sq", "var_sum", "hist1d", "hist2d", "l1_norms")
+
+
+class AllStatistics(Quantity):
+    """Every registered per-sample statistic of every parameter (test only)."""
+
+    needs = frozenset(STATISTICS)
+
+    def compute(self, data):
+        return {"AllStatistics": {
+            f"{stat}/{name}": value.double().cpu().numpy()
+            for stat in STATISTICS for name, value in data.stats[stat].items()}}
+
+
+class Scale(nn.Module):
+    """y = x ⊙ w: no rule, so the torch.func fallback forms its individual gradients."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.w = nn.Parameter(1 + 0.1 * torch.randn(shape))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class TiedNet(nn.Module):
+    """tokens → embedding → Linear (sequence) → Conv2d → Scale → logits by the embedding's
+    own weight (tied)."""
+
+    def __init__(self, vocab=30, dim=6, length=5):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.lin = nn.Linear(dim, dim)
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.scale = Scale((length, dim))
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens):
+        h = torch.tanh(self.lin(self.emb(tokens)))
+        h = self.conv(h.unsqueeze(1)).sum(1)
+        return self.out(self.scale(h))
+
+
+def token_losses(logits, tokens):
+    """ℓ_n: the mean next-token cross-entropy of sample n."""
+    per_token = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                            tokens[:, 1:].reshape(-1), reduction="none")
+    return per_token.view(tokens.shape[0], -1).mean(1)
+
+
+def run(budget, steps=1, seed=0):
+    torch.manual_seed(seed)
+    model = TiedNet().double()
+    tokens = torch.randint(0, 30, (7, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model, [AllStatistics()], optimizer=opt, strict=True,
+                      hist_bins=BinSpec(-0.5, 0.5, 16), memory_budget=budget)
+    for step in range(steps):
+        opt.zero_grad()
+        losses = token_losses(model(tokens), tokens)
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    return cockpit, model, tokens
+
+
+@pytest.mark.parametrize("budget", [1, 500, 3 * 2 * 30 * 6 * 8])
+def test_chunked_statistics_equal_unchunked_ones(budget):
+    """1 byte: one sample per chunk everywhere; 500 bytes: chunks of 2 samples for the
+    fallback layer, of 3 for the convolution; 3 samples' worth of the tied embedding's
+    summed individual gradients (and the running sum): chunks of 3, 3, 1 for it alone."""
+    whole, _, _ = run(None)
+    chunked, _, _ = run(budget)
+    expected = whole.get_output()[0]["AllStatistics"]
+    recorded = chunked.get_output()[0]["AllStatistics"]
+    assert set(recorded) == set(expected)
+    assert {key.split("/", 1)[1] for key in expected} == {
+        "emb.weight", "lin.weight", "lin.bias", "conv.weight", "conv.bias", "scale.w"}
+    for key, value in expected.items():
+        np.testing.assert_allclose(recorded[key], value, rtol=1e-10, atol=1e-12, err_msg=key)
+    assert "Cockpit" not in whole.get_notes().get(0, {})
+
+
+def test_chunked_statistics_match_torch_func():
+    cockpit, _, tokens = run(1)
+    recorded = cockpit.get_output()[0]["AllStatistics"]
+    torch.manual_seed(0)
+    model = TiedNet().double()
+    grads = individual_gradients(model, token_losses, tokens, tokens)
+    for name, g in grads.items():
+        rows = g.reshape(g.shape[0], -1)
+        mean = rows.mean(0)
+        np.testing.assert_allclose(recorded[f"sq_norms/{name}"], rows.pow(2).sum(1), rtol=1e-10)
+        np.testing.assert_allclose(recorded[f"gram_mean/{name}"], rows @ mean, rtol=1e-10,
+                                   atol=1e-14)
+        np.testing.assert_allclose(recorded[f"var_sum/{name}"].reshape(-1),
+                                   (rows - mean).pow(2).sum(0), rtol=1e-10, atol=1e-14)
+        np.testing.assert_allclose(recorded[f"l1_norms/{name}"], rows.abs().sum(1), rtol=1e-10)
+
+
+def test_the_notes_say_once_which_layers_were_chunked():
+    cockpit, _, _ = run(1, steps=2)
+    notes = cockpit.get_notes()
+    note = notes[0]["Cockpit"]
+    assert "memory_budget=1 bytes" in note and "emb.weight (7 chunks)" in note
+    assert "Cockpit" not in notes.get(1, {})
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest tensor (bytes) any operation returns inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, tuple | list) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+class WideEmbedding(nn.Module):
+    """An embedding whose individual gradients (8 × 4000 × 16 float64 = 4 MB) dwarf the
+    model's own tensors (a few kB)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(4000, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens).mean(1))
+
+
+def largest_tensor_of_backward(budget) -> int:
+    torch.manual_seed(1)
+    model = WideEmbedding().double()
+    tokens, y = torch.randint(0, 4000, (8, 4)), torch.randint(0, 3, (8,))
+    cockpit = Cockpit(model, [AllStatistics()], strict=True, memory_budget=budget)
+    losses = nn.functional.cross_entropy(model(tokens), y, reduction="none")
+    mode = LargestTensor()
+    with cockpit(0, losses=losses), mode:
+        losses.mean().backward()
+    cockpit.close()
+    return mode.largest
+
+
+def test_the_largest_scratch_tensor_stays_within_the_budget():
+    per_sample = 4000 * 16 * 8
+    assert largest_tensor_of_backward(None) >= 8 * per_sample  # materialized at once
+    budget = 2 * per_sample + 100
+    assert largest_tensor_of_backward(budget) <= budget
+
+
+@pytest.mark.parametrize("bad", [0, -5, 0.5, "1GB", True, [1]])
+def test_a_bad_budget_is_refused(bad):
+    with pytest.raises(ValueError, match="memory_budget must be a positive number of bytes"):
+        Cockpit(nn.Linear(2, 2), memory_budget=bad)
+
+
+def test_the_automatic_budget_on_a_cpu_is_512_mib():
+    assert Cockpit(nn.Linear(2, 2)).tracker.memory_budget == 2**29
+    assert Cockpit(nn.Linear(2, 2), memory_budget=None).tracker.memory_budget is None
+
+
+def outputs_of(budget, configuration, micro_batches):
+    torch.manual_seed(0)
+    model = TiedNet().double()
+    tokens = torch.randint(0, 30, (7, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model, configuration, optimizer=opt, memory_budget=budget,
+                      grad_accumulation=micro_batches > 1)
+    for step in range(3):
+        opt.zero_grad()
+        for part in tokens.tensor_split(micro_batches):
+            losses = token_losses(model(part), part)
+            with cockpit(step, losses=losses):
+                (losses.sum() / len(tokens)).backward()
+        opt.step()
+    cockpit.close()
+    return cockpit.get_output()
+
+
+def leaves(value, prefix=""):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from leaves(item, f"{prefix}/{key}")
+    else:
+        yield prefix, value
+
+
+@pytest.mark.parametrize(("configuration", "micro_batches"),
+                         [("economy", 1), ("economy", 2), ("full", 2)])
+def test_every_instrument_is_unchanged_by_chunking(configuration, micro_batches):
+    """Over three steps (Alpha's projections, the gradient tests, histograms, and with two
+    micro-batches the merged statistics and the kept calls)."""
+    expected = outputs_of(None, configuration, micro_batches)
+    recorded = outputs_of(1, configuration, micro_batches)
+    assert expected.keys() == recorded.keys()
+    for step in expected:
+        want, got = dict(leaves(expected[step])), dict(leaves(recorded[step]))
+        assert want.keys() == got.keys()
+        assert sum(v is not None for v in want.values()) > 20
+        for key, value in want.items():
+            if value is None:
+                assert got[key] is None, key
+            else:
+                np.testing.assert_allclose(np.asarray(got[key], dtype=float),
+                                           np.asarray(value, dtype=float), rtol=1e-9,
+                                           atol=1e-12, equal_nan=True, err_msg=key)
+
+
+def representations() -> dict:
+    """One of each selectable representation, float64, |B| = 7."""
+    from cockpit.engine.rules.conv import ConvSampleGrads, _explicit_padding
+    from cockpit.engine.rules.embedding import EmbeddingSampleGrads
+    from cockpit.engine.rules.sample_chunks import CallSum
+    from cockpit.engine.rules.sample_grads import (
+        DenseSampleGrads,
+        OuterSampleGrads,
+        SequenceOuterSampleGrads,
+    )
+    torch.manual_seed(3)
+    n = 7
+    conv = nn.Conv2d(2, 3, 3, padding=1, stride=2).double()
+    x = torch.randn(n, 2, 6, 5, dtype=torch.float64)
+    delta_conv = torch.randn_like(conv(x))
+
+    def embedding():
+        return EmbeddingSampleGrads(torch.randint(0, 6, (n, 5)),
+                                    torch.randn(n, 5, 4, dtype=torch.float64), 6, None)
+
+    def sequence():
+        return SequenceOuterSampleGrads(torch.randn(n, 5, 6, dtype=torch.float64),
+                                        torch.randn(n, 5, 4, dtype=torch.float64))
+
+    return {
+        "dense": DenseSampleGrads(torch.randn(n, 3, 4, dtype=torch.float64)),
+        "outer": OuterSampleGrads(torch.randn(n, 3, dtype=torch.float64),
+                                  torch.randn(n, 4, dtype=torch.float64)),
+        "sequence": sequence(),
+        "embedding": embedding(),
+        "conv": ConvSampleGrads(conv, _explicit_padding(conv, x), delta_conv, scale=0.5),
+        "tied": CallSum([sequence(), embedding()]),
+    }
+
+
+@pytest.mark.parametrize("kind", ["dense", "outer", "sequence", "embedding", "conv", "tied"])
+def test_sample_chunks_answer_like_the_whole_batch(kind):
+    from cockpit.engine.rules.sample_chunks import SampleChunks
+    from cockpit.engine.rules.sample_grads import DenseSampleGrads
+    sg = representations()[kind]
+    whole = DenseSampleGrads(sg.materialize_owned().clone())
+    assert sg.selectable
+    for start, stop in ((0, 7), (2, 5), (6, 7)):
+        torch.testing.assert_close(sg.select(start, stop).materialize(),
+                                   whole.grads[start:stop], rtol=1e-12, atol=1e-14)
+    chunked = SampleChunks(sg.num_samples, sg.shape, sg.dtype, sg.select, size=3)
+    assert chunked.num_chunks == 3
+    us = [torch.randn(sg.shape, dtype=torch.float64) for _ in range(2)]
+    spec = BinSpec(-1.0, 1.0, 9)
+    theta = torch.randn(sg.shape, dtype=torch.float64)
+    for question in (lambda g: g.sq_norms(), lambda g: g.batch_mean(),
+                     lambda g: g.gram_mean(), lambda g: g.dots(us[0]),
+                     lambda g: g.dots_many(us), lambda g: g.sum_sq(),
+                     lambda g: g.centered_sum_sq(), lambda g: g.histogram(spec),
+                     lambda g: g.histogram2d(theta, spec, BinSpec(-2.0, 2.0, 5)),
+                     lambda g: g.materialize()):
+        expected = question(whole)
+        torch.testing.assert_close(question(chunked).to(expected.dtype).reshape(expected.shape),
+                                   expected, rtol=1e-10, atol=1e-12)
