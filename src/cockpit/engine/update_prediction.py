@@ -474,18 +474,18 @@ class BasisFits:
                    for index, ((vectors, target), atol, target_sq)
                    in enumerate(zip(self.problems, atols, actual_sqs, strict=True))
                    if len(vectors) and math.isfinite(target_sq)]
-        first = True
-        while pending:
-            if not first:  # the float64 normal equations of the failed float32 fits
-                pending = [p for p in pending if p[2].dtype != torch.float64]
-                if not pending:
-                    break
-                systems = [_normal_equations_float64(v, t) for _, v, t, _ in pending]
-                host = _to_host(_flat_systems(systems, pending[0][2].device)).numpy()
-            elif len(pending) < len(self.problems):
-                host = _select_systems(host, self.problems, [p[0] for p in pending])
-            first = False
-            pending = self._solve(pending, host, results)
+        if not pending:
+            return results
+        if len(pending) < len(self.problems):
+            host = _select_systems(host, self.problems, [p[0] for p in pending])
+        pending = self._solve(pending, host, results)
+        # once more, the float64 normal equations of the failed float32 fits; what fails
+        # then has no fit (None)
+        pending = [p for p in pending if p[2].dtype != torch.float64]
+        if pending:
+            systems = [_normal_equations_float64(v, t) for _, v, t, _ in pending]
+            self._solve(pending, _to_host(_flat_systems(systems, pending[0][2].device)).numpy(),
+                        results)
         return results
 
     def _solve(self, pending: list, host: np.ndarray, results: list) -> list:
