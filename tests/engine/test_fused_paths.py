@@ -84,3 +84,19 @@ def test_the_accelerator_path_gives_the_cpu_paths_values(config, clip, monkeypat
                    and v is not None) > 1e-3
     for key, value in cpu.items():
         assert_close(value, accelerator[key], key)
+
+
+@pytest.mark.parametrize("accelerator_path", [False, True])
+def test_sums_of_squares_of_large_parameters(accelerator_path, monkeypatch):
+    """Σ_n g_n⊙g_n and Σ_n (g_n − ḡ)⊙(g_n − ḡ) of a parameter above 2^14 elements (row by
+    row on a CPU, by whole chunks on an accelerator) against float64."""
+    from cockpit.engine.rules.sample_grads import DenseSampleGrads
+
+    monkeypatch.setattr(histogram_device, "_forced", accelerator_path)
+    gen = torch.Generator().manual_seed(1)
+    grads = 0.3 + torch.randn(9, 5, 2**12, generator=gen)  # a mean far from 0
+    sg = DenseSampleGrads(grads)
+    g64 = grads.double()
+    torch.testing.assert_close(sg.sum_sq(), (g64 * g64).sum(0), rtol=1e-6, atol=0)
+    centered = (g64 - g64.mean(0)).pow(2).sum(0)
+    torch.testing.assert_close(sg.centered_sum_sq(), centered, rtol=1e-5, atol=1e-9)
