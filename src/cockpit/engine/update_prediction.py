@@ -508,8 +508,8 @@ class BasisFits:
                               device)
         by_dtype: dict[torch.dtype, tuple[Tensor, ...]] = {}  # one cast and split per dtype
         sizes = [c.numel() for *_, c in solved]
-        fused = all(target.device == device for _, _, target, _, _ in solved
-                    ) and device_path(device)
+        fused = device_path(device) and all(  # (not for DTensors: their own norms)
+            type(target) is Tensor and target.device == device for _, _, target, _, _ in solved)
         norms, residuals_fused = [], []
         for i, (_, vectors, target, _, _) in enumerate(solved):
             if target.dtype not in by_dtype:
