@@ -271,6 +271,18 @@ def test_basis_fit_rejects_a_foreign_update():
     )
 
 
+def test_basis_fit_rejects_a_foreign_float32_update_after_one_retry():
+    """float32: the float32 normal equations fail, the float64 ones fail too: no fit (None),
+    and the fit ends (the clipped gradient of a momentum SGD step is such an update)."""
+    torch.manual_seed(0)
+    basis = torch.randn(2, 50)
+    foreign = torch.randn(50)
+    assert fit_basis_coefficients(basis, foreign) is None
+    inside = 2.0 * basis[0] - 0.5 * basis[1]
+    torch.testing.assert_close(fit_basis_coefficients(basis, inside),
+                               torch.tensor([2.0, -0.5], dtype=torch.float64))
+
+
 def test_basis_fit_when_consecutive_gradients_agree():
     """Momentum SGD on a fixed batch: the gradient and the previous update (which takes the
     momentum buffer's row, as Alpha uses it) are nearly parallel and differ in scale by

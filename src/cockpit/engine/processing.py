@@ -436,8 +436,17 @@ class CallProcessor:
             assert dots is not None and synced is not None
             synced.dots[name] = dots[synced_row]
         for key, refs in projections:
-            stats.projections.setdefault(key, {})[name] = torch.stack(
-                [dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
+            stats.projections.setdefault(key, {})[name] = _rows_of(dots, refs)
+
+
+def _rows_of(dots: Tensor | None, refs: list[int | Tensor]) -> Tensor:
+    """[K, N]: row r of ``dots`` for an index r, the tensor itself otherwise; consecutive
+    rows as one slice (no copy, no kernel)."""
+    if dots is not None and refs and all(isinstance(r, int) for r in refs):
+        first = refs[0]
+        if refs == list(range(first, first + len(refs))):  # type: ignore[operator]
+            return dots[first : first + len(refs)]  # type: ignore[operator]
+    return torch.stack([dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
 
 
 def as_computed(grads: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:

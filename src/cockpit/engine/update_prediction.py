@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
 
+from cockpit.engine.histograms.device import device_path
 from cockpit.engine.workspace import workspace
 
 SUPPORTED_CLASSES: tuple[type[Optimizer], ...] = (SGD, Adam, RMSprop, Adagrad)
@@ -474,18 +475,18 @@ class BasisFits:
                    for index, ((vectors, target), atol, target_sq)
                    in enumerate(zip(self.problems, atols, actual_sqs, strict=True))
                    if len(vectors) and math.isfinite(target_sq)]
-        first = True
-        while pending:
-            if not first:  # the float64 normal equations of the failed float32 fits
-                pending = [p for p in pending if p[2].dtype != torch.float64]
-                if not pending:
-                    break
-                systems = [_normal_equations_float64(v, t) for _, v, t, _ in pending]
-                host = _to_host(_flat_systems(systems, pending[0][2].device)).numpy()
-            elif len(pending) < len(self.problems):
-                host = _select_systems(host, self.problems, [p[0] for p in pending])
-            first = False
-            pending = self._solve(pending, host, results)
+        if not pending:
+            return results
+        if len(pending) < len(self.problems):
+            host = _select_systems(host, self.problems, [p[0] for p in pending])
+        pending = self._solve(pending, host, results)
+        # once more, the float64 normal equations of the failed float32 fits; what fails
+        # then has no fit (None)
+        pending = [p for p in pending if p[2].dtype != torch.float64]
+        if pending:
+            systems = [_normal_equations_float64(v, t) for _, v, t, _ in pending]
+            self._solve(pending, _to_host(_flat_systems(systems, pending[0][2].device)).numpy(),
+                        results)
         return results
 
     def _solve(self, pending: list, host: np.ndarray, results: list) -> list:
@@ -505,14 +506,24 @@ class BasisFits:
         device = solved[0][2].device
         on_device = to_device(torch.from_numpy(np.concatenate([c.numpy() for *_, c in solved])),
                               device)
-        norms, offset = [], 0
-        for _, vectors, target, _, coefficients in solved:
-            c = on_device[offset : offset + coefficients.numel()].to(target.dtype)
-            offset += coefficients.numel()
+        by_dtype: dict[torch.dtype, tuple[Tensor, ...]] = {}  # one cast and split per dtype
+        sizes = [c.numel() for *_, c in solved]
+        fused = device_path(device) and all(  # (not for DTensors: their own norms)
+            type(target) is Tensor and target.device == device for _, _, target, _, _ in solved)
+        norms, residuals_fused = [], []
+        for i, (_, vectors, target, _, _) in enumerate(solved):
+            if target.dtype not in by_dtype:
+                by_dtype[target.dtype] = on_device.to(target.dtype).split(sizes)
+            c = by_dtype[target.dtype][i]
+            if fused:  # fresh residuals, one multi-tensor norm for all (accelerators)
+                residuals_fused.append(torch.addmv(target, vectors.T, c, alpha=-1))
+                continue
             scratch, _ = workspace().take("fit residual", target.shape, target.dtype,
                                           target.device)
             residual = torch.addmv(target, vectors.T, c, alpha=-1, out=scratch)
             norms.append(torch.linalg.vector_norm(residual).to(device))
+        if fused:
+            norms = list(torch._foreach_norm(residuals_fused))
         residuals = _to_host(torch.stack(norms)).tolist()
         retry = []
         for (index, vectors, target, tolerance, coefficients), residual in zip(
@@ -525,9 +536,13 @@ class BasisFits:
 
 
 def _flat_systems(systems: list[tuple[Tensor, Tensor]], device: torch.device) -> Tensor:
-    """[VVᵀ flat, Vᵀa] of every tensor in one float64 vector."""
-    parts = [part.reshape(-1).to(device) for gram, rhs in systems for part in (gram, rhs)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+    """[VVᵀ flat, Vᵀa] of every tensor in one float64 vector (concatenated in their dtypes,
+    then cast once: the cast to float64 is exact either way)."""
+    parts = [(part if part.dim() == 1 else part.reshape(-1)).to(device)
+             for gram, rhs in systems for part in (gram, rhs)]
+    if not parts:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.cat(parts).double()
 
 
 def _select_systems(host: np.ndarray, problems: list, keep: list[int]) -> np.ndarray:
@@ -553,8 +568,8 @@ def to_device(x: Tensor, device: torch.device) -> Tensor:
 
 
 def _normal_equations(vectors: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-    """VVᵀ and Vᵀa in the tensors' dtype (two BLAS products), as float64 on their device."""
-    return (vectors @ vectors.T).double(), (vectors @ target).double()
+    """VVᵀ and Vᵀa in the tensors' dtype (two BLAS products) on their device."""
+    return vectors @ vectors.T, vectors @ target
 
 
 # Elements per block of the float64 normal equations: the float64 copies stay in cache.

@@ -33,7 +33,7 @@ from torch import Tensor
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.sharded import is_sharded, shard_like
 from cockpit.engine.workspace import workspace
-from cockpit.quantities.base import sq_norm_tensor, sq_norms
+from cockpit.quantities.base import fused, sq_norm_tensor, sq_norms, sq_norms_of_differences
 
 ADDED = "added"  # a backward outside the blocks added to the gradient the blocks left
 ONLY_OUTSIDE = "only_outside"  # the blocks saw no gradient; a backward outside them did
@@ -59,20 +59,24 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         return None
     sign = 1.0 if known[0] > 0 else -1.0
     grads, means = [], []
-    for name, g in mean.items():
-        p = params.get(name)
-        if p is None or p.grad is None or p.grad.layout != torch.strided:
-            return None
-        grads.append(p.grad.detach())
-        means.append(g.detach().to(p.grad.dtype))
-        if is_sharded(p.grad):  # fully_shard: ḡ sliced like this rank's shard of p.grad
-            means[-1] = shard_like(means[-1], p.grad)
-    with torch.no_grad():
+    with torch.no_grad():  # (no detach per tensor: nothing here joins a graph)
+        for name, g in mean.items():
+            p = params.get(name)
+            if p is None or p.grad is None or p.grad.layout != torch.strided:
+                return None
+            grads.append(p.grad)
+            means.append(g.to(p.grad.dtype))
+            if is_sharded(p.grad):  # fully_shard: ḡ sliced like this rank's shard of p.grad
+                means[-1] = shard_like(means[-1], p.grad)
         grad_sq = sq_norms(grads).sum()
         mean_sq = sq_norms(means).sum()
-        # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖: one fused pass per parameter
-        # into scratch memory (fresh temporaries cost page faults on a CPU)
+        # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖
         c = (sign * (grad_sq / mean_sq).sqrt()).to(grads[0].dtype)
+        if fused(grads):
+            half_sq = sq_norms_of_differences(grads, means, c).sum()
+            return Later(_mismatch, grad_sq, mean_sq, half_sq, name="GradientMismatch")
+        # one fused pass per parameter into scratch memory (fresh temporaries cost page
+        # faults on a CPU)
         halves = []
         for a, b in zip(grads, means, strict=True):
             if is_sharded(a):  # (scratch memory is not a DTensor)

@@ -150,6 +150,43 @@ def sq_norms(tensors: list[Tensor]) -> Tensor:
         return stacked_sq(torch._foreach_norm(tensors))
 
 
+def fused(tensors: list[Tensor]) -> bool:
+    """Whether per-tensor work over ``tensors`` takes fused multi-tensor kernels
+    (``torch._foreach_*``): off the CPU (and on the CPU under
+    :func:`cockpit.engine.histograms.device.forced`), not for DTensors. A GPU then runs a few
+    kernels for all tensors instead of a few per tensor; the CPU keeps its per-tensor BLAS
+    dot products into scratch memory (as fast as reading each tensor once)."""
+    return (bool(tensors) and not sharded.is_sharded(tensors[0])
+            and histogram_device.device_path(tensors[0].device))
+
+
+# Elements of the temporaries one group of fused differences may hold.
+_FUSED_ELEMENTS = 2**26
+
+
+def sq_norms_of_differences(xs: list[Tensor], ys: list[Tensor],
+                            scale: Tensor | None = None) -> Tensor:
+    """[‖x_k − c·y_k‖²]_k as one float64 vector (c = ``scale``, a 0-dim tensor, or 1) by
+    fused kernels (:func:`fused`): one multi-tensor difference and one multi-tensor norm per
+    group of tensors of at most 2^26 elements (the differences are temporaries)."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for k, x in enumerate(xs):
+        if groups[-1] and size + x.numel() > _FUSED_ELEMENTS:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += x.numel()
+    norms: list[Tensor] = []
+    with torch.no_grad():
+        for group in groups:
+            x, y = [xs[k] for k in group], [ys[k] for k in group]
+            if scale is not None:
+                y = torch._foreach_mul(y, scale)
+            norms.extend(torch._foreach_norm(torch._foreach_sub(x, y)))
+    return stacked_sq(norms)
+
+
 def sq_norm_tensor(x: Tensor) -> Tensor:
     """‖x‖² as a 0-dim tensor on x's device, by one dot product in x's dtype."""
     if sharded.is_sharded(x):

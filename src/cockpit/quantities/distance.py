@@ -13,9 +13,11 @@ from cockpit.quantities.base import (
     Quantity,
     StepData,
     Values,
+    fused,
     per_param_norms,
     sq_norm_tensor,
     sq_norms,
+    sq_norms_of_differences,
 )
 from cockpit.quantities.descriptor import BLUE, ORANGE, Descriptor, Panel
 
@@ -35,6 +37,10 @@ class Distance(Quantity):
         if sharded.has_sharded(data.params.values()):
             return per_param_norms("Distance", list(data.params), sq_norms(
                 [p.detach() - data.initial_params[k] for k, p in data.params.items()]))
+        params = list(data.params.values())
+        if fused(params):
+            return per_param_norms("Distance", list(data.params), sq_norms_of_differences(
+                params, [data.initial_params[k] for k in data.params]))
         sq = []
         for k, p in data.params.items():
             # θ_t − θ_0 in scratch memory (a fresh parameter-sized tensor per step costs page

@@ -60,23 +60,25 @@ def forced() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=64)
 def _lane_offsets(length: int, lanes: int, stride: int, device: torch.device) -> Tensor:
-    """(i mod lanes)·stride for i < length, int32."""
-    return torch.arange(length, dtype=torch.int32, device=device) % lanes * stride
+    """(i mod lanes)·stride + ½ for i < length, float32 (exact: every value is below 2^24)."""
+    lane = torch.arange(length, dtype=torch.int32, device=device) % lanes
+    return (lane * stride).float() + 0.5
 
 
 def _spread_count(index: Tensor, num_bins: int) -> Tensor:
-    """The counts [num_bins] (int64) of the indices in [0, num_bins), counted over copies of
-    the bins: element i adds to copy i mod L (L ≤ 32 copies that fit a block's shared
-    memory). ``histc`` needs no read of the device (``bincount`` reads the largest index for
-    its output size); its float counts are exact below 2^24 per chunk, and the index + ½
-    lies inside its bin whatever the rounding of histc's bin arithmetic."""
-    flat = index.reshape(-1)
+    """The counts [num_bins] (int64) of the flat indices in [0, num_bins), counted over
+    copies of the bins: element i adds to copy i mod L (L ≤ 32 copies that fit a block's
+    shared memory). ``histc`` needs no read of the device (``bincount`` reads the largest
+    index for its output size); its float counts are exact below 2^24 per chunk, and the
+    index + ½ lies inside its bin whatever the rounding of histc's bin arithmetic (the
+    int32 index and the float32 offset (i mod L)·num_bins + ½ add exactly in float32)."""
     lanes = max(1, min(_LANES, _SHARED_COUNTERS // num_bins))
-    length = max(_LANES, 1 << max(flat.numel() - 1, 0).bit_length())  # few cached sizes
-    spread = flat + _lane_offsets(length, lanes, num_bins, flat.device)[: flat.numel()]
+    length = max(_LANES, 1 << max(index.numel() - 1, 0).bit_length())  # few cached sizes
+    spread = torch.add(_lane_offsets(length, lanes, num_bins, index.device)[: index.numel()],
+                       index)
     total = lanes * num_bins
-    counts = torch.histc(spread.float() + 0.5, bins=total, min=0, max=total)
-    return counts.long().view(lanes, num_bins).sum(0)
+    counts = torch.histc(spread, bins=total, min=0, max=total)
+    return counts.view(lanes, num_bins).sum(0, dtype=torch.long)
 
 
 def bin_index(x: Tensor, thresholds: Tensor, bins: int) -> Tensor:
@@ -86,26 +88,35 @@ def bin_index(x: Tensor, thresholds: Tensor, bins: int) -> Tensor:
     return torch.where(torch.isfinite(x), index, bins)
 
 
+def _split(counts: Tensor, bins: int) -> tuple[Tensor, Tensor]:
+    return counts[:bins], counts[bins]
+
+
 def dense(x: Tensor, thresholds: Tensor, bins: int) -> tuple[Tensor, Tensor]:
     """Counts [bins] of the finite elements of ``x`` and the number of non-finite ones."""
     flat = x.detach().reshape(-1)
+    if flat.numel() <= CHUNK:  # one chunk: no accumulator (few ops per parameter)
+        return _split(_spread_count(bin_index(flat, thresholds, bins), bins + 1), bins)
     counts = torch.zeros(bins + 1, dtype=torch.long, device=flat.device)
     for start in range(0, flat.numel(), CHUNK):
         counts += _spread_count(bin_index(flat[start : start + CHUNK], thresholds, bins),
                                 bins + 1)
-    return counts[:bins], counts[bins]
+    return _split(counts, bins)
 
 
 def outer(delta: Tensor, a: Tensor, thresholds: Tensor, bins: int) -> tuple[Tensor, Tensor]:
     """Counts of the products δ[n, i]·a[n, j], formed in chunks of samples."""
     N, I = delta.shape
     J = a.shape[1]
-    counts = torch.zeros(bins + 1, dtype=torch.long, device=delta.device)
     rows = max(1, CHUNK // max(I * J, 1))
+    if rows >= N:
+        products = (delta[:, :, None] * a[:, None, :]).view(-1)
+        return _split(_spread_count(bin_index(products, thresholds, bins), bins + 1), bins)
+    counts = torch.zeros(bins + 1, dtype=torch.long, device=delta.device)
     for start in range(0, N, rows):
         products = delta[start : start + rows, :, None] * a[start : start + rows, None, :]
-        counts += _spread_count(bin_index(products, thresholds, bins), bins + 1)
-    return counts[:bins], counts[bins]
+        counts += _spread_count(bin_index(products.view(-1), thresholds, bins), bins + 1)
+    return _split(counts, bins)
 
 
 def dense_2d(g: Tensor, theta: Tensor, thresholds_g: Tensor, bins_g: int,
@@ -122,5 +133,5 @@ def dense_2d(g: Tensor, theta: Tensor, thresholds_g: Tensor, bins_g: int,
         g_index = bin_index(g[start : start + rows], thresholds_g, bins_g)
         flat = g_index * bins_theta + theta_index
         valid = (g_index < bins_g) & (theta_index < bins_theta)
-        counts += _spread_count(torch.where(valid, flat, cells), cells + 1)
+        counts += _spread_count(torch.where(valid, flat, cells).reshape(-1), cells + 1)
     return counts[:cells].view(bins_g, bins_theta), counts[cells]

@@ -355,7 +355,7 @@ def _bin_chunk(chunk: Tensor, spec: BinSpec, work: Tensor, index: Tensor) -> Ten
 def histogram_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
     """Counts of all elements of ``x`` (any shape), eq. (15) on stored gradients."""
     if histogram_device.device_path(x.device):
-        return histogram_device.dense(*_on_device(x.detach(), spec), spec.bins)
+        return histogram_device.dense(*_on_device(x, spec), spec.bins)
     flat = x.detach().reshape(-1)
     n = flat.numel()
     if n == 0 or not _fast_path_ok(spec, flat.dtype):

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from cockpit.engine.histograms.device import device_path
 from cockpit.engine.histograms.exact import (
     BinSpec,
     histogram2d_dense,
@@ -139,6 +140,11 @@ class SampleGrads(ABC):
         shift = self.to_rows(self.batch_mean())
         linear, square = torch.zeros_like(shift), torch.zeros_like(shift)
         for c in chunks:
+            if device_path(c.device):  # a few kernels per chunk, not three per sample
+                d = _rows(c) - shift
+                linear += d.sum(0)
+                square += (d * d).sum(0)
+                continue
             for row in c.reshape(c.shape[0], -1):
                 d = row - shift
                 linear += d
@@ -167,8 +173,8 @@ def _sum_sq_64(c: Tensor) -> Tensor:
     accumulator (unlike the centered sums), so it is formed in c's dtype: for large
     samples one fused multiply-add per sample into a cache-resident accumulator (6× faster
     on a CPU than squaring the whole [N, D] block and reducing over dim 0)."""
-    if c.shape[0] <= 1 or c[0].numel() < 2**14:
-        return (c * c).sum(0).double()
+    if c.shape[0] <= 1 or c[0].numel() < 2**14 or device_path(c.device):
+        return (c * c).sum(0).double()  # (accelerators: one kernel, not one per sample)
     total = c[0] * c[0]
     for row in c[1:]:
         total.addcmul_(row, row)
