@@ -29,7 +29,8 @@ from cockpit.arguments import checked_arguments, resolved_memory_budget, warn_sl
 from cockpit.diagnose.live import LiveDiagnosis
 from cockpit.engine import sharded
 from cockpit.engine.capture import compiled
-from cockpit.engine.histograms.exact import AutoRange, BinSpec
+from cockpit.engine.histograms.auto_range import AutoRange
+from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.reduction import ranks
 from cockpit.engine.rules.batchnorm_frozen import FROZEN_STATISTICS
 from cockpit.engine.statistics import PER_SAMPLE_STATS

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cockpit import BinSpec, Cockpit, quantities
-from cockpit.engine.histograms.exact import (
+from cockpit.engine.histograms.auto_range import (
     AUTO_RANGE_OUTSIDE,
     choose_auto_spec,
     magnitude_counts,

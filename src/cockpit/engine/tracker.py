@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from cockpit.engine.capture.hooks import Call, Capture, Unit, layer_outputs, owner
-from cockpit.engine.histograms.exact import AutoRange, BinSpec
+from cockpit.engine.histograms.auto_range import AutoRange
+from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.processing import CallProcessor, accumulate
 from cockpit.engine.request import StepRequest
 from cockpit.engine.rules.batchnorm_frozen import (

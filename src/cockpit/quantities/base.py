@@ -29,7 +29,8 @@ from torch import Tensor
 from cockpit.engine import sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.histograms import device as histogram_device
-from cockpit.engine.histograms.exact import AutoRange, BinSpec
+from cockpit.engine.histograms.auto_range import AutoRange
+from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.readout import Later
 from cockpit.engine.statistics import BackwardStatistics
 from cockpit.schedules import Schedule, as_schedule

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cockpit.engine.histograms.exact import BinSpec, DecidedRange
+from cockpit.engine.histograms.auto_range import DecidedRange
+from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.readout import Later
 from cockpit.engine.statistics import HIST1D, HIST2D
 from cockpit.quantities.base import Quantity, StepData, Value, Values

@@ -7,14 +7,14 @@ from typing import Any
 
 import torch
 
-from cockpit.engine.histograms.exact import (
+from cockpit.engine.histograms.auto_range import (
     AutoRange,
-    BinSpec,
     DecidedRange,
     choose_auto_spec,
     narrower_range,
     regroup,
 )
+from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.statistics import BackwardStatistics
 from cockpit.quantities.base import Value
 

@@ -1,6 +1,7 @@
 """Counts of the individual-gradient elements g_{n,j} in the bins of the engine's
 ``hist_spec`` (GradHist1d eq. 15), or in the magnitude keys of an undecided
-:class:`~cockpit.engine.histograms.exact.AutoRange` (regrouped into bins at the reduction point).
+:class:`~cockpit.engine.histograms.auto_range.AutoRange` (regrouped into bins at the
+reduction point).
 
 Per parameter [bins]; micro-batches and ranks add (every parameter has a slot: a rank without
 the parameter counts nothing).
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from cockpit.engine.histograms.exact import AutoRange, magnitude_counts
+from cockpit.engine.histograms.auto_range import AutoRange, magnitude_counts
 from cockpit.engine.rules.sample_grads import (
     _CHUNK_ELEMENTS,
     OuterSampleGrads,

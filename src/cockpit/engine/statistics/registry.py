@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from cockpit.engine.histograms.exact import AutoRange, BinSpec
+    from cockpit.engine.histograms.auto_range import AutoRange
+    from cockpit.engine.histograms.exact import BinSpec
     from cockpit.engine.rules.sample_grads import SampleGrads
     from cockpit.engine.statistics.backward import BackwardStatistics
 
