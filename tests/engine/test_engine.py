@@ -516,7 +516,7 @@ def test_forward_passes_outside_cockpit_are_not_mixed_into_a_tracked_step():
     with cockpit(7, losses=losses):
         assert cockpit.tracker.num_calls == 3  # only this forward's three layers
         losses.mean().backward()
-    assert cockpit.tracker._multi_use == set()
+    assert cockpit.tracker.state.multi_use == set()
     G = flat(individual_gradients(problem.model, problem.loss_fn, problem.x, problem.y))
     assert rel_close(cockpit.get_output()[7]["NormTest"], gradient_tests(G)["NormTest"], 1e-6)
     cockpit.close()

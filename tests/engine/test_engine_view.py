@@ -50,9 +50,11 @@ def test_recorded_activations_are_those_the_hessian_diagonal_covers():
 
 def test_no_private_engine_state_is_read_outside_the_engine():
     """Instruments and curvature code see the engine only through EngineView; the Cockpit
-    reads its public members."""
+    reads its public members; capture and processing share the backward pass' state through
+    ``engine.state``."""
     pattern = re.compile(r"\b(tracker|engine)\._[a-z]")
-    files = [SRC / "cockpit.py", SRC / "engine" / "capture" / "compiled.py",
+    files = [SRC / "cockpit.py", *(SRC / "engine" / "capture").glob("*.py"),
+             SRC / "engine" / "processing.py",
              *(SRC / "step").glob("*.py"), *(SRC / "loop_checks").glob("*.py"),
              *(SRC / "quantities").glob("*.py"), *(SRC / "curvature").glob("*.py")]
     found = [f"{path.name}: {line.strip()}" for path in files

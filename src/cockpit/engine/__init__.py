@@ -11,11 +11,11 @@ tracked step. Its rooms, in the order the data flows through them:
 4. :mod:`.reduction` — the one reduction point: micro-batches merged, processes combined;
 5. :mod:`.readout` — the step's values cross from the device to the host once.
 
-:class:`~.tracker.ModuleTracker` composes capture and processing and holds the state of the
-tracked backward pass; :class:`~.engine_view.EngineView` is all that instruments and
-curvature code may ask of it; :class:`~.request.StepRequest` is what they ask for.
-:mod:`.sharded` handles parameters sharded by ``fully_shard`` (FSDP2): hooks on the
-unsharded parameters, norms of local shards summed over ranks, whole tensors gathered where
-a per-sample projection needs them. :mod:`.update_prediction` predicts the optimizer's step
-for Alpha; :mod:`.workspace` keeps scratch buffers from step to step.
+:class:`~.tracker.ModuleTracker` composes capture and processing, which share the tracked
+backward pass' :class:`~.backward_state.BackwardState`; :class:`~.engine_view.EngineView`
+is all that instruments and curvature code may ask of it; :class:`~.request.StepRequest` is
+what they ask for. :mod:`.sharded` handles parameters sharded by ``fully_shard`` (FSDP2):
+hooks on the unsharded parameters, norms of local shards summed over ranks, whole tensors
+gathered where a per-sample projection needs them. :mod:`.update_prediction` predicts the
+optimizer's step for Alpha; :mod:`.workspace` keeps scratch buffers from step to step.
 """

@@ -120,9 +120,9 @@ class CallProcessor:
         assert stats is not None
         if not (engine.needs & PER_SAMPLE_STATS) or stats.problems:
             return
-        weights = engine._weights
-        if engine._weights_problem is not None:
-            self.fail(engine._weights_problem)
+        weights = engine.state.weights
+        if engine.state.weights_problem is not None:
+            self.fail(engine.state.weights_problem)
             return
         if weights is None:
             self.fail(
@@ -157,11 +157,11 @@ class CallProcessor:
         scale = 1.0
         keep_calls = engine.keep_calls
         if packed:  # a packed output has no batch dimension; the weights are uniform
-            grads = [g / engine._weight_value for g in call.grads]
+            grads = [g / engine.state.weight_value for g in call.grads]
         elif getattr(rule, "takes_scale", False) and not keep_calls:
             # δ_n = ∂L/∂y_n / w with one uniform w (checked): the rule folds 1/w into its
             # smallest intermediate instead of dividing the whole output gradient
-            grads, scale = list(call.grads), 1.0 / engine._weight_value
+            grads, scale = list(call.grads), 1.0 / engine.state.weight_value
         else:
             dims = output_batch_dims(unit.module, call.output_positions)
             grads = [self.individual(g, weights, d) for g, d in zip(call.grads, dims,
@@ -178,7 +178,7 @@ class CallProcessor:
         for name, sg in self.rule(call, grads, scale).items():
             if sg.num_samples != stats.num_samples:
                 raise ValueError(batch_size_message(sg.num_samples, stats.num_samples))
-            if name in engine._multi_use:
+            if name in engine.state.multi_use:
                 accumulate(self.accumulated, name, sg, engine.memory_budget)
             else:
                 self.reduce(name, sg)
@@ -196,7 +196,7 @@ class CallProcessor:
         assert engine.stats is not None
         for name, sg in self.pending.items():
             if name in engine.stats.batch_grads:
-                engine._seen_grads.setdefault(name, engine.stats.batch_grads[name])
+                engine.state.seen_grads.setdefault(name, engine.stats.batch_grads[name])
             self.reduce_dots_guarded(name, sg)
         self.pending = {}
 
@@ -217,7 +217,7 @@ class CallProcessor:
         into the user's backward pass (unless ``strict``; a layer that mixes samples is a
         property of the model, not a bug, and is always recorded)."""
         engine = self.engine
-        previous, engine._suspended = engine._suspended, True
+        previous, engine.state.suspended = engine.state.suspended, True
         try:
             fn(*args)
         except Exception as error:
@@ -225,7 +225,7 @@ class CallProcessor:
                 raise
             self.fail(f"{label}: {error}")
         finally:
-            engine._suspended = previous
+            engine.state.suspended = previous
 
     def rule(self, call: Call, grads: list[Tensor], scale: float = 1.0
              ) -> dict[str, SampleGrads]:
@@ -238,7 +238,7 @@ class CallProcessor:
                 engine.unit_param_name(unit, next(iter(unit.params)))))
         if unit.rule is not None and len(grads) == 1:
             rule = unit.rule
-            if (engine.batchnorm == FROZEN_STATISTICS and not engine._probing
+            if (engine.batchnorm == FROZEN_STATISTICS and not engine.state.probing
                     and is_training_batch_norm(unit.module)):
                 rule = frozen_batch_norm_rule
             output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
@@ -296,11 +296,11 @@ class CallProcessor:
                     value = statistic.form(sg, layer)
                     if value is not None:
                         stats[statistic.name][name] = value
-            if engine._frozen_pass or engine.compute_dtypes:  # their sum (not ∂L/∂θ): keep it
+            if engine.state.frozen_pass or engine.compute_dtypes:  # their sum (not ∂L/∂θ): keep it
                 stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
                     sg.batch_mean() * sg.num_samples)
             waits = engine.direction_providers or (GRAM_MEAN in needs and sg.fuse_dots)
-            if waits and name not in engine._seen_grads and not engine._frozen_pass:
+            if waits and name not in engine.state.seen_grads and not engine.state.frozen_pass:
                 # the parameter's gradient arrives right after this layer's output gradient
                 self.pending[name] = sg
             else:
@@ -391,8 +391,8 @@ class CallProcessor:
             return len(vectors) - 1
 
         # Rows of the result: an index into dots_many's rows, or a ready [N] tensor.
-        seen = engine._seen_grads.get(name)
-        pure = seen is not None and name in engine._pure_grads
+        seen = engine.state.seen_grads.get(name)
+        pure = seen is not None and name in engine.state.pure_grads
         # With the gradient G = Σ_m w·g_m of this backward (pure), g_nᵀG = w·N·g_nᵀḡ.
         loss_weight = engine.loss_weight
         w_n = loss_weight * sg.num_samples if pure and loss_weight else None

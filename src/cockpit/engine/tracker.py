@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from cockpit.engine.backward_state import BackwardState
 from cockpit.engine.capture.hooks import Call, Capture, Unit, layer_outputs, owner
 from cockpit.engine.histograms.auto_range import AutoRange
 from cockpit.engine.histograms.exact import BinSpec
@@ -69,13 +70,13 @@ class ModuleTracker:
         memory_budget: int | None = None,
     ):
         self.model = model
+        self.state = BackwardState()  # what the hooks of a tracked backward pass learned
         # bytes of individual gradients one layer may hold at once (None: no limit); above
         # it a layer is processed in sample chunks (cockpit.engine.rules.sample_chunks)
         self.memory_budget = memory_budget
         self.chunked_layers: dict[str, int] = {}  # parameter → sample chunks, when chunked
         self._chunks_told: set[str] = set()
         self.batchnorm = check_batchnorm_mode(batchnorm)
-        self._frozen_pass = False  # True during the extra backward of frozen statistics
         self.hist_spec = hist_spec
         self.hist2d_specs = hist2d_specs
         self.strict = strict
@@ -92,22 +93,13 @@ class ModuleTracker:
         self.active = False
         self.needs: frozenset[str] = frozenset()
         self.stats: BackwardStatistics | None = None
-        self._multi_use: set[str] = set()
-        self._weights: Tensor | None = None
-        self._weight_value = 1.0  # float(w_n), read once per backward
-        self._weights_problem: str | None = None
         # a parameter's gradient arrived twice in one tracked block: two backward passes
         self.repeated_backward = False
-        self._suspended = False  # True while rules run the module again (torch.func)
-        self._probing = False  # True during Cockpit's own backprops (diagonal curvature)
         # what the instruments of the current tracked step ask of each backward pass
         self.request = StepRequest(frozenset())
-        self._seen_grads: dict[str, Tensor] = {}
-        self._pure_grads: set[str] = set()  # seen gradient = this backward's Σ_n w·g_n
         # The batch gradients of the last tracked step, reused as the copies of the next one
         # if it follows directly (a fresh parameter-sized tensor costs page faults).
         self._last_batch_grads: dict[str, Tensor] = {}
-        self._spare_grads: dict[str, Tensor] = {}
         self.step_cache: dict = {}  # work shared by instruments within one tracked step
         self.processor = CallProcessor(self)
         self.capture = Capture(self)
@@ -161,7 +153,7 @@ class ModuleTracker:
 
     def used_repeatedly(self, name: str) -> bool:
         """Whether parameter ``name`` is used by several recorded calls."""
-        return name in self._multi_use
+        return name in self.state.multi_use
 
     # ------------------------------------------------------------------ backward
     def begin(self, request: StepRequest, losses: Tensor | None) -> BackwardStatistics:
@@ -174,13 +166,13 @@ class ModuleTracker:
         self.stats.losses = None if losses is None else losses.detach()
         self.request = request
         self.needs = request.needs
-        self._weights = None
-        self._weights_problem = None
+        self.state.weights = None
+        self.state.weights_problem = None
         self.repeated_backward = False
-        self._multi_use = self.capture.multi_use()
-        self._seen_grads = {}
-        self._pure_grads = set()
-        self._spare_grads, self._last_batch_grads = self._last_batch_grads, {}
+        self.state.multi_use = self.capture.multi_use()
+        self.state.seen_grads = {}
+        self.state.pure_grads = set()
+        self.state.spare_grads, self._last_batch_grads = self._last_batch_grads, {}
         self.processor.begin()
         if self.sharded:  # the unsharded parameters hold all of θ during the backward pass
             self.gathered_params = self.capture.hook_unsharded_parameters()
@@ -198,22 +190,22 @@ class ModuleTracker:
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
         """Extra backward passes of Cockpit's own (curvature) leave the statistics alone."""
-        previous, self._suspended = self._suspended, True
+        previous, self.state.suspended = self.state.suspended, True
         try:
             yield
         finally:
-            self._suspended = previous
+            self.state.suspended = previous
 
     @property
     def is_suspended(self) -> bool:
         """Whether Cockpit's own work runs inside autograd now (:meth:`suspended`)."""
-        return self._suspended
+        return self.state.suspended
 
     @property
     def in_own_work(self) -> bool:
         """Whether Cockpit's own work runs now: a rule running a module again, curvature
         work, or one of Cockpit's backpropagations (:meth:`sum_sq_of_backprops`)."""
-        return self._suspended or self._probing
+        return self.state.suspended or self.state.probing
 
     def chunking_note(self) -> str | None:
         """Which parameters' individual gradients were formed in sample chunks to stay within
@@ -247,12 +239,12 @@ class ModuleTracker:
             for v in grad_outputs:
                 for call in calls:
                     call.probe_grads = [None] * len(call.outputs)
-                self._probing = True
+                self.state.probing = True
                 try:  # the output hooks record δ (also for outputs modified in place later)
                     torch.autograd.grad(output, params, grad_outputs=v, retain_graph=True,
                                         allow_unused=True)
                 finally:
-                    self._probing = False
+                    self.state.probing = False
                 for call in calls:
                     for tap in call.taps.values():
                         if tap.problem is not None:
@@ -265,7 +257,7 @@ class ModuleTracker:
                     deltas = [torch.zeros_like(o) if d is None else d
                               for d, o in zip(deltas, call.outputs, strict=True)]
                     for name, sg in self.processor.rule(call, deltas).items():
-                        if name in self._multi_use:
+                        if name in self.state.multi_use:
                             accumulate(accumulated, name, sg)
                         else:
                             totals[name] = totals.get(name, 0) + sg.sum_sq()
@@ -358,7 +350,7 @@ class ModuleTracker:
             self.clear_calls()
             self.gathered_params = {}
         stats, self.stats = self.stats, None
-        self._spare_grads = {}
+        self.state.spare_grads = {}
         self._last_batch_grads = dict(stats.batch_grads)  # own copies, valid until next begin
         weight, n = self.loss_weight, stats.num_samples
         if weight not in (None, 0.0) and n and weight * n != 1.0:
@@ -396,7 +388,7 @@ class ModuleTracker:
     def _see_optimizer_gradients(self) -> None:
         """Deferred processing: the gradient the optimizer will step on is ``p.grad`` after
         the backward pass (synchronized over processes by DistributedDataParallel)."""
-        self._pure_grads = set()
+        self.state.pure_grads = set()
         synced = self.request.union_gram
         if not (self.direction_providers or GRAM_MEAN in self.needs or synced):
             return
@@ -410,22 +402,22 @@ class ModuleTracker:
                 if synced:  # g_nᵀG for the reduction point, against G as it is now
                     grad = grad.clone()
                     self.stats.gradient_dots.gradient[name] = grad
-                self._seen_grads[name] = grad
+                self.state.seen_grads[name] = grad
 
     def drop_spare_gradients(self) -> None:
         """Free the kept batch gradients (the next step is not tracked)."""
-        self._spare_grads, self._last_batch_grads = {}, {}
+        self.state.spare_grads, self._last_batch_grads = {}, {}
 
     @property
     def weights_problem(self) -> str | None:
         """Why the loss weights w_n = ∂L/∂ℓ_n of the last tracked backward pass do not
         describe a mean (or sum) of ``losses``, or None."""
-        return self._weights_problem
+        return self.state.weights_problem
 
     @property
     def loss_weight(self) -> float | None:
         """The (uniform) weight w = ∂L/∂ℓ_n of this backward, if known."""
-        return None if self._weights is None else self._weight_value
+        return None if self.state.weights is None else self.state.weight_value
 
     def remove(self) -> None:
         self.capture.remove()

@@ -152,7 +152,7 @@ def reachable_nodes(root: Tensor) -> set:
 
 class Capture:
     """Installs and owns the hooks on ``engine.model`` and holds the recorded forward pass
-    (module docstring); reads and writes the backward pass' state on ``engine``."""
+    (module docstring); fills the backward pass' state (``engine.state``)."""
 
     def __init__(self, engine: ModuleTracker):
         self.engine = engine
@@ -276,19 +276,20 @@ class Capture:
         engine = self.engine
         if engine.active and not engine.is_suspended:
             if grad.numel() == 0:  # an empty batch: no weight to read
-                engine._weights_problem = "the batch is empty (`losses` has 0 entries)"
+                engine.state.weights_problem = "the batch is empty (`losses` has 0 entries)"
                 return
-            engine._weights = grad.detach()
+            state = engine.state
+            state.weights = grad.detach()
             # the only read of the device in a tracked step's hooks: the weight is a
             # number of the engine's decisions (uniform? zero? the scale of δ_n)
-            engine._weights_problem, engine._weight_value = weights_problem(engine._weights)
+            state.weights_problem, state.weight_value = weights_problem(state.weights)
 
     def _make_output_hook(self, call: Call, k: int):
         engine = self.engine
 
         def hook(grad: Tensor):
             tap = call.taps.get(k)
-            if engine._probing:
+            if engine.state.probing:
                 if call.probe_grads is not None:
                     call.probe_grads[k] = grad.detach() if tap is None else tap.take(True, grad)
                 return None
@@ -308,7 +309,8 @@ class Capture:
 
         def hook(grad: Tensor):
             stats = engine.stats
-            if not engine.active or engine.is_suspended or stats is None or engine._frozen_pass:
+            if (not engine.active or engine.is_suspended or stats is None
+                    or engine.state.frozen_pass):
                 return None
             if grad.layout != torch.strided:  # Embedding(sparse=True): instruments read
                 grad = grad.to_dense()  # dense vectors (the user's p.grad stays sparse)
@@ -316,7 +318,7 @@ class Capture:
             if not first:  # (a leaf's hook fires once per backward pass)
                 engine.repeated_backward = True
             if first:
-                spare = engine._spare_grads.pop(name, None)
+                spare = engine.state.spare_grads.pop(name, None)
                 if (spare is not None and spare.shape == grad.shape
                         and spare.dtype == grad.dtype and spare.device == grad.device):
                     stats.batch_grads[name] = spare.copy_(grad.detach())
@@ -328,11 +330,11 @@ class Capture:
                 param = engine.params[name]
                 held = None if sharded.is_sharded(param.grad) else param.grad  # (deferred)
                 seen = grad.detach() if held is None else grad.detach() + held
-                engine._seen_grads[name] = seen
-                if first and param.grad is None and name not in engine._multi_use:
-                    engine._pure_grads.add(name)
+                engine.state.seen_grads[name] = seen
+                if first and param.grad is None and name not in engine.state.multi_use:
+                    engine.state.pure_grads.add(name)
                 else:
-                    engine._pure_grads.discard(name)
+                    engine.state.pure_grads.discard(name)
                 engine.processor.gradient_arrived(name)
             return None
 
@@ -415,7 +417,7 @@ class Capture:
         engine = self.engine
 
         def hook(grad_outputs):
-            probing = engine._probing
+            probing = engine.state.probing
             if not probing and (not engine.active or engine.is_suspended):
                 return None
             if tap.problem is None:
@@ -443,7 +445,7 @@ class Capture:
                            "step in one process (no gradient accumulation, no "
                            "torch.distributed)")
             return
-        engine._frozen_pass = self.frozen_backward.active = True
+        engine.state.frozen_pass = self.frozen_backward.active = True
         try:  # the hooks process each layer (losses_hook reads w_n = 1 of Σ_n ℓ_n)
             torch.autograd.grad(losses, layer_outputs(self.probe_calls()),
                                 grad_outputs=torch.ones_like(losses), retain_graph=True,
@@ -455,9 +457,10 @@ class Capture:
                 raise
             processor.fail(f"the backward pass with frozen BatchNorm statistics failed: {error}")
         finally:
-            engine._frozen_pass = self.frozen_backward.active = False
+            engine.state.frozen_pass = self.frozen_backward.active = False
             processor.accumulated = {}
-            engine._weights, engine._weights_problem, engine._weight_value = None, None, 1.0
+            state = engine.state
+            state.weights, state.weights_problem, state.weight_value = None, None, 1.0
             for call in self.calls:  # the user's backward pass only records the gradient
                 call.release()
             self.calls = []
