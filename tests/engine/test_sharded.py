@@ -248,3 +248,29 @@ def test_a_reduce_dtype_alone_leaves_the_values_exact(group_of_one):
     assert assert_same_values(output, expected, range(1), rtol=1e-12,
                               skip={"UpdateSize", "UpdateRatio"}) > 30
     assert not any("mixed precision" in note for note in notes.get(0, {}).values())
+
+
+@needs_gloo
+def test_frozen_batchnorm_under_mixed_precision_says_why_it_is_refused(group_of_one):
+    """batchnorm='frozen_statistics' needs the layers at their own precision: under a mixed
+    precision policy of fully_shard the per-sample instruments are None with that reason
+    (not one about gradient accumulation or processes, which this run has neither of)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8, track_running_stats=False),
+                          nn.ReLU(), nn.Linear(8, 2))  # (bf16 running stats: torch refuses)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                      reduce_dtype=torch.float32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model, [quantities.NormTest()], optimizer=opt,
+                      batchnorm="frozen_statistics")
+    x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    opt.step()
+    cockpit.close()
+    note = cockpit.get_notes()[0]["NormTest"]
+    assert cockpit.get_output()[0]["NormTest"] is None
+    assert "mixed precision policy" in note and "one backward pass per step" in note

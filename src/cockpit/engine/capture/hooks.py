@@ -442,6 +442,10 @@ class Capture:
         assert engine.stats is not None
         if engine.request.split:
             processor.fail("batchnorm='frozen_statistics' describes one backward pass per "
+                           "step in one process at the layers' own precision (no gradient "
+                           "accumulation, no torch.distributed, no mixed precision policy "
+                           "of fully_shard)" if engine.compute_dtypes else
+                           "batchnorm='frozen_statistics' describes one backward pass per "
                            "step in one process (no gradient accumulation, no "
                            "torch.distributed)")
             return
