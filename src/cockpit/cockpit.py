@@ -271,7 +271,7 @@ class Cockpit:
         save it on every rank and load each rank's own."""
         initial, holder = (None, None) if self._run.initial is None else (
             sharded.saved_slices(self._run.initial))
-        state = {"initial_params": initial, "last_step": self._steps.last_step}
+        state: dict[str, Any] = {"initial_params": initial, "last_step": self._steps.last_step}
         if holder is not None:
             state["initial_params_holder"] = holder
         return state
