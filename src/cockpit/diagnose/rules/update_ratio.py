@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 
-import cockpit.diagnose.thresholds as T
+from cockpit.diagnose import thresholds as T
 from cockpit.diagnose.finding import Evidence, Finding
 from cockpit.diagnose.record import RunRecord
 from cockpit.diagnose.rule import Rule

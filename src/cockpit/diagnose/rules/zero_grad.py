@@ -11,7 +11,7 @@ to p.grad) also makes positive; GradientMismatch is shown as supporting evidence
 
 from __future__ import annotations
 
-import cockpit.diagnose.thresholds as T
+from cockpit.diagnose import thresholds as T
 from cockpit.diagnose.finding import Evidence, Finding
 from cockpit.diagnose.record import RunRecord
 from cockpit.diagnose.rule import Rule
