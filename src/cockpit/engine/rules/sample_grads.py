@@ -34,7 +34,7 @@ are formed in the gradients' dtype and summed with a float64 accumulator.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -96,6 +96,11 @@ class SampleGrads(ABC):
         shape ``[N, *shape]``). A representation may order each sample's D numbers
         differently (see :meth:`to_rows`)."""
         return [self.materialize()]
+
+    def iter_chunks(self) -> Iterator[Tensor]:
+        """The chunks of :meth:`chunks`, each formed only when the previous one is done with
+        (factored representations; the others hand out their chunks as they are)."""
+        yield from self.chunks()
 
     def to_rows(self, u: Tensor) -> Tensor:
         """A parameter-shaped tensor as one flat row [D] in the order of ``chunks()``' rows."""
@@ -240,12 +245,12 @@ class OuterSampleGrads(SampleGrads):
         return per_chunk * self.dtype.itemsize
 
     def chunks(self) -> list[Tensor]:
-        per_sample = self.shape.numel()
-        size = max(1, _CHUNK_ELEMENTS // max(per_sample, 1))
-        return [
-            d.unsqueeze(2) * a.unsqueeze(1)
-            for d, a in zip(self.delta.split(size), self.a.split(size), strict=True)
-        ]
+        return list(self.iter_chunks())
+
+    def iter_chunks(self) -> Iterator[Tensor]:
+        size = max(1, _CHUNK_ELEMENTS // max(self.shape.numel(), 1))
+        for d, a in zip(self.delta.split(size), self.a.split(size), strict=True):
+            yield d.unsqueeze(2) * a.unsqueeze(1)
 
     def sq_norms(self) -> Tensor:
         return self.delta.pow(2).sum(1) * self.a.pow(2).sum(1)
@@ -311,11 +316,12 @@ class SequenceOuterSampleGrads(SampleGrads):
         return SequenceOuterSampleGrads(self.delta[start:stop], self.a[start:stop])
 
     def chunks(self) -> list[Tensor]:
+        return list(self.iter_chunks())
+
+    def iter_chunks(self) -> Iterator[Tensor]:
         size = max(1, _CHUNK_ELEMENTS // max(self.shape.numel(), 1))
-        return [
-            torch.bmm(d.transpose(1, 2), a)
-            for d, a in zip(self.delta.split(size), self.a.split(size), strict=True)
-        ]
+        for d, a in zip(self.delta.split(size), self.a.split(size), strict=True):
+            yield torch.bmm(d.transpose(1, 2), a)
 
     def sq_norms(self) -> Tensor:
         t = self.delta.shape[1]

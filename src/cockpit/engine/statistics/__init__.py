@@ -27,6 +27,7 @@ from cockpit.engine.statistics.backward import (
 from cockpit.engine.statistics.registry import (
     REGISTRY,
     Combine,
+    Counts,
     LayerContext,
     Merge,
     RankTotals,
@@ -55,7 +56,7 @@ seal()
 
 __all__ = [
     "GRAM_MEAN", "HIST1D", "HIST2D", "PER_SAMPLE_STATS", "PROJECTIONS", "REGISTRY",
-    "SAMPLE_GRAD_SUM", "SQ_NORMS", "SUM_SQ", "VAR_SUM", "BackwardStatistics", "Combine",
+    "SAMPLE_GRAD_SUM", "SQ_NORMS", "SUM_SQ", "VAR_SUM", "BackwardStatistics", "Combine", "Counts",
     "GradientDots", "LayerContext", "Merge", "RankTotals", "Statistic", "StatisticContext",
     "register", "requested", "shared_chunks",
 ]

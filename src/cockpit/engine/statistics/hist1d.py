@@ -16,17 +16,11 @@ from torch import Tensor
 
 from cockpit.engine.histograms.auto_range import AutoRange, magnitude_counts
 from cockpit.engine.rules.sample_grads import (
-    _CHUNK_ELEMENTS,
-    OuterSampleGrads,
     SampleGrads,
-    SequenceOuterSampleGrads,
 )
 from cockpit.engine.statistics.registry import (
-    Combine,
+    Counts,
     LayerContext,
-    Merge,
-    RankTotals,
-    Statistic,
     StatisticContext,
     register,
 )
@@ -48,38 +42,24 @@ def _within_budget(chunks: Iterator[Tensor], budget: int | None) -> Iterator[Ten
 
 def _one_chunk_at_a_time(sg: SampleGrads, layer: LayerContext) -> Iterator[Tensor]:
     """The individual gradients in sample chunks, each formed only when the previous one is
-    done with (factored layers' ``chunks()`` would form them all at once), unless another
-    statistic of the layer has formed them already (the same chunks: the same products)."""
-    if layer.chunks is not None:
-        yield from layer.chunks
-    elif isinstance(sg, OuterSampleGrads | SequenceOuterSampleGrads):
-        size = max(1, _CHUNK_ELEMENTS // max(sg.shape.numel(), 1))
-        for d, a in zip(sg.delta.split(size), sg.a.split(size), strict=True):
-            yield (d.unsqueeze(2) * a.unsqueeze(1) if isinstance(sg, OuterSampleGrads)
-                   else torch.bmm(d.transpose(1, 2), a))
-    else:
-        yield from sg.chunks()
+    done with (``chunks()`` would form them all at once), unless another statistic of the
+    layer has formed them already (the same chunks: the same products)."""
+    return iter(layer.chunks) if layer.chunks is not None else sg.iter_chunks()
 
 
-class Hist1d(Statistic):
+class Hist1d(Counts):
     name = "hist1d"
     shape = "[bins]"
-    merge = Merge.ADD
-    combine = Combine.SUM
-    flagged = False
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
         spec = layer.context.hist_spec
         if isinstance(spec, AutoRange):
-            budget = getattr(layer.context, "memory_budget", None)
-            return magnitude_counts(_within_budget(_one_chunk_at_a_time(sg, layer), budget))
+            return magnitude_counts(_within_budget(_one_chunk_at_a_time(sg, layer),
+                                                   layer.context.memory_budget))
         return sg.histogram(spec)
 
     def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:
         return (context.hist_spec.bins,)
-
-    def unpack(self, summed: Tensor, totals: RankTotals, name: str) -> Tensor:
-        return summed.round().to(torch.int64)
 
 
 HIST1D = register(Hist1d()).name

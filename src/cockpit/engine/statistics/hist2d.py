@@ -11,22 +11,16 @@ from torch import Tensor
 
 from cockpit.engine.rules.sample_grads import SampleGrads
 from cockpit.engine.statistics.registry import (
-    Combine,
+    Counts,
     LayerContext,
-    Merge,
-    RankTotals,
-    Statistic,
     StatisticContext,
     register,
 )
 
 
-class Hist2d(Statistic):
+class Hist2d(Counts):
     name = "hist2d"
     shape = "[bins_g, bins_θ]"
-    merge = Merge.ADD
-    combine = Combine.SUM
-    flagged = False
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
         spec_g, spec_theta = layer.context.hist2d_specs
@@ -35,9 +29,6 @@ class Hist2d(Statistic):
     def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:
         spec_g, spec_theta = context.hist2d_specs
         return (spec_g.bins, spec_theta.bins)
-
-    def unpack(self, summed: Tensor, totals: RankTotals, name: str) -> Tensor:
-        return summed.round().to(torch.int64)
 
 
 HIST2D = register(Hist2d()).name

@@ -63,6 +63,8 @@ class StatisticContext(Protocol):
     params: dict[str, Tensor]
     # whole θ of sharded parameters (FSDP2), gathered for this step; empty otherwise
     gathered_params: dict[str, Tensor]
+    # bytes of per-sample scratch one layer may hold at once (None: no limit)
+    memory_budget: int | None
 
 
 class LayerContext:
@@ -126,6 +128,18 @@ class Statistic:
     def unpack(self, summed: Tensor, totals: RankTotals, name: str) -> Tensor:
         """The global value from the summed slot (a view of the buffer: copy it)."""
         return summed.clone()
+
+
+class Counts(Statistic):
+    """Histogram counts per parameter: micro-batches and ranks add them, every parameter
+    has a slot (a rank without the parameter counts nothing), the sum is an integer."""
+
+    merge = Merge.ADD
+    combine = Combine.SUM
+    flagged = False
+
+    def unpack(self, summed: Tensor, totals: RankTotals, name: str) -> Tensor:
+        return summed.round().to(torch.int64)
 
 
 REGISTRY: dict[str, Statistic] = {}
