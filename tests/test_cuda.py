@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import pickle
-import socket
 import warnings
 
 import numpy as np
@@ -19,6 +18,7 @@ from torch import nn
 
 from cockpit import Cockpit, configuration, quantities
 from cockpit.benchmark.problems.paper_models import cifar10_3c3d
+from tests.exit_worker import free_port
 
 DEVICE = "cuda"
 pytestmark = [
@@ -162,11 +162,6 @@ def test_mixed_precision_agrees_with_float32(precision):
     counts = np.asarray(got[0]["GradHist1d"]["counts"])
     assert counts.sum() == np.asarray(reference[0]["GradHist1d"]["counts"]).sum()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

@@ -5,7 +5,6 @@ rank's instruments describe the global batch, exactly as one process on the whol
 from __future__ import annotations
 
 import pickle
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 
 from cockpit import Cockpit
 from tests.engine import ddp_worker
+from tests.exit_worker import free_port
 from tests.models import make_problem
 from tests.split_reference import MISUSE, assert_same_values, whole_batch_run
 
@@ -22,11 +22,6 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 STEPS = 3
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sgd(model):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import pickle
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch.multiprocessing as mp
 
 from cockpit import configuration
 from tests.engine import fsdp_worker
+from tests.exit_worker import free_port
 from tests.models import make_problem
 from tests.split_reference import MISUSE, assert_same_values, whole_batch_run
 
@@ -25,11 +25,6 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 STEPS = 3
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sgd(model):

@@ -8,7 +8,6 @@ tests/engine/test_fsdp.py.)"""
 from __future__ import annotations
 
 import copy
-import socket
 
 import numpy as np
 import pytest
@@ -19,17 +18,13 @@ from torch import nn
 from cockpit import Cockpit, configuration, quantities
 from cockpit.engine.histograms.exact import BinSpec
 from cockpit.store.reader import read_meta
+from tests.exit_worker import free_port
 from tests.models import make_problem
 from tests.split_reference import assert_same_values
 
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

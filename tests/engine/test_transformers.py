@@ -15,6 +15,7 @@ from torch.utils.data import IterableDataset
 
 from cockpit import Cockpit, quantities
 from cockpit.integrations.transformers import CockpitCallback, sequence_losses
+from tests.exit_worker import free_port
 from tests.models import Problem
 from tests.split_reference import assert_same_values, instruments, whole_batch_run
 
@@ -350,13 +351,6 @@ def test_without_attach_the_way_in_is_named(tmp_path):
     with pytest.raises(RuntimeError, match="attach"):
         trainer.train()
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 DDP_SIZE = 8

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import pickle
-import socket
 
 import lightning.pytorch as pl
 import pytest
@@ -16,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from cockpit import Cockpit, quantities
 from cockpit.integrations.lightning import CockpitCallback
+from tests.exit_worker import free_port
 from tests.integrations import lightning_worker
 from tests.integrations.lightning_worker import fit, micro_batches
 from tests.models import make_problem
@@ -77,11 +77,6 @@ def pl_csv_logger(tmp_path):
 
     return CSVLogger(str(tmp_path), name="csv")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ddp_strategy_with_accumulation_gives_every_rank_the_global_batch(tmp_path):
