@@ -13,7 +13,9 @@ Parts (``--parts``, all by default):
 * ``resnet``: a CIFAR-size ResNet-18 with GroupNorm, economy tracked every step (step ratio)
   and every 10th step (run-time ratio);
 * ``fig7``: the paper's Figure 7, whole-run time of 3C3D training with a configuration
-  tracked every 1, 4, 16, 64 steps as a multiple of training without Cockpit.
+  tracked every 1, 4, 16, 64 steps as a multiple of training without Cockpit;
+* ``idle``: a 3C3D step inside ``with cockpit(step, ...)`` that no instrument tracks,
+  interleaved with the step without Cockpit.
 
 Every cell prints this project's number, the original's, and ours/original (the goal:
 ≤ 0.5 in every cell). The original's numbers are from an H200: on another device the ratios
@@ -210,6 +212,23 @@ def fig7_cells(args, clock: Clock, emit) -> None:
             emit(record)
 
 
+def idle_cell(args, clock: Clock, emit) -> None:
+    """A step no instrument tracks (economy's instruments scheduled for no step) inside
+    ``with cockpit(step, ...)``, interleaved with the same step without Cockpit (goal:
+    ≤ 1.02×)."""
+    make, shape, classes = make_problem("cifar10_3c3d")
+    data = batches(shape, classes, args.batch, clock.device)
+    plain = trainer(make, data, clock.device)
+    idle = trainer(make, data, clock.device, lambda: configuration("economy", lambda s: False))
+    for i in range(3):
+        plain(i), idle(i)
+    base, watched = interleaved(clock, plain, idle, 20 * args.fig7_steps, args.cell_seconds,
+                                start=3)
+    emit({"part": "idle", "ratio": statistics.median(watched) / statistics.median(base),
+          "untracked_ms": 1e3 * statistics.median(base),
+          "tracked_ms": 1e3 * statistics.median(watched), "pairs": len(base)})
+
+
 def gpt2_cells(args, clock: Clock, emit) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -395,6 +414,11 @@ def print_table(records: list[dict], reference: dict, device_name: str) -> None:
               f"{fmt_ratio(ref.get('original'))} {fmt_peak(ref.get('original'))} | "
               f"{versus(r, ref.get('original'), 'tracked_ms')} | "
               f"{fmt_ratio(ref.get('ours_then'))} |")
+    for r in records:
+        if r["part"] == "idle" and "ratio" in r:
+            print(f"\nA step no instrument tracks, inside `with cockpit(step, ...)`: "
+                  f"{r['ratio']:.3f}× the step without Cockpit ({r['tracked_ms']:.2f} vs "
+                  f"{r['untracked_ms']:.2f} ms, median of {r['pairs']} pairs; goal ≤ 1.02×)")
     fig7 = [r for r in records if r["part"] == "fig7"]
     if not fig7:
         return
@@ -424,8 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true",
                         help="tiny batches, few steps, a 2-layer GPT-2: a dry run")
-    parser.add_argument("--parts", nargs="+", default=["side", "gpt2", "resnet", "fig7"],
-                        choices=["side", "gpt2", "resnet", "fig7"])
+    parser.add_argument("--parts", nargs="+",
+                        default=["side", "gpt2", "resnet", "fig7", "idle"],
+                        choices=["side", "gpt2", "resnet", "fig7", "idle"])
     parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=PROBLEMS)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--batch", type=int, default=None, help="default 128 (quick: 4)")
@@ -487,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as error:
                     record["error"] = f"{type(error).__name__}: {error}"[:400]
                 emit(record)
-    for part, run in (("gpt2", gpt2_cells), ("resnet", resnet_cells), ("fig7", fig7_cells)):
+    for part, run in (("gpt2", gpt2_cells), ("resnet", resnet_cells), ("fig7", fig7_cells),
+                      ("idle", idle_cell)):
         if part not in args.parts:
             continue
         if args.out_of_time():

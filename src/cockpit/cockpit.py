@@ -208,6 +208,7 @@ class Cockpit:
                                          sinks, strict) if diagnose else None)
         if self._diagnosis is not None:
             recorder.on_record = self._diagnosis.add
+        self._schedule_answers: dict[int, list[Quantity]] = {}
         self._steps = StepSequence(self._run, self._tracked, resumed_from, attachment,
                                    self._diagnosis)
         self._log, self._output = log, recorder.output  # (what tests read)
@@ -321,8 +322,15 @@ class Cockpit:
 
     # ------------------------------------------------------------------ schedules
     def _tracked(self, step: int) -> list[Quantity]:
-        """The instruments the schedules track at ``step``."""
-        return [q for q in self.quantities if q.should_track(step)]
+        """The instruments the schedules track at ``step`` (asked about a step twice: as
+        the next one and as the current one; the last few answers are kept)."""
+        known = self._schedule_answers.get(step)
+        if known is None:
+            known = [q for q in self.quantities if q.should_track(step)]
+            if len(self._schedule_answers) >= 4:
+                del self._schedule_answers[next(iter(self._schedule_answers))]
+            self._schedule_answers[step] = known
+        return list(known)
 
     # ------------------------------------------------------------------ hooks
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:

@@ -24,7 +24,7 @@ def test_gpu_overhead_dry_run_on_the_cpu(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
     records = data["records"]
-    assert {r["part"] for r in records} == {"side", "gpt2", "resnet", "fig7"}
+    assert {r["part"] for r in records} == {"side", "gpt2", "resnet", "fig7", "idle"}
     assert not [r for r in records if "error" in r or "skipped" in r], records
     side = next(r for r in records if r["part"] == "side")
     assert side["problem"] == "cifar10_3c3d" and side["ratio"] > 0 and side["n"] == 2
@@ -40,4 +40,8 @@ def test_gpu_overhead_dry_run_on_the_cpu(tmp_path):
     assert float(cells[5]) == round(side["tracked_ms"] / 24.344187999993494, 2)
     fig7_row = next(line for line in table.splitlines() if line.startswith("| economy | "))
     assert "/ 4.54 (" in fig7_row
+    idle = next(r for r in records if r["part"] == "idle")
+    assert idle["pairs"] >= 3 and idle["ratio"] > 0
+    assert abs(idle["ratio"] - idle["tracked_ms"] / idle["untracked_ms"]) < 1e-9
+    assert "A step no instrument tracks" in table
     assert data["meta"]["device"].startswith("CPU")

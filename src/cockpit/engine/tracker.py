@@ -89,7 +89,7 @@ class ModuleTracker:
         self.precision_note = precision_note(self.compute_dtypes)  # (None without)
         # fully_shard: all of θ per name while a tracked backward pass is processed
         self.gathered_params: dict[str, Tensor] = {}
-        self.capturing = True
+        self._capturing = True
         self.active = False
         self.needs: frozenset[str] = frozenset()
         self.stats: BackwardStatistics | None = None
@@ -104,6 +104,21 @@ class ModuleTracker:
         self.processor = CallProcessor(self)
         self.capture = Capture(self)
         self.losses_hook = self.capture.losses_hook  # (registered on ``losses`` by Cockpit)
+
+    @property
+    def capturing(self) -> bool:
+        """Whether the coming forward passes are recorded (decided by the step sequence
+        from the schedule). The hooks are on the model only while they are, or while a
+        tracked backward pass runs."""
+        return self._capturing
+
+    @capturing.setter
+    def capturing(self, value: bool) -> None:
+        self._capturing = value
+        if value:
+            self.capture.install()
+        elif not self.active:
+            self.capture.uninstall()
 
     # ------------------------------------------------------------------ the recorded forward
     def unit_param_name(self, unit: Unit, attr: str) -> str:
@@ -169,6 +184,7 @@ class ModuleTracker:
         self.state.weights = None
         self.state.weights_problem = None
         self.repeated_backward = False
+        self.capture.install()  # (off if the schedule did not foresee this step)
         self.state.multi_use = self.capture.multi_use()
         self.state.seen_grads = {}
         self.state.pure_grads = set()

@@ -150,24 +150,50 @@ def reachable_nodes(root: Tensor) -> set:
     return seen
 
 
+def keep_place(hooks: dict[int, Callable], key: int, place: int) -> None:
+    """Move the hook ``key`` (just registered, last) back to where the hook ``place`` was
+    registered: hook ids grow with registration, so every hook registered after ``place``
+    moves behind it, in its order."""
+    for later in [k for k in hooks if k > place and k != key]:
+        hooks[later] = hooks.pop(later)
+
+
 class Capture:
     """Installs and owns the hooks on ``engine.model`` and holds the recorded forward pass
     (module docstring); fills the backward pass' state (``engine.state``)."""
 
     def __init__(self, engine: ModuleTracker):
         self.engine = engine
-        model = engine.model
-        self.units = discover_units(model)
+        self.units = discover_units(engine.model)
         self.calls: list[Call] = []
         self.model_output: Tensor | None = None  # the model's output of the recorded forward
         # (module, input z, output a) of smooth activation modules, for the Hessian diagonal
         self.activation_calls: list[tuple[nn.Module, Tensor, Tensor]] = []
         self.frozen_backward = FrozenStatisticsBackward()
-        self._handles: list = []
+        self._handles: list = []  # the hooks while installed (see install)
         self._hooked_twins: set[int] = set()
+        self.installed = False
+        self._removed = False  # for good (Cockpit closed)
+        self._places: dict[int, int] = {}  # module → the id of its unit hook's first handle
+        self.install()
+
+    def install(self) -> None:
+        """Put the hooks on the model (nothing if they are on). Cockpit takes them off
+        while no forward pass is recorded and no tracked backward pass runs (see
+        :meth:`uninstall`): a hook that returns at once still costs a Python call per
+        module and parameter, which an untracked step should not pay. A unit's hook keeps its
+        place among the module's forward hooks: it records the output of the hooks
+        registered before Cockpit, not what a later one replaces it with."""
+        if self.installed or self._removed:
+            return
+        self.installed = True
+        model, engine = self.engine.model, self.engine
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_hook(
-                self._make_forward_hook(unit), with_kwargs=True))
+            handle = unit.module.register_forward_hook(self._make_forward_hook(unit),
+                                                       with_kwargs=True)
+            place = self._places.setdefault(id(unit.module), handle.id)
+            keep_place(unit.module._forward_hooks, handle.id, place)
+            self._handles.append(handle)
         for name, p in engine.params.items():
             self._handles.append(p.register_hook(self._make_param_hook(name)))
         if engine.batchnorm == FROZEN_STATISTICS:  # (also BatchNorm without parameters)
@@ -179,6 +205,14 @@ class Capture:
         for module in model.modules():
             if is_activation(module):
                 self._handles.append(module.register_forward_hook(self._record_activation))
+
+    def uninstall(self) -> None:
+        """Take the hooks off the model (the recorded forward pass stays)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._hooked_twins = set()
+        self.installed = False
 
     def hook_unsharded_parameters(self) -> dict[str, Tensor]:
         """``fully_shard``: the parameter hooks go on the unsharded parameters the backward
@@ -192,9 +226,9 @@ class Capture:
         return twins
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Take the hooks off for good."""
+        self.uninstall()
+        self._removed = True
         self.clear()
 
     # ------------------------------------------------------------------ forward

@@ -1,0 +1,80 @@
+"""Untracked steps run without Cockpit's hooks on the model, and the tracked steps around
+them are still exact: against brute-force individual gradients (torch.func), with the
+user's own forward hooks before and after Cockpit's, and at a tracked step the schedule
+did not foresee."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cockpit import Cockpit
+from cockpit.quantities import GradNorm, NormTest
+from cockpit.schedules import at, every
+from tests.models import make_problem
+from tests.reference import flat, gradient_tests, individual_gradients
+
+
+def _hook_counts(model: nn.Module) -> tuple[int, int]:
+    forward = sum(len(m._forward_hooks) for m in model.modules())
+    backward = sum(len(p._backward_hooks or {}) for p in model.parameters())
+    return forward, backward
+
+
+def _step(problem, cockpit, opt, step: int) -> None:
+    opt.zero_grad()
+    losses = problem.losses()
+    with cockpit(step, losses=losses):
+        losses.mean().backward()
+    opt.step()
+
+
+def test_untracked_steps_leave_no_hooks_and_tracked_steps_stay_exact():
+    """NormTest every 3rd step: between an untracked step and the next untracked one no
+    hook of Cockpit's is on the model; a forward hook the user registered before Cockpit
+    and one after, the latter doubling a layer's output, keep their order through the hooks
+    coming and going, so NormTest at every tracked step equals the brute force's of the
+    hooked model."""
+    problem = make_problem("mlp_relu", 6)
+    model = problem.model
+    seen = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append("before") or None)
+    plain_counts = _hook_counts(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model, [NormTest(every(3))], optimizer=opt)
+    model[0].register_forward_hook(lambda m, a, out: 2 * out)  # after Cockpit's
+    expected = {}
+    for step in range(7):
+        if step % 3 == 0:
+            grads = individual_gradients(model, problem.loss_fn, problem.x, problem.y)
+            expected[step] = gradient_tests(flat(grads))["NormTest"]
+        _step(problem, cockpit, opt, step)
+        if step % 3 == 0:  # the next step is untracked: the hooks are off
+            assert _hook_counts(model) == (plain_counts[0] + 1, plain_counts[1])
+        if step % 3 == 2:  # the next step is tracked: on again
+            assert _hook_counts(model)[0] > plain_counts[0] + 1
+    output = cockpit.get_output()
+    cockpit.close()
+    assert _hook_counts(model) == (plain_counts[0] + 1, plain_counts[1])
+    for step, value in expected.items():
+        assert abs(output[step]["NormTest"] - value) <= 1e-10 * value, step
+    assert seen.count("before") == 7 + 3  # (+ the brute force's three forward passes)
+
+
+def test_a_tracked_step_the_schedule_did_not_foresee_keeps_the_batch_gradient():
+    """The steps jump from 3 to 5 (tracked): the forward pass of step 5 ran without hooks
+    (step 4 was next and untracked), yet the gradient reaches Cockpit; the per-sample
+    instrument says why it is missing."""
+    problem = make_problem("mlp_relu", 6)
+    model = problem.model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model, [GradNorm(at([5])), NormTest(at([5]))], optimizer=opt)
+    for step in (0, 1, 2, 3):
+        _step(problem, cockpit, opt, step)
+    expected = torch.cat([g.mean(0).flatten() for g in individual_gradients(
+        model, problem.loss_fn, problem.x, problem.y).values()]).norm().item()
+    _step(problem, cockpit, opt, 5)
+    output, notes = cockpit.get_output(), cockpit.get_notes()
+    cockpit.close()
+    assert abs(output[5]["GradNorm"] - expected) <= 1e-12 * expected
+    assert output[5]["NormTest"] is None and notes[5]["NormTest"]
