@@ -87,8 +87,11 @@ def bin_index(x: Tensor, edges: Tensor) -> Tensor:
 
 
 def lanes(slots: int) -> int:
-    """Copies of ``slots`` counters that fit a block's shared memory (at most 32)."""
-    return max(1, min(_LANES, _SHARED_COUNTERS // slots))
+    """Copies of ``slots`` counters that fit a block's shared memory (at most 32): a power of
+    two, which divides the sizes of most tensors (the offsets then follow their trailing
+    dimensions)."""
+    most = max(1, min(_LANES, _SHARED_COUNTERS // slots))
+    return 1 << (most.bit_length() - 1)
 
 
 @functools.lru_cache(maxsize=128)
@@ -237,7 +240,8 @@ class Pairs:
         """Count the pairs (g[n, j], θ_j) of g [n, D] (or any shape of n·D elements), in
         chunks of rows."""
         D = self.theta_shape.numel()
-        g = g.reshape(-1, *self.theta_shape)
+        if g.shape[1:] != self.theta_shape:
+            g = g.reshape(-1, *self.theta_shape)
         rows = max(1, CHUNK // max(D, 1))
         with torch.no_grad():
             for piece in ([g] if rows >= g.shape[0] else g.split(rows)):

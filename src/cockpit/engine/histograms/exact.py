@@ -688,7 +688,8 @@ def pairs_on_device(theta: Tensor, dtype: torch.dtype, spec_g: BinSpec, spec_the
 def _dense_pairs(chunks: Sequence[Tensor], theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec
                  ) -> histogram_device.Pairs:
     dtype = _device_dtype(theta.dtype, *(c.dtype for c in chunks))
-    pairs = pairs_on_device(theta.reshape(-1), dtype, spec_g, spec_theta)
+    pairs = pairs_on_device(theta if theta.dim() == 1 else theta.reshape(-1), dtype, spec_g,
+                            spec_theta)
     for chunk in chunks:
         pairs.add_rows(chunk.to(dtype))
     return pairs

@@ -132,8 +132,9 @@ def _device_pairs(delta: Tensor, a: Tensor, theta: Tensor, spec_g: BinSpec,
     """The pairs counted on the accelerator path (the products in chunks of samples)."""
     _check_shapes(delta, a, theta)
     dtype = _device_dtype(delta.dtype, a.dtype)
-    pairs = pairs_on_device(theta.reshape(delta.shape[1], a.shape[1]), dtype, spec_g,
-                            spec_theta)
+    shape = (delta.shape[1], a.shape[1])
+    pairs = pairs_on_device(theta if theta.shape == shape else theta.reshape(shape), dtype,
+                            spec_g, spec_theta)
     pairs.add_products(delta.to(dtype), a.to(dtype))
     return pairs
 

@@ -161,8 +161,8 @@ class SampleGrads(ABC):
         return histogram_dense_counts(self.chunks(), spec)
 
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
-        return histogram2d_dense_counts([_rows(c) for c in self.chunks()], self.to_rows(theta),
-                                        spec_g, spec_theta)
+        return histogram2d_dense_counts([c if c.dim() == 2 else _rows(c) for c in self.chunks()],
+                                        self.to_rows(theta), spec_g, spec_theta)
 
 
 def _rows(c: Tensor) -> Tensor:
