@@ -94,13 +94,15 @@ def lanes(slots: int) -> int:
     return 1 << (most.bit_length() - 1)
 
 
-@functools.lru_cache(maxsize=128)
-def _pattern(shape: tuple[int, ...], num_lanes: int, stride: int, device: torch.device
+def _offsets(shape: tuple[int, ...], num_lanes: int, stride: int, device: torch.device
              ) -> Tensor:
     """(i mod L)·stride + ½ at the row-major positions i of ``shape``, float32 (exact: every
     value is below 2^24)."""
     lane = torch.arange(math.prod(shape), dtype=torch.int32, device=device) % num_lanes
     return ((lane * stride).float() + 0.5).view(shape)
+
+
+_pattern = functools.lru_cache(maxsize=128)(_offsets)  # shapes of at most _MAX_PATTERN
 
 
 def _lane_shape(shape: torch.Size, num_lanes: int) -> tuple[int, ...] | None:
@@ -122,13 +124,14 @@ def tally(index: Tensor, slots: int, out: Tensor | None = None) -> Tensor:
     if trailing is not None:
         spread = torch.add(index, _pattern(trailing, num_lanes, slots, index.device), out=out)
     elif index.numel() % num_lanes == 0:  # rows of L
-        spread = torch.add(index.view(-1, num_lanes),
+        spread = torch.add(index.reshape(-1, num_lanes),
                            _pattern((num_lanes,), num_lanes, slots, index.device),
                            out=None if out is None else out.view(-1, num_lanes))
-    else:  # flat positions, offsets of a power-of-two length
+    else:  # flat positions (odd sizes): offsets of a power-of-two length, cached if small
         flat = index.reshape(-1)
         length = max(_LANES, 1 << max(flat.numel() - 1, 0).bit_length())
-        offsets = _pattern((length,), num_lanes, slots, index.device)[: flat.numel()]
+        offsets = (_pattern if length <= _MAX_PATTERN else _offsets)(
+            (length,), num_lanes, slots, index.device)[: flat.numel()]
         spread = torch.add(flat, offsets, out=None if out is None else out.view(-1))
     total = num_lanes * slots
     return torch.histc(spread, bins=total, min=0, max=total)
