@@ -138,10 +138,11 @@ def test_float32_counters_hold_a_full_chunk_of_one_bin(forced, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-@pytest.mark.parametrize("chunk", [histogram_device.CHUNK, 50])
+@pytest.mark.parametrize("chunk", [histogram_device.CHUNK, 100, 50, 7])
 def test_outer_products_counts(dtype, chunk, forced, monkeypatch):
-    """Products δ·a at and next to every edge, overflowing to ±∞ and NaN from 0·∞: the
-    counts-only entry point equals the counts of histogram_outer and exact arithmetic."""
+    """Products δ·a at and next to every edge, overflowing to ±∞ and NaN from 0·∞, formed
+    whole, in samples, rows of a sample and parts of a row: the counts-only entry point
+    equals the counts of histogram_outer and exact arithmetic."""
     monkeypatch.setattr(histogram_device, "CHUNK", chunk)
     spec = BinSpec(-1.0, 3.0, 7)
     big = torch.finfo(dtype).max
@@ -169,10 +170,11 @@ def pair_counts(g: torch.Tensor, theta: torch.Tensor, spec_g: BinSpec, spec_t: B
 
 
 @pytest.mark.parametrize("D", [40, 7, 1])  # 40: θ carries the lane offsets; 7, 1: it cannot
-@pytest.mark.parametrize("chunk", [histogram_device.CHUNK, 30])
+@pytest.mark.parametrize("chunk", [histogram_device.CHUNK, 30, 5])
 def test_pairs_with_and_without_thetas_lane_offsets(D, chunk, forced, monkeypatch):
-    """Pairs (g, θ) at every edge of both specs, with non-finite g and θ: counts equal exact
-    arithmetic, the other pairs are counted, counts-only and the chunk sum agree."""
+    """Pairs (g, θ) at every edge of both specs, with non-finite g and θ, in one block, in
+    rows and in parts of a row: counts equal exact arithmetic, the other pairs are counted,
+    counts-only and the chunk sum agree."""
     monkeypatch.setattr(histogram_device, "CHUNK", chunk)
     spec_g, spec_t = BinSpec(-1.0, 1.0, 40), BinSpec(-1.0, 3.0, 7)
     values = edge_values(spec_g, F32)
@@ -188,7 +190,7 @@ def test_pairs_with_and_without_thetas_lane_offsets(D, chunk, forced, monkeypatc
     assert torch.equal(histogram2d_dense_counts(halves, theta, spec_g, spec_t), counts)
 
 
-@pytest.mark.parametrize("chunk", [histogram_device.CHUNK, 40])
+@pytest.mark.parametrize("chunk", [histogram_device.CHUNK, 100, 40, 5])
 def test_outer_pairs_counts(chunk, forced, monkeypatch):
     monkeypatch.setattr(histogram_device, "CHUNK", chunk)
     spec_g, spec_t = BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)
@@ -235,3 +237,31 @@ def test_grad_hists_through_cockpit_equal_the_cpu_path(monkeypatch, one_thread):
                 compared += 1
     assert compared >= 3 * 2 and any(int(v["counts"].sum()) > 0 for r in cpu.values()
                                      for k, v in r.items() if k == "GradHist2d")
+
+
+def test_every_histc_counts_at_most_a_chunk(forced, monkeypatch):
+    """The float32 counters stay exact because no histc call sees more than CHUNK values:
+    dense chunks, Linear products (whole samples, rows, parts of a row) and pairs."""
+    monkeypatch.setattr(histogram_device, "CHUNK", 7)
+    sizes = []
+    real = torch.histc
+
+    def spy(x, *args, **kwargs):
+        sizes.append(x.numel())
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "histc", spy)
+    gen = torch.Generator().manual_seed(0)
+    spec, spec_t = BinSpec(-2.0, 2.0, 100), BinSpec(-1.0, 1.0, 40)
+    x = torch.randn(3, 20, generator=gen)
+    delta, a = torch.randn(4, 3, generator=gen), torch.randn(4, 20, generator=gen)
+    theta = torch.randn(3, 20, generator=gen)
+    assert torch.equal(histogram_dense(x, spec)[0], exact_counts(x, spec))
+    products = delta[:, :, None] * a[:, None, :]
+    assert torch.equal(histogram_outer_counts(delta, a, spec), exact_counts(products, spec))
+    assert torch.equal(histogram2d_outer_counts(delta, a, theta, spec, spec_t),
+                       pair_counts(products.reshape(4, 60), theta.reshape(-1), spec, spec_t))
+    assert torch.equal(histogram2d_dense_counts([x.reshape(1, 60)], theta.reshape(-1), spec,
+                                                spec_t),
+                       pair_counts(x.reshape(1, 60), theta.reshape(-1), spec, spec_t))
+    assert sizes and max(sizes) <= 7 and sum(sizes) == 60 + 240 + 240 + 60

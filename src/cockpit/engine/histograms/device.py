@@ -180,18 +180,38 @@ def dense(x: Tensor, edges: Tensor, bins: int) -> tuple[Tensor, Tensor]:
     return counts, x.numel() - counts.sum()
 
 
-def outer_tallies(delta: Tensor, a: Tensor, edges: Tensor) -> list[Tensor]:
-    """The lane counts of the products δ[n, i]·a[n, j], formed in chunks of samples (each
-    chunk's products buffer then holds its spread index)."""
+def _product_blocks(delta: Tensor, a: Tensor
+                    ) -> Iterator[tuple[Tensor, Tensor, tuple[slice, slice]]]:
+    """Blocks (δ[n, i, None], a[n, None, j], (rows i, columns j)) whose products number at
+    most CHUNK where a row of J products fits: whole samples, else rows i of one sample,
+    else parts of one row (layers beyond 2^24 weights)."""
     N, I = delta.shape
     J = a.shape[1]
+    d3, a3 = delta.unsqueeze(2), a.unsqueeze(1)
+    every = slice(None)
+    if I * J <= CHUNK:
+        rows = max(1, CHUNK // max(I * J, 1))
+        if rows >= N:
+            yield d3, a3, (every, every)
+            return
+        for d, s in zip(d3.split(rows), a3.split(rows), strict=True):
+            yield d, s, (every, every)
+        return
+    rows, columns = max(1, CHUNK // J), min(J, CHUNK)
+    for n in range(N):
+        for i in range(0, I, rows):
+            for j in range(0, J, columns):
+                block = (slice(i, i + rows), slice(j, j + columns))
+                yield d3[n : n + 1, block[0]], a3[n : n + 1, :, block[1]], block
+
+
+def outer_tallies(delta: Tensor, a: Tensor, edges: Tensor) -> list[Tensor]:
+    """The lane counts of the products δ[n, i]·a[n, j], formed in blocks of at most CHUNK
+    (each block's products buffer then holds its spread index)."""
     slots = edges.numel() + 1
-    rows = max(1, CHUNK // max(I * J, 1))
     with torch.no_grad():
-        d3, a3 = delta.unsqueeze(2), a.unsqueeze(1)
-        pieces = [(d3, a3)] if rows >= N else zip(d3.split(rows), a3.split(rows), strict=True)
         tallies = []
-        for d, s in pieces:
+        for d, s, _ in _product_blocks(delta, a):
             products = torch.mul(d, s)
             tallies.append(tally(bin_index(products, edges), slots, out=products))
         return tallies
@@ -226,41 +246,46 @@ class Pairs:
             self.theta_spread = None if trailing is None else torch.add(
                 self.theta_index, _pattern(trailing, num_lanes, self.slots, theta.device))
 
-    def _add(self, g: Tensor, out: Tensor | None = None) -> None:
-        """Count the pairs of g [n, *θ's shape] (``out``: a float buffer of g's shape that
-        may receive the spread index)."""
+    def _add(self, g: Tensor, block: tuple[slice, ...] = (), out: Tensor | None = None
+             ) -> None:
+        """Count the pairs of g [n, *θ[block]'s shape] (``out``: a float buffer of g's shape
+        that may receive the spread index)."""
         self.num_pairs += g.numel()
         g_index = bin_index(g, self.edges_g)
         if self.theta_spread is not None:
-            spread = torch.add(self.theta_spread, g_index, alpha=self.columns, out=out)
+            theta = self.theta_spread[block] if block else self.theta_spread
+            spread = torch.add(theta, g_index, alpha=self.columns, out=out)
             total = lanes(self.slots) * self.slots
             self.tallies.append(torch.histc(spread, bins=total, min=0, max=total))
         else:
-            cells = torch.add(self.theta_index, g_index, alpha=self.columns)
+            theta = self.theta_index[block] if block else self.theta_index
+            cells = torch.add(theta, g_index, alpha=self.columns)
             self.tallies.append(tally(cells, self.slots, out=out))
 
     def add_rows(self, g: Tensor) -> None:
-        """Count the pairs (g[n, j], θ_j) of g [n, D] (or any shape of n·D elements), in
-        chunks of rows."""
+        """Count the pairs (g[n, j], θ_j) of g [n, D] (θ flat [D]), in chunks of rows (or
+        of columns of one row, beyond 2^24 weights)."""
         D = self.theta_shape.numel()
         if g.shape[1:] != self.theta_shape:
             g = g.reshape(-1, *self.theta_shape)
         rows = max(1, CHUNK // max(D, 1))
         with torch.no_grad():
+            if D > CHUNK:
+                for n in range(g.shape[0]):
+                    for j in range(0, D, CHUNK):
+                        self._add(g[n : n + 1, j : j + CHUNK], (slice(j, j + CHUNK),))
+                return
             for piece in ([g] if rows >= g.shape[0] else g.split(rows)):
                 self._add(piece)
 
     def add_products(self, delta: Tensor, a: Tensor) -> None:
         """Count the pairs (fl(δ[n, i]·a[n, j]), θ[i, j]) (θ of shape [I, J]), the products
-        formed in chunks of samples (each chunk's buffer then holds its spread index)."""
-        rows = max(1, CHUNK // max(self.theta_shape.numel(), 1))
+        formed in blocks of at most CHUNK (each block's buffer then holds its spread index)."""
         with torch.no_grad():
-            d3, a3 = delta.unsqueeze(2), a.unsqueeze(1)
-            pieces = ([(d3, a3)] if rows >= delta.shape[0]
-                      else zip(d3.split(rows), a3.split(rows), strict=True))
-            for d, s in pieces:
+            for d, s, block in _product_blocks(delta, a):
                 products = torch.mul(d, s)
-                self._add(products, out=products)
+                whole = block[0] == slice(None) and block[1] == slice(None)
+                self._add(products, () if whole else block, out=products)
 
     def counts(self) -> Tensor:
         """Counts [bins_g, bins_θ] of the finite pairs."""
