@@ -27,10 +27,15 @@ histc) plus two per histogram:
   for speed only;
 * the counts of the finite values are the slots 1 … bins of every copy, summed over the
   copies (and over a layer's chunks) in one strided ``sum``; the non-finite count is the
-  number of values minus their sum (formed only where asked for);
-* the individual gradients of a Linear layer, δ_n a_nᵀ, are formed in chunks of at most
-  2^24 products (the same products fl(δ·a) the CPU path bins), and the chunk's products
-  buffer receives the lane-spread index (8 bytes per product in all).
+  number of values minus their sum (formed only where asked for). No ``histc`` sees more
+  than 2^24 values, so its float32 counters are exact;
+* the individual gradients of a Linear layer, δ_n a_nᵀ, are formed in blocks of at most
+  2^24 products (the same products fl(δ·a) the CPU path bins), and the block's products
+  buffer receives the lane-spread index (8 bytes per product in all);
+* 2-D histograms (eq. 16, :class:`Pairs`): the cell k_g·(bins_θ + 2) + k_θ of the two
+  search indices, θ's index (with the lane offsets, where θ's size is a multiple of L)
+  formed once per parameter, so that a chunk of g costs bucketize, one add and histc; the
+  finite pairs are the cells with k_g ∈ [1, bins_g] and k_θ ∈ [1, bins_θ].
 
 :func:`device_path` tells the histogram functions (and other choices made per device, such
 as the squared norms of :func:`cockpit.quantities.base.sq_norms`) to take this path: on
