@@ -260,8 +260,8 @@ def test_outer_sample_grads_uses_the_kernel(monkeypatch):
     sg, st = SPECS[0]
     grads = OuterSampleGrads(delta, a)
     calls = []
-    real = sample_grads.histogram2d_outer
-    monkeypatch.setattr(sample_grads, "histogram2d_outer",
+    real = sample_grads.histogram2d_outer_counts
+    monkeypatch.setattr(sample_grads, "histogram2d_outer_counts",
                         lambda *args: calls.append(1) or real(*args))
     counts = grads.histogram2d(theta, sg, st)
     assert calls and torch.equal(counts, SampleGrads.histogram2d(grads, theta, sg, st))
@@ -274,8 +274,8 @@ def test_grad_hist_2d_instrument_equals_brute_force(monkeypatch):
                  "_FEW_ROWS"):
         monkeypatch.setattr(h2, name, 0)
     calls = []
-    real = sample_grads.histogram2d_outer
-    monkeypatch.setattr(sample_grads, "histogram2d_outer",
+    real = sample_grads.histogram2d_outer_counts
+    monkeypatch.setattr(sample_grads, "histogram2d_outer_counts",
                         lambda *args: calls.append(1) or real(*args))
     problem = make_problem("mlp_relu", 12)
     with torch.no_grad():  # spread the weights over several parameter bins

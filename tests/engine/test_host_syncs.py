@@ -124,16 +124,18 @@ def test_a_tracked_step_waits_for_the_device_at_most_a_few_times(config, monkeyp
 
 
 def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
-    """Economy on 3C3D against the same step without Cockpit: 7.6× at |B| = 32 (21× before
+    """Economy on 3C3D against the same step without Cockpit: 6.4× at |B| = 32 (21× before
     the step stopped reading the device per number, 13× before the per-parameter small ops
     of Alpha and the workspace were merged, 9.9× before the histograms, Distance,
-    GradientMismatch and Alpha's fit took fewer ops per parameter; the goal is 3×). A
-    regression bound."""
+    GradientMismatch and Alpha's fit took fewer ops per parameter, 7.6× before the
+    histograms counted a chunk in three ops — one search whose edges give the non-finite
+    values slots of their own, the lane offsets added, histc — and a parameter's lanes and
+    chunks in one strided sum; the goal is 3×). A regression bound."""
     monkeypatch.setattr(histogram_device, "_forced", True)
     tracked, _, _ = count_step(monkeypatch, "economy")
     untracked, _, _ = count_step(monkeypatch, None)
     ratio = sum(tracked.values()) / sum(untracked.values())
-    assert ratio <= 8, (ratio, tracked.most_common(8))
+    assert ratio <= 6.5, (ratio, tracked.most_common(8))
 
 
 @pytest.mark.cuda

@@ -1,37 +1,54 @@
-"""Exact histograms on accelerators: no read of the device, no contended counter.
+"""Exact histograms on accelerators: no read of the device, no contended counter, few kernels.
 
 The CPU kernels of :mod:`cockpit.engine.histograms.exact` are built for a CPU: directed rounding in
 NumPy, worker threads, sorted rows searched per query, chunk-by-chunk decisions read from
 the data (a chunk with a non-finite value takes another path). On a GPU each of those
 decisions is a wait for the device, and ``bincount`` into a few crowded bins serializes on
 atomic adds (gradient elements pile up in the one or two bins around zero). This path takes
-no decision from the data:
+no decision from the data, and counts a chunk of values in three kernels (bucketize, add,
+histc) plus two per histogram:
 
-* bin index by comparison with the edges rounded up to the values' dtype, t_k = ⌈e_k⌉
-  (``torch.bucketize``): x ≥ e_k ⟺ x ≥ t_k for every float x of the dtype, so
-  k(x) = #{k : t_k ≤ x} is exact at every edge (the searched form of the CPU path; a GPU
-  has no directed rounding);
-* a non-finite value gets the extra index ``bins`` (counted in no bin, returned as the
-  number of non-finite values, a device tensor);
-* counting: element i adds to copy (i mod 32) of the histogram (``histc`` of
-  index + (i mod 32)·(bins + 1)), and the copies are summed. On CUDA ``histc`` with few
-  bins keeps a private histogram per thread block in shared memory; with 32 copies the
-  threads of a warp (consecutive elements) add to 32 different counters even when every
-  element falls into the same bin (``bincount`` would read the device for its output size);
-* the individual gradients of a Linear layer, δ_n a_nᵀ, are formed in chunks of at most
-  2^24 products (the same products fl(δ·a) the CPU path bins).
+* search index by one ``torch.bucketize`` (lower bound: #{s ∈ S : s < x}) against the
+  sorted edges S = [−∞, t⁻_1, …, t⁻_{bins−1}, F] (:func:`search_edges`), where
+  t_k = ⌈e_k⌉ is the inner edge rounded up to the values' dtype, t⁻ the float just below
+  it and F the largest finite float. For every float x of the dtype x > t⁻_k ⟺ x ≥ t_k
+  ⟺ x ≥ e_k (a GPU has no directed rounding; the CPU path's searched form), so the index
+  is 0 for −∞, 1 + k(x) ∈ [1, bins] for finite x (k(x) = #{k : x ≥ e_k}, exact at every
+  edge), and bins + 1 for +∞ and NaN (no comparison with NaN holds: the search runs to
+  the end, on CPU and CUDA alike). One op, no mask: the non-finite values land in two
+  slots of their own;
+* counting: element i adds to copy ℓ(i) ∈ [0, L) of the bins+2 slots (``histc`` of
+  index + ℓ(i)·(bins + 2) + ½, the lane offsets a small cached tensor broadcast over the
+  trailing dimensions), the copies are summed afterwards. On CUDA ``histc`` with few
+  bins keeps a private histogram per thread block in shared memory; with L = 32 copies the
+  threads of a warp (consecutive elements, ℓ(i) = i mod 32) add to 32 different counters
+  even when every element falls into the same bin (``bincount`` would read the device for
+  its output size). Which copy an element adds to never changes the sum: the lanes are
+  for speed only;
+* the counts of the finite values are the slots 1 … bins of every copy, summed over the
+  copies (and over a layer's chunks) in one strided ``sum``; the non-finite count is the
+  number of values minus their sum (formed only where asked for). No ``histc`` sees more
+  than 2^24 values, so its float32 counters are exact;
+* the individual gradients of a Linear layer, δ_n a_nᵀ, are formed in blocks of at most
+  2^24 products (the same products fl(δ·a) the CPU path bins), and the block's products
+  buffer receives the lane-spread index (8 bytes per product in all);
+* 2-D histograms (eq. 16, :class:`Pairs`): the cell k_g·(bins_θ + 2) + k_θ of the two
+  search indices, θ's index (with the lane offsets, where θ's size is a multiple of L)
+  formed once per parameter, so that a chunk of g costs bucketize, one add and histc; the
+  finite pairs are the cells with k_g ∈ [1, bins_g] and k_θ ∈ [1, bins_θ].
 
 :func:`device_path` tells the histogram functions (and other choices made per device, such
 as the squared norms of :func:`cockpit.quantities.base.sq_norms`) to take this path: on
 every device but the CPU, and on the CPU inside :func:`forced` (tests: the counts must
-equal the CPU path's, and the host-sync count of a CPU step then predicts the GPU's).
+equal the CPU path's, and the op count of a CPU step then predicts the GPU's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -39,6 +56,7 @@ from torch import Tensor
 _LANES = 32
 CHUNK = 2**24  # elements per chunk: bounds the index buffers; float counts stay exact
 _SHARED_COUNTERS = 12 * 1024  # float counters in 48 KiB of a block's shared memory
+_MAX_PATTERN = 2**17  # elements of one cached lane-offset tensor (512 KiB)
 _forced = False
 
 
@@ -58,80 +76,228 @@ def forced() -> Iterator[None]:
         _forced = previous
 
 
-@functools.lru_cache(maxsize=64)
-def _lane_offsets(length: int, lanes: int, stride: int, device: torch.device) -> Tensor:
-    """(i mod lanes)·stride + ½ for i < length, float32 (exact: every value is below 2^24)."""
-    lane = torch.arange(length, dtype=torch.int32, device=device) % lanes
-    return (lane * stride).float() + 0.5
+def search_edges(thresholds: Tensor) -> Tensor:
+    """S = [−∞, t⁻_1, …, t⁻_{bins−1}, F] (``bins + 1`` values, the thresholds' dtype) from the
+    inner edges rounded up, t_k (t⁻ = the next float below t; F = the largest float)."""
+    dtype = thresholds.dtype
+    below = torch.nextafter(thresholds, torch.tensor(-math.inf, dtype=dtype))
+    return torch.cat([torch.tensor([-math.inf], dtype=dtype), below,
+                      torch.tensor([torch.finfo(dtype).max], dtype=dtype)])
 
 
-def _spread_count(index: Tensor, num_bins: int) -> Tensor:
-    """The counts [num_bins] (int64) of the flat indices in [0, num_bins), counted over
-    copies of the bins: element i adds to copy i mod L (L ≤ 32 copies that fit a block's
-    shared memory). ``histc`` needs no read of the device (``bincount`` reads the largest
-    index for its output size); its float counts are exact below 2^24 per chunk, and the
-    index + ½ lies inside its bin whatever the rounding of histc's bin arithmetic (the
-    int32 index and the float32 offset (i mod L)·num_bins + ½ add exactly in float32)."""
-    lanes = max(1, min(_LANES, _SHARED_COUNTERS // num_bins))
-    length = max(_LANES, 1 << max(index.numel() - 1, 0).bit_length())  # few cached sizes
-    spread = torch.add(_lane_offsets(length, lanes, num_bins, index.device)[: index.numel()],
-                       index)
-    total = lanes * num_bins
-    counts = torch.histc(spread, bins=total, min=0, max=total)
-    return counts.view(lanes, num_bins).sum(0, dtype=torch.long)
+def bin_index(x: Tensor, edges: Tensor) -> Tensor:
+    """Search index (int32, x's shape): 0 for −∞, 1 + k(x) for finite x, bins + 1 for +∞ and
+    NaN (``edges``: :func:`search_edges` in x's dtype)."""
+    return torch.bucketize(x, edges, out_int32=True)
 
 
-def bin_index(x: Tensor, thresholds: Tensor, bins: int) -> Tensor:
-    """k(x) ∈ [0, bins) for finite x and ``bins`` for NaN/±inf, int32 (``thresholds``: the
-    inner edges rounded up to x's dtype)."""
-    index = torch.bucketize(x, thresholds, right=True, out_int32=True)
-    return torch.where(torch.isfinite(x), index, bins)
+def lanes(slots: int) -> int:
+    """Copies of ``slots`` counters that fit a block's shared memory (at most 32): a power of
+    two, which divides the sizes of most tensors (the offsets then follow their trailing
+    dimensions)."""
+    most = max(1, min(_LANES, _SHARED_COUNTERS // slots))
+    return 1 << (most.bit_length() - 1)
 
 
-def _split(counts: Tensor, bins: int) -> tuple[Tensor, Tensor]:
-    return counts[:bins], counts[bins]
+def _offsets(shape: tuple[int, ...], num_lanes: int, stride: int, device: torch.device
+             ) -> Tensor:
+    """(i mod L)·stride + ½ at the row-major positions i of ``shape``, float32 (exact: every
+    value is below 2^24)."""
+    lane = torch.arange(math.prod(shape), dtype=torch.int32, device=device) % num_lanes
+    return ((lane * stride).float() + 0.5).view(shape)
 
 
-def dense(x: Tensor, thresholds: Tensor, bins: int) -> tuple[Tensor, Tensor]:
+_pattern = functools.lru_cache(maxsize=128)(_offsets)  # shapes of at most _MAX_PATTERN
+
+
+def _lane_shape(shape: torch.Size, num_lanes: int) -> tuple[int, ...] | None:
+    """The shortest trailing part of ``shape`` whose size is a multiple of L (then the
+    position there fixes i mod L of a row-major element), if small enough to cache."""
+    size = 1
+    for k in range(len(shape) - 1, -1, -1):
+        size *= shape[k]
+        if size % num_lanes == 0:
+            return tuple(shape[k:]) if size <= _MAX_PATTERN else None
+    return None
+
+
+def tally(index: Tensor, slots: int, out: Tensor | None = None) -> Tensor:
+    """Lane counts [L·slots] (float32) of a contiguous int index in [0, slots): ``histc`` of
+    index + ℓ·slots + ½. ``out`` (float, the index's shape) may receive the spread index."""
+    num_lanes = lanes(slots)
+    trailing = _lane_shape(index.shape, num_lanes)
+    if trailing is not None:
+        spread = torch.add(index, _pattern(trailing, num_lanes, slots, index.device), out=out)
+    elif index.numel() % num_lanes == 0:  # rows of L
+        spread = torch.add(index.reshape(-1, num_lanes),
+                           _pattern((num_lanes,), num_lanes, slots, index.device),
+                           out=None if out is None else out.view(-1, num_lanes))
+    else:  # flat positions (odd sizes): offsets of a power-of-two length, cached if small
+        flat = index.reshape(-1)
+        length = max(_LANES, 1 << max(flat.numel() - 1, 0).bit_length())
+        offsets = (_pattern if length <= _MAX_PATTERN else _offsets)(
+            (length,), num_lanes, slots, index.device)[: flat.numel()]
+        spread = torch.add(flat, offsets, out=None if out is None else out.view(-1))
+    total = num_lanes * slots
+    return torch.histc(spread, bins=total, min=0, max=total)
+
+
+def finite_counts(tallies: Sequence[Tensor], slots: int, shape: tuple[int, ...],
+                  strides: tuple[int, ...], first: int) -> Tensor:
+    """The counts (int64, ``shape``) of the slots first + Σ_d c_d·strides_d, summed over the
+    lanes of every tally (one strided sum; float32 counts below 2^24 convert exactly)."""
+    per_lane = lanes(slots) * slots
+    if len(tallies) == 1:
+        view = tallies[0].as_strided((lanes(slots), *shape), (slots, *strides), first)
+        return view.sum(0, dtype=torch.long)
+    stacked = torch.stack(list(tallies))
+    view = stacked.as_strided((len(tallies), lanes(slots), *shape),
+                              (per_lane, slots, *strides), first)
+    return view.sum((0, 1), dtype=torch.long)
+
+
+def _pieces(x: Tensor) -> list[Tensor]:
+    """``x`` in chunks of at most CHUNK elements (whole rows of dim 0 where they fit)."""
+    if x.numel() <= CHUNK:
+        return [x]
+    per_row = math.prod(x.shape[1:])
+    if 0 < per_row <= CHUNK:
+        return list(x.split(CHUNK // per_row))
+    return list(x.reshape(-1).split(CHUNK))
+
+
+def dense_tallies(chunks: Sequence[Tensor], edges: Tensor) -> list[Tensor]:
+    """The lane counts of every element of ``chunks`` (any shapes)."""
+    slots = edges.numel() + 1
+    with torch.no_grad():
+        return [tally(bin_index(piece, edges), slots)
+                for chunk in chunks for piece in _pieces(chunk)]
+
+
+def counts_1d(tallies: Sequence[Tensor], bins: int) -> Tensor:
+    """Counts [bins] of the finite values from their lane counts."""
+    return finite_counts(tallies, bins + 2, (bins,), (1,), 1)
+
+
+def dense(x: Tensor, edges: Tensor, bins: int) -> tuple[Tensor, Tensor]:
     """Counts [bins] of the finite elements of ``x`` and the number of non-finite ones."""
-    flat = x.detach().reshape(-1)
-    if flat.numel() <= CHUNK:  # one chunk: no accumulator (few ops per parameter)
-        return _split(_spread_count(bin_index(flat, thresholds, bins), bins + 1), bins)
-    counts = torch.zeros(bins + 1, dtype=torch.long, device=flat.device)
-    for start in range(0, flat.numel(), CHUNK):
-        counts += _spread_count(bin_index(flat[start : start + CHUNK], thresholds, bins),
-                                bins + 1)
-    return _split(counts, bins)
+    counts = counts_1d(dense_tallies([x], edges), bins)
+    return counts, x.numel() - counts.sum()
 
 
-def outer(delta: Tensor, a: Tensor, thresholds: Tensor, bins: int) -> tuple[Tensor, Tensor]:
-    """Counts of the products δ[n, i]·a[n, j], formed in chunks of samples."""
+def _product_blocks(delta: Tensor, a: Tensor
+                    ) -> Iterator[tuple[Tensor, Tensor, tuple[slice, slice]]]:
+    """Blocks (δ[n, i, None], a[n, None, j], (rows i, columns j)) whose products number at
+    most CHUNK where a row of J products fits: whole samples, else rows i of one sample,
+    else parts of one row (layers beyond 2^24 weights)."""
     N, I = delta.shape
     J = a.shape[1]
-    rows = max(1, CHUNK // max(I * J, 1))
-    if rows >= N:
-        products = (delta[:, :, None] * a[:, None, :]).view(-1)
-        return _split(_spread_count(bin_index(products, thresholds, bins), bins + 1), bins)
-    counts = torch.zeros(bins + 1, dtype=torch.long, device=delta.device)
-    for start in range(0, N, rows):
-        products = delta[start : start + rows, :, None] * a[start : start + rows, None, :]
-        counts += _spread_count(bin_index(products.view(-1), thresholds, bins), bins + 1)
-    return _split(counts, bins)
+    d3, a3 = delta.unsqueeze(2), a.unsqueeze(1)
+    every = slice(None)
+    if I * J <= CHUNK:
+        rows = max(1, CHUNK // max(I * J, 1))
+        if rows >= N:
+            yield d3, a3, (every, every)
+            return
+        for d, s in zip(d3.split(rows), a3.split(rows), strict=True):
+            yield d, s, (every, every)
+        return
+    rows, columns = max(1, CHUNK // J), min(J, CHUNK)
+    for n in range(N):
+        for i in range(0, I, rows):
+            for j in range(0, J, columns):
+                block = (slice(i, i + rows), slice(j, j + columns))
+                yield d3[n : n + 1, block[0]], a3[n : n + 1, :, block[1]], block
 
 
-def dense_2d(g: Tensor, theta: Tensor, thresholds_g: Tensor, bins_g: int,
-             thresholds_theta: Tensor, bins_theta: int) -> tuple[Tensor, Tensor]:
-    """Counts [bins_g, bins_θ] of the pairs (g[n, j], θ[j]) with both finite, and the number
-    of the other pairs."""
-    theta = theta.detach().reshape(-1)
-    g = g.detach().reshape(-1, theta.numel())
-    theta_index = bin_index(theta, thresholds_theta, bins_theta)
-    cells = bins_g * bins_theta
-    counts = torch.zeros(cells + 1, dtype=torch.long, device=g.device)
-    rows = max(1, CHUNK // max(theta.numel(), 1))
-    for start in range(0, g.shape[0], rows):
-        g_index = bin_index(g[start : start + rows], thresholds_g, bins_g)
-        flat = g_index * bins_theta + theta_index
-        valid = (g_index < bins_g) & (theta_index < bins_theta)
-        counts += _spread_count(torch.where(valid, flat, cells).reshape(-1), cells + 1)
-    return counts[:cells].view(bins_g, bins_theta), counts[cells]
+def outer_tallies(delta: Tensor, a: Tensor, edges: Tensor) -> list[Tensor]:
+    """The lane counts of the products δ[n, i]·a[n, j], formed in blocks of at most CHUNK
+    (each block's products buffer then holds its spread index)."""
+    slots = edges.numel() + 1
+    with torch.no_grad():
+        tallies = []
+        for d, s, _ in _product_blocks(delta, a):
+            products = torch.mul(d, s)
+            tallies.append(tally(bin_index(products, edges), slots, out=products))
+        return tallies
+
+
+def outer(delta: Tensor, a: Tensor, edges: Tensor, bins: int) -> tuple[Tensor, Tensor]:
+    """Counts of the products δ[n, i]·a[n, j] and the number of non-finite ones."""
+    counts = counts_1d(outer_tallies(delta, a, edges), bins)
+    return counts, delta.shape[0] * delta.shape[1] * a.shape[1] - counts.sum()
+
+
+class Pairs:
+    """Counting of the pairs (g[n, j], θ_j) over the cells of the two search indices:
+    cell = k_g·(bins_θ + 2) + k_θ, the finite pairs in k_g ∈ [1, bins_g], k_θ ∈ [1, bins_θ].
+    θ's index (with the lane offsets where the lane of an element depends on j alone) is
+    formed once for all chunks of g."""
+
+    def __init__(self, theta: Tensor, edges_g: Tensor, edges_theta: Tensor):
+        self.theta_shape = theta.shape
+        self.edges_g = edges_g
+        self.bins_g, self.bins_theta = edges_g.numel() - 1, edges_theta.numel() - 1
+        self.columns = self.bins_theta + 2
+        self.slots = (self.bins_g + 2) * self.columns
+        self.tallies: list[Tensor] = []
+        self.num_pairs = 0
+        with torch.no_grad():
+            self.theta_index = bin_index(theta, edges_theta)
+            num_lanes = lanes(self.slots)
+            trailing = _lane_shape(theta.shape, num_lanes)
+            # with θ's size a multiple of L the lane of (n, j) is that of j: θ's index
+            # carries the offsets, and one add forms a chunk's spread index
+            self.theta_spread = None if trailing is None else torch.add(
+                self.theta_index, _pattern(trailing, num_lanes, self.slots, theta.device))
+
+    def _add(self, g: Tensor, block: tuple[slice, ...] = (), out: Tensor | None = None
+             ) -> None:
+        """Count the pairs of g [n, *θ[block]'s shape] (``out``: a float buffer of g's shape
+        that may receive the spread index)."""
+        self.num_pairs += g.numel()
+        g_index = bin_index(g, self.edges_g)
+        if self.theta_spread is not None:
+            theta = self.theta_spread[block] if block else self.theta_spread
+            spread = torch.add(theta, g_index, alpha=self.columns, out=out)
+            total = lanes(self.slots) * self.slots
+            self.tallies.append(torch.histc(spread, bins=total, min=0, max=total))
+        else:
+            theta = self.theta_index[block] if block else self.theta_index
+            cells = torch.add(theta, g_index, alpha=self.columns)
+            self.tallies.append(tally(cells, self.slots, out=out))
+
+    def add_rows(self, g: Tensor) -> None:
+        """Count the pairs (g[n, j], θ_j) of g [n, D] (θ flat [D]), in chunks of rows (or
+        of columns of one row, beyond 2^24 weights)."""
+        D = self.theta_shape.numel()
+        if g.shape[1:] != self.theta_shape:
+            g = g.reshape(-1, *self.theta_shape)
+        rows = max(1, CHUNK // max(D, 1))
+        with torch.no_grad():
+            if D > CHUNK:
+                for n in range(g.shape[0]):
+                    for j in range(0, D, CHUNK):
+                        self._add(g[n : n + 1, j : j + CHUNK], (slice(j, j + CHUNK),))
+                return
+            for piece in ([g] if rows >= g.shape[0] else g.split(rows)):
+                self._add(piece)
+
+    def add_products(self, delta: Tensor, a: Tensor) -> None:
+        """Count the pairs (fl(δ[n, i]·a[n, j]), θ[i, j]) (θ of shape [I, J]), the products
+        formed in blocks of at most CHUNK (each block's buffer then holds its spread index)."""
+        with torch.no_grad():
+            for d, s, block in _product_blocks(delta, a):
+                products = torch.mul(d, s)
+                whole = block[0] == slice(None) and block[1] == slice(None)
+                self._add(products, () if whole else block, out=products)
+
+    def counts(self) -> Tensor:
+        """Counts [bins_g, bins_θ] of the finite pairs."""
+        return finite_counts(self.tallies, self.slots, (self.bins_g, self.bins_theta),
+                             (self.columns, 1), self.columns + 1)
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """Counts [bins_g, bins_θ] of the finite pairs and the number of the others."""
+        counts = self.counts()
+        return counts, self.num_pairs - counts.sum()

@@ -51,7 +51,7 @@ import functools
 import itertools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -377,6 +377,19 @@ def histogram_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
     return _sum_over_chunks(-(-n // size), buffers, task)
 
 
+def histogram_dense_counts(chunks: Sequence[Tensor], spec: BinSpec) -> Tensor:
+    """The counts of all elements of ``chunks`` (the sum of :func:`histogram_dense`'s counts;
+    on accelerators the lane counts of every chunk summed in one op, and no count of the
+    non-finite elements)."""
+    if chunks and histogram_device.device_path(chunks[0].device):
+        tallies = []
+        for chunk in chunks:
+            tallies += histogram_device.dense_tallies([chunk.to(_device_dtype(chunk.dtype))],
+                                                      _on_device(chunk, spec)[1])
+        return histogram_device.counts_1d(tallies, spec.bins)
+    return sum(histogram_dense(c, spec)[0] for c in chunks)
+
+
 # --------------------------------------------------------------------------- outer products
 
 
@@ -417,20 +430,24 @@ def _thresholds(spec: BinSpec, dtype: torch.dtype, device: torch.device) -> Tens
 
 
 @functools.lru_cache(maxsize=64)
-def _thresholds_on(spec: BinSpec, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The thresholds kept on ``device`` (copied there once, not at every step)."""
-    return _thresholds_cpu(spec, dtype).to(device)
+def _search_edges_on(spec: BinSpec, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The accelerator path's search edges (:func:`.device.search_edges`) of the thresholds,
+    kept on ``device`` (copied there once, not at every step)."""
+    return histogram_device.search_edges(_thresholds_cpu(spec, dtype)).to(device)
 
 
-def _device_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32/float64 stay; float16/bfloat16 are binned as float32, which holds them."""
+def _device_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The values' common dtype where it is float32/float64; float16/bfloat16 are binned as
+    float32, which holds them (no ``torch.promote_types`` where the dtypes agree: it is an
+    op of its own)."""
+    dtype = dtypes[0] if len(set(dtypes)) == 1 else functools.reduce(torch.promote_types, dtypes)
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def _on_device(x: Tensor, spec: BinSpec) -> tuple[Tensor, Tensor]:
-    """x in a dtype the accelerator path bins, and its thresholds there."""
+    """x in a dtype the accelerator path bins, and its search edges there."""
     dtype = _device_dtype(x.dtype)
-    return x.to(dtype), _thresholds_on(spec, dtype, x.device)
+    return x.to(dtype), _search_edges_on(spec, dtype, x.device)
 
 
 def _sample_keys(values32: Tensor, sample: Tensor) -> Tensor:
@@ -591,6 +608,23 @@ def _outer_sorted(delta: Tensor, a: Tensor, spec: BinSpec) -> Tensor | None:
     return counts
 
 
+def _outer_on_device(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor, Tensor, Tensor]:
+    """δ and a in the accelerator path's dtype, and the search edges there."""
+    if delta.dim() != 2 or a.dim() != 2 or a.shape[0] != delta.shape[0]:
+        raise ValueError(f"delta {tuple(delta.shape)} and a {tuple(a.shape)} differ in N")
+    dtype = _device_dtype(delta.dtype, a.dtype)
+    return delta.to(dtype), a.to(dtype), _search_edges_on(spec, dtype, delta.device)
+
+
+def histogram_outer_counts(delta: Tensor, a: Tensor, spec: BinSpec) -> Tensor:
+    """The counts of :func:`histogram_outer` alone (on accelerators without the count of
+    the non-finite products)."""
+    if histogram_device.device_path(delta.device):
+        tallies = histogram_device.outer_tallies(*_outer_on_device(delta, a, spec))
+        return histogram_device.counts_1d(tallies, spec.bins)
+    return histogram_outer(delta, a, spec)[0]
+
+
 def histogram_outer(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
     """Counts of all products δ[n, i]·a[n, j] (the individual gradients of a Linear weight).
 
@@ -599,15 +633,13 @@ def histogram_outer(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor, in
     :meth:`BinSpec.bin_index`. Samples with a non-finite entry or a possibly overflowing
     product, small layers and unsupported dtypes are materialized block by block.
     """
+    if histogram_device.device_path(delta.device):
+        return histogram_device.outer(*_outer_on_device(delta, a, spec), spec.bins)
     delta, a = delta.detach(), a.detach()
     N, I = delta.shape
     J = a.shape[1]
     if a.shape[0] != N:
         raise ValueError(f"delta {tuple(delta.shape)} and a {tuple(a.shape)} differ in N")
-    if histogram_device.device_path(delta.device):
-        dtype = _device_dtype(torch.promote_types(delta.dtype, a.dtype))
-        return histogram_device.outer(delta.to(dtype), a.to(dtype),
-                                      _thresholds_on(spec, dtype, delta.device), spec.bins)
     if (
         N * I * J == 0
         or N * I * J < _MIN_OUTER_PRODUCTS
@@ -645,6 +677,33 @@ def _reference_2d(
     return counts, num_nonfinite
 
 
+def pairs_on_device(theta: Tensor, dtype: torch.dtype, spec_g: BinSpec, spec_theta: BinSpec
+                    ) -> histogram_device.Pairs:
+    """The accelerator path's counter of pairs (g, θ) in ``dtype`` (float32/float64)."""
+    device = theta.device
+    return histogram_device.Pairs(theta.to(dtype), _search_edges_on(spec_g, dtype, device),
+                                  _search_edges_on(spec_theta, dtype, device))
+
+
+def _dense_pairs(chunks: Sequence[Tensor], theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec
+                 ) -> histogram_device.Pairs:
+    dtype = _device_dtype(theta.dtype, *(c.dtype for c in chunks))
+    pairs = pairs_on_device(theta if theta.dim() == 1 else theta.reshape(-1), dtype, spec_g,
+                            spec_theta)
+    for chunk in chunks:
+        pairs.add_rows(chunk.to(dtype))
+    return pairs
+
+
+def histogram2d_dense_counts(chunks: Sequence[Tensor], theta: Tensor, spec_g: BinSpec,
+                             spec_theta: BinSpec) -> Tensor:
+    """The counts of the pairs of every chunk [n, D] (the sum of :func:`histogram2d_dense`'s
+    counts; on accelerators θ binned once and the lane counts summed in one op)."""
+    if chunks and histogram_device.device_path(chunks[0].device):
+        return _dense_pairs(chunks, theta, spec_g, spec_theta).counts()
+    return sum(histogram2d_dense(c, theta, spec_g, spec_theta)[0] for c in chunks)
+
+
 def histogram2d_dense(
     g: Tensor, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec
 ) -> tuple[Tensor, int]:
@@ -654,10 +713,7 @@ def histogram2d_dense(
     with atomics into one hot bin). The marginals are the row and column sums of the result.
     """
     if histogram_device.device_path(g.device):
-        dtype = _device_dtype(torch.promote_types(g.dtype, theta.dtype))
-        return histogram_device.dense_2d(
-            g.to(dtype), theta.to(dtype), _thresholds_on(spec_g, dtype, g.device), spec_g.bins,
-            _thresholds_on(spec_theta, dtype, g.device), spec_theta.bins)
+        return _dense_pairs([g], theta, spec_g, spec_theta).result()
     flat_theta = theta.detach().reshape(-1)
     g2 = g.detach().reshape(g.shape[0], flat_theta.numel())
     N, D = g2.shape

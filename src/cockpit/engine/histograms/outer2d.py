@@ -79,6 +79,7 @@ from cockpit.engine.histograms.exact import (
     _MAX_WORKERS,
     BinSpec,
     _chunk_size,
+    _device_dtype,
     _fast_path_ok,
     _index_dtype,
     _pool,
@@ -86,6 +87,7 @@ from cockpit.engine.histograms.exact import (
     _sum_over_chunks,
     _thresholds,
     histogram2d_dense,
+    pairs_on_device,
 )
 
 # Below this many products the layer is formed and binned by histogram2d_dense (fixed costs
@@ -116,6 +118,36 @@ _ESTIMATE_COLUMNS = 64
 _ESTIMATE_ROWS = 4096
 
 
+def _check_shapes(delta: Tensor, a: Tensor, theta: Tensor) -> None:
+    N, I = delta.shape
+    J = a.shape[1]
+    if a.shape[0] != N:
+        raise ValueError(f"delta {tuple(delta.shape)} and a {tuple(a.shape)} differ in N")
+    if theta.numel() != I * J:
+        raise ValueError(f"theta has {theta.numel()} elements, expected {I}·{J}")
+
+
+def _device_pairs(delta: Tensor, a: Tensor, theta: Tensor, spec_g: BinSpec,
+                  spec_theta: BinSpec) -> histogram_device.Pairs:
+    """The pairs counted on the accelerator path (the products in chunks of samples)."""
+    _check_shapes(delta, a, theta)
+    dtype = _device_dtype(delta.dtype, a.dtype)
+    shape = (delta.shape[1], a.shape[1])
+    pairs = pairs_on_device(theta if theta.shape == shape else theta.reshape(shape), dtype,
+                            spec_g, spec_theta)
+    pairs.add_products(delta.to(dtype), a.to(dtype))
+    return pairs
+
+
+def histogram2d_outer_counts(delta: Tensor, a: Tensor, theta: Tensor, spec_g: BinSpec,
+                             spec_theta: BinSpec) -> Tensor:
+    """The counts of :func:`histogram2d_outer` alone (on accelerators without the count of
+    the other pairs)."""
+    if histogram_device.device_path(delta.device):
+        return _device_pairs(delta, a, theta, spec_g, spec_theta).counts()
+    return histogram2d_outer(delta, a, theta, spec_g, spec_theta)[0]
+
+
 def histogram2d_outer(
     delta: Tensor, a: Tensor, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec
 ) -> tuple[Tensor, int]:
@@ -126,26 +158,13 @@ def histogram2d_outer(
     module docstring). ``theta`` holds the I·J parameters (any shape, row-major [I, J]).
     Returns ``(counts int64 [bins_g, bins_θ], num_nonfinite)``.
     """
+    if histogram_device.device_path(delta.device):
+        return _device_pairs(delta, a, theta, spec_g, spec_theta).result()
     delta, a, theta = delta.detach(), a.detach(), theta.detach()
     N, I = delta.shape
     J = a.shape[1]
-    if a.shape[0] != N:
-        raise ValueError(f"delta {tuple(delta.shape)} and a {tuple(a.shape)} differ in N")
-    if theta.numel() != I * J:
-        raise ValueError(f"theta has {theta.numel()} elements, expected {I}·{J}")
+    _check_shapes(delta, a, theta)
     dtype = torch.promote_types(delta.dtype, a.dtype)
-    if histogram_device.device_path(delta.device):  # the products, in chunks of samples
-        counts = torch.zeros(spec_g.bins, spec_theta.bins, dtype=torch.long,
-                             device=delta.device)
-        num_nonfinite = torch.zeros((), dtype=torch.long, device=delta.device)
-        rows = max(1, histogram_device.CHUNK // max(I * J, 1))
-        for start in range(0, N, rows):
-            d, s = delta[start : start + rows].to(dtype), a[start : start + rows].to(dtype)
-            more, bad = histogram2d_dense((d.unsqueeze(2) * s.unsqueeze(1)).flatten(1),
-                                          theta.reshape(-1), spec_g, spec_theta)
-            counts += more
-            num_nonfinite += bad
-        return counts, num_nonfinite
     if N * I * J == 0:
         shape = (spec_g.bins, spec_theta.bins)
         return torch.zeros(shape, dtype=torch.long, device=delta.device), 0

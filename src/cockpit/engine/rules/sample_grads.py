@@ -42,11 +42,11 @@ from torch import Tensor
 from cockpit.engine.histograms.device import device_path
 from cockpit.engine.histograms.exact import (
     BinSpec,
-    histogram2d_dense,
-    histogram_dense,
-    histogram_outer,
+    histogram2d_dense_counts,
+    histogram_dense_counts,
+    histogram_outer_counts,
 )
-from cockpit.engine.histograms.outer2d import histogram2d_outer
+from cockpit.engine.histograms.outer2d import histogram2d_outer_counts
 
 # Materialize factored per-sample gradients in chunks of at most this many elements so
 # that the extra memory stays near one layer's |B|×D even for sequence inputs.
@@ -158,14 +158,11 @@ class SampleGrads(ABC):
         return self.from_rows(centered)
 
     def histogram(self, spec: BinSpec) -> Tensor:
-        return sum(histogram_dense(c, spec)[0] for c in self.chunks())
+        return histogram_dense_counts(self.chunks(), spec)
 
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
-        flat_theta = self.to_rows(theta)
-        return sum(
-            histogram2d_dense(_rows(c), flat_theta, spec_g, spec_theta)[0]
-            for c in self.chunks()
-        )
+        return histogram2d_dense_counts([c if c.dim() == 2 else _rows(c) for c in self.chunks()],
+                                        self.to_rows(theta), spec_g, spec_theta)
 
 
 def _rows(c: Tensor) -> Tensor:
@@ -285,10 +282,10 @@ class OuterSampleGrads(SampleGrads):
         return delta.pow(2).T @ a.pow(2) - self.num_samples * mean.pow(2)
 
     def histogram(self, spec: BinSpec) -> Tensor:
-        return histogram_outer(self.delta, self.a, spec)[0]
+        return histogram_outer_counts(self.delta, self.a, spec)
 
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
-        return histogram2d_outer(self.delta, self.a, theta, spec_g, spec_theta)[0]
+        return histogram2d_outer_counts(self.delta, self.a, theta, spec_g, spec_theta)
 
 
 class SequenceOuterSampleGrads(SampleGrads):
