@@ -99,17 +99,16 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
                                   chosen=configuration(config["configuration"]))
     # the key bias of attention has individual gradients that are zero up to rounding: their
     # signs, and so their histogram bins, depend on the order of summation
-    skip = {"HessTrace", "TICDiag"} | ({"GradHist1d"} if name == "transformer" else set())
+    skip = {"GradHist1d"} if name == "transformer" else set()
     for result in ranks:
         assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
         output, notes = result["output"], result["notes"]
         assert assert_same_values(output, expected, range(STEPS), skip=skip) > 50 * STEPS
         for step in range(STEPS):
             assert output[step]["BatchSize"] == sum(shard_sizes)
-            if config["configuration"] == "full":  # the curvature is refused, not wrong
+            if config["configuration"] == "full":  # compared above, and not left out
                 for curvature in ("HessTrace", "TICDiag"):
-                    assert output[step][curvature] is None
-                    assert "fully_shard" in notes[step][curvature]
+                    assert output[step][curvature] > 0, (step, curvature, notes[step])
         assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
         # the optimizer stepped on the gradients of the plain loop: Cockpit (the curvature
         # refused included) left them alone

@@ -31,7 +31,8 @@ precision policy; :func:`check_sharding` refuses a torch whose ``fully_shard`` l
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TypeGuard, cast
 
 import torch
@@ -103,6 +104,83 @@ def unsharded_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> dict
             if name is not None and twin is not None:
                 out[name] = twin
     return out
+
+
+def _fsdp_states(model: nn.Module) -> list:
+    """The ``fully_shard`` state of every sharded module of ``model``, in module order."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [module._get_fsdp_state() for module in model.modules()  # no public accessor
+            if isinstance(module, FSDPModule)]
+
+
+def graph_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The parameters the forward graph of ``model`` holds, per name of ``params``, with
+    their values in place: under ``fully_shard`` the unsharded parameters
+    (:func:`unsharded_parameters`), all-gathered again by ``FSDPModule.unshard`` where FSDP
+    freed them after the forward pass (``reshard_after_forward=True``): one all-gather per
+    sharded module, which every rank must reach at the same point. They stay whole until
+    the user's backward pass, whose own all-gather then has nothing to do and which frees
+    them as usual; the cost is one parameter-sized tensor per rank held from here to there.
+    Without ``fully_shard``, ``params`` itself."""
+    if not has_sharded(params.values()):
+        return dict(params)
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():  # the same order on every rank
+        if isinstance(module, FSDPModule):
+            module.unshard()  # (nothing to do where the parameters are whole)
+    twins = unsharded_parameters(model, params)
+    missing = [name for name in params if name not in twins]
+    if missing:
+        raise RuntimeError(f"fully_shard has no unsharded parameter for {', '.join(missing)} "
+                           "(not used in the forward pass?)")
+    return {name: twins[name] for name in params}
+
+
+@contextlib.contextmanager
+def fsdp_backward_hooks_held(model: nn.Module) -> Iterator[None]:
+    """Cockpit's own backward passes through the graph of a ``fully_shard`` model
+    (curvature: Hessian-vector products, backpropagations of vectors from the output)
+    without FSDP's backward hooks: the pre-backward hooks on the sharded modules' outputs
+    would all-gather, and the post-backward function on their inputs would reshard the
+    unsharded parameters (freeing what the next pass needs) and reduce-scatter their
+    ``.grad`` into the sharded parameters' gradients; neither may happen outside the user's
+    backward pass. Inside the context they do nothing (the parameters are already whole:
+    :func:`graph_parameters`), and FSDP's state is as before afterwards. The hooks are
+    registered on the graph during the forward pass and cannot be removed; they are held by
+    replacing, on each instance, the methods they call (no public way in torch 2.13)."""
+    states = _fsdp_states(model)
+    if not states:
+        yield
+        return
+
+    def nothing(*args, **kwargs) -> None:
+        return None
+
+    saved = [(state, state._training_state, state._states_to_backward_prefetch)
+             for state in states]
+    groups = [group for state in states for group in state._fsdp_param_groups]
+    group_states = [group._training_state for group in groups]
+    try:
+        for state in states:
+            state._register_root_post_backward_final_callback = nothing
+            state._states_to_backward_prefetch = []
+        for group in groups:
+            group.pre_backward = nothing
+            group.post_backward = nothing
+        yield
+    finally:
+        for state, training_state, prefetch in saved:
+            state.__dict__.pop("_register_root_post_backward_final_callback", None)
+            state._states_to_backward_prefetch = prefetch
+            state._training_state = training_state
+        for group, training_state in zip(groups, group_states, strict=True):
+            group.__dict__.pop("pre_backward", None)
+            group.__dict__.pop("post_backward", None)
+            group._training_state = training_state
 
 
 def compute_dtypes(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, torch.dtype]:

@@ -37,10 +37,8 @@ from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
 from cockpit.curvature.lanczos import EigResult, lanczos_max_eigenvalue
-from cockpit.engine import sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.quantities.base import Quantity, StepData, Value
-from cockpit.quantities.curvature_base import SHARDED
 from cockpit.quantities.descriptor import PURPLE, Descriptor, Panel
 from cockpit.schedules import Schedule
 
@@ -84,10 +82,8 @@ class HessMaxEV(Quantity):
         self._result, self._skipped, self._blocks = None, None, {}
         if losses is None or engine.request.split:
             return
-        if sharded.has_sharded(engine.params.values()):  # (one process; split: above)
-            self._skipped = SHARDED
-            return
-        hvp = hessian_vector_product(engine, losses, engine.params)
+        params = engine.graph_params()  # (fully_shard, one process: the unsharded ones)
+        hvp = hessian_vector_product(engine, losses, params)
         v0 = self._vector if self.warm_start else None
         if v0 is not None and v0.numel() != hvp.dim:
             v0 = None
@@ -103,7 +99,7 @@ class HessMaxEV(Quantity):
         if self.warm_start and math.isfinite(self._result.value):
             self._vector = self._result.vector.detach()
         if self.per_parameter:
-            for name, param in engine.params.items():
+            for name, param in params.items():
                 block = hessian_vector_product(engine, losses, {name: param})
                 with engine.suspended():
                     self._blocks[name] = lanczos_max_eigenvalue(
@@ -115,7 +111,7 @@ class HessMaxEV(Quantity):
         skipped, self._skipped = self._skipped, None
         if skipped is not None:
             data.notes["HessMaxEV"] = skipped
-            return {"HessMaxEV": None if skipped == SHARDED else math.nan}
+            return {"HessMaxEV": math.nan}
         if result is None:
             data.notes["HessMaxEV"] = "not computed (no individual losses at this step)"
             return {"HessMaxEV": None}

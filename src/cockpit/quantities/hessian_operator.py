@@ -15,10 +15,8 @@ import torch
 from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
-from cockpit.engine import sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.quantities.base import Quantity, StepData
-from cockpit.quantities.curvature_base import SHARDED
 from cockpit.schedules import Schedule
 
 NON_FINITE = "non-finite loss at this step: no Hessian-vector products"
@@ -43,14 +41,12 @@ class HessianOperatorQuantity(Quantity):
         self._result, self._skipped = None, None
         if losses is None or engine.request.split:
             return
-        if sharded.has_sharded(engine.params.values()):  # (one process; split: above)
-            self._skipped = SHARDED
-            return
+        params = engine.graph_params()  # (fully_shard, one process: the unsharded ones)
         if not bool(torch.isfinite(losses.detach()).all()):
             self._skipped = NON_FINITE
             return
-        hvp = hessian_vector_product(engine, losses, engine.params)
-        first = next(iter(engine.params.values()))
+        hvp = hessian_vector_product(engine, losses, params)
+        first = next(iter(params.values()))
         with engine.suspended():
             result = self.solve(hvp.matvec, hvp.dim, first.dtype, first.device)
         if isinstance(result, str):
