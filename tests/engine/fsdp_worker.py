@@ -16,6 +16,7 @@ import torch.distributed as dist
 from cockpit import Cockpit, configuration
 from tests.exit_worker import leave_process_group
 from tests.models import make_problem
+from tests.split_reference import instruments
 
 
 def shards(total: int, sizes: list[int], rank: int) -> slice:
@@ -39,6 +40,15 @@ def shard_model(model: torch.nn.Module, config: dict) -> torch.nn.Module:
             fully_shard(child, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def chosen_instruments(name: str) -> list:
+    """A configuration by name, or with ``"instruments:<curvature>"`` every instrument of
+    tests/split_reference.py with that curvature method (seeded: each rank, and the
+    reference run, draw the same probes)."""
+    if name.startswith("instruments:"):
+        return instruments(name.removeprefix("instruments:"))
+    return configuration(name)
 
 
 def step_on(model: torch.nn.Module, gradients: dict[str, torch.Tensor]) -> None:
@@ -68,7 +78,7 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
         micro = config.get("micro_batches", 1)
         with warnings.catch_warnings(record=True) as recorded:
             warnings.simplefilter("always")
-            chosen = configuration(config.get("configuration", "economy"))
+            chosen = chosen_instruments(config.get("configuration", "economy"))
             cockpit = Cockpit(model, chosen, optimizer=opt, strict=True,
                               write_on_all_ranks=True, grad_accumulation=micro > 1)
             stepped = []

@@ -142,7 +142,10 @@ class DiagonalCurvatureQuantity(Quantity):
         sums_key = (key, self.sample_sum_keys[0])
         if sums_key not in engine.step_cache:
             n = losses.shape[0]
-            mean = {k: sum(r[k] for r in replicates) / len(replicates) for k in replicates[0]}
+            # (a Hutchinson estimate in a mixed precision policy's half precision: summed
+            # over micro-batches and processes in the parameters' own precision)
+            mean = {k: sum(r[k].to(torch.promote_types(r[k].dtype, engine.params[k].dtype))
+                           for r in replicates) / len(replicates) for k in replicates[0]}
             engine.add_sample_sums(self.sample_sum_keys[0], {k: d * n for k, d in mean.items()})
             engine.step_cache[sums_key] = True
         return replicates
