@@ -131,15 +131,21 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
                 torch.testing.assert_close(grad, plain[step][key], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize(("name", "config", "param_dtype", "output_dtype"), [
-    ("mlp_relu", "economy", torch.bfloat16, None),
-    # convolutions, GradHist2d; float16, outputs cast to float32 after each layer
-    ("cnn", "full", torch.float16, torch.float32),
+@pytest.mark.parametrize(("name", "config", "param_dtype", "output_dtype", "loss_scale"), [
+    ("mlp_relu", "economy", torch.bfloat16, None, None),
+    # convolutions, GradHist2d, the curvature; float16, outputs cast to float32 after each
+    # layer
+    ("cnn", "full", torch.float16, torch.float32, None),
     # attention: the torch.func fallback (on the rounded values, in float32), embeddings
-    ("transformer", "economy", torch.bfloat16, None),
+    ("transformer", "economy", torch.bfloat16, None, None),
+    # float16 with a torch.amp.GradScaler (the loss scaled by 2^10, the gradients unscaled
+    # by scaler.step): the curvature and the per-sample values do not see the scale, and
+    # the loop steps as without Cockpit
+    ("cnn", "business", torch.float16, None, 2.0 ** 10),
 ])
 def test_mixed_precision_equals_one_process_on_the_whole_batch(tmp_path, name, config,
-                                                               param_dtype, output_dtype):
+                                                               param_dtype, output_dtype,
+                                                               loss_scale):
     """``MixedPrecisionPolicy(param_dtype=bfloat16 or float16, reduce_dtype=float32)`` on
     float32 parameters: the layers compute in param_dtype, and the instruments describe that
     computation (docs/conventions.md, "Mixed precision under fully_shard"). The reference
@@ -161,12 +167,16 @@ def test_mixed_precision_equals_one_process_on_the_whole_batch(tmp_path, name, c
     get an absolute bound from the magnitudes they subtract: GradientNoiseScale's
     |G|² = (B‖ḡ_B‖² − b‖ḡ_b‖²)/(B − b) estimate (B/b ≤ 24 times ‖ḡ‖²/|G|² larger),
     the gradient tests' variances (relative to the mean of the terms they average):
-    1e-4 on the terms, i.e. 1e-4·(|value| + the terms' scale, here the value itself or 1)."""
+    1e-4 on the terms, i.e. 1e-4·(|value| + the terms' scale, here the value itself or 1).
+    The diagonal curvature (cnn) backpropagates each sample's factor columns through the
+    layers' half-precision computation alike on both runs and sums the squares in float32:
+    the same bound."""
     policy = {"param_dtype": param_dtype, "reduce_dtype": torch.float32,
               "output_dtype": output_dtype}
     shard_sizes = [12, 12]
     run = make_config(name, shard_sizes, configuration=config, dtype=torch.float32,
-                      mixed_precision=policy)
+                      mixed_precision=policy,
+                      **({} if loss_scale is None else {"grad_scaler": loss_scale}))
     ranks = two_processes(tmp_path / "two", run)
     reference = two_processes(tmp_path / "one", dict(run, shard_sizes=[sum(shard_sizes)],
                                                      gradients=ranks[0]["stepped"]), world=1)
@@ -188,8 +198,17 @@ def test_mixed_precision_equals_one_process_on_the_whole_batch(tmp_path, name, c
             # the values say what they describe
             if step < STEPS - 1:  # Alpha's general path: g_nᵀs from the kept bf16 calls
                 assert output[step]["Alpha"] is not None
+            if config != "economy":  # the curvature is computed (and compared above)
+                for curvature in ("HessTrace", "TICDiag"):
+                    assert output[step][curvature] is not None, (step, curvature)
+                    assert expected[step][curvature] is not None, (step, curvature)
             note = result["notes"][step]["NormTest"]
             assert "mixed precision" in note and f"param_dtype {str(param_dtype)[6:]}" in note
+    for result in ranks if loss_scale is not None else ():  # Cockpit changed nothing in training
+        assert len(result["plain_stepped"]) == STEPS
+        for grads, plain in zip(result["stepped"], result["plain_stepped"], strict=True):
+            for key, grad in grads.items():
+                torch.testing.assert_close(grad, plain[key], rtol=0, atol=0)
     # the optimizer stepped on FSDP's float32 reduction of the half-precision gradients:
     # the same on both ranks, and a multiple of Cockpit's ḡ up to that rounding only
     for step in range(STEPS):
