@@ -319,6 +319,11 @@ def restored_slices(saved: Mapping[str, Tensor], holder: Mapping[str, int] | Non
             value = value.to_local()  # (a state saved with DTensors: whose slice is unknown)
             holder = holder or {"rank": -1, "world": -1}
         if not is_sharded(mine) or tuple(value.shape) == tuple(mine.shape):
+            if tuple(value.shape) != tuple(mine.shape) and holder is not None:
+                raise ValueError(
+                    f"the saved {name} is {_whose(holder)} (saved under fully_shard), and "
+                    f"this model's {name} is not sharded: load a whole θ_0 here, or each "
+                    "rank's own state on the same number of processes under fully_shard")
             if tuple(value.shape) != tuple(mine.shape):
                 raise ValueError(f"the saved {name} has shape {tuple(value.shape)}, the model's "
                                  f"{tuple(mine.shape)}: it was saved for another model")
@@ -327,10 +332,8 @@ def restored_slices(saved: Mapping[str, Tensor], holder: Mapping[str, int] | Non
             continue
         me, world = rank(), _world_size()
         if holder is None or (holder["rank"], holder["world"]) != (me, world):
-            whose = ("a slice of unknown origin" if holder is None or holder["rank"] < 0
-                     else f"rank {holder['rank']}'s slice of {holder['world']} processes")
             raise ValueError(
-                f"the saved {name} is {whose}, and this is rank {me} of {world}: under "
+                f"the saved {name} is {_whose(holder)}, and this is rank {me} of {world}: under "
                 "fully_shard each rank holds its own slice of the parameters, so save "
                 "cockpit.state_dict() on every rank and load each rank's own, on the same "
                 "number of processes (or pass whole tensors)")
@@ -338,3 +341,10 @@ def restored_slices(saved: Mapping[str, Tensor], holder: Mapping[str, int] | Non
         local(restored).copy_(value.reshape(local(mine).shape))
         out[name] = restored
     return out
+
+
+def _whose(holder: Mapping[str, int] | None) -> str:
+    """Whose slice a saved tensor is, in words."""
+    if holder is None or holder["rank"] < 0:
+        return "a slice of unknown origin"
+    return f"rank {holder['rank']}'s slice of {holder['world']} processes"
