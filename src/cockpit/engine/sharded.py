@@ -24,9 +24,25 @@ summed from them in full precision rather than read from the rounded gradient au
 produced (which would depend on how the batch is split over processes), and θ means the
 full-precision parameters (GradHist2d, the norms of θ and of the update).
 
-Two things have no public accessor in torch 2.13 and are read from ``fully_shard``'s state:
-the unsharded parameter of each sharded one (:func:`unsharded_parameters`) and the mixed
-precision policy; :func:`check_sharding` refuses a torch whose ``fully_shard`` lacks them.
+The curvature instruments differentiate the forward graph themselves before the user's
+backward pass (vector backpropagations from the output, Hessian-vector products). The
+graph's leaves are the unsharded parameters, so they differentiate with respect to those
+(:func:`graph_parameters`, which first gathers them whole again where
+``reshard_after_forward=True`` freed them: the public ``FSDPModule.unshard``), with FSDP's
+backward hooks held (:func:`fsdp_backward_hooks_held`: no all-gather, no resharding between
+passes, no reduce-scatter into ``.grad``). Each rank then forms its own samples' share, and
+the ranks combine as under DDP. Chosen over the alternatives: the gathered parameters
+are kept until the user's backward pass, which then does not gather them again (one
+all-gather per sharded module and tracked step instead of two; the cost is holding all of
+θ on each rank from the start of the ``with`` block until each layer's backward);
+``torch.func.functional_call`` on gathered parameters would run the forward pass a second
+time, on inputs Cockpit does not hold in general; keeping the parameters alive by
+``reshard_after_forward=False`` would change the user's setting.
+
+Three things have no public accessor in torch 2.13 and are read from ``fully_shard``'s
+state: the unsharded parameter of each sharded one (:func:`unsharded_parameters`), the
+mixed precision policy, and the backward hooks' methods (:func:`fsdp_backward_hooks_held`);
+:func:`check_sharding` refuses a torch whose ``fully_shard`` lacks them.
 """
 
 from __future__ import annotations
@@ -248,6 +264,11 @@ def check_sharding(model: nn.Module) -> None:
                 state = module._get_fsdp_state()
                 policy, group = state._mp_policy, state._fsdp_param_group
                 owned.update(id(fp.sharded_param) for fp in (group.fsdp_params if group else ()))
+                # what fsdp_backward_hooks_held replaces and restores
+                _ = (state._training_state, state._states_to_backward_prefetch,
+                     state._register_root_post_backward_final_callback,
+                     [(g._training_state, g.pre_backward, g.post_backward)
+                      for g in state._fsdp_param_groups])
             except AttributeError as error:
                 raise NotImplementedError(
                     f"Cockpit does not support fully_shard of torch {torch.__version__}: its "
