@@ -43,6 +43,7 @@ class DiagonalCurvatureQuantity(Quantity):
     """An instrument that reads the diagonal curvature of L_B (see
     :mod:`cockpit.curvature.diagonal` for the methods)."""
 
+    differentiates_graph = True
     fallback = "ggn"  # what "auto" uses where the exact Hessian diagonal is not available
 
     def __init__(
@@ -88,7 +89,7 @@ class DiagonalCurvatureQuantity(Quantity):
             self._finite = None
         if losses is None:
             return
-        # (fully_shard: the layers' parameters gathered whole, on every rank alike)
+        # (fully_shard: the unsharded parameters, gathered by the engine at the block's start)
         params = engine.graph_params()
         if self._nonfinite:
             return

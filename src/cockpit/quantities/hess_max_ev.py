@@ -50,6 +50,7 @@ class HessMaxEV(Quantity):
         panel=Panel("HessMaxEV", "curvature", "Largest Hessian eigenvalue λ_max(H_B): sharpness",
                     order=1, readout=("HessMaxEV",)),
         color=PURPLE)
+    differentiates_graph = True
     whole_batch_graph = True  # λ_max of a sum is not formed from the parts' λ_max
 
     def __init__(

@@ -23,6 +23,7 @@ NON_FINITE = "non-finite loss at this step: no Hessian-vector products"
 
 
 class HessianOperatorQuantity(Quantity):
+    differentiates_graph = True
     whole_batch_graph = True
 
     def __init__(self, schedule: Schedule | int | None = None, *, seed: int = 0):
