@@ -25,7 +25,7 @@ At untracked steps the hooks return immediately and nothing is recorded.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -201,7 +201,7 @@ class ModuleTracker:
         finally:
             self.state.suspended = previous
 
-    def graph_params(self) -> dict[str, Tensor]:
+    def graph_params(self) -> Mapping[str, Tensor]:
         """The tracked parameters as the recorded forward graph holds them, for Cockpit's
         own derivatives with respect to θ (Hessian-vector products): :attr:`params`, or
         under ``fully_shard`` the unsharded parameters, gathered whole

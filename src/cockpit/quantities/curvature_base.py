@@ -6,6 +6,10 @@ mean loss of its N_k samples, and added to the step's statistics as N_k · diag_
 diagonal of the mean loss over a step split into micro-batches or processes is then
 Σ_k N_k diag_k / N, exactly (the Hessian and the GGN of a mean are the weighted means).
 
+Under ``fully_shard`` the passes differentiate the graph's unsharded parameters, gathered
+whole, with FSDP's backward hooks held (:mod:`cockpit.engine.sharded`): each rank adds its
+own samples' N_r · diag_r, and the ranks combine as under DDP.
+
 Every computed value says what it was computed from: the method goes into the step's note
 (:data:`cockpit.curvature.diagonal.DESCRIPTIONS`); a stochastic value (Hutchinson, MC GGN)
 carries its standard error as ``"<Instrument>.stderr"``, estimated from the spread of the
@@ -87,12 +91,10 @@ class DiagonalCurvatureQuantity(Quantity):
         if self._replicate_step != step:  # the first backward pass of a new step
             self._replicate_step, self._replicates, self._nonfinite = step, [], False
             self._finite = None
-        if losses is None:
+        if losses is None or self._nonfinite:
             return
         # (fully_shard: the unsharded parameters, gathered by the engine at the block's start)
         params = engine.graph_params()
-        if self._nonfinite:
-            return
         finite = torch.isfinite(losses.detach()).all()
         self._finite = finite if self._finite is None else self._finite & finite
         method, reason = resolve_method(self.curvature, engine, self.mc_threshold,
