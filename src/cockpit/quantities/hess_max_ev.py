@@ -18,6 +18,11 @@ past the stop are computed and discarded). At a step with a non-finite loss the
 first products are not finite and the run stops at Lanczos's first read: the value is NaN
 with the note saying why (the losses are read only then).
 
+Under ``fully_shard`` the products differentiate the graph's unsharded parameters, gathered
+whole, with FSDP's backward hooks held (:mod:`cockpit.engine.sharded`); the value needs the
+whole batch's graph, so it is formed in one process (None when the batch is split over
+processes, as under DDP).
+
 ``per_parameter=True`` also records λ_max of each parameter tensor's diagonal block H_θθ of
 the Hessian as ``"HessMaxEV/<parameter>"`` (one Lanczos run with the same stopping rule per
 block, on Hessian-vector products with respect to that tensor alone: their cost adds up over

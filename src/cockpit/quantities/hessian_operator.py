@@ -4,7 +4,9 @@ own forward graph (HessTopEV, HessDensity): the shared preparation and hand-over
 At ``prepare`` (the block's start, the graph still alive) the operator v ↦ H_B v over every
 tracked parameter is built and :meth:`HessianOperatorQuantity.solve` runs on it; ``compute``
 takes the result, or records None with the reason. They need the whole batch's graph (None
-when the batch is split over micro-batches or processes) and finite losses.
+when the batch is split over micro-batches or processes) and finite losses. Under
+``fully_shard`` (one process) the operator differentiates the graph's unsharded parameters
+(:meth:`EngineView.graph_params`).
 """
 
 from __future__ import annotations
