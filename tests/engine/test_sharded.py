@@ -94,6 +94,48 @@ def every_curvature() -> list:
 
 
 @needs_gloo
+def test_own_backward_passes_leave_fsdp_and_the_gradients_alone(group_of_one):
+    """Backward passes with FSDP's hooks held, on the parameters gathered whole after
+    ``reshard_after_forward=True`` freed them: repeatable (nothing resharded in between),
+    the gradient of the unsharded parameters as without sharding, no ``.grad`` written;
+    FSDP's state is restored also after an error, and the user's backward pass then fills
+    p.grad with the gradient of the plain model."""
+    from torch.distributed.fsdp import fully_shard
+
+    from cockpit.engine import sharded
+
+    plain = small_model()
+    model = copy.deepcopy(plain)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=True)
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(2))
+    plain(x).square().sum().backward()
+    expected = {k: p.grad for k, p in plain.named_parameters()}
+
+    loss = model(x).square().sum()
+    params = dict(model.named_parameters())
+    states = [(state, state._training_state) for state in sharded._fsdp_states(model)]
+    whole = sharded.graph_parameters(model, params)
+    for _ in range(2):
+        with sharded.fsdp_backward_hooks_held(model):
+            grads = torch.autograd.grad(loss, list(whole.values()), retain_graph=True)
+        for (name, grad) in zip(whole, grads, strict=True):
+            torch.testing.assert_close(grad, expected[name], rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="inside"), sharded.fsdp_backward_hooks_held(model):
+        torch.autograd.grad(loss, list(whole.values()), retain_graph=True)
+        raise RuntimeError("inside")
+    assert all(p.grad is None for p in params.values())
+    for state, training_state in states:
+        assert state._training_state == training_state
+        for group in state._fsdp_param_groups:
+            assert "pre_backward" not in vars(group) and "post_backward" not in vars(group)
+    loss.backward()
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad.full_tensor(), expected[name], rtol=1e-6, atol=1e-7)
+
+
+@needs_gloo
 def test_refused_sharded_models_name_the_way_out(group_of_one):
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 
