@@ -7,6 +7,7 @@ reference run of a mixed precision policy, stepping on the gradients of the 2-pr
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import warnings
@@ -83,6 +84,8 @@ def train(rank: int, problem, model: torch.nn.Module, config: dict, chosen: list
         opt.zero_grad()
         part = shards(len(x), config["shard_sizes"], rank)
         xs, ys = x[part], y[part]
+        if config.get("poisoned") == (rank, step):  # a non-finite batch on this rank only
+            xs = torch.full_like(xs, math.nan)
         bounds = torch.linspace(0, len(xs), micro + 1).round().long().tolist()
         for k in range(micro):
             xb, yb = xs[bounds[k]: bounds[k + 1]], ys[bounds[k]: bounds[k + 1]]

@@ -237,3 +237,19 @@ def test_distance_continues_after_a_resume(tmp_path):
             for name, value in expected.items():
                 assert output[step][f"Distance/{name}"] == pytest.approx(value, rel=1e-9,
                                                                          abs=1e-12), (rank, step)
+
+
+def test_a_non_finite_batch_on_one_rank_stops_no_rank(tmp_path):
+    """A non-finite batch on rank 1 alone at step 1, with the curvature instruments: the
+    parameters are gathered for their backward passes by the engine, where every rank passes
+    alike, so no rank waits for a collective another skips; the step's values are NaN with
+    the reason on every rank (and stay so: the optimizer stepped on NaN)."""
+    config = make_config("cnn", [12, 12], configuration="business", poisoned=(1, 1))
+    ranks = two_processes(tmp_path, config)
+    for result in ranks:
+        output, notes = result["output"], result["notes"]
+        assert output[0]["HessTrace"] == ranks[0]["output"][0]["HessTrace"] > 0
+        for step in (1, 2):
+            for name in ("Loss", "HessTrace", "TICDiag"):
+                assert math.isnan(output[step][name]), (step, name)
+            assert "non-finite loss" in notes[step]["HessTrace"]
