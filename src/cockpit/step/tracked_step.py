@@ -135,7 +135,12 @@ class TrackedStep:
                 and any(q.differentiates_graph for q in self.tracked)):
             # fully_shard: all-gathers, here where every rank passes alike (the instruments
             # themselves may stop early on one rank: a non-finite loss, a loop problem)
-            tracker.graph_params()
+            try:
+                tracker.graph_params()
+            except Exception:
+                if run.warn.strict:
+                    raise
+                # (each instrument's own call fails again, and its failure is recorded)
         for quantity in self.tracked:
             if problem_of(quantity, problems) is None:  # (else it records None anyway)
                 instruments.prepare(quantity, self.step, tracker, run.optimizer, losses,
