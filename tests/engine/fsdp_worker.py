@@ -6,6 +6,8 @@ reference run of a mixed precision policy, stepping on the gradients of the 2-pr
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import pickle
 import warnings
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from cockpit import Cockpit, configuration
 from tests.exit_worker import leave_process_group
 from tests.models import make_problem
+from tests.split_reference import instruments
 
 
 def shards(total: int, sizes: list[int], rank: int) -> slice:
@@ -41,6 +44,15 @@ def shard_model(model: torch.nn.Module, config: dict) -> torch.nn.Module:
     return model
 
 
+def chosen_instruments(name: str) -> list:
+    """A configuration by name, or with ``"instruments:<curvature>"`` every instrument of
+    tests/split_reference.py with that curvature method (seeded: each rank, and the
+    reference run, draw the same probes)."""
+    if name.startswith("instruments:"):
+        return instruments(name.removeprefix("instruments:"))
+    return configuration(name)
+
+
 def step_on(model: torch.nn.Module, gradients: dict[str, torch.Tensor]) -> None:
     """Put ``gradients`` (whole tensors) into p.grad, each rank its own shard: the optimizer
     then steps on them instead of on this run's own."""
@@ -55,6 +67,47 @@ def step_on(model: torch.nn.Module, gradients: dict[str, torch.Tensor]) -> None:
             p.grad.copy_(gradients[name])
 
 
+def train(rank: int, problem, model: torch.nn.Module, config: dict, chosen: list | None):
+    """The training loop on this rank's shards, with Cockpit (``chosen``) or without (None);
+    with a ``torch.amp.GradScaler`` where ``config["grad_scaler"]`` gives its initial scale.
+    Returns the Cockpit and the gradients the optimizer stepped on (as p.grad held them,
+    scaled by the GradScaler's factor)."""
+    opt = config["make_optimizer"](model)
+    micro = config.get("micro_batches", 1)
+    scaler = (torch.amp.GradScaler("cpu", init_scale=config["grad_scaler"])
+              if "grad_scaler" in config else None)
+    cockpit = None if chosen is None else Cockpit(
+        model, chosen, optimizer=opt, strict=True, write_on_all_ranks=True,
+        grad_accumulation=micro > 1, grad_scaler=scaler)
+    stepped = []
+    for step, (x, y) in enumerate(config["batches"]):
+        opt.zero_grad()
+        part = shards(len(x), config["shard_sizes"], rank)
+        xs, ys = x[part], y[part]
+        if config.get("poisoned") == (rank, step):  # a non-finite batch on this rank only
+            xs = torch.full_like(xs, math.nan)
+        bounds = torch.linspace(0, len(xs), micro + 1).round().long().tolist()
+        for k in range(micro):
+            xb, yb = xs[bounds[k]: bounds[k + 1]], ys[bounds[k]: bounds[k + 1]]
+            if micro > 1:  # reduce-scatter once, after the last micro-batch
+                model.set_requires_gradient_sync(k == micro - 1)
+            losses = problem.loss_fn(model(xb), yb)
+            loss = losses.sum() / len(xs)
+            with contextlib.nullcontext() if cockpit is None else cockpit(step, losses=losses):
+                (loss if scaler is None else scaler.scale(loss)).backward()
+        if "gradients" in config:  # a reference run: step where another run stepped
+            step_on(model, config["gradients"][step])
+        stepped.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+    if cockpit is not None:
+        cockpit.close()
+    return cockpit, stepped
+
+
 def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -64,34 +117,19 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
         # the same initial model everywhere
         problem = make_problem(config["problem"], 48, dtype=config.get("dtype", torch.float64))
         model = shard_model(problem.model, config)
-        opt = config["make_optimizer"](model)
-        micro = config.get("micro_batches", 1)
         with warnings.catch_warnings(record=True) as recorded:
             warnings.simplefilter("always")
-            chosen = configuration(config.get("configuration", "economy"))
-            cockpit = Cockpit(model, chosen, optimizer=opt, strict=True,
-                              write_on_all_ranks=True, grad_accumulation=micro > 1)
-            stepped = []
-            for step, (x, y) in enumerate(config["batches"]):
-                opt.zero_grad()
-                part = shards(len(x), config["shard_sizes"], rank)
-                xs, ys = x[part], y[part]
-                bounds = torch.linspace(0, len(xs), micro + 1).round().long().tolist()
-                for k in range(micro):
-                    xb, yb = xs[bounds[k]: bounds[k + 1]], ys[bounds[k]: bounds[k + 1]]
-                    if micro > 1:  # reduce-scatter once, after the last micro-batch
-                        model.set_requires_gradient_sync(k == micro - 1)
-                    losses = problem.loss_fn(model(xb), yb)
-                    with cockpit(step, losses=losses):
-                        (losses.sum() / len(xs)).backward()
-                if "gradients" in config:  # a reference run: step where another run stepped
-                    step_on(model, config["gradients"][step])
-                stepped.append({k: full(p.grad).clone() for k, p in model.named_parameters()})
-                opt.step()
-            cockpit.close()
+            chosen = chosen_instruments(config.get("configuration", "economy"))
+            cockpit, stepped = train(rank, problem, model, config, chosen)
+        plain = None
+        if "grad_scaler" in config:  # the same loop without Cockpit, on the same model
+            twin = shard_model(make_problem(config["problem"], 48,
+                                            dtype=config.get("dtype", torch.float64)).model,
+                               config)
+            plain = train(rank, problem, twin, config, None)[1]
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as file:
             pickle.dump({"output": cockpit.get_output(), "notes": cockpit.get_notes(),
-                         "stepped": stepped,
+                         "stepped": stepped, "plain_stepped": plain,
                          "warnings": [str(w.message) for w in recorded]}, file)
         leave_process_group()  # barrier, os._exit(0): no gloo thread can abort our exit
     except BaseException:

@@ -43,9 +43,11 @@ def small_model() -> nn.Module:
     return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
 
 
-def economy_run(model: nn.Module, problem, steps: int = 3, config: str = "economy") -> dict:
+def economy_run(model: nn.Module, problem, steps: int = 3, config: str = "economy",
+                chosen: list | None = None) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    cockpit = Cockpit(model, configuration(config), optimizer=opt, strict=True)
+    chosen = configuration(config) if chosen is None else chosen
+    cockpit = Cockpit(model, chosen, optimizer=opt, strict=True)
     generator = torch.Generator().manual_seed(1)
     for step in range(steps):
         index = torch.randint(0, problem.x.shape[0], (16,), generator=generator)
@@ -64,18 +66,73 @@ def test_fully_shard_in_one_process_equals_the_unsharded_model(group_of_one, res
     from torch.distributed.fsdp import fully_shard
 
     problem = make_problem("mlp_relu", 48)
-    expected, _ = economy_run(copy.deepcopy(problem.model), problem)
+    expected, _ = economy_run(copy.deepcopy(problem.model), problem, chosen=every_curvature())
     model = problem.model
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
-    output, notes = economy_run(model, problem, config="full")
+    output, notes = economy_run(model, problem, chosen=every_curvature())
     assert assert_same_values(output, expected, range(3)) > 100
     for step in range(3):  # p.grad (sharded) against ḡ: one process only
         assert output[step]["GradientMismatch"] == pytest.approx(
             expected[step]["GradientMismatch"], abs=1e-12)
-    for name in ("HessTrace", "TICDiag", "HessMaxEV"):
-        assert output[0][name] is None and "fully_shard" in notes[0][name]
+        # the Lanczos instruments (the whole batch's graph: one process), on the gathered
+        # parameters with FSDP's hooks held: the same Hessian-vector products (HessTopEV and
+        # HessDensity compared above)
+        assert output[step]["HessMaxEV"] == pytest.approx(expected[step]["HessMaxEV"],
+                                                          rel=1e-12)
+        assert expected[step]["HessMaxEV"] > 0
+        assert len(output[step]["HessTopEV"]["values"]) == 2
+        assert all(output[step][k] is not None for k in ("HessTrace", "TICDiag", "TICTrace"))
+        assert "computed from" in notes[step]["HessTrace"]
+
+
+def every_curvature() -> list:
+    """Every curvature instrument, beside the full configuration's."""
+    return [*configuration("full"), quantities.TICTrace(), quantities.HessTopEV(k=2),
+            quantities.HessDensity(probes=2, steps=8)]
+
+
+@needs_gloo
+def test_own_backward_passes_leave_fsdp_and_the_gradients_alone(group_of_one):
+    """Backward passes with FSDP's hooks held, on the parameters gathered whole after
+    ``reshard_after_forward=True`` freed them: repeatable (nothing resharded in between),
+    the gradient of the unsharded parameters as without sharding, no ``.grad`` written;
+    FSDP's state is restored also after an error, and the user's backward pass then fills
+    p.grad with the gradient of the plain model."""
+    from torch.distributed.fsdp import fully_shard
+
+    from cockpit.engine import sharded
+
+    plain = small_model()
+    model = copy.deepcopy(plain)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=True)
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(2))
+    plain(x).square().sum().backward()
+    expected = {k: p.grad for k, p in plain.named_parameters()}
+
+    loss = model(x).square().sum()
+    params = dict(model.named_parameters())
+    states = [(state, state._training_state) for state in sharded._fsdp_states(model)]
+    whole = sharded.graph_parameters(model, params)
+    for _ in range(2):
+        with sharded.fsdp_backward_hooks_held(model):
+            grads = torch.autograd.grad(loss, list(whole.values()), retain_graph=True)
+        for (name, grad) in zip(whole, grads, strict=True):
+            torch.testing.assert_close(grad, expected[name], rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="inside"), sharded.fsdp_backward_hooks_held(model):
+        torch.autograd.grad(loss, list(whole.values()), retain_graph=True)
+        raise RuntimeError("inside")
+    assert all(p.grad is None for p in params.values())
+    for state, training_state in states:
+        assert state._training_state == training_state
+        for group in state._fsdp_param_groups:
+            assert "pre_backward" not in vars(group) and "post_backward" not in vars(group)
+    loss.backward()
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad.full_tensor(), expected[name], rtol=1e-6, atol=1e-7)
 
 
 @needs_gloo

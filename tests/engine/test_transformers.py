@@ -283,12 +283,14 @@ def test_mixed_precision_and_clipping_see_the_unscaled_unclipped_gradient(tmp_pa
 
 def test_resume_from_checkpoint_keeps_distance(tmp_path):
     """Cockpit's state rides in the Trainer's checkpoint folder: after
-    ``train(resume_from_checkpoint=True)`` Distance is measured from the first run's θ_0."""
+    ``train(resume_from_checkpoint=True)`` Distance is measured from the first run's θ_0;
+    from the resumed parameters, with a warning, where the state holds another rank's θ_0."""
     generator = torch.Generator().manual_seed(8)
     items = [cut(*token_batch(4, generator, lm=False), 1)[0] for _ in range(4)]
 
     def chosen():
-        return [quantities.Loss(), quantities.GradNorm(), quantities.Distance()]
+        return [quantities.Loss(), quantities.GradNorm(), quantities.Distance(),
+                quantities.UpdateSize()]
 
     def trainer_for(steps, callback, outdir, save):
         args = transformers.TrainingArguments(
@@ -315,6 +317,29 @@ def test_resume_from_checkpoint_keeps_distance(tmp_path):
         for key in ("Loss", "GradNorm", "Distance"):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-9), (step, key)
     assert got[2]["Distance"] > 0
+    # the state of another rank of a fully_shard run (its slice of θ_0): warned, and
+    # Distance is measured from the resumed parameters θ_2 (‖θ_3 − θ_2‖ is the first
+    # run's UpdateSize at step 2)
+    state_file = tmp_path / "run" / "checkpoint-2" / "cockpit_state.pt"
+    torch.save(another_ranks_state(torch.load(state_file, weights_only=True)), state_file)
+    elsewhere = CockpitCallback(chosen(), strict=True)
+    with pytest.warns(RuntimeWarning, match=r"resumed at step 2 without Cockpit's θ_0 \(the "
+                      r"saved .* is rank 1's slice of 2 processes.*from the resumed parameters"):
+        trainer_for(4, elsewhere, tmp_path / "run", save=False).train(
+            resume_from_checkpoint=True)
+    got = elsewhere.cockpit.get_output()
+    assert sorted(got) == [2, 3]
+    assert got[2]["Distance"] == 0.0
+    assert got[3]["Distance"] == pytest.approx(want[2]["UpdateSize"], rel=1e-9)
+    assert got[3]["Distance"] > 0
+
+
+def another_ranks_state(state: dict) -> dict:
+    """Cockpit's state as rank 1 of 2 processes saves it under ``fully_shard``: its slice of
+    each θ_0 (the second half of dimension 0), and whose slice it is."""
+    initial = {k: v.chunk(2)[1].clone() for k, v in state["initial_params"].items()}
+    return {**state, "initial_params": initial,
+            "initial_params_holder": {"rank": 1, "world": 2}}
 
 
 def test_sequence_losses_against_one_sequence_at_a_time():

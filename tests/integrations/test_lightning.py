@@ -223,6 +223,47 @@ def test_checkpoint_resume_keeps_distance_and_step_numbers(tmp_path):
         assert distance > 0.01
 
 
+def another_ranks_state(state: dict) -> dict:
+    """Cockpit's state as rank 1 of 2 processes saves it under ``fully_shard``: its slice of
+    each θ_0 (the second half of dimension 0), and whose slice it is."""
+    initial = {k: v.chunk(2)[1].clone() for k, v in state["initial_params"].items()}
+    return {**state, "initial_params": initial,
+            "initial_params_holder": {"rank": 1, "world": 2}}
+
+
+def test_resume_with_another_ranks_theta0_measures_from_the_resumed_parameters(tmp_path):
+    """A checkpoint whose Cockpit state holds another rank's slice of θ_0 (a fully_shard
+    run's, resumed on another rank or without sharding): the callback warns with the reason
+    and measures Distance from the resumed parameters, ‖θ_t − θ_2‖, instead of refusing to
+    train or giving a distance from a wrong θ_0; the step numbering continues."""
+    name = "mlp_relu"
+    items = micro_batches(batches_of(make_problem(name, 48), 4, 24), 1)
+
+    def chosen():
+        return [quantities.Loss(), quantities.Distance()]
+
+    _, _, trainer = fit(make_problem(name, 48), items[:2], sgd, 2,
+                        callback=CockpitCallback(chosen(), strict=True))
+    path = str(tmp_path / "two.ckpt")
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    (key,) = [k for k in checkpoint["callbacks"] if "CockpitCallback" in k]
+    checkpoint["callbacks"][key] = another_ranks_state(checkpoint["callbacks"][key])
+    torch.save(checkpoint, path)
+    recorder = ParameterRecorder()
+    with pytest.warns(RuntimeWarning, match=r"without Cockpit's θ_0 \(the saved 0\.weight is "
+                      r"rank 1's slice of 2 processes.*measured from the resumed parameters"):
+        resumed, _, _ = fit(make_problem(name, 48, seed=7), items[2:], sgd, 4, ckpt_path=path,
+                            callback=CockpitCallback(chosen(), strict=True),
+                            extra_callbacks=[recorder])
+    got = resumed.cockpit.get_output()
+    assert sorted(got) == [2, 3]
+    for step in (2, 3):
+        distance = float((recorder.params[step] - recorder.params[2]).norm())
+        assert got[step]["Distance"] == pytest.approx(distance, rel=1e-10, abs=1e-12)
+    assert got[3]["Distance"] > 0.01
+
+
 def test_individual_losses_missing_gives_the_way_out():
     class NoLosses(lightning_worker.Module):
         def training_step(self, batch, batch_idx):

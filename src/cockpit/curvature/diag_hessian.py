@@ -129,6 +129,9 @@ LINEAR_NODES = {
     "EmbeddingBackward0", "SplitBackward0", "SplitWithSizesBackward0", "NegBackward0",
     "MulBackward0", "DivBackward0", "SqueezeBackward2", "UnbindBackward0",
     "IndexBackward0", "StackBackward0", "AliasBackward0", "ToCopyBackward0",
+    # fully_shard's identities on a sharded module's inputs (its post-backward hook) and,
+    # under torch.func transforms, on its outputs
+    "RegisterPostBackwardFunctionBackward", "RegisterPreBackwardFunctionBackward",
 }
 _ONE_SIDED = {"MulBackward0", "DivBackward0"}  # linear only if one factor is constant
 

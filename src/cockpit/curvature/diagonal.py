@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor
 
 from cockpit.curvature.batched import batched_sum_sq_of_backprops, use_batched
@@ -216,12 +217,19 @@ def diagonal_replicates(
         factor = mc_sqrt_factor(f, kind, num_samples=num_samples, generator=generator,
                                 mse_reduction=mse_reduction) * math.sqrt(num_samples)
         per_column = sum_sq_of_backprops(engine, output, factor, batched, separate=True)
-        return [{k: sums[k].to(p.dtype) / n if k in sums else p.new_zeros(p.shape)
+        return [{k: sums[k].to(_wider(sums[k], p)) / n if k in sums else p.new_zeros(p.shape)
                  for k, p in params.items()} for sums in per_column]
     return [diagonal_curvature(method, engine, losses, params, loss=loss,
                                mse_reduction=mse_reduction, num_samples=num_samples,
                                generator=generator, max_backprops=max_backprops,
                                batched=batched)]
+
+
+def _wider(value: Tensor, param: Tensor):
+    """The dtype of a parameter's diagonal: the parameter's, or ``value``'s where wider (a
+    layer computing in half precision under a mixed precision policy sums its squared
+    backpropagations in float32: kept so)."""
+    return torch.promote_types(value.dtype, param.dtype)
 
 
 def sum_sq_of_backprops(engine: EngineView, output: Tensor, vectors: Tensor, batched: bool | None,
@@ -307,7 +315,7 @@ def diagonal_curvature(
             factor = mc_sqrt_factor(f, kind, num_samples=num_samples, generator=generator,
                                     mse_reduction=mse_reduction)
         sums = sum_sq_of_backprops(engine, output, factor, batched)[0]
-        return {k: sums[k].to(p.dtype) / n if k in sums else p.new_zeros(p.shape)
+        return {k: sums[k].to(_wider(sums[k], p)) / n if k in sums else p.new_zeros(p.shape)
                 for k, p in params.items()}
     if method == "hutchinson":
         hvp = hessian_vector_product(engine, losses, params)

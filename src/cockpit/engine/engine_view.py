@@ -61,6 +61,12 @@ class EngineView(Protocol):
         """A context for Cockpit's own autograd work (Hessian-vector products, extra
         backward passes): the engine's hooks ignore it."""
 
+    def graph_params(self) -> Mapping[str, Tensor]:
+        """The tracked parameters as the recorded forward graph holds them (the leaves of
+        Cockpit's own derivatives with respect to θ): :attr:`params`, or under
+        ``fully_shard`` the unsharded, whole parameters (an all-gather: every rank must
+        ask at the same point of the step)."""
+
     def add_sample_sums(self, key: str, values: dict[str, Tensor]) -> None:
         """Add per-parameter sums over this backward's samples to the statistics (merged
         over micro-batches and processes like the engine's own)."""

@@ -24,14 +24,33 @@ summed from them in full precision rather than read from the rounded gradient au
 produced (which would depend on how the batch is split over processes), and θ means the
 full-precision parameters (GradHist2d, the norms of θ and of the update).
 
-Two things have no public accessor in torch 2.13 and are read from ``fully_shard``'s state:
-the unsharded parameter of each sharded one (:func:`unsharded_parameters`) and the mixed
-precision policy; :func:`check_sharding` refuses a torch whose ``fully_shard`` lacks them.
+The curvature instruments differentiate the forward graph themselves before the user's
+backward pass (vector backpropagations from the output, Hessian-vector products). The
+graph's leaves are the unsharded parameters, so they differentiate with respect to those
+(:func:`graph_parameters`, which first gathers them whole again where
+``reshard_after_forward=True`` freed them: the public ``FSDPModule.unshard``), with FSDP's
+backward hooks held (:func:`fsdp_backward_hooks_held`: no all-gather, no resharding between
+passes, no reduce-scatter into ``.grad``). Each rank then forms its own samples' share, and
+the ranks combine as under DDP. Chosen over the alternatives: the gathered parameters
+are kept until the user's backward pass, which then does not gather them again (one
+all-gather per sharded module and tracked step instead of two: counted on 2 processes with
+5 sharded layers, 10 all-gathers per step with the curvature instruments as without them;
+the cost is holding all of θ on each rank from the start of the ``with`` block until each
+layer's backward);
+``torch.func.functional_call`` on gathered parameters would run the forward pass a second
+time, on inputs Cockpit does not hold in general; keeping the parameters alive by
+``reshard_after_forward=False`` would change the user's setting.
+
+Three things have no public accessor in torch 2.13 and are read from ``fully_shard``'s
+state: the unsharded parameter of each sharded one (:func:`unsharded_parameters`), the
+mixed precision policy, and the backward hooks' methods (:func:`fsdp_backward_hooks_held`);
+:func:`check_sharding` refuses a torch whose ``fully_shard`` lacks them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TypeGuard, cast
 
 import torch
@@ -105,6 +124,83 @@ def unsharded_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> dict
     return out
 
 
+def _fsdp_states(model: nn.Module) -> list:
+    """The ``fully_shard`` state of every sharded module of ``model``, in module order."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [module._get_fsdp_state() for module in model.modules()  # no public accessor
+            if isinstance(module, FSDPModule)]
+
+
+def graph_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The parameters the forward graph of ``model`` holds, per name of ``params``, with
+    their values in place: under ``fully_shard`` the unsharded parameters
+    (:func:`unsharded_parameters`), all-gathered again by ``FSDPModule.unshard`` where FSDP
+    freed them after the forward pass (``reshard_after_forward=True``): one all-gather per
+    sharded module, which every rank must reach at the same point. They stay whole until
+    the user's backward pass, whose own all-gather then has nothing to do and which frees
+    them as usual; the cost is one parameter-sized tensor per rank held from here to there.
+    Without ``fully_shard``, ``params`` itself."""
+    if not has_sharded(params.values()):
+        return dict(params)
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():  # the same order on every rank
+        if isinstance(module, FSDPModule):
+            module.unshard()  # (nothing to do where the parameters are whole)
+    twins = unsharded_parameters(model, params)
+    missing = [name for name in params if name not in twins]
+    if missing:
+        raise RuntimeError(f"fully_shard has no unsharded parameter for {', '.join(missing)} "
+                           "(not used in the forward pass?)")
+    return {name: twins[name] for name in params}
+
+
+@contextlib.contextmanager
+def fsdp_backward_hooks_held(model: nn.Module) -> Iterator[None]:
+    """Cockpit's own backward passes through the graph of a ``fully_shard`` model
+    (curvature: Hessian-vector products, backpropagations of vectors from the output)
+    without FSDP's backward hooks: the pre-backward hooks on the sharded modules' outputs
+    would all-gather, and the post-backward function on their inputs would reshard the
+    unsharded parameters (freeing what the next pass needs) and reduce-scatter their
+    ``.grad`` into the sharded parameters' gradients; neither may happen outside the user's
+    backward pass. Inside the context they do nothing (the parameters are already whole:
+    :func:`graph_parameters`), and FSDP's state is as before afterwards. The hooks are
+    registered on the graph during the forward pass and cannot be removed; they are held by
+    replacing, on each instance, the methods they call (no public way in torch 2.13)."""
+    states = _fsdp_states(model)
+    if not states:
+        yield
+        return
+
+    def nothing(*args, **kwargs) -> None:
+        return None
+
+    saved = [(state, state._training_state, state._states_to_backward_prefetch)
+             for state in states]
+    groups = [group for state in states for group in state._fsdp_param_groups]
+    group_states = [group._training_state for group in groups]
+    try:
+        for state in states:
+            state._register_root_post_backward_final_callback = nothing
+            state._states_to_backward_prefetch = []
+        for group in groups:
+            group.pre_backward = nothing
+            group.post_backward = nothing
+        yield
+    finally:
+        for state, training_state, prefetch in saved:
+            state.__dict__.pop("_register_root_post_backward_final_callback", None)
+            state._states_to_backward_prefetch = prefetch
+            state._training_state = training_state
+        for group, training_state in zip(groups, group_states, strict=True):
+            group.__dict__.pop("pre_backward", None)
+            group.__dict__.pop("post_backward", None)
+            group._training_state = training_state
+
+
 def compute_dtypes(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, torch.dtype]:
     """Per name of ``params``: the dtype the layers compute in under a ``fully_shard`` mixed
     precision policy, where it differs from the parameter's own (``param_dtype`` of the
@@ -170,6 +266,11 @@ def check_sharding(model: nn.Module) -> None:
                 state = module._get_fsdp_state()
                 policy, group = state._mp_policy, state._fsdp_param_group
                 owned.update(id(fp.sharded_param) for fp in (group.fsdp_params if group else ()))
+                # what fsdp_backward_hooks_held replaces and restores
+                _ = (state._training_state, state._states_to_backward_prefetch,
+                     state._register_root_post_backward_final_callback,
+                     [(g._training_state, g.pre_backward, g.post_backward)
+                      for g in state._fsdp_param_groups])
             except AttributeError as error:
                 raise NotImplementedError(
                     f"Cockpit does not support fully_shard of torch {torch.__version__}: its "
@@ -241,6 +342,11 @@ def restored_slices(saved: Mapping[str, Tensor], holder: Mapping[str, int] | Non
             value = value.to_local()  # (a state saved with DTensors: whose slice is unknown)
             holder = holder or {"rank": -1, "world": -1}
         if not is_sharded(mine) or tuple(value.shape) == tuple(mine.shape):
+            if tuple(value.shape) != tuple(mine.shape) and holder is not None:
+                raise ValueError(
+                    f"the saved {name} is {_whose(holder)} (saved under fully_shard), and "
+                    f"this model's {name} is not sharded: load a whole θ_0 here, or each "
+                    "rank's own state on the same number of processes under fully_shard")
             if tuple(value.shape) != tuple(mine.shape):
                 raise ValueError(f"the saved {name} has shape {tuple(value.shape)}, the model's "
                                  f"{tuple(mine.shape)}: it was saved for another model")
@@ -249,10 +355,8 @@ def restored_slices(saved: Mapping[str, Tensor], holder: Mapping[str, int] | Non
             continue
         me, world = rank(), _world_size()
         if holder is None or (holder["rank"], holder["world"]) != (me, world):
-            whose = ("a slice of unknown origin" if holder is None or holder["rank"] < 0
-                     else f"rank {holder['rank']}'s slice of {holder['world']} processes")
             raise ValueError(
-                f"the saved {name} is {whose}, and this is rank {me} of {world}: under "
+                f"the saved {name} is {_whose(holder)}, and this is rank {me} of {world}: under "
                 "fully_shard each rank holds its own slice of the parameters, so save "
                 "cockpit.state_dict() on every rank and load each rank's own, on the same "
                 "number of processes (or pass whole tensors)")
@@ -260,3 +364,10 @@ def restored_slices(saved: Mapping[str, Tensor], holder: Mapping[str, int] | Non
         local(restored).copy_(value.reshape(local(mine).shape))
         out[name] = restored
     return out
+
+
+def _whose(holder: Mapping[str, int] | None) -> str:
+    """Whose slice a saved tensor is, in words."""
+    if holder is None or holder["rank"] < 0:
+        return "a slice of unknown origin"
+    return f"rank {holder['rank']}'s slice of {holder['world']} processes"

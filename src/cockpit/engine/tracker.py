@@ -25,11 +25,12 @@ At untracked steps the hooks return immediately and nothing is recorded.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
+from cockpit.engine import sharded
 from cockpit.engine.backward_state import BackwardState
 from cockpit.engine.capture.hooks import Call, Capture, Unit, layer_outputs, owner
 from cockpit.engine.histograms.auto_range import AutoRange
@@ -208,9 +209,23 @@ class ModuleTracker:
         """Extra backward passes of Cockpit's own (curvature) leave the statistics alone."""
         previous, self.state.suspended = self.state.suspended, True
         try:
-            yield
+            if self.sharded and not previous:  # FSDP's backward hooks are the user's pass's
+                with sharded.fsdp_backward_hooks_held(self.model):
+                    yield
+            else:
+                yield
         finally:
             self.state.suspended = previous
+
+    def graph_params(self) -> Mapping[str, Tensor]:
+        """The tracked parameters as the recorded forward graph holds them, for Cockpit's
+        own derivatives with respect to θ (Hessian-vector products): :attr:`params`, or
+        under ``fully_shard`` the unsharded parameters, gathered whole
+        (:func:`cockpit.engine.sharded.graph_parameters`: all-gathers, so every rank asks
+        at the same point of the step)."""
+        if not self.sharded:
+            return self.params
+        return sharded.graph_parameters(self.model, self.params)
 
     @property
     def is_suspended(self) -> bool:
@@ -249,7 +264,9 @@ class ModuleTracker:
         Must run before the user's backward pass (the recorded layer inputs are needed).
         """
         calls = self.probe_calls()
-        params = layer_outputs(calls)  # (no parameter gradient is computed)
+        twins = ({id(self.params[k]): t for k, t in self.graph_params().items()}
+                 if self.sharded else None)
+        params = layer_outputs(calls, twins)  # (no parameter gradient is computed)
         totals: dict[str, Tensor] = {}
         with self.suspended(), reuse_unfolded_inputs():
             for v in grad_outputs:

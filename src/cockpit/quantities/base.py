@@ -102,6 +102,9 @@ class Quantity:
     handles_invalid_statistics: bool = False  # compute() also runs when a layer failed
     # needs the graph of the whole batch in one backward pass (None for split batches)
     whole_batch_graph: bool = False
+    # differentiates the step's forward graph itself in prepare (curvature): under
+    # fully_shard the engine gathers the parameters whole first, on every rank alike
+    differentiates_graph: bool = False
     # keys of additive per-sample sums the instrument adds in prepare (engine.add_sample_sums)
     sample_sum_keys: tuple[str, ...] = ()
 

@@ -6,6 +6,10 @@ mean loss of its N_k samples, and added to the step's statistics as N_k · diag_
 diagonal of the mean loss over a step split into micro-batches or processes is then
 Σ_k N_k diag_k / N, exactly (the Hessian and the GGN of a mean are the weighted means).
 
+Under ``fully_shard`` the passes differentiate the graph's unsharded parameters, gathered
+whole, with FSDP's backward hooks held (:mod:`cockpit.engine.sharded`): each rank adds its
+own samples' N_r · diag_r, and the ranks combine as under DDP.
+
 Every computed value says what it was computed from: the method goes into the step's note
 (:data:`cockpit.curvature.diagonal.DESCRIPTIONS`); a stochastic value (Hutchinson, MC GGN)
 carries its standard error as ``"<Instrument>.stderr"``, estimated from the spread of the
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -30,25 +35,19 @@ from cockpit.curvature.diagonal import (
     diagonal_replicates,
     resolve_method,
 )
-from cockpit.engine import sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.readout import Later, Noted
 from cockpit.quantities.base import Quantity, StepData
 from cockpit.schedules import Schedule
 
 NON_FINITE = "non-finite loss at this step: the curvature was not computed"
-SHARDED = (
-    "not computed for a model sharded by fully_shard: the curvature's own backward passes "
-    "through the model would run FSDP's backward hooks (all-gathers, and a reduce-scatter "
-    "into the parameters' .grad); compute the curvature instruments with "
-    "DistributedDataParallel or in a single process"
-)
 
 
 class DiagonalCurvatureQuantity(Quantity):
     """An instrument that reads the diagonal curvature of L_B (see
     :mod:`cockpit.curvature.diagonal` for the methods)."""
 
+    differentiates_graph = True
     fallback = "ggn"  # what "auto" uses where the exact Hessian diagonal is not available
 
     def __init__(
@@ -79,7 +78,6 @@ class DiagonalCurvatureQuantity(Quantity):
         self.method_used: str | None = None
         self.fallback_reason: str | None = None
         self._warned = False
-        self._sharded = False  # the model is sharded by fully_shard: not computed
         self._replicate_step: int | None = None
         self._replicates: list[dict[str, Tensor]] = []
         self._nonfinite = False  # known on the host: the computation failed on it
@@ -95,19 +93,14 @@ class DiagonalCurvatureQuantity(Quantity):
             self._finite = None
         if losses is None or self._nonfinite:
             return
-        if sharded.has_sharded(engine.params.values()):  # no backward pass of our own
-            self._sharded = True
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"{self.name}: {SHARDED}", RuntimeWarning,
-                              stacklevel=user_stacklevel())
-            return
+        # (fully_shard: the unsharded parameters, gathered by the engine at the block's start)
+        params = engine.graph_params()
         finite = torch.isfinite(losses.detach()).all()
         self._finite = finite if self._finite is None else self._finite & finite
         method, reason = resolve_method(self.curvature, engine, self.mc_threshold,
                                         self.max_backprops, self.fallback)
         try:
-            replicates = self._shared(method, engine, losses)
+            replicates = self._shared(method, engine, losses, params)
         except Exception as error:
             if not bool(finite):  # e.g. sampling from NaN probabilities: read only here
                 self._nonfinite = True
@@ -119,7 +112,7 @@ class DiagonalCurvatureQuantity(Quantity):
             method, reason = resolve_method("auto", engine, self.mc_threshold,
                                             self.max_backprops, "ggn")
             reason = f"{reason}; Hessian-vector products failed: {error}"
-            replicates = self._shared(method, engine, losses)
+            replicates = self._shared(method, engine, losses, params)
         self.method_used, self.fallback_reason = method, reason
         if reason is not None and not self._warned:
             self._warned = True
@@ -136,12 +129,14 @@ class DiagonalCurvatureQuantity(Quantity):
                 for k, d in replicate.items():
                     total[k] = total[k] + n * d if k in total else n * d
 
-    def _shared(self, method: str, engine: EngineView, losses: Tensor) -> list[dict[str, Tensor]]:
-        """The replicates of this backward pass, computed once for all instruments."""
+    def _shared(self, method: str, engine: EngineView, losses: Tensor,
+                params: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
+        """The replicates of this backward pass, computed once for all instruments, per
+        parameter of ``params`` (the forward graph's: :meth:`EngineView.graph_params`)."""
         key = ("diagonal", method, self.loss, self.mc_samples)
         if key not in engine.step_cache:
             replicates = diagonal_replicates(
-                method, engine, losses, engine.params, loss=self.loss,
+                method, engine, losses, params, loss=self.loss,
                 num_samples=self.mc_samples, generator=self.generator,
                 max_backprops=self.max_backprops,
             )
@@ -150,18 +145,15 @@ class DiagonalCurvatureQuantity(Quantity):
         sums_key = (key, self.sample_sum_keys[0])
         if sums_key not in engine.step_cache:
             n = losses.shape[0]
-            mean = {k: sum(r[k] for r in replicates) / len(replicates) for k in replicates[0]}
+            # (a Hutchinson estimate in a mixed precision policy's half precision: summed
+            # over micro-batches and processes in the parameters' own precision)
+            mean = {k: sum(r[k].to(torch.promote_types(r[k].dtype, engine.params[k].dtype))
+                           for r in replicates) / len(replicates) for k in replicates[0]}
             engine.add_sample_sums(self.sample_sum_keys[0], {k: d * n for k, d in mean.items()})
             engine.step_cache[sums_key] = True
         return replicates
 
     # ------------------------------------------------------------------ for compute()
-    def skip_sharded(self, data: StepData) -> bool:
-        """Whether the model is sharded by ``fully_shard`` (noted if so): see SHARDED."""
-        if self._sharded:
-            data.notes[self.name] = SHARDED
-        return self._sharded
-
     def skip_non_finite(self, data: StepData) -> bool:
         """Whether the step's loss is non-finite (read on the host; noted if so)."""
         flag = self.finite_flag(data)

@@ -18,6 +18,11 @@ past the stop are computed and discarded). At a step with a non-finite loss the
 first products are not finite and the run stops at Lanczos's first read: the value is NaN
 with the note saying why (the losses are read only then).
 
+Under ``fully_shard`` the products differentiate the graph's unsharded parameters, gathered
+whole, with FSDP's backward hooks held (:mod:`cockpit.engine.sharded`); the value needs the
+whole batch's graph, so it is formed in one process (None when the batch is split over
+processes, as under DDP).
+
 ``per_parameter=True`` also records λ_max of each parameter tensor's diagonal block H_θθ of
 the Hessian as ``"HessMaxEV/<parameter>"`` (one Lanczos run with the same stopping rule per
 block, on Hessian-vector products with respect to that tensor alone: their cost adds up over
@@ -37,10 +42,8 @@ from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
 from cockpit.curvature.lanczos import EigResult, lanczos_max_eigenvalue
-from cockpit.engine import sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.quantities.base import Quantity, StepData, Value
-from cockpit.quantities.curvature_base import SHARDED
 from cockpit.quantities.descriptor import PURPLE, Descriptor, Panel
 from cockpit.schedules import Schedule
 
@@ -52,6 +55,7 @@ class HessMaxEV(Quantity):
         panel=Panel("HessMaxEV", "curvature", "Largest Hessian eigenvalue λ_max(H_B): sharpness",
                     order=1, readout=("HessMaxEV",)),
         color=PURPLE)
+    differentiates_graph = True
     whole_batch_graph = True  # λ_max of a sum is not formed from the parts' λ_max
 
     def __init__(
@@ -84,10 +88,8 @@ class HessMaxEV(Quantity):
         self._result, self._skipped, self._blocks = None, None, {}
         if losses is None or engine.request.split:
             return
-        if sharded.has_sharded(engine.params.values()):  # (one process; split: above)
-            self._skipped = SHARDED
-            return
-        hvp = hessian_vector_product(engine, losses, engine.params)
+        params = engine.graph_params()  # (fully_shard, one process: the unsharded ones)
+        hvp = hessian_vector_product(engine, losses, params)
         v0 = self._vector if self.warm_start else None
         if v0 is not None and v0.numel() != hvp.dim:
             v0 = None
@@ -103,7 +105,7 @@ class HessMaxEV(Quantity):
         if self.warm_start and math.isfinite(self._result.value):
             self._vector = self._result.vector.detach()
         if self.per_parameter:
-            for name, param in engine.params.items():
+            for name, param in params.items():
                 block = hessian_vector_product(engine, losses, {name: param})
                 with engine.suspended():
                     self._blocks[name] = lanczos_max_eigenvalue(
@@ -115,7 +117,7 @@ class HessMaxEV(Quantity):
         skipped, self._skipped = self._skipped, None
         if skipped is not None:
             data.notes["HessMaxEV"] = skipped
-            return {"HessMaxEV": None if skipped == SHARDED else math.nan}
+            return {"HessMaxEV": math.nan}
         if result is None:
             data.notes["HessMaxEV"] = "not computed (no individual losses at this step)"
             return {"HessMaxEV": None}

@@ -33,8 +33,6 @@ class HessTrace(DiagonalCurvatureQuantity):
     fallback = "hutchinson"
 
     def compute(self, data: StepData) -> Values:
-        if self.skip_sharded(data):
-            return {"HessTrace": None}
         finite = self.finite_flag(data)
         if finite is False:
             return {"HessTrace": math.nan}

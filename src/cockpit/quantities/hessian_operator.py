@@ -4,7 +4,9 @@ own forward graph (HessTopEV, HessDensity): the shared preparation and hand-over
 At ``prepare`` (the block's start, the graph still alive) the operator v ↦ H_B v over every
 tracked parameter is built and :meth:`HessianOperatorQuantity.solve` runs on it; ``compute``
 takes the result, or records None with the reason. They need the whole batch's graph (None
-when the batch is split over micro-batches or processes) and finite losses.
+when the batch is split over micro-batches or processes) and finite losses. Under
+``fully_shard`` (one process) the operator differentiates the graph's unsharded parameters
+(:meth:`EngineView.graph_params`).
 """
 
 from __future__ import annotations
@@ -15,16 +17,15 @@ import torch
 from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
-from cockpit.engine import sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.quantities.base import Quantity, StepData
-from cockpit.quantities.curvature_base import SHARDED
 from cockpit.schedules import Schedule
 
 NON_FINITE = "non-finite loss at this step: no Hessian-vector products"
 
 
 class HessianOperatorQuantity(Quantity):
+    differentiates_graph = True
     whole_batch_graph = True
 
     def __init__(self, schedule: Schedule | int | None = None, *, seed: int = 0):
@@ -43,14 +44,12 @@ class HessianOperatorQuantity(Quantity):
         self._result, self._skipped = None, None
         if losses is None or engine.request.split:
             return
-        if sharded.has_sharded(engine.params.values()):  # (one process; split: above)
-            self._skipped = SHARDED
-            return
+        params = engine.graph_params()  # (fully_shard, one process: the unsharded ones)
         if not bool(torch.isfinite(losses.detach()).all()):
             self._skipped = NON_FINITE
             return
-        hvp = hessian_vector_product(engine, losses, engine.params)
-        first = next(iter(engine.params.values()))
+        hvp = hessian_vector_product(engine, losses, params)
+        first = next(iter(params.values()))
         with engine.suspended():
             result = self.solve(hvp.matvec, hvp.dim, first.dtype, first.device)
         if isinstance(result, str):

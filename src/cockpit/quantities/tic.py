@@ -44,8 +44,6 @@ class TICDiag(_TIC):
     needs = frozenset({SUM_SQ})
 
     def compute(self, data: StepData) -> Values:
-        if self.skip_sharded(data):
-            return {"TICDiag": None}
         finite = self.finite_flag(data)
         if finite is False:
             return {"TICDiag": math.nan}
@@ -85,8 +83,6 @@ class TICTrace(_TIC):
     fallback = "hutchinson"
 
     def compute(self, data: StepData) -> dict[str, Value]:
-        if self.skip_sharded(data):
-            return {"TICTrace": None}
         if self.skip_non_finite(data):
             return {"TICTrace": math.nan}
         diagonal = self.take_diagonal(data)

@@ -131,6 +131,16 @@ class TrackedStep:
             self.checks.append(Later(nonfinite_warning(self.step), checks.finite))
         stats = tracker.begin(request, losses)
         self.in_block = True
+        if (tracker.sharded and losses is not None
+                and any(q.differentiates_graph for q in self.tracked)):
+            # fully_shard: all-gathers, here where every rank passes alike (the instruments
+            # themselves may stop early on one rank: a non-finite loss, a loop problem)
+            try:
+                tracker.graph_params()
+            except Exception:
+                if run.warn.strict:
+                    raise
+                # (each instrument's own call fails again, and its failure is recorded)
         for quantity in self.tracked:
             if problem_of(quantity, problems) is None:  # (else it records None anyway)
                 instruments.prepare(quantity, self.step, tracker, run.optimizer, losses,

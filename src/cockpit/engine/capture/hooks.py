@@ -22,7 +22,7 @@ the part of it that owns the hooks and the recorded forward pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -504,15 +504,21 @@ class Capture:
             self.calls = []
 
 
-def layer_outputs(calls: list[Call]) -> list[Tensor]:
+def layer_outputs(calls: list[Call], twins: Mapping[int, Tensor] | None = None) -> list[Tensor]:
     """What Cockpit's own backward passes ask autograd for: the layers' outputs. The pass
     then reaches every layer (and fires the output hooks) but computes no parameter
     gradient and stops at the first layer's output (2× faster on 3C3D: a convolution's bias
     gradient makes oneDNN compute its weight gradient too). An output modified in place
-    after the call has a new autograd node; for its layer ask for the smallest parameter."""
+    after the call has a new autograd node; for its layer ask for the smallest parameter,
+    as the graph holds it (``twins``: id of a ``fully_shard`` parameter → its unsharded
+    parameter, the graph's leaf; :func:`cockpit.engine.sharded.graph_parameters`)."""
+    twins = twins or {}
     targets: dict[int, Tensor] = {}
     for c in calls:
-        chosen = (c.outputs if c.outputs_unchanged()
-                  else [min(c.unit.params.values(), key=lambda q: q.numel())])
+        if c.outputs_unchanged():
+            chosen = c.outputs
+        else:
+            smallest = min(c.unit.params.values(), key=lambda q: q.numel())
+            chosen = [twins.get(id(smallest), smallest)]
         targets.update((id(t), t) for t in chosen)
     return list(targets.values())
