@@ -16,7 +16,9 @@ Data flow at a tracked step:
    reduced per call — ‖Σ_calls g‖² ≠ Σ_calls ‖g‖² — so their individual gradients are
    summed over calls and reduced when the backward context exits.
 
-At untracked steps the hooks return immediately and nothing is recorded.
+Before a step no instrument tracks the hooks come off the model
+(:attr:`ModuleTracker.capturing`): nothing is recorded and nothing is paid.
+
 :class:`ModuleTracker` holds the state of one tracked backward pass (:meth:`begin` …
 :meth:`end`) and composes the two; instruments see it as an
 :class:`~cockpit.engine.engine_view.EngineView`.

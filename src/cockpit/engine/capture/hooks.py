@@ -14,8 +14,9 @@
    broadcast them (:mod:`cockpit.engine.capture.broadcast`), so that their δ_n arrive per sample.
 
 During Cockpit's own backpropagations (``probing``) the output hooks record δ apart, for
-:meth:`~cockpit.engine.tracker.ModuleTracker.sum_sq_of_backprops`. At untracked steps, and
-while Cockpit's own work runs (``suspended``), the hooks return at once. The state of the
+:meth:`~cockpit.engine.tracker.ModuleTracker.sum_sq_of_backprops`. While no forward pass is
+recorded the hooks are off the model (:meth:`Capture.install`); while Cockpit's own work runs
+(``suspended``) they return at once. The state of the
 backward pass (statistics, loss weights, the flags) is the tracker's; :class:`Capture` is
 the part of it that owns the hooks and the recorded forward pass.
 """
