@@ -445,6 +445,8 @@ def _rows_of(dots: Tensor | None, refs: list[int | Tensor]) -> Tensor:
     if dots is not None and refs and all(isinstance(r, int) for r in refs):
         first = refs[0]
         if refs == list(range(first, first + len(refs))):  # type: ignore[operator]
+            if first == 0 and len(refs) == len(dots):
+                return dots  # every row (not even a view)
             return dots[first : first + len(refs)]  # type: ignore[operator]
     return torch.stack([dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
 
