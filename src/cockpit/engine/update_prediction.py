@@ -365,8 +365,11 @@ class UpdateMatch:
               for p, a in zip(predicted, actual, strict=True)]
         sums = torch.stack([torch.stack(pp).double().sum(), torch.stack(pa).double().sum()])
         kappa = sums[1] / sums[0]
-        residuals = [a - p.to(a.dtype) * kappa.to(a.dtype)
-                     for p, a in zip(predicted, actual, strict=True)]
+        residuals = []
+        for p, a in zip(predicted, actual, strict=True):
+            # κ at least in float32 (rounded to bfloat16 it would miss by 0.4 %)
+            dtype = torch.promote_types(a.dtype, torch.float32)
+            residuals.append(a.to(dtype) - p.to(dtype) * kappa.to(dtype))
         norms = torch.stack(torch._foreach_norm(residuals)).double()
         self.checks = torch.cat([sums, norms.to(sums.device)])
 
@@ -488,12 +491,12 @@ class BasisFits:
     def __init__(self, bases: Sequence[Tensor | Sequence[Tensor]], actuals: Sequence[Tensor]):
         self.problems = []  # (V, a) per tensor
         for basis, actual in zip(bases, actuals, strict=True):
-            target = actual.reshape(-1)
+            target = actual if actual.dim() == 1 else actual.reshape(-1)  # (a view: host work)
             k = len(basis)
             if k == 0:
                 vectors = target[:0].view(0, -1)
             elif isinstance(basis, Tensor):
-                vectors = basis.reshape(k, -1).to(target.dtype)
+                vectors = (basis if basis.dim() == 2 else basis.reshape(k, -1)).to(target.dtype)
             else:
                 vectors = torch.stack([b.reshape(-1).to(target.dtype) for b in basis])
             self.problems.append((vectors, target))

@@ -21,8 +21,11 @@ s_tᵀ g_n(θ_t) is needed before s_t exists. Two ways, neither holds |B|×D gra
   is corrected; for SGD the update is fitted in the span of (gradient, parameter, old
   momentum buffer), which covers gradient clipping exactly. Tracked on consecutive steps,
   momentum SGD without Nesterov left s_{t−1} = −lr·b_old behind, so s_{t−1} (projected
-  anyway, for α_{t−1}) takes the buffer's place and one projection serves both. A mismatch
-  records the step as not computed, warns, and switches to the general path;
+  anyway, for α_{t−1}) takes the buffer's place and one projection serves both. The check
+  reads nothing from the device at the step: the fit is solved and its residuals measured
+  there, and decided when the step's numbers are read, before the next step begins (the
+  fit's basis is held until then). A mismatch records the step as not computed, warns, and
+  switches to the general path;
 * **general** (any other optimizer, and any split batch: gradient accumulation or several
   processes, where no backward pass sees the gradient the optimizer steps on): each layer's
   input and output gradient are kept until the step, then s_tᵀ g_n is a Jacobian-vector
@@ -61,7 +64,8 @@ def batch_mean_var(x: Tensor) -> Tensor:
     """[mean, biased (1/|B|) variance] in float64 on x's device (Appendix B.2)."""
     x = x.double()
     if x.numel() > 1:
-        return torch.stack(torch.var_mean(x, correction=0)).flip(0)
+        var, mean = torch.var_mean(x, correction=0)
+        return torch.stack([mean, var])
     return torch.cat([x.reshape(-1), torch.zeros(1, dtype=x.dtype, device=x.device)])
 
 
