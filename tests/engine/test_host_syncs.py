@@ -124,7 +124,7 @@ def test_a_tracked_step_waits_for_the_device_at_most_a_few_times(config, monkeyp
 
 
 def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
-    """Economy on 3C3D against the same step without Cockpit: 6.6× at |B| = 32 (7.6× before
+    """Economy on 3C3D against the same step without Cockpit: 6.3× at |B| = 32 (7.6× before
     Alpha's fit stopped reading the device and the hooks and SampleGrads stopped detaching,
     viewing and concatenating single tensors; 21× before the step stopped reading the
     device per number, 13× before the per-parameter small ops

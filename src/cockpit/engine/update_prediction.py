@@ -583,8 +583,8 @@ def _residual_norms(problems: list[tuple[Tensor, Tensor]], coefficients: Tensor,
         residual = torch.addmv(target, vectors.T, c, alpha=-1, out=scratch)
         norms.append(torch.linalg.vector_norm(residual).to(device))
     if fused:
-        norms = list(torch._foreach_norm(residuals_fused))
-    return torch.stack(norms).double()
+        norms = list(torch._foreach_norm(residuals_fused, dtype=torch.float64))
+    return torch.stack(norms).to(torch.float64)
 
 
 def _fit_on_host(pending: list, host: np.ndarray) -> dict[int, Tensor | None]:

@@ -242,8 +242,9 @@ class Alpha(Quantity):
         names = [k for k in state.projections if k in update] if state.predicted else []
         assert state.loss is not None
         with torch.no_grad():
-            theta_norms = (torch.stack(torch._foreach_norm([data.params[k] for k in names]))
-                           .double() if names else state.loss[:0])
+            theta_norms = (torch.stack(torch._foreach_norm([data.params[k] for k in names],
+                                                           dtype=torch.float64))
+                           if names else state.loss[:0])
         sq = data.update_sq_norm_vector(update)
         if sharded.has_sharded(update.values()):  # g_nᵀs_t needs all of s_t (sharded.py)
             update = {k: sharded.whole(s.detach()) for k, s in update.items()}
