@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cockpit.engine.update_prediction import (
+    BasisFits,
     UnsupportedOptimizer,
     _find_group,
     fit_basis_coefficients,
@@ -281,6 +285,62 @@ def test_basis_fit_rejects_a_foreign_float32_update_after_one_retry():
     inside = 2.0 * basis[0] - 0.5 * basis[1]
     torch.testing.assert_close(fit_basis_coefficients(basis, inside),
                                torch.tensor([2.0, -0.5], dtype=torch.float64))
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_basis_fits_are_solved_on_the_device_without_reading_it():
+    """Several tensors' fits, one with a zero basis vector (a zero-initialised bias under
+    weight decay): the coefficients are the minimum-norm least-squares solution (NumPy's
+    SVD on the exact normal equations), the residuals those of the update measured
+    directly, and nothing waits for the device (no scalar read, no error check of a
+    LAPACK call)."""
+    gen = torch.Generator().manual_seed(0)
+    bases = [torch.randn(3, 40, generator=gen, dtype=torch.float64),
+             torch.randn(2, 7, 5, generator=gen, dtype=torch.float64)]
+    bases[0][1] = 0.0
+    coefficients = [torch.tensor([0.5, 3.0, -2.0], dtype=torch.float64),
+                    torch.tensor([-1.5, 0.25], dtype=torch.float64)]
+    noise = 1e-3 * torch.randn(40, generator=gen, dtype=torch.float64)
+    actuals = [coefficients[0] @ bases[0] + noise,
+               torch.einsum("k,kij->ij", coefficients[1], bases[1])]
+    counter = _Ops()
+    with counter:
+        fits = BasisFits(bases, actuals)
+    waits = {"_local_scalar_dense", "_linalg_check_errors", "nonzero", "item"}
+    assert not waits & set(counter.ops), counter.ops
+    expected = []
+    for basis, actual in zip(bases, actuals, strict=True):
+        v = basis.reshape(len(basis), -1).numpy()
+        expected.append(np.linalg.lstsq(v @ v.T, v @ actual.reshape(-1).numpy(),
+                                        rcond=None)[0])
+    np.testing.assert_allclose(fits.coefficients.numpy(), np.concatenate(expected),
+                               rtol=1e-12, atol=1e-14)
+    assert float(fits.coefficients[1]) == 0.0  # the zero vector's coefficient
+    residual0 = actuals[0] - torch.from_numpy(expected[0]) @ bases[0]
+    np.testing.assert_allclose(fits.residual_norms.numpy(),
+                               [float(residual0.norm()), 0.0], rtol=1e-9, atol=1e-12)
+
+
+def test_basis_fit_of_parallel_vectors_is_the_minimum_norm_fit():
+    """Two equal basis vectors: the normal equations are singular, the solve on the device
+    fails (non-finite residual) and the fit from the SVD of the host copy gives the
+    minimum-norm coefficients."""
+    torch.manual_seed(0)
+    v = torch.randn(30, dtype=torch.float64)
+    coefficients = fit_basis_coefficients(torch.stack([v, v]), 3.0 * v)
+    torch.testing.assert_close(coefficients, torch.tensor([1.5, 1.5], dtype=torch.float64))
+    v32 = v.float()
+    coefficients = fit_basis_coefficients(torch.stack([v32, v32]), 3.0 * v32)
+    torch.testing.assert_close(coefficients, torch.tensor([1.5, 1.5], dtype=torch.float64))
 
 
 def test_basis_fit_when_consecutive_gradients_agree():

@@ -412,7 +412,8 @@ class CallProcessor:
             if gradient_ref is None:
                 if w_n and not sg.fuse_dots:  # closed form (Gram matrix for Linear layers)
                     gram = stats.gram_mean.get(name)
-                    gradient_ref = w_n * (sg.gram_mean() if gram is None else gram)
+                    gram = sg.gram_mean() if gram is None else gram
+                    gradient_ref = gram if w_n == 1.0 else w_n * gram  # (×1: no kernel)
                 else:
                     gradient_ref = row(seen)
             return gradient_ref
@@ -431,7 +432,8 @@ class CallProcessor:
         dots = sg.dots_many(vectors) if vectors else None  # [K, N]
         if gram_row is not None:
             assert dots is not None
-            stats.gram_mean[name] = dots[gram_row] / w_n if w_n else dots[gram_row]
+            stats.gram_mean[name] = (dots[gram_row] / w_n if w_n and w_n != 1.0
+                                     else dots[gram_row])  # (÷1: no kernel)
         if synced_row is not None:
             assert dots is not None and synced is not None
             synced.dots[name] = dots[synced_row]
@@ -445,6 +447,8 @@ def _rows_of(dots: Tensor | None, refs: list[int | Tensor]) -> Tensor:
     if dots is not None and refs and all(isinstance(r, int) for r in refs):
         first = refs[0]
         if refs == list(range(first, first + len(refs))):  # type: ignore[operator]
+            if first == 0 and len(refs) == len(dots):
+                return dots  # every row (not even a view)
             return dots[first : first + len(refs)]  # type: ignore[operator]
     return torch.stack([dots[r] if isinstance(r, int) else r for r in refs])  # type: ignore[index]
 

@@ -341,25 +341,51 @@ def match_update(
     ‖a‖² if the caller has it already). κ = lr_new / lr_old after an lr change for every
     group; κ = clip coefficient for clipped plain SGD (module docstring). A zero prediction
     matches only a zero update (κ = 1). None for a length mismatch, a missing prediction or
-    non-finite values.
+    non-finite values. See :class:`UpdateMatch`.
     """
     if len(predicted) != len(actual) or any(p is None for p in predicted):
         return None
-    pp = sum(_dot(p, p) for p in predicted)  # type: ignore[arg-type]
-    pa = sum(_dot(p, a) for p, a in zip(predicted, actual, strict=True))  # type: ignore[arg-type]
-    aa = sum(_dot(a, a) for a in actual) if actual_sq is None else actual_sq
-    if not all(math.isfinite(x) for x in (pp, pa, aa)):
+    if actual_sq is None:
+        actual_sq = sum(_dot(a, a) for a in actual)
+    match = UpdateMatch(predicted, actual)  # type: ignore[arg-type]
+    return match.kappa(_to_host(match.checks).numpy(), rtol, atol, actual_sq)
+
+
+class UpdateMatch:
+    """:func:`match_update` in two halves: ``checks`` = [⟨p, p⟩, ⟨p, a⟩, ‖a − κp‖ per tensor]
+    with κ = ⟨p, a⟩/⟨p, p⟩ (float64 on the device; dot products by BLAS in the tensors'
+    dtype) is formed without reading the device; :meth:`kappa` decides on its host copy."""
+
+    def __init__(self, predicted: Sequence[Tensor], actual: Sequence[Tensor]):
+        if not predicted:
+            self.checks = torch.zeros(2, dtype=torch.float64)
+            return
+        pp = [torch.dot(p.reshape(-1), p.reshape(-1)) for p in predicted]
+        pa = [torch.dot(p.reshape(-1), a.reshape(-1).to(p.dtype))
+              for p, a in zip(predicted, actual, strict=True)]
+        sums = torch.stack([torch.stack(pp).double().sum(), torch.stack(pa).double().sum()])
+        kappa = sums[1] / sums[0]
+        residuals = []
+        for p, a in zip(predicted, actual, strict=True):
+            # κ at least in float32 (rounded to bfloat16 it would miss by 0.4 %)
+            dtype = torch.promote_types(a.dtype, torch.float32)
+            residuals.append(a.to(dtype) - p.to(dtype) * kappa.to(dtype))
+        norms = torch.stack(torch._foreach_norm(residuals)).double()
+        self.checks = torch.cat([sums, norms.to(sums.device)])
+
+    @staticmethod
+    def kappa(checks: np.ndarray, rtol: float, atol: float, actual_sq: float) -> float | None:
+        """κ, or None where ``actual`` is no multiple of ``predicted`` (``checks``: the host
+        copy of ``checks``; ``actual_sq``: ‖actual‖²)."""
+        pp, pa = float(checks[0]), float(checks[1])
+        if not all(math.isfinite(x) for x in (pp, pa, actual_sq)):
+            return None
+        if pp == 0.0:
+            return 1.0 if actual_sq == 0.0 else None
+        residual_sq = sum(float(r) ** 2 for r in checks[2:])
+        if math.sqrt(residual_sq) <= rtol * math.sqrt(actual_sq) + atol + _TINY:
+            return pa / pp
         return None
-    if pp == 0.0:
-        return 1.0 if aa == 0.0 else None
-    kappa = pa / pp
-    residual_sq = 0.0
-    for p, a in zip(predicted, actual, strict=True):
-        r = a - p.to(a.dtype) * kappa  # type: ignore[union-attr]
-        residual_sq += float(torch.linalg.vector_norm(r)) ** 2
-    if math.sqrt(residual_sq) <= rtol * math.sqrt(aa) + atol + _TINY:
-        return kappa
-    return None
 
 
 def sgd_update_basis(
@@ -412,7 +438,7 @@ def fit_basis_coefficients(
     basis: Tensor | Sequence[Tensor], actual: Tensor, rtol: float = 1e-4, atol: float = 0.0,
     actual_sq: float | None = None,
 ) -> Tensor | None:
-    """Least-squares coefficients c with ``actual ≈ Σ_k c_k basis_k`` (float64, on CPU).
+    """Least-squares coefficients c with ``actual ≈ Σ_k c_k basis_k`` (float64, on the CPU).
 
     Accepted when ``‖actual − Σ c_k basis_k‖ ≤ rtol ‖actual‖ + atol``, else None; ``atol``
     covers the rounding in measuring ``actual`` (a difference of parameters); ``actual_sq``
@@ -432,107 +458,161 @@ def fit_basis_coefficients_many(
     atols: Sequence[float], actual_sqs: Sequence[float],
 ) -> list[Tensor | None]:
     """:func:`fit_basis_coefficients` of several tensors at once (``actual_sqs``: ‖actual‖²
-    of each), reading the device twice in all instead of per tensor: once for every tensor's
-    normal equations (:class:`BasisFits`), once for every residual.
-
-    The Gram matrix VVᵀ, Vᵀa and the residual a − Vᵀc are BLAS products in the tensors' dtype
-    (each reads the basis once); the k×k solve is in float64 on the host. The residual,
-    measured directly, decides. Should it fail, the normal equations are solved once more
-    with VVᵀ and Vᵀa accumulated in float64: they square the condition number of V, and
-    directions that are nearly parallel (the gradient and SGD's momentum buffer when
-    consecutive gradients agree) leave float32 products too inaccurate for a fit that exists.
-    """
+    of each): every fit is solved and checked on the device (:class:`BasisFits`), then read
+    once; only fits that fail there are read again (:meth:`BasisFits.accept`)."""
     fits = BasisFits(bases, actuals)
-    return fits.finish(_to_host(fits.systems).numpy(), rtol, atols, actual_sqs)
+    host = _to_host(torch.cat([fits.coefficients, fits.residual_norms.to(
+        fits.coefficients.device)])).numpy()
+    answer = fits.accept(host[len(fits.coefficients):], rtol, atols, actual_sqs)
+    results: list[Tensor | None] = []
+    offset = 0
+    for index, (vectors, _) in enumerate(fits.problems):
+        k = len(vectors)
+        results.append(answer[index] if index in answer
+                       else torch.from_numpy(host[offset : offset + k].copy()))
+        offset += k
+    return results
 
 
 class BasisFits:
-    """The fits of :func:`fit_basis_coefficients_many` in two halves: ``systems`` (the
-    normal equations of every tensor, float64 on the device) is formed first, so that a
-    caller can read it together with its own numbers; :meth:`finish` solves them from the
-    host copy."""
+    """Least-squares fits ``a ≈ Vᵀc`` of several tensors, formed on the device without
+    reading it: ``coefficients`` (float64, every tensor's c in turn) solve each tensor's
+    normal equations VVᵀc = Va (BLAS products in the tensors' dtype, solved in float64),
+    ``residual_norms`` (float64) are ‖a − Vᵀc‖ of each, measured directly. On the host,
+    :meth:`accept` decides by them and solves once more what failed.
+
+    The k×k systems (k ≤ 3) are scaled to a unit diagonal (Jacobi) and solved by LU
+    (``solve_ex``: no error check, which would read the device); a row of zeros (a zero
+    basis vector: a zero-initialised bias with weight decay) gets coefficient 0. A singular
+    system (two parallel basis vectors) or non-finite one leaves a non-finite residual,
+    which fails the check.
+    """
 
     def __init__(self, bases: Sequence[Tensor | Sequence[Tensor]], actuals: Sequence[Tensor]):
         self.problems = []  # (V, a) per tensor
         for basis, actual in zip(bases, actuals, strict=True):
-            target = actual.reshape(-1)
+            target = actual if actual.dim() == 1 else actual.reshape(-1)  # (a view: host work)
             k = len(basis)
             if k == 0:
                 vectors = target[:0].view(0, -1)
             elif isinstance(basis, Tensor):
-                vectors = basis.reshape(k, -1).to(target.dtype)
+                vectors = (basis if basis.dim() == 2 else basis.reshape(k, -1)).to(target.dtype)
             else:
                 vectors = torch.stack([b.reshape(-1).to(target.dtype) for b in basis])
             self.problems.append((vectors, target))
-        self.systems = _flat_systems([_normal_equations(v, t) for v, t in self.problems],
-                                     actuals[0].device if actuals else torch.device("cpu"))
+        device = actuals[0].device if actuals else torch.device("cpu")
+        self.coefficients = _solve_on_device(
+            [_normal_equations(v, t) for v, t in self.problems], device)
+        self.residual_norms = _residual_norms(self.problems, self.coefficients, device)
 
-    def finish(self, host: np.ndarray, rtol: float, atols: Sequence[float],
-               actual_sqs: Sequence[float]) -> list[Tensor | None]:
-        """Coefficients per tensor (or None) from ``host``, the host copy of ``systems``."""
-        results: list[Tensor | None] = [None] * len(self.problems)
-        pending = [(index, vectors, target, rtol * math.sqrt(target_sq) + atol + _TINY)
-                   for index, ((vectors, target), atol, target_sq)
-                   in enumerate(zip(self.problems, atols, actual_sqs, strict=True))
-                   if len(vectors) and math.isfinite(target_sq)]
-        if not pending:
-            return results
-        if len(pending) < len(self.problems):
-            host = _select_systems(host, self.problems, [p[0] for p in pending])
-        pending = self._solve(pending, host, results)
-        # once more, the float64 normal equations of the failed float32 fits; what fails
-        # then has no fit (None)
-        pending = [p for p in pending if p[2].dtype != torch.float64]
-        if pending:
-            systems = [_normal_equations_float64(v, t) for _, v, t, _ in pending]
-            self._solve(pending, _to_host(_flat_systems(systems, pending[0][2].device)).numpy(),
-                        results)
-        return results
-
-    def _solve(self, pending: list, host: np.ndarray, results: list) -> list:
-        solved, offset = [], 0
-        for index, vectors, target, tolerance in pending:
-            k = len(vectors)
-            system = host[offset : offset + k * k + k]
-            offset += k * k + k
-            if not np.isfinite(system).all():
-                continue  # no fit exists: None
-            # least squares by LAPACK's gelsd (SVD), on the host copy
-            coefficients = np.linalg.lstsq(system[: k * k].reshape(k, k), system[k * k :],
-                                           rcond=None)[0]
-            solved.append((index, vectors, target, tolerance, torch.from_numpy(coefficients)))
-        if not solved:
-            return []
-        device = solved[0][2].device
-        on_device = to_device(torch.from_numpy(np.concatenate([c.numpy() for *_, c in solved])),
-                              device)
-        by_dtype: dict[torch.dtype, tuple[Tensor, ...]] = {}  # one cast and split per dtype
-        sizes = [c.numel() for *_, c in solved]
-        fused = device_path(device) and all(  # (not for DTensors: their own norms)
-            type(target) is Tensor and target.device == device for _, _, target, _, _ in solved)
-        norms, residuals_fused = [], []
-        for i, (_, vectors, target, _, _) in enumerate(solved):
-            if target.dtype not in by_dtype:
-                by_dtype[target.dtype] = on_device.to(target.dtype).split(sizes)
-            c = by_dtype[target.dtype][i]
-            if fused:  # fresh residuals, one multi-tensor norm for all (accelerators)
-                residuals_fused.append(torch.addmv(target, vectors.T, c, alpha=-1))
-                continue
-            scratch, _ = workspace().take("fit residual", target.shape, target.dtype,
-                                          target.device)
-            residual = torch.addmv(target, vectors.T, c, alpha=-1, out=scratch)
-            norms.append(torch.linalg.vector_norm(residual).to(device))
-        if fused:
-            norms = list(torch._foreach_norm(residuals_fused))
-        residuals = _to_host(torch.stack(norms)).tolist()
+    def accept(self, residual_norms: Sequence[float], rtol: float, atols: Sequence[float],
+               actual_sqs: Sequence[float]) -> dict[int, Tensor | None]:
+        """The fits ``coefficients`` does not give, by index: ``residual_norms`` is the host
+        copy of ``residual_norms``; a fit is accepted when ``‖a − Vᵀc‖ ≤ rtol ‖a‖ + atol``.
+        A tensor without a basis or with a non-finite ‖a‖² has no fit (None); one that
+        failed is solved once more from normal equations accumulated in float64 (by LAPACK's
+        SVD on the host, which reads the device): they square the condition number of V,
+        and directions that are nearly parallel (the gradient and SGD's momentum buffer when
+        consecutive gradients agree) leave float32 products too inaccurate for a fit that
+        exists. What fails then has no fit (None)."""
+        answer: dict[int, Tensor | None] = {}
         retry = []
-        for (index, vectors, target, tolerance, coefficients), residual in zip(
-                solved, residuals, strict=True):
-            if residual <= tolerance:
-                results[index] = coefficients
-            else:
+        for index, ((vectors, target), residual, atol, target_sq) in enumerate(zip(
+                self.problems, residual_norms, atols, actual_sqs, strict=True)):
+            if not len(vectors) or not math.isfinite(target_sq):
+                answer[index] = None
+                continue
+            tolerance = rtol * math.sqrt(target_sq) + atol + _TINY
+            if not residual <= tolerance:  # (NaN: fails)
+                answer[index] = None
                 retry.append((index, vectors, target, tolerance))
-        return retry
+        if retry:
+            systems = [_normal_equations_float64(v, t) for _, v, t, _ in retry]
+            host = _to_host(_flat_systems(systems, retry[0][2].device)).numpy()
+            answer.update(_fit_on_host(retry, host))
+        return answer
+
+
+def _solve_on_device(systems: list[tuple[Tensor, Tensor]], device: torch.device) -> Tensor:
+    """c of every system (VVᵀ, Va), float64 in turn on ``device`` (see :class:`BasisFits`);
+    one batched solve per basis size."""
+    by_size: dict[int, list[int]] = {}
+    for index, (gram, _) in enumerate(systems):
+        by_size.setdefault(len(gram), []).append(index)
+    pieces: dict[int, Tensor] = {}
+    for k, indices in by_size.items():
+        if k == 0:
+            continue
+        grams = torch.stack([systems[i][0].to(device) for i in indices]).double()
+        rhs = torch.stack([systems[i][1].to(device) for i in indices]).double()
+        diagonal = grams.diagonal(dim1=1, dim2=2)
+        live = diagonal > 0
+        scale = torch.where(live, diagonal, 1.0).rsqrt_().mul_(live)
+        scaled = grams.mul_(scale.unsqueeze(2) * scale.unsqueeze(1))
+        scaled.diagonal(dim1=1, dim2=2).add_(~live)  # zero rows: c = 0
+        solution = torch.linalg.solve_ex(scaled, (rhs * scale).unsqueeze(2)).result
+        solved = solution.squeeze(2).mul_(scale)
+        if len(by_size) == 1:
+            return solved.reshape(-1)
+        pieces.update(zip(indices, solved.unbind(0), strict=True))
+    if not pieces:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.cat([pieces[i] for i in range(len(systems)) if i in pieces])
+
+
+def _residual_norms(problems: list[tuple[Tensor, Tensor]], coefficients: Tensor,
+                    device: torch.device) -> Tensor:
+    """‖a − Vᵀc‖ of every problem, float64 on ``device`` (NaN-free inputs give finite
+    norms); one cast and split of ``coefficients`` per dtype."""
+    if not problems:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    sizes = [len(v) for v, _ in problems]
+    fused = device_path(device) and all(  # (not for DTensors: their own norms)
+        type(target) is Tensor and target.device == device for _, target in problems)
+    by_dtype: dict[torch.dtype, tuple[Tensor, ...]] = {}
+    norms, residuals_fused = [], []
+    for i, (vectors, target) in enumerate(problems):
+        if target.dtype not in by_dtype:
+            by_dtype[target.dtype] = coefficients.to(target.dtype).split(sizes)
+        c = by_dtype[target.dtype][i]
+        if fused:  # fresh residuals, one multi-tensor norm for all (accelerators)
+            residuals_fused.append(torch.addmv(target, vectors.T, c, alpha=-1))
+            continue
+        scratch, _ = workspace().take("fit residual", target.shape, target.dtype,
+                                      target.device)
+        residual = torch.addmv(target, vectors.T, c, alpha=-1, out=scratch)
+        norms.append(torch.linalg.vector_norm(residual).to(device))
+    if fused:
+        norms = list(torch._foreach_norm(residuals_fused, dtype=torch.float64))
+    return torch.stack(norms).to(torch.float64)
+
+
+def _fit_on_host(pending: list, host: np.ndarray) -> dict[int, Tensor | None]:
+    """Coefficients (or None) of the ``pending`` problems (index, V, a, tolerance) from
+    ``host``, the host copy of their flat normal equations: solved by LAPACK's gelsd (SVD),
+    accepted by their residual (one more read of the device)."""
+    answer: dict[int, Tensor | None] = {index: None for index, *_ in pending}
+    solved, offset = [], 0
+    for index, vectors, target, tolerance in pending:
+        k = len(vectors)
+        system = host[offset : offset + k * k + k]
+        offset += k * k + k
+        if not np.isfinite(system).all():
+            continue  # no fit exists: None
+        coefficients = np.linalg.lstsq(system[: k * k].reshape(k, k), system[k * k :],
+                                       rcond=None)[0]
+        solved.append((index, vectors, target, tolerance, torch.from_numpy(coefficients)))
+    if not solved:
+        return answer
+    device = solved[0][2].device
+    on_device = to_device(torch.cat([c for *_, c in solved]), device)
+    residuals = _to_host(_residual_norms([(v, t) for _, v, t, _, _ in solved], on_device,
+                                         device)).tolist()
+    for (index, _, _, tolerance, coefficients), residual in zip(solved, residuals,
+                                                                strict=True):
+        if residual <= tolerance:
+            answer[index] = coefficients
+    return answer
 
 
 def _flat_systems(systems: list[tuple[Tensor, Tensor]], device: torch.device) -> Tensor:
@@ -543,16 +623,6 @@ def _flat_systems(systems: list[tuple[Tensor, Tensor]], device: torch.device) ->
     if not parts:
         return torch.zeros(0, dtype=torch.float64, device=device)
     return torch.cat(parts).double()
-
-
-def _select_systems(host: np.ndarray, problems: list, keep: list[int]) -> np.ndarray:
-    """The parts of ``host`` (the flat systems of all ``problems``) of the tensors ``keep``."""
-    parts, offset = {}, 0
-    for index, (vectors, _) in enumerate(problems):
-        size = len(vectors) ** 2 + len(vectors)
-        parts[index] = host[offset : offset + size]
-        offset += size
-    return np.concatenate([parts[i] for i in keep]) if keep else host[:0]
 
 
 def _to_host(x: Tensor) -> Tensor:

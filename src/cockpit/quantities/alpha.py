@@ -21,8 +21,11 @@ s_tᵀ g_n(θ_t) is needed before s_t exists. Two ways, neither holds |B|×D gra
   is corrected; for SGD the update is fitted in the span of (gradient, parameter, old
   momentum buffer), which covers gradient clipping exactly. Tracked on consecutive steps,
   momentum SGD without Nesterov left s_{t−1} = −lr·b_old behind, so s_{t−1} (projected
-  anyway, for α_{t−1}) takes the buffer's place and one projection serves both. A mismatch
-  records the step as not computed, warns, and switches to the general path;
+  anyway, for α_{t−1}) takes the buffer's place and one projection serves both. The check
+  reads nothing from the device at the step: the fit is solved and its residuals measured
+  there, and decided when the step's numbers are read, before the next step begins (the
+  fit's basis is held until then). A mismatch records the step as not computed, warns, and
+  switches to the general path;
 * **general** (any other optimizer, and any split batch: gradient accumulation or several
   processes, where no backward pass sees the gradient the optimizer steps on): each layer's
   input and output gradient are kept until the step, then s_tᵀ g_n is a Jacobian-vector
@@ -38,6 +41,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -60,7 +64,8 @@ def batch_mean_var(x: Tensor) -> Tensor:
     """[mean, biased (1/|B|) variance] in float64 on x's device (Appendix B.2)."""
     x = x.double()
     if x.numel() > 1:
-        return torch.stack(torch.var_mean(x, correction=0)).flip(0)
+        var, mean = torch.var_mean(x, correction=0)
+        return torch.stack([mean, var])
     return torch.cat([x.reshape(-1), torch.zeros(1, dtype=x.dtype, device=x.device)])
 
 
@@ -193,10 +198,10 @@ class Alpha(Quantity):
                 return basis
             # the gradient row is g_nᵀḡ up to a factor, which the engine has already; s_{t−1}
             # is given as the tensor registered for α_{t−1}, so one projection serves both
-            rows = [GRADIENT, *basis[1:]]
-            if last is not None:
-                rows[-1] = last
-            return rows
+            # (rows of the basis itself: only those not replaced, no view of the others)
+            own = len(basis) - (last is not None)
+            rows = [GRADIENT, *(basis.unbind(0)[1:own] if own > 1 else ())]
+            return rows if last is None else [*rows, last]
 
         return provide
 
@@ -225,112 +230,153 @@ class Alpha(Quantity):
         self._open = state
         return {}
 
-    def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> dict[str, Value]:
+    def compute_after_update(self, data: StepData, update: dict[str, Tensor]
+                             ) -> dict[str, Value] | Later:
+        """s_tᵀg_n formed on the device as if every check passes, without reading it; the
+        checks (‖s_t‖² per parameter, the loss statistics, ‖θ_{t+1}‖ per projected parameter
+        — the rounding of the update — and the fit's residuals) are decided when the step's
+        numbers are read, before the next step begins (:meth:`_decision`)."""
         state = self._open
         if state is None or state.step != data.step:
             return {}
-        # one read of the device for the decisions below: ‖s_t‖² per parameter, the loss
-        # statistics, ‖θ_{t+1}‖ per projected parameter (the rounding of the update) and
-        # SGD's normal equations of the fit
         names = [k for k in state.projections if k in update] if state.predicted else []
         assert state.loss is not None
-        device = state.loss.device
-        fits = None
         with torch.no_grad():
-            norms = (torch.stack(torch._foreach_norm([data.params[k] for k in names])).double()
-                     if names else state.loss[:0])
-            if state.sgd and not state.failure and all(k in state.basis for k in names):
-                fits = up.BasisFits([state.basis[k] for k in names], [update[k] for k in names])
-        systems = state.loss[:0] if fits is None else fits.systems.to(device)
-        host = torch.cat([data.update_sq_norm_vector(update), state.loss, norms.to(device),
-                          systems]).cpu().numpy()
-        sq_norms = dict(zip(update, host[: len(update)].tolist(), strict=True))
-        offset = len(update) + 2
-        loss = host[len(update) : offset].tolist()
-        theta_norms = host[offset : offset + len(names)].tolist()
-        noise = {k: torch.finfo(update[k].dtype).eps * v
-                 for k, v in zip(names, theta_norms, strict=True)}
-        fitted = None if fits is None else (fits, host[offset + len(names) :])
-        length = math.sqrt(sum(sq_norms.values()))
-        if not math.isfinite(length) or not all(math.isfinite(v) for v in loss):
-            self._open = None
-            data.notes["Alpha"] = "non-finite loss or update: α is undefined"
-            return {"Alpha": math.nan}
-        moved = [k for k, sq in sq_norms.items() if sq > 0]
+            theta_norms = (torch.stack(torch._foreach_norm([data.params[k] for k in names],
+                                                           dtype=torch.float64))
+                           if names else state.loss[:0])
+        sq = data.update_sq_norm_vector(update)
         if sharded.has_sharded(update.values()):  # g_nᵀs_t needs all of s_t (sharded.py)
             update = {k: sharded.whole(s.detach()) for k, s in update.items()}
-        dots, reason = (
-            (None, state.failure) if state.failure
-            else self._slopes(state, update, sq_norms, moved, noise, fitted)
-        )
+        checks, decide = self._slopes(state, update, names)
         state.project = None
         state.basis = {}
-        if dots is None:
-            self._open = None
-            data.notes["Alpha"] = f"not computed: {reason}"
-            if state.predicted and not self._general:
-                self._general = True
-                data.warnings.append(
-                    f"Alpha at step {data.step}: {reason}; Alpha switches to the general path "
-                    "(keeps each layer's input and output gradient until the optimizer step)"
-                )
-            return {"Alpha": None}
-        state.direction = {k: s.detach() for k, s in update.items()}
-        state.direction_length, state.moved = length, moved
-        slope = batch_mean_var(dots / length) if length > 0 else _no_slope(dots.device)
-        state.obs0 = torch.cat([state.loss, slope.to(state.loss.device)])
-        return {}
+        return Later(self._decision(state, update, names, decide), sq, state.loss, theta_norms,
+                     *checks, name="Alpha")
 
-    def _slopes(
-        self, state: _OpenStep, update: dict[str, Tensor], sq_norms: dict[str, float],
-        moved: list[str], noise: dict[str, float], fitted: tuple | None = None,
-    ) -> tuple[Tensor | None, str | None]:
-        """s_tᵀ g_n(θ_t) for every sample, or None and the reason (``sq_norms``: ‖s_t‖² per
-        parameter, already measured; ``noise``: ε·‖θ_{t+1}‖ per projected parameter, the
-        rounding of θ_{t+1} − θ_t: ≤ ε/2 per element; ``fitted``: SGD's fits and the host
-        copy of their normal equations)."""
-        if not state.predicted:
-            if state.project is None:
-                return None, "the layer calls were not kept at this step"
-            try:
-                return state.project(update), None
-            except Exception as error:
-                return None, f"projection failed: {error}"
-        missing = [k for k in moved if k not in state.projections]
-        if missing:
-            return None, f"no individual gradients for updated parameter(s) {missing[:3]}"
-        names = [k for k in state.projections if k in update]
-        if state.sgd:
-            if fitted is None:
-                return None, "the update was not predicted for every parameter"
-            fits, systems = fitted
-            coefficients = fits.finish(systems, self.rtol, [noise[k] for k in names],
-                                       [sq_norms[k] for k in names])
-            if any(c is None for c in coefficients):
+    def _decision(self, state: _OpenStep, update: dict[str, Tensor], names: list[str],
+                  decide: Callable) -> Callable[..., Noted]:
+        """The host's half of :meth:`compute_after_update`: from the host copies of ‖s_t‖²
+        per parameter, the loss statistics, ‖θ_{t+1}‖ per projected parameter and the
+        checks of :meth:`_slopes`, α's observations at θ_t (kept for the next step) or the
+        reason why there are none."""
+        keys = list(update)
+
+        def value(sq: np.ndarray, loss: np.ndarray, theta_norms: np.ndarray, *checks
+                  ) -> Noted:
+            sq_norms = dict(zip(keys, sq.tolist(), strict=True))
+            length = math.sqrt(sum(sq_norms.values()))
+            if not math.isfinite(length) or not np.isfinite(loss).all():
+                self._close(state)
+                return Noted({"Alpha": math.nan},
+                             {"Alpha": "non-finite loss or update: α is undefined"})
+            moved = [k for k, v in sq_norms.items() if v > 0]
+            noise = {k: torch.finfo(update[k].dtype).eps * v
+                     for k, v in zip(names, theta_norms.tolist(), strict=True)}
+            dots, reason = decide(checks, sq_norms, moved, noise)
+            if dots is None:
+                self._close(state)
+                warned: tuple[tuple[str, str], ...] = ()
+                if state.predicted and not self._general:
+                    self._general = True
+                    message = (
+                        f"Alpha at step {state.step}: {reason}; Alpha switches to the general "
+                        "path (keeps each layer's input and output gradient until the "
+                        "optimizer step)")
+                    warned = ((message, message),)
+                return Noted({"Alpha": None}, {"Alpha": f"not computed: {reason}"}, warned)
+            state.direction = {k: s.detach() if s.requires_grad else s
+                               for k, s in update.items()}
+            state.direction_length, state.moved = length, moved
+            assert state.loss is not None
+            slope = batch_mean_var(dots / length) if length > 0 else _no_slope(dots.device)
+            state.obs0 = torch.cat([state.loss, slope.to(state.loss.device)])
+            return Noted({})
+
+        return value
+
+    def _close(self, state: _OpenStep) -> None:
+        if self._open is state:
+            self._open = None
+
+    def _slopes(self, state: _OpenStep, update: dict[str, Tensor], names: list[str]
+                ) -> tuple[tuple[Tensor, ...], Callable]:
+        """s_tᵀ g_n(θ_t) for every sample, formed on the device as if every check passes:
+        the tensors the checks read on the host, and ``decide(their host copies, sq_norms,
+        moved, noise)`` → (s_tᵀg_n, None) or (None, the reason). ``sq_norms``: ‖s_t‖² per
+        parameter; ``moved``: the parameters with s_t ≠ 0; ``noise``: ε·‖θ_{t+1}‖ per
+        projected parameter, the rounding of θ_{t+1} − θ_t (≤ ε/2 per element)."""
+        if state.failure or not state.predicted:
+            reason, dots = state.failure, None
+            if reason is None and state.project is None:
+                reason = "the layer calls were not kept at this step"
+            elif reason is None:
+                try:
+                    dots = state.project(update)  # type: ignore[misc]
+                except Exception as error:
+                    reason = f"projection failed: {error}"
+            return (), lambda *_: (dots, reason)
+
+        def unpredicted(moved: list[str]) -> str | None:
+            missing = [k for k in moved if k not in state.projections]
+            return (f"no individual gradients for updated parameter(s) {missing[:3]}"
+                    if missing else None)
+
+        if not state.sgd:
+            with torch.no_grad():
+                match = up.UpdateMatch([state.basis[k][0] for k in names],
+                                       [update[k] for k in names])
+
+            def decide_kappa(checks, sq_norms, moved, noise):
+                missing = unpredicted(moved)
+                if missing:
+                    return None, missing
+                kappa = match.kappa(checks[0], self.rtol,
+                                    math.sqrt(sum(v * v for v in noise.values())),
+                                    sum(sq_norms[k] for k in names))
+                if kappa is None:
+                    return None, (
+                        "the real update does not match the prediction (the optimizer's state "
+                        "or hyperparameters changed between backward and step, or gradients "
+                        "were modified, e.g. clipped, for an optimizer where that is not a "
+                        "rescaling)")
+                return kappa * sum(state.projections[k][0].double() for k in names), None
+
+            return (match.checks,), decide_kappa
+        if not all(k in state.basis for k in names):
+            return (), lambda checks, sq_norms, moved, noise: (
+                None, unpredicted(moved) or "the update was not predicted for every parameter")
+        with torch.no_grad():
+            fits = up.BasisFits([state.basis[k] for k in names], [update[k] for k in names])
+            if names:
+                device = state.projections[names[0]].device
+                # Σ_k Σ_r c_{k,r} P_{k,r,n}: every tensor's rows stacked, one product
+                rows = torch.cat([state.projections[k].to(device) for k in names]).double()
+                dots = fits.coefficients.to(device) @ rows
+
+        def decide_fit(checks, sq_norms, moved, noise):
+            missing = unpredicted(moved)
+            if missing:
+                return None, missing
+            answer = fits.accept(checks[0].tolist(), self.rtol, [noise[k] for k in names],
+                                 [sq_norms[k] for k in names])
+            if any(c is None for c in answer.values()):
                 return None, (
                     "the real update is not an SGD step of the predicted form (the "
                     "optimizer's state or hyperparameters changed behind its back, or the "
-                    "gradient changed after the `with` block, e.g. all-reduced after it)"
-                )
+                    "gradient changed after the `with` block, e.g. all-reduced after it)")
             if not names:
                 return None, None
-            device = state.projections[names[0]].device
-            on_device = up.to_device(torch.cat(coefficients).double(), device)
-            # Σ_k Σ_r c_{k,r} P_{k,r,n}: every tensor's rows stacked, one product
-            rows = torch.cat([state.projections[k].to(device) for k in names]).double()
-            return on_device @ rows, None
-        kappa = up.match_update(
-            [state.basis[k][0] for k in names], [update[k] for k in names], self.rtol,
-            math.sqrt(sum(v * v for v in noise.values())),
-            actual_sq=sum(sq_norms[k] for k in names),
-        )
-        if kappa is None:
-            return None, (
-                "the real update does not match the prediction (the optimizer's state or "
-                "hyperparameters changed between backward and step, or gradients were "
-                "modified, e.g. clipped, for an optimizer where that is not a rescaling)"
-            )
-        return kappa * sum(state.projections[k][0].double() for k in names), None
+            if not answer:
+                return dots, None
+            # fitted once more in float64: those coefficients replace the first ones
+            pieces = list(fits.coefficients.split([len(v) for v, _ in fits.problems]))
+            for index, coefficients in answer.items():
+                pieces[index] = up.to_device(coefficients, fits.coefficients.device)
+            with torch.no_grad():
+                return torch.cat(pieces).to(device) @ rows, None
+
+        return (fits.residual_norms,), decide_fit
 
     def _finish_previous(self, data: StepData) -> None:
         """Complete α of step t at step t + 1."""
@@ -350,8 +396,9 @@ class Alpha(Quantity):
             data.late_notes.setdefault(state.step, {})["Alpha"] = f"not computed: {reason}"
             return
         length = state.direction_length
-        dots = (torch.stack([p[0] for p in projections.values()]).double().sum(0)
-                if projections else 0)
+        rows = list(projections.values())
+        dots = ((torch.cat(rows) if all(len(p) == 1 for p in rows)  # one row each: no views
+                 else torch.stack([p[0] for p in rows])).double().sum(0) if rows else 0)
         loss = batch_mean_var(data.losses)
         slope = batch_mean_var(dots / length) if length > 0 else _no_slope(loss.device)
         obs1 = torch.cat([loss, slope.to(loss.device)])

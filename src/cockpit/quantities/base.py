@@ -143,7 +143,7 @@ def sq_norms(tensors: list[Tensor]) -> Tensor:
     """‖x‖² of every tensor as one float64 vector on their device. On a CPU one BLAS dot
     product per tensor in its dtype (as fast as reading it once); elsewhere (and on the CPU
     under :func:`cockpit.engine.histograms.device.forced`) one fused norm kernel for all
-    (``torch._foreach_norm``), squared in float64."""
+    (``torch._foreach_norm``, accumulated and squared in float64)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
     if sharded.is_sharded(tensors[0]):
@@ -151,7 +151,7 @@ def sq_norms(tensors: list[Tensor]) -> Tensor:
     with torch.no_grad():
         if not histogram_device.device_path(tensors[0].device):
             return torch.stack([sq_norm_tensor(t) for t in tensors]).double()
-        return stacked_sq(torch._foreach_norm(tensors))
+        return stacked_sq(torch._foreach_norm(tensors, dtype=torch.float64))
 
 
 def fused(tensors: list[Tensor]) -> bool:
@@ -187,7 +187,7 @@ def sq_norms_of_differences(xs: list[Tensor], ys: list[Tensor],
             x, y = [xs[k] for k in group], [ys[k] for k in group]
             if scale is not None:
                 y = torch._foreach_mul(y, scale)
-            norms.extend(torch._foreach_norm(torch._foreach_sub(x, y)))
+            norms.extend(torch._foreach_norm(torch._foreach_sub(x, y), dtype=torch.float64))
     return stacked_sq(norms)
 
 
@@ -200,11 +200,12 @@ def sq_norm_tensor(x: Tensor) -> Tensor:
 
 
 def stacked_sq(norms: list[Tensor]) -> Tensor:
-    """[‖x_k‖²] from the norms ‖x_k‖ (0-dim tensors), float64 on the first one's device."""
+    """[‖x_k‖²] from the norms ‖x_k‖ (0-dim tensors), float64 on the first one's device
+    (norms in float64 already need no cast)."""
     device = norms[0].device
     if any(n.device != device for n in norms):  # a model spread over devices
         norms = [n.to(device, non_blocking=True) for n in norms]
-    return torch.stack(norms).double().square()
+    return torch.stack(norms).to(torch.float64).square_()
 
 
 def per_param_norms(name: str, names: list[str], sq: Tensor) -> Later:

@@ -53,6 +53,12 @@ if TYPE_CHECKING:
     from cockpit.engine.tracker import ModuleTracker
 
 
+def _detached(grad: Tensor) -> Tensor:
+    """``grad`` outside the autograd graph: itself unless the backward pass builds a graph
+    (``create_graph=True``); a detach is host work per tensor on an accelerator."""
+    return grad.detach() if grad.requires_grad else grad
+
+
 def network_output(output) -> Tensor | None:
     """The network output f(x) the curvature instruments backpropagate from (the GGN's
     J_nᵀ s_n, the Hessian diagonal's graph): the model's output if it is a tensor, the
@@ -326,11 +332,11 @@ class Capture:
             tap = call.taps.get(k)
             if engine.state.probing:
                 if call.probe_grads is not None:
-                    call.probe_grads[k] = grad.detach() if tap is None else tap.take(True, grad)
+                    call.probe_grads[k] = _detached(grad) if tap is None else tap.take(True, grad)
                 return None
             if not engine.active or engine.is_suspended or call.args is None:
                 return None
-            call.grads[k] = grad.detach() if tap is None else tap.take(False, grad)
+            call.grads[k] = _detached(grad) if tap is None else tap.take(False, grad)
             call.received += 1
             if (call.received == len(call.outputs) and not call.unit.deferred
                     and not engine.request.defer):
@@ -356,7 +362,7 @@ class Capture:
                 spare = engine.state.spare_grads.pop(name, None)
                 if (spare is not None and spare.shape == grad.shape
                         and spare.dtype == grad.dtype and spare.device == grad.device):
-                    stats.batch_grads[name] = spare.copy_(grad.detach())
+                    stats.batch_grads[name] = spare.copy_(_detached(grad))
                 else:
                     stats.batch_grads[name] = grad.detach().clone()
             else:

@@ -104,7 +104,7 @@ class SampleGrads(ABC):
 
     def to_rows(self, u: Tensor) -> Tensor:
         """A parameter-shaped tensor as one flat row [D] in the order of ``chunks()``' rows."""
-        return u.reshape(-1)
+        return u if u.dim() == 1 else u.reshape(-1)
 
     def from_rows(self, v: Tensor) -> Tensor:
         """The inverse of :meth:`to_rows`: D numbers in row order as a tensor of θ's shape."""
@@ -112,7 +112,7 @@ class SampleGrads(ABC):
 
     def sq_norms(self) -> Tensor:
         norms = [torch.linalg.vector_norm(_rows(c), dim=1) for c in self.chunks()]
-        return torch.cat(norms) ** 2
+        return _cat(norms) ** 2
 
     def batch_mean(self) -> Tensor:
         # 1ᵀG is a BLAS matrix-vector product: twice as fast as a reduction over dim 0
@@ -124,12 +124,12 @@ class SampleGrads(ABC):
 
     def dots(self, u: Tensor) -> Tensor:
         flat_u = self.to_rows(u)
-        return torch.cat([_rows(c) @ flat_u.to(c.dtype) for c in self.chunks()])
+        return _cat([_rows(c) @ flat_u.to(c.dtype) for c in self.chunks()])
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         """[g_nᵀ u_k]_{k,n} for several directions in one pass over the gradients."""
         stacked = torch.stack([self.to_rows(u) for u in us])  # [K, D]
-        return torch.cat([stacked.to(c.dtype) @ _rows(c).T for c in self.chunks()], dim=1)
+        return _cat([stacked.to(c.dtype) @ _rows(c).T for c in self.chunks()], dim=1)
 
     def sum_sq(self) -> Tensor:
         return self.from_rows(sum(_sum_sq_64(c) for c in self.chunks()))
@@ -167,7 +167,12 @@ class SampleGrads(ABC):
 
 def _rows(c: Tensor) -> Tensor:
     """A chunk [n, *shape] as rows [n, D] (also for a 0-dim parameter: chunk [n] → [n, 1])."""
-    return c.reshape(c.shape[0], -1)
+    return c if c.dim() == 2 else c.reshape(c.shape[0], -1)
+
+
+def _cat(parts: list[Tensor], dim: int = 0) -> Tensor:
+    """``torch.cat(parts, dim)``; a single part as it is (one chunk: no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _sum_sq_64(c: Tensor) -> Tensor:
