@@ -15,7 +15,9 @@ import torch
 from cockpit import Cockpit, quantities
 from tests.models import Problem
 
-NOT_SPLIT = {"HessMaxEV"}  # needs the whole batch's graph: None with a note when split
+# need the whole batch's graph: None with a note when split over micro-batches (over
+# processes formed within their Lanczos tolerance, compared where they are)
+NOT_SPLIT = {"HessMaxEV", "HessTopEV"}
 # properties of the loop, not of the batch: wall time; what the optimizer stepped on against
 # Cockpit's batch gradient (the reference run copies the split run's gradient into p.grad;
 # not checked with several processes)
@@ -40,6 +42,21 @@ def instruments(curvature: str = "diag_ggn_exact") -> list:
         quantities.HessMaxEV(), quantities.GradientNoiseScale(), quantities.ParamNorm(),
         quantities.UpdateRatio(),
     ]
+
+
+def with_top_eigenvalues() -> list:
+    """:func:`instruments` and HessTopEV of the two largest eigenvalues."""
+    return [*instruments(), quantities.HessTopEV(k=2)]
+
+
+def dense_top_eigenvalues(problem, x, y, k: int = 1) -> np.ndarray:
+    """The ``k`` largest eigenvalues (descending) of the dense float64 Hessian of the mean
+    loss of (x, y) at the problem's initial parameters."""
+    from tests.full_reference import dense_hessian
+
+    model = copy.deepcopy(problem.model).double()
+    hessian = dense_hessian(model, lambda: problem.loss_fn(model(x), y).mean())
+    return torch.linalg.eigvalsh(hessian).flip(0)[:k].numpy()
 
 
 def batches_of(problem, steps: int, size: int, seed: int = 1) -> list[tuple]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +16,14 @@ from cockpit import Cockpit
 from tests.engine import ddp_worker
 from tests.exit_worker import free_port
 from tests.models import make_problem
-from tests.split_reference import MISUSE, assert_same_values, whole_batch_run
+from tests.split_reference import (
+    MISUSE,
+    assert_same_values,
+    dense_top_eigenvalues,
+    instruments,
+    whole_batch_run,
+    with_top_eigenvalues,
+)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -36,6 +44,30 @@ def strip(output: dict) -> dict:
     """DDP's parameter names carry the wrapper's "module." prefix."""
     return {step: {k.replace("/module.", "/"): v for k, v in values.items()}
             for step, values in output.items()}
+
+
+def assert_same_eigenvalues(output: dict, notes: dict, expected: dict, step: int, dense,
+                            micro: int) -> None:
+    """HessMaxEV (and HessTopEV where tracked) over processes: the whole-batch run's value
+    within the instrument's tolerance 1e-3 (θ ≤ λ_max ≤ θ·(1 + 1e-3)), and at the first step
+    the dense float64 Hessian's; None with the reason where the batch is split over
+    micro-batches (their graphs are gone)."""
+    if micro > 1:
+        assert output[step]["HessMaxEV"] is None
+        assert "micro-batches" in notes[step]["HessMaxEV"]
+        return
+    value = output[step]["HessMaxEV"]
+    assert value == pytest.approx(expected[step]["HessMaxEV"], rel=1e-3), notes[step]
+    assert "relative accuracy" in notes[step]["HessMaxEV"]
+    if dense is not None:
+        assert value <= dense[0] * (1 + 1e-9)
+        assert value >= dense[0] * (1 - 1e-3)
+    if "HessTopEV" in expected[step]:
+        got, want = output[step]["HessTopEV"], expected[step]["HessTopEV"]
+        values, upper = np.asarray(got["values"]), np.asarray(got["upper"])
+        np.testing.assert_allclose(values, np.asarray(want["values"]), rtol=1e-3)
+        if dense is not None:  # λ_i ∈ [values_i, upper_i]
+            assert (values <= dense * (1 + 1e-9)).all() and (upper >= dense * (1 - 1e-9)).all()
 
 
 def _two_processes(tmp_path, config: dict) -> list[dict]:
@@ -60,29 +92,39 @@ def _config(name: str, shard_sizes: list[int], seed: int = 5, **extra) -> dict:
             "micro_batches": 1, "make_optimizer": sgd, **extra}
 
 
-@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "by_hand"), [
+@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "by_hand", "chosen"), [
     # DDP's gradient is (w·N/2)·ḡ: g_nᵀḡ from the dots with it, no pass over kept calls
-    ("mlp_relu", [12, 12], 1, sgd, None),
-    ("cnn", [7, 13], 1, adam, None),  # uneven shards: DDP's mean of shard means is not uniform
-    ("mlp_relu", [10, 14], 2, sgd, None),  # accumulation inside each process (no_sync)
-    ("cnn", [12, 12], 1, sgd, "inside"),  # no DDP: gradients all-reduced by hand in the block
+    ("mlp_relu", [12, 12], 1, sgd, None, instruments),
+    # uneven shards: DDP's mean of shard means is not uniform; H_B v = Σ_r (N_r/N) H_r v
+    ("cnn", [7, 13], 1, adam, None, with_top_eigenvalues),
+    ("mlp_relu", [10, 14], 2, sgd, None, instruments),  # accumulation in each process (no_sync)
+    # no DDP: gradients all-reduced by hand in the block
+    ("cnn", [12, 12], 1, sgd, "inside", instruments),
 ])
 def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
-                                             make_optimizer, by_hand):
+                                             make_optimizer, by_hand, chosen):
     config = _config(name, shard_sizes, seed=3, micro_batches=micro,
-                     make_optimizer=make_optimizer, allreduce_by_hand=by_hand)
+                     make_optimizer=make_optimizer, allreduce_by_hand=by_hand,
+                     instruments=chosen)
     batches = config["batches"]
     ranks = _two_processes(tmp_path, config)
     uniform = len(set(shard_sizes)) == 1 and micro == 1
-    expected, _ = whole_batch_run(make_problem(name, 48), batches, make_optimizer,
-                                  gradients=None if uniform else ranks[0]["stepped"])
+    expected, _ = whole_batch_run(
+        make_problem(name, 48), batches, make_optimizer,
+        gradients=None if uniform else ranks[0]["stepped"], chosen=chosen())
+    dense = dense_top_eigenvalues(make_problem(name, 48), *batches[0], k=2)
     for result in ranks:
         assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
         output = strip(result["output"])
         assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
         for step in range(STEPS):
             assert output[step]["BatchSize"] == sum(shard_sizes)
-            assert output[step]["HessMaxEV"] is None
+            assert_same_eigenvalues(output, result["notes"], expected, step,
+                                    dense if step == 0 else None, micro)
+        # every rank ran the same iteration: the same value from the same products
+        for step in range(STEPS):
+            assert output[step]["HessMaxEV"] == ranks[0]["output"][step]["HessMaxEV"]
+            assert result["notes"][step]["HessMaxEV"] == ranks[0]["notes"][step]["HessMaxEV"]
         assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
         # the shortcut for g_nᵀḡ is taken exactly where the gradient seen is ∝ the global ḡ
         assert (result["union_projections"] == 0) == uniform

@@ -47,7 +47,8 @@ def compute(quantity: Quantity, data: StepData, stats: BackwardStatistics, split
     if data.unmerged is not None and GRAM_MEAN in quantity.needs:
         data.notes[quantity.name] = data.unmerged
         return {quantity.name: None}
-    if quantity.whole_batch_graph and split:
+    # (one backward pass per process: the instrument sums its products over the processes)
+    if quantity.whole_batch_graph and (stats.micro_batches > 1 or (split and stats.ranks == 1)):
         data.notes[quantity.name] = (
             "needs the whole batch's graph in one backward pass; not formed when the "
             "batch is split over micro-batches or processes")
