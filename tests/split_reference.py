@@ -11,6 +11,7 @@ import warnings
 
 import numpy as np
 import torch
+from pytest import approx
 
 from cockpit import Cockpit, quantities
 from tests.models import Problem
@@ -57,6 +58,30 @@ def dense_top_eigenvalues(problem, x, y, k: int = 1) -> np.ndarray:
     model = copy.deepcopy(problem.model).double()
     hessian = dense_hessian(model, lambda: problem.loss_fn(model(x), y).mean())
     return torch.linalg.eigvalsh(hessian).flip(0)[:k].numpy()
+
+
+def assert_same_eigenvalues(output: dict, notes: dict, expected: dict, step: int, dense,
+                            micro: int) -> None:
+    """HessMaxEV (and HessTopEV where tracked) of a run split over processes: the whole-batch
+    run's value within the instrument's tolerance 1e-3 (θ ≤ λ_max ≤ θ·(1 + 1e-3)), and at
+    the first step the dense float64 Hessian's; None with the reason where the batch is split over
+    micro-batches (their graphs are gone)."""
+    if micro > 1:
+        assert output[step]["HessMaxEV"] is None
+        assert "micro-batches" in notes[step]["HessMaxEV"]
+        return
+    value = output[step]["HessMaxEV"]
+    assert value == approx(expected[step]["HessMaxEV"], rel=1e-3), notes[step]
+    assert "relative accuracy" in notes[step]["HessMaxEV"]
+    if dense is not None:
+        assert value <= dense[0] * (1 + 1e-9)
+        assert value >= dense[0] * (1 - 1e-3)
+    if "HessTopEV" in expected[step]:
+        got, want = output[step]["HessTopEV"], expected[step]["HessTopEV"]
+        values, upper = np.asarray(got["values"]), np.asarray(got["upper"])
+        np.testing.assert_allclose(values, np.asarray(want["values"]), rtol=1e-3)
+        if dense is not None:  # λ_i ∈ [values_i, upper_i]
+            assert (values <= dense * (1 + 1e-9)).all() and (upper >= dense * (1 - 1e-9)).all()
 
 
 def batches_of(problem, steps: int, size: int, seed: int = 1) -> list[tuple]:

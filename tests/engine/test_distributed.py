@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pickle
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ from tests.exit_worker import free_port
 from tests.models import make_problem
 from tests.split_reference import (
     MISUSE,
+    assert_same_eigenvalues,
     assert_same_values,
     dense_top_eigenvalues,
     instruments,
@@ -44,30 +44,6 @@ def strip(output: dict) -> dict:
     """DDP's parameter names carry the wrapper's "module." prefix."""
     return {step: {k.replace("/module.", "/"): v for k, v in values.items()}
             for step, values in output.items()}
-
-
-def assert_same_eigenvalues(output: dict, notes: dict, expected: dict, step: int, dense,
-                            micro: int) -> None:
-    """HessMaxEV (and HessTopEV where tracked) over processes: the whole-batch run's value
-    within the instrument's tolerance 1e-3 (θ ≤ λ_max ≤ θ·(1 + 1e-3)), and at the first step
-    the dense float64 Hessian's; None with the reason where the batch is split over
-    micro-batches (their graphs are gone)."""
-    if micro > 1:
-        assert output[step]["HessMaxEV"] is None
-        assert "micro-batches" in notes[step]["HessMaxEV"]
-        return
-    value = output[step]["HessMaxEV"]
-    assert value == pytest.approx(expected[step]["HessMaxEV"], rel=1e-3), notes[step]
-    assert "relative accuracy" in notes[step]["HessMaxEV"]
-    if dense is not None:
-        assert value <= dense[0] * (1 + 1e-9)
-        assert value >= dense[0] * (1 - 1e-3)
-    if "HessTopEV" in expected[step]:
-        got, want = output[step]["HessTopEV"], expected[step]["HessTopEV"]
-        values, upper = np.asarray(got["values"]), np.asarray(got["upper"])
-        np.testing.assert_allclose(values, np.asarray(want["values"]), rtol=1e-3)
-        if dense is not None:  # λ_i ∈ [values_i, upper_i]
-            assert (values <= dense * (1 + 1e-9)).all() and (upper >= dense * (1 - 1e-9)).all()
 
 
 def _two_processes(tmp_path, config: dict) -> list[dict]:
