@@ -46,8 +46,9 @@ def instruments(curvature: str = "diag_ggn_exact") -> list:
 
 
 def with_top_eigenvalues() -> list:
-    """:func:`instruments` and HessTopEV of the two largest eigenvalues."""
-    return [*instruments(), quantities.HessTopEV(k=2)]
+    """:func:`instruments`, HessTopEV of the two largest eigenvalues and a small HessDensity
+    (a fixed number of Lanczos steps: the same nodes and weights to rounding)."""
+    return [*instruments(), quantities.HessTopEV(k=2), quantities.HessDensity(probes=2, steps=4)]
 
 
 def dense_top_eigenvalues(problem, x, y, k: int = 1) -> np.ndarray:

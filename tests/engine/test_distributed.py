@@ -72,6 +72,7 @@ def _config(name: str, shard_sizes: list[int], seed: int = 5, **extra) -> dict:
     # DDP's gradient is (w·N/2)·ḡ: g_nᵀḡ from the dots with it, no pass over kept calls
     ("mlp_relu", [12, 12], 1, sgd, None, instruments),
     # uneven shards: DDP's mean of shard means is not uniform; H_B v = Σ_r (N_r/N) H_r v
+    # (HessTopEV and HessDensity too)
     ("cnn", [7, 13], 1, adam, None, with_top_eigenvalues),
     ("mlp_relu", [10, 14], 2, sgd, None, instruments),  # accumulation in each process (no_sync)
     # no DDP: gradients all-reduced by hand in the block
@@ -97,6 +98,8 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
             assert output[step]["BatchSize"] == sum(shard_sizes)
             assert_same_eigenvalues(output, result["notes"], expected, step,
                                     dense if step == 0 else None, micro)
+        if chosen is with_top_eigenvalues:  # (HessDensity: compared with the others above)
+            assert all(output[step]["HessDensity"] is not None for step in range(STEPS))
         # every rank ran the same iteration: the same value from the same products
         for step in range(STEPS):
             assert output[step]["HessMaxEV"] == ranks[0]["output"][step]["HessMaxEV"]
