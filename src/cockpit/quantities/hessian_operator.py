@@ -17,8 +17,9 @@ one all-reduce of the product vector per Hessian-vector product
 loss is finite are all-reduced once first, so every rank takes the same path (a non-finite
 loss on one rank: no products on any rank, with the reason). Every rank then runs the same
 iteration on the same numbers — the same seeded start vector, the same all-reduced products,
-the same arithmetic on them — so its stopping decisions (which read only those numbers) are
-the same on every rank and no rank leaves the sequence of all-reduces early. Under
+the same arithmetic on them (devices of one kind) — so its stopping decisions (which read
+only those numbers) are the same on every rank and no rank leaves the sequence of
+all-reduces early. Under
 ``fully_shard`` the products differentiate the graph's unsharded, whole parameters
 (:meth:`EngineView.graph_params`), so the vector is over all of θ on every rank, as under DDP.
 
@@ -77,8 +78,9 @@ def open_operator(engine: EngineView, losses: Tensor | None, again: bool
 
     device = next(iter(params.values())).device
     detached = losses.detach().to(device)
-    header = torch.stack([torch.tensor(float(detached.numel()), device=device),
-                          (~torch.isfinite(detached)).sum().to(torch.float32)]).double()
+    header = torch.stack([torch.tensor(float(detached.numel()), dtype=torch.float64,
+                                       device=device),
+                          (~torch.isfinite(detached)).sum().double()])
     total, non_finite = summed_over_ranks(header).tolist()
     if non_finite > 0:
         return NON_FINITE_ON_A_RANK
