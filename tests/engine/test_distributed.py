@@ -139,7 +139,7 @@ def test_processes_stepping_apart_get_no_global_values(tmp_path):
         for step in range(STEPS):
             values, notes = result["output"][step], result["notes"][step]
             for name in ("Loss", "GradNorm", "NormTest", "InnerTest", "GradHist1d", "Alpha",
-                         "HessTrace", "TICDiag"):
+                         "HessTrace", "TICDiag", "HessMaxEV"):
                 assert values[name] is None, (step, name)
                 assert "different gradients" in notes[name]
             assert "BatchSize" not in values

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
 from cockpit.engine.engine_view import EngineView
+from cockpit.engine.reduction.ranks import summed_over_ranks
 from cockpit.quantities.base import Quantity, StepData
 from cockpit.schedules import Schedule
 
@@ -47,6 +48,9 @@ NON_FINITE_ON_A_RANK = ("non-finite loss at this step (on at least one process):
                         "Hessian-vector products")
 MIXED_PRECISION = ("not formed under fully_shard's mixed precision: the forward graph "
                    "computes in param_dtype")
+
+
+RANK_HEADER = "hvp: N and the non-finite losses over the processes"
 
 
 class BatchShare(NamedTuple):
@@ -69,19 +73,19 @@ def open_operator(engine: EngineView, losses: Tensor | None, again: bool
     request = engine.request
     if losses is None or again or (request.split and not request.defer):
         return None
+    if request.defer and engine.compute_dtypes:
+        return MIXED_PRECISION
     params = engine.graph_params()  # (fully_shard: the unsharded ones)
     if not request.defer:
         return BatchShare(params, 1.0, False)
-    if engine.compute_dtypes:
-        return MIXED_PRECISION
-    from cockpit.engine.reduction.ranks import summed_over_ranks
-
     device = next(iter(params.values())).device
     detached = losses.detach().to(device)
-    header = torch.stack([torch.tensor(float(detached.numel()), dtype=torch.float64,
-                                       device=device),
-                          (~torch.isfinite(detached)).sum().double()])
-    total, non_finite = summed_over_ranks(header).tolist()
+    if RANK_HEADER not in engine.step_cache:  # (one for the block's instruments)
+        header = torch.stack([torch.tensor(float(detached.numel()), dtype=torch.float64,
+                                           device=device),
+                              (~torch.isfinite(detached)).sum().double()])
+        engine.step_cache[RANK_HEADER] = summed_over_ranks(header).tolist()
+    total, non_finite = engine.step_cache[RANK_HEADER]
     if non_finite > 0:
         return NON_FINITE_ON_A_RANK
     return BatchShare(params, detached.numel() / total, True)
@@ -95,8 +99,6 @@ def batch_matvec(engine: EngineView, losses: Tensor, params: Mapping[str, Tensor
     hvp = hessian_vector_product(engine, losses, params)
     if not share.ranks:
         return hvp.matvec, hvp.dim
-    from cockpit.engine.reduction.ranks import summed_over_ranks
-
     weight = share.share
 
     def summed(v: Tensor) -> Tensor:
