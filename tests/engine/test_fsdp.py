@@ -87,8 +87,9 @@ def plain_gradients(name: str, config: dict) -> list[dict[str, torch.Tensor]]:
     # on the unsharded parameters, gathered again before the backward pass
     ("mlp_relu", [12, 12], 1, sgd, False, "business"),
     # Hessian-vector products (Hutchinson: every rank draws the whole-batch run's probes,
-    # so v ⊙ H_B v = Σ_r (N_r/N) v ⊙ H_r v is exact) on the parameters gathered again
-    ("cnn", [12, 12], 1, sgd, True, "instruments:hutchinson"),
+    # so v ⊙ H_B v = Σ_r (N_r/N) v ⊙ H_r v is exact; HessMaxEV: H_B v all-reduced per
+    # product) on the parameters gathered again, uneven shards
+    ("cnn", [10, 14], 1, sgd, True, "instruments:hutchinson"),
     # uneven shards (FSDP averages the shard means) with 2 micro-batches per step and the
     # parameters kept whole between forward and backward; GradHist2d reads all of θ
     ("cnn", [10, 14], 2, adam, False, "full"),
