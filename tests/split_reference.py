@@ -11,11 +11,14 @@ import warnings
 
 import numpy as np
 import torch
+from pytest import approx
 
 from cockpit import Cockpit, quantities
 from tests.models import Problem
 
-NOT_SPLIT = {"HessMaxEV"}  # needs the whole batch's graph: None with a note when split
+# need the whole batch's graph: None with a note when split over micro-batches (over
+# processes formed within their Lanczos tolerance, compared where they are)
+NOT_SPLIT = {"HessMaxEV", "HessTopEV"}
 # properties of the loop, not of the batch: wall time; what the optimizer stepped on against
 # Cockpit's batch gradient (the reference run copies the split run's gradient into p.grad;
 # not checked with several processes)
@@ -40,6 +43,46 @@ def instruments(curvature: str = "diag_ggn_exact") -> list:
         quantities.HessMaxEV(), quantities.GradientNoiseScale(), quantities.ParamNorm(),
         quantities.UpdateRatio(),
     ]
+
+
+def with_top_eigenvalues() -> list:
+    """:func:`instruments`, HessTopEV of the two largest eigenvalues and a small HessDensity
+    (a fixed number of Lanczos steps: the same nodes and weights to rounding)."""
+    return [*instruments(), quantities.HessTopEV(k=2), quantities.HessDensity(probes=2, steps=4)]
+
+
+def dense_top_eigenvalues(problem, x, y, k: int = 1) -> np.ndarray:
+    """The ``k`` largest eigenvalues (descending) of the dense float64 Hessian of the mean
+    loss of (x, y) at the problem's initial parameters."""
+    from tests.full_reference import dense_hessian
+
+    model = copy.deepcopy(problem.model).double()
+    hessian = dense_hessian(model, lambda: problem.loss_fn(model(x), y).mean())
+    return torch.linalg.eigvalsh(hessian).flip(0)[:k].numpy()
+
+
+def assert_same_eigenvalues(output: dict, notes: dict, expected: dict, step: int, dense,
+                            micro: int) -> None:
+    """HessMaxEV (and HessTopEV where tracked) of a run split over processes: the whole-batch
+    run's value within the instrument's tolerance 1e-3 (θ ≤ λ_max ≤ θ·(1 + 1e-3)), and at
+    the first step the dense float64 Hessian's; None with the reason where the batch is split over
+    micro-batches (their graphs are gone)."""
+    if micro > 1:
+        assert output[step]["HessMaxEV"] is None
+        assert "micro-batches" in notes[step]["HessMaxEV"]
+        return
+    value = output[step]["HessMaxEV"]
+    assert value == approx(expected[step]["HessMaxEV"], rel=1e-3), notes[step]
+    assert "relative accuracy" in notes[step]["HessMaxEV"]
+    if dense is not None:
+        assert value <= dense[0] * (1 + 1e-9)
+        assert value >= dense[0] * (1 - 1e-3)
+    if "HessTopEV" in expected[step]:
+        got, want = output[step]["HessTopEV"], expected[step]["HessTopEV"]
+        values, upper = np.asarray(got["values"]), np.asarray(got["upper"])
+        np.testing.assert_allclose(values, np.asarray(want["values"]), rtol=1e-3)
+        if dense is not None:  # λ_i ∈ [values_i, upper_i]
+            assert (values <= dense * (1 + 1e-9)).all() and (upper >= dense * (1 - 1e-9)).all()
 
 
 def batches_of(problem, steps: int, size: int, seed: int = 1) -> list[tuple]:

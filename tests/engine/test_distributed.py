@@ -15,7 +15,15 @@ from cockpit import Cockpit
 from tests.engine import ddp_worker
 from tests.exit_worker import free_port
 from tests.models import make_problem
-from tests.split_reference import MISUSE, assert_same_values, whole_batch_run
+from tests.split_reference import (
+    MISUSE,
+    assert_same_eigenvalues,
+    assert_same_values,
+    dense_top_eigenvalues,
+    instruments,
+    whole_batch_run,
+    with_top_eigenvalues,
+)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -60,29 +68,42 @@ def _config(name: str, shard_sizes: list[int], seed: int = 5, **extra) -> dict:
             "micro_batches": 1, "make_optimizer": sgd, **extra}
 
 
-@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "by_hand"), [
+@pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "by_hand", "chosen"), [
     # DDP's gradient is (w·N/2)·ḡ: g_nᵀḡ from the dots with it, no pass over kept calls
-    ("mlp_relu", [12, 12], 1, sgd, None),
-    ("cnn", [7, 13], 1, adam, None),  # uneven shards: DDP's mean of shard means is not uniform
-    ("mlp_relu", [10, 14], 2, sgd, None),  # accumulation inside each process (no_sync)
-    ("cnn", [12, 12], 1, sgd, "inside"),  # no DDP: gradients all-reduced by hand in the block
+    ("mlp_relu", [12, 12], 1, sgd, None, instruments),
+    # uneven shards: DDP's mean of shard means is not uniform; H_B v = Σ_r (N_r/N) H_r v
+    # (HessTopEV and HessDensity too)
+    ("cnn", [7, 13], 1, adam, None, with_top_eigenvalues),
+    ("mlp_relu", [10, 14], 2, sgd, None, instruments),  # accumulation in each process (no_sync)
+    # no DDP: gradients all-reduced by hand in the block
+    ("cnn", [12, 12], 1, sgd, "inside", instruments),
 ])
 def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
-                                             make_optimizer, by_hand):
+                                             make_optimizer, by_hand, chosen):
     config = _config(name, shard_sizes, seed=3, micro_batches=micro,
-                     make_optimizer=make_optimizer, allreduce_by_hand=by_hand)
+                     make_optimizer=make_optimizer, allreduce_by_hand=by_hand,
+                     instruments=chosen)
     batches = config["batches"]
     ranks = _two_processes(tmp_path, config)
     uniform = len(set(shard_sizes)) == 1 and micro == 1
-    expected, _ = whole_batch_run(make_problem(name, 48), batches, make_optimizer,
-                                  gradients=None if uniform else ranks[0]["stepped"])
+    expected, _ = whole_batch_run(
+        make_problem(name, 48), batches, make_optimizer,
+        gradients=None if uniform else ranks[0]["stepped"], chosen=chosen())
+    dense = dense_top_eigenvalues(make_problem(name, 48), *batches[0], k=2)
     for result in ranks:
         assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
         output = strip(result["output"])
         assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
         for step in range(STEPS):
             assert output[step]["BatchSize"] == sum(shard_sizes)
-            assert output[step]["HessMaxEV"] is None
+            assert_same_eigenvalues(output, result["notes"], expected, step,
+                                    dense if step == 0 else None, micro)
+        if chosen is with_top_eigenvalues:  # (HessDensity: compared with the others above)
+            assert all(output[step]["HessDensity"] is not None for step in range(STEPS))
+        # every rank ran the same iteration: the same value from the same products
+        for step in range(STEPS):
+            assert output[step]["HessMaxEV"] == ranks[0]["output"][step]["HessMaxEV"]
+            assert result["notes"][step]["HessMaxEV"] == ranks[0]["notes"][step]["HessMaxEV"]
         assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
         # the shortcut for g_nᵀḡ is taken exactly where the gradient seen is ∝ the global ḡ
         assert (result["union_projections"] == 0) == uniform
@@ -118,7 +139,7 @@ def test_processes_stepping_apart_get_no_global_values(tmp_path):
         for step in range(STEPS):
             values, notes = result["output"][step], result["notes"][step]
             for name in ("Loss", "GradNorm", "NormTest", "InnerTest", "GradHist1d", "Alpha",
-                         "HessTrace", "TICDiag"):
+                         "HessTrace", "TICDiag", "HessMaxEV"):
                 assert values[name] is None, (step, name)
                 assert "different gradients" in notes[name]
             assert "BatchSize" not in values

@@ -18,7 +18,13 @@ import torch.multiprocessing as mp
 from tests.engine import fsdp_worker
 from tests.exit_worker import free_port
 from tests.models import make_problem
-from tests.split_reference import MISUSE, assert_same_values, whole_batch_run
+from tests.split_reference import (
+    MISUSE,
+    assert_same_eigenvalues,
+    assert_same_values,
+    dense_top_eigenvalues,
+    whole_batch_run,
+)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -81,8 +87,9 @@ def plain_gradients(name: str, config: dict) -> list[dict[str, torch.Tensor]]:
     # on the unsharded parameters, gathered again before the backward pass
     ("mlp_relu", [12, 12], 1, sgd, False, "business"),
     # Hessian-vector products (Hutchinson: every rank draws the whole-batch run's probes,
-    # so v ⊙ H_B v = Σ_r (N_r/N) v ⊙ H_r v is exact) on the parameters gathered again
-    ("cnn", [12, 12], 1, sgd, True, "instruments:hutchinson"),
+    # so v ⊙ H_B v = Σ_r (N_r/N) v ⊙ H_r v is exact; HessMaxEV: H_B v all-reduced per
+    # product) on the parameters gathered again, uneven shards
+    ("cnn", [10, 14], 1, sgd, True, "instruments:hutchinson"),
     # uneven shards (FSDP averages the shard means) with 2 micro-batches per step and the
     # parameters kept whole between forward and backward; GradHist2d reads all of θ
     ("cnn", [10, 14], 2, adam, False, "full"),
@@ -109,6 +116,8 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
     # the key bias of attention has individual gradients that are zero up to rounding: their
     # signs, and so their histogram bins, depend on the order of summation
     skip = {"GradHist1d"} if name == "transformer" else set()
+    dense = (dense_top_eigenvalues(make_problem(name, 48), *config["batches"][0], k=2)
+             if micro == 1 and "HessMaxEV" in expected[0] else None)
     for result in ranks:
         assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
         output, notes = result["output"], result["notes"]
@@ -121,8 +130,11 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
                     assert "computed from" in notes[step][curvature]
                     if "hutchinson" in config["configuration"]:
                         assert "no standard error across processes" in notes[step][curvature]
-                # λ_max needs the whole batch's graph: None when split, as under DDP
-                assert output[step].get("HessMaxEV", None) is None
+            if "HessMaxEV" in expected[step]:  # over the processes, one all-reduce per product
+                assert_same_eigenvalues(output, notes, expected, step,
+                                        dense if step == 0 else None, micro)
+                assert notes[step]["HessMaxEV"] == ranks[0]["notes"][step]["HessMaxEV"]
+                assert output[step]["HessMaxEV"] == ranks[0]["output"][step]["HessMaxEV"]
         assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
         # the optimizer stepped on the gradients of the plain loop: Cockpit (the curvature
         # refused included) left them alone
@@ -244,12 +256,15 @@ def test_a_non_finite_batch_on_one_rank_stops_no_rank(tmp_path):
     parameters are gathered for their backward passes by the engine, where every rank passes
     alike, so no rank waits for a collective another skips; the step's values are NaN with
     the reason on every rank (and stay so: the optimizer stepped on NaN)."""
-    config = make_config("cnn", [12, 12], configuration="business", poisoned=(1, 1))
+    config = make_config("cnn", [12, 12], configuration="full", poisoned=(1, 1))
     ranks = two_processes(tmp_path, config)
     for result in ranks:
         output, notes = result["output"], result["notes"]
         assert output[0]["HessTrace"] == ranks[0]["output"][0]["HessTrace"] > 0
+        # λ_max: the processes agree on the losses' finiteness before any product
+        assert output[0]["HessMaxEV"] == ranks[0]["output"][0]["HessMaxEV"] > 0
         for step in (1, 2):
-            for name in ("Loss", "HessTrace", "TICDiag"):
+            for name in ("Loss", "HessTrace", "TICDiag", "HessMaxEV"):
                 assert math.isnan(output[step][name]), (step, name)
-            assert "non-finite loss" in notes[step]["HessTrace"]
+            for name in ("HessTrace", "HessMaxEV"):
+                assert "non-finite loss" in notes[step][name], (step, name)

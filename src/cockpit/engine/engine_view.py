@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from torch import Tensor, nn
+from torch import Tensor, dtype, nn
 
 from cockpit.engine.request import StepRequest
 
@@ -60,6 +60,11 @@ class EngineView(Protocol):
     def suspended(self) -> AbstractContextManager[None]:
         """A context for Cockpit's own autograd work (Hessian-vector products, extra
         backward passes): the engine's hooks ignore it."""
+
+    @property
+    def compute_dtypes(self) -> Mapping[str, dtype]:
+        """Under ``fully_shard``'s mixed precision: parameter name → the dtype the layers
+        compute in (``param_dtype``); empty otherwise."""
 
     def graph_params(self) -> Mapping[str, Tensor]:
         """The tracked parameters as the recorded forward graph holds them (the leaves of

@@ -100,7 +100,7 @@ class Quantity:
     needs_losses: bool = True
     needs_update: bool = False
     handles_invalid_statistics: bool = False  # compute() also runs when a layer failed
-    # needs the graph of the whole batch in one backward pass (None for split batches)
+    # needs the graph of each process's whole batch in one backward pass (None for micro-batches)
     whole_batch_graph: bool = False
     # differentiates the step's forward graph itself in prepare (curvature): under
     # fully_shard the engine gathers the parameters whole first, on every rank alike

@@ -10,9 +10,10 @@ probe's weights summing to 1); the cockpit view draws the density smoothed by a 
 width ``0.02·(λ_max − λ_min)`` on a log axis, as PyHessian does.
 
 Off by default (no configuration holds it): P·m products cost about as much as P·m
-backward passes, so track it on a sparse schedule. Needs the whole batch's graph (None when
-the batch is split over micro-batches or processes); a non-finite loss gives None with the
-reason.
+backward passes, so track it on a sparse schedule. Over processes each product is summed
+over the ranks (one all-reduce; :mod:`cockpit.quantities.hessian_operator`), and every rank
+draws the same probes; None when the batch is split over micro-batches (their graphs are
+gone); a non-finite loss gives None with the reason.
 """
 
 from __future__ import annotations

@@ -18,10 +18,14 @@ past the stop are computed and discarded). At a step with a non-finite loss the
 first products are not finite and the run stops at Lanczos's first read: the value is NaN
 with the note saying why (the losses are read only then).
 
-Under ``fully_shard`` the products differentiate the graph's unsharded parameters, gathered
-whole, with FSDP's backward hooks held (:mod:`cockpit.engine.sharded`); the value needs the
-whole batch's graph, so it is formed in one process (None when the batch is split over
-processes, as under DDP).
+Over processes (DistributedDataParallel, ``fully_shard``) every rank holds the graph of its
+own N_r samples: H_B v = Σ_r (N_r/N) H_r v is one all-reduce of the product per
+Hessian-vector product, and every rank runs the same iteration on the same numbers and
+records the same value, that of one process on the whole batch up to rounding
+(:mod:`cockpit.quantities.hessian_operator`). Under ``fully_shard`` the products
+differentiate the graph's unsharded parameters, gathered whole, with FSDP's backward hooks
+held (:mod:`cockpit.engine.sharded`). None where the batch is split over micro-batches (the
+earlier micro-batches' graphs are gone) and under ``fully_shard``'s mixed precision.
 
 ``per_parameter=True`` also records λ_max of each parameter tensor's diagonal block H_θθ of
 the Hessian as ``"HessMaxEV/<parameter>"`` (one Lanczos run with the same stopping rule per
@@ -40,11 +44,16 @@ import math
 import torch
 from torch import Tensor
 
-from cockpit.curvature.diagonal import hessian_vector_product
 from cockpit.curvature.lanczos import EigResult, lanczos_max_eigenvalue
 from cockpit.engine.engine_view import EngineView
 from cockpit.quantities.base import Quantity, StepData, Value
 from cockpit.quantities.descriptor import PURPLE, Descriptor, Panel
+from cockpit.quantities.hessian_operator import (
+    NON_FINITE_ON_A_RANK,
+    batch_matvec,
+    iteration_dtype,
+    open_operator,
+)
 from cockpit.schedules import Schedule
 
 NON_FINITE = "non-finite loss at this step: the Hessian-vector products were not finite"
@@ -82,21 +91,29 @@ class HessMaxEV(Quantity):
         self._vector: Tensor | None = None
         self._result = None
         self._skipped: str | None = None
+        self._prepared: int | None = None  # the step whose first block was prepared
 
     def prepare(self, step: int, engine: EngineView, optimizer, losses: Tensor | None
                 ) -> None:
         self._result, self._skipped, self._blocks = None, None, {}
-        if losses is None or engine.request.split:
+        share = open_operator(engine, losses, again=step == self._prepared)
+        self._prepared = step
+        if isinstance(share, str):
+            self._skipped = share
             return
-        params = engine.graph_params()  # (fully_shard, one process: the unsharded ones)
-        hvp = hessian_vector_product(engine, losses, params)
+        if share is None:
+            return
+        assert losses is not None
+        matvec, dim = batch_matvec(engine, losses, share.params, share)
         v0 = self._vector if self.warm_start else None
-        if v0 is not None and v0.numel() != hvp.dim:
+        if v0 is not None and v0.numel() != dim:
             v0 = None
+        dtype, device = iteration_dtype(share.params)
         with engine.suspended():
             self._result = lanczos_max_eigenvalue(
-                hvp.matvec, hvp.dim, v0=v0, tol=self.tol, max_iter=self.max_iter,
+                matvec, dim, v0=v0, tol=self.tol, max_iter=self.max_iter,
                 miss_probability=self.miss_probability, generator=self.generator,
+                dtype=dtype, device=device,
             )
         if not math.isfinite(self._result.value) and not bool(
                 torch.isfinite(losses.detach()).all()):  # read only after a failed run
@@ -105,19 +122,21 @@ class HessMaxEV(Quantity):
         if self.warm_start and math.isfinite(self._result.value):
             self._vector = self._result.vector.detach()
         if self.per_parameter:
-            for name, param in params.items():
-                block = hessian_vector_product(engine, losses, {name: param})
+            for name, param in share.params.items():
+                block, size = batch_matvec(engine, losses, {name: param}, share)
                 with engine.suspended():
                     self._blocks[name] = lanczos_max_eigenvalue(
-                        block.matvec, block.dim, tol=self.tol, max_iter=self.max_iter,
-                        miss_probability=self.miss_probability, generator=self.generator)
+                        block, size, tol=self.tol, max_iter=self.max_iter,
+                        miss_probability=self.miss_probability, generator=self.generator,
+                        dtype=dtype, device=device)
 
     def compute(self, data: StepData) -> dict[str, Value]:
         result, self._result = self._result, None
         skipped, self._skipped = self._skipped, None
         if skipped is not None:
             data.notes["HessMaxEV"] = skipped
-            return {"HessMaxEV": math.nan}
+            return {"HessMaxEV": math.nan if skipped in (NON_FINITE, NON_FINITE_ON_A_RANK)
+                    else None}
         if result is None:
             data.notes["HessMaxEV"] = "not computed (no individual losses at this step)"
             return {"HessMaxEV": None}

@@ -6,8 +6,10 @@ Recorded as ``{"values": [k], "upper": [k]}``: ``values`` are lower bounds ν_i 
 Rayleigh–Ritz values on the k vectors found) and ``upper`` the certified upper bounds, so
 λ_i ∈ [ν_i, upper_i] for all i except with probability k·``miss_probability``. The note
 gives the products spent and the largest relative bracket width. Costs k Lanczos runs of
-Hessian-vector products on the user's own forward graph plus k products; needs the whole
-batch's graph; a non-finite loss gives None with the reason. In no configuration.
+Hessian-vector products on the user's own forward graph plus k products, each summed over
+the processes by one all-reduce where the batch is split over processes
+(:mod:`cockpit.quantities.hessian_operator`); None when it is split over micro-batches (their
+graphs are gone); a non-finite loss gives None with the reason. In no configuration.
 """
 
 from __future__ import annotations

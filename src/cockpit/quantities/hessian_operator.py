@@ -1,27 +1,116 @@
 """Instruments that run a Lanczos method on H_B·v, the Hessian-vector products of the user's
-own forward graph (HessTopEV, HessDensity): the shared preparation and hand-over.
+own forward graph (HessMaxEV, HessTopEV, HessDensity): the shared preparation and hand-over.
 
 At ``prepare`` (the block's start, the graph still alive) the operator v ↦ H_B v over every
-tracked parameter is built and :meth:`HessianOperatorQuantity.solve` runs on it; ``compute``
-takes the result, or records None with the reason. They need the whole batch's graph (None
-when the batch is split over micro-batches or processes) and finite losses. Under
-``fully_shard`` (one process) the operator differentiates the graph's unsharded parameters
-(:meth:`EngineView.graph_params`).
+tracked parameter is built (:func:`open_operator`, :func:`batch_matvec`) and
+:meth:`HessianOperatorQuantity.solve` runs on it; ``compute`` takes the result, or records
+None with the reason. H_B is the Hessian of the batch loss L_B = (1/N) Σ_n ℓ_n(θ) (the mean
+over all N samples of the step, as every instrument describes it).
+
+Over processes (DistributedDataParallel, ``fully_shard``; one backward pass per process) rank
+r holds the graph of its own N_r samples, and with H_r the Hessian of its mean loss
+
+    H_B v = Σ_r (N_r / N) H_r v,
+
+one all-reduce of the product vector per Hessian-vector product
+(:func:`cockpit.engine.reduction.ranks.summed_over_ranks`). The counts N_r and whether every
+loss is finite are all-reduced once first, so every rank takes the same path (a non-finite
+loss on one rank: no products on any rank, with the reason). Every rank then runs the same
+iteration on the same numbers — the same seeded start vector, the same all-reduced products,
+the same arithmetic on them (devices of one kind) — so its stopping decisions (which read
+only those numbers) are the same on every rank and no rank leaves the sequence of
+all-reduces early. Under
+``fully_shard`` the products differentiate the graph's unsharded, whole parameters
+(:meth:`EngineView.graph_params`), so the vector is over all of θ on every rank, as under DDP.
+
+Not formed (None with the reason) where the batch is split over micro-batches (the earlier
+micro-batches' graphs are gone by the step's last block; the block's graph of a step already
+prepared is not used), and under ``fully_shard``'s mixed precision (its graph computes in
+``param_dtype``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
 from cockpit.engine.engine_view import EngineView
+from cockpit.engine.reduction.ranks import summed_over_ranks
 from cockpit.quantities.base import Quantity, StepData
 from cockpit.schedules import Schedule
 
 NON_FINITE = "non-finite loss at this step: no Hessian-vector products"
+NON_FINITE_ON_A_RANK = ("non-finite loss at this step (on at least one process): no "
+                        "Hessian-vector products")
+MIXED_PRECISION = ("not formed under fully_shard's mixed precision: the forward graph "
+                   "computes in param_dtype")
+
+
+RANK_HEADER = "hvp: N and the non-finite losses over the processes"
+
+
+class BatchShare(NamedTuple):
+    """Where H_B v is formed at this block: the parameters to differentiate (under
+    ``fully_shard`` the unsharded ones) and this process's share N_r/N of the batch (1 in
+    one process); ``ranks``: whether the products are summed over processes."""
+
+    params: Mapping[str, Tensor]
+    share: float
+    ranks: bool
+
+
+def open_operator(engine: EngineView, losses: Tensor | None, again: bool
+                  ) -> BatchShare | str | None:
+    """Whether v ↦ H_B v is formed at this block: None where it is not (no losses, a batch
+    split over micro-batches, ``again``: a later block of a step already prepared), a str
+    with the reason where it cannot be, else the :class:`BatchShare`. Over processes
+    (``request.defer``: one backward pass per process) every rank reaches the all-reduce of
+    (N_r, number of non-finite losses) here alike."""
+    request = engine.request
+    if losses is None or again or (request.split and not request.defer):
+        return None
+    if request.defer and engine.compute_dtypes:
+        return MIXED_PRECISION
+    params = engine.graph_params()  # (fully_shard: the unsharded ones)
+    if not request.defer:
+        return BatchShare(params, 1.0, False)
+    device = next(iter(params.values())).device
+    detached = losses.detach().to(device)
+    if RANK_HEADER not in engine.step_cache:  # (one for the block's instruments)
+        header = torch.stack([torch.tensor(float(detached.numel()), dtype=torch.float64,
+                                           device=device),
+                              (~torch.isfinite(detached)).sum().double()])
+        engine.step_cache[RANK_HEADER] = summed_over_ranks(header).tolist()
+    total, non_finite = engine.step_cache[RANK_HEADER]
+    if non_finite > 0:
+        return NON_FINITE_ON_A_RANK
+    return BatchShare(params, detached.numel() / total, True)
+
+
+def batch_matvec(engine: EngineView, losses: Tensor, params: Mapping[str, Tensor],
+                 share: BatchShare) -> tuple[Callable[[Tensor], Tensor], int]:
+    """(v ↦ H_B v on flat vectors, D) over ``params``: this process's H_r v on its graph
+    (shared by the step's instruments), summed over the processes with weights N_r/N
+    where ``share.ranks``."""
+    hvp = hessian_vector_product(engine, losses, params)
+    if not share.ranks:
+        return hvp.matvec, hvp.dim
+    weight = share.share
+
+    def summed(v: Tensor) -> Tensor:
+        return summed_over_ranks(hvp.matvec(v).mul_(weight))
+
+    return summed, hvp.dim
+
+
+def iteration_dtype(params: Mapping[str, Tensor]) -> tuple[torch.dtype, torch.device]:
+    """The dtype (the parameters', at least float32) and device of the Krylov vectors."""
+    first = next(iter(params.values()))
+    return torch.promote_types(first.dtype, torch.float32), first.device
 
 
 class HessianOperatorQuantity(Quantity):
@@ -33,6 +122,7 @@ class HessianOperatorQuantity(Quantity):
         self.generator = torch.Generator().manual_seed(seed)
         self._result: Any = None
         self._skipped: str | None = None
+        self._prepared: int | None = None  # the step whose first block was prepared
 
     def solve(self, matvec, dim: int, dtype: torch.dtype, device: torch.device) -> Any:
         """The instrument's computation on v ↦ H_B v (dimension ``dim``); a str is the
@@ -42,16 +132,18 @@ class HessianOperatorQuantity(Quantity):
     def prepare(self, step: int, engine: EngineView, optimizer, losses: Tensor | None
                 ) -> None:
         self._result, self._skipped = None, None
-        if losses is None or engine.request.split:
+        share = open_operator(engine, losses, again=step == self._prepared)
+        self._prepared = step
+        if share is None or isinstance(share, str):
+            self._skipped = share
             return
-        params = engine.graph_params()  # (fully_shard, one process: the unsharded ones)
-        if not bool(torch.isfinite(losses.detach()).all()):
+        assert losses is not None
+        if not share.ranks and not bool(torch.isfinite(losses.detach()).all()):
             self._skipped = NON_FINITE
             return
-        hvp = hessian_vector_product(engine, losses, params)
-        first = next(iter(params.values()))
+        matvec, dim = batch_matvec(engine, losses, share.params, share)
         with engine.suspended():
-            result = self.solve(hvp.matvec, hvp.dim, first.dtype, first.device)
+            result = self.solve(matvec, dim, *iteration_dtype(share.params))
         if isinstance(result, str):
             self._skipped = result
         else:

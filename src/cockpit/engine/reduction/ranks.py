@@ -186,6 +186,13 @@ def all_reduce_sum(buffer: Tensor) -> None:
     _held.append(buffer)
 
 
+def summed_over_ranks(vector: Tensor) -> Tensor:
+    """Σ_r ``vector``_r, the same numbers on every rank (one all-reduce; ``vector`` is used
+    as the buffer and left to :func:`all_reduce_sum`, a copy is returned on the CPU)."""
+    all_reduce_sum(vector)
+    return vector.clone() if vector.device.type == "cpu" else vector
+
+
 def _release_let_go() -> None:
     """Free, in this thread, the held buffers the backend is done with."""
     _held[:] = [_held[i] for i in range(len(_held)) if not _let_go(i)]
