@@ -232,15 +232,23 @@ class ConvSampleGrads(SampleGrads):
         v = v.reshape(c_out, *self.module.kernel_size, c_in)
         return v.permute(0, dims + 1, *range(1, dims + 1)).contiguous()
 
-    def _directions(self, us: Sequence[Tensor]) -> Tensor:
-        """K parameter-shaped tensors as rows [K, D] in row order: stacked, then permuted
-        once for all K (:meth:`to_rows` of each)."""
-        stacked = torch.stack([u if u.shape == self.shape else u.reshape(self.shape)
-                               for u in us])  # [K, C_out, C_in, *kernel]
+    def _directions(self, us: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+        """K parameter-shaped tensors as rows [K, D] in row order (:meth:`to_rows` of each)
+        and ``dtype``, in scratch memory: one ``stack`` writes them, for the channels-last
+        order into the permuted view of the rows' buffer."""
+        shaped = [u if u.shape == self.shape else u.reshape(self.shape) for u in us]
+        ws, k, device = workspace(), len(us), self.delta.device
         if not self._is_channels_last():
-            return stacked.view(len(us), -1)
-        dims = len(self.module.kernel_size)
-        return stacked.permute(0, 1, *range(3, dims + 3), 2).reshape(len(us), -1)
+            out, _ = ws.take("directions", (k, *self.shape), dtype, device)
+            torch.stack(shaped, out=out)
+        else:
+            dims = len(self.module.kernel_size)
+            c_out, c_in = self.shape[:2]
+            out, _ = ws.take("directions", (k, c_out, *self.module.kernel_size, c_in), dtype,
+                             device)
+            # the view [K, C_out, C_in, *kernel] of the rows (C_out, *kernel, C_in)
+            torch.stack(shaped, out=out.permute(0, 1, dims + 2, *range(2, dims + 2)))
+        return ws.take("directions", (k, self.shape.numel()), dtype, device)[0]
 
     def _by_unfolding(self) -> Tensor:
         """g_n = δ_n U_nᵀ: unfold the input, one batched matrix product. Rows [N, D]."""
@@ -353,7 +361,7 @@ class ConvSampleGrads(SampleGrads):
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         if self._rows is not None or self._materialize_for_projections(len(us)):
             rows = self.chunks()[0]  # one chunk [N, D]
-            return self._directions(us).to(rows.dtype) @ rows.T
+            return self._directions(us, rows.dtype) @ rows.T
         module, delta = self.module, self.delta
         n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
         k, og = len(us), c_out // groups
@@ -392,7 +400,9 @@ def conv_rule(
         if cache is not None and ("padded", key) in cache:
             x_padded = cache[("padded", key)]
         else:
-            x_padded = _explicit_padding(module, x.detach() if x.requires_grad else x)
+            # (in a backward hook grad mode is off, unless the user's backward creates a graph)
+            attached = x.requires_grad and torch.is_grad_enabled()
+            x_padded = _explicit_padding(module, x.detach() if attached else x)
             if cache is not None:
                 cache[("padded", key)] = x_padded
         grads["weight"] = ConvSampleGrads(module, x_padded, delta, key, scale)
