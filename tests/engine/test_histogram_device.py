@@ -265,3 +265,25 @@ def test_every_histc_counts_at_most_a_chunk(forced, monkeypatch):
                                                 spec_t),
                        pair_counts(x.reshape(1, 60), theta.reshape(-1), spec, spec_t))
     assert sizes and max(sizes) <= 7 and sum(sizes) == 60 + 240 + 240 + 60
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_embedding_histogram_counts_its_rows_and_implicit_zeros(accelerator, monkeypatch):
+    """An Embedding's individual gradients (a few explicit rows, zeros elsewhere) count like
+    the materialized |B|×D gradients, on both paths; a non-finite element of a row is left
+    out of the counts, as in the dense histogram."""
+    from cockpit.engine.rules.embedding import embedding_rule
+
+    monkeypatch.setattr(histogram_device, "_forced", accelerator)
+    torch.manual_seed(7)
+    module = torch.nn.Embedding(11, 4)
+    tokens = torch.randint(0, 11, (5, 3))
+    out = module(tokens)
+    delta = torch.randn_like(out)
+    delta[2, 1, 3] = math.nan
+    sg = embedding_rule(module, (tokens,), {}, out, delta)["weight"]
+    spec = BinSpec(-2.0, 2.0, 9)
+    dense = sg.materialize()
+    expected = exact_counts(dense[torch.isfinite(dense)], spec)
+    assert int(expected.sum()) == dense.numel() - 1
+    assert torch.equal(sg.histogram(spec), expected)

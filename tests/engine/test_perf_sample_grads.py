@@ -199,3 +199,43 @@ def test_large_float32_sums_of_squares_are_accurate(offset):
                                atol=1e-6 * scale)
     centered = (exact - exact.mean(0)).pow(2).sum(0)
     torch.testing.assert_close(sg.centered_sum_sq(), centered, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("method", ["unfold", "channels_last"])
+def test_conv_projections_of_flat_and_shaped_directions_agree(method, monkeypatch):
+    """The materialized projections stack the K directions once (permuted to the row order of
+    the channels-last way): flat directions [D] in θ's order give the brute-force dots too."""
+    monkeypatch.setattr(ConvSampleGrads, "_method", lambda self: method)
+    monkeypatch.setattr(ConvSampleGrads, "_materialize_for_projections",
+                        lambda self, num_directions: True)
+    torch.manual_seed(6)
+    module = nn.Conv2d(3, 4, (3, 2), padding=1).double()
+    x = torch.randn(5, 3, 6, 7, dtype=torch.float64)
+    out = module(x)
+    delta = torch.randn_like(out)
+    g = individual_grads(module, x, delta)["weight"].reshape(5, -1)
+    sg = conv_rule(module, (x,), {}, out, delta)["weight"]
+    us = [torch.randn(module.weight.shape, dtype=torch.float64) for _ in range(2)]
+    expected = torch.stack([g @ u.reshape(-1) for u in us])
+    torch.testing.assert_close(sg.dots_many([u.reshape(-1) for u in us]), expected)
+    torch.testing.assert_close(sg.dots_many(us), expected)
+
+
+@pytest.mark.parametrize("method", ["unfold", "channels_last"])
+def test_conv_projections_cast_directions_to_the_gradients_dtype(method, monkeypatch):
+    """float64 directions against float32 individual gradients: the stacked directions are
+    cast on the way into the scratch rows, as ``u.to(float32)`` would."""
+    monkeypatch.setattr(ConvSampleGrads, "_method", lambda self: method)
+    monkeypatch.setattr(ConvSampleGrads, "_materialize_for_projections",
+                        lambda self, num_directions: True)
+    torch.manual_seed(8)
+    module = nn.Conv2d(2, 3, 3)
+    x = torch.randn(4, 2, 5, 5)
+    out = module(x)
+    delta = torch.randn_like(out)
+    g = individual_grads(module, x, delta)["weight"].reshape(4, -1)
+    sg = conv_rule(module, (x,), {}, out, delta)["weight"]
+    us = [torch.randn(module.weight.shape, dtype=torch.float64) for _ in range(3)]
+    got = sg.dots_many(us)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.stack([g @ u.float().reshape(-1) for u in us]))

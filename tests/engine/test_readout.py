@@ -30,6 +30,26 @@ def test_tensors_are_read_as_they_were_when_sent_exactly_in_float64():
     assert not readout
 
 
+@pytest.mark.parametrize("with_float64", [False, True])
+def test_mixed_dtypes_arrive_exactly(with_float64):
+    """Counts beyond 2^24 (int64) next to float32 values are packed without passing through
+    float32, with or without a float64 tensor in the record (which decides how the record is
+    promoted)."""
+    readout = Readout()
+    counts = torch.tensor([[2**40 + 1, 2**24 + 1]])
+    x = torch.tensor([2.0 ** -20 + 1.0, 1e-30], dtype=torch.float32)
+    tensors = [counts, x, torch.tensor(0.1, dtype=torch.float16)]
+    if with_float64:
+        tensors.append(torch.tensor([1.0 + 2.0**-50], dtype=torch.float64))
+    index = readout.later(Later(lambda *arrays: [a.copy() for a in arrays], *tensors))
+    readout.send()
+    got = readout.receive()[index]
+    for array, tensor in zip(got, tensors, strict=True):
+        assert array.dtype == np.float64 and array.shape == tuple(tensor.shape)
+        assert array.tolist() == tensor.double().tolist()
+    assert got[0][0, 0] == 2**40 + 1 and got[0][0, 1] == 2**24 + 1
+
+
 class _Noted(Quantity):
     needs_losses = False
 

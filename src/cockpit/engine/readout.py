@@ -101,10 +101,14 @@ class Readout:
         groups = [[t] for t in tensors] if len(by_device) > 1 else list(by_device.values())
         for group in groups:
             device = group[0].device
-            flat = torch.empty(sum(t.numel() for t in group), dtype=torch.float64,
-                               device=device)
             # exact in float64; a 1-d tensor needs no view (each is host work on a GPU)
-            torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in group], out=flat)
+            parts = [t if t.dim() == 1 else t.reshape(-1) for t in group]
+            if any(t.dtype == torch.float64 for t in group):
+                flat = torch.cat(parts)  # promotes every dtype to float64 itself
+            else:  # (float32 and int64 would promote to float32)
+                flat = torch.empty(sum(t.numel() for t in group), dtype=torch.float64,
+                                   device=device)
+                torch.cat(parts, out=flat)
             if device.type == "cuda":
                 host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
                 host.copy_(flat, non_blocking=True)

@@ -68,13 +68,15 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
             means.append(g.to(p.grad.dtype))
             if is_sharded(p.grad):  # fully_shard: ḡ sliced like this rank's shard of p.grad
                 means[-1] = shard_like(means[-1], p.grad)
-        grad_sq = sq_norms(grads).sum()
-        mean_sq = sq_norms(means).sum()
+        # [‖p.grad‖², ‖ḡ‖²] summed over the parameters, from one pass over both lists
+        totals = sq_norms(grads + means).view(2, -1).sum(1)
+        grad_sq, mean_sq = totals.unbind()
         # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖
-        c = (sign * (grad_sq / mean_sq).sqrt()).to(grads[0].dtype)
-        if fused(grads):
-            half_sq = sq_norms_of_differences(grads, means, c).sum()
-            return Later(_mismatch, grad_sq, mean_sq, half_sq, name="GradientMismatch")
+        c = (grad_sq / mean_sq).sqrt()
+        c = (c if sign > 0 else -c).to(grads[0].dtype)
+        if fused(grads):  # the squared differences summed on the host
+            halves = sq_norms_of_differences(grads, means, c)
+            return Later(_mismatch, totals, halves, name="GradientMismatch")
         # one fused pass per parameter into scratch memory (fresh temporaries cost page
         # faults on a CPU)
         halves = []
@@ -84,17 +86,18 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
                 continue
             diff, _ = workspace().take("gradient_mismatch", a.shape, a.dtype, a.device)
             halves.append(sq_norm_tensor(torch.addcmul(a, b, c, value=-1, out=diff)))
-        half_sq = torch.stack(halves).double().sum()
-    return Later(_mismatch, grad_sq, mean_sq, half_sq, name="GradientMismatch")
+    return Later(_mismatch, totals, torch.stack(halves), name="GradientMismatch")
 
 
-def _mismatch(grad_sq, mean_sq, half_sq) -> dict[str, float | None]:
-    grad_sq, mean_sq = float(grad_sq), float(mean_sq)
+def _mismatch(totals, halves) -> dict[str, float | None]:
+    """From [‖p.grad‖², ‖ḡ‖²] and the per-parameter ‖a − c·b‖² (host arrays)."""
+    grad_sq, mean_sq = float(totals[0]), float(totals[1])
+    half_sq = float(halves.sum())
     if not (math.isfinite(grad_sq) and math.isfinite(mean_sq)) or mean_sq == 0.0:
         return {"GradientMismatch": None}
     if grad_sq == 0.0:
         return {"GradientMismatch": 1.0}
-    return {"GradientMismatch": min(0.5 * float(half_sq) / grad_sq, 2.0)}
+    return {"GradientMismatch": min(0.5 * half_sq / grad_sq, 2.0)}
 
 
 def parameters_holding_gradient(params: dict[str, Tensor]) -> tuple[list[str], Tensor | None]:

@@ -55,8 +55,8 @@ class DeadUnits(Quantity):
             names.append(name)
             # Σ_j |ḡ_i,j| per unit i: zero exactly when the unit's row is (a sum of
             # non-negative numbers is 0 only if each is; 5× faster than a row max on a CPU)
-            row_sums.append(torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1),
-                                                    ord=1, dim=1))
+            row_sums.append(torch.linalg.vector_norm(grad, ord=1,
+                                                    dim=tuple(range(1, grad.dim()))))
         if not names:
             data.notes["DeadUnits"] = "no Linear or convolution weight received a gradient"
             return {"DeadUnits": None}

@@ -31,6 +31,9 @@ from cockpit.quantities.descriptor import BLUE, Descriptor, Panel
 
 @functools.lru_cache(maxsize=16)
 def _edges(spec: BinSpec) -> np.ndarray:
+    """The float64 edges e_0 … e_bins of ``spec`` (read-only, formed once per spec: the
+    reported edges are always float64 on the host, whatever the gradients' dtype and
+    device)."""
     edges = spec.edges(torch.float64, "cpu").numpy()
     edges.flags.writeable = False
     return edges
@@ -55,7 +58,7 @@ class GradHist1d(Quantity):
         if not isinstance(spec, BinSpec):  # range not yet set: no layer was binned
             data.notes[self.name] = "no layer's individual gradients were binned"
             return {self.name: None}
-        edges = spec.edges(torch.float64, "cpu").numpy()
+        edges = _edges(spec)
         extra = {"range": spec.inner} if isinstance(spec, DecidedRange) else {}
         names = list(stats.hist1d)
         if not names:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -71,7 +72,7 @@ def compute_test(
         G_k = [float(G_all[i]) for i in rows]
         S_k = list(map(float, host[0])) if SQ_NORMS in needs else [math.nan] * len(names)
         if GRAM_MEAN in needs:
-            D2_k, D2 = list(map(float, host[-2])), float(host[-1])
+            D2_k, D2 = list(map(float, host[-2])), float(np.dot(host[-1], host[-1]))
         else:
             D2_k, D2 = [math.nan] * len(names), math.nan
 
@@ -129,9 +130,10 @@ def _row_sums(per_sample: dict[str, Tensor], names: list[str]) -> Tensor:
 
 
 def _d2(gram_mean: dict[str, Tensor], names: list[str]) -> tuple[Tensor, Tensor]:
-    """D2_k = Σ_n d_{n,k}² per parameter and D2 = Σ_n (Σ_k d_{n,k})², float64."""
+    """D2_k = Σ_n d_{n,k}² per parameter and the whole network's d_n = Σ_k d_{n,k}, float64
+    (its D2 = Σ_n d_n² is summed on the host: |B| numbers)."""
     d = torch.stack([gram_mean[k] for k in names]).double()
-    return d.square().sum(1), d.sum(0).square().sum()
+    return d.square().sum(1), d.sum(0)
 
 
 def sqrt_nonneg(x: float) -> float:

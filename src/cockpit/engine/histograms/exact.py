@@ -387,7 +387,7 @@ def histogram_dense_counts(chunks: Sequence[Tensor], spec: BinSpec) -> Tensor:
             tallies += histogram_device.dense_tallies([chunk.to(_device_dtype(chunk.dtype))],
                                                       _on_device(chunk, spec)[1])
         return histogram_device.counts_1d(tallies, spec.bins)
-    return sum(histogram_dense(c, spec)[0] for c in chunks)
+    return _sum([histogram_dense(c, spec)[0] for c in chunks])
 
 
 # --------------------------------------------------------------------------- outer products
@@ -701,7 +701,14 @@ def histogram2d_dense_counts(chunks: Sequence[Tensor], theta: Tensor, spec_g: Bi
     counts; on accelerators θ binned once and the lane counts summed in one op)."""
     if chunks and histogram_device.device_path(chunks[0].device):
         return _dense_pairs(chunks, theta, spec_g, spec_theta).counts()
-    return sum(histogram2d_dense(c, theta, spec_g, spec_theta)[0] for c in chunks)
+    return _sum([histogram2d_dense(c, theta, spec_g, spec_theta)[0] for c in chunks])
+
+
+def _sum(counts: list[Tensor]) -> Tensor:
+    """The sum of the counts of the chunks (one chunk: its counts as they are, no op)."""
+    if not counts:
+        raise ValueError("no chunks to count")
+    return sum(counts[1:], counts[0])
 
 
 def histogram2d_dense(

@@ -48,10 +48,11 @@ def _explicit_padding(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
 def _patches(
     module: nn.modules.conv._ConvNd, x: Tensor, out_sizes: torch.Size, out: Tensor | None = None
 ) -> Tensor:
-    """Unfolded input ``[N, G, (C_in/G)·K, L]`` of the padded input ``x``.
+    """Unfolded input ``[N, G, (C_in/G)·K, L]`` of the padded input ``x`` (``[N, C_in·K, L]``
+    for one group).
 
     A strided view ``[N, C_in, *kernel, *out]`` copied once (into ``out`` if given, a
-    buffer of that many elements). The output positions are the innermost (fastest)
+    buffer of that shape). The output positions are the innermost (fastest)
     dimension, so the copy moves runs of contiguous input rows; with the kernel innermost
     (as in im2col's transpose) the copy is several times slower on a CPU.
     """
@@ -67,7 +68,9 @@ def _patches(
         ),
     )
     if out is not None:
-        view = out.view(view.shape).copy_(view)
+        view = out.copy_(view)
+    if module.groups == 1:  # no group dimension: [N, C_in·K, L]
+        return view.reshape(n, -1, math.prod(out_sizes))
     return view.reshape(n, module.groups, -1, math.prod(out_sizes))
 
 
@@ -78,17 +81,17 @@ def _patches_channels_last(
     """Unfolded input ``[N, L, K·C_in]`` of the padded input ``x`` (groups 1, no dilation
     along the last kernel dimension), each patch ordered (*kernel, C_in).
 
-    The input is first made channels-last (into ``x_buffer`` if given; no copy when it
-    already is), so that a patch's last kernel row over all channels is one contiguous run
-    of K_last·C_in numbers, then the strided view ``[N, *out, *kernel[:-1], K_last·C_in]``
-    is copied once (into ``out`` if given).
+    The input is first made channels-last (into ``x_buffer`` if given, a buffer of shape
+    ``[N, *spatial, C_in]``; no copy when it already is), so that a patch's last kernel row
+    over all channels is one contiguous run of K_last·C_in numbers, then the strided view
+    ``[N, *out, *kernel[:-1], K_last·C_in]`` is copied once (into ``out`` if given, a
+    buffer of that shape).
     """
     dims = len(module.kernel_size)
     n, c_in = x.shape[:2]
     x_last = x.permute(0, *range(2, dims + 2), 1)
     if not x_last.is_contiguous():
-        x_last = (x_last.contiguous() if x_buffer is None
-                  else x_buffer.view(x_last.shape).copy_(x_last))
+        x_last = x_last.contiguous() if x_buffer is None else x_buffer.copy_(x_last)
     strides = x_last.stride()[1:-1]
     view = x_last.as_strided(
         (n, *out_sizes, *module.kernel_size[:-1], module.kernel_size[-1] * c_in),
@@ -99,7 +102,7 @@ def _patches_channels_last(
             1,
         ),
     )
-    view = view.contiguous() if out is None else out.view(view.shape).copy_(view)
+    view = view.contiguous() if out is None else out.copy_(view)
     return view.view(n, math.prod(out_sizes), -1)
 
 
@@ -175,12 +178,15 @@ class ConvSampleGrads(SampleGrads):
             if key not in cache:
                 cache[key] = unfold(self.module, self.x, out_sizes)
             return cache[key]
-        ws, dtype, device = workspace(), self.x.dtype, self.x.device
-        numel = self.x.shape[:2].numel() * math.prod(self.module.kernel_size) * out_sizes.numel()
-        buffer, _ = ws.take("patches", (numel,), dtype, device)
+        ws, dtype, device, (n, c_in) = workspace(), self.x.dtype, self.x.device, self.x.shape[:2]
+        kernel = self.module.kernel_size
         if not channels_last:
+            buffer, _ = ws.take("patches", (n, c_in, *kernel, *out_sizes), dtype, device)
             return unfold(self.module, self.x, out_sizes, out=buffer)
-        x_buffer, _ = ws.take("channels_last_input", (self.x.numel(),), dtype, device)
+        buffer, _ = ws.take("patches", (n, *out_sizes, *kernel[:-1], kernel[-1] * c_in),
+                            dtype, device)
+        x_buffer, _ = ws.take("channels_last_input", (n, *self.x.shape[2:], c_in), dtype,
+                              device)
         return unfold(self.module, self.x, out_sizes, buffer, x_buffer)
 
     def materialize(self) -> Tensor:
@@ -226,22 +232,42 @@ class ConvSampleGrads(SampleGrads):
         v = v.reshape(c_out, *self.module.kernel_size, c_in)
         return v.permute(0, dims + 1, *range(1, dims + 1)).contiguous()
 
+    def _directions(self, us: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+        """K parameter-shaped tensors as rows [K, D] in row order (:meth:`to_rows` of each)
+        and ``dtype``, in scratch memory: one ``stack`` writes them, for the channels-last
+        order into the permuted view of the rows' buffer."""
+        shaped = [u if u.shape == self.shape else u.reshape(self.shape) for u in us]
+        ws, k, device = workspace(), len(us), self.delta.device
+        if not self._is_channels_last():
+            out, _ = ws.take("directions", (k, *self.shape), dtype, device)
+            torch.stack(shaped, out=out)
+        else:
+            dims = len(self.module.kernel_size)
+            c_out, c_in = self.shape[:2]
+            out, _ = ws.take("directions", (k, c_out, *self.module.kernel_size, c_in), dtype,
+                             device)
+            # the view [K, C_out, C_in, *kernel] of the rows (C_out, *kernel, C_in)
+            torch.stack(shaped, out=out.permute(0, 1, dims + 2, *range(2, dims + 2)))
+        return ws.take("directions", (k, self.shape.numel()), dtype, device)[0]
+
     def _by_unfolding(self) -> Tensor:
         """g_n = δ_n U_nᵀ: unfold the input, one batched matrix product. Rows [N, D]."""
         module, delta = self.module, self.delta
         n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
-        patches = self._unfolded()  # [N, G, Cg·K, L]
+        patches = self._unfolded()  # [N, G, Cg·K, L] ([N, C_in·K, L] for one group)
+        if groups == 1:  # scale folded into the batched product
+            grads, self._ticket = workspace().take(
+                "grads", (n, c_out, patches.shape[1]), delta.dtype, delta.device)
+            torch.baddbmm(grads, delta.reshape(n, c_out, -1), patches.transpose(1, 2),
+                          beta=0, alpha=self.scale, out=grads)
+            return self._grads_rows(n, delta)
         delta = delta.reshape(n, groups, c_out // groups, patches.shape[-1])  # [N, G, Og, L]
         grads, self._ticket = workspace().take(
             "grads", (n, groups, c_out // groups, patches.shape[2]), delta.dtype, delta.device)
-        if groups == 1:  # scale folded into the batched product
-            torch.baddbmm(grads[:, 0], delta[:, 0], patches[:, 0].transpose(1, 2),
-                          beta=0, alpha=self.scale, out=grads[:, 0])
-        else:
-            torch.matmul(delta, patches.transpose(2, 3), out=grads)  # [N, G, Og, Cg·K]
-            if self.scale != 1.0:
-                grads.mul_(self.scale)
-        return grads.reshape(n, -1)
+        torch.matmul(delta, patches.transpose(2, 3), out=grads)  # [N, G, Og, Cg·K]
+        if self.scale != 1.0:
+            grads.mul_(self.scale)
+        return self._grads_rows(n, delta)
 
     def _by_unfolding_channels_last(self) -> Tensor:
         """g_n = δ_n U_n with the patches U_n ∈ R^{L × K·C_in} unfolded from the channels-last
@@ -255,7 +281,14 @@ class ConvSampleGrads(SampleGrads):
             "grads", (n, c_out, patches.shape[2]), delta.dtype, delta.device)
         torch.baddbmm(grads, delta.reshape(n, c_out, -1), patches, beta=0, alpha=self.scale,
                       out=grads)
-        return grads.reshape(n, -1)
+        return self._grads_rows(n, delta)
+
+    def _grads_rows(self, n: int, delta: Tensor) -> Tensor:
+        """The "grads" scratch just written, as rows [N, D] (the workspace's cached view of
+        the same numbers: no reshape per step)."""
+        rows, self._ticket = workspace().take("grads", (n, self.shape.numel()), delta.dtype,
+                                              delta.device)
+        return rows
 
     def _by_grouped_convolution(self) -> Tensor:
         """g_n as the weight gradient of one convolution whose groups are the samples: the
@@ -327,7 +360,8 @@ class ConvSampleGrads(SampleGrads):
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         if self._rows is not None or self._materialize_for_projections(len(us)):
-            return super().dots_many(us)
+            rows = self.chunks()[0]  # one chunk [N, D]
+            return self._directions(us, rows.dtype) @ rows.T
         module, delta = self.module, self.delta
         n, groups, c_out = delta.shape[0], module.groups, delta.shape[1]
         k, og = len(us), c_out // groups
@@ -366,12 +400,14 @@ def conv_rule(
         if cache is not None and ("padded", key) in cache:
             x_padded = cache[("padded", key)]
         else:
-            x_padded = _explicit_padding(module, x.detach())
+            # (in a backward hook grad mode is off, unless the user's backward creates a graph)
+            attached = x.requires_grad and torch.is_grad_enabled()
+            x_padded = _explicit_padding(module, x.detach() if attached else x)
             if cache is not None:
                 cache[("padded", key)] = x_padded
         grads["weight"] = ConvSampleGrads(module, x_padded, delta, key, scale)
     if module.bias is not None and module.bias.requires_grad:
-        bias = delta.flatten(2).sum(2)
+        bias = delta.sum(tuple(range(2, delta.dim())))  # Σ_l δ_{n,:,l}
         grads["bias"] = DenseSampleGrads(bias * scale if scale != 1.0 else bias)
     return grads
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from cockpit.engine.histograms.exact import BinSpec, histogram2d_dense, histogram_dense
+from cockpit.engine.histograms.exact import BinSpec, histogram2d_dense, histogram_dense_counts
 from cockpit.engine.rules.registry import register_rule
 from cockpit.engine.rules.sample_grads import SampleGrads
 
@@ -90,8 +90,8 @@ class EmbeddingSampleGrads(SampleGrads):
         return (self.num_samples * self.shape[0] - self.rows.shape[0]) * self.shape[1]
 
     def histogram(self, spec: BinSpec) -> Tensor:
-        counts = histogram_dense(self.rows, spec)[0]
-        zero_bin = histogram_dense(self.rows.new_zeros(1), spec)[0]
+        counts = histogram_dense_counts([self.rows], spec)
+        zero_bin = histogram_dense_counts([self.rows.new_zeros(1)], spec)
         return counts + zero_bin * self._num_implicit_zeros()
 
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
