@@ -124,7 +124,7 @@ def test_a_tracked_step_waits_for_the_device_at_most_a_few_times(config, monkeyp
 
 
 def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
-    """Economy on 3C3D against the same step without Cockpit: 5.0× at |B| = 32 (21× before
+    """Economy on 3C3D against the same step without Cockpit: 4.6× at |B| = 32 (21× before
     the step stopped reading the device per number, 13× before the per-parameter small ops
     of Alpha and the workspace were merged, 9.9× before the histograms, Distance,
     GradientMismatch and Alpha's fit took fewer ops per parameter, 7.6× before the
@@ -137,7 +137,7 @@ def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
     tracked, _, _ = count_step(monkeypatch, "economy")
     untracked, _, _ = count_step(monkeypatch, None)
     ratio = sum(tracked.values()) / sum(untracked.values())
-    assert ratio <= 5.5, (ratio, tracked.most_common(8))
+    assert ratio <= 5, (ratio, tracked.most_common(8))
 
 
 @pytest.mark.cuda
