@@ -1,0 +1,27 @@
+"""``benchmarks/op_count.py``: the aten ops of a tracked step and each function's share."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_op_count_lists_the_ops_of_a_tracked_step_by_function():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "benchmarks/op_count.py", "--batch", "4", "--top", "50"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    head, ops, *rows = result.stdout.strip().splitlines()
+    assert ops.startswith("ops: ")
+    tracked, plain = map(int, re.search(r"(\d+) aten ops .*, (\d+) without", head).groups())
+    assert tracked > plain > 0
+    shares = {line.split(maxsplit=1)[1]: int(line.split()[0]) for line in rows}
+    assert sum(shares.values()) <= tracked
+    assert shares["the user's loop"] >= plain  # the user's loop: the same step's own ops, at least
+    assert any(name.startswith("engine/histograms/") for name in shares)
