@@ -79,14 +79,14 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
             return Later(_mismatch, totals, halves, name="GradientMismatch")
         # one fused pass per parameter into scratch memory (fresh temporaries cost page
         # faults on a CPU)
-        halves = []
+        parts: list[Tensor] = []
         for a, b in zip(grads, means, strict=True):
             if is_sharded(a):  # (scratch memory is not a DTensor)
-                halves.append(sq_norm_tensor(a - b * float(c)))
+                parts.append(sq_norm_tensor(a - b * float(c)))
                 continue
             diff, _ = workspace().take("gradient_mismatch", a.shape, a.dtype, a.device)
-            halves.append(sq_norm_tensor(torch.addcmul(a, b, c, value=-1, out=diff)))
-    return Later(_mismatch, totals, torch.stack(halves), name="GradientMismatch")
+            parts.append(sq_norm_tensor(torch.addcmul(a, b, c, value=-1, out=diff)))
+    return Later(_mismatch, totals, torch.stack(parts), name="GradientMismatch")
 
 
 def _mismatch(totals, halves) -> dict[str, float | None]:
