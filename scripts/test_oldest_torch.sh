@@ -36,5 +36,5 @@ fi
 # step is missing instead of reported (README, "torch.compile").
 "$PYTHON" -m pytest -p no:cacheprovider \
   tests/quantities/test_first_order.py tests/engine/test_engine.py tests/engine/test_accumulation.py \
-  "tests/engine/test_distributed.py::test_every_rank_reports_the_global_batch[cnn-shard_sizes1-1-adam-None]" \
+  "tests/engine/test_distributed.py::test_every_rank_reports_the_global_batch[cnn-shard_sizes1-1-adam-None-with_top_eigenvalues]" \
   --deselect tests/engine/test_engine.py::test_compiled_model_is_reported_not_a_zero_gradient
