@@ -29,7 +29,7 @@ from _common import timed
 from cockpit.benchmark.problems.paper_models import BUILDERS, synthetic_batches
 from cockpit.engine.rules.conv import ConvSampleGrads, _explicit_padding
 from cockpit.engine.rules.sample_grads import OuterSampleGrads
-from cockpit.engine.update_prediction import fit_basis_coefficients
+from cockpit.engine.update_fit import fit_basis_coefficients
 
 
 def best_of(fn, repeats: int = 7) -> float:

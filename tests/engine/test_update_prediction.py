@@ -11,11 +11,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cockpit.engine.update_fit import BasisFits, fit_basis_coefficients
 from cockpit.engine.update_prediction import (
-    BasisFits,
     UnsupportedOptimizer,
     _find_group,
-    fit_basis_coefficients,
     match_update,
     predict_update,
     sgd_update_basis,

@@ -17,5 +17,6 @@ is all that instruments and curvature code may ask of it; :class:`~.request.Step
 what they ask for. :mod:`.sharded` handles parameters sharded by ``fully_shard`` (FSDP2):
 hooks on the unsharded parameters, norms of local shards summed over ranks, whole tensors
 gathered where a per-sample projection needs them. :mod:`.update_prediction` predicts the
-optimizer's step for Alpha; :mod:`.workspace` keeps scratch buffers from step to step.
+optimizer's step for Alpha and :mod:`.update_fit` fits the measured step in the span of a
+basis; :mod:`.workspace` keeps scratch buffers from step to step.
 """

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cockpit.engine import sharded
+from cockpit.engine import sharded, update_fit
 from cockpit.engine import update_prediction as up
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.processing import GRADIENT
@@ -347,7 +347,7 @@ class Alpha(Quantity):
             return (), lambda checks, sq_norms, moved, noise: (
                 None, unpredicted(moved) or "the update was not predicted for every parameter")
         with torch.no_grad():
-            fits = up.BasisFits([state.basis[k] for k in names], [update[k] for k in names])
+            fits = update_fit.BasisFits([state.basis[k] for k in names], [update[k] for k in names])
             if names:
                 device = state.projections[names[0]].device
                 # Σ_k Σ_r c_{k,r} P_{k,r,n}: every tensor's rows stacked, one product
@@ -372,7 +372,7 @@ class Alpha(Quantity):
             # fitted once more in float64: those coefficients replace the first ones
             pieces = list(fits.coefficients.split([len(v) for v, _ in fits.problems]))
             for index, coefficients in answer.items():
-                pieces[index] = up.to_device(coefficients, fits.coefficients.device)
+                pieces[index] = update_fit.to_device(coefficients, fits.coefficients.device)
             with torch.no_grad():
                 return torch.cat(pieces).to(device) @ rows, None
 
