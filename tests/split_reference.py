@@ -28,6 +28,14 @@ LOOP = {"Time", "GradientMismatch"}
 MISUSE = re.compile(r"already hold a gradient|outside `with cockpit|no backward pass reached")
 
 
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
 def misuse_warnings(caught) -> list[str]:
     return [str(w.message) for w in caught if MISUSE.search(str(w.message))]
 

@@ -17,10 +17,12 @@ from tests.exit_worker import free_port
 from tests.models import make_problem
 from tests.split_reference import (
     MISUSE,
+    adam,
     assert_same_eigenvalues,
     assert_same_values,
     dense_top_eigenvalues,
     instruments,
+    sgd,
     whole_batch_run,
     with_top_eigenvalues,
 )
@@ -29,15 +31,6 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 STEPS = 3
-
-
-
-def sgd(model):
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-
-def adam(model):
-    return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
 def strip(output: dict) -> dict:

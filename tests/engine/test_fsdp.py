@@ -20,9 +20,11 @@ from tests.exit_worker import free_port
 from tests.models import make_problem
 from tests.split_reference import (
     MISUSE,
+    adam,
     assert_same_eigenvalues,
     assert_same_values,
     dense_top_eigenvalues,
+    sgd,
     whole_batch_run,
 )
 
@@ -30,15 +32,6 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 STEPS = 3
-
-
-
-def sgd(model):
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-
-def adam(model):
-    return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
 def two_processes(tmp_path, config: dict, world: int = 2, worker=fsdp_worker.run) -> list[dict]:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import collections
 import copy
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from cockpit.engine.update_fit import BasisFits, fit_basis_coefficients
 from cockpit.engine.update_prediction import (
@@ -21,6 +19,7 @@ from cockpit.engine.update_prediction import (
     supports,
     unsupported_reason,
 )
+from tests.engine.test_host_syncs import Count
 
 SGD_CASES = [
     {"lr": 0.1},
@@ -286,16 +285,6 @@ def test_basis_fit_rejects_a_foreign_float32_update_after_one_retry():
                                torch.tensor([2.0, -0.5], dtype=torch.float64))
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_basis_fits_are_solved_on_the_device_without_reading_it():
     """Several tensors' fits, one with a zero basis vector (a zero-initialised bias under
     weight decay): the coefficients are the minimum-norm least-squares solution (NumPy's
@@ -311,7 +300,7 @@ def test_basis_fits_are_solved_on_the_device_without_reading_it():
     noise = 1e-3 * torch.randn(40, generator=gen, dtype=torch.float64)
     actuals = [coefficients[0] @ bases[0] + noise,
                torch.einsum("k,kij->ij", coefficients[1], bases[1])]
-    counter = _Ops()
+    counter = Count()
     with counter:
         fits = BasisFits(bases, actuals)
     waits = {"_local_scalar_dense", "_linalg_check_errors", "nonzero", "item"}
