@@ -215,6 +215,8 @@ class Capture:
 
     def uninstall(self) -> None:
         """Take the hooks off the model (the recorded forward pass stays)."""
+        if not self.installed:
+            return
         for handle in self._handles:
             handle.remove()
         self._handles = []
