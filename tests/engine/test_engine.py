@@ -119,6 +119,20 @@ def test_non_finite_loss_is_recorded_as_nan_with_a_warning():
     cockpit.close()
 
 
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_a_single_non_finite_loss_warns(bad):
+    """One sample's loss ±∞ or NaN (the rest finite) makes the step's losses non-finite."""
+    problem = make_problem("mlp_relu", 4)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.01)
+    cockpit = Cockpit(problem.model, [quantities.Loss()], optimizer=opt)
+    losses = problem.losses() * torch.tensor([1.0, bad, 1.0, 1.0])
+    with pytest.warns(RuntimeWarning, match="non-finite loss"):
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+        cockpit.get_output()
+    cockpit.close()
+
+
 def test_cockpit_adds_no_warnings_of_its_own_on_a_transformer():
     """torch.func.vmap notes that CPU flash attention has no batching rule; that concerns
     Cockpit's fallback rule, not the user, and must not reach the user's warnings."""

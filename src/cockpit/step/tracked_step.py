@@ -67,7 +67,8 @@ def check_block(run: WatchedRun, step: int, tracked: list[Quantity], losses: Ten
     needing = [q.name for q in tracked if q.needs_losses]
     if needing:
         losses = check_losses(losses, step, needing)
-        finite = torch.isfinite(losses.detach()).all()
+        with torch.no_grad():  # 0·ℓ_n is 0 for a finite loss, NaN otherwise
+            finite = losses.mul(0).sum().eq(0)
     changed = parameters_changed(run.tracker.model, run.tracker.param_names, run.params)
     problems = step_problems(step, losses, changed,
                              None if continued is None else continued.forwards, run.warn)
@@ -340,7 +341,7 @@ class TrackedStep:
             losses=stats.losses,
             stats=stats,
             batch_grads=stats.batch_grads,
-            params={k: p.detach() for k, p in run.params.items()},
+            params=run.detached_params(),
             initial_params=run.initial,
             learning_rate=run.learning_rate(),
             hist_spec=run.hist.spec,

@@ -42,10 +42,24 @@ class WatchedRun:
     ranks: int
     accumulating: bool
     start_time: float = field(default_factory=time.perf_counter)
+    _detached: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
     def stepped_params(self) -> dict[str, Tensor]:
         """The model's parameters the optimizer steps on (all without an optimizer)."""
         return stepped_params(self.optimizer, self.params)
+
+    def detached_params(self) -> dict[str, Tensor]:
+        """The parameters outside autograd: aliases of their data, no copies. An alias is kept
+        from step to step while it still covers its parameter's data exactly (a detach is
+        host work per tensor on an accelerator); ``p.data = …`` gets a fresh one, and so does
+        a sharded parameter at every step."""
+        kept = self._detached
+        fresh = {}
+        for name, p in self.params.items():
+            alias = kept.get(name)
+            fresh[name] = alias if alias is not None and _aliases(alias, p) else p.detach()
+        self._detached = fresh
+        return fresh
 
     def learning_rate(self) -> float | None:
         return learning_rate(self.optimizer, self.params)
@@ -53,3 +67,15 @@ class WatchedRun:
     def gradient_scale(self) -> float:
         """The GradScaler's factor in the gradients of the coming backward pass."""
         return 1.0 if self.grad_scaler is None else float(self.grad_scaler.get_scale())
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)  # (not DTensors and other subclasses: no data_ptr)
+
+
+def _aliases(alias: Tensor, param: Tensor) -> bool:
+    """Whether ``alias`` (a detached view kept from an earlier step) still shows exactly
+    ``param``'s data: the same memory, shape, strides and dtype (a replaced ``p.data``
+    moves the memory: the alias holds the old storage, so it cannot be reused)."""
+    return (type(param) in _PLAIN and alias.dtype == param.dtype and alias.device == param.device
+            and alias.shape == param.shape and alias.stride() == param.stride()
+            and alias.data_ptr() == param.data_ptr())
