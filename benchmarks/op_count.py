@@ -5,7 +5,8 @@ host issuing them; the count predicts it without a GPU. The third step of SGD wi
 (|B| = 128 by default) runs under a ``TorchDispatchMode``: the ops of the tracked step, of the
 same step without Cockpit, and each Cockpit function's share (the innermost frame in the
 package that issued the op; "the user's loop" is the model, the loss and the optimizer).
-``--path accelerator`` forces the histograms' accelerator path on the CPU, as on a GPU.
+``--path accelerator`` forces the accelerator paths on the CPU (histograms, batched curvature
+backpropagations), as on a GPU.
 
     python benchmarks/op_count.py                                   # economy, accelerator path
     python benchmarks/op_count.py --config business --path cpu --top 30

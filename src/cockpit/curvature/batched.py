@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from cockpit.engine.capture.hooks import Call
 from cockpit.engine.engine_view import EngineView
+from cockpit.engine.histograms.device import device_path
 
 # Layers whose rule reads one batched input ``args[0]`` (batch dimension first) and whose
 # individual gradients depend on nothing else: repeating the input repeats their samples.
@@ -54,12 +55,15 @@ def default_budget(device: torch.device) -> int:
 
 
 def use_batched(device: torch.device, batched: bool | None) -> bool:
-    """Whether to batch the backpropagations: ``batched`` if given, else on CUDA only.
+    """Whether to batch the backpropagations: ``batched`` if given, else on CUDA only (and
+    on the CPU where it stands in for an accelerator: :func:`device_path`'s ``forced``).
 
     On a 2-core CPU the loop is faster (the work, not the launches, dominates, and the loop
     unfolds each convolution's input once for all vectors; ``benchmarks/curvature_batched.py``)
     and needs no extra memory."""
-    return device.type == "cuda" if batched is None else batched
+    if batched is not None:
+        return batched
+    return device.type == "cuda" or (device.type == "cpu" and device_path(device))
 
 
 def _foldable_calls(engine: EngineView, n: int) -> list[Call] | None:

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from cockpit.engine import sharded
 from cockpit.engine.backward_state import BackwardState
+from cockpit.engine.capture.batch_gradients import BatchGradientCopies
 from cockpit.engine.capture.hooks import Call, Capture, Unit, layer_outputs, owner
 from cockpit.engine.histograms.auto_range import AutoRange
 from cockpit.engine.histograms.exact import BinSpec
@@ -103,6 +104,7 @@ class ModuleTracker:
         # The batch gradients of the last tracked step, reused as the copies of the next one
         # if it follows directly (a fresh parameter-sized tensor costs page faults).
         self._last_batch_grads: dict[str, Tensor] = {}
+        self.batch_copies = BatchGradientCopies()
         self.step_cache: dict = {}  # work shared by instruments within one tracked step
         self.processor = CallProcessor(self)
         self.capture = Capture(self)
@@ -192,6 +194,7 @@ class ModuleTracker:
         self.state.seen_grads = {}
         self.state.pure_grads = set()
         self.state.spare_grads, self._last_batch_grads = self._last_batch_grads, {}
+        self.batch_copies.discard()  # (a failed step may not have reached end())
         self.processor.begin()
         if self.sharded:  # the unsharded parameters hold all of θ during the backward pass
             self.gathered_params = self.capture.hook_unsharded_parameters()
@@ -385,6 +388,7 @@ class ModuleTracker:
             self.clear_calls()
             self.gathered_params = {}
         stats, self.stats = self.stats, None
+        self.batch_copies.copy(stats.batch_grads, self.state.spare_grads)  # (if still waiting)
         self.state.spare_grads = {}
         self._last_batch_grads = dict(stats.batch_grads)  # own copies, valid until next begin
         weight, n = self.loss_weight, stats.num_samples

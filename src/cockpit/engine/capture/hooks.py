@@ -360,19 +360,16 @@ class Capture:
             first = name not in stats.batch_grads
             if not first:  # (a leaf's hook fires once per backward pass)
                 engine.repeated_backward = True
-            if first:
-                spare = engine.state.spare_grads.pop(name, None)
-                if (spare is not None and spare.shape == grad.shape
-                        and spare.dtype == grad.dtype and spare.device == grad.device):
-                    stats.batch_grads[name] = spare.copy_(_detached(grad))
-                else:
-                    stats.batch_grads[name] = grad.detach().clone()
+            alias = grad.detach()  # (not the hook's tensor: autograd could not steal it)
+            if first:  # copied at the end of the backward pass, with every other parameter
+                engine.batch_copies.keep(name, alias, stats.batch_grads,
+                                         engine.state.spare_grads)
             else:
-                stats.batch_grads[name] = stats.batch_grads[name] + grad.detach()
+                stats.batch_grads[name] = stats.batch_grads[name] + alias
             if engine.direction_providers or GRAM_MEAN in engine.needs:
                 param = engine.params[name]
                 held = None if sharded.is_sharded(param.grad) else param.grad  # (deferred)
-                seen = grad.detach() if held is None else grad.detach() + held
+                seen = alias if held is None else alias + held
                 engine.state.seen_grads[name] = seen
                 if first and param.grad is None and name not in engine.state.multi_use:
                     engine.state.pure_grads.add(name)
