@@ -90,7 +90,7 @@ def _sample_bytes(call) -> int:
     x, y = call.args[0], call.outputs[0]
     module = call.unit.module
     kernel = math.prod(getattr(module, "kernel_size", (1,)))
-    per_sample = (x[0].numel() * kernel + y[0].numel()
+    per_sample = (math.prod(x.shape[1:]) * kernel + math.prod(y.shape[1:])
                   + sum(p.numel() for p in call.unit.params.values()))
     return per_sample * max(y.element_size(), 4)
 

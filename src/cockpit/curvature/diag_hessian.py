@@ -170,7 +170,7 @@ def check_graph(output: Tensor, calls) -> None:
 
 def num_backprops(calls) -> int:
     """Vector backpropagations the residual terms need: two per unit of z_n."""
-    return sum(2 * z[0].numel() for _, z, _ in calls if z.requires_grad)
+    return sum(2 * math.prod(z.shape[1:]) for _, z, _ in calls if z.requires_grad)
 
 
 def residual_diagonal(engine: EngineView, losses: Tensor, max_backprops: int,

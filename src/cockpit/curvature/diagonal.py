@@ -51,7 +51,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-import torch
 from torch import Tensor
 
 from cockpit.curvature.batched import batched_sum_sq_of_backprops, use_batched
@@ -59,6 +58,7 @@ from cockpit.curvature.diag_hessian import check_graph, num_backprops, residual_
 from cockpit.curvature.hutchinson import hutchinson_diagonal, hutchinson_replicates
 from cockpit.curvature.hvp import HessianVectorProduct
 from cockpit.curvature.loss_factors import exact_sqrt_factor, mc_sqrt_factor
+from cockpit.engine.dtypes import promote
 from cockpit.engine.engine_view import EngineView
 
 METHODS = ("auto", "diag_ggn_exact", "diag_ggn_mc", "hutchinson", "diag_hessian")
@@ -155,7 +155,7 @@ def resolve_method(method: str, engine: EngineView, mc_threshold: int, max_backp
     output = engine.model_output
     if output is None:
         return "hutchinson", "Cockpit did not see the model's output"
-    outputs_per_sample = output[0].numel() if output.dim() > 0 else 1
+    outputs_per_sample = math.prod(output.shape[1:])
     try:
         check_graph(output, engine.activation_calls)
         units = num_backprops(engine.activation_calls)
@@ -229,7 +229,7 @@ def _wider(value: Tensor, param: Tensor):
     """The dtype of a parameter's diagonal: the parameter's, or ``value``'s where wider (a
     layer computing in half precision under a mixed precision policy sums its squared
     backpropagations in float32: kept so)."""
-    return torch.promote_types(value.dtype, param.dtype)
+    return promote(value.dtype, param.dtype)
 
 
 def sum_sq_of_backprops(engine: EngineView, output: Tensor, vectors: Tensor, batched: bool | None,

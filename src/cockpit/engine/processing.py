@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from cockpit.engine.dtypes import promote
 from cockpit.engine.rules.batchnorm_frozen import (
     FROZEN_STATISTICS,
     frozen_batch_norm_rule,
@@ -480,7 +481,7 @@ def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
         return args, kwargs, grads
     dtypes = {v.dtype for v in (*args, *kwargs.values(), *grads)
               if isinstance(v, Tensor) and v.is_floating_point()}
-    wide = functools.reduce(torch.promote_types, dtypes | {torch.float32})
+    wide = functools.reduce(promote, dtypes | {torch.float32})
     if dtypes == {wide}:
         return args, kwargs, grads
     computed = grads[0].dtype

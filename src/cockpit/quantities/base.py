@@ -78,6 +78,16 @@ class StepData:
             cached = self.__dict__["_grad_sq_norms"] = sq_norms(list(self.batch_grads.values()))
         return cached
 
+    def losses_finite(self) -> Tensor | None:
+        """Whether every loss of the step is finite (:func:`all_finite`, formed once per
+        step), None without losses."""
+        if self.losses is None:
+            return None
+        cached = self.__dict__.get("_losses_finite")
+        if cached is None:
+            cached = self.__dict__["_losses_finite"] = all_finite(self.losses)
+        return cached
+
     def grad_sq_norm(self, name: str) -> float:
         """‖g_B‖² of one parameter tensor as a float (reads the device: for instruments
         outside the configurations only)."""
@@ -197,6 +207,13 @@ def sq_norm_tensor(x: Tensor) -> Tensor:
         return sharded.sq_norms([x])[0]
     flat = x.detach().reshape(-1)
     return torch.dot(flat, flat) if flat.is_floating_point() else flat.pow(2).sum()
+
+
+def all_finite(x: Tensor) -> Tensor:
+    """Whether every element of ``x`` is finite, a 0-dim bool tensor on x's device, in three
+    kernels (0·x is 0 for a finite x, NaN otherwise; ``isfinite(x).all()`` takes six)."""
+    with torch.no_grad():
+        return x.mul(0).sum().eq(0)
 
 
 def stacked_sq(norms: list[Tensor]) -> Tensor:

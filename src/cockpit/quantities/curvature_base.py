@@ -35,9 +35,10 @@ from cockpit.curvature.diagonal import (
     diagonal_replicates,
     resolve_method,
 )
+from cockpit.engine.dtypes import promote
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.readout import Later, Noted
-from cockpit.quantities.base import Quantity, StepData
+from cockpit.quantities.base import Quantity, StepData, all_finite
 from cockpit.schedules import Schedule
 
 NON_FINITE = "non-finite loss at this step: the curvature was not computed"
@@ -95,7 +96,7 @@ class DiagonalCurvatureQuantity(Quantity):
             return
         # (fully_shard: the unsharded parameters, gathered by the engine at the block's start)
         params = engine.graph_params()
-        finite = torch.isfinite(losses.detach()).all()
+        finite = _losses_finite(engine, losses)
         self._finite = finite if self._finite is None else self._finite & finite
         method, reason = resolve_method(self.curvature, engine, self.mc_threshold,
                                         self.max_backprops, self.fallback)
@@ -147,9 +148,14 @@ class DiagonalCurvatureQuantity(Quantity):
             n = losses.shape[0]
             # (a Hutchinson estimate in a mixed precision policy's half precision: summed
             # over micro-batches and processes in the parameters' own precision)
-            mean = {k: sum(r[k].to(torch.promote_types(r[k].dtype, engine.params[k].dtype))
-                           for r in replicates) / len(replicates) for k in replicates[0]}
-            engine.add_sample_sums(self.sample_sum_keys[0], {k: d * n for k, d in mean.items()})
+            names = list(replicates[0])
+            wide = [[r[k].to(promote(r[k].dtype, engine.params[k].dtype))
+                     for k in names] for r in replicates]
+            totals = (wide[0] if len(wide) == 1
+                      else [sum(parts) for parts in zip(*wide, strict=True)])
+            # N·(the replicates' mean): one multi-tensor kernel for all parameters
+            sums = torch._foreach_mul(totals, n / len(replicates))
+            engine.add_sample_sums(self.sample_sum_keys[0], dict(zip(names, sums, strict=True)))
             engine.step_cache[sums_key] = True
         return replicates
 
@@ -170,8 +176,8 @@ class DiagonalCurvatureQuantity(Quantity):
             data.notes[self.name] = NON_FINITE
             return False
         flag = self._finite
-        if data.losses is not None:
-            finite = torch.isfinite(data.losses.detach()).all()
+        finite = data.losses_finite()
+        if finite is not None:
             flag = finite if flag is None else flag & finite.to(flag.device)
         return True if flag is None else flag
 
@@ -195,7 +201,7 @@ class DiagonalCurvatureQuantity(Quantity):
         if not sums or not data.stats.num_samples:
             raise RuntimeError("the curvature of this step was not computed")
         n = data.stats.num_samples
-        return {k: s / n for k, s in sums.items()}
+        return dict(zip(sums, torch._foreach_div(list(sums.values()), float(n)), strict=True))
 
     def replicate_diagonals(self, data) -> list[dict[str, Tensor]] | None:
         """The stochastic method's independent replicate diagonals of the step's mean loss
@@ -230,3 +236,12 @@ def standard_error(values: list[float]) -> float:
     m = len(values)
     mean = math.fsum(values) / m
     return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (m - 1) / m)
+
+
+def _losses_finite(engine: EngineView, losses: Tensor) -> Tensor:
+    """:func:`all_finite` of the block's losses, formed once for every curvature instrument."""
+    key = ("losses finite", id(losses))
+    cached = engine.step_cache.get(key)
+    if cached is None or cached[0] is not losses:
+        cached = engine.step_cache[key] = (losses, all_finite(losses))
+    return cached[1]

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from cockpit.curvature.diagonal import hessian_vector_product
+from cockpit.engine.dtypes import promote
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.reduction.ranks import summed_over_ranks
 from cockpit.quantities.base import Quantity, StepData
@@ -110,7 +111,7 @@ def batch_matvec(engine: EngineView, losses: Tensor, params: Mapping[str, Tensor
 def iteration_dtype(params: Mapping[str, Tensor]) -> tuple[torch.dtype, torch.device]:
     """The dtype (the parameters', at least float32) and device of the Krylov vectors."""
     first = next(iter(params.values()))
-    return torch.promote_types(first.dtype, torch.float32), first.device
+    return promote(first.dtype, torch.float32), first.device
 
 
 class HessianOperatorQuantity(Quantity):

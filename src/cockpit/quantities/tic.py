@@ -51,15 +51,22 @@ class TICDiag(_TIC):
         stats = data.stats
         assert stats is not None
         n = stats.num_samples
-        terms, slopes = [], {}
-        for name, second_moment in stats.sum_sq.items():
-            h = diagonal[name].double()
-            curvature = h.clamp(min=0) + self.eps
-            terms.append((second_moment.double() / curvature).sum())
-            slopes[name] = -(second_moment.double() / curvature.pow(2)) * (h > 0) / n
+        names = list(stats.sum_sq)
+        second_moments = [stats.sum_sq[k].double() for k in names]
+        hs = [diagonal[k].double() for k in names]
+        # every parameter's terms in a few multi-tensor kernels: Σ_j s_j / (max(h_j, 0) + ε),
+        # a sum of non-negative terms (s_j ≥ 0), i.e. the ℓ1 norm of the ratios
+        curvatures = torch._foreach_clamp_min(hs, 0.0) if hs else []
+        if hs and self.eps:
+            torch._foreach_add_(curvatures, self.eps)
+        ratios = torch._foreach_div(second_moments, curvatures) if hs else []
+        parts = [torch.stack(torch._foreach_norm(ratios, ord=1, dtype=torch.float64))
+                 if ratios else torch.zeros(0, dtype=torch.float64)]
         replicates = self.replicate_diagonals(data)
-        parts = [torch.stack(terms) if terms else torch.zeros(0, dtype=torch.float64)]
         if replicates is not None:
+            # the first-order change of each term with h_j: −s_j / c_j² where h_j > 0
+            slopes = {k: -(ratio / curvature) * (h > 0) / n for k, ratio, curvature, h
+                      in zip(names, ratios, curvatures, hs, strict=True)}
             parts.append(torch.stack([torch.stack([(slopes[k] * r[k].double()).sum()
                                                    for k in slopes]) for r in replicates]))
 

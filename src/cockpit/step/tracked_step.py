@@ -43,7 +43,7 @@ from cockpit.loop_checks import (
     report_backward_outside,
     step_problems,
 )
-from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.quantities.base import Quantity, StepData, Value, all_finite
 from cockpit.step import instruments
 from cockpit.step.instrument_traits import describes_the_batch, problem_of, reads_gradient
 from cockpit.step.watched_run import WatchedRun
@@ -67,8 +67,7 @@ def check_block(run: WatchedRun, step: int, tracked: list[Quantity], losses: Ten
     needing = [q.name for q in tracked if q.needs_losses]
     if needing:
         losses = check_losses(losses, step, needing)
-        with torch.no_grad():  # 0·ℓ_n is 0 for a finite loss, NaN otherwise
-            finite = losses.mul(0).sum().eq(0)
+        finite = all_finite(losses)
     changed = parameters_changed(run.tracker.model, run.tracker.param_names, run.params)
     problems = step_problems(step, losses, changed,
                              None if continued is None else continued.forwards, run.warn)

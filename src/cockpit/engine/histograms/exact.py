@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cockpit.engine.dtypes import promote
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms import rounding
 
@@ -440,7 +441,7 @@ def _device_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """The values' common dtype where it is float32/float64; float16/bfloat16 are binned as
     float32, which holds them (no ``torch.promote_types`` where the dtypes agree: it is an
     op of its own)."""
-    dtype = dtypes[0] if len(set(dtypes)) == 1 else functools.reduce(torch.promote_types, dtypes)
+    dtype = dtypes[0] if len(set(dtypes)) == 1 else functools.reduce(promote, dtypes)
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
@@ -501,7 +502,7 @@ def _outer_materialized(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor
     device = delta.device
     if N * I * J == 0:
         return torch.zeros(spec.bins, dtype=torch.long, device=device), 0
-    dtype = torch.promote_types(delta.dtype, a.dtype)
+    dtype = promote(delta.dtype, a.dtype)
     size = _chunk_size(device, N * I * J)
     rows_i = max(1, min(I, size // J))
     rows_n = max(1, size // (rows_i * J)) if rows_i == I else 1

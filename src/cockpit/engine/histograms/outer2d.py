@@ -73,6 +73,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from cockpit.engine.dtypes import promote
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms import rounding
 from cockpit.engine.histograms.exact import (
@@ -164,7 +165,7 @@ def histogram2d_outer(
     N, I = delta.shape
     J = a.shape[1]
     _check_shapes(delta, a, theta)
-    dtype = torch.promote_types(delta.dtype, a.dtype)
+    dtype = promote(delta.dtype, a.dtype)
     if N * I * J == 0:
         shape = (spec_g.bins, spec_theta.bins)
         return torch.zeros(shape, dtype=torch.long, device=delta.device), 0

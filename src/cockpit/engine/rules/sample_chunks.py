@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.histograms.exact import BinSpec
-from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads, total_of
 
 
 def samples_per_chunk(per_sample_bytes: int, budget: int) -> int:
@@ -85,7 +85,7 @@ class SampleChunks(SampleGrads):
         return torch.cat([p.dots_many(us) for p in self.parts()], dim=1)
 
     def sum_sq(self) -> Tensor:
-        return sum(p.sum_sq().double() for p in self.parts())  # type: ignore[return-value]
+        return total_of(p.sum_sq().double() for p in self.parts())
 
     def centered_sum_sq(self) -> Tensor:
         merged: tuple[Tensor, Tensor, int] | None = None
@@ -96,7 +96,7 @@ class SampleChunks(SampleGrads):
         return merged[0]
 
     def histogram(self, spec: BinSpec) -> Tensor:
-        return sum(p.histogram(spec) for p in self.parts())  # type: ignore[return-value]
+        return total_of(p.histogram(spec) for p in self.parts())
 
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
         return sum(p.histogram2d(theta, spec_g, spec_theta)  # type: ignore[return-value]

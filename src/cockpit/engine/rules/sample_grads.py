@@ -33,12 +33,16 @@ are formed in the gradients' dtype and summed with a float64 accumulator.
 
 from __future__ import annotations
 
+import functools
+import math
+import operator
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
+from cockpit.engine.dtypes import promote
 from cockpit.engine.histograms.device import device_path
 from cockpit.engine.histograms.exact import (
     BinSpec,
@@ -116,7 +120,7 @@ class SampleGrads(ABC):
 
     def batch_mean(self) -> Tensor:
         # 1ᵀG is a BLAS matrix-vector product: twice as fast as a reduction over dim 0
-        total = sum(c.new_ones(c.shape[0]) @ _rows(c) for c in self.chunks())
+        total = total_of(c.new_ones(c.shape[0]) @ _rows(c) for c in self.chunks())
         return self.from_rows(total) / self.num_samples
 
     def gram_mean(self) -> Tensor:
@@ -132,13 +136,13 @@ class SampleGrads(ABC):
         return _cat([stacked.to(c.dtype) @ _rows(c).T for c in self.chunks()], dim=1)
 
     def sum_sq(self) -> Tensor:
-        return self.from_rows(sum(_sum_sq_64(c) for c in self.chunks()))
+        return self.from_rows(total_of(_sum_sq_64(c) for c in self.chunks()))
 
     def centered_sum_sq(self) -> Tensor:
         chunks = self.chunks()
         if chunks[0].dtype == torch.float64 or self.shape.numel() < 2**14:
-            mean = sum(c.sum(0, dtype=torch.float64) for c in chunks) / self.num_samples
-            return self.from_rows(sum((c.double() - mean).pow(2).sum(0) for c in chunks))
+            mean = total_of(c.sum(0, dtype=torch.float64) for c in chunks) / self.num_samples
+            return self.from_rows(total_of((c.double() - mean).pow(2).sum(0) for c in chunks))
         # Shifted sums (stable): with m ≈ ḡ from a float32 product, accumulate d_n = g_n − m
         # and d_n ⊙ d_n row by row in cache; Σ(g_n − ḡ)² = Σ d_n² − (Σ d_n)²/N exactly, and
         # the correction is tiny because m is close to ḡ.
@@ -165,6 +169,11 @@ class SampleGrads(ABC):
                                         self.to_rows(theta), spec_g, spec_theta)
 
 
+def total_of(tensors: Iterable[Tensor]) -> Tensor:
+    """The sum of the tensors (``sum()`` would add its start value 0: one op more)."""
+    return functools.reduce(operator.add, tensors)
+
+
 def _rows(c: Tensor) -> Tensor:
     """A chunk [n, *shape] as rows [n, D] (also for a 0-dim parameter: chunk [n] → [n, 1])."""
     return c if c.dim() == 2 else c.reshape(c.shape[0], -1)
@@ -180,7 +189,7 @@ def _sum_sq_64(c: Tensor) -> Tensor:
     accumulator (unlike the centered sums), so it is formed in c's dtype: for large
     samples one fused multiply-add per sample into a cache-resident accumulator (6× faster
     on a CPU than squaring the whole [N, D] block and reducing over dim 0)."""
-    if c.shape[0] <= 1 or c[0].numel() < 2**14 or device_path(c.device):
+    if c.shape[0] <= 1 or math.prod(c.shape[1:]) < 2**14 or device_path(c.device):
         return (c * c).sum(0).double()  # (accelerators: one kernel, not one per sample)
     total = c[0] * c[0]
     for row in c[1:]:
@@ -235,7 +244,7 @@ class OuterSampleGrads(SampleGrads):
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.promote_types(self.delta.dtype, self.a.dtype)
+        return promote(self.delta.dtype, self.a.dtype)
 
     def select(self, start: int, stop: int) -> SampleGrads:
         return OuterSampleGrads(self.delta[start:stop], self.a[start:stop])
@@ -312,7 +321,7 @@ class SequenceOuterSampleGrads(SampleGrads):
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.promote_types(self.delta.dtype, self.a.dtype)
+        return promote(self.delta.dtype, self.a.dtype)
 
     def select(self, start: int, stop: int) -> SampleGrads:
         return SequenceOuterSampleGrads(self.delta[start:stop], self.a[start:stop])

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from cockpit.engine.dtypes import promote
 from cockpit.engine.statistics.registry import REGISTRY, Merge
 
 # g_nᵀ u for registered directions u, per parameter, [K, N]: formed in the fused dot pass
@@ -168,7 +169,7 @@ def _concat(a: dict[str, Tensor], b: dict[str, Tensor], na: int, nb: int, dim: i
             x = _zero_like_samples(y, na, dim)  # type: ignore[arg-type]
         if y is None:
             y = _zero_like_samples(x, nb, dim)
-        out[name] = torch.cat([x, y.to(device=x.device, dtype=torch.promote_types(x.dtype,
+        out[name] = torch.cat([x, y.to(device=x.device, dtype=promote(x.dtype,
                                                                                   y.dtype))],
                               dim=dim)
     return out
