@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor
 
 from cockpit.curvature.batched import batched_sum_sq_of_backprops, use_batched
@@ -315,8 +316,10 @@ def diagonal_curvature(
             factor = mc_sqrt_factor(f, kind, num_samples=num_samples, generator=generator,
                                     mse_reduction=mse_reduction)
         sums = sum_sq_of_backprops(engine, output, factor, batched)[0]
-        return {k: sums[k].to(_wider(sums[k], p)) / n if k in sums else p.new_zeros(p.shape)
-                for k, p in params.items()}
+        reached = [k for k in params if k in sums]
+        means = dict(zip(reached, torch._foreach_div(  # (one kernel for all parameters)
+            [sums[k].to(_wider(sums[k], params[k])) for k in reached], float(n)), strict=True))
+        return {k: means[k] if k in means else p.new_zeros(p.shape) for k, p in params.items()}
     if method == "hutchinson":
         hvp = hessian_vector_product(engine, losses, params)
         with engine.suspended():
