@@ -19,9 +19,14 @@ from cockpit.engine.rules.sample_grads import (
 
 @register_rule(nn.Linear)
 def linear_rule(
-    module: nn.Linear, args: tuple, kwargs: dict, output: Tensor, grad_output: Tensor
+    module: nn.Linear, args: tuple, kwargs: dict, output: Tensor, grad_output: Tensor,
+    scale: float = 1.0,
 ) -> dict[str, SampleGrads]:
+    """``scale``: the factor δ = scale · ``grad_output`` (1/w of a uniform loss weight w:
+    one multiplication instead of the division of the output gradient by w_n per sample)."""
     a = args[0] if args else kwargs["input"]
+    if scale != 1.0:
+        grad_output = grad_output * scale
     n = a.shape[0]
     grads: dict[str, SampleGrads] = {}
     if a.dim() == 1:
@@ -43,3 +48,6 @@ def linear_rule(
     if module.bias is not None and module.bias.requires_grad:
         grads["bias"] = DenseSampleGrads(delta_seq.sum(1))
     return grads
+
+
+linear_rule.takes_scale = True  # type: ignore[attr-defined]
