@@ -413,6 +413,30 @@ class KeepingSGD(torch.optim.SGD):
     """Subclass that keeps the base step: predicted."""
 
 
+def test_a_step_replaced_later_is_noticed():
+    """The supported base is kept between calls, but not once ``step`` is replaced: on the
+    optimizer (a wrapper) or on its class."""
+    model = make_model()
+    params = list(model.parameters())
+
+    class LaterOverridden(torch.optim.SGD):
+        pass
+
+    sgd = LaterOverridden(params, lr=0.1)
+    assert supports(sgd)
+    original = sgd.step
+
+    def wrapped(*args, **kwargs):  # no functools.wraps: not the base's step any more
+        return original(*args, **kwargs)
+
+    sgd.step = wrapped
+    assert unsupported_reason(sgd) == UnsupportedOptimizer.STEP_OVERRIDDEN
+    del sgd.step
+    assert supports(sgd)
+    LaterOverridden.step = lambda self, closure=None: None
+    assert unsupported_reason(sgd) == UnsupportedOptimizer.STEP_OVERRIDDEN
+
+
 def test_unsupported_optimizers_return_none():
     model = make_model()
     params = list(model.parameters())

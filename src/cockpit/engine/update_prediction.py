@@ -88,7 +88,22 @@ def _raw_function(function: object) -> object:
 
 
 def supported_base(optimizer: Optimizer) -> type[Optimizer] | None:
-    """The supported base class whose unmodified ``step`` ``optimizer`` uses, else None."""
+    """The supported base class whose unmodified ``step`` ``optimizer`` uses, else None
+    (asked per parameter and step: the answer is kept while the optimizer's class, the
+    class's ``step`` and the optimizer's own ``step`` attribute stay the same objects)."""
+    key = (type(optimizer), type(optimizer).step, optimizer.__dict__.get("step"))
+    cached = _BASES.get(optimizer)
+    if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
+        return cached[1]
+    base = _supported_base(optimizer)
+    _BASES[optimizer] = (key, base)
+    return base
+
+
+_BASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _supported_base(optimizer: Optimizer) -> type[Optimizer] | None:
     for base in SUPPORTED_CLASSES:
         if isinstance(optimizer, base):
             expected = _raw_function(base.step)

@@ -8,6 +8,7 @@ for all): records keep their order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -216,4 +217,7 @@ class Recorder:
 
 def has_value(values: dict[str, Value], name: str) -> bool:
     """Whether ``values`` hold instrument ``name`` (or only its per-parameter entries)."""
-    return name in values or any(key.startswith(name + "/") for key in values)
+    if name in values:
+        return True
+    # (no generator: called per instrument and step, over every per-parameter key)
+    return any(map(str.startswith, values, itertools.repeat(name + "/")))
