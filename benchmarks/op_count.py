@@ -10,12 +10,16 @@ backpropagations), as on a GPU.
 
     python benchmarks/op_count.py                                   # economy, accelerator path
     python benchmarks/op_count.py --config business --path cpu --top 30
+
+It also counts the Python calls of the tracked step (``sys.setprofile``, without the op
+counter): Cockpit's own functions, other Python code (torch's), builtins.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import sys
 import traceback
 from pathlib import Path
 
@@ -47,8 +51,31 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(config: str | None, batch: int) -> CountOps:
-    """The third step's ops (``config`` None: without Cockpit)."""
+class CountCalls:
+    """Python function calls (and calls of builtins), by whether Cockpit's code made them:
+    host work per step beside the ops (each call costs the host time a GPU waits for)."""
+
+    def __init__(self):
+        self.calls: collections.Counter = collections.Counter()
+
+    def __enter__(self):
+        sys.setprofile(self._event)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+    def _event(self, frame, event, arg):
+        if event == "call":
+            self.calls["cockpit" if frame.f_code.co_filename.startswith(PACKAGE)
+                       else "other Python"] += 1
+        elif event == "c_call":
+            self.calls["builtins"] += 1
+
+
+def count(config: str | None, batch: int, counter=None):
+    """The third step's ops (``config`` None: without Cockpit); ``counter``: another
+    context that watches the step (:class:`CountCalls`)."""
     torch.manual_seed(0)
     model = cifar10_3c3d()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -68,7 +95,7 @@ def count(config: str | None, batch: int) -> CountOps:
 
     step(0)
     step(1)
-    counter = CountOps()
+    counter = CountOps() if counter is None else counter
     with counter:
         step(2)
     if watcher is not None:
@@ -92,6 +119,9 @@ def main() -> None:
     print(f"{args.config}, {args.path} path, |B| = {args.batch}: {total} aten ops in a tracked "
           f"step, {plain} without Cockpit ({total / plain:.1f}×)")
     print("ops:", ", ".join(f"{k} {v}" for k, v in tracked.ops.most_common(12)))
+    calls = count(args.config, args.batch, CountCalls()).calls
+    print(f"Python calls in the tracked step: {sum(calls.values())} ("
+          + ", ".join(f"{k} {v}" for k, v in calls.most_common()) + ")")
     for where, n in tracked.where.most_common(args.top):
         print(f"{n:7d}  {where}")
 

@@ -17,8 +17,12 @@ def test_op_count_lists_the_ops_of_a_tracked_step_by_function():
         [sys.executable, "benchmarks/op_count.py", "--batch", "4", "--top", "50"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    head, ops, *rows = result.stdout.strip().splitlines()
+    head, ops, calls, *rows = result.stdout.strip().splitlines()
     assert ops.startswith("ops: ")
+    by_kind = dict(re.findall(r"(builtins|cockpit|other Python) (\d+)", calls))
+    assert int(by_kind["cockpit"]) > 0 and int(by_kind["builtins"]) > 0
+    assert int(re.search(r"Python calls in the tracked step: (\d+)", calls).group(1)) == sum(
+        map(int, by_kind.values()))
     tracked, plain = map(int, re.search(r"(\d+) aten ops .*, (\d+) without", head).groups())
     assert tracked > plain > 0
     shares = {line.split(maxsplit=1)[1]: int(line.split()[0]) for line in rows}

@@ -93,7 +93,8 @@ def supported_base(optimizer: Optimizer) -> type[Optimizer] | None:
     class's ``step`` and the optimizer's own ``step`` attribute stay the same objects)."""
     key = (type(optimizer), type(optimizer).step, optimizer.__dict__.get("step"))
     cached = _BASES.get(optimizer)
-    if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
+    if (cached is not None and cached[0][0] is key[0] and cached[0][1] is key[1]
+            and cached[0][2] is key[2]):
         return cached[1]
     base = _supported_base(optimizer)
     _BASES[optimizer] = (key, base)
@@ -125,8 +126,8 @@ def _group_reason(group: dict) -> str | None:
         return UnsupportedOptimizer.DIFFERENTIABLE
     for key in _RULE_KEYS:  # keys the rules read (schedulers add e.g. a tensor "initial_lr")
         value = group.get(key)
-        values = value if isinstance(value, tuple) else (value,)
-        if any(isinstance(v, Tensor) for v in values):
+        if isinstance(value, Tensor) or (isinstance(value, tuple)
+                                         and any(isinstance(v, Tensor) for v in value)):
             return UnsupportedOptimizer.TENSOR_HYPERPARAMETER
     lr = group.get("lr")
     if isinstance(lr, Tensor) and (lr.numel() != 1 or lr.requires_grad):
