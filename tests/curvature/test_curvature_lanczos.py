@@ -254,3 +254,38 @@ def test_stopping_rule_errs_only_for_a_small_start_component(dtype):
     assert erred, "no run erred: the test would not see a broken rule"
     assert max(erred) <= delta
     assert len(erred) <= delta * runs + 3 * (runs * delta * (1 - delta)) ** 0.5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 1e-5)])
+def test_krylov_basis_keeps_nearly_parallel_vectors_orthonormal(dtype, tol):
+    """Vectors that differ by 1e-6 of their length (the Krylov vectors of a clustered
+    spectrum): after orthogonalization against the blocked basis, QQᵀ = I to working
+    precision; rows, truncation and Σ c_i q_i agree with the explicit basis."""
+    from cockpit.curvature.lanczos import KrylovBasis
+
+    g = torch.Generator().manual_seed(0)
+    d = 300
+    base = torch.randn(d, generator=g, dtype=torch.float64)
+    basis, rows = KrylovBasis(), []
+    for _ in range(11):  # blocks of 4: two full, one partly filled
+        w = (base + 1e-6 * torch.randn(d, generator=g, dtype=torch.float64)).to(dtype)
+        q = basis.orthogonalize(w)
+        q = q / torch.linalg.vector_norm(q)
+        basis.append(q)
+        rows.append(q.double())
+    Q = torch.stack(rows)
+    assert len(basis) == 11
+    assert torch.allclose(Q @ Q.T, torch.eye(11, dtype=torch.float64), atol=tol, rtol=0)
+    assert all(torch.equal(basis[i].double(), rows[i]) for i in range(11))
+    assert torch.equal(basis[-1].double(), rows[-1])
+    c = torch.randn(11, generator=g, dtype=torch.float64)
+    combined = basis.combine(c.tolist()).double()
+    assert torch.allclose(combined, (c.to(dtype).double() @ Q), atol=50 * tol, rtol=0)
+    basis.truncate(5)
+    assert len(basis) == 5
+    with pytest.raises(IndexError):
+        basis[5]
+    w = basis.orthogonalize(rows[7].to(dtype)).double()
+    assert torch.allclose(Q[:5] @ w, torch.zeros(5, dtype=torch.float64), atol=tol, rtol=0)
+    basis.append(rows[9].to(dtype))
+    assert torch.equal(basis[5].double(), rows[9])
