@@ -6,13 +6,17 @@ coefficients ``c`` with ``a ≈ Vᵀc``, accepted when ``‖a − Vᵀc‖ ≤ r
 :class:`BasisFits` forms every tensor's fit on the device without reading it (normal
 equations VVᵀc = Va in the tensors' dtype, solved in float64 by LU, residuals measured
 directly); :meth:`BasisFits.accept` decides on the host copy and solves once more, from
-normal equations accumulated in float64 (SVD on the host), what failed.
+normal equations accumulated in float64 (SVD on the host), what failed. On the
+accelerators' path the fits of all tensors are formed at once, in a fixed number of ops
+(:func:`_fit_in_blocks`); on the CPU one tensor at a time, without a copy of the bases.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -69,7 +73,13 @@ class BasisFits:
     reading it: ``coefficients`` (float64, every tensor's c in turn) solve each tensor's
     normal equations VVᵀc = Va (BLAS products in the tensors' dtype, solved in float64),
     ``residual_norms`` (float64) are ‖a − Vᵀc‖ of each, measured directly. On the host,
-    :meth:`accept` decides by them and solves once more what failed.
+    :meth:`accept` decides by them and solves once more what failed. ``problems``: (V, a)
+    of each tensor as given (V [k, *shape] or [k, D], a [*shape]).
+
+    On the accelerators' path (plain tensors on one device) all fits are formed together,
+    per dtype and basis size, in blocks (:func:`_fit_in_blocks`: a fixed number of ops for
+    any number of tensors, a copy of the bases and updates while it runs); elsewhere (the
+    CPU path: no such copy; sharded tensors; several devices) one tensor at a time.
 
     The k×k systems (k ≤ 3) are scaled to a unit diagonal (Jacobi) and solved by LU
     (``solve_ex``: no error check, which would read the device); a row of zeros (a zero
@@ -79,20 +89,22 @@ class BasisFits:
     """
 
     def __init__(self, bases: Sequence[Tensor | Sequence[Tensor]], actuals: Sequence[Tensor]):
-        self.problems = []  # (V, a) per tensor
+        self.problems = []  # (V [k, *shape], a [*shape]) per tensor, not flattened (views)
         for basis, actual in zip(bases, actuals, strict=True):
-            target = actual if actual.dim() == 1 else actual.reshape(-1)  # (a view: host work)
             k = len(basis)
             if k == 0:
-                vectors = target[:0].view(0, -1)
+                vectors = actual.reshape(-1)[:0].view(0, -1)
             elif isinstance(basis, Tensor):
-                vectors = (basis if basis.dim() == 2 else basis.reshape(k, -1)).to(target.dtype)
+                vectors = basis.to(actual.dtype)
             else:
-                vectors = torch.stack([b.reshape(-1).to(target.dtype) for b in basis])
-            self.problems.append((vectors, target))
+                vectors = torch.stack([b.reshape(actual.shape).to(actual.dtype) for b in basis])
+            self.problems.append((vectors, actual))
         device = actuals[0].device if actuals else torch.device("cpu")
+        if _in_blocks(self.problems, device):
+            self.coefficients, self.residual_norms = _fit_in_blocks(self.problems, device)
+            return
         self.coefficients = _solve_on_device(
-            [_normal_equations(v, t) for v, t in self.problems], device)
+            [_normal_equations(*_flat(v, t)) for v, t in self.problems], device)
         self.residual_norms = _residual_norms(self.problems, self.coefficients, device)
 
     def accept(self, residual_norms: Sequence[float], rtol: float, atols: Sequence[float],
@@ -117,7 +129,7 @@ class BasisFits:
                 answer[index] = None
                 retry.append((index, vectors, target, tolerance))
         if retry:
-            systems = [_normal_equations_float64(v, t) for _, v, t, _ in retry]
+            systems = [_normal_equations_float64(*_flat(v, t)) for _, v, t, _ in retry]
             host = to_host(_flat_systems(systems, retry[0][2].device)).numpy()
             answer.update(_fit_on_host(retry, host))
         return answer
@@ -135,19 +147,175 @@ def _solve_on_device(systems: list[tuple[Tensor, Tensor]], device: torch.device)
             continue
         grams = torch.stack([systems[i][0].to(device) for i in indices]).double()
         rhs = torch.stack([systems[i][1].to(device) for i in indices]).double()
-        diagonal = grams.diagonal(dim1=1, dim2=2)
-        live = diagonal > 0
-        scale = torch.where(live, diagonal, 1.0).rsqrt_().mul_(live)
-        scaled = grams.mul_(scale.unsqueeze(2) * scale.unsqueeze(1))
-        scaled.diagonal(dim1=1, dim2=2).add_(~live)  # zero rows: c = 0
-        solution = torch.linalg.solve_ex(scaled, (rhs * scale).unsqueeze(2)).result
-        solved = solution.squeeze(2).mul_(scale)
+        solved = _solve_batched(grams, rhs)
         if len(by_size) == 1:
             return solved.reshape(-1)
         pieces.update(zip(indices, solved.unbind(0), strict=True))
     if not pieces:
         return torch.zeros(0, dtype=torch.float64, device=device)
     return torch.cat([pieces[i] for i in range(len(systems)) if i in pieces])
+
+
+def _solve_batched(grams: Tensor, rhs: Tensor) -> Tensor:
+    """c of the float64 systems ``grams`` [n, k, k] c = ``rhs`` [n, k] (``grams`` is
+    overwritten): Jacobi-scaled, a zero row gives c = 0, solved by LU (see
+    :class:`BasisFits`)."""
+    diagonal = grams.diagonal(dim1=1, dim2=2)
+    zero = diagonal == 0
+    scale = diagonal.add(zero).rsqrt_()  # (a zero row: 1)
+    grams.mul_(scale.unsqueeze(2) * scale.unsqueeze(1))
+    diagonal.add_(zero)  # a zero row's equation: c = Va = 0
+    solution = torch.linalg.solve_ex(grams, (rhs * scale).unsqueeze(2)).result
+    return solution.squeeze(2).mul_(scale)
+
+
+# Elements per block of the batched fit (accelerators). Each block's (k+1)×(k+1) Gram matrix
+# sums b products in the tensors' dtype (the blocks are then summed in float64); a tensor's
+# rows are padded with zeros to whole blocks (< b elements each); the Gram matrices take
+# (k+1)²/b of the rows' memory (< 2 % for k ≤ 3); and 1024 × (k+1) elements per block keep
+# the batched products efficient kernels (not thousands of tiny matrices).
+_BLOCK = 1024
+
+
+def _in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device) -> bool:
+    """Whether the fits are formed all at once (:func:`_fit_in_blocks`): on the
+    accelerators' path, plain floating-point tensors on one device (sharded ones, DTensors,
+    and tensors on several devices take the fits one tensor at a time)."""
+    return bool(problems) and device_path(device) and all(
+        type(target) is Tensor and type(vectors) is Tensor and target.is_floating_point()
+        and target.device == device and vectors.device == device
+        for vectors, target in problems)
+
+
+class _Group(NamedTuple):
+    """Problems of one dtype and basis size k, laid out as rows ``F`` [k + 1, blocks·b]:
+    the k basis vectors and the target, each tensor in whole blocks of b elements."""
+
+    members: list[int]  # indices of the problems, in order
+    k: int
+    dtype: torch.dtype
+    blocks: int  # in all
+    pads: list[tuple[Tensor, Tensor] | None]  # per member: zeros after V [k, p] and a [p]
+    owner: Tensor  # [blocks]: the member (position in ``members``) of each block
+    lengths: Tensor  # [members]: blocks per member
+
+
+class _Layout(NamedTuple):
+    groups: list[_Group]
+    coefficient_order: Tensor | None  # the groups' coefficients → problem order (None: same)
+    norm_order: Tensor | None  # the groups' residual norms → problem order
+
+
+# Layouts recently used (the same parameters every tracked step): key → _Layout.
+_LAYOUTS: OrderedDict[tuple, _Layout] = OrderedDict()
+_LAYOUTS_KEPT = 4
+
+
+def _layout(problems: list[tuple[Tensor, Tensor]], device: torch.device) -> _Layout:
+    """The blocks of ``problems`` (cached: built on the host once per set of shapes, its
+    index tensors moved to ``device`` without waiting)."""
+    key = (device, tuple((len(v), t.numel(), t.dtype) for v, t in problems))
+    layout = _LAYOUTS.get(key)
+    if layout is not None:
+        _LAYOUTS.move_to_end(key)
+        return layout
+    by_kind: dict[tuple[torch.dtype, int], list[int]] = {}
+    for index, (vectors, target) in enumerate(problems):
+        by_kind.setdefault((target.dtype, len(vectors)), []).append(index)
+    groups, coefficient_slots, norm_slots = [], [], []
+    for (dtype, k), members in by_kind.items():
+        counts = [max(1, -(-problems[i][1].numel() // _BLOCK)) for i in members]
+        widest = max(n * _BLOCK - problems[i][1].numel() for n, i in zip(counts, members,
+                                                                          strict=True))
+        zeros = torch.zeros((k + 1) * widest, dtype=dtype, device=device)
+        pads = []
+        for n, i in zip(counts, members, strict=True):
+            pad = n * _BLOCK - problems[i][1].numel()
+            pads.append((zeros[: k * pad].view(k, pad), zeros[:pad]) if pad else None)
+        owner = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(counts))
+        groups.append(_Group(members, k, dtype, sum(counts), pads, to_device(owner, device),
+                             to_device(torch.tensor(counts), device)))
+        coefficient_slots += [(i, r) for i in members for r in range(k)]
+        norm_slots += members
+    coefficient_order = _order(coefficient_slots, device)
+    norm_order = _order(norm_slots, device)
+    layout = _Layout(groups, coefficient_order, norm_order)
+    _LAYOUTS[key] = layout
+    while len(_LAYOUTS) > _LAYOUTS_KEPT:
+        _LAYOUTS.popitem(last=False)
+    return layout
+
+
+def _order(slots: list, device: torch.device) -> Tensor | None:
+    """The index that gathers values listed by ``slots`` in sorted order (None: already)."""
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    if order == list(range(len(slots))):
+        return None
+    return to_device(torch.tensor(order), device)
+
+
+def _fit_in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device
+                   ) -> tuple[Tensor, Tensor]:
+    """``coefficients`` and ``residual_norms`` of :class:`BasisFits`, every tensor at once:
+    per dtype and basis size, the rows ``F`` = [V; a] of all tensors in blocks of b elements
+    (:class:`_Group`); one batched product gives every block's Gram matrix F_j F_jᵀ (VVᵀ,
+    Va), summed per tensor in float64; one batched solve; the residuals a − Vᵀc of every
+    block by one batched product (written over F's row a), their squares summed per tensor
+    in float64. A fixed number of ops for any number of tensors; F is a copy of the bases
+    and targets while the fit runs (the residuals take its row a)."""
+    layout = _layout(problems, device)
+    with torch.no_grad():
+        fitted = [_fit_group(problems, group, device) for group in layout.groups]
+        if len(fitted) == 1:
+            return fitted[0]
+        coefficients = torch.cat([c for c, _ in fitted])
+        norms = torch.cat([r for _, r in fitted])
+    if layout.coefficient_order is not None:
+        coefficients = coefficients.index_select(0, layout.coefficient_order)
+    if layout.norm_order is not None:
+        norms = norms.index_select(0, layout.norm_order)
+    return coefficients, norms
+
+
+def _fit_group(problems: list[tuple[Tensor, Tensor]], group: _Group, device: torch.device
+               ) -> tuple[Tensor, Tensor]:
+    """Coefficients (every member's c in turn) and residual norms of one :class:`_Group`."""
+    k = group.k
+    vectors: list[Tensor] = []
+    targets: list[Tensor] = []
+    for index, pad in zip(group.members, group.pads, strict=True):
+        v, t = problems[index]
+        vectors.append(v if v.dim() > 1 else v.view(k, 1))  # (a scalar parameter's)
+        targets.append(t if t.dim() else t.view(1))
+        if pad is not None:
+            vectors.append(pad[0])
+            targets.append(pad[1])
+    rows = torch.empty(k + 1, 1, group.blocks * _BLOCK, dtype=group.dtype, device=device)
+    if k:
+        _flat_cat(vectors, 1, rows[:k])
+    _flat_cat(targets, 0, rows[k])
+    blocks = rows.view(k + 1, group.blocks, _BLOCK).transpose(0, 1)  # [blocks, k + 1, b]
+    grams = torch.segment_reduce(torch.bmm(blocks, blocks.transpose(1, 2)).double(), "sum",
+                                 lengths=group.lengths, axis=0)  # [members, k + 1, k + 1]
+    if k == 0:  # no basis: the residual is a
+        return grams.new_zeros(0), grams.view(-1).sqrt_()
+    coefficients = _solve_batched(grams[:, :k, :k], grams[:, :k, k])
+    residuals = blocks[:, k:]  # [blocks, 1, b]: a, then a − Vᵀc
+    per_block = coefficients.to(group.dtype).index_select(0, group.owner).unsqueeze(1)
+    residuals.baddbmm_(per_block, blocks[:, :k], alpha=-1)
+    squares = torch.bmm(residuals, residuals.transpose(1, 2)).double()  # [blocks, 1, 1]
+    norms = torch.segment_reduce(squares, "sum", lengths=group.lengths, axis=0)
+    return coefficients.reshape(-1), norms.view(-1).sqrt_()
+
+
+def _flat_cat(tensors: list[Tensor], dim: int, out: Tensor) -> None:
+    """``tensors`` flattened from ``dim`` on and concatenated there, into ``out``: one op
+    (``_chunk_cat``, FSDP2's copy-in, where this torch has it), not a view per tensor."""
+    chunk_cat = getattr(torch, "_chunk_cat", None)
+    if chunk_cat is not None:
+        chunk_cat(tensors, dim, 1, out=out)
+        return
+    torch.cat([t.flatten(dim) for t in tensors], dim=dim, out=out.flatten(dim))
 
 
 def _residual_norms(problems: list[tuple[Tensor, Tensor]], coefficients: Tensor,
@@ -161,7 +329,8 @@ def _residual_norms(problems: list[tuple[Tensor, Tensor]], coefficients: Tensor,
         type(target) is Tensor and target.device == device for _, target in problems)
     by_dtype: dict[torch.dtype, tuple[Tensor, ...]] = {}
     norms, residuals_fused = [], []
-    for i, (vectors, target) in enumerate(problems):
+    for i, problem in enumerate(problems):
+        vectors, target = _flat(*problem)
         if target.dtype not in by_dtype:
             by_dtype[target.dtype] = coefficients.to(target.dtype).split(sizes)
         c = by_dtype[target.dtype][i]
@@ -225,6 +394,12 @@ def to_device(x: Tensor, device: torch.device) -> Tensor:
     if device.type != "cuda":
         return x.to(device)
     return x.pin_memory().to(device, non_blocking=True)
+
+
+def _flat(vectors: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """V as [k, D] and a as [D] (views)."""
+    return (vectors if vectors.dim() == 2 else vectors.reshape(len(vectors), -1),
+            target if target.dim() == 1 else target.reshape(-1))
 
 
 def _normal_equations(vectors: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,134 @@
+"""The basis fit of the update on the accelerators' path (every tensor's fit at once, in
+blocks) against float64 least squares by NumPy and against the per-tensor fit of the CPU
+path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cockpit.engine import update_fit
+from cockpit.engine.histograms import device as histogram_device
+from cockpit.engine.update_fit import BasisFits, fit_basis_coefficients_many
+from tests.engine.test_host_syncs import Count
+
+B = update_fit._BLOCK
+# (shape, basis size k, dtype): one element (a scalar parameter and a [1] tensor), sizes
+# below, at, just above and several blocks, k = 1, 2, 3, float32 and float64 in one call
+CASES = [((), 1, torch.float64), ((1,), 1, torch.float32), ((7,), 2, torch.float64),
+         ((B,), 3, torch.float32), ((B + 1,), 1, torch.float32), ((3, 10, 10), 2, torch.float32),
+         ((2, B), 3, torch.float64), ((4, 3, 3, 3), 2, torch.float32),
+         ((3 * B - 5,), 2, torch.float64)]
+
+
+@pytest.fixture
+def accelerator_path(monkeypatch):
+    monkeypatch.setattr(histogram_device, "_forced", True)
+
+
+def problems(cases=CASES, seed=0, zero_row=True):
+    """Bases with a few degrees of freedom more than the basis (a residual to measure) or an
+    exact fit (one element), targets = Vᵀc + noise; the third tensor's second basis vector
+    is zero (a zero-initialised bias under weight decay)."""
+    gen = torch.Generator().manual_seed(seed)
+    bases, actuals = [], []
+    for index, (shape, k, dtype) in enumerate(cases):
+        basis = torch.randn(k, *shape, generator=gen, dtype=torch.float64)
+        if zero_row and index == 2:
+            basis[1] = 0.0
+        c = torch.randn(k, generator=gen, dtype=torch.float64)
+        noise = 1e-3 * torch.randn(shape, generator=gen, dtype=torch.float64)
+        actual = torch.einsum("k,k...->...", c, basis) + noise
+        bases.append(basis.to(dtype))
+        actuals.append(actual.to(dtype))
+    return bases, actuals
+
+
+def reference(basis: torch.Tensor, actual: torch.Tensor) -> tuple[np.ndarray, float]:
+    """Minimum-norm least squares of the exact values in float64, and its residual."""
+    v = basis.reshape(len(basis), -1).double().numpy()
+    a = actual.reshape(-1).double().numpy()
+    c = np.linalg.lstsq(v.T, a, rcond=None)[0]
+    return c, float(np.linalg.norm(a - v.T @ c))
+
+
+def test_every_fit_at_once_equals_float64_least_squares(accelerator_path):
+    """Coefficients to the float32 rounding of the normal equations (float64: 1e-10),
+    residual norms measured directly (to the rounding of the residual, not of ‖a‖²), the
+    zero basis vector's coefficient exactly 0, nothing that waits for the device (two
+    segment sums per dtype and basis size: the Gram matrices and the squared residuals);
+    and the same as the per-tensor fit."""
+    bases, actuals = problems()
+    counter = Count()
+    with counter:
+        fits = BasisFits(bases, actuals)
+    assert counter.ops["segment_reduce"] == 2 * len({(k, d) for _, k, d in CASES})
+    waits = {"_local_scalar_dense", "_linalg_check_errors", "nonzero", "item"}
+    assert not waits & set(counter.ops), counter.ops
+    coefficients = fits.coefficients.split([k for _, k, _ in CASES])
+    for index, (basis, actual) in enumerate(zip(bases, actuals, strict=True)):
+        c, residual = reference(basis, actual)
+        single = actual.dtype == torch.float32
+        np.testing.assert_allclose(coefficients[index].numpy(), c,
+                                   rtol=1e-4 if single else 1e-10, atol=1e-6 if single else 1e-12)
+        scale = float(actual.double().norm())
+        np.testing.assert_allclose(float(fits.residual_norms[index]), residual,
+                                   rtol=1e-3 if single else 1e-8,
+                                   atol=1e-6 * scale if single else 1e-14 * scale)
+    assert float(coefficients[2][1]) == 0.0
+    histogram_device._forced = False
+    per_tensor = BasisFits(bases, actuals)
+    torch.testing.assert_close(fits.coefficients, per_tensor.coefficients, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(fits.residual_norms, per_tensor.residual_norms, rtol=1e-3,
+                               atol=1e-7)
+
+
+def test_a_failed_fit_in_a_batch_is_retried_on_the_host(accelerator_path):
+    """Two parallel basis vectors: the batched solve fails that fit (singular), the float64
+    retry on the host gives the minimum-norm coefficients; the other fits of the batch come
+    from the device; a foreign update (outside the span) has no fit."""
+    bases, actuals = problems(CASES[2:6], zero_row=False)
+    v = torch.randn(B + 3, generator=torch.Generator().manual_seed(1))
+    bases.insert(1, torch.stack([v, v]))
+    actuals.insert(1, 3.0 * v)
+    foreign = torch.randn(2, 50, generator=torch.Generator().manual_seed(2))
+    bases.append(foreign)
+    actuals.append(torch.randn(50, generator=torch.Generator().manual_seed(3)))
+    fits = BasisFits(bases, actuals)
+    assert not float(fits.residual_norms[1]) <= 1e-3 * float(actuals[1].norm())
+    sq = [float(a.double().square().sum()) for a in actuals]
+    atols = [torch.finfo(a.dtype).eps * float(a.norm()) for a in actuals]
+    results = fit_basis_coefficients_many(bases, actuals, 1e-2, atols, sq)
+    torch.testing.assert_close(results[1], torch.tensor([1.5, 1.5], dtype=torch.float64))
+    assert results[-1] is None
+    for index in (0, 2, 3, 4):
+        c, _ = reference(bases[index], actuals[index])
+        np.testing.assert_allclose(results[index].numpy(), c, rtol=1e-4, atol=1e-6)
+
+
+def count_fit(n: int) -> int:
+    bases, actuals = problems((CASES[5:8] * n)[:n])
+    BasisFits(bases, actuals)  # the layout of these shapes, built once
+    counter = Count()
+    with counter:
+        BasisFits(bases, actuals)
+    return sum(counter.ops.values())
+
+
+def test_the_fits_take_as_many_ops_for_three_tensors_as_for_thirty(accelerator_path):
+    """A fixed number of ops per dtype and basis size (two float32 groups here: k = 2, 3),
+    not a few per tensor."""
+    three, thirty = count_fit(3), count_fit(30)
+    assert three == thirty, (three, thirty)
+    assert thirty <= 90
+
+
+def test_the_cpu_path_fits_one_tensor_at_a_time():
+    """Without the accelerators' path, no rows of all tensors (F would be a copy of every
+    basis): the per-tensor BLAS products and the workspace's residual."""
+    bases, actuals = problems()
+    counter = Count()
+    with counter:
+        BasisFits(bases, actuals)
+    assert "segment_reduce" not in counter.ops and "bmm" not in counter.ops
