@@ -53,17 +53,24 @@ def reference(basis: torch.Tensor, actual: torch.Tensor) -> tuple[np.ndarray, fl
     return c, float(np.linalg.norm(a - v.T @ c))
 
 
-def test_every_fit_at_once_equals_float64_least_squares(accelerator_path):
+@pytest.mark.parametrize("chunk_blocks", [update_fit._CHUNK_BLOCKS, 2])
+def test_every_fit_at_once_equals_float64_least_squares(chunk_blocks, accelerator_path,
+                                                        monkeypatch):
     """Coefficients to the float32 rounding of the normal equations (float64: 1e-10),
     residual norms measured directly (to the rounding of the residual, not of ‖a‖²), the
     zero basis vector's coefficient exactly 0, nothing that waits for the device (two
     segment sums per dtype and basis size: the Gram matrices and the squared residuals);
-    and the same as the per-tensor fit."""
+    and the same as the per-tensor fit. Also with groups of at most two blocks (each large
+    tensor a group of its own, small ones together)."""
+    monkeypatch.setattr(update_fit, "_CHUNK_BLOCKS", chunk_blocks)
     bases, actuals = problems()
     counter = Count()
     with counter:
         fits = BasisFits(bases, actuals)
-    assert counter.ops["segment_reduce"] == 2 * len({(k, d) for _, k, d in CASES})
+    groups = len(update_fit._layout(fits.problems, torch.device("cpu")).groups)
+    assert counter.ops["segment_reduce"] == 2 * groups
+    # two blocks at most: float32 with k = 1 and float64 with k = 2 take two groups each
+    assert groups == len({(k, d) for _, k, d in CASES}) + (2 if chunk_blocks == 2 else 0)
     waits = {"_local_scalar_dense", "_linalg_check_errors", "nonzero", "item"}
     assert not waits & set(counter.ops), counter.ops
     coefficients = fits.coefficients.split([k for _, k, _ in CASES])

@@ -74,7 +74,8 @@ class BasisFits:
     normal equations VVᵀc = Va (BLAS products in the tensors' dtype, solved in float64),
     ``residual_norms`` (float64) are ‖a − Vᵀc‖ of each, measured directly. On the host,
     :meth:`accept` decides by them and solves once more what failed. ``problems``: (V, a)
-    of each tensor as given (V [k, *shape] or [k, D], a [*shape]).
+    of each tensor (on the accelerators' path as given: V [k, *shape] or [k, D], a [*shape];
+    elsewhere flattened: V [k, D], a [D]).
 
     On the accelerators' path (plain tensors on one device) all fits are formed together,
     per dtype and basis size, in blocks (:func:`_fit_in_blocks`: a fixed number of ops for
@@ -103,8 +104,9 @@ class BasisFits:
         if _in_blocks(self.problems, device):
             self.coefficients, self.residual_norms = _fit_in_blocks(self.problems, device)
             return
+        self.problems = [_flat(v, t) for v, t in self.problems]
         self.coefficients = _solve_on_device(
-            [_normal_equations(*_flat(v, t)) for v, t in self.problems], device)
+            [_normal_equations(v, t) for v, t in self.problems], device)
         self.residual_norms = _residual_norms(self.problems, self.coefficients, device)
 
     def accept(self, residual_norms: Sequence[float], rtol: float, atols: Sequence[float],
@@ -175,6 +177,11 @@ def _solve_batched(grams: Tensor, rhs: Tensor) -> Tensor:
 # (k+1)²/b of the rows' memory (< 2 % for k ≤ 3); and 1024 × (k+1) elements per block keep
 # the batched products efficient kernels (not thousands of tiny matrices).
 _BLOCK = 1024
+# Blocks per group at most (a tensor larger than that is a group of its own): F, the copy of
+# a group's bases and updates, stays below (k + 1) · 2^25 elements (384 MiB in float32 for
+# k = 2; the per-tensor fit held all residuals at once, one parameter-sized copy), at the
+# cost of one more set of ops per 2^25 elements.
+_CHUNK_BLOCKS = 2**25 // _BLOCK
 
 
 def _in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device) -> bool:
@@ -214,16 +221,23 @@ _LAYOUTS_KEPT = 4
 def _layout(problems: list[tuple[Tensor, Tensor]], device: torch.device) -> _Layout:
     """The blocks of ``problems`` (cached: built on the host once per set of shapes, its
     index tensors moved to ``device`` without waiting)."""
-    key = (device, tuple((len(v), t.numel(), t.dtype) for v, t in problems))
+    key = (device, _CHUNK_BLOCKS, tuple((len(v), t.numel(), t.dtype) for v, t in problems))
     layout = _LAYOUTS.get(key)
     if layout is not None:
         _LAYOUTS.move_to_end(key)
         return layout
-    by_kind: dict[tuple[torch.dtype, int], list[int]] = {}
+    by_kind: dict[tuple[torch.dtype, int], list[list[int]]] = {}
+    filled: dict[tuple[torch.dtype, int], int] = {}  # blocks in the last chunk of each kind
     for index, (vectors, target) in enumerate(problems):
-        by_kind.setdefault((target.dtype, len(vectors)), []).append(index)
+        kind, blocks = (target.dtype, len(vectors)), max(1, -(-target.numel() // _BLOCK))
+        chunks = by_kind.setdefault(kind, [[]])
+        if chunks[-1] and filled[kind] + blocks > _CHUNK_BLOCKS:
+            chunks.append([])
+            filled[kind] = 0
+        chunks[-1].append(index)
+        filled[kind] = filled.get(kind, 0) + blocks
     groups, coefficient_slots, norm_slots = [], [], []
-    for (dtype, k), members in by_kind.items():
+    for (dtype, k), members in ((kind, c) for kind, chunks in by_kind.items() for c in chunks):
         counts = [max(1, -(-problems[i][1].numel() // _BLOCK)) for i in members]
         widest = max(n * _BLOCK - problems[i][1].numel() for n, i in zip(counts, members,
                                                                           strict=True))
