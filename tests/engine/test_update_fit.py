@@ -114,6 +114,23 @@ def test_a_failed_fit_in_a_batch_is_retried_on_the_host(accelerator_path):
         np.testing.assert_allclose(results[index].numpy(), c, rtol=1e-4, atol=1e-6)
 
 
+def test_the_segment_sums_do_not_check_their_lengths_on_the_device(accelerator_path,
+                                                                  monkeypatch):
+    """torch.segment_reduce checks ``lengths`` by reading the device (``.item()`` inside the
+    kernel: a wait on a GPU, invisible to the op count) unless ``unsafe``; the layout's
+    lengths are right by construction."""
+    calls = []
+    segment_reduce = torch.segment_reduce
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("unsafe", False))
+        return segment_reduce(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "segment_reduce", spy)
+    BasisFits(*problems())
+    assert calls and all(calls), calls
+
+
 def count_fit(n: int) -> int:
     bases, actuals = problems((CASES[5:8] * n)[:n])
     BasisFits(bases, actuals)  # the layout of these shapes, built once

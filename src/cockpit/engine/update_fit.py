@@ -309,17 +309,23 @@ def _fit_group(problems: list[tuple[Tensor, Tensor]], group: _Group, device: tor
         _flat_cat(vectors, 1, rows[:k])
     _flat_cat(targets, 0, rows[k])
     blocks = rows.view(k + 1, group.blocks, _BLOCK).transpose(0, 1)  # [blocks, k + 1, b]
-    grams = torch.segment_reduce(torch.bmm(blocks, blocks.transpose(1, 2)).double(), "sum",
-                                 lengths=group.lengths, axis=0)  # [members, k + 1, k + 1]
+    grams = _sum_blocks(torch.bmm(blocks, blocks.transpose(1, 2)), group)  # [members, k+1, k+1]
     if k == 0:  # no basis: the residual is a
         return grams.new_zeros(0), grams.view(-1).sqrt_()
     coefficients = _solve_batched(grams[:, :k, :k], grams[:, :k, k])
     residuals = blocks[:, k:]  # [blocks, 1, b]: a, then a − Vᵀc
     per_block = coefficients.to(group.dtype).index_select(0, group.owner).unsqueeze(1)
     residuals.baddbmm_(per_block, blocks[:, :k], alpha=-1)
-    squares = torch.bmm(residuals, residuals.transpose(1, 2)).double()  # [blocks, 1, 1]
-    norms = torch.segment_reduce(squares, "sum", lengths=group.lengths, axis=0)
+    norms = _sum_blocks(torch.bmm(residuals, residuals.transpose(1, 2)), group)
     return coefficients.reshape(-1), norms.view(-1).sqrt_()
+
+
+def _sum_blocks(per_block: Tensor, group: _Group) -> Tensor:
+    """Each member's sum over its blocks, in float64 (one segmented sum: deterministic, no
+    atomics). ``unsafe``: without it, torch checks the lengths by reading them from the
+    device (a wait); the layout gives every member at least one block, summing to all."""
+    return torch.segment_reduce(per_block.double(), "sum", lengths=group.lengths, axis=0,
+                                unsafe=True)
 
 
 def _flat_cat(tensors: list[Tensor], dim: int, out: Tensor) -> None:
