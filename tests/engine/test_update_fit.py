@@ -148,6 +148,26 @@ def test_the_fits_take_as_many_ops_for_three_tensors_as_for_thirty(accelerator_p
     assert thirty <= 90
 
 
+def test_an_empty_tensor_takes_the_fits_one_tensor_at_a_time(accelerator_path):
+    """A parameter without elements (its rows cannot be concatenated): every fit of the call
+    on the per-tensor path, the empty one exact (c = 0, residual 0)."""
+    bases, actuals = problems(CASES[2:5], zero_row=False)
+    bases.append(torch.zeros(2, 0))
+    actuals.append(torch.zeros(0))
+    counter = Count()
+    with counter:
+        fits = BasisFits(bases, actuals)
+    assert "segment_reduce" not in counter.ops
+    for index in range(3):
+        c, _ = reference(bases[index], actuals[index])
+        k = CASES[2 + index][1]
+        start = sum(case[1] for case in CASES[2 : 2 + index])
+        np.testing.assert_allclose(fits.coefficients[start : start + k].numpy(), c,
+                                   rtol=1e-4, atol=1e-6)
+    assert fits.coefficients[-2:].tolist() == [0.0, 0.0]
+    assert float(fits.residual_norms[-1]) == 0.0
+
+
 def test_the_cpu_path_fits_one_tensor_at_a_time():
     """Without the accelerators' path, no rows of all tensors (F would be a copy of every
     basis): the per-tensor BLAS products and the workspace's residual."""

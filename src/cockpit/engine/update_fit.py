@@ -186,12 +186,14 @@ _CHUNK_BLOCKS = 2**25 // _BLOCK
 
 def _in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device) -> bool:
     """Whether the fits are formed all at once (:func:`_fit_in_blocks`): on the
-    accelerators' path, plain floating-point tensors on one device (sharded ones, DTensors,
-    and tensors on several devices take the fits one tensor at a time)."""
-    return bool(problems) and device_path(device) and all(
-        type(target) is Tensor and type(vectors) is Tensor and target.is_floating_point()
-        and target.device == device and vectors.device == device
-        for vectors, target in problems)
+    accelerators' path of a device with a segmented sum (CUDA; the CPU when forced), plain
+    non-empty floating-point tensors on that device (sharded ones, DTensors, tensors on
+    several devices and other accelerators take the fits one tensor at a time)."""
+    return (bool(problems) and device.type in ("cuda", "cpu") and device_path(device)
+            and all(type(target) is Tensor and type(vectors) is Tensor
+                    and target.is_floating_point() and target.numel() > 0
+                    and target.device == device and vectors.device == device
+                    for vectors, target in problems))
 
 
 class _Group(NamedTuple):
