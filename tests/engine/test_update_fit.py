@@ -67,7 +67,7 @@ def test_every_fit_at_once_equals_float64_least_squares(chunk_blocks, accelerato
     counter = Count()
     with counter:
         fits = BasisFits(bases, actuals)
-    groups = len(update_fit._layout(fits.problems, torch.device("cpu")).groups)
+    groups = len(update_fit._layout(update_fit._spec(fits.problems), torch.device("cpu")).groups)
     assert counter.ops["segment_reduce"] == 2 * groups
     # two blocks at most: float32 with k = 1 and float64 with k = 2 take two groups each
     assert groups == len({(k, d) for _, k, d in CASES}) + (2 if chunk_blocks == 2 else 0)

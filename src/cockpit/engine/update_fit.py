@@ -90,17 +90,24 @@ class BasisFits:
     """
 
     def __init__(self, bases: Sequence[Tensor | Sequence[Tensor]], actuals: Sequence[Tensor]):
+        device = actuals[0].device if actuals else torch.device("cpu")
+        packed = _packed(bases, actuals, device)
         self.problems = []  # (V [k, *shape], a [*shape]) per tensor, not flattened (views)
         for basis, actual in zip(bases, actuals, strict=True):
             k = len(basis)
-            if k == 0:
+            if isinstance(basis, _Slot):  # (its view only where needed)
+                vectors = basis if packed is not None else basis.vectors().to(actual.dtype)
+            elif k == 0:
                 vectors = actual.reshape(-1)[:0].view(0, -1)
             elif isinstance(basis, Tensor):
                 vectors = basis.to(actual.dtype)
             else:
                 vectors = torch.stack([b.reshape(actual.shape).to(actual.dtype) for b in basis])
             self.problems.append((vectors, actual))
-        device = actuals[0].device if actuals else torch.device("cpu")
+        if packed is not None:
+            self.coefficients, self.residual_norms = _fit_in_blocks(self.problems, device,
+                                                                    packed)
+            return
         if _in_blocks(self.problems, device):
             self.coefficients, self.residual_norms = _fit_in_blocks(self.problems, device)
             return
@@ -196,6 +203,34 @@ def _in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device) -> b
                     for vectors, target in problems))
 
 
+def packs(tensor: Tensor) -> bool:
+    """Whether bases of ``tensor``'s shape and device go into :class:`PackedBases`: plain
+    non-empty floating-point tensors on the accelerators' path of a device with a
+    segmented sum (CUDA; the CPU when forced)."""
+    return (type(tensor) is Tensor and tensor.is_floating_point() and tensor.numel() > 0
+            and tensor.device.type in ("cuda", "cpu") and device_path(tensor.device))
+
+
+def _packed(bases: Sequence, actuals: Sequence[Tensor], device: torch.device
+            ) -> PackedBases | None:
+    """The :class:`PackedBases` whose slots ``bases`` are, all of them in order, if the
+    updates ``actuals`` fit its rows (their sizes and dtypes, plain tensors on its device,
+    on the accelerators' path); else None."""
+    first = bases[0] if len(bases) else None
+    if not isinstance(first, _Slot):
+        return None
+    packed = first.packed
+    if len(bases) != len(packed.spec) or not all(
+            isinstance(b, _Slot) and b.packed is packed and b.index == i
+            for i, b in enumerate(bases)):
+        return None
+    if tuple((len(b), a.numel(), a.dtype) for b, a in zip(bases, actuals, strict=True)
+             ) != packed.spec or packed.rows[0].device != device:
+        return None
+    updates_only = [(a, a) for a in actuals]  # (the bases are in place)
+    return packed if _in_blocks(updates_only, device) else None
+
+
 class _Group(NamedTuple):
     """Problems of one dtype and basis size k, laid out as rows ``F`` [k + 1, blocks·b]:
     the k basis vectors and the target, each tensor in whole blocks of b elements."""
@@ -220,18 +255,23 @@ _LAYOUTS: OrderedDict[tuple, _Layout] = OrderedDict()
 _LAYOUTS_KEPT = 4
 
 
-def _layout(problems: list[tuple[Tensor, Tensor]], device: torch.device) -> _Layout:
-    """The blocks of ``problems`` (cached: built on the host once per set of shapes, its
-    index tensors moved to ``device`` without waiting)."""
-    key = (device, _CHUNK_BLOCKS, tuple((len(v), t.numel(), t.dtype) for v, t in problems))
+def _spec(problems: list[tuple[Tensor, Tensor]]) -> tuple[tuple[int, int, torch.dtype], ...]:
+    """(k, D, dtype) of every problem: what its place in the blocks depends on."""
+    return tuple((len(v), t.numel(), t.dtype) for v, t in problems)
+
+
+def _layout(spec: tuple[tuple[int, int, torch.dtype], ...], device: torch.device) -> _Layout:
+    """The blocks of problems with ``spec`` (:func:`_spec`; cached: built on the host once
+    per set of shapes, its index tensors moved to ``device`` without waiting)."""
+    key = (device, _CHUNK_BLOCKS, spec)
     layout = _LAYOUTS.get(key)
     if layout is not None:
         _LAYOUTS.move_to_end(key)
         return layout
     by_kind: dict[tuple[torch.dtype, int], list[list[int]]] = {}
     filled: dict[tuple[torch.dtype, int], int] = {}  # blocks in the last chunk of each kind
-    for index, (vectors, target) in enumerate(problems):
-        kind, blocks = (target.dtype, len(vectors)), max(1, -(-target.numel() // _BLOCK))
+    for index, (k, numel, dtype) in enumerate(spec):
+        kind, blocks = (dtype, k), max(1, -(-numel // _BLOCK))
         chunks = by_kind.setdefault(kind, [[]])
         if chunks[-1] and filled[kind] + blocks > _CHUNK_BLOCKS:
             chunks.append([])
@@ -240,13 +280,12 @@ def _layout(problems: list[tuple[Tensor, Tensor]], device: torch.device) -> _Lay
         filled[kind] = filled.get(kind, 0) + blocks
     groups, coefficient_slots, norm_slots = [], [], []
     for (dtype, k), members in ((kind, c) for kind, chunks in by_kind.items() for c in chunks):
-        counts = [max(1, -(-problems[i][1].numel() // _BLOCK)) for i in members]
-        widest = max(n * _BLOCK - problems[i][1].numel() for n, i in zip(counts, members,
-                                                                          strict=True))
+        counts = [max(1, -(-spec[i][1] // _BLOCK)) for i in members]
+        widest = max(n * _BLOCK - spec[i][1] for n, i in zip(counts, members, strict=True))
         zeros = torch.zeros((k + 1) * widest, dtype=dtype, device=device)
         pads = []
         for n, i in zip(counts, members, strict=True):
-            pad = n * _BLOCK - problems[i][1].numel()
+            pad = n * _BLOCK - spec[i][1]
             pads.append((zeros[: k * pad].view(k, pad), zeros[:pad]) if pad else None)
         owner = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(counts))
         groups.append(_Group(members, k, dtype, sum(counts), pads, to_device(owner, device),
@@ -270,18 +309,79 @@ def _order(slots: list, device: torch.device) -> Tensor | None:
     return to_device(torch.tensor(order), device)
 
 
-def _fit_in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device
-                   ) -> tuple[Tensor, Tensor]:
+class PackedBases:
+    """The bases of several tensors copied at once into the rows F of the batched fit
+    (:func:`_fit_in_blocks`): one ``_chunk_cat`` per basis row and group, where the
+    tensors must be copied anyway (before the optimizer step changes θ and its momentum
+    buffer in place). ``bases``: the rows of each tensor (k of them, of its shape and
+    dtype; k ≥ 1), all non-empty, on ``device``. ``slots()`` stand for each tensor's basis
+    in :class:`BasisFits`, which then copies only the updates in. F has room for the
+    update: (k + 1) rows of every tensor's size, rounded up to whole blocks."""
+
+    def __init__(self, bases: Sequence[Sequence[Tensor]], device: torch.device):
+        self.spec = tuple((len(rows), rows[0].numel(), rows[0].dtype) for rows in bases)
+        self.layout = _layout(self.spec, device)
+        self.rows: list[Tensor] = []
+        for group in self.layout.groups:
+            k = group.k
+            rows = torch.empty(k + 1, 1, group.blocks * _BLOCK, dtype=group.dtype,
+                               device=device)
+            for r in range(k):
+                pieces = []
+                for index, pad in zip(group.members, group.pads, strict=True):
+                    row = bases[index][r]
+                    pieces.append(row if row.dim() else row.view(1))
+                    if pad is not None:
+                        pieces.append(pad[1])
+                _flat_cat(pieces, 0, rows[r])
+            self.rows.append(rows)
+
+    def slots(self) -> list[_Slot]:
+        """Each tensor's basis, in the order given."""
+        slots: list[_Slot | None] = [None] * len(self.spec)
+        for rows, group in zip(self.rows, self.layout.groups, strict=True):
+            offset = 0
+            for index in group.members:
+                numel = self.spec[index][1]
+                slots[index] = _Slot(self, index, rows, offset, numel)
+                offset += max(1, -(-numel // _BLOCK)) * _BLOCK
+        return slots  # type: ignore[return-value]
+
+
+class _Slot:
+    """One tensor's basis inside :class:`PackedBases`: ``len`` is k; :meth:`vectors` the
+    basis as V [k, D] (a view, made when asked for: the host's retry of a failed fit)."""
+
+    __slots__ = ("index", "numel", "offset", "packed", "rows")
+
+    def __init__(self, packed: PackedBases, index: int, rows: Tensor, offset: int,
+                 numel: int):
+        self.packed, self.index, self.rows = packed, index, rows
+        self.offset, self.numel = offset, numel
+
+    def __len__(self) -> int:
+        return len(self.rows) - 1
+
+    def vectors(self) -> Tensor:
+        return self.rows[:-1, 0, self.offset : self.offset + self.numel]
+
+
+def _fit_in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device,
+                   packed: PackedBases | None = None) -> tuple[Tensor, Tensor]:
     """``coefficients`` and ``residual_norms`` of :class:`BasisFits`, every tensor at once:
     per dtype and basis size, the rows ``F`` = [V; a] of all tensors in blocks of b elements
     (:class:`_Group`); one batched product gives every block's Gram matrix F_j F_jᵀ (VVᵀ,
     Va), summed per tensor in float64; one batched solve; the residuals a − Vᵀc of every
     block by one batched product (written over F's row a), their squares summed per tensor
     in float64. A fixed number of ops for any number of tensors; F is a copy of the bases
-    and targets while the fit runs (the residuals take its row a)."""
-    layout = _layout(problems, device)
+    and targets while the fit runs (the residuals take its row a), or the rows of
+    ``packed``, which hold the bases already (then only a is copied in)."""
+    layout = _layout(_spec(problems), device) if packed is None else packed.layout
+    rows: list[Tensor | None] = ([None] * len(layout.groups) if packed is None
+                                 else list(packed.rows))
     with torch.no_grad():
-        fitted = [_fit_group(problems, group, device) for group in layout.groups]
+        fitted = [_fit_group(problems, group, device, group_rows)
+                  for group, group_rows in zip(layout.groups, rows, strict=True)]
         if len(fitted) == 1:
             return fitted[0]
         coefficients = torch.cat([c for c, _ in fitted])
@@ -293,22 +393,25 @@ def _fit_in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device
     return coefficients, norms
 
 
-def _fit_group(problems: list[tuple[Tensor, Tensor]], group: _Group, device: torch.device
-               ) -> tuple[Tensor, Tensor]:
-    """Coefficients (every member's c in turn) and residual norms of one :class:`_Group`."""
+def _fit_group(problems: list[tuple[Tensor, Tensor]], group: _Group, device: torch.device,
+               rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Coefficients (every member's c in turn) and residual norms of one :class:`_Group`
+    (``rows``: its rows F with the bases in place, from :class:`PackedBases`)."""
     k = group.k
     vectors: list[Tensor] = []
     targets: list[Tensor] = []
     for index, pad in zip(group.members, group.pads, strict=True):
         v, t = problems[index]
-        vectors.append(v if v.dim() > 1 else v.view(k, 1))  # (a scalar parameter's)
+        if rows is None:
+            vectors.append(v if v.dim() > 1 else v.view(k, 1))  # (a scalar parameter's)
         targets.append(t if t.dim() else t.view(1))
         if pad is not None:
             vectors.append(pad[0])
             targets.append(pad[1])
-    rows = torch.empty(k + 1, 1, group.blocks * _BLOCK, dtype=group.dtype, device=device)
-    if k:
-        _flat_cat(vectors, 1, rows[:k])
+    if rows is None:
+        rows = torch.empty(k + 1, 1, group.blocks * _BLOCK, dtype=group.dtype, device=device)
+        if k:
+            _flat_cat(vectors, 1, rows[:k])
     _flat_cat(targets, 0, rows[k])
     blocks = rows.view(k + 1, group.blocks, _BLOCK).transpose(0, 1)  # [blocks, k + 1, b]
     grams = _sum_blocks(torch.bmm(blocks, blocks.transpose(1, 2)), group)  # [members, k+1, k+1]
@@ -418,8 +521,10 @@ def to_device(x: Tensor, device: torch.device) -> Tensor:
     return x.pin_memory().to(device, non_blocking=True)
 
 
-def _flat(vectors: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+def _flat(vectors: Tensor | _Slot, target: Tensor) -> tuple[Tensor, Tensor]:
     """V as [k, D] and a as [D] (views)."""
+    if isinstance(vectors, _Slot):
+        vectors = vectors.vectors()
     return (vectors if vectors.dim() == 2 else vectors.reshape(len(vectors), -1),
             target if target.dim() == 1 else target.reshape(-1))
 
