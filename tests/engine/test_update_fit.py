@@ -4,6 +4,8 @@ path."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -166,6 +168,47 @@ def test_an_empty_tensor_takes_the_fits_one_tensor_at_a_time(accelerator_path):
                                    rtol=1e-4, atol=1e-6)
     assert fits.coefficients[-2:].tolist() == [0.0, 0.0]
     assert float(fits.residual_norms[-1]) == 0.0
+
+
+def test_packed_bases_give_the_same_fits_in_a_fixed_number_of_ops(accelerator_path):
+    """Bases copied at once into the rows of the batched fit (as Alpha does at the end of
+    the backward pass, from the rows as they are: one copy per basis row and group), then
+    fitted from there (only the updates copied in): the same coefficients and residuals as
+    from the stacked bases, the same ops for three tensors as for thirty, and a failed fit
+    retried on the host from the packed rows."""
+    bases, actuals = problems()
+    counter = Count()
+    with counter:
+        packed = update_fit.PackedBases([list(b.unbind(0)) for b in bases], torch.device("cpu"))
+    groups = len(packed.layout.groups)
+    assert counter.ops["_chunk_cat"] == sum(g.k for g in packed.layout.groups)
+    slots = packed.slots()
+    bases[0].zero_()  # the originals may change now (the optimizer step)
+    counter = Count()
+    with counter:
+        fits = BasisFits(slots, actuals)
+    assert counter.ops["_chunk_cat"] == groups and counter.ops["segment_reduce"] == 2 * groups
+    originals, _ = problems()
+    stacked = BasisFits(originals, actuals)  # (VVᵀ and Va in one product there: rounding)
+    torch.testing.assert_close(fits.coefficients, stacked.coefficients, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(fits.residual_norms, stacked.residual_norms, rtol=1e-5,
+                               atol=1e-9)
+    sq = [float(a.double().square().sum()) for a in actuals]
+    retried = fits.accept([math.nan] * len(actuals), 1e-2, [0.0] * len(actuals), sq)
+    for index, (basis, actual) in enumerate(zip(originals, actuals, strict=True)):
+        np.testing.assert_allclose(retried[index].numpy(), reference(basis, actual)[0],
+                                   rtol=1e-8, atol=1e-10)
+
+    def count(n: int) -> int:
+        bases, actuals = problems((CASES[5:8] * n)[:n])
+        rows = [list(b.unbind(0)) for b in bases]
+        BasisFits(update_fit.PackedBases(rows, torch.device("cpu")).slots(), actuals)
+        counter = Count()
+        with counter:
+            BasisFits(update_fit.PackedBases(rows, torch.device("cpu")).slots(), actuals)
+        return sum(counter.ops.values())
+
+    assert count(3) == count(30)
 
 
 def test_the_cpu_path_fits_one_tensor_at_a_time():

@@ -315,8 +315,9 @@ class PackedBases:
     tensors must be copied anyway (before the optimizer step changes θ and its momentum
     buffer in place). ``bases``: the rows of each tensor (k of them, of its shape and
     dtype; k ≥ 1), all non-empty, on ``device``. ``slots()`` stand for each tensor's basis
-    in :class:`BasisFits`, which then copies only the updates in. F has room for the
-    update: (k + 1) rows of every tensor's size, rounded up to whole blocks."""
+    in :class:`BasisFits`, which copies the updates into rows of their own while the fit
+    runs. Memory: the k rows of every tensor, rounded up to whole blocks, as long as the
+    slots live (the stacked bases they replace took as much)."""
 
     def __init__(self, bases: Sequence[Sequence[Tensor]], device: torch.device):
         self.spec = tuple((len(rows), rows[0].numel(), rows[0].dtype) for rows in bases)
@@ -324,7 +325,7 @@ class PackedBases:
         self.rows: list[Tensor] = []
         for group in self.layout.groups:
             k = group.k
-            rows = torch.empty(k + 1, 1, group.blocks * _BLOCK, dtype=group.dtype,
+            rows = torch.empty(k, 1, group.blocks * _BLOCK, dtype=group.dtype,
                                device=device)
             for r in range(k):
                 pieces = []
@@ -360,10 +361,10 @@ class _Slot:
         self.offset, self.numel = offset, numel
 
     def __len__(self) -> int:
-        return len(self.rows) - 1
+        return len(self.rows)
 
     def vectors(self) -> Tensor:
-        return self.rows[:-1, 0, self.offset : self.offset + self.numel]
+        return self.rows[:, 0, self.offset : self.offset + self.numel]
 
 
 def _fit_in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device,
@@ -374,8 +375,8 @@ def _fit_in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device,
     Va), summed per tensor in float64; one batched solve; the residuals a − Vᵀc of every
     block by one batched product (written over F's row a), their squares summed per tensor
     in float64. A fixed number of ops for any number of tensors; F is a copy of the bases
-    and targets while the fit runs (the residuals take its row a), or the rows of
-    ``packed``, which hold the bases already (then only a is copied in)."""
+    and targets while the fit runs (the residuals take its row a); with ``packed``, whose
+    rows hold the bases already, only the targets are copied (and take the residuals)."""
     layout = _layout(_spec(problems), device) if packed is None else packed.layout
     rows: list[Tensor | None] = ([None] * len(layout.groups) if packed is None
                                  else list(packed.rows))
@@ -396,7 +397,7 @@ def _fit_in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device,
 def _fit_group(problems: list[tuple[Tensor, Tensor]], group: _Group, device: torch.device,
                rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Coefficients (every member's c in turn) and residual norms of one :class:`_Group`
-    (``rows``: its rows F with the bases in place, from :class:`PackedBases`)."""
+    (``rows``: its basis rows V [k, 1, blocks·b], from :class:`PackedBases`)."""
     k = group.k
     vectors: list[Tensor] = []
     targets: list[Tensor] = []
@@ -408,19 +409,30 @@ def _fit_group(problems: list[tuple[Tensor, Tensor]], group: _Group, device: tor
         if pad is not None:
             vectors.append(pad[0])
             targets.append(pad[1])
-    if rows is None:
-        rows = torch.empty(k + 1, 1, group.blocks * _BLOCK, dtype=group.dtype, device=device)
+    length = group.blocks * _BLOCK
+    if rows is None:  # F = [V; a], one product for VVᵀ and Va of every block
+        rows = torch.empty(k + 1, 1, length, dtype=group.dtype, device=device)
         if k:
             _flat_cat(vectors, 1, rows[:k])
-    _flat_cat(targets, 0, rows[k])
-    blocks = rows.view(k + 1, group.blocks, _BLOCK).transpose(0, 1)  # [blocks, k + 1, b]
-    grams = _sum_blocks(torch.bmm(blocks, blocks.transpose(1, 2)), group)  # [members, k+1, k+1]
-    if k == 0:  # no basis: the residual is a
-        return grams.new_zeros(0), grams.view(-1).sqrt_()
-    coefficients = _solve_batched(grams[:, :k, :k], grams[:, :k, k])
-    residuals = blocks[:, k:]  # [blocks, 1, b]: a, then a − Vᵀc
+        _flat_cat(targets, 0, rows[k])
+        blocks = rows.view(k + 1, group.blocks, _BLOCK).transpose(0, 1)  # [blocks, k+1, b]
+        grams = _sum_blocks(torch.bmm(blocks, blocks.transpose(1, 2)), group)
+        if k == 0:  # no basis: the residual is a
+            return grams.new_zeros(0), grams.view(-1).sqrt_()
+        gram, rhs = grams[:, :k, :k], grams[:, :k, k]
+        basis, residuals = blocks[:, :k], blocks[:, k:]  # [blocks, 1, b]: a, then a − Vᵀc
+    else:  # V held (until the decision), a only while the fit runs
+        target = torch.empty(1, length, dtype=group.dtype, device=device)
+        _flat_cat(targets, 0, target)
+        basis = rows.view(k, group.blocks, _BLOCK).transpose(0, 1)  # [blocks, k, b]
+        residuals = target.view(group.blocks, 1, _BLOCK)
+        grams = _sum_blocks(torch.cat([torch.bmm(basis, basis.transpose(1, 2)),
+                                       torch.bmm(basis, residuals.transpose(1, 2))], dim=2),
+                            group)  # [members, k, k + 1]
+        gram, rhs = grams[..., :k], grams[..., k]
+    coefficients = _solve_batched(gram, rhs)
     per_block = coefficients.to(group.dtype).index_select(0, group.owner).unsqueeze(1)
-    residuals.baddbmm_(per_block, blocks[:, :k], alpha=-1)
+    residuals.baddbmm_(per_block, basis, alpha=-1)
     norms = _sum_blocks(torch.bmm(residuals, residuals.transpose(1, 2)), group)
     return coefficients.reshape(-1), norms.view(-1).sqrt_()
 

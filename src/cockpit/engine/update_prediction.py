@@ -407,10 +407,13 @@ def sgd_update_basis(
     and says so.
     """
     rows = sgd_update_rows(optimizer, param, grad, previous_update)
-    if rows is None:
-        return None
+    return None if rows is None else stack_rows(rows, param.dtype)
+
+
+def stack_rows(rows: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """Copies of ``rows`` stacked into one tensor [k, *shape] of ``dtype``."""
     with torch.no_grad():
-        return torch.stack([r.to(param.dtype) for r in rows])  # one copy kernel for all
+        return torch.stack([r.to(dtype) for r in rows])  # one copy kernel for all
 
 
 def sgd_update_rows(

@@ -192,8 +192,7 @@ class Alpha(Quantity):
                     own = len(rows) - (last is not None)
                     directions = [GRADIENT, *rows[1:own]]  # (used now, before the step)
                     return directions if last is None else [*directions, last]
-                basis = None if rows is None else up.sgd_update_basis(
-                    optimizer, param, grad, previous_update=last)
+                basis = None if rows is None else up.stack_rows(rows, param.dtype)
             else:
                 seen = grad if gradient_scale == 1.0 else grad / gradient_scale
                 update = up.predict_update(optimizer, param, seen)
