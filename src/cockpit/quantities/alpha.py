@@ -24,8 +24,10 @@ s_tᵀ g_n(θ_t) is needed before s_t exists. Two ways, neither holds |B|×D gra
   anyway, for α_{t−1}) takes the buffer's place and one projection serves both. The check
   reads nothing from the device at the step: the fit is solved and its residuals measured
   there, and decided when the step's numbers are read, before the next step begins (the
-  fit's basis is held until then). A mismatch records the step as not computed, warns, and
-  switches to the general path;
+  fit's basis is held until then). On an accelerator the hooks keep the basis rows as they
+  are and the end of the backward pass copies them, every parameter's at once, into the
+  flat rows the batched fit reads (``update_fit.PackedBases``). A mismatch records the
+  step as not computed, warns, and switches to the general path;
 * **general** (any other optimizer, and any split batch: gradient accumulation or several
   processes, where no backward pass sees the gradient the optimizer steps on): each layer's
   input and output gradient are kept until the step, then s_tᵀ g_n is a Jacobian-vector
@@ -225,7 +227,7 @@ class Alpha(Quantity):
             return True  # (the end of this pass is queued already)
         try:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._pack(state))
-        except RuntimeError:  # not in a backward pass
+        except Exception:  # not in a backward pass (or one that takes no callbacks)
             return False
         return True
 
