@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from cockpit import Cockpit, at, every, logspaced, quantities
+from cockpit.engine import update_fit
+from cockpit.engine.histograms import device as histogram_device
 from tests.models import make_problem, train
 from tests.reference import flat, individual_gradients
 
@@ -144,6 +146,52 @@ def test_alpha_with_gradient_clipping(opt):
     problem = make_problem("mlp_relu", 6)
     rec = Recorder(problem, OPTIMIZERS[opt], every(1), 4, clip=0.05)
     check(rec, [0, 1, 2])
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("opt", [k for k in OPTIMIZERS if k.startswith("sgd")])
+def test_alpha_on_the_accelerators_path(opt, clip, monkeypatch):
+    """As on a GPU: SGD's basis rows kept as they are in the hooks and copied at the end of
+    the backward pass, all parameters' at once, into the rows of the batched fit, before
+    the user's code (clipping edits the gradient in place) and the optimizer step (which
+    changes θ and the momentum buffer in place); α equals brute force, and every fit took
+    that path."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    packed = []
+    fit_in_blocks = update_fit._fit_in_blocks
+
+    def spy(problems, device, packed_bases=None):
+        packed.append(packed_bases is not None)
+        return fit_in_blocks(problems, device, packed_bases)
+
+    monkeypatch.setattr(update_fit, "_fit_in_blocks", spy)
+    rec = Recorder(make_problem("mlp_relu", 6), OPTIMIZERS[opt], every(1), 4, clip=clip)
+    check(rec, [0, 1, 2])
+    assert len(packed) == 4 and all(packed), packed
+
+
+def test_a_failed_copy_of_the_basis_leaves_alpha_not_computed(monkeypatch):
+    """The copy at the end of the backward pass runs inside autograd: should it fail, the
+    user's backward pass goes on and α of that step is not computed, with the reason."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no memory left")
+
+    monkeypatch.setattr(update_fit, "PackedBases", broken)
+    problem = make_problem("mlp_relu", 6)
+    opt = OPTIMIZERS["sgd_momentum_wd"](problem.model.parameters())
+    cockpit = Cockpit(problem.model, [quantities.Alpha(every(1))], optimizer=opt)
+    with pytest.warns(RuntimeWarning, match="could not be copied"):
+        for step in range(2):
+            opt.zero_grad()
+            losses = problem.loss_fn(problem.model(problem.x), problem.y)
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            opt.step()
+        cockpit.close()
+    assert cockpit.get_output()[0]["Alpha"] is None
+    assert "could not be copied: no memory left" in cockpit.get_notes()[0]["Alpha"]
 
 
 @pytest.mark.parametrize("schedule,steps", [(every(3), [0, 3, 6]),

@@ -422,20 +422,36 @@ def sgd_update_basis(
     since (other than by a scaling), the fit after the step finds the update outside the span
     and says so.
     """
+    rows = sgd_update_rows(optimizer, param, grad, previous_update)
+    return None if rows is None else stack_rows(rows, param.dtype)
+
+
+def stack_rows(rows: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """Copies of ``rows`` stacked into one tensor [k, *shape] of ``dtype``."""
+    with torch.no_grad():
+        return torch.stack([r.to(dtype) for r in rows])  # one copy kernel for all
+
+
+def sgd_update_rows(
+    optimizer: Optimizer, param: Tensor, grad: Tensor, previous_update: Tensor | None = None
+) -> list[Tensor] | None:
+    """The rows of :func:`sgd_update_basis` (g, θ, b_old or s_{t−1}) as they are now, not
+    copied: whoever keeps them copies g, θ and b before they change (the step changes θ
+    and b in place, the user may edit the gradient after the backward pass); s_{t−1}, when
+    given, is the last row."""
     if supported_base(optimizer) is not SGD or unsupported_reason(optimizer, param, grad):
         return None
     group = _find_group(optimizer, param)
     rows = [grad]
     if group["weight_decay"] != 0:
-        rows.append(param)
+        rows.append(param.detach())
     if previous_update is not None and previous_update_replaces_buffer(optimizer, param):
         rows.append(previous_update)
     else:
         buffer = (optimizer.state.get(param) or {}).get("momentum_buffer")
         if group["momentum"] != 0 and buffer is not None:
             rows.append(buffer)
-    with torch.no_grad():
-        return torch.stack([r.to(param.dtype) for r in rows])  # one copy kernel for all
+    return rows
 
 
 def previous_update_replaces_buffer(optimizer: Optimizer, param: Tensor) -> bool:

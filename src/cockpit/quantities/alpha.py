@@ -24,8 +24,10 @@ s_tᵀ g_n(θ_t) is needed before s_t exists. Two ways, neither holds |B|×D gra
   anyway, for α_{t−1}) takes the buffer's place and one projection serves both. The check
   reads nothing from the device at the step: the fit is solved and its residuals measured
   there, and decided when the step's numbers are read, before the next step begins (the
-  fit's basis is held until then). A mismatch records the step as not computed, warns, and
-  switches to the general path;
+  fit's basis is held until then). On an accelerator the hooks keep the basis rows as they
+  are and the end of the backward pass copies them, every parameter's at once, into the
+  flat rows the batched fit reads (``update_fit.PackedBases``). A mismatch records the
+  step as not computed, warns, and switches to the general path;
 * **general** (any other optimizer, and any split batch: gradient accumulation or several
   processes, where no backward pass sees the gradient the optimizer steps on): each layer's
   input and output gradient are kept until the step, then s_tᵀ g_n is a Jacobian-vector
@@ -93,6 +95,8 @@ class _OpenStep:
     predicted: bool
     sgd: bool = False
     basis: dict[str, list[Tensor]] = field(default_factory=dict)
+    # SGD's basis rows as they are in the backward pass, copied at its end (_pack)
+    unpacked: dict[str, list[Tensor]] = field(default_factory=dict)
     projections: dict[str, Tensor] = field(default_factory=dict)  # name → [K, N]
     project: Callable[[dict[str, Tensor]], Tensor] | None = None  # general path
     failure: str | None = None
@@ -183,7 +187,14 @@ class Alpha(Quantity):
                 last = previous.get(name)
                 if last is not None and not up.previous_update_replaces_buffer(optimizer, param):
                     last = None
-                basis = up.sgd_update_basis(optimizer, param, grad, previous_update=last)
+                rows = up.sgd_update_rows(optimizer, param, grad, previous_update=last)
+                if rows is not None and self._pack_later(state, grad):
+                    rows = state.unpacked[name] = [r if r.dtype == param.dtype
+                                                   else r.to(param.dtype) for r in rows]
+                    own = len(rows) - (last is not None)
+                    directions = [GRADIENT, *rows[1:own]]  # (used now, before the step)
+                    return directions if last is None else [*directions, last]
+                basis = None if rows is None else up.stack_rows(rows, param.dtype)
             else:
                 seen = grad if gradient_scale == 1.0 else grad / gradient_scale
                 update = up.predict_update(optimizer, param, seen)
@@ -204,6 +215,38 @@ class Alpha(Quantity):
             return rows if last is None else [*rows, last]
 
         return provide
+
+    def _pack_later(self, state: _OpenStep, grad: Tensor) -> bool:
+        """Whether this parameter's basis rows are copied at the end of the backward pass,
+        all parameters' at once (:class:`update_fit.PackedBases`, the accelerators' path),
+        instead of one copy per parameter now: inside a backward pass, for plain tensors
+        on a device the batched fit takes."""
+        if not update_fit.packs(grad):
+            return False
+        if state.unpacked:
+            return True  # (the end of this pass is queued already)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._pack(state))
+        except Exception:  # not in a backward pass (or one that takes no callbacks)
+            return False
+        return True
+
+    def _pack(self, state: _OpenStep) -> None:
+        """The end of the backward pass: every basis row the hooks left copied in one
+        :class:`update_fit.PackedBases` per device (before the user's code and the
+        optimizer step change them). Never raises into the backward pass: a failure makes
+        the step's α not computed."""
+        unpacked, state.unpacked = state.unpacked, {}
+        try:
+            by_device: dict[torch.device, list[str]] = {}
+            for name, rows in unpacked.items():
+                by_device.setdefault(rows[0].device, []).append(name)
+            with torch.no_grad():
+                for device, names in by_device.items():
+                    packed = update_fit.PackedBases([unpacked[k] for k in names], device)
+                    state.basis.update(zip(names, packed.slots(), strict=True))
+        except Exception as error:
+            state.failure = f"the update's basis could not be copied: {error}"
 
     # ------------------------------------------------------------------ after backward
     def compute(self, data: StepData) -> dict[str, Value]:
@@ -250,7 +293,7 @@ class Alpha(Quantity):
             update = {k: sharded.whole(s.detach()) for k, s in update.items()}
         checks, decide = self._slopes(state, update, names)
         state.project = None
-        state.basis = {}
+        state.basis, state.unpacked = {}, {}
         return Later(self._decision(state, update, names, decide), sq, state.loss, theta_norms,
                      *checks, name="Alpha")
 
