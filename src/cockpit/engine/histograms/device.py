@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -156,6 +156,78 @@ def finite_counts(tallies: Sequence[Tensor], slots: int, shape: tuple[int, ...],
     return view.sum((0, 1), dtype=torch.long)
 
 
+class LaneCounts:
+    """Counts (int64, ``shape``) of the slots first + Σ_d c_d·strides_d, kept as the lane
+    counts of each chunk (:func:`tally`: float32 [L·slots] each) until their lanes are summed:
+    by :meth:`counts` for this one value, or by :func:`sum_lanes` for many parameters at once
+    (a few ops for all of them instead of two per parameter). Adding two concatenates their
+    tallies: the counts of the union of their values (a parameter's sample chunks, or
+    micro-batches), exact as every count is; adding a tensor sums the lanes first."""
+
+    def __init__(self, tallies: list[Tensor], slots: int, shape: tuple[int, ...],
+                 strides: tuple[int, ...], first: int):
+        self.tallies, self.slots = tallies, slots
+        self.shape, self.strides, self.first = tuple(shape), tuple(strides), first
+
+    @property
+    def layout(self) -> tuple:
+        """What values whose tallies can be summed together share."""
+        return self.slots, self.shape, self.strides, self.first, self.tallies[0].device
+
+    @property
+    def device(self) -> torch.device:
+        return self.tallies[0].device
+
+    def to(self, device: torch.device | str) -> LaneCounts:
+        return LaneCounts([t.to(device) for t in self.tallies], self.slots, self.shape,
+                          self.strides, self.first)
+
+    def counts(self) -> Tensor:
+        """The counts (int64, ``shape``): every lane of every tally summed in one op."""
+        return finite_counts(self.tallies, self.slots, self.shape, self.strides, self.first)
+
+    def __add__(self, other: LaneCounts | Tensor) -> LaneCounts | Tensor:
+        if isinstance(other, LaneCounts) and other.layout == self.layout:
+            return LaneCounts([*self.tallies, *other.tallies], self.slots, self.shape,
+                              self.strides, self.first)
+        return self.counts() + (other.counts() if isinstance(other, LaneCounts) else other)
+
+    def __radd__(self, other: Tensor | int) -> LaneCounts | Tensor:
+        if isinstance(other, int) and other == 0:  # the start of ``sum``
+            return self
+        return other + self.counts()
+
+
+def sum_lanes(values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
+    """``values`` with every :class:`LaneCounts` replaced by its counts (the others as they
+    are). Values of one layout are summed together: their tallies stacked in one op, then
+    one strided ``sum`` over the lanes (and chunks) of all values with the same number of
+    tallies K (most parameters have one chunk), and one ``unbind``; the ops do not grow with
+    the number of values. The counts are int64 sums of float32 counts below 2^24: exact."""
+    out = dict(values)
+    groups: dict[tuple, dict[int, list[str]]] = {}
+    for name, value in values.items():
+        if isinstance(value, LaneCounts):
+            groups.setdefault(value.layout, {}).setdefault(len(value.tallies), []).append(name)
+    for (slots, shape, strides, first, _), by_size in groups.items():
+        num_lanes = lanes(slots)
+        per_tally = num_lanes * slots
+        order = [name for names in by_size.values() for name in names]
+        tallies = [t for name in order for t in values[name].tallies]  # type: ignore[union-attr]
+        stacked = tallies[0] if len(tallies) == 1 else torch.stack(tallies)
+        parts, row = [], 0
+        for size, names in by_size.items():
+            # the K·L lanes of a value's K consecutive tallies lie `slots` apart
+            view = stacked.as_strided((len(names), size * num_lanes, *shape),
+                                      (size * per_tally, slots, *strides),
+                                      stacked.storage_offset() + row * per_tally + first)
+            parts.append(view.sum(1, dtype=torch.long))
+            row += size * len(names)
+        counts = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out.update(zip(order, counts.unbind(0), strict=True))
+    return out
+
+
 def _pieces(x: Tensor) -> list[Tensor]:
     """``x`` in chunks of at most CHUNK elements (whole rows of dim 0 where they fit)."""
     if x.numel() <= CHUNK:
@@ -174,9 +246,14 @@ def dense_tallies(chunks: Sequence[Tensor], edges: Tensor) -> list[Tensor]:
                 for chunk in chunks for piece in _pieces(chunk)]
 
 
+def lane_counts_1d(tallies: Sequence[Tensor], bins: int) -> LaneCounts:
+    """Counts [bins] of the finite values, their lanes not yet summed."""
+    return LaneCounts(list(tallies), bins + 2, (bins,), (1,), 1)
+
+
 def counts_1d(tallies: Sequence[Tensor], bins: int) -> Tensor:
     """Counts [bins] of the finite values from their lane counts."""
-    return finite_counts(tallies, bins + 2, (bins,), (1,), 1)
+    return lane_counts_1d(tallies, bins).counts()
 
 
 def dense(x: Tensor, edges: Tensor, bins: int) -> tuple[Tensor, Tensor]:

@@ -39,12 +39,14 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from cockpit.engine.histograms.device import device_path
+from cockpit.engine.histograms.device import LaneCounts, device_path
 from cockpit.engine.histograms.exact import (
     BinSpec,
     histogram2d_dense_counts,
     histogram_dense_counts,
+    histogram_dense_lanes,
     histogram_outer_counts,
+    histogram_outer_lanes,
 )
 from cockpit.engine.histograms.outer2d import histogram2d_outer_counts
 
@@ -159,6 +161,15 @@ class SampleGrads(ABC):
 
     def histogram(self, spec: BinSpec) -> Tensor:
         return histogram_dense_counts(self.chunks(), spec)
+
+    def histogram_lanes(self, spec: BinSpec) -> Tensor | LaneCounts:
+        """:meth:`histogram`, on accelerators with the lanes not yet summed (the end of the
+        backward pass sums those of every parameter at once,
+        :func:`~cockpit.engine.histograms.device.sum_lanes`). A representation with its own
+        :meth:`histogram` and not this gets its counts as they are."""
+        if type(self).histogram is not SampleGrads.histogram:
+            return self.histogram(spec)
+        return histogram_dense_lanes(self.chunks(), spec)
 
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
         return histogram2d_dense_counts([c if c.dim() == 2 else _rows(c) for c in self.chunks()],
@@ -288,6 +299,9 @@ class OuterSampleGrads(SampleGrads):
 
     def histogram(self, spec: BinSpec) -> Tensor:
         return histogram_outer_counts(self.delta, self.a, spec)
+
+    def histogram_lanes(self, spec: BinSpec) -> Tensor | LaneCounts:
+        return histogram_outer_lanes(self.delta, self.a, spec)
 
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
         return histogram2d_outer_counts(self.delta, self.a, theta, spec_g, spec_theta)
