@@ -28,7 +28,8 @@ from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms import exact as hmod
 from cockpit.engine.histograms.device import LaneCounts, sum_lanes
 from cockpit.engine.histograms.exact import BinSpec
-from cockpit.quantities import GradHist1d
+from cockpit.quantities import GradHist1d, GradHist2d
+from tests.engine.test_histogram_device import pair_counts
 from tests.engine.test_histogram_exact import exact_counts
 from tests.reference import individual_gradients
 
@@ -153,18 +154,20 @@ def squared_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 SPEC = BinSpec(-4.0, 4.0, 32)
+SPECS_2D = (BinSpec(-4.0, 4.0, 16), BinSpec(-1.0, 1.0, 8))
 
 
 def grad_hist_counts(accelerator: bool, micro_batches: int, budget: int | None,
                      monkeypatch) -> tuple[dict, dict]:
-    """GradHist1d per parameter of one step, and the exact counts of torch.func's individual
-    gradients."""
+    """GradHist1d and GradHist2d per parameter of one step, and the exact counts of
+    torch.func's individual gradients (and of their pairs with θ)."""
     monkeypatch.setattr(histogram_device, "_forced", accelerator)
     gen = torch.Generator().manual_seed(3)
     model = ExactNet(gen)
     x, target = dyadic((12, 2, 5, 5), gen, scale=2), dyadic((12, 4), gen)
-    cockpit = Cockpit(model, [GradHist1d()], hist_bins=SPEC, strict=True,
-                      memory_budget=budget, grad_accumulation=micro_batches > 1)
+    cockpit = Cockpit(model, [GradHist1d(), GradHist2d()], hist_bins=SPEC,
+                      hist2d_bins=SPECS_2D, strict=True, memory_budget=budget,
+                      grad_accumulation=micro_batches > 1)
     for xs, ts in zip(x.tensor_split(micro_batches), target.tensor_split(micro_batches),
                       strict=True):
         losses = squared_error(model(xs), ts)
@@ -172,9 +175,14 @@ def grad_hist_counts(accelerator: bool, micro_batches: int, budget: int | None,
             losses.sum().backward()
     cockpit.close()
     record = cockpit.get_output()[0]
-    got = {name: record[f"GradHist1d/{name}"]["counts"] for name, _ in model.named_parameters()}
+    got, expected = {}, {}
     grads = individual_gradients(model, squared_error, x, target)
-    expected = {name: exact_counts(g, SPEC).numpy() for name, g in grads.items()}
+    for name, theta in model.named_parameters():
+        got[name] = record[f"GradHist1d/{name}"]["counts"]
+        expected[name] = exact_counts(grads[name], SPEC).numpy()
+        got[name, "2d"] = record[f"GradHist2d/{name}"]["counts"]
+        expected[name, "2d"] = pair_counts(grads[name].reshape(12, -1),
+                                           theta.detach().reshape(-1), *SPECS_2D).numpy()
     return got, expected
 
 
@@ -186,12 +194,12 @@ def test_grad_hist_counts_are_exact_however_the_batch_and_the_values_are_split(
     """One batch of 12 or 3 micro-batches of 4; one chunk per parameter or chunks of 37
     values (every parameter several, of different numbers: the stand-in for parameters
     beyond 2^24 individual-gradient elements); whole layers or sample chunks of a 4000-byte
-    memory budget: every parameter's counts equal the exact ones."""
+    memory budget: every parameter's counts (GradHist1d, GradHist2d) equal the exact ones."""
     monkeypatch.setattr(histogram_device, "CHUNK", chunk)
     got, expected = grad_hist_counts(True, micro_batches, budget, monkeypatch)
     for name, counts in expected.items():
         assert got[name].dtype == counts.dtype and (got[name] == counts).all(), name
-        assert int(counts.sum()) > 0 and int(counts[0] + counts[-1]) < int(counts.sum())
+        assert int(counts.sum()) > 0 and int(counts.max()) < int(counts.sum())
 
 
 def test_the_cpu_path_gives_the_same_exact_counts(monkeypatch, one_thread):
@@ -202,16 +210,16 @@ def test_the_cpu_path_gives_the_same_exact_counts(monkeypatch, one_thread):
 
 def test_a_steps_lane_sum_ops_do_not_grow_with_the_parameters(forced, monkeypatch,
                                                               one_thread):
-    """GradHist1d of MLPs with 2 and 8 Linear layers: the ops that sum lanes into counts
-    (strided sums of the tallies) are the same few in a tracked step, not two per
-    parameter."""
+    """GradHist1d and GradHist2d of MLPs with 2 and 8 Linear layers: the ops that sum lanes
+    into counts (strided sums of the tallies) are the same few in a tracked step, not two
+    per parameter and histogram."""
 
     def lane_sum_ops(depth: int) -> int:
         torch.manual_seed(0)
         layers = [nn.Linear(8, 8) for _ in range(depth)]
         model = nn.Sequential(*[m for layer in layers for m in (layer, nn.ReLU())])
-        cockpit = Cockpit(model, [GradHist1d()], hist_bins=BinSpec(-1.0, 1.0, 16),
-                          strict=True)
+        cockpit = Cockpit(model, [GradHist1d(), GradHist2d()],
+                          hist_bins=BinSpec(-1.0, 1.0, 16), strict=True)
         x, y = torch.randn(16, 8), torch.randint(0, 8, (16,))
         counter = OpsByFunction()
         for step in range(2):
@@ -223,9 +231,8 @@ def test_a_steps_lane_sum_ops_do_not_grow_with_the_parameters(forced, monkeypatc
                 losses.mean().backward()
         cockpit.close()
         assert cockpit.get_output()[1]["GradHist1d"]["counts"].sum() == 16 * depth * 72
-        tallies = counter.ops["tally"]
-        assert tallies == 2 * 2 * depth  # (add, histc) per parameter: one chunk each
+        assert counter.ops["tally"] == 2 * 2 * depth  # GradHist1d's (add, histc) per parameter
         return counter.ops["sum_lanes"] + counter.ops["finite_counts"]
 
-    assert lane_sum_ops(2) == lane_sum_ops(8) <= 4
+    assert lane_sum_ops(2) == lane_sum_ops(8) <= 2 * 4
 

@@ -28,7 +28,10 @@ histc) plus two per histogram:
 * the counts of the finite values are the slots 1 … bins of every copy, summed over the
   copies (and over a layer's chunks) in one strided ``sum``; the non-finite count is the
   number of values minus their sum (formed only where asked for). No ``histc`` sees more
-  than 2^24 values, so its float32 counters are exact;
+  than 2^24 values, so its float32 counters are exact. The statistics keep each
+  parameter's copies (:class:`LaneCounts`) until the backward pass ends and then sum those
+  of every parameter together (:func:`sum_lanes`: one ``stack``, one strided ``sum`` per
+  number of chunks a parameter has, one ``unbind``), not two ops per parameter;
 * the individual gradients of a Linear layer, δ_n a_nᵀ, are formed in blocks of at most
   2^24 products (the same products fl(δ·a) the CPU path bins), and the block's products
   buffer receives the lane-spread index (8 bytes per product in all);
@@ -369,10 +372,14 @@ class Pairs:
                 whole = block[0] == slice(None) and block[1] == slice(None)
                 self._add(products, () if whole else block, out=products)
 
+    def lane_counts(self) -> LaneCounts:
+        """Counts [bins_g, bins_θ] of the finite pairs, their lanes not yet summed."""
+        return LaneCounts(self.tallies, self.slots, (self.bins_g, self.bins_theta),
+                          (self.columns, 1), self.columns + 1)
+
     def counts(self) -> Tensor:
         """Counts [bins_g, bins_θ] of the finite pairs."""
-        return finite_counts(self.tallies, self.slots, (self.bins_g, self.bins_theta),
-                             (self.columns, 1), self.columns + 1)
+        return self.lane_counts().counts()
 
     def result(self) -> tuple[Tensor, Tensor]:
         """Counts [bins_g, bins_θ] of the finite pairs and the number of the others."""

@@ -381,7 +381,7 @@ def histogram_dense_counts(chunks: Sequence[Tensor], spec: BinSpec) -> Tensor:
     """The counts of all elements of ``chunks`` (the sum of :func:`histogram_dense`'s counts;
     on accelerators the lane counts of every chunk summed in one op, and no count of the
     non-finite elements)."""
-    return _summed(histogram_dense_lanes(chunks, spec))
+    return summed(histogram_dense_lanes(chunks, spec))
 
 
 def histogram_dense_lanes(chunks: Sequence[Tensor], spec: BinSpec
@@ -397,7 +397,7 @@ def histogram_dense_lanes(chunks: Sequence[Tensor], spec: BinSpec
     return _sum([histogram_dense(c, spec)[0] for c in chunks])
 
 
-def _summed(counts: Tensor | histogram_device.LaneCounts) -> Tensor:
+def summed(counts: Tensor | histogram_device.LaneCounts) -> Tensor:
     """Counts with their lanes summed."""
     return counts.counts() if isinstance(counts, histogram_device.LaneCounts) else counts
 
@@ -631,7 +631,7 @@ def _outer_on_device(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor, T
 def histogram_outer_counts(delta: Tensor, a: Tensor, spec: BinSpec) -> Tensor:
     """The counts of :func:`histogram_outer` alone (on accelerators without the count of
     the non-finite products)."""
-    return _summed(histogram_outer_lanes(delta, a, spec))
+    return summed(histogram_outer_lanes(delta, a, spec))
 
 
 def histogram_outer_lanes(delta: Tensor, a: Tensor, spec: BinSpec
@@ -718,8 +718,15 @@ def histogram2d_dense_counts(chunks: Sequence[Tensor], theta: Tensor, spec_g: Bi
                              spec_theta: BinSpec) -> Tensor:
     """The counts of the pairs of every chunk [n, D] (the sum of :func:`histogram2d_dense`'s
     counts; on accelerators θ binned once and the lane counts summed in one op)."""
+    return summed(histogram2d_dense_lanes(chunks, theta, spec_g, spec_theta))
+
+
+def histogram2d_dense_lanes(chunks: Sequence[Tensor], theta: Tensor, spec_g: BinSpec,
+                            spec_theta: BinSpec) -> Tensor | histogram_device.LaneCounts:
+    """:func:`histogram2d_dense_counts`, on accelerators with the lanes not yet summed (see
+    :func:`cockpit.engine.histograms.device.sum_lanes`)."""
     if chunks and histogram_device.device_path(chunks[0].device):
-        return _dense_pairs(chunks, theta, spec_g, spec_theta).counts()
+        return _dense_pairs(chunks, theta, spec_g, spec_theta).lane_counts()
     return _sum([histogram2d_dense(c, theta, spec_g, spec_theta)[0] for c in chunks])
 
 
