@@ -66,11 +66,17 @@ def forced():
         yield
 
 
-def test_sum_lanes_gives_every_value_its_own_exact_counts(forced, monkeypatch):
+PADDED = {"padded": histogram_device._PAD_BYTES, "per_size": 0}
+
+
+@pytest.mark.parametrize("pad_bytes", PADDED.values(), ids=PADDED.keys())
+def test_sum_lanes_gives_every_value_its_own_exact_counts(pad_bytes, forced, monkeypatch):
     """Values with 1, 2, 3 and 9 tallies (CHUNK = 40), of two bin layouts, and a ready count
-    tensor: every value's counts equal the exact counts of its own elements (int64); the
-    non-finite elements are left out."""
+    tensor, summed with zero tallies padded or per number of tallies: every value's counts
+    equal the exact counts of its own elements (int64); the non-finite elements are left
+    out."""
     monkeypatch.setattr(histogram_device, "CHUNK", 40)
+    monkeypatch.setattr(histogram_device, "_PAD_BYTES", pad_bytes)
     gen = torch.Generator().manual_seed(0)
     spec_a, spec_b = BinSpec(-1.0, 1.0, 8), BinSpec(-2.0, 2.0, 5)
     xs = {"one": dyadic((30,), gen), "two": dyadic((2, 40), gen),
@@ -111,11 +117,15 @@ def test_adding_lane_counts_counts_the_union(forced):
                        exact_counts(a, spec) + exact_counts(c, other))
 
 
+@pytest.mark.parametrize("pad_bytes", PADDED.values(), ids=PADDED.keys())
 @pytest.mark.parametrize("tallies", [[1], [1, 5], [1, 2, 5]])
-def test_the_lane_sum_of_many_values_costs_the_ops_of_few(tallies, forced, monkeypatch):
+def test_the_lane_sum_of_many_values_costs_the_ops_of_few(tallies, pad_bytes, forced,
+                                                          monkeypatch):
     """3 values or 30 with the same numbers of tallies: the same ops (one stack, one strided
-    sum per number of tallies, one cat where there are several, one unbind)."""
+    sum — per number of tallies unless padded —, one cat where there are several, one
+    unbind)."""
     monkeypatch.setattr(histogram_device, "CHUNK", 10)
+    monkeypatch.setattr(histogram_device, "_PAD_BYTES", pad_bytes)
     spec = BinSpec(-1.0, 1.0, 8)
     gen = torch.Generator().manual_seed(2)
 
@@ -126,9 +136,11 @@ def test_the_lane_sum_of_many_values_costs_the_ops_of_few(tallies, forced, monke
             sum_lanes(values)
         return counter.ops
 
+    ops(3)  # (the zero tally is made once)
     few, many = ops(3), ops(30)
     assert few == many
-    assert sum(few.values()) == 2 + 2 * len(tallies) + (len(tallies) > 1)
+    groups = 1 if pad_bytes else len(tallies)
+    assert sum(few.values()) == 2 + 2 * groups + (groups > 1)
 
 
 class ExactNet(nn.Module):
