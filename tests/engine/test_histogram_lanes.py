@@ -248,3 +248,20 @@ def test_a_steps_lane_sum_ops_do_not_grow_with_the_parameters(forced, monkeypatc
 
     assert lane_sum_ops(2) == lane_sum_ops(8) <= 2 * 4
 
+
+
+def test_grad_hists_counts_of_rows_of_one_matrix_are_the_matrix():
+    """GradHist1d/2d read the counts of every parameter as one tensor: the lane sums' matrix
+    itself where the counts are its rows in order (no op), else their stack."""
+    from cockpit.quantities.grad_hist import _counts
+
+    matrix = torch.arange(12).reshape(4, 3).clone()
+    rows = dict(zip("abcd", matrix.unbind(0), strict=True))
+    with OpsByFunction() as counter:
+        assert _counts(rows) is matrix
+    assert not counter.ops
+    shuffled = {k: rows[k] for k in "bacd"}
+    assert torch.equal(_counts(shuffled), matrix[[1, 0, 2, 3]])
+    assert torch.equal(_counts(dict(list(rows.items())[:3])), matrix[:3])
+    separate = {k: v.clone() for k, v in rows.items()}
+    assert torch.equal(_counts(separate), matrix)
