@@ -178,7 +178,8 @@ class LaneCounts:
     @property
     def layout(self) -> tuple:
         """What values whose tallies can be summed together share."""
-        return self.slots, self.shape, self.strides, self.first, self.tallies[0].device
+        tally = self.tallies[0]
+        return self.slots, self.shape, self.strides, self.first, tally.dtype, tally.device
 
     @property
     def device(self) -> torch.device:
@@ -218,12 +219,11 @@ def sum_lanes(values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
     for name, value in values.items():
         if isinstance(value, LaneCounts):
             layouts.setdefault(value.layout, []).append(name)
-    for (slots, shape, strides, first, device), names in layouts.items():
+    for (slots, shape, strides, first, dtype, device), names in layouts.items():
         num_lanes = lanes(slots)
         per_tally = num_lanes * slots
         held = {name: values[name].tallies for name in names}  # type: ignore[union-attr]
         most = max(len(t) for t in held.values())
-        dtype = held[names[0]][0].dtype
         padding = sum(most - len(t) for t in held.values()) * per_tally * dtype.itemsize
         if padding <= _PAD_BYTES:
             zero = _zero_tally(per_tally, dtype, device)
