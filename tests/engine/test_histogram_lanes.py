@@ -265,3 +265,30 @@ def test_grad_hists_counts_of_rows_of_one_matrix_are_the_matrix():
     assert torch.equal(_counts(dict(list(rows.items())[:3])), matrix[:3])
     separate = {k: v.clone() for k, v in rows.items()}
     assert torch.equal(_counts(separate), matrix)
+
+
+def test_a_failed_lane_sum_is_recorded_and_training_goes_on(forced, monkeypatch):
+    """Summing the lanes fails at the end of the backward pass (say, out of memory): the
+    histogram is reported as not computed, with the reason, and the gradient is the
+    plain backward pass' own."""
+    from cockpit.engine.statistics.hist1d import Hist1d
+
+    def fail(self, values):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(Hist1d, "finish", fail)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    plain = model.weight.grad.clone()
+    model.zero_grad()
+    cockpit = Cockpit(model, [GradHist1d()], hist_bins=SPEC)
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with pytest.warns(RuntimeWarning, match="GradHist1d not computed"):
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+        cockpit.close()
+    assert cockpit.get_output()[0]["GradHist1d"] is None
+    assert "out of memory" in cockpit.get_notes()[0]["GradHist1d"]
+    assert torch.equal(model.weight.grad, plain)
