@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from cockpit import Cockpit
+from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.reduction import ranks as cockpit_distributed
 from cockpit.engine.reduction.step_reduction import StepReduction
 from tests.exit_worker import leave_process_group
@@ -64,6 +65,8 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
         caught = warnings.catch_warnings(record=True)
         recorded = caught.__enter__()
         warnings.simplefilter("always")
+        # the histograms' accelerator path (what a GPU runs), on the CPU
+        histogram_device._forced = config.get("accelerator_path", False)
         if "attach_timeout" in config:
             cockpit_distributed.ATTACH_TIMEOUT = config["attach_timeout"]
         # the processes that run Cockpit (default: all); the others train without it

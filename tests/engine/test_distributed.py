@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cockpit import Cockpit
+from cockpit import Cockpit, quantities
 from tests.engine import ddp_worker
 from tests.exit_worker import free_port
 from tests.models import make_problem
@@ -100,6 +100,28 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
         assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
         # the shortcut for g_nᵀḡ is taken exactly where the gradient seen is ∝ the global ḡ
         assert (result["union_projections"] == 0) == uniform
+
+
+def histograms() -> list:
+    return [quantities.GradHist1d(), quantities.GradHist2d()]
+
+
+def test_the_accelerator_paths_histograms_count_the_global_batch(tmp_path):
+    """GradHist1d and GradHist2d on the accelerator path (each backward pass' lane counts
+    summed when it ends, added over micro-batches, all-reduced over the ranks), uneven
+    shards with 2 micro-batches each: every rank reports the whole batch's counts."""
+    config = _config("mlp_relu", [10, 14], seed=3, micro_batches=2, instruments=histograms,
+                     accelerator_path=True)
+    ranks = _two_processes(tmp_path, config)
+    expected, _ = whole_batch_run(make_problem("mlp_relu", 48), config["batches"], sgd,
+                                  gradients=ranks[0]["stepped"], chosen=histograms())
+    parameters = len(list(make_problem("mlp_relu", 48).model.parameters()))
+    for result in ranks:
+        output = strip(result["output"])
+        assert sum(key.startswith("GradHist") for step in range(STEPS)
+                   for key in output[step]) == 2 * STEPS * (1 + parameters)
+        assert assert_same_values(output, expected, range(STEPS)) >= 2 * STEPS * (
+            1 + parameters)
 
 
 def test_gradients_all_reduced_after_the_block_give_the_global_batch(tmp_path):

@@ -381,6 +381,7 @@ class ModuleTracker:
             self.capture.process_remaining()
             self.processor.reduce_accumulated()
             self.processor.reduce_pending()
+            self.processor.guarded("per-sample statistics", self.stats.finish)
         finally:
             self.active = False
             self.processor.accumulated, self.processor.pending = {}, {}

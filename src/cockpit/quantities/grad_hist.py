@@ -40,8 +40,18 @@ def _edges(spec: BinSpec) -> np.ndarray:
 
 
 def _counts(counts: dict[str, Tensor]) -> Tensor:
-    """The counts of every parameter as one int64 tensor [P, *bins] (one copy to the host)."""
-    return torch.stack(list(counts.values()))
+    """The counts of every parameter as one int64 tensor [P, *bins] (one copy to the host):
+    the matrix itself where the counts are its rows in order (as the accelerator path's
+    lane sums leave them), else their stack."""
+    rows = list(counts.values())
+    matrix = rows[0]._base
+    if (matrix is not None and matrix.shape == (len(rows), *rows[0].shape)
+            and matrix.is_contiguous()
+            and all(row._base is matrix and row.is_contiguous()
+                    and row.storage_offset() == matrix.storage_offset() + i * matrix.stride(0)
+                    for i, row in enumerate(rows))):
+        return matrix
+    return torch.stack(rows)
 
 
 class GradHist1d(Quantity):

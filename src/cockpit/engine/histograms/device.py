@@ -28,7 +28,10 @@ histc) plus two per histogram:
 * the counts of the finite values are the slots 1 … bins of every copy, summed over the
   copies (and over a layer's chunks) in one strided ``sum``; the non-finite count is the
   number of values minus their sum (formed only where asked for). No ``histc`` sees more
-  than 2^24 values, so its float32 counters are exact;
+  than 2^24 values, so its float32 counters are exact. The statistics keep each
+  parameter's copies (:class:`LaneCounts`) until the backward pass ends and then sum those
+  of every parameter together (:func:`sum_lanes`: one ``stack``, one strided ``sum`` per
+  number of chunks a parameter has, one ``unbind``), not two ops per parameter;
 * the individual gradients of a Linear layer, δ_n a_nᵀ, are formed in blocks of at most
   2^24 products (the same products fl(δ·a) the CPU path bins), and the block's products
   buffer receives the lane-spread index (8 bytes per product in all);
@@ -48,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -57,6 +60,9 @@ _LANES = 32
 CHUNK = 2**24  # elements per chunk: bounds the index buffers; float counts stay exact
 _SHARED_COUNTERS = 12 * 1024  # float counters in 48 KiB of a block's shared memory
 _MAX_PATTERN = 2**17  # elements of one cached lane-offset tensor (512 KiB)
+# zero tallies sum_lanes may stack to sum all values in one op: a GPU reads 8 MiB in a few
+# µs, about the cost of the two ops saved per further number of chunks
+_PAD_BYTES = 2**23
 _forced = False
 
 
@@ -156,6 +162,99 @@ def finite_counts(tallies: Sequence[Tensor], slots: int, shape: tuple[int, ...],
     return view.sum((0, 1), dtype=torch.long)
 
 
+class LaneCounts:
+    """Counts (int64, ``shape``) of the slots first + Σ_d c_d·strides_d, kept as the lane
+    counts of each chunk (:func:`tally`: float32 [L·slots] each) until their lanes are summed:
+    by :meth:`counts` for this one value, or by :func:`sum_lanes` for many parameters at once
+    (a few ops for all of them instead of two per parameter). Adding two concatenates their
+    tallies: the counts of the union of their values (a parameter's sample chunks, or
+    micro-batches), exact as every count is; adding a tensor sums the lanes first."""
+
+    def __init__(self, tallies: list[Tensor], slots: int, shape: tuple[int, ...],
+                 strides: tuple[int, ...], first: int):
+        self.tallies, self.slots = tallies, slots
+        self.shape, self.strides, self.first = tuple(shape), tuple(strides), first
+
+    @property
+    def layout(self) -> tuple:
+        """What values whose tallies can be summed together share."""
+        tally = self.tallies[0]
+        return self.slots, self.shape, self.strides, self.first, tally.dtype, tally.device
+
+    @property
+    def device(self) -> torch.device:
+        return self.tallies[0].device
+
+    def to(self, device: torch.device | str) -> LaneCounts:
+        return LaneCounts([t.to(device) for t in self.tallies], self.slots, self.shape,
+                          self.strides, self.first)
+
+    def counts(self) -> Tensor:
+        """The counts (int64, ``shape``): every lane of every tally summed in one op."""
+        return finite_counts(self.tallies, self.slots, self.shape, self.strides, self.first)
+
+    def __add__(self, other: LaneCounts | Tensor) -> LaneCounts | Tensor:
+        if isinstance(other, LaneCounts) and other.layout == self.layout:
+            return LaneCounts([*self.tallies, *other.tallies], self.slots, self.shape,
+                              self.strides, self.first)
+        return self.counts() + (other.counts() if isinstance(other, LaneCounts) else other)
+
+    def __radd__(self, other: Tensor | int) -> LaneCounts | Tensor:
+        if isinstance(other, int) and other == 0:  # the start of ``sum``
+            return self
+        return other + self.counts()
+
+
+def sum_lanes(values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
+    """``values`` with every :class:`LaneCounts` replaced by its counts (the others as they
+    are). Values of one layout are summed together: their tallies stacked in one op, then
+    one strided ``sum`` over the lanes (and chunks) of all values with the same number of
+    tallies K, and one ``unbind``; the ops do not grow with the number of values. Values
+    with fewer tallies than the most are padded with a zero tally where that adds at most
+    ``_PAD_BYTES`` to the stack (then one sum serves all), else summed per K (most
+    parameters have one chunk). The counts are int64 sums of float32 counts below 2^24:
+    exact."""
+    out = dict(values)
+    layouts: dict[tuple, list[str]] = {}
+    for name, value in values.items():
+        if isinstance(value, LaneCounts):
+            layouts.setdefault(value.layout, []).append(name)
+    for (slots, shape, strides, first, dtype, device), names in layouts.items():
+        num_lanes = lanes(slots)
+        per_tally = num_lanes * slots
+        held = {name: values[name].tallies for name in names}  # type: ignore[union-attr]
+        most = max(len(t) for t in held.values())
+        padding = sum(most - len(t) for t in held.values()) * per_tally * dtype.itemsize
+        if padding <= _PAD_BYTES:
+            zero = _zero_tally(per_tally, dtype, device)
+            by_size = {most: names}
+            held = {name: [*t, *[zero] * (most - len(t))] for name, t in held.items()}
+        else:
+            by_size = {}
+            for name in names:
+                by_size.setdefault(len(held[name]), []).append(name)
+        order = [name for group in by_size.values() for name in group]
+        tallies = [t for name in order for t in held[name]]
+        stacked = tallies[0] if len(tallies) == 1 else torch.stack(tallies)
+        parts, row = [], 0
+        for size, group in by_size.items():
+            # the K·L lanes of a value's K consecutive tallies lie `slots` apart
+            view = stacked.as_strided((len(group), size * num_lanes, *shape),
+                                      (size * per_tally, slots, *strides),
+                                      stacked.storage_offset() + row * per_tally + first)
+            parts.append(view.sum(1, dtype=torch.long))
+            row += size * len(group)
+        counts = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out.update(zip(order, counts.unbind(0), strict=True))
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_tally(size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tally of zeros (only ever read: stacked beside the real tallies)."""
+    return torch.zeros(size, dtype=dtype, device=device)
+
+
 def _pieces(x: Tensor) -> list[Tensor]:
     """``x`` in chunks of at most CHUNK elements (whole rows of dim 0 where they fit)."""
     if x.numel() <= CHUNK:
@@ -174,9 +273,14 @@ def dense_tallies(chunks: Sequence[Tensor], edges: Tensor) -> list[Tensor]:
                 for chunk in chunks for piece in _pieces(chunk)]
 
 
+def lane_counts_1d(tallies: Sequence[Tensor], bins: int) -> LaneCounts:
+    """Counts [bins] of the finite values, their lanes not yet summed."""
+    return LaneCounts(list(tallies), bins + 2, (bins,), (1,), 1)
+
+
 def counts_1d(tallies: Sequence[Tensor], bins: int) -> Tensor:
     """Counts [bins] of the finite values from their lane counts."""
-    return finite_counts(tallies, bins + 2, (bins,), (1,), 1)
+    return lane_counts_1d(tallies, bins).counts()
 
 
 def dense(x: Tensor, edges: Tensor, bins: int) -> tuple[Tensor, Tensor]:
@@ -292,10 +396,14 @@ class Pairs:
                 whole = block[0] == slice(None) and block[1] == slice(None)
                 self._add(products, () if whole else block, out=products)
 
+    def lane_counts(self) -> LaneCounts:
+        """Counts [bins_g, bins_θ] of the finite pairs, their lanes not yet summed."""
+        return LaneCounts(self.tallies, self.slots, (self.bins_g, self.bins_theta),
+                          (self.columns, 1), self.columns + 1)
+
     def counts(self) -> Tensor:
         """Counts [bins_g, bins_θ] of the finite pairs."""
-        return finite_counts(self.tallies, self.slots, (self.bins_g, self.bins_theta),
-                             (self.columns, 1), self.columns + 1)
+        return self.lane_counts().counts()
 
     def result(self) -> tuple[Tensor, Tensor]:
         """Counts [bins_g, bins_θ] of the finite pairs and the number of the others."""

@@ -382,13 +382,25 @@ def histogram_dense_counts(chunks: Sequence[Tensor], spec: BinSpec) -> Tensor:
     """The counts of all elements of ``chunks`` (the sum of :func:`histogram_dense`'s counts;
     on accelerators the lane counts of every chunk summed in one op, and no count of the
     non-finite elements)."""
+    return summed(histogram_dense_lanes(chunks, spec))
+
+
+def histogram_dense_lanes(chunks: Sequence[Tensor], spec: BinSpec
+                          ) -> Tensor | histogram_device.LaneCounts:
+    """:func:`histogram_dense_counts`, on accelerators with the lanes not yet summed (see
+    :func:`cockpit.engine.histograms.device.sum_lanes`)."""
     if chunks and histogram_device.device_path(chunks[0].device):
         tallies = []
         for chunk in chunks:
             tallies += histogram_device.dense_tallies([chunk.to(_device_dtype(chunk.dtype))],
                                                       _on_device(chunk, spec)[1])
-        return histogram_device.counts_1d(tallies, spec.bins)
+        return histogram_device.lane_counts_1d(tallies, spec.bins)
     return _sum([histogram_dense(c, spec)[0] for c in chunks])
+
+
+def summed(counts: Tensor | histogram_device.LaneCounts) -> Tensor:
+    """Counts with their lanes summed."""
+    return counts.counts() if isinstance(counts, histogram_device.LaneCounts) else counts
 
 
 # --------------------------------------------------------------------------- outer products
@@ -620,9 +632,16 @@ def _outer_on_device(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor, T
 def histogram_outer_counts(delta: Tensor, a: Tensor, spec: BinSpec) -> Tensor:
     """The counts of :func:`histogram_outer` alone (on accelerators without the count of
     the non-finite products)."""
+    return summed(histogram_outer_lanes(delta, a, spec))
+
+
+def histogram_outer_lanes(delta: Tensor, a: Tensor, spec: BinSpec
+                          ) -> Tensor | histogram_device.LaneCounts:
+    """:func:`histogram_outer_counts`, on accelerators with the lanes not yet summed (see
+    :func:`cockpit.engine.histograms.device.sum_lanes`)."""
     if histogram_device.device_path(delta.device):
         tallies = histogram_device.outer_tallies(*_outer_on_device(delta, a, spec))
-        return histogram_device.counts_1d(tallies, spec.bins)
+        return histogram_device.lane_counts_1d(tallies, spec.bins)
     return histogram_outer(delta, a, spec)[0]
 
 
@@ -700,8 +719,15 @@ def histogram2d_dense_counts(chunks: Sequence[Tensor], theta: Tensor, spec_g: Bi
                              spec_theta: BinSpec) -> Tensor:
     """The counts of the pairs of every chunk [n, D] (the sum of :func:`histogram2d_dense`'s
     counts; on accelerators θ binned once and the lane counts summed in one op)."""
+    return summed(histogram2d_dense_lanes(chunks, theta, spec_g, spec_theta))
+
+
+def histogram2d_dense_lanes(chunks: Sequence[Tensor], theta: Tensor, spec_g: BinSpec,
+                            spec_theta: BinSpec) -> Tensor | histogram_device.LaneCounts:
+    """:func:`histogram2d_dense_counts`, on accelerators with the lanes not yet summed (see
+    :func:`cockpit.engine.histograms.device.sum_lanes`)."""
     if chunks and histogram_device.device_path(chunks[0].device):
-        return _dense_pairs(chunks, theta, spec_g, spec_theta).counts()
+        return _dense_pairs(chunks, theta, spec_g, spec_theta).lane_counts()
     return _sum([histogram2d_dense(c, theta, spec_g, spec_theta)[0] for c in chunks])
 
 

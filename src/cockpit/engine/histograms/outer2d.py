@@ -89,6 +89,7 @@ from cockpit.engine.histograms.exact import (
     _thresholds,
     histogram2d_dense,
     pairs_on_device,
+    summed,
 )
 
 # Below this many products the layer is formed and binned by histogram2d_dense (fixed costs
@@ -144,8 +145,15 @@ def histogram2d_outer_counts(delta: Tensor, a: Tensor, theta: Tensor, spec_g: Bi
                              spec_theta: BinSpec) -> Tensor:
     """The counts of :func:`histogram2d_outer` alone (on accelerators without the count of
     the other pairs)."""
+    return summed(histogram2d_outer_lanes(delta, a, theta, spec_g, spec_theta))
+
+
+def histogram2d_outer_lanes(delta: Tensor, a: Tensor, theta: Tensor, spec_g: BinSpec,
+                            spec_theta: BinSpec) -> Tensor | histogram_device.LaneCounts:
+    """:func:`histogram2d_outer_counts`, on accelerators with the lanes not yet summed (see
+    :func:`cockpit.engine.histograms.device.sum_lanes`)."""
     if histogram_device.device_path(delta.device):
-        return _device_pairs(delta, a, theta, spec_g, spec_theta).counts()
+        return _device_pairs(delta, a, theta, spec_g, spec_theta).lane_counts()
     return histogram2d_outer(delta, a, theta, spec_g, spec_theta)[0]
 
 

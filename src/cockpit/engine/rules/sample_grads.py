@@ -43,14 +43,17 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.dtypes import promote
-from cockpit.engine.histograms.device import device_path
+from cockpit.engine.histograms.device import LaneCounts, device_path
 from cockpit.engine.histograms.exact import (
     BinSpec,
     histogram2d_dense_counts,
+    histogram2d_dense_lanes,
     histogram_dense_counts,
+    histogram_dense_lanes,
     histogram_outer_counts,
+    histogram_outer_lanes,
 )
-from cockpit.engine.histograms.outer2d import histogram2d_outer_counts
+from cockpit.engine.histograms.outer2d import histogram2d_outer_counts, histogram2d_outer_lanes
 
 # Materialize factored per-sample gradients in chunks of at most this many elements so
 # that the extra memory stays near one layer's |B|×D even for sequence inputs.
@@ -164,9 +167,26 @@ class SampleGrads(ABC):
     def histogram(self, spec: BinSpec) -> Tensor:
         return histogram_dense_counts(self.chunks(), spec)
 
+    def histogram_lanes(self, spec: BinSpec) -> Tensor | LaneCounts:
+        """:meth:`histogram`, on accelerators with the lanes not yet summed (the end of the
+        backward pass sums those of every parameter at once,
+        :func:`~cockpit.engine.histograms.device.sum_lanes`). A representation with its own
+        :meth:`histogram` and not this gets its counts as they are."""
+        if type(self).histogram is not SampleGrads.histogram:
+            return self.histogram(spec)
+        return histogram_dense_lanes(self.chunks(), spec)
+
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
         return histogram2d_dense_counts([c if c.dim() == 2 else _rows(c) for c in self.chunks()],
                                         self.to_rows(theta), spec_g, spec_theta)
+
+    def histogram2d_lanes(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec
+                          ) -> Tensor | LaneCounts:
+        """:meth:`histogram2d` as :meth:`histogram_lanes` is :meth:`histogram`."""
+        if type(self).histogram2d is not SampleGrads.histogram2d:
+            return self.histogram2d(theta, spec_g, spec_theta)
+        return histogram2d_dense_lanes([c if c.dim() == 2 else _rows(c) for c in self.chunks()],
+                                       self.to_rows(theta), spec_g, spec_theta)
 
 
 def total_of(tensors: Iterable[Tensor]) -> Tensor:
@@ -298,8 +318,15 @@ class OuterSampleGrads(SampleGrads):
     def histogram(self, spec: BinSpec) -> Tensor:
         return histogram_outer_counts(self.delta, self.a, spec)
 
+    def histogram_lanes(self, spec: BinSpec) -> Tensor | LaneCounts:
+        return histogram_outer_lanes(self.delta, self.a, spec)
+
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
         return histogram2d_outer_counts(self.delta, self.a, theta, spec_g, spec_theta)
+
+    def histogram2d_lanes(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec
+                          ) -> Tensor | LaneCounts:
+        return histogram2d_outer_lanes(self.delta, self.a, theta, spec_g, spec_theta)
 
 
 class SequenceOuterSampleGrads(SampleGrads):

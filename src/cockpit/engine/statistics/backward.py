@@ -107,6 +107,20 @@ class BackwardStatistics:
     def valid(self) -> bool:
         return not self.problems
 
+    def finish(self) -> None:
+        """Every registered statistic's values in their final form (:meth:`Statistic.finish`,
+        at the end of the backward pass). A statistic whose finish fails is left empty
+        (the failure is the caller's to record)."""
+        for name, values in list(self.values.items()):
+            statistic = REGISTRY.get(name)
+            if statistic is None or not values:
+                continue
+            try:
+                self.values[name] = statistic.finish(values)
+            except BaseException:
+                self.values[name] = {}
+                raise
+
     def merge(self, other: BackwardStatistics) -> BackwardStatistics:
         """The statistics of the union of both batches (a new value; see the module doc)."""
         for name, statistic in REGISTRY.items():

@@ -4,7 +4,9 @@
 reduction point).
 
 Per parameter [bins]; micro-batches and ranks add (every parameter has a slot: a rank without
-the parameter counts nothing).
+the parameter counts nothing). On accelerators a parameter's counts are formed as lane
+counts (:class:`~cockpit.engine.histograms.device.LaneCounts`) whose lanes are summed for
+every parameter at once when the backward pass ends (:meth:`Hist1d.finish`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.histograms.auto_range import AutoRange, magnitude_counts
+from cockpit.engine.histograms.device import LaneCounts, sum_lanes
 from cockpit.engine.rules.sample_grads import (
     SampleGrads,
 )
@@ -51,12 +54,15 @@ class Hist1d(Counts):
     name = "hist1d"
     shape = "[bins]"
 
-    def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
+    def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor | LaneCounts:
         spec = layer.context.hist_spec
         if isinstance(spec, AutoRange):
             return magnitude_counts(_within_budget(_one_chunk_at_a_time(sg, layer),
                                                    layer.context.memory_budget))
-        return sg.histogram(spec)
+        return sg.histogram_lanes(spec)
+
+    def finish(self, values: dict[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
+        return sum_lanes(values)
 
     def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:
         return (context.hist_spec.bins,)

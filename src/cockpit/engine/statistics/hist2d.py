@@ -2,6 +2,8 @@
 (GradHist2d eq. 16).
 
 Per parameter [bins_g, bins_θ]; micro-batches and ranks add (every parameter has a slot).
+On accelerators the lanes of every parameter's counts are summed at once when the backward
+pass ends (:meth:`Hist2d.finish`, as for :mod:`~cockpit.engine.statistics.hist1d`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cockpit.engine.histograms.device import LaneCounts, sum_lanes
 from cockpit.engine.rules.sample_grads import SampleGrads
 from cockpit.engine.statistics.registry import (
     Counts,
@@ -22,9 +25,12 @@ class Hist2d(Counts):
     name = "hist2d"
     shape = "[bins_g, bins_θ]"
 
-    def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
+    def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor | LaneCounts:
         spec_g, spec_theta = layer.context.hist2d_specs
-        return sg.histogram2d(layer.param, spec_g, spec_theta)
+        return sg.histogram2d_lanes(layer.param, spec_g, spec_theta)
+
+    def finish(self, values: dict[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
+        return sum_lanes(values)
 
     def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:
         spec_g, spec_theta = context.hist2d_specs

@@ -9,6 +9,9 @@ A per-sample statistic is one object (one file of this package) that says
   (:class:`Merge`): per-sample vectors are concatenated, sums added, centered sums
   combined by the parallel-variance identity, and statistics relative to the batch's own
   mean (g_nᵀḡ) cannot be merged at all;
+* optionally, how the values of every parameter are finished together when the backward
+  pass ends (:meth:`Statistic.finish`: the histograms sum the lanes of all their counts in a
+  few ops, not two per parameter);
 * how the ranks of a process group combine (:class:`Combine`): sums go into the phase-1
   all-reduce buffer (their slot shape, :meth:`Statistic.pack`, :meth:`Statistic.unpack`),
   per-sample vectors into the phase-2 rows (:mod:`cockpit.engine.reduction.ranks`).
@@ -114,6 +117,11 @@ class Statistic:
         """The value for one parameter from its individual gradients (None: formed
         elsewhere, see ``fused_dot``)."""
         raise NotImplementedError
+
+    def finish(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The values of every parameter in their final form, formed together when the
+        backward pass ends (from what :meth:`form` returned; default: as they are)."""
+        return values
 
     # ---- Combine.SUM: one slot per parameter of the phase-1 buffer
     def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:
