@@ -274,8 +274,8 @@ def test_grad_hist_2d_instrument_equals_brute_force(monkeypatch):
                  "_FEW_ROWS"):
         monkeypatch.setattr(h2, name, 0)
     calls = []
-    real = sample_grads.histogram2d_outer_counts
-    monkeypatch.setattr(sample_grads, "histogram2d_outer_counts",
+    real = sample_grads.histogram2d_outer_lanes  # (the statistic's entry point)
+    monkeypatch.setattr(sample_grads, "histogram2d_outer_lanes",
                         lambda *args: calls.append(1) or real(*args))
     problem = make_problem("mlp_relu", 12)
     with torch.no_grad():  # spread the weights over several parameter bins
