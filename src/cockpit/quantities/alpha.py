@@ -49,6 +49,7 @@ from torch import Tensor
 
 from cockpit.engine import sharded, update_fit
 from cockpit.engine import update_prediction as up
+from cockpit.engine.capture.end_of_backward import queue_at_end_of_backward
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.processing import GRADIENT
 from cockpit.engine.readout import Later, Noted
@@ -225,11 +226,7 @@ class Alpha(Quantity):
             return False
         if state.unpacked:
             return True  # (the end of this pass is queued already)
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._pack(state))
-        except Exception:  # not in a backward pass (or one that takes no callbacks)
-            return False
-        return True
+        return queue_at_end_of_backward(lambda: self._pack(state))
 
     def _pack(self, state: _OpenStep) -> None:
         """The end of the backward pass: every basis row the hooks left copied in one

@@ -16,10 +16,10 @@ The copies reuse the buffers of the last tracked step (``spares``) where they fi
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
+
+from cockpit.engine.capture.end_of_backward import queue_at_end_of_backward
 
 
 class BatchGradientCopies:
@@ -32,9 +32,10 @@ class BatchGradientCopies:
              spares: dict[str, Tensor]) -> None:
         """``grads[name]`` is ``alias`` until the end of this backward pass, then a copy."""
         grads[name] = alias
-        if not self.waiting:
-            _queue_at_end_of_backward(lambda: self.copy(grads, spares))
+        first = not self.waiting
         self.waiting[name] = alias
+        if first and not queue_at_end_of_backward(lambda: self.copy(grads, spares)):
+            self.copy(grads, spares)  # (not inside a backward pass: at once)
 
     def copy(self, grads: dict[str, Tensor], spares: dict[str, Tensor]) -> None:
         """Replace every waiting alias in ``grads`` by a copy (one multi-tensor copy)."""
@@ -58,7 +59,3 @@ def _fitting(spare: Tensor | None, source: Tensor) -> Tensor:
             and spare.device == source.device and spare.stride() == source.stride()):
         return spare
     return torch.empty_like(source)
-
-
-def _queue_at_end_of_backward(callback: Callable[[], None]) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
