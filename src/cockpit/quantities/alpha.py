@@ -72,6 +72,16 @@ def batch_mean_var(x: Tensor) -> Tensor:
     return torch.cat([x.reshape(-1), torch.zeros(1, dtype=x.dtype, device=x.device)])
 
 
+def _loss_mean_var(data: StepData) -> Tensor:
+    """:func:`batch_mean_var` of the step's losses, formed once per step (α of step t − 1
+    ends and α of step t begins with the same losses)."""
+    cached = data.__dict__.get("_loss_mean_var")
+    if cached is None:
+        assert data.losses is not None
+        cached = data.__dict__["_loss_mean_var"] = batch_mean_var(data.losses)
+    return cached
+
+
 def _no_slope(device: torch.device) -> Tensor:
     return torch.full((2,), math.nan, dtype=torch.float64, device=device)
 
@@ -255,7 +265,7 @@ class Alpha(Quantity):
                 data.notes["Alpha"] = "needs optimizer= (the update s_t = θ_{t+1} − θ_t)"
                 return {"Alpha": None}
             return {}
-        state.loss = batch_mean_var(data.losses)
+        state.loss = _loss_mean_var(data)
         stats = data.stats
         assert stats is not None
         if state.predicted:
@@ -439,7 +449,7 @@ class Alpha(Quantity):
         rows = list(projections.values())
         dots = ((torch.cat(rows) if all(len(p) == 1 for p in rows)  # one row each: no views
                  else torch.stack([p[0] for p in rows])).double().sum(0) if rows else 0)
-        loss = batch_mean_var(data.losses)
+        loss = _loss_mean_var(data)
         slope = batch_mean_var(dots / length) if length > 0 else _no_slope(loss.device)
         obs1 = torch.cat([loss, slope.to(loss.device)])
         data.late_values.setdefault(state.step, []).append(
