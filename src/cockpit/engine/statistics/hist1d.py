@@ -11,7 +11,7 @@ every parameter at once when the backward pass ends (:meth:`Hist1d.finish`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -61,7 +61,7 @@ class Hist1d(Counts):
                                                    layer.context.memory_budget))
         return sg.histogram_lanes(spec)
 
-    def finish(self, values: dict[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
+    def finish(self, values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
         return sum_lanes(values)
 
     def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:

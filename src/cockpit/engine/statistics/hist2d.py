@@ -8,6 +8,8 @@ pass ends (:meth:`Hist2d.finish`, as for :mod:`~cockpit.engine.statistics.hist1d
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
@@ -29,7 +31,7 @@ class Hist2d(Counts):
         spec_g, spec_theta = layer.context.hist2d_specs
         return sg.histogram2d_lanes(layer.param, spec_g, spec_theta)
 
-    def finish(self, values: dict[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
+    def finish(self, values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
         return sum_lanes(values)
 
     def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:

@@ -28,15 +28,16 @@ registered (it merges and combines like a statistic) with ``fused_dot`` set.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from enum import Enum
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, cast
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
     from cockpit.engine.histograms.auto_range import AutoRange
+    from cockpit.engine.histograms.device import LaneCounts
     from cockpit.engine.histograms.exact import BinSpec
     from cockpit.engine.rules.sample_grads import SampleGrads
     from cockpit.engine.statistics.backward import BackwardStatistics
@@ -113,15 +114,17 @@ class Statistic:
     flagged: ClassVar[bool] = True
     sample_dim: ClassVar[int] = 0  # concatenated statistics: the dimension of the samples
 
-    def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor | None:
+    def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor | LaneCounts | None:
         """The value for one parameter from its individual gradients (None: formed
-        elsewhere, see ``fused_dot``)."""
+        elsewhere, see ``fused_dot``; a histogram's lane counts on accelerators, summed by
+        :meth:`finish`)."""
         raise NotImplementedError
 
-    def finish(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+    def finish(self, values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
         """The values of every parameter in their final form, formed together when the
-        backward pass ends (from what :meth:`form` returned; default: as they are)."""
-        return values
+        backward pass ends (from what :meth:`form` returned; default: as they are, which
+        takes a statistic whose :meth:`form` gives tensors)."""
+        return cast(dict[str, Tensor], dict(values))
 
     # ---- Combine.SUM: one slot per parameter of the phase-1 buffer
     def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:
