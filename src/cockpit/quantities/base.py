@@ -220,7 +220,7 @@ def stacked_sq(norms: list[Tensor]) -> Tensor:
     """[‖x_k‖²] from the norms ‖x_k‖ (0-dim tensors), float64 on the first one's device
     (norms in float64 already need no cast)."""
     device = norms[0].device
-    if any(n.device != device for n in norms):  # a model spread over devices
+    if len({n.device for n in norms}) > 1:  # a model spread over devices
         norms = [n.to(device, non_blocking=True) for n in norms]
     return torch.stack(norms).to(torch.float64).square_()
 
@@ -230,7 +230,7 @@ def per_param_norms(name: str, names: list[str], sq: Tensor) -> Later:
     ``name/<parameter>``) from the squared norms ``sq`` of the tensors ``names``."""
 
     def values(sq_host) -> dict[str, Value]:
-        per_param = dict(zip(names, (float(v) for v in sq_host), strict=True))
+        per_param = dict(zip(names, map(float, sq_host), strict=True))
         total = math.sqrt(sum(per_param.values()))
         return global_and_per_param(name, {k: math.sqrt(v) for k, v in per_param.items()},
                                     total)
