@@ -132,13 +132,14 @@ def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
     values slots of their own, the lane offsets added, histc — and a parameter's lanes and
     chunks in one strided sum, and before Alpha's fit stopped reading the device and the
     hooks and SampleGrads stopped detaching, viewing and concatenating single tensors;
-    4.1× once Alpha's fit formed every tensor's fit at once; the goal is 3×). A regression
-    bound."""
+    4.1× once Alpha's fit formed every tensor's fit at once, 3.7× once the histograms'
+    lanes and the batch gradients' copies were formed once per backward pass for all
+    parameters; the goal is 3×). A regression bound."""
     monkeypatch.setattr(histogram_device, "_forced", True)
     tracked, _, _ = count_step(monkeypatch, "economy")
     untracked, _, _ = count_step(monkeypatch, None)
     ratio = sum(tracked.values()) / sum(untracked.values())
-    assert ratio <= 4.5, (ratio, tracked.most_common(8))
+    assert ratio <= 4.0, (ratio, tracked.most_common(8))
 
 
 @pytest.mark.cuda
