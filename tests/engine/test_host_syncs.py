@@ -142,6 +142,19 @@ def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
     assert ratio <= 4.0, (ratio, tracked.most_common(8))
 
 
+@pytest.mark.parametrize("config,bound", [("business", 7.5), ("full", 40.0)])
+def test_tracked_curvature_steps_issue_few_ops(config, bound, monkeypatch, one_thread):
+    """Business and full on 3C3D with the accelerator paths (batched curvature
+    backpropagations, as on CUDA) against the step without Cockpit: 7.0× and 38×
+    (10.9× and 46× before TICDiag's terms and the diagonal's scaling took multi-tensor ops
+    and Lanczos orthogonalized block by block). Regression bounds."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    tracked, _, _ = count_step(monkeypatch, config)
+    untracked, _, _ = count_step(monkeypatch, None)
+    ratio = sum(tracked.values()) / sum(untracked.values())
+    assert ratio <= bound, (ratio, tracked.most_common(8))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_tracked_economy_step_on_cuda_waits_only_where_counted(monkeypatch):
