@@ -174,10 +174,11 @@ class KrylovBasis:
 
     def combine(self, coefficients: list[float]) -> Tensor:
         """Σ_i c_i q_i for the first len(c) vectors."""
-        c = torch.tensor(coefficients, dtype=self._blocks[0].dtype)
+        first = self._blocks[0]
+        c = torch.tensor(coefficients, dtype=first.dtype, device=first.device)  # (one copy)
         total = None
         for start, block in zip(range(0, len(c), self.BLOCK), self._filled(), strict=False):
-            part = c[start:start + self.BLOCK].to(block.device)
+            part = c[start:start + self.BLOCK]
             rows = block[:len(part)]
             total = rows.T @ part if total is None else torch.addmv(total, rows.T, part)
         assert total is not None
