@@ -284,7 +284,9 @@ class OuterSampleGrads(SampleGrads):
             yield d.unsqueeze(2) * a.unsqueeze(1)
 
     def sq_norms(self) -> Tensor:
-        return self.delta.pow(2).sum(1) * self.a.pow(2).sum(1)
+        # ‖δ_n a_nᵀ‖ = ‖δ_n‖‖a_n‖: two norms, a product and a square (four kernels)
+        return (torch.linalg.vector_norm(self.delta, dim=1)
+                * torch.linalg.vector_norm(self.a, dim=1)).square()
 
     def batch_mean(self) -> Tensor:
         return self.delta.T @ self.a / self.num_samples
