@@ -50,6 +50,7 @@ mixed precision policy, and the backward hooks' methods (:func:`fsdp_backward_ho
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TypeGuard, cast
 
@@ -78,7 +79,9 @@ def whole(tensor: Tensor) -> Tensor:
 def has_sharded(tensors: Iterable[Tensor]) -> bool:
     """Whether any of ``tensors`` is a ``DTensor`` (e.g. the parameters of a model sharded
     by ``fully_shard``)."""
-    return any(is_sharded(t) for t in tensors)
+    if DTensor is None:
+        return False
+    return any(map(isinstance, tensors, itertools.repeat(DTensor)))  # (no frame per tensor)
 
 
 def local(tensor: Tensor) -> Tensor:

@@ -181,7 +181,7 @@ def supports(optimizer: Optimizer) -> bool:
 # Per optimizer: (shape of its param_groups, id(param) → (group, position)). Looked up once
 # or more per parameter and tracked step; a scan of every group each time made a step cost
 # O(parameters²) (a 302-tensor MLP: ~70 ms per step).
-_GROUP_INDEX: weakref.WeakKeyDictionary[Optimizer, tuple[tuple, dict]] = (
+_GROUP_INDEX: weakref.WeakKeyDictionary[Optimizer, tuple[list, dict]] = (
     weakref.WeakKeyDictionary())
 
 
@@ -189,7 +189,7 @@ def _find_group(optimizer: Optimizer, param: Tensor) -> dict | None:
     """The param group holding ``param`` (None if none does), from an index rebuilt whenever
     the groups change shape or an entry no longer holds the same tensor."""
     groups = optimizer.param_groups
-    shape = tuple((id(g), len(g["params"])) for g in groups)
+    shape = [(id(g), len(g["params"])) for g in groups]
     for attempt in range(2):
         cached = _GROUP_INDEX.get(optimizer)
         if attempt or cached is None or cached[0] != shape:
