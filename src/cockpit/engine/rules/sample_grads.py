@@ -298,16 +298,18 @@ class OuterSampleGrads(SampleGrads):
             return gram.mean(1)
         return self.dots(self.batch_mean())
 
+    def _as_weight(self, u: Tensor) -> Tensor:
+        """``u`` as an [I, J] matrix in δ's dtype (no view op where it is one already)."""
+        u = u if u.shape == self.shape else u.reshape(self.shape)
+        return u.to(self.delta.dtype)
+
     def dots(self, u: Tensor) -> Tensor:
-        return ((self.delta @ u.reshape(self.shape).to(self.delta.dtype)) * self.a).sum(1)
+        return ((self.delta @ self._as_weight(u)) * self.a).sum(1)
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         """δ_nᵀ U_k a_n: one matmul δ U_k per direction (concatenating the directions first
         would copy K parameter-sized tensors for no gain in the products)."""
-        i, j = self.shape
-        dtype = self.delta.dtype
-        return torch.stack([((self.delta @ u.reshape(i, j).to(dtype)) * self.a).sum(1)
-                            for u in us])
+        return torch.stack([((self.delta @ self._as_weight(u)) * self.a).sum(1) for u in us])
 
     def sum_sq(self) -> Tensor:
         return self.delta.double().pow(2).T @ self.a.double().pow(2)
