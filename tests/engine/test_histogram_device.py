@@ -34,7 +34,7 @@ from tests.engine.test_histogram_exact import (
     theta_for,
     tiny_values,
 )
-from tests.models import make_problem
+from tests.models import make_problem, train
 
 F32, F64 = torch.float32, torch.float64
 NONFINITE = [math.nan, math.inf, -math.inf]
@@ -215,13 +215,7 @@ def test_grad_hists_through_cockpit_equal_the_cpu_path(monkeypatch, one_thread):
         monkeypatch.setattr(histogram_device, "_forced", accelerator)
         problem = make_problem("cnn", 8, F32, seed=5)
         cockpit = Cockpit(problem.model, [GradHist1d(), GradHist2d()], strict=True)
-        opt = torch.optim.SGD(problem.model.parameters(), lr=0.1)
-        for step in range(3):
-            opt.zero_grad()
-            losses = problem.loss_fn(problem.model(problem.x), problem.y)
-            with cockpit(step, losses=losses):
-                losses.mean().backward()
-            opt.step()
+        train(problem, cockpit, 3, torch.optim.SGD(problem.model.parameters(), lr=0.1))
         cockpit.close()
         return cockpit.get_output()
 

@@ -183,12 +183,7 @@ def test_a_failed_copy_of_the_basis_leaves_alpha_not_computed(monkeypatch):
     opt = OPTIMIZERS["sgd_momentum_wd"](problem.model.parameters())
     cockpit = Cockpit(problem.model, [quantities.Alpha(every(1))], optimizer=opt)
     with pytest.warns(RuntimeWarning, match="could not be copied"):
-        for step in range(2):
-            opt.zero_grad()
-            losses = problem.loss_fn(problem.model(problem.x), problem.y)
-            with cockpit(step, losses=losses):
-                losses.mean().backward()
-            opt.step()
+        train(problem, cockpit, 2, opt)
         cockpit.close()
     assert cockpit.get_output()[0]["Alpha"] is None
     assert "could not be copied: no memory left" in cockpit.get_notes()[0]["Alpha"]
