@@ -196,11 +196,9 @@ def _in_blocks(problems: list[tuple[Tensor, Tensor]], device: torch.device) -> b
     accelerators' path of a device with a segmented sum (CUDA; the CPU when forced), plain
     non-empty floating-point tensors on that device (sharded ones, DTensors, tensors on
     several devices and other accelerators take the fits one tensor at a time)."""
-    return (bool(problems) and device.type in ("cuda", "cpu") and device_path(device)
-            and all(type(target) is Tensor and type(vectors) is Tensor
-                    and target.is_floating_point() and target.numel() > 0
-                    and target.device == device and vectors.device == device
-                    for vectors, target in problems))
+    return bool(problems) and all(
+        _packs_on(target, device) and type(vectors) is Tensor and vectors.device == device
+        for vectors, target in problems)
 
 
 def packs(tensor: Tensor) -> bool:
@@ -209,6 +207,11 @@ def packs(tensor: Tensor) -> bool:
     segmented sum (CUDA; the CPU when forced)."""
     return (type(tensor) is Tensor and tensor.is_floating_point() and tensor.numel() > 0
             and tensor.device.type in ("cuda", "cpu") and device_path(tensor.device))
+
+
+def _packs_on(tensor: Tensor, device: torch.device) -> bool:
+    """:func:`packs` for a tensor on ``device``."""
+    return packs(tensor) and tensor.device == device
 
 
 def _packed(bases: Sequence, actuals: Sequence[Tensor], device: torch.device
@@ -227,8 +230,7 @@ def _packed(bases: Sequence, actuals: Sequence[Tensor], device: torch.device
     if tuple((len(b), a.numel(), a.dtype) for b, a in zip(bases, actuals, strict=True)
              ) != packed.spec or packed.rows[0].device != device:
         return None
-    updates_only = [(a, a) for a in actuals]  # (the bases are in place)
-    return packed if _in_blocks(updates_only, device) else None
+    return packed if all(_packs_on(a, device) for a in actuals) else None
 
 
 class _Group(NamedTuple):
