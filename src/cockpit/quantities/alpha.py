@@ -75,11 +75,9 @@ def batch_mean_var(x: Tensor) -> Tensor:
 def _loss_mean_var(data: StepData) -> Tensor:
     """:func:`batch_mean_var` of the step's losses, formed once per step (α of step t − 1
     ends and α of step t begins with the same losses)."""
-    cached = data.__dict__.get("_loss_mean_var")
-    if cached is None:
-        assert data.losses is not None
-        cached = data.__dict__["_loss_mean_var"] = batch_mean_var(data.losses)
-    return cached
+    losses = data.losses
+    assert losses is not None
+    return data.once("loss mean var", lambda: batch_mean_var(losses))
 
 
 def _no_slope(device: torch.device) -> Tensor:

@@ -19,9 +19,9 @@ step to the host together and records the values at the next read (the next step
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -37,6 +37,9 @@ from cockpit.schedules import Schedule, as_schedule
 
 Value = float | None | dict[str, Any]
 Values = dict[str, Value] | Later  # what compute() returns
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -65,28 +68,35 @@ class StepData:
     late_notes: dict[int, dict[str, str]] = field(default_factory=dict)
     late_values: dict[int, list[Later]] = field(default_factory=dict)  # ... still on the device
     warnings: list[str] = field(default_factory=list)
+    # work several instruments share, formed once per step (:meth:`once`)
+    _formed: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def num_samples(self) -> int:
         return 0 if self.losses is None else int(self.losses.numel())
 
+    def once(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, formed at the first call with ``key`` in this step and kept."""
+        if key not in self._formed:
+            self._formed[key] = make()
+        return self._formed[key]
+
+    def formed(self, key: Hashable) -> Any:
+        """What :meth:`once` formed for ``key`` in this step, or None."""
+        return self._formed.get(key)
+
     def grad_sq_norms(self) -> Tensor:
         """‖g_B‖² of every parameter tensor in the order of ``batch_grads``, float64 on the
         device (one fused kernel, formed once per step)."""
-        cached = self.__dict__.get("_grad_sq_norms")
-        if cached is None:
-            cached = self.__dict__["_grad_sq_norms"] = sq_norms(list(self.batch_grads.values()))
-        return cached
+        return self.once("grad sq norms", lambda: sq_norms(list(self.batch_grads.values())))
 
     def losses_finite(self) -> Tensor | None:
         """Whether every loss of the step is finite (:func:`all_finite`, formed once per
         step), None without losses."""
-        if self.losses is None:
+        losses = self.losses
+        if losses is None:
             return None
-        cached = self.__dict__.get("_losses_finite")
-        if cached is None:
-            cached = self.__dict__["_losses_finite"] = all_finite(self.losses)
-        return cached
+        return self.once("losses finite", lambda: all_finite(losses))
 
     def grad_sq_norm(self, name: str) -> float:
         """‖g_B‖² of one parameter tensor as a float (reads the device: for instruments

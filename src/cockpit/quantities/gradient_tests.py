@@ -66,7 +66,7 @@ def compute_test(
     if SQ_NORMS in needs:
         tensors.append(sq_norm_sums(data, names))
     if GRAM_MEAN in needs:
-        tensors.extend(_cached(data, ("D2", *names), lambda: _d2(stats.gram_mean, names)))
+        tensors.extend(data.once(("D2", *names), lambda: _d2(stats.gram_mean, names)))
 
     def values(G_all, *host) -> Noted:
         G_k = [float(G_all[i]) for i in rows]
@@ -114,14 +114,7 @@ def sq_norm_sums(data: StepData, names: list[str]) -> Tensor:
     per step for every instrument that reads it)."""
     stats = data.stats
     assert stats is not None
-    return _cached(data, ("S", *names), lambda: _row_sums(stats.sq_norms, names))
-
-
-def _cached(data: StepData, key: tuple, make: Callable):
-    cache = data.__dict__.setdefault("_gradient_test_sums", {})
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
+    return data.once(("S", *names), lambda: _row_sums(stats.sq_norms, names))
 
 
 def _row_sums(per_sample: dict[str, Tensor], names: list[str]) -> Tensor:

@@ -34,10 +34,10 @@ def param_sq_norms(data: StepData) -> Tensor:
     """‖θ_t‖² per parameter tensor in the order of ``data.params``, float64 on the device,
     formed before ``optimizer.step()`` (once per step: ParamNorm and UpdateRatio read the
     same numbers)."""
-    cached = data.__dict__.get("_param_sq_norms")
-    if cached is None:
-        cached = data.__dict__["_param_sq_norms"] = sq_norms(list(data.params.values()))
-    return cached
+    return data.once(_PARAM_SQ_NORMS, lambda: sq_norms(list(data.params.values())))
+
+
+_PARAM_SQ_NORMS = "param sq norms"
 
 
 class ParamNorm(Quantity):
@@ -65,7 +65,7 @@ class UpdateRatio(Quantity):
         return {}
 
     def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> Values:
-        before = data.__dict__.get("_param_sq_norms")
+        before = data.formed(_PARAM_SQ_NORMS)
         if before is None:  # compute() did not run before the step: θ_t is gone
             data.notes["UpdateRatio"] = "‖θ_t‖ was not read before the optimizer step"
             return {"UpdateRatio": None}
