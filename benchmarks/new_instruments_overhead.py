@@ -82,8 +82,8 @@ def measure(problem: str, repeats: int) -> dict:
     assert all(values[name] is not None for name in NEW), values
 
     def instruments():
-        for data, _ in work:  # ‖θ_t‖² is these instruments' own work: not from the cache
-            data.__dict__.pop("_param_sq_norms", None)
+        for data, _ in work:  # ‖θ_t‖ is these instruments' own work: not from the cache
+            data._formed.pop("param norms", None)
         for data, fn in work:
             fn(data)
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.sharded import is_sharded, shard_like
 from cockpit.engine.workspace import workspace
-from cockpit.quantities.base import fused, sq_norm_tensor, sq_norms, sq_norms_of_differences
+from cockpit.quantities.base import fused, norms, norms_of_differences, sq_norm_tensor
 
 ADDED = "added"  # a backward outside the blocks added to the gradient the blocks left
 ONLY_OUTSIDE = "only_outside"  # the blocks saw no gradient; a backward outside them did
@@ -68,15 +68,16 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
             means.append(g.to(p.grad.dtype))
             if is_sharded(p.grad):  # fully_shard: ḡ sliced like this rank's shard of p.grad
                 means[-1] = shard_like(means[-1], p.grad)
-        # [‖p.grad‖², ‖ḡ‖²] summed over the parameters, from one pass over both lists
-        totals = sq_norms(grads + means).view(2, -1).sum(1)
-        grad_sq, mean_sq = totals.unbind()
+        # [‖p.grad‖, ‖ḡ‖] over all parameters, from one pass over both lists
+        totals = torch.linalg.vector_norm(norms(grads + means).view(2, -1), dim=1)
+        grad_norm, mean_norm = totals.unbind()
         # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖
-        c = (grad_sq / mean_sq).sqrt()
+        c = grad_norm / mean_norm
         c = (c if sign > 0 else -c).to(grads[0].dtype)
-        if fused(grads):  # the squared differences summed on the host
-            halves = sq_norms_of_differences(grads, means, c)
-            return Later(_mismatch, totals, halves, name="GradientMismatch")
+        if fused(grads):  # the differences' norms squared and summed on the host
+            halves = norms_of_differences(grads, means, c)
+            return Later(lambda t, h: _mismatch(t, h * h), totals, halves,
+                         name="GradientMismatch")
         # one fused pass per parameter into scratch memory (fresh temporaries cost page
         # faults on a CPU)
         parts: list[Tensor] = []
@@ -90,8 +91,8 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
 
 
 def _mismatch(totals, halves) -> dict[str, float | None]:
-    """From [‖p.grad‖², ‖ḡ‖²] and the per-parameter ‖a − c·b‖² (host arrays)."""
-    grad_sq, mean_sq = float(totals[0]), float(totals[1])
+    """From [‖p.grad‖, ‖ḡ‖] and the per-parameter ‖a − c·b‖² (host arrays)."""
+    grad_sq, mean_sq = float(totals[0]) ** 2, float(totals[1]) ** 2
     half_sq = float(halves.sum())
     if not (math.isfinite(grad_sq) and math.isfinite(mean_sq)) or mean_sq == 0.0:
         return {"GradientMismatch": None}

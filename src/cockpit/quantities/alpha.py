@@ -293,26 +293,26 @@ class Alpha(Quantity):
             theta_norms = (torch.stack(torch._foreach_norm([data.params[k] for k in names],
                                                            dtype=torch.float64))
                            if names else state.loss[:0])
-        sq = data.update_sq_norm_vector(update)
+        update_norms = data.update_norm_vector(update)
         if sharded.has_sharded(update.values()):  # g_nᵀs_t needs all of s_t (sharded.py)
             update = {k: sharded.whole(s.detach()) for k, s in update.items()}
         checks, decide = self._slopes(state, update, names)
         state.project = None
         state.basis, state.unpacked = {}, {}
-        return Later(self._decision(state, update, names, decide), sq, state.loss, theta_norms,
-                     *checks, name="Alpha")
+        return Later(self._decision(state, update, names, decide), update_norms, state.loss,
+                     theta_norms, *checks, name="Alpha")
 
     def _decision(self, state: _OpenStep, update: dict[str, Tensor], names: list[str],
                   decide: Callable) -> Callable[..., Noted]:
-        """The host's half of :meth:`compute_after_update`: from the host copies of ‖s_t‖²
+        """The host's half of :meth:`compute_after_update`: from the host copies of ‖s_t‖
         per parameter, the loss statistics, ‖θ_{t+1}‖ per projected parameter and the
         checks of :meth:`_slopes`, α's observations at θ_t (kept for the next step) or the
         reason why there are none."""
         keys = list(update)
 
-        def value(sq: np.ndarray, loss: np.ndarray, theta_norms: np.ndarray, *checks
-                  ) -> Noted:
-            sq_norms = dict(zip(keys, sq.tolist(), strict=True))
+        def value(update_norms: np.ndarray, loss: np.ndarray, theta_norms: np.ndarray,
+                  *checks) -> Noted:
+            sq_norms = {k: v * v for k, v in zip(keys, update_norms.tolist(), strict=True)}
             length = math.sqrt(sum(sq_norms.values()))
             if not math.isfinite(length) or not np.isfinite(loss).all():
                 self._close(state)

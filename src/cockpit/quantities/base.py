@@ -85,10 +85,10 @@ class StepData:
         """What :meth:`once` formed for ``key`` in this step, or None."""
         return self._formed.get(key)
 
-    def grad_sq_norms(self) -> Tensor:
-        """‖g_B‖² of every parameter tensor in the order of ``batch_grads``, float64 on the
+    def grad_norms(self) -> Tensor:
+        """‖g_B‖ of every parameter tensor in the order of ``batch_grads``, float64 on the
         device (one fused kernel, formed once per step)."""
-        return self.once("grad sq norms", lambda: sq_norms(list(self.batch_grads.values())))
+        return self.once("grad norms", lambda: norms(list(self.batch_grads.values())))
 
     def losses_finite(self) -> Tensor | None:
         """Whether every loss of the step is finite (:func:`all_finite`, formed once per
@@ -101,15 +101,15 @@ class StepData:
     def grad_sq_norm(self, name: str) -> float:
         """‖g_B‖² of one parameter tensor as a float (reads the device: for instruments
         outside the configurations only)."""
-        return float(self.grad_sq_norms()[list(self.batch_grads).index(name)])
+        return float(self.grad_norms()[list(self.batch_grads).index(name)]) ** 2
 
-    def update_sq_norm_vector(self, update: dict[str, Tensor]) -> Tensor:
-        """‖s_t‖² per parameter tensor of the update s_t = θ_{t+1} − θ_t, in the order of
-        ``update``, float64 on the device (formed once per step: UpdateSize and Alpha read
-        the same numbers)."""
-        cached = self.__dict__.get("_update_sq_norms")
+    def update_norm_vector(self, update: dict[str, Tensor]) -> Tensor:
+        """‖s_t‖ per parameter tensor of the update s_t = θ_{t+1} − θ_t, in the order of
+        ``update``, float64 on the device (formed once per step: UpdateSize, UpdateRatio and
+        Alpha read the same numbers)."""
+        cached = self.__dict__.get("_update_norms")
         if cached is None or cached[0] is not update:
-            cached = self.__dict__["_update_sq_norms"] = (update, sq_norms(list(update.values())))
+            cached = self.__dict__["_update_norms"] = (update, norms(list(update.values())))
         return cached[1]
 
 
@@ -159,19 +159,21 @@ def sq_norm(x: Tensor) -> float:
     return float(torch.dot(flat, flat)) if flat.is_floating_point() else float(flat.pow(2).sum())
 
 
-def sq_norms(tensors: list[Tensor]) -> Tensor:
-    """‖x‖² of every tensor as one float64 vector on their device. On a CPU one BLAS dot
-    product per tensor in its dtype (as fast as reading it once); elsewhere (and on the CPU
-    under :func:`cockpit.engine.histograms.device.forced`) one fused norm kernel for all
-    (``torch._foreach_norm``, accumulated and squared in float64)."""
+def norms(tensors: list[Tensor]) -> Tensor:
+    """‖x‖ of every tensor as one float64 vector on their device (instruments square them on
+    the host where their formula reads ‖x‖²: a square per vector is a kernel on the device,
+    a multiplication on the host). On a CPU one BLAS dot product per tensor in its dtype (as
+    fast as reading it once); elsewhere (and on the CPU under
+    :func:`cockpit.engine.histograms.device.forced`) one fused norm kernel for all
+    (``torch._foreach_norm``, accumulated in float64)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
     if sharded.is_sharded(tensors[0]):
-        return sharded.sq_norms(tensors)
+        return sharded.sq_norms(tensors).sqrt_()
     with torch.no_grad():
         if not histogram_device.device_path(tensors[0].device):
-            return torch.stack([sq_norm_tensor(t) for t in tensors]).double()
-        return stacked_sq(torch._foreach_norm(tensors, dtype=torch.float64))
+            return torch.stack([sq_norm_tensor(t) for t in tensors]).double().sqrt_()
+        return stacked(torch._foreach_norm(tensors, dtype=torch.float64))
 
 
 def fused(tensors: list[Tensor]) -> bool:
@@ -188,9 +190,9 @@ def fused(tensors: list[Tensor]) -> bool:
 _FUSED_ELEMENTS = 2**26
 
 
-def sq_norms_of_differences(xs: list[Tensor], ys: list[Tensor],
-                            scale: Tensor | None = None) -> Tensor:
-    """[‖x_k − c·y_k‖²]_k as one float64 vector (c = ``scale``, a 0-dim tensor, or 1) by
+def norms_of_differences(xs: list[Tensor], ys: list[Tensor],
+                         scale: Tensor | None = None) -> Tensor:
+    """[‖x_k − c·y_k‖]_k as one float64 vector (c = ``scale``, a 0-dim tensor, or 1) by
     fused kernels (:func:`fused`): one multi-tensor difference and one multi-tensor norm per
     group of tensors of at most 2^26 elements (the differences are temporaries)."""
     groups: list[list[int]] = [[]]
@@ -208,7 +210,7 @@ def sq_norms_of_differences(xs: list[Tensor], ys: list[Tensor],
             if scale is not None:
                 y = torch._foreach_mul(y, scale)
             norms.extend(torch._foreach_norm(torch._foreach_sub(x, y), dtype=torch.float64))
-    return stacked_sq(norms)
+    return stacked(norms)
 
 
 def sq_norm_tensor(x: Tensor) -> Tensor:
@@ -226,26 +228,25 @@ def all_finite(x: Tensor) -> Tensor:
         return x.mul(0).sum().eq(0)
 
 
-def stacked_sq(norms: list[Tensor]) -> Tensor:
-    """[‖x_k‖²] from the norms ‖x_k‖ (0-dim tensors), float64 on the first one's device
+def stacked(norms: list[Tensor]) -> Tensor:
+    """The norms ‖x_k‖ (0-dim tensors) as one float64 vector on the first one's device
     (norms in float64 already need no cast)."""
     device = norms[0].device
     if len({n.device for n in norms}) > 1:  # a model spread over devices
         norms = [n.to(device, non_blocking=True) for n in norms]
-    return torch.stack(norms).to(torch.float64).square_()
+    return torch.stack(norms).to(torch.float64)
 
 
-def per_param_norms(name: str, names: list[str], sq: Tensor) -> Later:
+def per_param_norms(name: str, names: list[str], norms: Tensor) -> Later:
     """The global norm √(Σ_k ‖x_k‖²) and one norm per parameter tensor (``name`` and
-    ``name/<parameter>``) from the squared norms ``sq`` of the tensors ``names``."""
+    ``name/<parameter>``) from the norms ``norms`` of the tensors ``names``."""
 
-    def values(sq_host) -> dict[str, Value]:
-        per_param = dict(zip(names, map(float, sq_host), strict=True))
-        total = math.sqrt(sum(per_param.values()))
-        return global_and_per_param(name, {k: math.sqrt(v) for k, v in per_param.items()},
-                                    total)
+    def values(norms_host) -> dict[str, Value]:
+        per_param = dict(zip(names, map(float, norms_host), strict=True))
+        total = math.sqrt(sum(v * v for v in per_param.values()))
+        return global_and_per_param(name, per_param, total)
 
-    return Later(values, sq, name=name)
+    return Later(values, norms, name=name)
 
 
 def to_float(x: Tensor | float) -> float:

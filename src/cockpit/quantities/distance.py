@@ -14,10 +14,10 @@ from cockpit.quantities.base import (
     StepData,
     Values,
     fused,
+    norms,
+    norms_of_differences,
     per_param_norms,
     sq_norm_tensor,
-    sq_norms,
-    sq_norms_of_differences,
 )
 from cockpit.quantities.descriptor import BLUE, ORANGE, Descriptor, Panel
 
@@ -35,11 +35,11 @@ class Distance(Quantity):
     def compute(self, data: StepData) -> Values:
         assert data.initial_params is not None
         if sharded.has_sharded(data.params.values()):
-            return per_param_norms("Distance", list(data.params), sq_norms(
+            return per_param_norms("Distance", list(data.params), norms(
                 [p.detach() - data.initial_params[k] for k, p in data.params.items()]))
         params = list(data.params.values())
         if fused(params):
-            return per_param_norms("Distance", list(data.params), sq_norms_of_differences(
+            return per_param_norms("Distance", list(data.params), norms_of_differences(
                 params, [data.initial_params[k] for k in data.params]))
         sq = []
         for k, p in data.params.items():
@@ -47,7 +47,8 @@ class Distance(Quantity):
             # faults on a CPU), its norm taken before the buffer serves the next parameter
             diff, _ = workspace().take("distance", p.shape, p.dtype, p.device)
             sq.append(sq_norm_tensor(torch.sub(p, data.initial_params[k], out=diff)))
-        return per_param_norms("Distance", list(data.params), torch.stack(sq).double())
+        return per_param_norms("Distance", list(data.params),
+                               torch.stack(sq).double().sqrt_())
 
 
 class UpdateSize(Quantity):
@@ -57,4 +58,4 @@ class UpdateSize(Quantity):
     needs_update = True
 
     def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> Values:
-        return per_param_norms("UpdateSize", list(update), data.update_sq_norm_vector(update))
+        return per_param_norms("UpdateSize", list(update), data.update_norm_vector(update))

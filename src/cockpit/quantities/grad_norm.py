@@ -13,4 +13,4 @@ class GradNorm(Quantity):
     needs_losses = False
 
     def compute(self, data: StepData) -> Values:
-        return per_param_norms("GradNorm", list(data.batch_grads), data.grad_sq_norms())
+        return per_param_norms("GradNorm", list(data.batch_grads), data.grad_norms())

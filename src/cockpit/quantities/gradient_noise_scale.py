@@ -39,7 +39,7 @@ from cockpit.engine.readout import Later, Noted
 from cockpit.engine.statistics import SQ_NORMS
 from cockpit.quantities.base import Quantity, StepData, Value, Values
 from cockpit.quantities.descriptor import BLUE, Descriptor, Panel
-from cockpit.quantities.gradient_tests import batch_gradient_sq_norms, sq_norm_sums
+from cockpit.quantities.gradient_tests import batch_gradient_norms, sq_norm_sums
 from cockpit.schedules import Schedule
 
 TOTAL = ""  # key of the sums over all parameters in the moving averages
@@ -79,17 +79,17 @@ class GradientNoiseScale(Quantity):
             data.notes[name] = "undefined for a batch of one sample (tr(Σ) divides by |B| − 1)"
             return {name: None}
         # NormTest's S_k and ‖ḡ_k‖² (the same tensors), read with the step's other values
-        names, rows, G_all = batch_gradient_sq_norms(data, stats.sq_norms)
+        names, rows, G_norms = batch_gradient_norms(data, stats.sq_norms)
         S_all = (sq_norm_sums(data, names) if names
                  else torch.zeros(0, dtype=torch.float64))
         return Later(lambda S_host, G_host: self._values(n, names, rows, S_host, G_host),
-                     S_all, G_all, name=name)
+                     S_all, G_norms, name=name)
 
-    def _values(self, n: int, names: list[str], rows: list[int], S_host, G_all) -> Noted:
+    def _values(self, n: int, names: list[str], rows: list[int], S_host, G_norms) -> Noted:
         """The step's ratios and the moving averages (updated here, in step order)."""
         name = self.name
         S = [float(v) for v in S_host]
-        G = [float(G_all[i]) for i in rows]
+        G = [float(G_norms[i]) ** 2 for i in rows]
         per_key = {k: noise_and_signal(n, s, g) for k, s, g in zip(names, S, G, strict=True)}
         per_key[TOTAL] = noise_and_signal(n, sum(S), sum(G))
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.statistics import GRAM_MEAN, SAMPLE_GRAD_SUM, SQ_NORMS
-from cockpit.quantities.base import Quantity, StepData, Value, Values, sq_norms
+from cockpit.quantities.base import Quantity, StepData, Value, Values, norms
 from cockpit.quantities.descriptor import Panel
 
 # the panel the three tests share (paper Fig. 9b)
@@ -61,15 +61,15 @@ def compute_test(
         data.notes[name] = "undefined for a batch of one sample (divides by |B| − 1)"
         return {name: None}
     per_sample = stats.sq_norms if SQ_NORMS in needs else stats.gram_mean
-    names, rows, G_all = batch_gradient_sq_norms(data, per_sample)
-    tensors = [G_all]
+    names, rows, G_norms = batch_gradient_norms(data, per_sample)
+    tensors = [G_norms]
     if SQ_NORMS in needs:
         tensors.append(sq_norm_sums(data, names))
     if GRAM_MEAN in needs:
         tensors.extend(data.once(("D2", *names), lambda: _d2(stats.gram_mean, names)))
 
-    def values(G_all, *host) -> Noted:
-        G_k = [float(G_all[i]) for i in rows]
+    def values(G_norms, *host) -> Noted:
+        G_k = [float(G_norms[i]) ** 2 for i in rows]
         S_k = list(map(float, host[0])) if SQ_NORMS in needs else [math.nan] * len(names)
         if GRAM_MEAN in needs:
             D2_k, D2 = list(map(float, host[-2])), float(np.dot(host[-1], host[-1]))
@@ -90,10 +90,10 @@ def compute_test(
     return Later(values, *tensors, name=name)
 
 
-def batch_gradient_sq_norms(data: StepData, per_sample: dict[str, Tensor]
-                            ) -> tuple[list[str], list[int], Tensor]:
+def batch_gradient_norms(data: StepData, per_sample: dict[str, Tensor]
+                         ) -> tuple[list[str], list[int], Tensor]:
     """The parameters with individual statistics in ``per_sample`` and a batch gradient,
-    and G_k = ‖g_B,k‖² on the device: ``(names, rows, G)`` with G_k = ``G[rows[i]]``.
+    and ‖g_B,k‖ on the device: ``(names, rows, norms)`` with G_k = ``norms[rows[i]]``².
     g_B is the batch gradient, or with BatchNorm's statistics frozen the mean of those
     individual gradients (so that S, G and d_n describe one set of vectors)."""
     stats = data.stats
@@ -103,10 +103,10 @@ def batch_gradient_sq_norms(data: StepData, per_sample: dict[str, Tensor]
              and (own_sums is None or k in own_sums)]
     if own_sums is None:
         position = {k: i for i, k in enumerate(data.batch_grads)}
-        return names, [position[k] for k in names], data.grad_sq_norms()
+        return names, [position[k] for k in names], data.grad_norms()
     n = stats.num_samples
     return (names, list(range(len(names))),
-            sq_norms([own_sums[k] for k in names]) / n**2)
+            norms([own_sums[k] for k in names]) / n)
 
 
 def sq_norm_sums(data: StepData, names: list[str]) -> Tensor:

@@ -22,22 +22,22 @@ from cockpit.quantities.base import (
     Value,
     Values,
     global_and_per_param,
+    norms,
     per_param_norms,
-    sq_norms,
 )
 from cockpit.quantities.descriptor import GREEN, ORANGE, Descriptor, Panel
 
 RULE_OF_THUMB = 1e-3  # a healthy layer's ‖s_t‖/‖θ_t‖ (drawn as a reference line)
 
 
-def param_sq_norms(data: StepData) -> Tensor:
-    """‖θ_t‖² per parameter tensor in the order of ``data.params``, float64 on the device,
+def param_norms(data: StepData) -> Tensor:
+    """‖θ_t‖ per parameter tensor in the order of ``data.params``, float64 on the device,
     formed before ``optimizer.step()`` (once per step: ParamNorm and UpdateRatio read the
     same numbers)."""
-    return data.once(_PARAM_SQ_NORMS, lambda: sq_norms(list(data.params.values())))
+    return data.once(_PARAM_NORMS, lambda: norms(list(data.params.values())))
 
 
-_PARAM_SQ_NORMS = "param sq norms"
+_PARAM_NORMS = "param norms"
 
 
 class ParamNorm(Quantity):
@@ -48,7 +48,7 @@ class ParamNorm(Quantity):
     needs_losses = False
 
     def compute(self, data: StepData) -> Values:
-        return per_param_norms("ParamNorm", list(data.params), param_sq_norms(data))
+        return per_param_norms("ParamNorm", list(data.params), param_norms(data))
 
 
 class UpdateRatio(Quantity):
@@ -61,11 +61,11 @@ class UpdateRatio(Quantity):
     needs_update = True
 
     def compute(self, data: StepData) -> dict[str, Value]:
-        param_sq_norms(data)  # θ_t, before the optimizer overwrites it
+        param_norms(data)  # θ_t, before the optimizer overwrites it
         return {}
 
     def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> Values:
-        before = data.formed(_PARAM_SQ_NORMS)
+        before = data.formed(_PARAM_NORMS)
         if before is None:  # compute() did not run before the step: θ_t is gone
             data.notes["UpdateRatio"] = "‖θ_t‖ was not read before the optimizer step"
             return {"UpdateRatio": None}
@@ -81,10 +81,10 @@ class UpdateRatio(Quantity):
             notes = ({"UpdateRatio": (
                 f"‖θ_t‖ = 0 for {', '.join(zero[:4])}{' …' if len(zero) > 4 else ''}: no "
                 "ratio for them (NaN)")} if zero else {})
-            per_param = {k: math.nan if b[k] == 0.0 else math.sqrt(a[k] / b[k]) for k in names}
-            total_before = sum(b.values())
-            total = (math.sqrt(sum(a.values()) / total_before) if total_before > 0
-                     else math.nan)
+            per_param = {k: math.nan if b[k] == 0.0 else a[k] / b[k] for k in names}
+            total_before = math.sqrt(sum(v * v for v in b.values()))
+            total = (math.sqrt(sum(v * v for v in a.values())) / total_before
+                     if total_before > 0 else math.nan)
             return Noted(global_and_per_param("UpdateRatio", per_param, total), notes)
 
-        return Later(values, before, data.update_sq_norm_vector(update), name="UpdateRatio")
+        return Later(values, before, data.update_norm_vector(update), name="UpdateRatio")

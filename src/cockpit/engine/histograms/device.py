@@ -41,7 +41,7 @@ histc) plus two per histogram:
   finite pairs are the cells with k_g ∈ [1, bins_g] and k_θ ∈ [1, bins_θ].
 
 :func:`device_path` tells the histogram functions (and other choices made per device, such
-as the squared norms of :func:`cockpit.quantities.base.sq_norms`) to take this path: on
+as the norms of :func:`cockpit.quantities.base.norms`) to take this path: on
 every device but the CPU, and on the CPU inside :func:`forced` (tests: the counts must
 equal the CPU path's, and the op count of a CPU step then predicts the GPU's).
 """
