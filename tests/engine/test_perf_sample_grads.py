@@ -53,6 +53,7 @@ def check_all(sg: SampleGrads, g: Tensor, tag: str) -> None:
     torch.testing.assert_close(sg.dots(us[0]), expected_dots[0], msg=tag)
     torch.testing.assert_close(sg.dots_many(us), expected_dots, msg=tag)
     torch.testing.assert_close(sg.sq_norms(), flat.pow(2).sum(1), msg=tag)
+    torch.testing.assert_close(sg.norms(), flat.norm(dim=1), msg=tag)
     mean = flat.mean(0)
     torch.testing.assert_close(sg.gram_mean(), flat @ mean, msg=tag)
     torch.testing.assert_close(sg.sum_sq(), g.pow(2).sum(0), msg=tag)
@@ -181,6 +182,25 @@ def test_linear_dots_many_match_torch_func(seq):
     assert isinstance(grads["weight"], kind)
     check_all(grads["weight"], reference["weight"], "weight")
     check_all(grads["bias"], reference["bias"], "bias")
+
+
+def test_sequence_norms_by_gram_matrices_are_exact_and_zero_for_a_zero_gradient():
+    """A Linear layer on short sequences forms ‖g_n‖ from per-sample Gram matrices (T(I+J) <
+    IJ); a sample whose output gradient is zero has ‖g_n‖ = 0, not the NaN of the square root
+    of a sum of products rounded below zero."""
+    torch.manual_seed(4)
+    module = nn.Linear(20, 30)
+    x = torch.randn(5, 2, 20)
+    out = module(x)
+    delta = torch.randn_like(out)
+    delta[2] = 0.0
+    reference = individual_grads(module, x, delta)["weight"].reshape(5, -1)
+    sg = linear_rule(module, (x,), {}, out, delta)["weight"]
+    assert isinstance(sg, SequenceOuterSampleGrads) and sg._by_grams()
+    norms = sg.norms()
+    assert norms[2].item() == 0.0
+    torch.testing.assert_close(norms, reference.norm(dim=1))
+    torch.testing.assert_close(sg.sq_norms(), reference.pow(2).sum(1))
 
 
 @pytest.mark.parametrize("offset", [0.0, 1e3])

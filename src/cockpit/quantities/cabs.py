@@ -9,14 +9,14 @@ or with groups of different learning rates, it is None with a note.
 
 from __future__ import annotations
 
-from cockpit.engine.statistics import SQ_NORMS
+from cockpit.engine.statistics import NORMS
 from cockpit.quantities.base import Quantity, StepData, Value, to_float
 from cockpit.quantities.descriptor import Descriptor
 
 
 class CABS(Quantity):
     descriptor = Descriptor(reads_gradient=True)
-    needs = frozenset({SQ_NORMS})
+    needs = frozenset({NORMS})
 
     def compute(self, data: StepData) -> dict[str, Value]:
         assert data.stats is not None and data.losses is not None
@@ -27,7 +27,7 @@ class CABS(Quantity):
             )
             return {"CABS": None}
         n = data.stats.num_samples
-        S = sum(to_float(v.double().sum()) for v in data.stats.sq_norms.values())
-        G = sum(data.grad_sq_norm(k) for k in data.stats.sq_norms)
+        S = sum(to_float(v.double().square().sum()) for v in data.stats.norms.values())
+        G = sum(data.grad_sq_norm(k) for k in data.stats.norms)
         loss = to_float(data.losses.double().mean())
         return {"CABS": data.learning_rate * (S / n - G) / loss}

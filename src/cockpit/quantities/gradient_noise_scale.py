@@ -36,10 +36,10 @@ import math
 import torch
 
 from cockpit.engine.readout import Later, Noted
-from cockpit.engine.statistics import SQ_NORMS
+from cockpit.engine.statistics import NORMS
 from cockpit.quantities.base import Quantity, StepData, Value, Values
 from cockpit.quantities.descriptor import BLUE, Descriptor, Panel
-from cockpit.quantities.gradient_tests import batch_gradient_norms, sq_norm_sums
+from cockpit.quantities.gradient_tests import batch_gradient_norms, sample_norms
 from cockpit.schedules import Schedule
 
 TOTAL = ""  # key of the sums over all parameters in the moving averages
@@ -59,7 +59,7 @@ class GradientNoiseScale(Quantity):
                                       "BatchSize")),
         color=BLUE, records=("GradientNoiseScaleEMA",), per_parameter=True,
         reads_gradient=True)
-    needs = frozenset({SQ_NORMS})
+    needs = frozenset({NORMS})
     needs_losses = False
 
     def __init__(self, schedule: Schedule | int | None = None, *, smoothing: float = 0.9):
@@ -79,8 +79,8 @@ class GradientNoiseScale(Quantity):
             data.notes[name] = "undefined for a batch of one sample (tr(Σ) divides by |B| − 1)"
             return {name: None}
         # NormTest's S_k and ‖ḡ_k‖² (the same tensors), read with the step's other values
-        names, rows, G_norms = batch_gradient_norms(data, stats.sq_norms)
-        S_all = (sq_norm_sums(data, names) if names
+        names, rows, G_norms = batch_gradient_norms(data, stats.norms)
+        S_all = (sample_norms(data, names) if names
                  else torch.zeros(0, dtype=torch.float64))
         return Later(lambda S_host, G_host: self._values(n, names, rows, S_host, G_host),
                      S_all, G_norms, name=name)
@@ -88,7 +88,7 @@ class GradientNoiseScale(Quantity):
     def _values(self, n: int, names: list[str], rows: list[int], S_host, G_norms) -> Noted:
         """The step's ratios and the moving averages (updated here, in step order)."""
         name = self.name
-        S = [float(v) for v in S_host]
+        S = [float(v) ** 2 for v in S_host]
         G = [float(G_norms[i]) ** 2 for i in rows]
         per_key = {k: noise_and_signal(n, s, g) for k, s, g in zip(names, S, G, strict=True)}
         per_key[TOTAL] = noise_and_signal(n, sum(S), sum(G))

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.readout import Later, Noted
-from cockpit.engine.statistics import GRAM_MEAN, SAMPLE_GRAD_SUM, SQ_NORMS
+from cockpit.engine.statistics import GRAM_MEAN, NORMS, SAMPLE_GRAD_SUM
 from cockpit.quantities.base import Quantity, StepData, Value, Values, norms
 from cockpit.quantities.descriptor import Panel
 
@@ -35,9 +35,9 @@ GRADIENT_TESTS = Panel("GradientTests", "gradients", "Gradient tests: how noisy 
 
 class GradientTest(Quantity):
     """A gradient test; ``needs`` lists the per-sample statistics its formula reads (S needs
-    ‖g_n‖², D2 needs g_nᵀg_B; a statistic not needed is passed as NaN)."""
+    ‖g_n‖, D2 needs g_nᵀg_B; a statistic not needed is passed as NaN)."""
 
-    needs = frozenset({SQ_NORMS, GRAM_MEAN})
+    needs = frozenset({NORMS, GRAM_MEAN})
 
     def formula(self, n: int, S: float, G: float, D2: float) -> float:
         """The test's value from |B|, S, G and D2 = Σ_n d_n²."""
@@ -60,17 +60,17 @@ def compute_test(
     if n < 2:
         data.notes[name] = "undefined for a batch of one sample (divides by |B| − 1)"
         return {name: None}
-    per_sample = stats.sq_norms if SQ_NORMS in needs else stats.gram_mean
+    per_sample = stats.norms if NORMS in needs else stats.gram_mean
     names, rows, G_norms = batch_gradient_norms(data, per_sample)
     tensors = [G_norms]
-    if SQ_NORMS in needs:
-        tensors.append(sq_norm_sums(data, names))
+    if NORMS in needs:
+        tensors.append(sample_norms(data, names))
     if GRAM_MEAN in needs:
         tensors.extend(data.once(("D2", *names), lambda: _d2(stats.gram_mean, names)))
 
     def values(G_norms, *host) -> Noted:
         G_k = [float(G_norms[i]) ** 2 for i in rows]
-        S_k = list(map(float, host[0])) if SQ_NORMS in needs else [math.nan] * len(names)
+        S_k = [float(v) ** 2 for v in host[0]] if NORMS in needs else [math.nan] * len(names)
         if GRAM_MEAN in needs:
             D2_k, D2 = list(map(float, host[-2])), float(np.dot(host[-1], host[-1]))
         else:
@@ -109,17 +109,14 @@ def batch_gradient_norms(data: StepData, per_sample: dict[str, Tensor]
             norms([own_sums[k] for k in names]) / n)
 
 
-def sq_norm_sums(data: StepData, names: list[str]) -> Tensor:
-    """S_k = Σ_n ‖g_{n,k}‖² per parameter in ``names``, float64 on the device (formed once
-    per step for every instrument that reads it)."""
+def sample_norms(data: StepData, names: list[str]) -> Tensor:
+    """√S_k = (Σ_n ‖g_{n,k}‖²)^½ per parameter in ``names`` (the norm of its [N] vector of
+    individual gradient norms), float64 on the device (formed once per step for every
+    instrument that reads it; they square it on the host)."""
     stats = data.stats
     assert stats is not None
-    return data.once(("S", *names), lambda: _row_sums(stats.sq_norms, names))
-
-
-def _row_sums(per_sample: dict[str, Tensor], names: list[str]) -> Tensor:
-    """[Σ_n x_{n,k}]_k in float64 from one [N] vector per parameter."""
-    return torch.stack([per_sample[k] for k in names]).double().sum(1)
+    return data.once(("S", *names), lambda: torch.linalg.vector_norm(
+        torch.stack([stats.norms[k] for k in names]), dim=1, dtype=torch.float64))
 
 
 def _d2(gram_mean: dict[str, Tensor], names: list[str]) -> tuple[Tensor, Tensor]:

@@ -22,7 +22,7 @@ import math
 import torch
 
 from cockpit.engine.readout import Noted
-from cockpit.engine.statistics import SQ_NORMS, SUM_SQ
+from cockpit.engine.statistics import NORMS, SUM_SQ
 from cockpit.quantities.base import StepData, Value, Values, to_float
 from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity, standard_error
 from cockpit.quantities.descriptor import GREEN, ORANGE, Descriptor, Panel
@@ -86,7 +86,7 @@ class TICDiag(_TIC):
 
 class TICTrace(_TIC):
     descriptor = Descriptor(panel=TIC_PANEL, color=ORANGE, reads_gradient=True)
-    needs = frozenset({SQ_NORMS})
+    needs = frozenset({NORMS})
     fallback = "hutchinson"
 
     def compute(self, data: StepData) -> dict[str, Value]:
@@ -96,7 +96,7 @@ class TICTrace(_TIC):
         stats = data.stats
         assert stats is not None
         trace = math.fsum(to_float(d.double().sum()) for d in diagonal.values())
-        mean_sq_norm = sum(to_float(v.double().sum()) for v in stats.sq_norms.values())
+        mean_sq_norm = sum(to_float(v.double().square().sum()) for v in stats.norms.values())
         value = mean_sq_norm / stats.num_samples / (trace + self.eps)
         out: dict[str, Value] = {"TICTrace": value}
         stderr = None

@@ -62,6 +62,9 @@ class SampleChunks(SampleGrads):
     def chunks(self) -> list[Tensor]:
         return [self.materialize()]
 
+    def norms(self) -> Tensor:
+        return torch.cat([p.norms() for p in self.parts()])
+
     def sq_norms(self) -> Tensor:
         return torch.cat([p.sq_norms() for p in self.parts()])
 

@@ -8,6 +8,7 @@ A layer rule turns a layer's stored input ``a`` and output gradient ``δ`` into 
 (the gradient of the n-th *individual* loss, not ℓ_n / |B|) and answers the questions the
 instruments ask, each with a closed form where the layer structure allows one:
 
+* ``norms()``         ‖g_n‖                        shape [N]
 * ``sq_norms()``      ‖g_n‖²                       shape [N]
 * ``gram_mean()``     g_nᵀ ḡ  with ḡ = (1/N) Σ_m g_m  shape [N]
 * ``dots(u)``         g_nᵀ u for a direction u      shape [N]
@@ -117,9 +118,18 @@ class SampleGrads(ABC):
         """The inverse of :meth:`to_rows`: D numbers in row order as a tensor of θ's shape."""
         return v.reshape(self.shape)
 
+    def norms(self) -> Tensor:
+        """‖g_n‖: one norm kernel per chunk; from :meth:`sq_norms` where a representation
+        has its own closed form for the squares."""
+        if type(self).sq_norms is not SampleGrads.sq_norms:
+            return self.sq_norms().sqrt()
+        return self._chunk_norms()
+
     def sq_norms(self) -> Tensor:
-        norms = [torch.linalg.vector_norm(_rows(c), dim=1) for c in self.chunks()]
-        return _cat(norms) ** 2
+        return self._chunk_norms() ** 2
+
+    def _chunk_norms(self) -> Tensor:
+        return _cat([torch.linalg.vector_norm(_rows(c), dim=1) for c in self.chunks()])
 
     def batch_mean(self) -> Tensor:
         # 1ᵀG is a BLAS matrix-vector product: twice as fast as a reduction over dim 0
@@ -283,10 +293,12 @@ class OuterSampleGrads(SampleGrads):
         for d, a in zip(self.delta.split(size), self.a.split(size), strict=True):
             yield d.unsqueeze(2) * a.unsqueeze(1)
 
+    def norms(self) -> Tensor:
+        # ‖δ_n a_nᵀ‖ = ‖δ_n‖‖a_n‖: two norms and a product (three kernels)
+        return torch.linalg.vector_norm(self.delta, dim=1) * torch.linalg.vector_norm(self.a, dim=1)
+
     def sq_norms(self) -> Tensor:
-        # ‖δ_n a_nᵀ‖ = ‖δ_n‖‖a_n‖: two norms, a product and a square (four kernels)
-        return (torch.linalg.vector_norm(self.delta, dim=1)
-                * torch.linalg.vector_norm(self.a, dim=1)).square()
+        return self.norms().square()
 
     def batch_mean(self) -> Tensor:
         return self.delta.T @ self.a / self.num_samples
@@ -365,14 +377,23 @@ class SequenceOuterSampleGrads(SampleGrads):
         for d, a in zip(self.delta.split(size), self.a.split(size), strict=True):
             yield torch.bmm(d.transpose(1, 2), a)
 
-    def sq_norms(self) -> Tensor:
+    def _by_grams(self) -> bool:
+        """Whether per-sample Gram matrices (T×T) are cheaper than materializing g_n (I×J)."""
         t = self.delta.shape[1]
         i, j = self.shape
-        if t * (i + j) < i * j:
+        return t * (i + j) < i * j
+
+    def norms(self) -> Tensor:
+        if self._by_grams():  # (a sum of Gram products may round below 0 where g_n ≈ 0)
+            return self.sq_norms().clamp_min_(0).sqrt_()
+        return self._chunk_norms()
+
+    def sq_norms(self) -> Tensor:
+        if self._by_grams():
             gram_delta = torch.bmm(self.delta, self.delta.transpose(1, 2))
             gram_a = torch.bmm(self.a, self.a.transpose(1, 2))
             return (gram_delta * gram_a).sum((1, 2))
-        return super().sq_norms()
+        return self._chunk_norms() ** 2
 
     def batch_mean(self) -> Tensor:
         return torch.einsum("nti,ntj->ij", self.delta, self.a) / self.num_samples

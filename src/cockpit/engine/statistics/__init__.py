@@ -3,7 +3,7 @@
 * :mod:`.registry` — what a statistic declares (:class:`Statistic`: name, shape, how it is
   formed from a layer's individual gradients, how micro-batches merge, how ranks combine)
   and the registry the engine loops over;
-* one file per statistic: :mod:`.sq_norms`, :mod:`.gram_mean`, :mod:`.sum_sq`,
+* one file per statistic: :mod:`.norms`, :mod:`.sq_norms`, :mod:`.gram_mean`, :mod:`.sum_sq`,
   :mod:`.var_sum`, :mod:`.hist1d`, :mod:`.hist2d`, :mod:`.l1_norms`;
 * :mod:`.backward` — :class:`BackwardStatistics`, the values of one backward pass (or of a
   merged step), and :class:`GradientDots`.
@@ -38,6 +38,7 @@ from cockpit.engine.statistics.registry import (
     seal,
     shared_chunks,
 )
+from cockpit.engine.statistics.norms import NORMS
 from cockpit.engine.statistics.sq_norms import SQ_NORMS
 from cockpit.engine.statistics.gram_mean import GRAM_MEAN
 from cockpit.engine.statistics.sum_sq import SUM_SQ
@@ -55,7 +56,7 @@ PER_SAMPLE_STATS = frozenset({*REGISTRY, PROJECTIONS})
 seal()
 
 __all__ = [
-    "GRAM_MEAN", "HIST1D", "HIST2D", "PER_SAMPLE_STATS", "PROJECTIONS", "REGISTRY",
+    "GRAM_MEAN", "HIST1D", "HIST2D", "NORMS", "PER_SAMPLE_STATS", "PROJECTIONS", "REGISTRY",
     "SAMPLE_GRAD_SUM", "SQ_NORMS", "SUM_SQ", "VAR_SUM", "BackwardStatistics", "Combine", "Counts",
     "GradientDots", "LayerContext", "Merge", "RankTotals", "Statistic", "StatisticContext",
     "register", "requested", "shared_chunks",

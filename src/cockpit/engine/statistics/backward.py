@@ -4,8 +4,9 @@ A backward pass over a batch B_k of N_k samples leaves, per parameter tensor θ,
 registered per-sample statistics (:mod:`cockpit.engine.statistics.registry`; by name in
 ``values``, the built-in ones also as attributes):
 
-* per-sample vectors over n ∈ B_k: ‖g_n‖² (``sq_norms``), g_nᵀ ḡ (``gram_mean``), g_nᵀ u for
-  registered directions u (``projections``, [K, N_k]), and the individual losses ℓ_n;
+* per-sample vectors over n ∈ B_k: ‖g_n‖ (``norms``), ‖g_n‖² (``sq_norms``), g_nᵀ ḡ
+  (``gram_mean``), g_nᵀ u for registered directions u (``projections``, [K, N_k]), and the
+  individual losses ℓ_n;
 * sums over n: Σ_n g_n ⊙ g_n (``sum_sq``), histogram counts (``hist1d``, ``hist2d``) and the
   ``sample_sums`` that instruments add themselves (e.g. N_k times a diagonal curvature);
 * the batch mean ḡ_k = (1/N_k) Σ_n g_n (``batch_grads``) and the centered sum
@@ -89,6 +90,7 @@ class BackwardStatistics:
     micro_batches: int = 1
     ranks: int = 1
 
+    norms = _statistic("norms")
     sq_norms = _statistic("sq_norms")
     gram_mean = _statistic("gram_mean")
     sum_sq = _statistic("sum_sq")
