@@ -530,11 +530,10 @@ def batch_size_message(batch: int, num_losses: int) -> str:
 def weights_problem(w: Tensor) -> tuple[str | None, float]:
     """Why the loss weights w_n = ∂L/∂ℓ_n do not allow individual gradients (or None), and
     w_0, read from the device at once."""
-    flat = w.reshape(-1)
-    first = flat[0]
-    equal, value = torch.stack([(flat == first).all().to(torch.float64),
-                                first.to(torch.float64)]).tolist()
-    if not equal:
+    flat = w if w.dim() == 1 else w.reshape(-1)
+    # min = max ⟺ all equal (NaN makes both NaN: unequal); ``tolist`` widens exactly
+    low, high, value = torch.stack([*torch.aminmax(flat), flat[0]]).tolist()
+    if low != high:
         return (
             "the backpropagated loss weights the individual losses unequally; Cockpit "
             "expects the batch loss to be losses.mean() (or losses.sum())"
