@@ -60,15 +60,22 @@ class Recorder:
 
     # ------------------------------------------------------------------ in
     def record(self, step: int, values: dict[str, Value], notes: dict[str, str],
-               laters: Sequence[Later] = ()) -> None:
+               laters: Sequence[Later] = (), send: bool = True) -> None:
         """Record a step's values; those still on the device (``laters``) are sent to the
-        host now and recorded, with every record after them, at the next read."""
+        host now and recorded, with every record after them, at the next read. With
+        ``send=False`` the caller sends them (:meth:`send`) with its next records, before
+        any of their tensors changes: one copy for all."""
         if not laters and not self._unread:
             self._record_now(step, values, notes)
             return
         indices = [self._readout.later(later) for later in laters]
-        self._readout.send()
+        if send:
+            self._readout.send()
         self._unread.append((step, dict(values), dict(notes), indices))
+
+    def send(self) -> None:
+        """Start the copy of what the records made with ``send=False`` hold on the device."""
+        self._readout.send()
 
     def approximated(self, step: int, label: str) -> None:
         """The individual gradients of ``step`` are an approximation: its per-sample values

@@ -321,11 +321,12 @@ class TrackedStep:
                    ) -> None:
         """Record the step's values, then those its instruments computed now for earlier
         steps (Alpha's), then warn what they asked to."""
-        record = self.run.recorder.record
-        record(self.step, values, data.notes, laters)
+        recorder = self.run.recorder
+        recorder.record(self.step, values, data.notes, laters, send=False)
         for step in sorted({*data.late, *data.late_values}):
-            record(step, data.late.get(step, {}), data.late_notes.get(step, {}),
-                   data.late_values.get(step, ()))
+            recorder.record(step, data.late.get(step, {}), data.late_notes.get(step, {}),
+                            data.late_values.get(step, ()), send=False)
+        recorder.send()  # the records' device values in one copy
         data.late.clear()
         data.late_notes.clear()
         data.late_values.clear()
