@@ -1,4 +1,4 @@
-"""The check of the backpropagated loss weights w_n = ∂L/∂ℓ_n (one read of the device)."""
+"""Checks of the losses: their backpropagated weights w_n = ∂L/∂ℓ_n and their finiteness."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cockpit.engine.processing import weights_problem
+from cockpit.quantities.base import finite_witness
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -36,3 +37,18 @@ def test_a_nan_weight_is_not_uniform():
 def test_zero_weights_say_the_loss_does_not_depend_on_losses():
     problem, value = weights_problem(torch.zeros(4))
     assert value == 0.0 and "does not depend" in problem
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("bad", [None, math.inf, -math.inf, "both", math.nan])
+def test_the_losses_finite_witness_is_finite_exactly_when_every_loss_is(dtype, bad):
+    """Σ ℓ_n in float64 (float64 losses: Σ 0·ℓ_n): the largest finite values of the dtype
+    do not overflow it, one ±∞ or NaN (or +∞ and −∞ together) makes it non-finite."""
+    losses = torch.full((512,), torch.finfo(dtype).max, dtype=dtype)
+    if bad == "both":
+        losses[3], losses[7] = math.inf, -math.inf
+    elif bad is not None:
+        losses[5] = bad
+    witness = finite_witness(losses)
+    assert witness.dtype == torch.float64 and witness.dim() == 0
+    assert math.isfinite(float(witness)) == (bad is None)

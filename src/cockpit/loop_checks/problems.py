@@ -4,6 +4,7 @@ batch, model or loss. A reason has a scope: which instruments it touches."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -151,9 +152,10 @@ def warn_problems(step: int, problems: list[tuple[str, str]], warn: Callable[...
 
 
 def nonfinite_warning(step: int) -> Callable[[Any], Noted]:
-    """The verdict on the step's losses-are-finite flag, read with the step's numbers."""
-    def warn(finite) -> Noted:
-        if finite:
+    """The verdict on the step's losses' finite witness (finite iff every loss is, see
+    :func:`cockpit.quantities.base.finite_witness`), read with the step's numbers."""
+    def warn(witness) -> Noted:
+        if math.isfinite(float(witness)):
             return Noted({})
         return Noted({}, warnings=((f"step {step}: non-finite loss; instruments of this step "
                                     "are recorded as NaN", "nonfinite"),))

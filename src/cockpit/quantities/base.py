@@ -228,6 +228,17 @@ def all_finite(x: Tensor) -> Tensor:
         return x.mul(0).sum().eq(0)
 
 
+def finite_witness(x: Tensor) -> Tensor:
+    """A 0-dim float64 tensor on x's device, finite exactly when every element of ``x`` is
+    (read on the host): Σ x accumulated in float64 for narrower floats, one kernel (no sum
+    of fewer than 10^269 float32 values overflows float64; ±∞ and NaN stay non-finite), and
+    Σ 0·x for float64 (0, or NaN)."""
+    with torch.no_grad():
+        if x.dtype == torch.float64:
+            return x.mul(0).sum()
+        return x.sum(dtype=torch.float64)
+
+
 def stacked(norms: list[Tensor]) -> Tensor:
     """The norms ‖x_k‖ (0-dim tensors) as one float64 vector on the first one's device
     (norms in float64 already need no cast)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from cockpit.engine.readout import Later
 from cockpit.quantities.base import Quantity, StepData, Values
 from cockpit.quantities.descriptor import BATCH, DARK, Descriptor, Panel
@@ -15,5 +17,5 @@ class Loss(Quantity):
 
     def compute(self, data: StepData) -> Values:
         assert data.losses is not None
-        return Later(lambda mean: {"Loss": float(mean)}, data.losses.double().mean(),
+        return Later(lambda mean: {"Loss": float(mean)}, data.losses.mean(dtype=torch.float64),
                      name="Loss")

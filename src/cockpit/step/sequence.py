@@ -74,7 +74,7 @@ class StepSequence:
         unstepped = False  # the previous tracked step had no optimizer step
         if current is not None and not continues:
             if (self.run.optimizer is not None and self.run.grad_scaler is None
-                    and bool(current.finite_losses)):  # (a non-finite loss: skipping is right)
+                    and current.losses_were_finite()):  # (a non-finite loss: skipping is right)
                 unstepped = True
                 self.run.warn(
                     f"step {current.step} was not followed by optimizer.step() before step "

@@ -17,6 +17,7 @@ its instruments completed for earlier steps (Alpha's of step t − 1) and their 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from cockpit.loop_checks import (
     report_backward_outside,
     step_problems,
 )
-from cockpit.quantities.base import Quantity, StepData, Value, all_finite
+from cockpit.quantities.base import Quantity, StepData, Value, finite_witness
 from cockpit.step import instruments
 from cockpit.step.instrument_traits import describes_the_batch, problem_of, reads_gradient
 from cockpit.step.watched_run import WatchedRun
@@ -54,7 +55,7 @@ class BlockChecks:
     """What the checks at a block's start found (see :func:`check_block`)."""
 
     losses: Tensor | None
-    finite: Tensor | None  # whether the losses are finite: a device flag, read later
+    finite: Tensor | None  # finite iff the losses are (finite_witness): read later
     problems: list[tuple[str, str]]  # (scope, reason): see cockpit.loop_checks
     gradient_held: Later | None  # GradientHeld, checked at a step's first block
 
@@ -67,7 +68,7 @@ def check_block(run: WatchedRun, step: int, tracked: list[Quantity], losses: Ten
     needing = [q.name for q in tracked if q.needs_losses]
     if needing:
         losses = check_losses(losses, step, needing)
-        finite = all_finite(losses)
+        finite = finite_witness(losses)
     changed = parameters_changed(run.tracker.model, run.tracker.param_names, run.params)
     problems = step_problems(step, losses, changed,
                              None if continued is None else continued.forwards, run.warn)
@@ -89,15 +90,20 @@ class TrackedStep:
         self.mismatch: Later | None = None  # GradientMismatch, set at optimizer.step()
         self.checks: list[Later] = []  # misuse checks decided when the numbers are read
         self.gradient_held: Later | None = None  # GradientHeld, checked at the first block
-        # whether the first block's losses were finite: a device flag, read only where a
-        # warning depends on it
-        self.finite_losses: Tensor | bool = True
+        # the first block's losses' finite witness (finite iff they are), read only where
+        # a warning depends on it (:meth:`losses_were_finite`)
+        self.finite_losses: Tensor | None = None
         self.problems: list[tuple[str, str]] = []  # (scope, reason): see loop_checks
         self.forwards: set = set()  # the losses' graph nodes backpropagated in its blocks
         # how its individual gradients are defined, where they are not the exact ones
         self.approximation: str | None = run.tracker.precision_note
         # after finish: what the instruments of the update need until the optimizer step
         self._update: tuple[StepData, dict[str, Tensor], list[Quantity]] | None = None
+
+    def losses_were_finite(self) -> bool:
+        """Whether the first block's losses were finite (reads the device; True without
+        losses)."""
+        return self.finite_losses is None or math.isfinite(float(self.finite_losses))
 
     @property
     def micro_batches(self) -> int:
