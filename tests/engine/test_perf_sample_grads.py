@@ -182,6 +182,8 @@ def test_linear_dots_many_match_torch_func(seq):
     assert isinstance(grads["weight"], kind)
     check_all(grads["weight"], reference["weight"], "weight")
     check_all(grads["bias"], reference["bias"], "bias")
+    if not seq:  # the bias's ‖g_n‖ = ‖δ_n‖ is the factor of the weight's ‖δ_n‖‖a_n‖
+        assert grads["bias"].norms() is grads["weight"].delta_norms()
 
 
 def test_sequence_norms_by_gram_matrices_are_exact_and_zero_for_a_zero_gradient():

@@ -12,6 +12,7 @@ from cockpit.engine.rules.registry import register_rule
 from cockpit.engine.rules.sample_grads import (
     DenseSampleGrads,
     OuterSampleGrads,
+    RowNorms,
     SampleGrads,
     SequenceOuterSampleGrads,
 )
@@ -35,11 +36,11 @@ def linear_rule(
             f"(shape {tuple(a.shape)}); Cockpit needs inputs of shape [batch, ..., features]."
         )
     if a.dim() == 2:
-        delta = grad_output
+        delta, delta_norms = grad_output, RowNorms(grad_output)  # ‖δ_n‖: weight and bias
         if module.weight.requires_grad:
-            grads["weight"] = OuterSampleGrads(delta, a.detach())
+            grads["weight"] = OuterSampleGrads(delta, a.detach(), delta_norms)
         if module.bias is not None and module.bias.requires_grad:
-            grads["bias"] = DenseSampleGrads(delta)
+            grads["bias"] = DenseSampleGrads(delta, delta_norms)
         return grads
     a_seq = a.detach().reshape(n, -1, a.shape[-1])
     delta_seq = grad_output.reshape(n, -1, grad_output.shape[-1])

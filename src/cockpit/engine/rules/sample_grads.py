@@ -227,16 +227,35 @@ def _sum_sq_64(c: Tensor) -> Tensor:
     return total.double()
 
 
+class RowNorms:
+    """‖x_n‖ of the rows of an [N, D] tensor, formed once for every representation that
+    shares the tensor (a Linear layer's δ: the bias's g_n = δ_n and the weight's ‖δ_n‖‖a_n‖)."""
+
+    def __init__(self, x: Tensor):
+        self.x = x
+        self._norms: Tensor | None = None
+
+    def __call__(self) -> Tensor:
+        if self._norms is None:
+            self._norms = torch.linalg.vector_norm(self.x, dim=1)
+        return self._norms
+
+
 class DenseSampleGrads(SampleGrads):
-    """Individual gradients stored explicitly as ``G[n] = g_n``."""
+    """Individual gradients stored explicitly as ``G[n] = g_n`` (``row_norms``: their norms,
+    where another representation shares them)."""
 
     caches_chunks = True
     selectable = True
 
-    def __init__(self, grads: Tensor):
+    def __init__(self, grads: Tensor, row_norms: RowNorms | None = None):
         self.grads = grads
         self.num_samples = grads.shape[0]
         self.shape = grads.shape[1:]
+        self.row_norms = row_norms if row_norms is not None and row_norms.x is grads else None
+
+    def norms(self) -> Tensor:
+        return super().norms() if self.row_norms is None else self.row_norms()
 
     def materialize(self) -> Tensor:
         return self.grads
@@ -251,6 +270,7 @@ class DenseSampleGrads(SampleGrads):
     def add_(self, other: SampleGrads) -> None:
         """Accumulate another use of the same parameter (tied weights, reused modules)."""
         self.grads = self.grads + other.materialize()
+        self.row_norms = None
 
 
 class OuterSampleGrads(SampleGrads):
@@ -264,10 +284,12 @@ class OuterSampleGrads(SampleGrads):
     fuse_dots = False
     selectable = True
 
-    def __init__(self, delta: Tensor, a: Tensor):
+    def __init__(self, delta: Tensor, a: Tensor, delta_norms: RowNorms | None = None):
         self.delta, self.a = delta, a
         self.num_samples = delta.shape[0]
         self.shape = torch.Size((delta.shape[1], a.shape[1]))
+        self.delta_norms = (delta_norms if delta_norms is not None and delta_norms.x is delta
+                            else RowNorms(delta))
 
     def materialize(self) -> Tensor:
         return self.delta.unsqueeze(2) * self.a.unsqueeze(1)
@@ -294,8 +316,8 @@ class OuterSampleGrads(SampleGrads):
             yield d.unsqueeze(2) * a.unsqueeze(1)
 
     def norms(self) -> Tensor:
-        # ‖δ_n a_nᵀ‖ = ‖δ_n‖‖a_n‖: two norms and a product (three kernels)
-        return torch.linalg.vector_norm(self.delta, dim=1) * torch.linalg.vector_norm(self.a, dim=1)
+        # ‖δ_n a_nᵀ‖ = ‖δ_n‖‖a_n‖: two norms and a product (‖δ_n‖ shared with the bias)
+        return self.delta_norms() * torch.linalg.vector_norm(self.a, dim=1)
 
     def sq_norms(self) -> Tensor:
         return self.norms().square()
