@@ -281,8 +281,14 @@ class OuterSampleGrads(SampleGrads):
     Σ_n g_n⊙g_n = (δ⊙δ)ᵀ (a⊙a).
     """
 
-    fuse_dots = False
     selectable = True
+
+    @property  # type: ignore[override]
+    def fuse_dots(self) -> bool:
+        """On accelerators g_nᵀḡ is one more row of the fused dot products (δ_nᵀU_k a_n:
+        fewer kernels than the Gram matrices); on a CPU the closed form of
+        :meth:`gram_mean`, the cheaper in FLOPs."""
+        return device_path(self.delta.device)
 
     def __init__(self, delta: Tensor, a: Tensor, delta_norms: RowNorms | None = None):
         self.delta, self.a = delta, a
