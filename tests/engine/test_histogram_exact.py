@@ -361,9 +361,9 @@ def test_cockpit_warns_at_setup_when_its_bins_are_searched():
 
 @pytest.fixture
 def device_path(monkeypatch):
-    """The path GPUs take (cockpit.engine.histograms.device), run on the CPU, in chunks of 97
-    elements (the counts of every chunk summed)."""
-    monkeypatch.setattr(histogram_device, "CHUNK", 97)
+    """The path GPUs take (cockpit.engine.histograms.device), run on the CPU, in blocks of
+    at most 96 elements, 3 per copy of a counter (the counts of every block summed)."""
+    monkeypatch.setattr(histogram_device, "COUNTER_LIMIT", 3)
     with histogram_device.forced():
         yield
 

@@ -59,7 +59,7 @@ class Hist1d(Counts):
         if isinstance(spec, AutoRange):
             return magnitude_counts(_within_budget(_one_chunk_at_a_time(sg, layer),
                                                    layer.context.memory_budget))
-        return sg.histogram_lanes(spec)
+        return sg.histogram_lanes(spec, layer.context.memory_budget)
 
     def finish(self, values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
         return sum_lanes(values)
