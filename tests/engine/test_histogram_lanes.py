@@ -27,7 +27,7 @@ from cockpit import Cockpit
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms import exact as hmod
 from cockpit.engine.histograms.device import LaneCounts, sum_lanes
-from cockpit.engine.histograms.exact import BinSpec
+from cockpit.engine.histograms.exact import BinSpec, symmetric_fast_spec
 from cockpit.quantities import GradHist1d, GradHist2d
 from tests.engine.test_histogram_device import pair_counts, small_blocks
 from tests.engine.test_histogram_exact import exact_counts
@@ -249,6 +249,43 @@ def test_a_steps_lane_sum_ops_do_not_grow_with_the_parameters(forced, monkeypatc
 
     assert lane_sum_ops(2) == lane_sum_ops(8) <= 2 * 4
 
+
+
+@pytest.mark.parametrize(("budget", "blocks"), [(None, 1), (2**27, 2)])
+def test_a_linear_layer_beyond_2_24_products_in_the_blocks_its_budget_allows(
+        budget, blocks, monkeypatch, one_thread):
+    """GradHist1d of a Linear layer whose |B| = 128 individual gradients have 128·512·288
+    (> 2^24) float32 elements: without a memory limit in one block (the views of δ and a,
+    one mul, search, add and histc), within 128 MiB in two blocks of rows of every sample
+    (one split of δ's view, none of a's); the bias one block; the lanes of both summed in
+    four ops; the counts equal the CPU path's."""
+
+    def run(accelerator: bool) -> tuple[dict, collections.Counter]:
+        monkeypatch.setattr(histogram_device, "_forced", accelerator)
+        torch.manual_seed(0)
+        model = nn.Linear(288, 512)
+        x, y = torch.randn(128, 288), torch.randint(0, 512, (128,))
+        cockpit = Cockpit(model, [GradHist1d()], hist_bins=symmetric_fast_spec(0.01),
+                          strict=True, memory_budget=budget)
+        counter = OpsByFunction()
+        for step in range(2):  # (the first forms the cached edges and lane offsets)
+            model.zero_grad()
+            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+            with counter if step == 1 else contextlib.nullcontext(), cockpit(step,
+                                                                         losses=losses):
+                losses.mean().backward()
+        cockpit.close()
+        return cockpit.get_output()[1]["GradHist1d"], counter.ops
+
+    accelerator, ops = run(True)
+    expected, _ = run(False)
+    assert torch.equal(torch.as_tensor(accelerator["counts"]),
+                       torch.as_tensor(expected["counts"]))
+    assert int(torch.as_tensor(expected["counts"]).sum()) > 2**23
+    products = {"_sample_blocks": 2, "_products": 1} if blocks == 1 else {"_products": 5}
+    searched = blocks + 1
+    assert {k: v for k, v in ops.items() if k is not None} == {
+        **products, "bin_index": searched, "tally": 2 * searched, "sum_lanes": 4}
 
 
 def test_grad_hists_counts_of_rows_of_one_matrix_are_the_matrix():
