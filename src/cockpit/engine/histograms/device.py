@@ -70,7 +70,7 @@ from torch import Tensor
 
 _LANES = 32
 COUNTER_LIMIT = 2**24  # counts a float32 counter holds exactly: none receives more
-DEFAULT_BUDGET = 2**29  # scratch bytes of a block where the caller names no memory budget
+DEFAULT_BUDGET = 2**29  # scratch bytes of a block where the caller names none (the engine's)
 _INDEX_BYTES = 4  # the int32 search index of a value
 _SHARED_COUNTERS = 12 * 1024  # float counters in 48 KiB of a block's shared memory
 _MAX_PATTERN = 2**17  # elements of one cached lane-offset tensor (512 KiB)
@@ -128,7 +128,8 @@ def block_size(slots: int, budget: int | None, bytes_per_value: int) -> int:
 
 
 def _parts(size: int, block: int) -> int:
-    """Parts of at most ``block`` each, as equal as can be, of ``size`` items: their size."""
+    """The size of the parts when ``size`` items are cut into the fewest parts of at most
+    ``block``, as equal as can be (``size`` where it fits)."""
     return -(-size // -(-size // block)) if size > block else size
 
 
