@@ -5,8 +5,9 @@ reduction point).
 
 Per parameter [bins]; micro-batches and ranks add (every parameter has a slot: a rank without
 the parameter counts nothing). On accelerators a parameter's counts are formed as lane
-counts (:class:`~cockpit.engine.histograms.device.LaneCounts`) whose lanes are summed for
-every parameter at once when the backward pass ends (:meth:`Hist1d.finish`).
+counts (:class:`~cockpit.engine.histograms.device.LaneCounts`), in blocks whose scratch fits
+the engine's ``memory_budget``, and their lanes are summed for every parameter at once when
+the backward pass ends (:meth:`Hist1d.finish`).
 """
 
 from __future__ import annotations
