@@ -46,6 +46,20 @@ def forced():
         yield
 
 
+# (values per counter, copies of the counters): blocks of at most their product (the
+# stand-in for values beyond 2^24 per counter); None: the real limit
+BLOCKS = {"default": None, "96 in 32 lanes": (3, 32), "100 in 4 lanes": (25, 4),
+          "7 in 1 lane": (7, 1), "5 in 1 lane": (5, 1)}
+
+
+def small_blocks(monkeypatch, blocks: tuple[int, int] | None) -> None:
+    """Blocks of at most ``per_counter · lanes`` values (fewer lanes where the slots of a
+    histogram leave fewer)."""
+    if blocks is not None:
+        monkeypatch.setattr(histogram_device, "COUNTER_LIMIT", blocks[0])
+        monkeypatch.setattr(histogram_device, "_LANES", blocks[1])
+
+
 def edges_of(spec: BinSpec, dtype: torch.dtype) -> torch.Tensor:
     return hmod._search_edges_on(spec, dtype, torch.device("cpu"))
 
@@ -113,11 +127,12 @@ def test_lanes_only_spread_the_counting(forced, monkeypatch):
         assert torch.equal(histogram_dense(x, spec)[0], expected)
 
 
-@pytest.mark.parametrize("chunk", [histogram_device.CHUNK, 100, 7])
-def test_counts_of_several_chunks_are_summed_in_one_op(chunk, forced, monkeypatch):
-    """histogram_dense_counts over chunks of different shapes (each split again beyond
-    CHUNK) equals the exact counts of all their elements; float64 and float32 chunks mix."""
-    monkeypatch.setattr(histogram_device, "CHUNK", chunk)
+@pytest.mark.parametrize("blocks", [BLOCKS[k] for k in ("default", "100 in 4 lanes",
+                                                         "7 in 1 lane")])
+def test_counts_of_several_chunks_are_summed_in_one_op(blocks, forced, monkeypatch):
+    """histogram_dense_counts over chunks of different shapes (each split again beyond a
+    block) equals the exact counts of all their elements; float64 and float32 chunks mix."""
+    small_blocks(monkeypatch, blocks)
     spec = SPECS[0]
     gen = torch.Generator().manual_seed(1)
     chunks = [edge_values(spec, F32).view(101, 7)[:, 1:6],  # not contiguous
@@ -128,22 +143,23 @@ def test_counts_of_several_chunks_are_summed_in_one_op(chunk, forced, monkeypatc
     assert torch.equal(histogram_dense_counts(chunks, spec), exact_counts(finite, spec))
 
 
-def test_float32_counters_hold_a_full_chunk_of_one_bin(forced, monkeypatch):
-    """2^24 + 1 equal elements counted with one copy of the counters: the chunks of 2^24
-    keep every float32 counter exact (2^24 + 1 is not a float32)."""
-    monkeypatch.setattr(histogram_device, "_LANES", 1)
-    x = torch.zeros(histogram_device.CHUNK + 1)
+@pytest.mark.parametrize("num_lanes", [1, 2])
+def test_float32_counters_hold_a_full_block_of_one_bin(num_lanes, forced, monkeypatch):
+    """L·2^24 + 1 equal elements counted with L copies of the counters: blocks of at most
+    L·2^24 keep every float32 counter exact (2^24 + 1 is not a float32)."""
+    monkeypatch.setattr(histogram_device, "_LANES", num_lanes)
+    x = torch.zeros(num_lanes * histogram_device.COUNTER_LIMIT + 1)
     counts = histogram_dense_counts([x], BinSpec(-2.0, 2.0, 100))
-    assert int(counts[50]) == histogram_device.CHUNK + 1 and int(counts.sum()) == x.numel()
+    assert int(counts[50]) == x.numel() and int(counts.sum()) == x.numel()
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-@pytest.mark.parametrize("chunk", [histogram_device.CHUNK, 100, 50, 7])
-def test_outer_products_counts(dtype, chunk, forced, monkeypatch):
+@pytest.mark.parametrize("blocks", BLOCKS.values(), ids=BLOCKS.keys())
+def test_outer_products_counts(dtype, blocks, forced, monkeypatch):
     """Products δ·a at and next to every edge, overflowing to ±∞ and NaN from 0·∞, formed
     whole, in samples, rows of a sample and parts of a row: the counts-only entry point
     equals the counts of histogram_outer and exact arithmetic."""
-    monkeypatch.setattr(histogram_device, "CHUNK", chunk)
+    small_blocks(monkeypatch, blocks)
     spec = BinSpec(-1.0, 3.0, 7)
     big = torch.finfo(dtype).max
     delta = torch.tensor([[1.0, -1.0, 3.0], [big, 0.5, 1.0], [0.0, 2.0, -0.25]], dtype=dtype)
@@ -170,12 +186,13 @@ def pair_counts(g: torch.Tensor, theta: torch.Tensor, spec_g: BinSpec, spec_t: B
 
 
 @pytest.mark.parametrize("D", [40, 7, 1])  # 40: θ carries the lane offsets; 7, 1: it cannot
-@pytest.mark.parametrize("chunk", [histogram_device.CHUNK, 30, 5])
-def test_pairs_with_and_without_thetas_lane_offsets(D, chunk, forced, monkeypatch):
+@pytest.mark.parametrize("blocks", [BLOCKS[k] for k in ("default", "96 in 32 lanes",
+                                                         "5 in 1 lane")])
+def test_pairs_with_and_without_thetas_lane_offsets(D, blocks, forced, monkeypatch):
     """Pairs (g, θ) at every edge of both specs, with non-finite g and θ, in one block, in
     rows and in parts of a row: counts equal exact arithmetic, the other pairs are counted,
     counts-only and the chunk sum agree."""
-    monkeypatch.setattr(histogram_device, "CHUNK", chunk)
+    small_blocks(monkeypatch, blocks)
     spec_g, spec_t = BinSpec(-1.0, 1.0, 40), BinSpec(-1.0, 3.0, 7)
     values = edge_values(spec_g, F32)
     g = values.repeat(-(-10 * D // values.numel()))[: 10 * D].view(10, D).clone()
@@ -190,9 +207,9 @@ def test_pairs_with_and_without_thetas_lane_offsets(D, chunk, forced, monkeypatc
     assert torch.equal(histogram2d_dense_counts(halves, theta, spec_g, spec_t), counts)
 
 
-@pytest.mark.parametrize("chunk", [histogram_device.CHUNK, 100, 40, 5])
-def test_outer_pairs_counts(chunk, forced, monkeypatch):
-    monkeypatch.setattr(histogram_device, "CHUNK", chunk)
+@pytest.mark.parametrize("blocks", BLOCKS.values(), ids=BLOCKS.keys())
+def test_outer_pairs_counts(blocks, forced, monkeypatch):
+    small_blocks(monkeypatch, blocks)
     spec_g, spec_t = BinSpec(-1.0, 1.0, 40), BinSpec(-2.0, 2.0, 50)
     gen = torch.Generator().manual_seed(3)
     delta = torch.randn(6, 5, generator=gen, dtype=F64)
@@ -233,32 +250,78 @@ def test_grad_hists_through_cockpit_equal_the_cpu_path(monkeypatch, one_thread):
                                      for k, v in r.items() if k == "GradHist2d")
 
 
-def test_every_histc_counts_at_most_a_chunk(forced, monkeypatch):
-    """The float32 counters stay exact because no histc call sees more than CHUNK values:
-    dense chunks, Linear products (whole samples, rows, parts of a row) and pairs."""
-    monkeypatch.setattr(histogram_device, "CHUNK", 7)
-    sizes = []
+@pytest.mark.parametrize("blocks", [(2, 32), (7, 1), (3, 4)])
+def test_no_counter_receives_more_than_its_limit(blocks, forced, monkeypatch):
+    """The float32 counters stay exact because no copy of a counter receives more than
+    COUNTER_LIMIT counts (made small here), while a histc counts up to L·COUNTER_LIMIT
+    values: dense chunks, Linear products (whole, rows of every sample, whole samples, rows
+    and parts of a row of one sample) and pairs, with most values in one bin (0) and the
+    whole chunk too."""
+    per_counter, num_lanes = blocks
+    small_blocks(monkeypatch, blocks)
+    largest, sizes = [], []
     real = torch.histc
 
     def spy(x, *args, **kwargs):
+        out = real(x, *args, **kwargs)
         sizes.append(x.numel())
-        return real(x, *args, **kwargs)
+        largest.append(int(out.max()))
+        return out
 
     monkeypatch.setattr(torch, "histc", spy)
     gen = torch.Generator().manual_seed(0)
     spec, spec_t = BinSpec(-2.0, 2.0, 100), BinSpec(-1.0, 1.0, 40)
-    x = torch.randn(3, 20, generator=gen)
-    delta, a = torch.randn(4, 3, generator=gen), torch.randn(4, 20, generator=gen)
-    theta = torch.randn(3, 20, generator=gen)
+
+    def sparse(*shape):
+        x = torch.randn(*shape, generator=gen)
+        return x * (torch.rand(*shape, generator=gen) < 0.2)
+
+    x, theta_x = sparse(3, 20), torch.randn(60, generator=gen)
+    for N, I, J in [(4, 3, 20), (1, 3, 20), (2, 1, 100), (40, 2, 3)]:
+        delta, a = sparse(N, I), sparse(N, J)
+        theta = torch.randn(I, J, generator=gen)
+        products = delta[:, :, None] * a[:, None, :]
+        assert torch.equal(histogram_outer_counts(delta, a, spec),
+                           exact_counts(products, spec))
+        assert torch.equal(histogram2d_outer_counts(delta, a, theta, spec, spec_t),
+                           pair_counts(products.reshape(N, -1), theta.reshape(-1), spec,
+                                       spec_t))
     assert torch.equal(histogram_dense(x, spec)[0], exact_counts(x, spec))
-    products = delta[:, :, None] * a[:, None, :]
-    assert torch.equal(histogram_outer_counts(delta, a, spec), exact_counts(products, spec))
-    assert torch.equal(histogram2d_outer_counts(delta, a, theta, spec, spec_t),
-                       pair_counts(products.reshape(4, 60), theta.reshape(-1), spec, spec_t))
-    assert torch.equal(histogram2d_dense_counts([x.reshape(1, 60)], theta.reshape(-1), spec,
-                                                spec_t),
-                       pair_counts(x.reshape(1, 60), theta.reshape(-1), spec, spec_t))
-    assert sizes and max(sizes) <= 7 and sum(sizes) == 60 + 240 + 240 + 60
+    assert torch.equal(histogram2d_dense_counts([x.reshape(1, 60)], theta_x, spec, spec_t),
+                       pair_counts(x.reshape(1, 60), theta_x, spec, spec_t))
+    assert max(largest) == per_counter  # the zeros fill a counter of a full block
+    assert max(sizes) == per_counter * num_lanes
+
+
+def test_blocks_of_linear_products_fit_the_budget_and_are_as_few_as_it_allows(forced,
+                                                                               monkeypatch):
+    """The products of a Linear layer (float32: with their int32 index 8 bytes each) in
+    blocks within the memory budget: all at once where they fit, else rows of every sample
+    (one split), else whole samples; the fewest blocks the budget allows, of equal sizes,
+    each contiguous (bucketize would copy it otherwise); the counts exact in every case."""
+    seen = []
+    real = torch.bucketize
+
+    def spy(x, *args, **kwargs):
+        seen.append((x.numel(), x.is_contiguous()))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "bucketize", spy)
+    spec = BinSpec(-2.0, 2.0, 100)
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn(6, 10, generator=gen), torch.randn(6, 8, generator=gen)
+    long = torch.randn(40, 2, generator=gen), torch.randn(40, 3, generator=gen)
+    for (delta, a), budget, blocks in [
+            (wide, None, [480]), (wide, 480 * 8, [480]), (wide, 479 * 8, [240, 240]),
+            (wide, 300 * 8, [240, 240]), (wide, 100 * 8, [96] * 5), (wide, 60 * 8, [48] * 10),
+            (wide, 47 * 8, [40] * 12),  # rows of one sample
+            (long, 100 * 8, [84, 84, 72])]:  # whole samples (a row of every sample: 120)
+        seen.clear()
+        lane_counts = hmod.histogram_outer_lanes(delta, a, spec, budget)
+        expected = exact_counts(delta[:, :, None] * a[:, None, :], spec)
+        assert torch.equal(lane_counts.counts(), expected), budget
+        assert [size for size, _ in seen] == blocks, budget
+        assert all(contiguous for _, contiguous in seen)
 
 
 @pytest.mark.parametrize("accelerator", [False, True])

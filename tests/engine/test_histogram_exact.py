@@ -361,9 +361,11 @@ def test_cockpit_warns_at_setup_when_its_bins_are_searched():
 
 @pytest.fixture
 def device_path(monkeypatch):
-    """The path GPUs take (cockpit.engine.histograms.device), run on the CPU, in chunks of 97
-    elements (the counts of every chunk summed)."""
-    monkeypatch.setattr(histogram_device, "CHUNK", 97)
+    """The path GPUs take (cockpit.engine.histograms.device), run on the CPU, in blocks of
+    97 elements (one copy of the counters, which count at most 97: the counts of every
+    block summed)."""
+    monkeypatch.setattr(histogram_device, "_LANES", 1)
+    monkeypatch.setattr(histogram_device, "COUNTER_LIMIT", 97)
     with histogram_device.forced():
         yield
 

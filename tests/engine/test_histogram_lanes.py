@@ -1,8 +1,8 @@
 """The accelerator path's lane counts summed for every parameter at once, when the backward
 pass ends (:class:`~cockpit.engine.histograms.device.LaneCounts`,
 :func:`~cockpit.engine.histograms.device.sum_lanes`): each parameter's counts are exactly
-those of its own values, with one chunk or many (a parameter beyond 2^24 values: CHUNK made
-small), over sample chunks of a memory budget and over micro-batches; adding lane counts
+those of its own values, with one block or many (a parameter beyond 2^24 values per counter:
+blocks made small), over sample chunks of a memory budget and over micro-batches; adding lane counts
 is the union of their values; and the lanes of all parameters cost the same few ops however
 many parameters there are (they cost two per parameter when each parameter summed its own).
 
@@ -27,9 +27,9 @@ from cockpit import Cockpit
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms import exact as hmod
 from cockpit.engine.histograms.device import LaneCounts, sum_lanes
-from cockpit.engine.histograms.exact import BinSpec
+from cockpit.engine.histograms.exact import BinSpec, symmetric_fast_spec
 from cockpit.quantities import GradHist1d, GradHist2d
-from tests.engine.test_histogram_device import pair_counts
+from tests.engine.test_histogram_device import pair_counts, small_blocks
 from tests.engine.test_histogram_exact import exact_counts
 from tests.reference import individual_gradients
 
@@ -71,11 +71,11 @@ PADDED = {"padded": histogram_device._PAD_BYTES, "per_size": 0}
 
 @pytest.mark.parametrize("pad_bytes", PADDED.values(), ids=PADDED.keys())
 def test_sum_lanes_gives_every_value_its_own_exact_counts(pad_bytes, forced, monkeypatch):
-    """Values with 1, 2, 3 and 9 tallies (CHUNK = 40), of two bin layouts, and a ready count
-    tensor, summed with zero tallies padded or per number of tallies: every value's counts
-    equal the exact counts of its own elements (int64); the non-finite elements are left
-    out."""
-    monkeypatch.setattr(histogram_device, "CHUNK", 40)
+    """Values with 1, 2, 3 and 9 tallies (blocks of 40), of two bin layouts, and a ready
+    count tensor, summed with zero tallies padded or per number of tallies: every value's
+    counts equal the exact counts of its own elements (int64); the non-finite elements are
+    left out."""
+    small_blocks(monkeypatch, (5, 8))
     monkeypatch.setattr(histogram_device, "_PAD_BYTES", pad_bytes)
     gen = torch.Generator().manual_seed(0)
     spec_a, spec_b = BinSpec(-1.0, 1.0, 8), BinSpec(-2.0, 2.0, 5)
@@ -124,7 +124,7 @@ def test_the_lane_sum_of_many_values_costs_the_ops_of_few(tallies, pad_bytes, fo
     """3 values or 30 with the same numbers of tallies: the same ops (one stack, one strided
     sum — per number of tallies unless padded —, one cat where there are several, one
     unbind)."""
-    monkeypatch.setattr(histogram_device, "CHUNK", 10)
+    small_blocks(monkeypatch, (5, 2))  # blocks of 10
     monkeypatch.setattr(histogram_device, "_PAD_BYTES", pad_bytes)
     spec = BinSpec(-1.0, 1.0, 8)
     gen = torch.Generator().manual_seed(2)
@@ -198,16 +198,17 @@ def grad_hist_counts(accelerator: bool, micro_batches: int, budget: int | None,
     return got, expected
 
 
-@pytest.mark.parametrize(("micro_batches", "chunk", "budget"), [
-    (1, histogram_device.CHUNK, None), (3, histogram_device.CHUNK, None), (1, 37, None),
-    (3, 37, None), (1, histogram_device.CHUNK, 4000), (3, 37, 4000)])
+@pytest.mark.parametrize(("micro_batches", "blocks", "budget"), [
+    (1, None, None), (3, None, None), (1, (37, 1), None), (3, (37, 1), None),
+    (1, (2, 16), None), (1, None, 4000), (3, (37, 1), 4000), (1, None, 900)])
 def test_grad_hist_counts_are_exact_however_the_batch_and_the_values_are_split(
-        micro_batches, chunk, budget, monkeypatch, one_thread):
-    """One batch of 12 or 3 micro-batches of 4; one chunk per parameter or chunks of 37
-    values (every parameter several, of different numbers: the stand-in for parameters
-    beyond 2^24 individual-gradient elements); whole layers or sample chunks of a 4000-byte
-    memory budget: every parameter's counts (GradHist1d, GradHist2d) equal the exact ones."""
-    monkeypatch.setattr(histogram_device, "CHUNK", chunk)
+        micro_batches, blocks, budget, monkeypatch, one_thread):
+    """One batch of 12 or 3 micro-batches of 4; one block per parameter or blocks of 37 or
+    32 values (every parameter several, of different numbers: the stand-in for parameters
+    beyond 2^24 individual-gradient elements per counter); whole layers or sample chunks
+    and blocks of a 4000- or 900-byte memory budget: every parameter's counts (GradHist1d,
+    GradHist2d) equal the exact ones."""
+    small_blocks(monkeypatch, blocks)
     got, expected = grad_hist_counts(True, micro_batches, budget, monkeypatch)
     for name, counts in expected.items():
         assert got[name].dtype == counts.dtype and (got[name] == counts).all(), name
@@ -248,6 +249,43 @@ def test_a_steps_lane_sum_ops_do_not_grow_with_the_parameters(forced, monkeypatc
 
     assert lane_sum_ops(2) == lane_sum_ops(8) <= 2 * 4
 
+
+
+@pytest.mark.parametrize(("budget", "blocks"), [(None, 1), (2**27, 2)])
+def test_a_linear_layer_beyond_2_24_products_in_the_blocks_its_budget_allows(
+        budget, blocks, monkeypatch, one_thread):
+    """GradHist1d of a Linear layer whose |B| = 128 individual gradients have 128·512·288
+    (> 2^24) float32 elements: without a memory limit in one block (the views of δ and a,
+    one mul, search, add and histc), within 128 MiB in two blocks of rows of every sample
+    (one split of δ's view, none of a's); the bias one block; the lanes of both summed in
+    four ops; the counts equal the CPU path's."""
+
+    def run(accelerator: bool) -> tuple[dict, collections.Counter]:
+        monkeypatch.setattr(histogram_device, "_forced", accelerator)
+        torch.manual_seed(0)
+        model = nn.Linear(288, 512)
+        x, y = torch.randn(128, 288), torch.randint(0, 512, (128,))
+        cockpit = Cockpit(model, [GradHist1d()], hist_bins=symmetric_fast_spec(0.01),
+                          strict=True, memory_budget=budget)
+        counter = OpsByFunction()
+        for step in range(2):  # (the first forms the cached edges and lane offsets)
+            model.zero_grad()
+            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+            with counter if step == 1 else contextlib.nullcontext(), cockpit(step,
+                                                                         losses=losses):
+                losses.mean().backward()
+        cockpit.close()
+        return cockpit.get_output()[1]["GradHist1d"], counter.ops
+
+    accelerator, ops = run(True)
+    expected, _ = run(False)
+    assert torch.equal(torch.as_tensor(accelerator["counts"]),
+                       torch.as_tensor(expected["counts"]))
+    assert int(torch.as_tensor(expected["counts"]).sum()) > 2**23
+    products = {"_sample_blocks": 2, "_products": 1} if blocks == 1 else {"_products": 5}
+    searched = blocks + 1
+    assert {k: v for k, v in ops.items() if k is not None} == {
+        **products, "bin_index": searched, "tally": 2 * searched, "sum_lanes": 4}
 
 
 def test_grad_hists_counts_of_rows_of_one_matrix_are_the_matrix():

@@ -5,8 +5,8 @@ NumPy, worker threads, sorted rows searched per query, chunk-by-chunk decisions 
 the data (a chunk with a non-finite value takes another path). On a GPU each of those
 decisions is a wait for the device, and ``bincount`` into a few crowded bins serializes on
 atomic adds (gradient elements pile up in the one or two bins around zero). This path takes
-no decision from the data, and counts a chunk of values in three kernels (bucketize, add,
-histc) plus two per histogram:
+no decision from the data, and counts a block of values in three kernels (bucketize, add,
+histc), the lanes of all parameters summed in a few more when the backward pass ends:
 
 * search index by one ``torch.bucketize`` (lower bound: #{s ∈ S : s < x}) against the
   sorted edges S = [−∞, t⁻_1, …, t⁻_{bins−1}, F] (:func:`search_edges`), where
@@ -27,18 +27,30 @@ histc) plus two per histogram:
   for speed only;
 * the counts of the finite values are the slots 1 … bins of every copy, summed over the
   copies (and over a layer's chunks) in one strided ``sum``; the non-finite count is the
-  number of values minus their sum (formed only where asked for). No ``histc`` sees more
-  than 2^24 values, so its float32 counters are exact. The statistics keep each
+  number of values minus their sum (formed only where asked for). The statistics keep each
   parameter's copies (:class:`LaneCounts`) until the backward pass ends and then sum those
   of every parameter together (:func:`sum_lanes`: one ``stack``, one strided ``sum`` per
   number of chunks a parameter has, one ``unbind``), not two ops per parameter;
-* the individual gradients of a Linear layer, δ_n a_nᵀ, are formed in blocks of at most
-  2^24 products (the same products fl(δ·a) the CPU path bins), and the block's products
-  buffer receives the lane-spread index (8 bytes per product in all);
+* blocks (:func:`block_size`): one ``histc`` counts a block of n ≤ L·C values, C = 2^24
+  (``COUNTER_LIMIT``). Element i of a block adds to copy ℓ(i) = i mod L (each way the
+  offsets are laid over a block gives the element at row-major position i the offset of
+  i mod L), so a counter receives at most ⌈n/L⌉ ≤ C counts: every float32 counter stays
+  exact (C = 2^24 is a float32, C + 1 is not), and so does the spread index (below
+  L·(bins + 2)). Within that, a block's scratch fits the engine's memory budget: its int32
+  search index and its spread index (or products buffer), 8 bytes per float32 value.
+  Blocks of one tensor are of equal size (±1 row), so that none is a small remainder;
+* the individual gradients of a Linear layer, δ_n a_nᵀ, are formed in blocks (the same
+  products fl(δ·a) the CPU path bins): all at once where they fit, else rows i of every
+  sample (one ``split`` of δ's view), else whole samples; every block is contiguous
+  (``bucketize`` would copy it otherwise) and its products buffer receives the lane-spread
+  index;
 * 2-D histograms (eq. 16, :class:`Pairs`): the cell k_g·(bins_θ + 2) + k_θ of the two
   search indices, θ's index (with the lane offsets, where θ's size is a multiple of L)
   formed once per parameter, so that a chunk of g costs bucketize, one add and histc; the
-  finite pairs are the cells with k_g ∈ [1, bins_g] and k_θ ∈ [1, bins_θ].
+  finite pairs are the cells with k_g ∈ [1, bins_g] and k_θ ∈ [1, bins_θ]. With θ's
+  offsets the copy of a pair is that of its θ_j; a block holds whole samples (every
+  position of θ: n/L pairs per copy) or consecutive positions of one sample (⌈n/L⌉), so no
+  counter receives more than C here either.
 
 :func:`device_path` tells the histogram functions (and other choices made per device, such
 as the norms of :func:`cockpit.quantities.base.norms`) to take this path: on
@@ -57,7 +69,9 @@ import torch
 from torch import Tensor
 
 _LANES = 32
-CHUNK = 2**24  # elements per chunk: bounds the index buffers; float counts stay exact
+COUNTER_LIMIT = 2**24  # counts a float32 counter holds exactly: none receives more
+DEFAULT_BUDGET = 2**29  # scratch bytes of a block where the caller names none (the engine's)
+_INDEX_BYTES = 4  # the int32 search index of a value
 _SHARED_COUNTERS = 12 * 1024  # float counters in 48 KiB of a block's shared memory
 _MAX_PATTERN = 2**17  # elements of one cached lane-offset tensor (512 KiB)
 # zero tallies sum_lanes may stack to sum all values in one op: a GPU reads 8 MiB in a few
@@ -103,6 +117,20 @@ def lanes(slots: int) -> int:
     dimensions)."""
     most = max(1, min(_LANES, _SHARED_COUNTERS // slots))
     return 1 << (most.bit_length() - 1)
+
+
+def block_size(slots: int, budget: int | None, bytes_per_value: int) -> int:
+    """The most values one ``histc`` over ``slots`` slots counts: L·``COUNTER_LIMIT`` (copy
+    i mod L of a counter then receives at most ``COUNTER_LIMIT`` of them), and at most
+    ``budget // bytes_per_value`` (the block's scratch; None: no limit), at least one."""
+    most = lanes(slots) * COUNTER_LIMIT
+    return most if budget is None else max(1, min(most, budget // bytes_per_value))
+
+
+def _parts(size: int, block: int) -> int:
+    """The size of the parts when ``size`` items are cut into the fewest parts of at most
+    ``block``, as equal as can be (``size`` where it fits)."""
+    return -(-size // -(-size // block)) if size > block else size
 
 
 def _offsets(shape: tuple[int, ...], num_lanes: int, stride: int, device: torch.device
@@ -151,7 +179,7 @@ def tally(index: Tensor, slots: int, out: Tensor | None = None) -> Tensor:
 def finite_counts(tallies: Sequence[Tensor], slots: int, shape: tuple[int, ...],
                   strides: tuple[int, ...], first: int) -> Tensor:
     """The counts (int64, ``shape``) of the slots first + Σ_d c_d·strides_d, summed over the
-    lanes of every tally (one strided sum; float32 counts below 2^24 convert exactly)."""
+    lanes of every tally (one strided sum; float32 counts of at most 2^24 convert exactly)."""
     per_lane = lanes(slots) * slots
     if len(tallies) == 1:
         view = tallies[0].as_strided((lanes(slots), *shape), (slots, *strides), first)
@@ -212,7 +240,7 @@ def sum_lanes(values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
     tallies K, and one ``unbind``; the ops do not grow with the number of values. Values
     with fewer tallies than the most are padded with a zero tally where that adds at most
     ``_PAD_BYTES`` to the stack (then one sum serves all), else summed per K (most
-    parameters have one chunk). The counts are int64 sums of float32 counts below 2^24:
+    parameters have one chunk). The counts are int64 sums of float32 counts of at most 2^24:
     exact."""
     out = dict(values)
     layouts: dict[tuple, list[str]] = {}
@@ -255,22 +283,25 @@ def _zero_tally(size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.zeros(size, dtype=dtype, device=device)
 
 
-def _pieces(x: Tensor) -> list[Tensor]:
-    """``x`` in chunks of at most CHUNK elements (whole rows of dim 0 where they fit)."""
-    if x.numel() <= CHUNK:
+def _pieces(x: Tensor, block: int) -> list[Tensor]:
+    """``x`` in pieces of at most ``block`` elements (whole rows of dim 0 where they fit)."""
+    if x.numel() <= block:
         return [x]
     per_row = math.prod(x.shape[1:])
-    if 0 < per_row <= CHUNK:
-        return list(x.split(CHUNK // per_row))
-    return list(x.reshape(-1).split(CHUNK))
+    if 0 < per_row <= block:
+        return list(x.split(_parts(x.shape[0], block // per_row)))
+    return list(x.reshape(-1).split(_parts(x.numel(), block)))
 
 
-def dense_tallies(chunks: Sequence[Tensor], edges: Tensor) -> list[Tensor]:
-    """The lane counts of every element of ``chunks`` (any shapes)."""
+def dense_tallies(chunks: Sequence[Tensor], edges: Tensor, budget: int | None = DEFAULT_BUDGET
+                  ) -> list[Tensor]:
+    """The lane counts of every element of ``chunks`` (any shapes), in blocks whose index
+    and spread index (8 bytes a value) fit ``budget``."""
     slots = edges.numel() + 1
+    block = block_size(slots, budget, _INDEX_BYTES + 4)
     with torch.no_grad():
         return [tally(bin_index(piece, edges), slots)
-                for chunk in chunks for piece in _pieces(chunk)]
+                for chunk in chunks for piece in _pieces(chunk, block)]
 
 
 def lane_counts_1d(tallies: Sequence[Tensor], bins: int) -> LaneCounts:
@@ -289,41 +320,56 @@ def dense(x: Tensor, edges: Tensor, bins: int) -> tuple[Tensor, Tensor]:
     return counts, x.numel() - counts.sum()
 
 
-def _product_blocks(delta: Tensor, a: Tensor
-                    ) -> Iterator[tuple[Tensor, Tensor, tuple[slice, slice]]]:
-    """Blocks (δ[n, i, None], a[n, None, j], (rows i, columns j)) whose products number at
-    most CHUNK where a row of J products fits: whole samples, else rows i of one sample,
-    else parts of one row (layers beyond 2^24 weights)."""
+def _sample_blocks(delta: Tensor, a: Tensor, block: int
+                   ) -> Iterator[tuple[Tensor, Tensor, tuple[slice, slice]]]:
+    """Blocks (δ[n, i, None], a[n, None, j], (rows i, columns j)) of at most ``block``
+    products δ[n, i]·a[n, j] in the order of the individual gradients [N, I, J]: whole
+    samples where one fits, else rows i of one sample, else parts of one row (every block
+    then holds the products of consecutive positions of θ)."""
     N, I = delta.shape
     J = a.shape[1]
     d3, a3 = delta.unsqueeze(2), a.unsqueeze(1)
     every = slice(None)
-    if I * J <= CHUNK:
-        rows = max(1, CHUNK // max(I * J, 1))
-        if rows >= N:
-            yield d3, a3, (every, every)
-            return
+    if block >= N * I * J:
+        yield d3, a3, (every, every)
+        return
+    if block >= I * J:
+        rows = _parts(N, block // max(I * J, 1))
         for d, s in zip(d3.split(rows), a3.split(rows), strict=True):
             yield d, s, (every, every)
         return
-    rows, columns = max(1, CHUNK // J), min(J, CHUNK)
+    rows, columns = max(1, block // J), min(J, block)
     for n in range(N):
         for i in range(0, I, rows):
             for j in range(0, J, columns):
-                block = (slice(i, i + rows), slice(j, j + columns))
-                yield d3[n : n + 1, block[0]], a3[n : n + 1, :, block[1]], block
+                part = (slice(i, i + rows), slice(j, j + columns))
+                yield d3[n : n + 1, part[0]], a3[n : n + 1, :, part[1]], part
 
 
-def outer_tallies(delta: Tensor, a: Tensor, edges: Tensor) -> list[Tensor]:
-    """The lane counts of the products δ[n, i]·a[n, j], formed in blocks of at most CHUNK
-    (each block's products buffer then holds its spread index)."""
+def _products(delta: Tensor, a: Tensor, block: int) -> Iterator[Tensor]:
+    """The products δ[n, i]·a[n, j] in contiguous blocks of at most ``block``: all at once,
+    else in blocks of rows i of every sample where the N·J products of one row fit (one
+    ``split`` of δ's view, a's shared), else as :func:`_sample_blocks`."""
+    N, I = delta.shape
+    J = a.shape[1]
+    if block >= N * I * J or block < N * J:
+        for d, s, _ in _sample_blocks(delta, a, block):
+            yield torch.mul(d, s)
+        return
+    a3 = a.unsqueeze(1)
+    for d in delta.unsqueeze(2).split(_parts(I, block // (N * J)), dim=1):
+        yield torch.mul(d, a3)
+
+
+def outer_tallies(delta: Tensor, a: Tensor, edges: Tensor, budget: int | None = DEFAULT_BUDGET
+                  ) -> list[Tensor]:
+    """The lane counts of the products δ[n, i]·a[n, j], formed in blocks whose products
+    buffer (which then holds their spread index) and search index fit ``budget``."""
     slots = edges.numel() + 1
+    block = block_size(slots, budget, delta.element_size() + _INDEX_BYTES)
     with torch.no_grad():
-        tallies = []
-        for d, s, _ in _product_blocks(delta, a):
-            products = torch.mul(d, s)
-            tallies.append(tally(bin_index(products, edges), slots, out=products))
-        return tallies
+        return [tally(bin_index(products, edges), slots, out=products)
+                for products in _products(delta, a, block)]
 
 
 def outer(delta: Tensor, a: Tensor, edges: Tensor, bins: int) -> tuple[Tensor, Tensor]:
@@ -338,8 +384,10 @@ class Pairs:
     θ's index (with the lane offsets where the lane of an element depends on j alone) is
     formed once for all chunks of g."""
 
-    def __init__(self, theta: Tensor, edges_g: Tensor, edges_theta: Tensor):
+    def __init__(self, theta: Tensor, edges_g: Tensor, edges_theta: Tensor,
+                 budget: int | None = DEFAULT_BUDGET):
         self.theta_shape = theta.shape
+        self.budget = budget
         self.edges_g = edges_g
         self.bins_g, self.bins_theta = edges_g.numel() - 1, edges_theta.numel() - 1
         self.columns = self.bins_theta + 2
@@ -372,29 +420,33 @@ class Pairs:
             self.tallies.append(tally(cells, self.slots, out=out))
 
     def add_rows(self, g: Tensor) -> None:
-        """Count the pairs (g[n, j], θ_j) of g [n, D] (θ flat [D]), in chunks of rows (or
-        of columns of one row, beyond 2^24 weights)."""
+        """Count the pairs (g[n, j], θ_j) of g [n, D] (θ flat [D]), in blocks of rows (or
+        of columns of one row, where a row exceeds a block) whose search index and spread
+        index (8 bytes a pair) fit the budget."""
         D = self.theta_shape.numel()
         if g.shape[1:] != self.theta_shape:
             g = g.reshape(-1, *self.theta_shape)
-        rows = max(1, CHUNK // max(D, 1))
+        block = block_size(self.slots, self.budget, _INDEX_BYTES + 4)
         with torch.no_grad():
-            if D > CHUNK:
+            if block < D:
                 for n in range(g.shape[0]):
-                    for j in range(0, D, CHUNK):
-                        self._add(g[n : n + 1, j : j + CHUNK], (slice(j, j + CHUNK),))
+                    for j in range(0, D, block):
+                        self._add(g[n : n + 1, j : j + block], (slice(j, j + block),))
                 return
+            rows = _parts(g.shape[0], block // max(D, 1))
             for piece in ([g] if rows >= g.shape[0] else g.split(rows)):
                 self._add(piece)
 
     def add_products(self, delta: Tensor, a: Tensor) -> None:
         """Count the pairs (fl(δ[n, i]·a[n, j]), θ[i, j]) (θ of shape [I, J]), the products
-        formed in blocks of at most CHUNK (each block's buffer then holds its spread index)."""
+        formed in blocks whose products buffer (which then holds their spread index) and
+        search index fit the budget."""
+        block = block_size(self.slots, self.budget, delta.element_size() + _INDEX_BYTES)
         with torch.no_grad():
-            for d, s, block in _product_blocks(delta, a):
+            for d, s, part in _sample_blocks(delta, a, block):
                 products = torch.mul(d, s)
-                whole = block[0] == slice(None) and block[1] == slice(None)
-                self._add(products, () if whole else block, out=products)
+                whole = part[0] == slice(None) and part[1] == slice(None)
+                self._add(products, () if whole else part, out=products)
 
     def lane_counts(self) -> LaneCounts:
         """Counts [bins_g, bins_θ] of the finite pairs, their lanes not yet summed."""

@@ -385,15 +385,17 @@ def histogram_dense_counts(chunks: Sequence[Tensor], spec: BinSpec) -> Tensor:
     return summed(histogram_dense_lanes(chunks, spec))
 
 
-def histogram_dense_lanes(chunks: Sequence[Tensor], spec: BinSpec
+def histogram_dense_lanes(chunks: Sequence[Tensor], spec: BinSpec,
+                          budget: int | None = histogram_device.DEFAULT_BUDGET
                           ) -> Tensor | histogram_device.LaneCounts:
     """:func:`histogram_dense_counts`, on accelerators with the lanes not yet summed (see
-    :func:`cockpit.engine.histograms.device.sum_lanes`)."""
+    :func:`cockpit.engine.histograms.device.sum_lanes`) and the scratch of a block within
+    ``budget`` bytes (None: no limit)."""
     if chunks and histogram_device.device_path(chunks[0].device):
         tallies = []
         for chunk in chunks:
             tallies += histogram_device.dense_tallies([chunk.to(_device_dtype(chunk.dtype))],
-                                                      _on_device(chunk, spec)[1])
+                                                      _on_device(chunk, spec)[1], budget)
         return histogram_device.lane_counts_1d(tallies, spec.bins)
     return _sum([histogram_dense(c, spec)[0] for c in chunks])
 
@@ -635,12 +637,14 @@ def histogram_outer_counts(delta: Tensor, a: Tensor, spec: BinSpec) -> Tensor:
     return summed(histogram_outer_lanes(delta, a, spec))
 
 
-def histogram_outer_lanes(delta: Tensor, a: Tensor, spec: BinSpec
+def histogram_outer_lanes(delta: Tensor, a: Tensor, spec: BinSpec,
+                          budget: int | None = histogram_device.DEFAULT_BUDGET
                           ) -> Tensor | histogram_device.LaneCounts:
     """:func:`histogram_outer_counts`, on accelerators with the lanes not yet summed (see
-    :func:`cockpit.engine.histograms.device.sum_lanes`)."""
+    :func:`cockpit.engine.histograms.device.sum_lanes`) and the products formed in blocks
+    whose scratch fits ``budget`` bytes (None: no limit)."""
     if histogram_device.device_path(delta.device):
-        tallies = histogram_device.outer_tallies(*_outer_on_device(delta, a, spec))
+        tallies = histogram_device.outer_tallies(*_outer_on_device(delta, a, spec), budget)
         return histogram_device.lane_counts_1d(tallies, spec.bins)
     return histogram_outer(delta, a, spec)[0]
 
@@ -697,19 +701,22 @@ def _reference_2d(
     return counts, num_nonfinite
 
 
-def pairs_on_device(theta: Tensor, dtype: torch.dtype, spec_g: BinSpec, spec_theta: BinSpec
+def pairs_on_device(theta: Tensor, dtype: torch.dtype, spec_g: BinSpec, spec_theta: BinSpec,
+                    budget: int | None = histogram_device.DEFAULT_BUDGET
                     ) -> histogram_device.Pairs:
-    """The accelerator path's counter of pairs (g, θ) in ``dtype`` (float32/float64)."""
+    """The accelerator path's counter of pairs (g, θ) in ``dtype`` (float32/float64), in
+    blocks whose scratch fits ``budget`` bytes (None: no limit)."""
     device = theta.device
     return histogram_device.Pairs(theta.to(dtype), _search_edges_on(spec_g, dtype, device),
-                                  _search_edges_on(spec_theta, dtype, device))
+                                  _search_edges_on(spec_theta, dtype, device), budget)
 
 
-def _dense_pairs(chunks: Sequence[Tensor], theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec
+def _dense_pairs(chunks: Sequence[Tensor], theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec,
+                 budget: int | None = histogram_device.DEFAULT_BUDGET
                  ) -> histogram_device.Pairs:
     dtype = _device_dtype(theta.dtype, *(c.dtype for c in chunks))
     pairs = pairs_on_device(theta if theta.dim() == 1 else theta.reshape(-1), dtype, spec_g,
-                            spec_theta)
+                            spec_theta, budget)
     for chunk in chunks:
         pairs.add_rows(chunk.to(dtype))
     return pairs
@@ -723,11 +730,14 @@ def histogram2d_dense_counts(chunks: Sequence[Tensor], theta: Tensor, spec_g: Bi
 
 
 def histogram2d_dense_lanes(chunks: Sequence[Tensor], theta: Tensor, spec_g: BinSpec,
-                            spec_theta: BinSpec) -> Tensor | histogram_device.LaneCounts:
+                            spec_theta: BinSpec,
+                            budget: int | None = histogram_device.DEFAULT_BUDGET
+                            ) -> Tensor | histogram_device.LaneCounts:
     """:func:`histogram2d_dense_counts`, on accelerators with the lanes not yet summed (see
-    :func:`cockpit.engine.histograms.device.sum_lanes`)."""
+    :func:`cockpit.engine.histograms.device.sum_lanes`) and the scratch of a block within
+    ``budget`` bytes (None: no limit)."""
     if chunks and histogram_device.device_path(chunks[0].device):
-        return _dense_pairs(chunks, theta, spec_g, spec_theta).lane_counts()
+        return _dense_pairs(chunks, theta, spec_g, spec_theta, budget).lane_counts()
     return _sum([histogram2d_dense(c, theta, spec_g, spec_theta)[0] for c in chunks])
 
 

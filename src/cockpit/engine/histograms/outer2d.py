@@ -130,13 +130,15 @@ def _check_shapes(delta: Tensor, a: Tensor, theta: Tensor) -> None:
 
 
 def _device_pairs(delta: Tensor, a: Tensor, theta: Tensor, spec_g: BinSpec,
-                  spec_theta: BinSpec) -> histogram_device.Pairs:
-    """The pairs counted on the accelerator path (the products in chunks of samples)."""
+                  spec_theta: BinSpec, budget: int | None = histogram_device.DEFAULT_BUDGET
+                  ) -> histogram_device.Pairs:
+    """The pairs counted on the accelerator path (the products in blocks of samples whose
+    scratch fits ``budget`` bytes)."""
     _check_shapes(delta, a, theta)
     dtype = _device_dtype(delta.dtype, a.dtype)
     shape = (delta.shape[1], a.shape[1])
     pairs = pairs_on_device(theta if theta.shape == shape else theta.reshape(shape), dtype,
-                            spec_g, spec_theta)
+                            spec_g, spec_theta, budget)
     pairs.add_products(delta.to(dtype), a.to(dtype))
     return pairs
 
@@ -149,11 +151,14 @@ def histogram2d_outer_counts(delta: Tensor, a: Tensor, theta: Tensor, spec_g: Bi
 
 
 def histogram2d_outer_lanes(delta: Tensor, a: Tensor, theta: Tensor, spec_g: BinSpec,
-                            spec_theta: BinSpec) -> Tensor | histogram_device.LaneCounts:
+                            spec_theta: BinSpec,
+                            budget: int | None = histogram_device.DEFAULT_BUDGET
+                            ) -> Tensor | histogram_device.LaneCounts:
     """:func:`histogram2d_outer_counts`, on accelerators with the lanes not yet summed (see
-    :func:`cockpit.engine.histograms.device.sum_lanes`)."""
+    :func:`cockpit.engine.histograms.device.sum_lanes`) and the products formed in blocks
+    whose scratch fits ``budget`` bytes (None: no limit)."""
     if histogram_device.device_path(delta.device):
-        return _device_pairs(delta, a, theta, spec_g, spec_theta).lane_counts()
+        return _device_pairs(delta, a, theta, spec_g, spec_theta, budget).lane_counts()
     return histogram2d_outer(delta, a, theta, spec_g, spec_theta)[0]
 
 

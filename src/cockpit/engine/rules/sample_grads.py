@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.dtypes import promote
-from cockpit.engine.histograms.device import LaneCounts, device_path
+from cockpit.engine.histograms.device import DEFAULT_BUDGET, LaneCounts, device_path
 from cockpit.engine.histograms.exact import (
     BinSpec,
     histogram2d_dense_counts,
@@ -177,26 +177,28 @@ class SampleGrads(ABC):
     def histogram(self, spec: BinSpec) -> Tensor:
         return histogram_dense_counts(self.chunks(), spec)
 
-    def histogram_lanes(self, spec: BinSpec) -> Tensor | LaneCounts:
+    def histogram_lanes(self, spec: BinSpec, budget: int | None = DEFAULT_BUDGET
+                        ) -> Tensor | LaneCounts:
         """:meth:`histogram`, on accelerators with the lanes not yet summed (the end of the
         backward pass sums those of every parameter at once,
-        :func:`~cockpit.engine.histograms.device.sum_lanes`). A representation with its own
-        :meth:`histogram` and not this gets its counts as they are."""
+        :func:`~cockpit.engine.histograms.device.sum_lanes`) and the scratch of a block within
+        ``budget`` bytes. A representation with its own :meth:`histogram` and not this gets
+        its counts as they are."""
         if type(self).histogram is not SampleGrads.histogram:
             return self.histogram(spec)
-        return histogram_dense_lanes(self.chunks(), spec)
+        return histogram_dense_lanes(self.chunks(), spec, budget)
 
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
         return histogram2d_dense_counts([c if c.dim() == 2 else _rows(c) for c in self.chunks()],
                                         self.to_rows(theta), spec_g, spec_theta)
 
-    def histogram2d_lanes(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec
-                          ) -> Tensor | LaneCounts:
+    def histogram2d_lanes(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec,
+                          budget: int | None = DEFAULT_BUDGET) -> Tensor | LaneCounts:
         """:meth:`histogram2d` as :meth:`histogram_lanes` is :meth:`histogram`."""
         if type(self).histogram2d is not SampleGrads.histogram2d:
             return self.histogram2d(theta, spec_g, spec_theta)
         return histogram2d_dense_lanes([c if c.dim() == 2 else _rows(c) for c in self.chunks()],
-                                       self.to_rows(theta), spec_g, spec_theta)
+                                       self.to_rows(theta), spec_g, spec_theta, budget)
 
 
 def total_of(tensors: Iterable[Tensor]) -> Tensor:
@@ -362,15 +364,16 @@ class OuterSampleGrads(SampleGrads):
     def histogram(self, spec: BinSpec) -> Tensor:
         return histogram_outer_counts(self.delta, self.a, spec)
 
-    def histogram_lanes(self, spec: BinSpec) -> Tensor | LaneCounts:
-        return histogram_outer_lanes(self.delta, self.a, spec)
+    def histogram_lanes(self, spec: BinSpec, budget: int | None = DEFAULT_BUDGET
+                        ) -> Tensor | LaneCounts:
+        return histogram_outer_lanes(self.delta, self.a, spec, budget)
 
     def histogram2d(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec) -> Tensor:
         return histogram2d_outer_counts(self.delta, self.a, theta, spec_g, spec_theta)
 
-    def histogram2d_lanes(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec
-                          ) -> Tensor | LaneCounts:
-        return histogram2d_outer_lanes(self.delta, self.a, theta, spec_g, spec_theta)
+    def histogram2d_lanes(self, theta: Tensor, spec_g: BinSpec, spec_theta: BinSpec,
+                          budget: int | None = DEFAULT_BUDGET) -> Tensor | LaneCounts:
+        return histogram2d_outer_lanes(self.delta, self.a, theta, spec_g, spec_theta, budget)
 
 
 class SequenceOuterSampleGrads(SampleGrads):

@@ -5,8 +5,9 @@ reduction point).
 
 Per parameter [bins]; micro-batches and ranks add (every parameter has a slot: a rank without
 the parameter counts nothing). On accelerators a parameter's counts are formed as lane
-counts (:class:`~cockpit.engine.histograms.device.LaneCounts`) whose lanes are summed for
-every parameter at once when the backward pass ends (:meth:`Hist1d.finish`).
+counts (:class:`~cockpit.engine.histograms.device.LaneCounts`), in blocks whose scratch fits
+the engine's ``memory_budget``, and their lanes are summed for every parameter at once when
+the backward pass ends (:meth:`Hist1d.finish`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Hist1d(Counts):
         if isinstance(spec, AutoRange):
             return magnitude_counts(_within_budget(_one_chunk_at_a_time(sg, layer),
                                                    layer.context.memory_budget))
-        return sg.histogram_lanes(spec)
+        return sg.histogram_lanes(spec, layer.context.memory_budget)
 
     def finish(self, values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
         return sum_lanes(values)

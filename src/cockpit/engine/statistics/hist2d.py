@@ -29,7 +29,8 @@ class Hist2d(Counts):
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor | LaneCounts:
         spec_g, spec_theta = layer.context.hist2d_specs
-        return sg.histogram2d_lanes(layer.param, spec_g, spec_theta)
+        return sg.histogram2d_lanes(layer.param, spec_g, spec_theta,
+                                    layer.context.memory_budget)
 
     def finish(self, values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
         return sum_lanes(values)
