@@ -66,15 +66,16 @@ def batch_statistics(module: nn.modules.batchnorm._BatchNorm, x: Tensor
     return mean.reshape(shape), (var + module.eps).rsqrt().reshape(shape), dims
 
 
-def frozen_batch_norm_rule(module, args, kwargs, output, grad_output
+def frozen_batch_norm_rule(module, args, kwargs, output, grad_output, scale: float = 1.0
                            ) -> dict[str, SampleGrads]:
-    """g_n(γ) = Σ δ_n ⊙ x̂_n and g_n(β) = Σ δ_n with x̂ normalized by the batch statistics."""
+    """g_n(γ) = Σ δ_n ⊙ x̂_n and g_n(β) = Σ δ_n with x̂ normalized by the batch statistics
+    (δ = ``scale`` · ``grad_output``)."""
     from cockpit.engine.rules.norms import _affine_grads
 
     x = (args[0] if args else kwargs["input"]).detach()
     mean, inv_std, _ = batch_statistics(module, x)
     x_hat = (x - mean) * inv_std
-    return _affine_grads(module, x_hat, grad_output, 1, 1)
+    return _affine_grads(module, x_hat, grad_output, 1, 1, scale)
 
 
 class FrozenStatisticsBackward:

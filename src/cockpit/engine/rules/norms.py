@@ -13,6 +13,7 @@ raises :class:`SampleMixingError`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cockpit.engine.rules.registry import register_rule
@@ -24,10 +25,14 @@ class SampleMixingError(ValueError):
 
 
 def _affine_grads(
-    module: nn.Module, x_hat: Tensor, delta: Tensor, param_dims: int, channel_dim: int | None
+    module: nn.Module, x_hat: Tensor, delta: Tensor, param_dims: int, channel_dim: int | None,
+    scale: float = 1.0,
 ) -> dict[str, SampleGrads]:
-    """Sum δ⊙x̂ (weight) and δ (bias) over all dims except batch and the parameter's dims."""
+    """Sum δ⊙x̂ (weight) and δ (bias) over all dims except batch and the parameter's dims,
+    δ = ``scale`` · ``delta`` (the uniform loss weight's 1/w, one multiplication)."""
     n = delta.shape[0]
+    if scale != 1.0:
+        delta = delta * scale
     if channel_dim is None:  # parameter covers the trailing ``param_dims`` dims
         reduce_dims = tuple(range(1, delta.dim() - param_dims))
     else:  # parameter indexed by the channel dim only
@@ -36,53 +41,55 @@ def _affine_grads(
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     if weight is not None and weight.requires_grad:
         g = (delta * x_hat).sum(reduce_dims) if reduce_dims else delta * x_hat
-        grads["weight"] = DenseSampleGrads(g.reshape(n, *weight.shape))
+        grads["weight"] = DenseSampleGrads(g if g.shape[1:] == weight.shape
+                                           else g.reshape(n, *weight.shape))
     if bias is not None and bias.requires_grad:
         g = delta.sum(reduce_dims) if reduce_dims else delta
-        grads["bias"] = DenseSampleGrads(g.reshape(n, *bias.shape))
+        grads["bias"] = DenseSampleGrads(g if g.shape[1:] == bias.shape
+                                         else g.reshape(n, *bias.shape))
     return grads
 
 
+def _input(args: tuple, kwargs: dict) -> Tensor:
+    return (args[0] if args else kwargs["input"]).detach()
+
+
+# x̂ by the functional form of the layer without its affine transform: the kernel the
+# forward pass ran (one op, its rounding), not a chain of reductions and divisions
+
+
 @register_rule(nn.LayerNorm)
-def layer_norm_rule(module, args, kwargs, output, grad_output):
-    x = (args[0] if args else kwargs["input"]).detach()
-    dims = tuple(range(-len(module.normalized_shape), 0))
-    mean = x.mean(dims, keepdim=True)
-    var = x.var(dims, unbiased=False, keepdim=True)
-    x_hat = (x - mean) / torch.sqrt(var + module.eps)
-    return _affine_grads(module, x_hat, grad_output, len(module.normalized_shape), None)
+def layer_norm_rule(module, args, kwargs, output, grad_output, scale: float = 1.0):
+    x_hat = F.layer_norm(_input(args, kwargs), module.normalized_shape, eps=module.eps)
+    return _affine_grads(module, x_hat, grad_output, len(module.normalized_shape), None, scale)
 
 
 @register_rule(nn.RMSNorm)
-def rms_norm_rule(module, args, kwargs, output, grad_output):
-    x = (args[0] if args else kwargs["input"]).detach()
+def rms_norm_rule(module, args, kwargs, output, grad_output, scale: float = 1.0):
+    x = _input(args, kwargs)
     dims = tuple(range(-len(module.normalized_shape), 0))
     eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
     x_hat = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
-    return _affine_grads(module, x_hat, grad_output, len(module.normalized_shape), None)
+    return _affine_grads(module, x_hat, grad_output, len(module.normalized_shape), None, scale)
 
 
 @register_rule(nn.GroupNorm)
-def group_norm_rule(module, args, kwargs, output, grad_output):
-    x = (args[0] if args else kwargs["input"]).detach()
-    n, _c = x.shape[:2]
-    grouped = x.reshape(n, module.num_groups, -1)
-    mean = grouped.mean(2, keepdim=True)
-    var = grouped.var(2, unbiased=False, keepdim=True)
-    x_hat = ((grouped - mean) / torch.sqrt(var + module.eps)).reshape_as(x)
-    return _affine_grads(module, x_hat, grad_output, 1, 1)
+def group_norm_rule(module, args, kwargs, output, grad_output, scale: float = 1.0):
+    x_hat = F.group_norm(_input(args, kwargs), module.num_groups, eps=module.eps)
+    return _affine_grads(module, x_hat, grad_output, 1, 1, scale)
 
 
 @register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-def batch_norm_rule(module, args, kwargs, output, grad_output):
+def batch_norm_rule(module, args, kwargs, output, grad_output, scale: float = 1.0):
     if uses_batch_statistics(module):
         raise SampleMixingError(batch_norm_message(module))
-    x = (args[0] if args else kwargs["input"]).detach()
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    mean = module.running_mean.reshape(shape)
-    var = module.running_var.reshape(shape)
-    x_hat = (x - mean) / torch.sqrt(var + module.eps)
-    return _affine_grads(module, x_hat, grad_output, 1, 1)
+    x_hat = F.batch_norm(_input(args, kwargs), module.running_mean, module.running_var,
+                         training=False, eps=module.eps)
+    return _affine_grads(module, x_hat, grad_output, 1, 1, scale)
+
+
+for _rule in (layer_norm_rule, rms_norm_rule, group_norm_rule, batch_norm_rule):
+    _rule.takes_scale = True  # type: ignore[attr-defined]
 
 
 def uses_batch_statistics(module: nn.modules.batchnorm._BatchNorm) -> bool:
