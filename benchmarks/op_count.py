@@ -1,4 +1,5 @@
-"""The aten ops of one tracked 3C3D step, counted on the CPU, and where in Cockpit they come from.
+"""The aten ops of one tracked step, counted on the CPU, and where in Cockpit they come from
+(3C3D, or with ``--model resnet18_gn`` a CIFAR-size ResNet-18 with GroupNorm).
 
 On a GPU every aten op is a kernel launch (or host work), and a tracked step is bound by the
 host issuing them; the count predicts it without a GPU. The third step of SGD with momentum
@@ -10,6 +11,7 @@ backpropagations), as on a GPU.
 
     python benchmarks/op_count.py                                   # economy, accelerator path
     python benchmarks/op_count.py --config business --path cpu --top 30
+    python benchmarks/op_count.py --model resnet18_gn --batch 32   # 62 parameter tensors
 
 It also counts the Python calls of the tracked step (``sys.setprofile``, without the op
 counter): Cockpit's own functions, other Python code (torch's), builtins.
@@ -31,7 +33,11 @@ from cockpit import Cockpit, configuration
 from cockpit.benchmark.problems.small_nets import cifar10_3c3d
 from cockpit.engine.histograms import device as histogram_device
 
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_overhead import resnet18_groupnorm
+
 PACKAGE = str(Path(cockpit.__file__).parent)
+MODELS = {"3c3d": cifar10_3c3d, "resnet18_gn": resnet18_groupnorm}
 
 
 class CountOps(TorchDispatchMode):
@@ -73,11 +79,11 @@ class CountCalls:
             self.calls["builtins"] += 1
 
 
-def count(config: str | None, batch: int, counter=None):
+def count(config: str | None, batch: int, counter=None, model_name: str = "3c3d"):
     """The third step's ops (``config`` None: without Cockpit); ``counter``: another
     context that watches the step (:class:`CountCalls`)."""
     torch.manual_seed(0)
-    model = cifar10_3c3d()
+    model = MODELS[model_name]()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     watcher = Cockpit(model, configuration(config), optimizer=opt) if config else None
     data = [(torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))) for _ in range(3)]
@@ -109,17 +115,18 @@ def main() -> None:
     parser.add_argument("--config", default="economy", choices=["economy", "business", "full"])
     parser.add_argument("--path", default="accelerator", choices=["accelerator", "cpu"])
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--model", default="3c3d", choices=list(MODELS))
     parser.add_argument("--top", type=int, default=20, help="functions listed")
     args = parser.parse_args()
     torch.set_num_threads(1)
     histogram_device._forced = args.path == "accelerator"
-    plain = sum(count(None, args.batch).ops.values())
-    tracked = count(args.config, args.batch)
+    plain = sum(count(None, args.batch, model_name=args.model).ops.values())
+    tracked = count(args.config, args.batch, model_name=args.model)
     total = sum(tracked.ops.values())
-    print(f"{args.config}, {args.path} path, |B| = {args.batch}: {total} aten ops in a tracked "
-          f"step, {plain} without Cockpit ({total / plain:.1f}×)")
+    print(f"{args.model} {args.config}, {args.path} path, |B| = {args.batch}: {total} aten ops "
+          f"in a tracked step, {plain} without Cockpit ({total / plain:.2f}×)")
     print("ops:", ", ".join(f"{k} {v}" for k, v in tracked.ops.most_common(12)))
-    calls = count(args.config, args.batch, CountCalls()).calls
+    calls = count(args.config, args.batch, CountCalls(), args.model).calls
     print(f"Python calls in the tracked step: {sum(calls.values())} ("
           + ", ".join(f"{k} {v}" for k, v in calls.most_common()) + ")")
     for where, n in tracked.where.most_common(args.top):

@@ -124,22 +124,14 @@ def test_a_tracked_step_waits_for_the_device_at_most_a_few_times(config, monkeyp
 
 
 def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
-    """Economy on 3C3D against the same step without Cockpit: 4.6× at |B| = 32 (21× before
-    the step stopped reading the device per number, 13× before the per-parameter small ops
-    of Alpha and the workspace were merged, 9.9× before the histograms, Distance,
-    GradientMismatch and Alpha's fit took fewer ops per parameter, 7.6× before the
-    histograms counted a chunk in three ops — one search whose edges give the non-finite
-    values slots of their own, the lane offsets added, histc — and a parameter's lanes and
-    chunks in one strided sum, and before Alpha's fit stopped reading the device and the
-    hooks and SampleGrads stopped detaching, viewing and concatenating single tensors;
-    4.1× once Alpha's fit formed every tensor's fit at once, 3.7× once the histograms'
-    lanes and the batch gradients' copies were formed once per backward pass for all
-    parameters; the goal is 3×). A regression bound."""
+    """Economy on 3C3D against the same step without Cockpit, both on the accelerator path:
+    3.3× at |B| = 32 (21× when the step still read the device per number; the history of the
+    ops removed is in git). The goal is 3×: a regression bound a little above today's."""
     monkeypatch.setattr(histogram_device, "_forced", True)
     tracked, _, _ = count_step(monkeypatch, "economy")
     untracked, _, _ = count_step(monkeypatch, None)
     ratio = sum(tracked.values()) / sum(untracked.values())
-    assert ratio <= 4.0, (ratio, tracked.most_common(8))
+    assert ratio <= 3.5, (ratio, tracked.most_common(8))
 
 
 @pytest.mark.parametrize("config,bound", [("business", 7.5), ("full", 40.0)])
