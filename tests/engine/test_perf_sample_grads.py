@@ -261,3 +261,28 @@ def test_conv_projections_cast_directions_to_the_gradients_dtype(method, monkeyp
     got = sg.dots_many(us)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, torch.stack([g @ u.float().reshape(-1) for u in us]))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+@pytest.mark.parametrize("seq", [False, True])
+def test_transformers_conv1d_rule_matches_torch_func(seq, scale):
+    """GPT-2's ``Conv1D`` (y = x W + b, W [in, out]) takes the Linear rule's factors in
+    swapped roles, found by the class's name, not the vmap fallback."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    from cockpit.engine.rules.linear import transposed_linear_rule
+    from cockpit.engine.rules.registry import find_rule
+
+    torch.manual_seed(5)
+    module = Conv1D(5, 7).double()
+    assert find_rule(module) is transposed_linear_rule
+    x = torch.randn(6, 3, 7, dtype=torch.float64) if seq else torch.randn(6, 7).double()
+    out = module(x)
+    delta = torch.randn_like(out)
+    reference = individual_grads(module, x, delta * scale)
+    grads = transposed_linear_rule(module, (x,), {}, out, delta, scale=scale)
+    kind = SequenceOuterSampleGrads if seq else OuterSampleGrads
+    assert isinstance(grads["weight"], kind) and grads["weight"].shape == (7, 5)
+    check_all(grads["weight"], reference["weight"], "weight")
+    check_all(grads["bias"], reference["bias"], "bias")

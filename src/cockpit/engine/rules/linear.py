@@ -2,13 +2,15 @@
 
 Inputs may carry any number of dimensions between the batch and the feature dimension
 (sequences, image rows, …); they are summed over, as the weight is shared across them.
+The transposed layout y = x W + b with W ∈ R^{in×out} (``transformers``' ``Conv1D`` of GPT-2)
+has g_n(W) = Σ_t a_{n,t} δ_{n,t}ᵀ: the same factors in swapped roles.
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-from cockpit.engine.rules.registry import register_rule
+from cockpit.engine.rules.registry import register_rule, register_rule_for_class_named
 from cockpit.engine.rules.sample_grads import (
     DenseSampleGrads,
     OuterSampleGrads,
@@ -25,11 +27,26 @@ def linear_rule(
 ) -> dict[str, SampleGrads]:
     """``scale``: the factor δ = scale · ``grad_output`` (1/w of a uniform loss weight w:
     one multiplication instead of the division of the output gradient by w_n per sample)."""
-    a = args[0] if args else kwargs["input"]
+    return _affine_grads(module, args, kwargs, grad_output, scale, transposed=False)
+
+
+@register_rule_for_class_named("transformers.pytorch_utils.Conv1D")
+def transposed_linear_rule(
+    module: nn.Module, args: tuple, kwargs: dict, output: Tensor, grad_output: Tensor,
+    scale: float = 1.0,
+) -> dict[str, SampleGrads]:
+    """y = x W + b with W [in, out] (GPT-2's ``Conv1D``); ``scale`` as for Linear."""
+    return _affine_grads(module, args, kwargs, grad_output, scale, transposed=True)
+
+
+def _affine_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Tensor,
+                  scale: float, transposed: bool) -> dict[str, SampleGrads]:
+    a = args[0] if args else kwargs["x" if transposed else "input"]
     if scale != 1.0:
         grad_output = grad_output * scale
     n = a.shape[0]
     grads: dict[str, SampleGrads] = {}
+    weight, bias = module.weight, getattr(module, "bias", None)
     if a.dim() == 1:
         raise ValueError(
             f"{type(module).__name__} received an input without batch dimension "
@@ -37,18 +54,21 @@ def linear_rule(
         )
     if a.dim() == 2:
         delta, delta_norms = grad_output, RowNorms(grad_output)  # ‖δ_n‖: weight and bias
-        if module.weight.requires_grad:
-            grads["weight"] = OuterSampleGrads(delta, a.detach(), delta_norms)
-        if module.bias is not None and module.bias.requires_grad:
-            grads["bias"] = DenseSampleGrads(delta, delta_norms)
+        if weight.requires_grad:
+            grads["weight"] = (OuterSampleGrads(a.detach(), delta) if transposed
+                               else OuterSampleGrads(delta, a.detach(), delta_norms))
+        if bias is not None and bias.requires_grad:
+            grads["bias"] = DenseSampleGrads(delta, None if transposed else delta_norms)
         return grads
     a_seq = a.detach().reshape(n, -1, a.shape[-1])
     delta_seq = grad_output.reshape(n, -1, grad_output.shape[-1])
-    if module.weight.requires_grad:
-        grads["weight"] = SequenceOuterSampleGrads(delta_seq, a_seq)
-    if module.bias is not None and module.bias.requires_grad:
+    if weight.requires_grad:
+        grads["weight"] = (SequenceOuterSampleGrads(a_seq, delta_seq) if transposed
+                           else SequenceOuterSampleGrads(delta_seq, a_seq))
+    if bias is not None and bias.requires_grad:
         grads["bias"] = DenseSampleGrads(delta_seq.sum(1))
     return grads
 
 
 linear_rule.takes_scale = True  # type: ignore[attr-defined]
+transposed_linear_rule.takes_scale = True  # type: ignore[attr-defined]

@@ -38,9 +38,31 @@ def register_rule(*module_types: type) -> Callable[[Rule], Rule]:
     return decorate
 
 
+# Rules for classes of other packages, by the class's qualified name (``module.QualName``):
+# registered without importing the package, found when a model uses the class.
+_NAMED_RULES: dict[str, Rule] = {}
+
+
+def register_rule_for_class_named(*qualified_names: str) -> Callable[[Rule], Rule]:
+    """Decorator that registers ``rule`` for the classes ``qualified_names`` (e.g.
+    ``"transformers.pytorch_utils.Conv1D"``) without importing their package."""
+
+    def decorate(rule: Rule) -> Rule:
+        for name in qualified_names:
+            _NAMED_RULES[name] = rule
+        return rule
+
+    return decorate
+
+
 def find_rule(module: nn.Module) -> Rule | None:
-    """The registered rule for ``module``'s type (nearest in its MRO), or None."""
+    """The registered rule for ``module``'s type (nearest in its MRO, a rule registered for
+    the type itself before one registered by its name), or None."""
     for cls in type(module).__mro__:
         if cls in _RULES:
             return _RULES[cls]
+        if _NAMED_RULES:
+            named = _NAMED_RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+            if named is not None:
+                return named
     return None
