@@ -497,3 +497,15 @@ def test_param_group_lookup_follows_changes_of_the_groups():
     optimizer.param_groups[1]["params"][0] = c  # same shape of the groups, entry replaced
     assert _find_group(optimizer, c) is optimizer.param_groups[1]
     assert _find_group(optimizer, b) is None
+
+
+@pytest.mark.parametrize("value", [0.0, 41.0, 2.0**24 - 1, 2.0**24, 2.0**25 + 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_next_step_counts_as_the_optimizer_does(value, dtype):
+    """``step_t += 1; step_t.item()`` in the state's dtype: from the host where that is exact,
+    the float32 rounding of 2^24 + 1 to 2^24 kept."""
+    from cockpit.engine.update_prediction import _next_step
+
+    step = torch.tensor(value, dtype=dtype)
+    assert _next_step({"step": step}) == (step + 1).item()
+    assert _next_step({"step": int(value)}) == value + 1

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
 
+from cockpit.engine.dtypes import promote
 from cockpit.engine.update_fit import to_host
 
 SUPPORTED_CLASSES: tuple[type[Optimizer], ...] = (SGD, Adam, RMSprop, Adagrad)
@@ -206,9 +207,15 @@ def _scalar(value: float | Tensor) -> float:
 
 
 def _next_step(state: dict) -> float:
-    """``step_t += 1; step = step_t.item()`` in the state's own dtype."""
+    """``step_t += 1; step = step_t.item()`` in the state's own dtype (on the host where that
+    dtype holds step + 1 exactly: below 2^24 for float32)."""
     step = state.get("step", 0.0)
-    return (step + 1).item() if isinstance(step, Tensor) else float(step) + 1.0
+    if not isinstance(step, Tensor):
+        return float(step) + 1.0
+    value = step.item()
+    if not step.is_floating_point() or value + 1.0 <= 2.0 / torch.finfo(step.dtype).eps:
+        return float(value) + 1.0
+    return (step + 1).item()
 
 
 def predict_update(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tensor | None:
@@ -222,9 +229,8 @@ def predict_update(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tensor 
     group = _find_group(optimizer, param)
     state = optimizer.state.get(param) or {}  # .get: do not create an entry
     base = supported_base(optimizer)
-    with torch.no_grad():
-        param = param.detach()
-        grad = grad.detach().to(param.dtype)
+    with torch.no_grad():  # (no detach needed: nothing here joins a graph)
+        grad = grad.to(param.dtype)
         if base is SGD:
             new_param = _sgd_step(param, grad, group, state)
         elif base is Adam:
@@ -375,16 +381,21 @@ class UpdateMatch:
         if not predicted:
             self.checks = torch.zeros(2, dtype=torch.float64)
             return
-        pp = [torch.dot(p.reshape(-1), p.reshape(-1)) for p in predicted]
-        pa = [torch.dot(p.reshape(-1), a.reshape(-1).to(p.dtype))
-              for p, a in zip(predicted, actual, strict=True)]
-        sums = torch.stack([torch.stack(pp).double().sum(), torch.stack(pa).double().sum()])
+        flat = [p if p.dim() == 1 else p.reshape(-1) for p in predicted]
+        pp = torch.stack(torch._foreach_norm(flat, dtype=torch.float64)).square().sum()
+        pa = torch.stack([torch.dot(p, (a if a.dim() == 1 else a.reshape(-1)).to(p.dtype))
+                          for p, a in zip(flat, actual, strict=True)]).double().sum()
+        sums = torch.stack([pp.to(pa.device), pa])
         kappa = sums[1] / sums[0]
+        kappas: dict[torch.dtype, Tensor] = {}
         residuals = []
         for p, a in zip(predicted, actual, strict=True):
             # κ at least in float32 (rounded to bfloat16 it would miss by 0.4 %)
-            dtype = torch.promote_types(a.dtype, torch.float32)
-            residuals.append(a.to(dtype) - p.to(dtype) * kappa.to(dtype))
+            dtype = promote(a.dtype, torch.float32)
+            k = kappas.get(dtype)
+            if k is None:
+                k = kappas[dtype] = kappa.to(dtype)
+            residuals.append(torch.addcmul(a.to(dtype), p.to(dtype), k, value=-1))
         norms = torch.stack(torch._foreach_norm(residuals)).double()
         self.checks = torch.cat([sums, norms.to(sums.device)])
 

@@ -388,7 +388,11 @@ class Alpha(Quantity):
                         "or hyperparameters changed between backward and step, or gradients "
                         "were modified, e.g. clipped, for an optimizer where that is not a "
                         "rescaling)")
-                return kappa * sum(state.projections[k][0].double() for k in names), None
+                if not names:
+                    return kappa * 0, None
+                rows = torch.cat([p if len(p) == 1 else p[:1]  # [P, N]: the update's rows
+                                  for p in (state.projections[k] for k in names)])
+                return kappa * rows.sum(0, dtype=torch.float64), None
 
             return (match.checks,), decide_kappa
         if not all(k in state.basis for k in names):
