@@ -1,10 +1,11 @@
 """The aten ops of one tracked step, counted on the CPU, and where in Cockpit they come from
-(3C3D, or with ``--model resnet18_gn`` a CIFAR-size ResNet-18 with GroupNorm).
+(3C3D; ``--model resnet18_gn``: a CIFAR-size ResNet-18 with GroupNorm; ``--model gpt2``: a
+small ``transformers`` GPT-2 trained by AdamW, T = 32).
 
 On a GPU every aten op is a kernel launch (or host work), and a tracked step is bound by the
 host issuing them; the count predicts it without a GPU. The third step of SGD with momentum
 (|B| = 128 by default) runs under a ``TorchDispatchMode``: the ops of the tracked step, of the
-same step without Cockpit, and each Cockpit function's share (the innermost frame in the
+same step without Cockpit (SGD with momentum; AdamW for GPT-2), and each Cockpit function's share (the innermost frame in the
 package that issued the op; "the user's loop" is the model, the loss and the optimizer).
 ``--path accelerator`` forces the accelerator paths on the CPU (histograms, batched curvature
 backpropagations), as on a GPU.
@@ -12,6 +13,7 @@ backpropagations), as on a GPU.
     python benchmarks/op_count.py                                   # economy, accelerator path
     python benchmarks/op_count.py --config business --path cpu --top 30
     python benchmarks/op_count.py --model resnet18_gn --batch 32   # 62 parameter tensors
+    python benchmarks/op_count.py --model gpt2 --batch 4           # transformers, AdamW
 
 It also counts the Python calls of the tracked step (``sys.setprofile``, without the op
 counter): Cockpit's own functions, other Python code (torch's), builtins.
@@ -23,9 +25,13 @@ import argparse
 import collections
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cockpit
@@ -37,7 +43,49 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_overhead import resnet18_groupnorm
 
 PACKAGE = str(Path(cockpit.__file__).parent)
-MODELS = {"3c3d": cifar10_3c3d, "resnet18_gn": resnet18_groupnorm}
+
+
+class Problem(NamedTuple):
+    """A model, its optimizer and |B| samples of its data with per-sample losses."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: list
+    losses: Callable[[nn.Module, tuple], Tensor]
+
+
+def _image_problem(make: Callable[[], nn.Module], batch: int) -> Problem:
+    model = make()
+    return Problem(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+                   [(torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,)))
+                    for _ in range(3)],
+                   lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"))
+
+
+def _gpt2_problem(batch: int, vocab: int = 1000, length: int = 32) -> Problem:
+    """A small ``transformers`` GPT-2 (2 blocks, width 64) trained by AdamW: ℓ_n the mean
+    next-token loss of sequence n."""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=vocab,
+                                     n_positions=length, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel._from_config(config)
+
+    def losses(m: nn.Module, tokens: Tensor) -> Tensor:
+        logits = m(tokens).logits[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1),
+                               reduction="none").view(len(tokens), -1).mean(1)
+
+    return Problem(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                   [torch.randint(0, vocab, (batch, length)) for _ in range(3)], losses)
+
+
+MODELS: dict[str, Callable[[int], Problem]] = {
+    "3c3d": lambda batch: _image_problem(cifar10_3c3d, batch),
+    "resnet18_gn": lambda batch: _image_problem(resnet18_groupnorm, batch),
+    "gpt2": _gpt2_problem,
+}
 
 
 class CountOps(TorchDispatchMode):
@@ -83,15 +131,12 @@ def count(config: str | None, batch: int, counter=None, model_name: str = "3c3d"
     """The third step's ops (``config`` None: without Cockpit); ``counter``: another
     context that watches the step (:class:`CountCalls`)."""
     torch.manual_seed(0)
-    model = MODELS[model_name]()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    model, opt, data, per_sample = MODELS[model_name](batch)
     watcher = Cockpit(model, configuration(config), optimizer=opt) if config else None
-    data = [(torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))) for _ in range(3)]
 
     def step(i: int) -> None:
-        x, y = data[i]
         opt.zero_grad()
-        losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        losses = per_sample(model, data[i])
         if watcher is None:
             losses.mean().backward()
         else:
