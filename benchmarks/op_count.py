@@ -3,10 +3,11 @@
 small ``transformers`` GPT-2 trained by AdamW, T = 32).
 
 On a GPU every aten op is a kernel launch (or host work), and a tracked step is bound by the
-host issuing them; the count predicts it without a GPU. The third step of SGD with momentum
-(|B| = 128 by default) runs under a ``TorchDispatchMode``: the ops of the tracked step, of the
-same step without Cockpit (SGD with momentum; AdamW for GPT-2), and each Cockpit function's share (the innermost frame in the
-package that issued the op; "the user's loop" is the model, the loss and the optimizer).
+host issuing them; the count predicts it without a GPU. The third step (SGD with momentum;
+AdamW for GPT-2; |B| = 128 by default) runs under a ``TorchDispatchMode``: the ops of the
+tracked step, of the same step without Cockpit, and each Cockpit function's share (the
+innermost frame in the package that issued the op; "the user's loop" is the model, the loss
+and the optimizer).
 ``--path accelerator`` forces the accelerator paths on the CPU (histograms, batched curvature
 backpropagations), as on a GPU.
 
