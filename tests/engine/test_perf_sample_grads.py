@@ -286,3 +286,36 @@ def test_transformers_conv1d_rule_matches_torch_func(seq, scale):
     assert isinstance(grads["weight"], kind) and grads["weight"].shape == (7, 5)
     check_all(grads["weight"], reference["weight"], "weight")
     check_all(grads["bias"], reference["bias"], "bias")
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_rule_matches_torch_func_without_reading_the_device(padding_idx):
+    """Repeated tokens within a sample share one row (summed), padding contributes nothing,
+    and forming the representation issues no op whose output size depends on the data (a
+    wait on a GPU: ``unique``, ``nonzero``, reads of a value)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cockpit.engine.rules.embedding import embedding_rule
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(6)
+    module = nn.Embedding(7, 3, padding_idx=padding_idx).double()
+    tokens = torch.tensor([[1, 1, 2, 6], [0, 3, 3, 3], [2, 2, 2, 2], [6, 5, 1, 0]])
+    out = module(tokens)
+    delta = torch.randn_like(out)
+    reference = individual_grads(module, tokens, delta)["weight"]
+    with Ops() as ops:
+        sg = embedding_rule(module, (tokens,), {}, out, delta)["weight"]
+    assert not ops.names & {"unique", "_unique2", "unique_consecutive", "nonzero",
+                            "_local_scalar_dense", "masked_select"}, ops.names
+    check_all(sg, reference, "embedding")
+    for start, stop in ((0, 1), (1, 3), (3, 4)):
+        torch.testing.assert_close(sg.select(start, stop).materialize(), reference[start:stop])

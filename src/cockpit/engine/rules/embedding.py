@@ -1,11 +1,12 @@
 """Embeddings: g_n(W) = Σ_t e_{i_{n,t}} δ_{n,t}ᵀ, a sparse matrix with one row per distinct
 token of sample n.
 
-Rows of repeated tokens within a sample are summed first (``index_add`` over the distinct
-(sample, token) pairs), so every statistic is exact and no N×V×E tensor is ever built:
-‖g_n‖² sums the squared rows of sample n, g_nᵀU sums ⟨row, U[token]⟩, Σ_n g_n⊙g_n adds the
-squared rows into their tokens, and the histogram counts the rows' elements plus the
-N·V·E − P·E exact zeros (P distinct pairs).
+Rows of repeated tokens within a sample are summed first (``index_add`` into one slot per
+distinct (sample, token) pair, found by sorting the keys: no read of the device), so every
+statistic is exact and no N×V×E tensor is ever built: ‖g_n‖² sums the squared rows of sample
+n, g_nᵀU sums ⟨row, U[token]⟩, Σ_n g_n⊙g_n adds the squared rows into their tokens, and the
+histogram counts the slots' elements plus the N·V·E − P·E exact zeros (P = N·T slots, the
+unused ones zero rows).
 """
 
 from __future__ import annotations
@@ -21,22 +22,33 @@ from cockpit.engine.rules.sample_grads import SampleGrads
 
 
 class EmbeddingSampleGrads(SampleGrads):
+    """The rows of g_n, one slot per (sample, position): slot k holds the sum of δ over the
+    positions of sample ``pair_sample[k]`` that look up token ``pair_token[k]``, in the
+    sorted order of the keys n·V + token. A pair seen several times fills one slot, the
+    others stay zero rows (assigned to the last sample's last token, which keeps the slots
+    sorted): the slots are as many as the positions, known without reading the device (the
+    distinct pairs' number would be a wait on a GPU), and zero rows add nothing to a sum."""
+
     selectable = True
 
     def __init__(self, indices: Tensor, delta: Tensor, num_embeddings: int, padding_idx):
         n = indices.shape[0]
         idx = indices.reshape(n, -1)
-        rows = delta.reshape(n, idx.shape[1], -1)
+        positions = idx.shape[1]
+        rows = delta.reshape(n * positions, -1)
         if padding_idx is not None:
-            keep = idx != padding_idx
-            rows = rows * keep.unsqueeze(-1)
-        sample = torch.arange(n, device=idx.device).unsqueeze(1).expand_as(idx)
-        keys = sample.reshape(-1) * num_embeddings + idx.reshape(-1)
-        unique_keys, inverse = torch.unique(keys, return_inverse=True)
-        self.rows = rows.new_zeros(unique_keys.numel(), rows.shape[-1])
-        self.rows.index_add_(0, inverse, rows.reshape(-1, rows.shape[-1]))
-        self.pair_sample = unique_keys // num_embeddings
-        self.pair_token = unique_keys % num_embeddings
+            rows = rows * (idx != padding_idx).reshape(-1, 1)
+        sample = torch.arange(0, n * num_embeddings, num_embeddings, device=idx.device)
+        keys, order = torch.sort((idx + sample.unsqueeze(1)).reshape(-1))
+        # slot of each sorted key: the number of distinct keys before it
+        first = torch.ones_like(keys, dtype=torch.int64)
+        torch.ne(keys[1:], keys[:-1], out=first[1:])
+        slot = first.cumsum_(0).sub_(1)
+        self.rows = rows.new_zeros(rows.shape).index_add_(0, slot, rows[order])
+        last = n * num_embeddings - 1
+        slot_keys = torch.full_like(keys, last).scatter_(0, slot, keys)
+        self.pair_sample = slot_keys // num_embeddings
+        self.pair_token = slot_keys % num_embeddings
         self.num_samples = n
         self.shape = torch.Size((num_embeddings, rows.shape[-1]))
 
@@ -58,8 +70,8 @@ class EmbeddingSampleGrads(SampleGrads):
 
     def materialize(self) -> Tensor:
         dense = self.rows.new_zeros(self.num_samples, *self.shape)
-        dense[self.pair_sample, self.pair_token] = self.rows
-        return dense
+        # (accumulate: the zero rows of unused slots share one index)
+        return dense.index_put_((self.pair_sample, self.pair_token), self.rows, accumulate=True)
 
     def sq_norms(self) -> Tensor:
         out = self.rows.new_zeros(self.num_samples)
