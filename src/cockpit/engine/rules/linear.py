@@ -27,7 +27,7 @@ def linear_rule(
 ) -> dict[str, SampleGrads]:
     """``scale``: the factor δ = scale · ``grad_output`` (1/w of a uniform loss weight w:
     one multiplication instead of the division of the output gradient by w_n per sample)."""
-    return _affine_grads(module, args, kwargs, grad_output, scale, transposed=False)
+    return _linear_grads(module, args, kwargs, grad_output, scale, transposed=False)
 
 
 @register_rule_for_class_named("transformers.pytorch_utils.Conv1D")
@@ -36,11 +36,13 @@ def transposed_linear_rule(
     scale: float = 1.0,
 ) -> dict[str, SampleGrads]:
     """y = x W + b with W [in, out] (GPT-2's ``Conv1D``); ``scale`` as for Linear."""
-    return _affine_grads(module, args, kwargs, grad_output, scale, transposed=True)
+    return _linear_grads(module, args, kwargs, grad_output, scale, transposed=True)
 
 
-def _affine_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Tensor,
+def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Tensor,
                   scale: float, transposed: bool) -> dict[str, SampleGrads]:
+    """The weight's factors δ, a (a, δ where ``transposed``: W [in, out]) and the bias's δ,
+    each summed over the dimensions between batch and features."""
     a = args[0] if args else kwargs["x" if transposed else "input"]
     if scale != 1.0:
         grad_output = grad_output * scale
