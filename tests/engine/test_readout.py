@@ -101,3 +101,21 @@ def test_values_notes_and_failures_arrive_at_the_next_step(fail):
         assert notes[1]["_Noted"] == "a note"
     assert output[1]["Loss"] == pytest.approx(float(losses.mean()))
     cockpit.close()
+
+
+def test_scalars_travel_stacked_and_arrive_in_their_places():
+    """0-dim tensors of a record are stacked into one part (one op, not a view each), placed
+    after the others; each value arrives where its Later expects it, exactly (int64 beside
+    float32 does not pass through float32)."""
+    from cockpit.engine.readout import Later, Readout
+
+    readout = Readout()
+    big = 2**40 + 1
+    tensors = [torch.tensor(1.5), torch.arange(3.0), torch.tensor(big),
+               torch.ones(2, 2, dtype=torch.float64), torch.tensor(0.25, dtype=torch.float32)]
+    readout.later(Later(lambda a, b: {"a": float(a), "b": b.tolist()}, *tensors[:2]))
+    readout.later(Later(lambda c, d, e: {"c": int(c), "d": d.tolist(), "e": float(e)},
+                        *tensors[2:]))
+    first, second = readout.receive()
+    assert first == {"a": 1.5, "b": [0.0, 1.0, 2.0]}
+    assert second == {"c": big, "d": [[1.0, 1.0], [1.0, 1.0]], "e": 0.25}

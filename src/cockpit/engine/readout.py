@@ -72,7 +72,7 @@ class Readout:
     """
 
     def __init__(self) -> None:
-        self._parts: list[tuple[Tensor, list[torch.Size]]] = []
+        self._parts: list[tuple[Tensor, list[tuple[int, torch.Size]]]] = []  # (offset, shape)
         self._pending: list[Later] = []
         self._tasks: list[tuple[Later, int]] = []  # (later, index of its first tensor)
         self._count = 0  # tensors sent so far
@@ -101,8 +101,25 @@ class Readout:
         groups = [[t] for t in tensors] if len(by_device) > 1 else list(by_device.values())
         for group in groups:
             device = group[0].device
-            # exact in float64; a 1-d tensor needs no view (each is host work on a GPU)
-            parts = [t if t.dim() == 1 else t.reshape(-1) for t in group]
+            # exact in float64; a 1-d tensor needs no view (each is host work on a GPU), the
+            # 0-dim ones are stacked into one part after the others
+            parts = [t if t.dim() == 1 else t.reshape(-1) for t in group if t.dim() != 0]
+            scalars = [t for t in group if t.dim() == 0]
+            if len(scalars) == 1:
+                parts.append(scalars[0].reshape(1))
+            elif len({t.dtype for t in scalars}) == 1:
+                parts.append(torch.stack(scalars))
+            elif scalars:  # (stacked as they are, int64 and float32 would meet in float32)
+                parts.append(torch.stack(scalars, out=torch.empty(
+                    len(scalars), dtype=torch.float64, device=device)))
+            layout, offset, tail = [], 0, sum(t.numel() for t in group if t.dim() != 0)
+            for t in group:
+                if t.dim() == 0:
+                    layout.append((tail, t.shape))
+                    tail += 1
+                else:
+                    layout.append((offset, t.shape))
+                    offset += t.numel()
             if any(t.dtype == torch.float64 for t in group):
                 flat = torch.cat(parts)  # promotes every dtype to float64 itself
             else:  # (float32 and int64 would promote to float32)
@@ -117,7 +134,7 @@ class Readout:
                 self._events[device] = event
             else:
                 host = flat.to("cpu")
-            self._parts.append((host, [t.shape for t in group]))
+            self._parts.append((host, layout))
 
     def receive(self) -> list[Any]:
         """Wait for the copies and evaluate every registered function, in order."""
@@ -125,13 +142,10 @@ class Readout:
         for event in self._events.values():
             event.synchronize()  # the copies ran in stream order: the last one is enough
         arrays: list[np.ndarray] = []
-        for host, shapes in self._parts:
+        for host, layout in self._parts:
             values = host.numpy()
-            offset = 0
-            for shape in shapes:
-                size = shape.numel()
-                arrays.append(values[offset : offset + size].reshape(shape))
-                offset += size
+            for offset, shape in layout:
+                arrays.append(values[offset : offset + shape.numel()].reshape(shape))
         results: list[Any] = []
         for later, first in self._tasks:
             try:
