@@ -72,7 +72,8 @@ def compute_test(
         G_k = [float(G_norms[i]) ** 2 for i in rows]
         S_k = [float(v) ** 2 for v in host[0]] if NORMS in needs else [math.nan] * len(names)
         if GRAM_MEAN in needs:
-            D2_k, D2 = list(map(float, host[-2])), float(np.dot(host[-1], host[-1]))
+            D2_k = [float(v) ** 2 for v in host[-2]]
+            D2 = float(np.dot(host[-1], host[-1]))
         else:
             D2_k, D2 = [math.nan] * len(names), math.nan
 
@@ -120,10 +121,12 @@ def sample_norms(data: StepData, names: list[str]) -> Tensor:
 
 
 def _d2(gram_mean: dict[str, Tensor], names: list[str]) -> tuple[Tensor, Tensor]:
-    """D2_k = Σ_n d_{n,k}² per parameter and the whole network's d_n = Σ_k d_{n,k}, float64
-    (its D2 = Σ_n d_n² is summed on the host: |B| numbers)."""
-    d = torch.stack([gram_mean[k] for k in names]).double()
-    return d.square().sum(1), d.sum(0)
+    """√D2_k = (Σ_n d_{n,k}²)^½ per parameter (squared on the host) and the whole network's
+    d_n = Σ_k d_{n,k}, accumulated in float64 (its D2 = Σ_n d_n² is summed on the host:
+    |B| numbers)."""
+    d = torch.stack([gram_mean[k] for k in names])
+    return (torch.linalg.vector_norm(d, dim=1, dtype=torch.float64),
+            d.sum(0, dtype=torch.float64))
 
 
 def sqrt_nonneg(x: float) -> float:
