@@ -14,6 +14,7 @@ What each stage needs (AdamW, tracked every step):
 from __future__ import annotations
 
 import gc
+import itertools
 import types
 
 import pytest
@@ -31,7 +32,7 @@ _WIDTHS = (37, 53, 41, 7)
 def _model() -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for a, b in zip(_WIDTHS[:-1], _WIDTHS[1:], strict=True):
+    for a, b in itertools.pairwise(_WIDTHS):
         layers += [nn.Linear(a, b), nn.Tanh()]
     return nn.Sequential(*layers[:-1])
 
