@@ -187,7 +187,6 @@ def walk(nodes):
 walk(prof.profiler.kineto_results.experimental_event_tree())
 events.sort(key=lambda e: e[0])
 base = sum(live_before.values())
-before_by_ptr = {k[0]: (k[1], path) for k, path in before.items()}
 current, peak, peak_index = base, base, -1
 for index, (_, ptr, size, _) in enumerate(events):
     current += size
@@ -209,14 +208,6 @@ for (ptr, nbytes), path in before.items():
 for size, node in live.values():
     kinds["step: " + cockpit_frame(node)] += size
 at = cockpit_frame(events[peak_index][3]) if peak_index >= 0 else "?"
-import os
-if os.environ.get("MEMORY_HELD_DEBUG"):
-    for size, node in sorted(live.values(), key=lambda x: -x[0])[:12]:
-        chain = []
-        while node is not None:
-            chain.append(node.name[:70])
-            node = node.parent
-        print(size / 2**20, " <- ".join(chain[:14]), file=sys.stderr)
 params = sum(p.numel() * p.element_size() for p in model.parameters())
 print(json.dumps({"peak_mib": peak / 2**20, "base_mib": base / 2**20,
                   "params_mib": params / 2**20, "peak_at": at,
