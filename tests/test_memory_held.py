@@ -175,3 +175,33 @@ def test_adam_prediction_holds_three_temporaries(decoupled):
     param.grad = grad
     opt.step()
     assert torch.equal(predicted, param.detach() - before)
+
+
+@pytest.mark.parametrize("scale", [8.0, 1 / 0.01])
+def test_linear_rule_scales_the_smaller_factor(scale):
+    """An output layer over a sequence (|B| × T × 50 outputs from 6 features): the factor
+    1/w of the loss weight goes into the input, not into δ, so no copy of δ is made (GPT-2's
+    output layer: 412 MB at the start of the backward pass). The individual
+    gradients are those of the scaled δ: bit for bit for a power of two, else to rounding."""
+    from cockpit.engine.rules.linear import linear_rule
+    from cockpit.engine.rules.sample_grads import SequenceOuterSampleGrads
+
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 50)
+    x = torch.randn(4, 5, 6)
+    delta = torch.randn(4, 5, 50)
+    size = delta.numel() * delta.element_size()
+    with torch.no_grad():
+        out = layer(x)
+    peak = _peak_allocated(lambda: linear_rule(layer, (x,), {}, out, delta, scale))
+    assert peak < size  # (the scaled input and the bias sums)
+    grads = linear_rule(layer, (x,), {}, out, delta, scale)
+    reference = SequenceOuterSampleGrads(delta * scale, x)
+    for got, expected in [(grads["weight"].materialize(), reference.materialize()),
+                          (grads["bias"].materialize(), (delta * scale).sum(1))]:
+        if scale == 8.0:
+            assert torch.equal(got, expected)
+        else:
+            # (a different rounding of the same sum over t)
+            torch.testing.assert_close(got, expected, rtol=1e-6,
+                                       atol=1e-6 * float(expected.abs().max()))
