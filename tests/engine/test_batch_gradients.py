@@ -87,3 +87,33 @@ def test_a_failed_backward_pass_leaves_the_next_steps_exact():
     for step, (norm, norm_test) in expected.items():
         assert abs(output[step]["GradNorm"] - norm) <= 1e-10 * norm, step
         assert abs(output[step]["NormTest"] - norm_test) <= 1e-10 * norm_test, step
+
+
+def test_copies_without_spares_take_one_kernel():
+    """Copies with no buffer of the last step to reuse (it holds θ_t for the update by now)
+    are made by one fused kernel for all parameters, exactly, not one allocation each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cockpit.engine.capture.batch_gradients import BatchGradientCopies
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    sources = {f"p{i}": torch.randn(3, i + 1) for i in range(5)}
+    spare = torch.empty(3, 1)
+    copies = BatchGradientCopies()
+    copies.waiting, grads = dict(sources), dict(sources)
+    with Ops() as ops:
+        copies.copy(grads, {"p0": spare})
+    assert len(ops.names) == 2, ops.names  # the spare's copy and the others' fused copy
+    assert grads["p0"] is spare
+    for k, source in sources.items():
+        assert grads[k] is not source and torch.equal(grads[k], source)
+        assert grads[k].untyped_storage().data_ptr() != source.untyped_storage().data_ptr()

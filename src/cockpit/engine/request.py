@@ -50,3 +50,10 @@ class StepRequest:
     split: bool = False
     union_gram: bool = False
     defer: bool = False
+
+    def release_directions(self) -> None:
+        """The backward pass ended and its projections are formed: the directions and the
+        providers (with what they hold: Alpha's s_{t−1}, a parameter-sized copy) are no
+        longer read, so their memory is free before the optimizer step."""
+        self.directions = {}
+        self.direction_providers = {}

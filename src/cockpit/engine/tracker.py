@@ -102,7 +102,8 @@ class ModuleTracker:
         # what the instruments of the current tracked step ask of each backward pass
         self.request = StepRequest(frozenset())
         # The batch gradients of the last tracked step, reused as the copies of the next one
-        # if it follows directly (a fresh parameter-sized tensor costs page faults).
+        # if it follows directly (a fresh parameter-sized tensor costs page faults), unless
+        # they took θ_t for the update.
         self._last_batch_grads: dict[str, Tensor] = {}
         self.batch_copies = BatchGradientCopies()
         self.step_cache: dict = {}  # work shared by instruments within one tracked step
@@ -445,7 +446,8 @@ class ModuleTracker:
                 self.state.seen_grads[name] = grad
 
     def drop_spare_gradients(self) -> None:
-        """Free the kept batch gradients (the next step is not tracked)."""
+        """Forget the kept batch gradients: the next step is not tracked, or their memory
+        holds θ_t for the update now (``TrackedStep._snapshot``)."""
         self.state.spare_grads, self._last_batch_grads = {}, {}
 
     @property

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.histograms.device import device_path
-from cockpit.engine.workspace import workspace
+from cockpit.engine.workspace import PARAMETER_SIZED, workspace
 
 _TINY = 1e-300
 
@@ -476,7 +476,7 @@ def _residual_norms(problems: list[tuple[Tensor, Tensor]], coefficients: Tensor,
         if fused:  # fresh residuals, one multi-tensor norm for all (accelerators)
             residuals_fused.append(torch.addmv(target, vectors.T, c, alpha=-1))
             continue
-        scratch, _ = workspace().take("fit residual", target.shape, target.dtype,
+        scratch, _ = workspace().take(PARAMETER_SIZED, target.shape, target.dtype,
                                       target.device)
         residual = torch.addmv(target, vectors.T, c, alpha=-1, out=scratch)
         norms.append(torch.linalg.vector_norm(residual).to(device))

@@ -73,6 +73,11 @@ class Workspace:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
+PARAMETER_SIZED = "parameter-sized"
+"""The purpose of the parameter-sized temporaries whose norm is taken at once (θ_t − θ_0,
+p.grad − c·ḡ, a fit's residual a − Vc). They are formed one after another, so one buffer of
+the largest parameter's size serves them all, kept from step to step."""
+
 _LOCAL = threading.local()
 _ALL: weakref.WeakSet[Workspace] = weakref.WeakSet()
 _ALL_LOCK = threading.Lock()

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.sharded import is_sharded, shard_like
-from cockpit.engine.workspace import workspace
+from cockpit.engine.workspace import PARAMETER_SIZED, workspace
 from cockpit.quantities.base import fused, norms, norms_of_differences, sq_norm_tensor
 
 ADDED = "added"  # a backward outside the blocks added to the gradient the blocks left
@@ -85,7 +85,7 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
             if is_sharded(a):  # (scratch memory is not a DTensor)
                 parts.append(sq_norm_tensor(a - b * float(c)))
                 continue
-            diff, _ = workspace().take("gradient_mismatch", a.shape, a.dtype, a.device)
+            diff, _ = workspace().take(PARAMETER_SIZED, a.shape, a.dtype, a.device)
             parts.append(sq_norm_tensor(torch.addcmul(a, b, c, value=-1, out=diff)))
     return Later(_mismatch, totals, torch.stack(parts), name="GradientMismatch")
 

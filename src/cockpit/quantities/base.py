@@ -49,7 +49,9 @@ class StepData:
     step: int
     losses: Tensor | None  # individual losses ℓ_n(θ_t), detached, shape [N]
     stats: BackwardStatistics | None  # per-sample statistics of this backward pass
-    batch_grads: dict[str, Tensor]  # g_B = (1/N) Σ_n g_n per parameter
+    # g_B = (1/N) Σ_n g_n per parameter, read in ``compute`` (afterwards their memory holds
+    # θ_t for the update, and the dict is empty)
+    batch_grads: dict[str, Tensor]
     params: dict[str, Tensor]  # θ_t (live tensors: read before optimizer.step())
     initial_params: dict[str, Tensor] | None  # θ_0
     learning_rate: float | None

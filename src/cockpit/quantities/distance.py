@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine import sharded
-from cockpit.engine.workspace import workspace
+from cockpit.engine.workspace import PARAMETER_SIZED, workspace
 from cockpit.quantities.base import (
     Quantity,
     StepData,
@@ -45,7 +45,7 @@ class Distance(Quantity):
         for k, p in data.params.items():
             # θ_t − θ_0 in scratch memory (a fresh parameter-sized tensor per step costs page
             # faults on a CPU), its norm taken before the buffer serves the next parameter
-            diff, _ = workspace().take("distance", p.shape, p.dtype, p.device)
+            diff, _ = workspace().take(PARAMETER_SIZED, p.shape, p.dtype, p.device)
             sq.append(sq_norm_tensor(torch.sub(p, data.initial_params[k], out=diff)))
         return per_param_norms("Distance", list(data.params),
                                torch.stack(sq).double().sqrt_())

@@ -50,6 +50,19 @@ from cockpit.step.instrument_traits import describes_the_batch, problem_of, read
 from cockpit.step.watched_run import WatchedRun
 
 
+def _holds_copy_of(buffer: Tensor, param: Tensor) -> bool:
+    """Whether ``buffer`` (a batch gradient Cockpit owns) can hold a copy of ``param``:
+    plain tensors of the same layout, memory apart from the parameter and its gradient."""
+    if not (type(buffer) is Tensor and type(param) in (Tensor, torch.nn.Parameter)
+            and buffer.shape == param.shape and buffer.dtype == param.dtype
+            and buffer.device == param.device and buffer.stride() == param.stride()):
+        return False
+    address = buffer.untyped_storage().data_ptr()
+    grad = param.grad
+    return (address != param.untyped_storage().data_ptr()
+            and (grad is None or grad.is_sparse or address != grad.untyped_storage().data_ptr()))
+
+
 @dataclass
 class BlockChecks:
     """What the checks at a block's start found (see :func:`check_block`)."""
@@ -207,7 +220,9 @@ class TrackedStep:
         calls = tracker.take_kept_calls()
         # the same step may bring more micro-batches: keep recording forward passes
         tracker.capturing = True
+        request = tracker.request
         if failed:
+            request.release_directions()
             return False
         if self.reduction.micro_batches == 1 and not run.accumulating:
             run.accumulating = True
@@ -217,7 +232,8 @@ class TrackedStep:
                 "keeps each micro-batch's layer inputs until the optimizer step (pass "
                 "Cockpit(..., grad_accumulation=True) to say so from the start)",
                 key="accumulation-learned")
-        self.reduction.add(stats, calls, tracker.request)
+        self.reduction.add(stats, calls, request)
+        request.release_directions()
         self.weights.append(tracker.loss_weight)
         # until the optimizer step (or the next block): see backward passes outside a block
         reached = list(self.reduction.stats.batch_grads) if self.reduction.stats else []
@@ -296,10 +312,31 @@ class TrackedStep:
         later = [q for q in self.tracked if q.needs_update and q.name not in skipped]
         if not later:
             return False
-        with torch.no_grad():  # θ_t, copied by one fused kernel (x·1 = x exactly)
-            copies = torch._foreach_mul(list(run.params.values()), 1.0)
-        self._update = (data, dict(zip(run.params, copies, strict=True)), later)
+        self._update = (data, self._snapshot(data, stats), later)
         return True
+
+    def _snapshot(self, data: StepData, stats: BackwardStatistics) -> dict[str, Tensor]:
+        """θ_t, copied before the optimizer step for s_t = θ_{t+1} − θ_t. Every instrument
+        has read the batch gradients by now, so the copy goes into Cockpit's copies of them
+        where they fit: through the optimizer step and after it (s_t is kept for α_t until
+        the next step's backward pass) Cockpit holds one parameter-sized copy less, and no
+        copies are kept for the next step (its batch gradients are copied afresh). The
+        batch gradients are then gone from the step's data."""
+        run = self.run
+        params, grads = run.params, stats.batch_grads
+        reused = {k: g for k, p in params.items()
+                  if (g := grads.get(k)) is not None and _holds_copy_of(g, p)}
+        rest = [k for k in params if k not in reused]
+        with torch.no_grad():
+            if reused:  # one fused copy
+                torch._foreach_copy_(list(reused.values()), [params[k] for k in reused])
+            # (x·1 = x exactly: one fused kernel for the copies that fit nowhere)
+            fresh = dict(zip(rest, torch._foreach_mul([params[k] for k in rest], 1.0)
+                             if rest else [], strict=True))
+        if reused:
+            run.tracker.drop_spare_gradients()  # (they hold θ_t now)
+            stats.batch_grads = data.batch_grads = {}
+        return {k: reused[k] if k in reused else fresh[k] for k in params}
 
     def finish_update(self) -> None:
         """After the optimizer step: the instruments of the update θ_{t+1} − θ_t, recorded."""

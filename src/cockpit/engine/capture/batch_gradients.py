@@ -11,7 +11,8 @@ queued callbacks in order, and Cockpit's is queued at the first parameter hook, 
 callbacks of DistributedDataParallel (queued when its last bucket is ready), which write
 the synchronized gradient into ``p.grad``: the copies hold this process's gradient.
 
-The copies reuse the buffers of the last tracked step (``spares``) where they fit.
+The copies reuse the buffers of the last tracked step (``spares``) where they fit; the
+others are made by one fused kernel.
 """
 
 from __future__ import annotations
@@ -43,19 +44,21 @@ class BatchGradientCopies:
         names = [k for k, alias in waiting.items() if grads.get(k) is alias]
         if not names:
             return
-        sources = [waiting[k] for k in names]
-        targets = [_fitting(spares.pop(k, None), source) for k, source in zip(names, sources,
-                                                                              strict=True)]
+        kept = {k: spare for k in names
+                if (spare := spares.pop(k, None)) is not None and _fits(spare, waiting[k])}
+        fresh = [k for k in names if k not in kept]
         with torch.no_grad():
-            torch._foreach_copy_(targets, sources)
-        grads.update(zip(names, targets, strict=True))
+            if kept:
+                torch._foreach_copy_(list(kept.values()), [waiting[k] for k in kept])
+            if fresh:  # new copies by one fused kernel (x·1 = x exactly)
+                grads.update(zip(fresh, torch._foreach_mul([waiting[k] for k in fresh], 1.0),
+                                 strict=True))
+        grads.update(kept)
 
     def discard(self) -> None:
         self.waiting = {}
 
 
-def _fitting(spare: Tensor | None, source: Tensor) -> Tensor:
-    if (spare is not None and spare.shape == source.shape and spare.dtype == source.dtype
-            and spare.device == source.device and spare.stride() == source.stride()):
-        return spare
-    return torch.empty_like(source)
+def _fits(spare: Tensor, source: Tensor) -> bool:
+    return (spare.shape == source.shape and spare.dtype == source.dtype
+            and spare.device == source.device and spare.stride() == source.stride())

@@ -44,8 +44,6 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
     """The weight's factors δ, a (a, δ where ``transposed``: W [in, out]) and the bias's δ,
     each summed over the dimensions between batch and features."""
     a = args[0] if args else kwargs["x" if transposed else "input"]
-    if scale != 1.0:
-        grad_output = grad_output * scale
     n = a.shape[0]
     grads: dict[str, SampleGrads] = {}
     weight, bias = module.weight, getattr(module, "bias", None)
@@ -55,7 +53,8 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
             f"(shape {tuple(a.shape)}); Cockpit needs inputs of shape [batch, ..., features]."
         )
     if a.dim() == 2:
-        delta, delta_norms = grad_output, RowNorms(grad_output)  # ‖δ_n‖: weight and bias
+        delta = grad_output * scale if scale != 1.0 else grad_output
+        delta_norms = RowNorms(delta)  # ‖δ_n‖: weight and bias
         if weight.requires_grad:
             grads["weight"] = (OuterSampleGrads(a.detach(), delta) if transposed
                                else OuterSampleGrads(delta, a.detach(), delta_norms))
@@ -64,11 +63,19 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
         return grads
     a_seq = a.detach().reshape(n, -1, a.shape[-1])
     delta_seq = grad_output.reshape(n, -1, grad_output.shape[-1])
+    # g_n = Σ_t (c·δ_{n,t}) a_{n,t}ᵀ = Σ_t δ_{n,t} (c·a_{n,t})ᵀ: the factor c goes into the
+    # smaller of the two (GPT-2's output layer: the input, 768 wide, not δ, 50257 wide: no
+    # 412 MB copy of δ at the start of the backward pass, where the activations peak)
+    scale_input = scale != 1.0 and a_seq.numel() < delta_seq.numel()
+    if scale != 1.0 and not scale_input:
+        delta_seq = delta_seq * scale
+    scaled_a = a_seq * scale if scale_input else a_seq
     if weight.requires_grad:
-        grads["weight"] = (SequenceOuterSampleGrads(a_seq, delta_seq) if transposed
-                           else SequenceOuterSampleGrads(delta_seq, a_seq))
+        grads["weight"] = (SequenceOuterSampleGrads(scaled_a, delta_seq) if transposed
+                           else SequenceOuterSampleGrads(delta_seq, scaled_a))
     if bias is not None and bias.requires_grad:
-        grads["bias"] = DenseSampleGrads(delta_seq.sum(1))
+        summed = delta_seq.sum(1)
+        grads["bias"] = DenseSampleGrads(summed * scale if scale_input else summed)
     return grads
 
 
