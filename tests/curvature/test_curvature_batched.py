@@ -6,6 +6,7 @@ many classes and says so."""
 
 from __future__ import annotations
 
+import collections
 import math
 import warnings
 
@@ -14,9 +15,12 @@ import torch
 import torch.nn.functional as F
 from curvature_reference import single_thread  # noqa: F401  (autouse fixture)
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cockpit import Cockpit, quantities
+from cockpit.benchmark.problems.small_nets import TFSamePool
 from cockpit.curvature import batched as batched_module
+from cockpit.curvature.batched_grad import batched_grad
 from cockpit.curvature.diagonal import diagonal_curvature, diagonal_replicates
 from cockpit.curvature.hutchinson import hutchinson_diagonal
 from cockpit.curvature.hvp import HessianVectorProduct
@@ -39,6 +43,30 @@ def cnn_problem(batch_size: int = 5) -> Problem:
     ).double()
     x = torch.randn(batch_size, 2, 8, 8, dtype=torch.float64)
     return Problem("cnn_plain", model, x, torch.randint(0, 4, (batch_size,)), cross_entropy)
+
+
+def pool_problem(batch_size: int = 5) -> Problem:
+    """Convolutions with and without padding, "same"-padded max-pooling (an explicit pad),
+    plain max-pooling, ReLU, cross-entropy over 5 classes."""
+    torch.manual_seed(4)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), TFSamePool(3, 2),
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4, 5),
+    ).double()
+    x = torch.randn(batch_size, 2, 8, 8, dtype=torch.float64)
+    return Problem("pool", model, x, torch.randint(0, 5, (batch_size,)), cross_entropy)
+
+
+class CountOps(TorchDispatchMode):
+    """The aten ops run inside the context, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def problem_of(name: str) -> Problem:
@@ -84,6 +112,49 @@ def test_batched_exact_ggn_equals_dense_reference(name, budget, monkeypatch):
     assert set(got) == set(expected)
     for k, d in expected.items():
         assert torch.allclose(got[k], d, rtol=1e-9, atol=1e-13), k
+
+
+def test_batched_grad_equals_one_backward_pass_per_vector():
+    """Every vector's vector-Jacobian product through padding, max-pooling and convolution
+    is the plain backward pass's; an input the outputs do not reach gives None."""
+    problem = pool_problem()
+    model = problem.model
+    hidden = model[:3](problem.x)
+    output = model[3:](hidden)
+    unused = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    vectors = torch.randn(4, *output.shape, dtype=torch.float64)
+    inputs = [hidden, model[0].weight, unused]
+    got = batched_grad([output], inputs, [vectors])
+    assert got[2] is None
+    for k, v in enumerate(vectors):
+        want = torch.autograd.grad(output, inputs[:2], v, retain_graph=True)
+        for g, w in zip(got[:2], want, strict=True):
+            assert torch.allclose(g[k], w, rtol=1e-12, atol=1e-15)
+
+
+def test_batched_backprops_run_each_backward_kernel_once(monkeypatch):
+    """The exact GGN's C = 5 vectors pass padding and max-pooling in one call each (no
+    loop over the vectors), with the loop's and the dense reference's values."""
+    problem = pool_problem()
+    expected = dense_ggn_diagonal(problem)
+    counter = CountOps()
+
+    def counted(*args):
+        with counter:
+            return batched_grad(*args)
+
+    monkeypatch.setattr(batched_module, "batched_grad", counted)
+    got = run_probe(problem, lambda tracker, losses: diagonal_curvature(
+        "diag_ggn_exact", tracker, losses, tracker.params, batched=True))
+    looped = run_probe(problem, lambda tracker, losses: diagonal_curvature(
+        "diag_ggn_exact", tracker, losses, tracker.params, batched=False), forbid_loop=False)
+    assert counter.ops["max_pool2d_with_indices_backward"] == 2
+    assert counter.ops["constant_pad_nd"] == 1
+    assert counter.ops["convolution_backward"] == 1  # the second convolution's input
+    assert set(got) == set(expected) == set(looped)
+    for k, d in expected.items():
+        assert torch.allclose(got[k], d, rtol=1e-9, atol=1e-13), k
+        assert torch.allclose(got[k], looped[k], rtol=1e-12, atol=1e-15), k
 
 
 @pytest.mark.parametrize("name", ["mlp_sigmoid", "smooth"])

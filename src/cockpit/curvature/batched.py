@@ -6,8 +6,8 @@ layer's individual "gradients" g_{n,k} = (∂f_n/∂θ)ᵀ v_{n,k} to Σ_k Σ_n 
 One backward pass per vector costs C launches of every backward kernel; on a GPU that is
 launch-bound for small networks (CIFAR-100's C = 100). Here the vectors travel together:
 
-* one ``torch.autograd.grad(f, layer outputs, V, is_grads_batched=True)`` (a vmap over the
-  backward pass) gives every layer's output gradient δ_{k,n} for a chunk of K vectors;
+* one backward pass vmap'd over the vectors (:func:`batched_grad`) gives every layer's
+  output gradient δ_{k,n} for a chunk of K vectors;
 * each layer's rule then runs once on the K·N "samples" (k, n), its recorded input repeated
   K times, so Σ_{k,n} g_{k,n} ⊙ g_{k,n} is one call of ``sum_sq`` — the same closed forms
   and kernels as for the user's own backward pass, on a K times larger batch.
@@ -29,6 +29,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from cockpit.curvature.batched_grad import batched_grad
 from cockpit.engine.capture.hooks import Call
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.histograms.device import device_path
@@ -118,9 +119,7 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
         for start in range(0, len(grad_outputs), chunk):
             vectors = grad_outputs[start:start + chunk]
             try:
-                deltas = torch.autograd.grad(output, targets, grad_outputs=vectors,
-                                             retain_graph=True, allow_unused=True,
-                                             is_grads_batched=True)
+                deltas = batched_grad([output], targets, [vectors])
             except RuntimeError:  # an operator without a batching rule for its backward
                 if start:
                     raise

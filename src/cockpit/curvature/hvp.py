@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from cockpit.curvature.batched_grad import batched_grad
+
 __all__ = ["HessianVectorProduct", "flatten_tensors", "unflatten_like"]
 
 
@@ -136,13 +138,10 @@ class HessianVectorProduct:
         if not active:
             self.num_calls += m
             return [p.new_zeros(m, *p.shape) for p in self._params]
-        products = torch.autograd.grad(
+        products = batched_grad(
             [self._grads[i] for i in active],
             self._params,
-            grad_outputs=[vs[i].to(self._grads[i]) for i in active],
-            retain_graph=True,
-            allow_unused=True,
-            is_grads_batched=True,
+            [vs[i].to(self._grads[i]) for i in active],
         )
         self.num_calls += m
         return [
