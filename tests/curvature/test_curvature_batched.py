@@ -157,6 +157,21 @@ def test_batched_backprops_run_each_backward_kernel_once(monkeypatch):
         assert torch.allclose(got[k], looped[k], rtol=1e-12, atol=1e-15), k
 
 
+@pytest.mark.parametrize("per_fold", [7, 12, 5 * 4])
+def test_batched_folds_of_whole_vectors_and_of_single_samples(per_fold, monkeypatch):
+    """A rule's scratch budget for 7 samples (k, n) folds them one by one (N = 5), for 12
+    two vectors at a time (the input repeated twice), for 20 all C = 4 vectors at once:
+    the dense reference's values each time."""
+    monkeypatch.setattr(batched_module, "_sample_bytes", lambda call: 2**20 // per_fold)
+    monkeypatch.setattr(batched_module, "DEFAULT_BUDGET_BYTES", 2**20)
+    problem = cnn_problem()
+    expected = dense_ggn_diagonal(problem)
+    got = run_probe(problem, lambda tracker, losses: diagonal_curvature(
+        "diag_ggn_exact", tracker, losses, tracker.params, batched=True))
+    for k, d in expected.items():
+        assert torch.allclose(got[k], d, rtol=1e-9, atol=1e-13), k
+
+
 @pytest.mark.parametrize("name", ["mlp_sigmoid", "smooth"])
 def test_batched_exact_hessian_diagonal(name):
     from tests.curvature.test_curvature_instruments import smooth_problem

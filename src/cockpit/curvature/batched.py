@@ -117,7 +117,8 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
     totals: list[dict[str, Tensor]] = [{} for _ in range(len(grad_outputs) if separate else 1)]
     with engine.suspended():
         for start in range(0, len(grad_outputs), chunk):
-            vectors = grad_outputs[start:start + chunk]
+            vectors = (grad_outputs if chunk == len(grad_outputs)
+                       else grad_outputs[start:start + chunk])
             try:
                 deltas = batched_grad([output], targets, [vectors])
             except RuntimeError:  # an operator without a batching rule for its backward
@@ -127,12 +128,12 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
             for call, delta in zip(calls, deltas, strict=True):
                 if delta is None:
                     continue
+                # (no create_graph: the output gradients are outside autograd already)
                 if not separate:
-                    _add_folded(engine, call, delta.detach(), totals[0], budget_bytes)
+                    _add_folded(engine, call, delta, totals[0], budget_bytes)
                     continue
                 for k in range(len(vectors)):
-                    _add_folded(engine, call, delta[k:k + 1].detach(), totals[start + k],
-                                budget_bytes)
+                    _add_folded(engine, call, delta[k:k + 1], totals[start + k], budget_bytes)
                 del delta
             del deltas
     return totals
@@ -141,19 +142,26 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
 def _add_folded(engine: EngineView, call, delta: Tensor, totals: dict[str, Tensor],
                 budget_bytes: int) -> None:
     """Add Σ_{k,n} g_{k,n} ⊙ g_{k,n} of one layer, δ [K, N, ...], in folds of samples
-    (k, n) whose scratch fits the budget."""
+    (k, n) whose scratch fits the budget: of whole vectors where one vector's samples fit
+    (the recorded input repeated: one copy), else of single samples (an index each). The
+    rule sees no output (no closed-form rule of :data:`FOLDABLE` reads it)."""
     k, n = delta.shape[:2]
     folded = delta.reshape(k * n, *delta.shape[2:])
-    x, y = call.args[0], call.outputs[0].detach()
+    x = call.args[0]
     size = max(1, budget_bytes // _sample_bytes(call))
+    if size >= n:
+        size -= size % n
     for start in range(0, k * n, size):
         stop = min(start + size, k * n)
-        if start == 0 and stop == n:  # one vector's samples: the recorded input itself
-            part = dataclasses.replace(call, args=(x,), outputs=[y])
-        else:
-            index = torch.arange(start, stop, device=x.device) % n
-            part = dataclasses.replace(call, args=(x.index_select(0, index),),
-                                       outputs=[y.index_select(0, index.to(y.device))])
-        for name, sg in engine.sample_grads(part, [folded[start:stop]]).items():
+        with torch.no_grad():  # (copies of the input: no graph)
+            if start == 0 and stop == n:  # one vector's samples: the recorded input itself
+                inputs = x
+            elif start % n == 0 and stop % n == 0:
+                inputs = x.repeat((stop - start) // n, *[1] * (x.dim() - 1))
+            else:
+                inputs = x.index_select(0, torch.arange(start, stop, device=x.device) % n)
+        part = dataclasses.replace(call, args=(inputs,), outputs=[])
+        grads = folded if stop - start == k * n else folded[start:stop]
+        for name, sg in engine.sample_grads(part, [grads]).items():
             total = sg.sum_sq()
             totals[name] = totals[name] + total if name in totals else total
