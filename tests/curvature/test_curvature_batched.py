@@ -22,7 +22,12 @@ from cockpit.benchmark.problems.small_nets import TFSamePool
 from cockpit.curvature import batched as batched_module
 from cockpit.curvature.batched_grad import batched_grad
 from cockpit.curvature.diagonal import diagonal_curvature, diagonal_replicates
-from cockpit.curvature.hutchinson import hutchinson_diagonal
+from cockpit.curvature.hutchinson import (
+    hutchinson_diagonal,
+    hutchinson_replicates,
+    rademacher_blocks,
+    rademacher_like,
+)
 from cockpit.curvature.hvp import HessianVectorProduct
 from tests.curvature.test_curvature_instruments import (
     dense_ggn_diagonal,
@@ -235,6 +240,36 @@ def test_batched_hutchinson_equals_the_loop(name):
         hvp.release()
     for a, b in zip(results[False], results[True], strict=True):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("fn", [hutchinson_diagonal, hutchinson_replicates])
+def test_batched_hutchinson_issues_as_many_ops_for_any_number_of_draws(fn):
+    """The draws, the products and v ⊙ H v take the same ops for 3 and for 6 draws (no
+    loop over the draws: on an accelerator each op is a launch)."""
+    problem = make_problem("cnn", 4)
+    params = [p for p in problem.model.parameters() if p.requires_grad]
+    hvp = HessianVectorProduct(problem.losses().mean(), params)
+    counts = []
+    for draws in (3, 6):
+        with CountOps() as counter:
+            fn(hvp, params, draws, torch.Generator().manual_seed(0), batched=True)
+        counts.append(counter.ops)
+    assert counts[0] == counts[1]
+    assert counts[0]["randint"] == 1
+
+
+def test_rademacher_blocks_are_the_draws_one_by_one():
+    """From a CPU generator, M draws over P tensors (two dtypes) as [M, *shape] blocks are
+    the numbers of M × P calls of rademacher_like in draw-then-parameter order."""
+    params = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.float64), torch.zeros(2, 1, 2)]
+    blocks = rademacher_blocks(params, 4, torch.Generator().manual_seed(7))
+    generator = torch.Generator().manual_seed(7)
+    for m in range(4):
+        for block, p in zip(blocks, params, strict=True):
+            want = rademacher_like(p, generator)
+            assert block.shape == (4, *p.shape) and block.dtype == p.dtype
+            assert torch.equal(block[m], want)
+    assert set(torch.cat([b.reshape(-1).float() for b in blocks]).tolist()) == {-1.0, 1.0}
 
 
 def wide_classifier(classes: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
