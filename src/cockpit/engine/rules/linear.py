@@ -37,17 +37,22 @@ def linear_rule(
     if a.dim() == 2:
         delta = grad_output
         if module.weight.requires_grad:
-            grads["weight"] = OuterSampleGrads(delta, a.detach())
+            grads["weight"] = OuterSampleGrads(delta, _detached(a))
         if module.bias is not None and module.bias.requires_grad:
             grads["bias"] = DenseSampleGrads(delta)
         return grads
-    a_seq = a.detach().reshape(n, -1, a.shape[-1])
+    a_seq = _detached(a).reshape(n, -1, a.shape[-1])
     delta_seq = grad_output.reshape(n, -1, grad_output.shape[-1])
     if module.weight.requires_grad:
         grads["weight"] = SequenceOuterSampleGrads(delta_seq, a_seq)
     if module.bias is not None and module.bias.requires_grad:
         grads["bias"] = DenseSampleGrads(delta_seq.sum(1))
     return grads
+
+
+def _detached(a: Tensor) -> Tensor:
+    """``a`` outside autograd (an input outside it already, e.g. a copy, needs no op)."""
+    return a.detach() if a.requires_grad else a
 
 
 linear_rule.takes_scale = True  # type: ignore[attr-defined]
