@@ -173,6 +173,28 @@ def test_mc_ggn_standard_error():
     assert "single sample" in single.get_notes()[0]["HessTrace"]
 
 
+def test_replicates_merge_over_backward_passes_per_replicate_and_parameter():
+    """Σ_b N_b · (replicate m of pass b) per replicate and parameter, also where a pass
+    reaches other parameters."""
+    from cockpit.quantities.curvature_base import _merged
+
+    torch.manual_seed(0)
+
+    def replicates(*names):
+        return [{k: torch.randn(3, 2) for k in names} for _ in range(4)]
+
+    first, second, other = replicates("a", "b"), replicates("a", "b"), replicates("b", "c")
+    total = _merged(_merged([], first, 5), second, 7)
+    mixed = _merged(total, other, 2)
+    for m in range(4):
+        assert list(total[m]) == ["a", "b"] and list(mixed[m]) == ["a", "b", "c"]
+        for k in "ab":
+            assert torch.allclose(total[m][k], 5 * first[m][k] + 7 * second[m][k])
+        assert torch.allclose(mixed[m]["a"], total[m]["a"])
+        assert torch.allclose(mixed[m]["b"], total[m]["b"] + 2 * other[m]["b"])
+        assert torch.allclose(mixed[m]["c"], 2 * other[m]["c"])
+
+
 def test_view_labels_the_ggn_trace():
     from matplotlib.figure import Figure
 
