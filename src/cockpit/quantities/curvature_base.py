@@ -35,6 +35,7 @@ from cockpit.curvature.diagonal import (
     diagonal_replicates,
     resolve_method,
 )
+from cockpit.curvature.hvp import flatten_tensors
 from cockpit.engine.dtypes import promote
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.readout import Later, Noted
@@ -236,6 +237,18 @@ def standard_error(values: list[float]) -> float:
     m = len(values)
     mean = math.fsum(values) / m
     return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (m - 1) / m)
+
+
+def replicate_totals(replicates: list[dict[str, Tensor]]) -> Tensor:
+    """Σ_j of every replicate diagonal over all parameters, float64 [M] on the device: the
+    replicates laid end to end (:func:`flatten_tensors`: one copy where they share dtype
+    and device) and summed per replicate, not one sum per replicate and parameter."""
+    sizes = {sum(d.numel() for d in r.values()) for r in replicates}
+    if len(sizes) > 1:  # (replicates over different parameters: one by one)
+        return torch.stack([flatten_tensors(list(r.values())).sum(dtype=torch.float64)
+                            for r in replicates])
+    flat = flatten_tensors([d for r in replicates for d in r.values()])
+    return flat.view(len(replicates), -1).sum(1, dtype=torch.float64)
 
 
 def _merged(totals: list[dict[str, Tensor]], replicates: list[dict[str, Tensor]],
