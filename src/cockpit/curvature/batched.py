@@ -129,24 +129,26 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
                 if delta is None:
                     continue
                 # (no create_graph: the output gradients are outside autograd already)
+                folded = delta.reshape(-1, *delta.shape[2:])  # samples (k, n), k major
                 if not separate:
-                    _add_folded(engine, call, delta, totals[0], budget_bytes)
+                    _add_folded(engine, call, folded, n, totals[0], budget_bytes)
                     continue
                 for k in range(len(vectors)):
-                    _add_folded(engine, call, delta[k:k + 1], totals[start + k], budget_bytes)
-                del delta
+                    _add_folded(engine, call, folded[k * n:(k + 1) * n], n, totals[start + k],
+                                budget_bytes)
+                del delta, folded
             del deltas
     return totals
 
 
-def _add_folded(engine: EngineView, call, delta: Tensor, totals: dict[str, Tensor],
-                budget_bytes: int) -> None:
-    """Add Σ_{k,n} g_{k,n} ⊙ g_{k,n} of one layer, δ [K, N, ...], in folds of samples
-    (k, n) whose scratch fits the budget: of whole vectors where one vector's samples fit
-    (the recorded input repeated: one copy), else of single samples (an index each). The
-    rule sees no output (no closed-form rule of :data:`FOLDABLE` reads it)."""
-    k, n = delta.shape[:2]
-    folded = delta.reshape(k * n, *delta.shape[2:])
+def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
+                totals: dict[str, Tensor], budget_bytes: int) -> None:
+    """Add Σ_{k,n} g_{k,n} ⊙ g_{k,n} of one layer, δ of the samples (k, n) as ``folded``
+    [K·N, ...] (k major), in folds of samples whose scratch fits the budget: of whole
+    vectors where one vector's samples fit (the recorded input repeated: one copy), else
+    of single samples (an index each). The rule sees no output (no closed-form rule of
+    :data:`FOLDABLE` reads it)."""
+    k = len(folded) // n
     x = call.args[0]
     size = max(1, budget_bytes // _sample_bytes(call))
     if size >= n:
