@@ -43,8 +43,9 @@ class HessTrace(DiagonalCurvatureQuantity):
         diagonal = self.take_diagonal(data)
         names = list(diagonal)
         replicates = self.replicate_diagonals(data)
-        sums = [_sums(diagonal)] + ([] if replicates is None else [replicate_totals(replicates)])
         ggn = self.method_used in GGN
+        sums = [_sums(diagonal, ggn)] + ([] if replicates is None
+                                         else [replicate_totals(replicates)])
 
         def values(per_param_sums, replicate_totals=None) -> Noted:
             per_param = dict(zip(names, map(float, per_param_sums), strict=True))
@@ -60,7 +61,12 @@ class HessTrace(DiagonalCurvatureQuantity):
         return self.later_if_finite(finite, values, *sums)
 
 
-def _sums(diagonal: dict[str, Tensor]) -> Tensor:
-    """Σ_j of every parameter's diagonal, float64 [P] on the device."""
+def _sums(diagonal: dict[str, Tensor], non_negative: bool) -> Tensor:
+    """Σ_j of every parameter's diagonal, float64 [P] on the device. A GGN's diagonal is a
+    sum of squares, ≥ 0 entry by entry: its sums are ℓ1 norms, one multi-tensor kernel for
+    all parameters instead of one sum each."""
+    if non_negative and diagonal:
+        return torch.stack(torch._foreach_norm(list(diagonal.values()), ord=1,
+                                               dtype=torch.float64))
     return torch.stack([d.double().sum() for d in diagonal.values()])
 
