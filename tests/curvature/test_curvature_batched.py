@@ -6,6 +6,7 @@ many classes and says so."""
 
 from __future__ import annotations
 
+import collections
 import math
 import warnings
 
@@ -14,11 +15,19 @@ import torch
 import torch.nn.functional as F
 from curvature_reference import single_thread  # noqa: F401  (autouse fixture)
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cockpit import Cockpit, quantities
+from cockpit.benchmark.problems.small_nets import TFSamePool
 from cockpit.curvature import batched as batched_module
+from cockpit.curvature.batched_grad import batched_grad
 from cockpit.curvature.diagonal import diagonal_curvature, diagonal_replicates
-from cockpit.curvature.hutchinson import hutchinson_diagonal
+from cockpit.curvature.hutchinson import (
+    hutchinson_diagonal,
+    hutchinson_replicates,
+    rademacher_blocks,
+    rademacher_like,
+)
 from cockpit.curvature.hvp import HessianVectorProduct
 from tests.curvature.test_curvature_instruments import (
     dense_ggn_diagonal,
@@ -39,6 +48,30 @@ def cnn_problem(batch_size: int = 5) -> Problem:
     ).double()
     x = torch.randn(batch_size, 2, 8, 8, dtype=torch.float64)
     return Problem("cnn_plain", model, x, torch.randint(0, 4, (batch_size,)), cross_entropy)
+
+
+def pool_problem(batch_size: int = 5) -> Problem:
+    """Convolutions with and without padding, "same"-padded max-pooling (an explicit pad),
+    plain max-pooling, ReLU, cross-entropy over 5 classes."""
+    torch.manual_seed(4)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), TFSamePool(3, 2),
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4, 5),
+    ).double()
+    x = torch.randn(batch_size, 2, 8, 8, dtype=torch.float64)
+    return Problem("pool", model, x, torch.randint(0, 5, (batch_size,)), cross_entropy)
+
+
+class CountOps(TorchDispatchMode):
+    """The aten ops run inside the context, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def problem_of(name: str) -> Problem:
@@ -82,6 +115,64 @@ def test_batched_exact_ggn_equals_dense_reference(name, budget, monkeypatch):
     got = run_probe(problem, lambda tracker, losses: diagonal_curvature(
         "diag_ggn_exact", tracker, losses, tracker.params, batched=True))
     assert set(got) == set(expected)
+    for k, d in expected.items():
+        assert torch.allclose(got[k], d, rtol=1e-9, atol=1e-13), k
+
+
+def test_batched_grad_equals_one_backward_pass_per_vector():
+    """Every vector's vector-Jacobian product through padding, max-pooling and convolution
+    is the plain backward pass's; an input the outputs do not reach gives None."""
+    problem = pool_problem()
+    model = problem.model
+    hidden = model[:3](problem.x)
+    output = model[3:](hidden)
+    unused = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    vectors = torch.randn(4, *output.shape, dtype=torch.float64)
+    inputs = [hidden, model[0].weight, unused]
+    got = batched_grad([output], inputs, [vectors])
+    assert got[2] is None
+    for k, v in enumerate(vectors):
+        want = torch.autograd.grad(output, inputs[:2], v, retain_graph=True)
+        for g, w in zip(got[:2], want, strict=True):
+            assert torch.allclose(g[k], w, rtol=1e-12, atol=1e-15)
+
+
+def test_batched_backprops_run_each_backward_kernel_once(monkeypatch):
+    """The exact GGN's C = 5 vectors pass padding and max-pooling in one call each (no
+    loop over the vectors), with the loop's and the dense reference's values."""
+    problem = pool_problem()
+    expected = dense_ggn_diagonal(problem)
+    counter = CountOps()
+
+    def counted(*args):
+        with counter:
+            return batched_grad(*args)
+
+    monkeypatch.setattr(batched_module, "batched_grad", counted)
+    got = run_probe(problem, lambda tracker, losses: diagonal_curvature(
+        "diag_ggn_exact", tracker, losses, tracker.params, batched=True))
+    looped = run_probe(problem, lambda tracker, losses: diagonal_curvature(
+        "diag_ggn_exact", tracker, losses, tracker.params, batched=False), forbid_loop=False)
+    assert counter.ops["max_pool2d_with_indices_backward"] == 2
+    assert counter.ops["constant_pad_nd"] == 1
+    assert counter.ops["convolution_backward"] == 1  # the second convolution's input
+    assert set(got) == set(expected) == set(looped)
+    for k, d in expected.items():
+        assert torch.allclose(got[k], d, rtol=1e-9, atol=1e-13), k
+        assert torch.allclose(got[k], looped[k], rtol=1e-12, atol=1e-15), k
+
+
+@pytest.mark.parametrize("per_fold", [7, 12, 5 * 4])
+def test_batched_folds_of_whole_vectors_and_of_single_samples(per_fold, monkeypatch):
+    """A rule's scratch budget for 7 samples (k, n) folds them one by one (N = 5), for 12
+    two vectors at a time (the input repeated twice), for 20 all C = 4 vectors at once:
+    the dense reference's values each time."""
+    monkeypatch.setattr(batched_module, "_sample_bytes", lambda call: 2**20 // per_fold)
+    monkeypatch.setattr(batched_module, "DEFAULT_BUDGET_BYTES", 2**20)
+    problem = cnn_problem()
+    expected = dense_ggn_diagonal(problem)
+    got = run_probe(problem, lambda tracker, losses: diagonal_curvature(
+        "diag_ggn_exact", tracker, losses, tracker.params, batched=True))
     for k, d in expected.items():
         assert torch.allclose(got[k], d, rtol=1e-9, atol=1e-13), k
 
@@ -149,6 +240,36 @@ def test_batched_hutchinson_equals_the_loop(name):
         hvp.release()
     for a, b in zip(results[False], results[True], strict=True):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("fn", [hutchinson_diagonal, hutchinson_replicates])
+def test_batched_hutchinson_issues_as_many_ops_for_any_number_of_draws(fn):
+    """The draws, the products and v ⊙ H v take the same ops for 3 and for 6 draws (no
+    loop over the draws: on an accelerator each op is a launch)."""
+    problem = make_problem("cnn", 4)
+    params = [p for p in problem.model.parameters() if p.requires_grad]
+    hvp = HessianVectorProduct(problem.losses().mean(), params)
+    counts = []
+    for draws in (3, 6):
+        with CountOps() as counter:
+            fn(hvp, params, draws, torch.Generator().manual_seed(0), batched=True)
+        counts.append(counter.ops)
+    assert counts[0] == counts[1]
+    assert counts[0]["randint"] == 1
+
+
+def test_rademacher_blocks_are_the_draws_one_by_one():
+    """From a CPU generator, M draws over P tensors (two dtypes) as [M, *shape] blocks are
+    the numbers of M × P calls of rademacher_like in draw-then-parameter order."""
+    params = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.float64), torch.zeros(2, 1, 2)]
+    blocks = rademacher_blocks(params, 4, torch.Generator().manual_seed(7))
+    generator = torch.Generator().manual_seed(7)
+    for m in range(4):
+        for block, p in zip(blocks, params, strict=True):
+            want = rademacher_like(p, generator)
+            assert block.shape == (4, *p.shape) and block.dtype == p.dtype
+            assert torch.equal(block[m], want)
+    assert set(torch.cat([b.reshape(-1).float() for b in blocks]).tolist()) == {-1.0, 1.0}
 
 
 def wide_classifier(classes: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

@@ -118,3 +118,48 @@ def test_rejects_non_scalar_loss():
     losses = F.cross_entropy(model(x), y, reduction="none")
     with pytest.raises(ValueError, match="scalar"):
         HessianVectorProduct(losses, list(model.parameters()))
+
+
+@pytest.mark.parametrize("case", ["plain", "scalar", "empty", "mixed_dtype", "in_graph"])
+def test_flatten_tensors_is_cat_of_the_flattened_tensors(case):
+    """The one-op path (transposed, 3-d and 1-d tensors) and every case it leaves to cat
+    give the row-major concatenation; unflatten_like inverts it."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(3, 4).T, torch.randn(2, 2, 2), torch.randn(5)]
+    if case == "scalar":
+        tensors.append(torch.tensor(2.0))
+    elif case == "empty":
+        tensors.append(torch.zeros(0, 3))
+    elif case == "mixed_dtype":
+        tensors.append(torch.randn(2, dtype=torch.float64))
+    elif case == "in_graph":
+        tensors[0] = tensors[0].clone().requires_grad_()
+    flat = flatten_tensors(tensors)
+    expected = torch.cat([torch.tensor(t.tolist(), dtype=flat.dtype).reshape(-1)
+                          for t in tensors])
+    assert flat.shape == (sum(t.numel() for t in tensors),)
+    assert torch.equal(flat.detach(), expected)
+    assert flat.requires_grad == (case == "in_graph")
+    for block, t in zip(unflatten_like(flat, tensors), tensors, strict=True):
+        assert torch.equal(block.detach(), t.detach().to(flat.dtype))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_chunk_cat"), reason="this torch has no _chunk_cat")
+def test_flatten_tensors_is_one_copy():
+    """Parameter-shaped blocks (a transposed one among them) are flattened by one copy and
+    one view, not a view or copy per block (on an accelerator each op is a launch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    tensors = [torch.randn(3, 4).T, torch.randn(4), torch.randn(2, 3, 3, 3), torch.randn(2)]
+    with Count() as count:
+        flatten_tensors(tensors)
+    assert count.ops == ["_chunk_cat", "view"]

@@ -287,5 +287,6 @@ def test_krylov_basis_keeps_nearly_parallel_vectors_orthonormal(dtype, tol):
         basis[5]
     w = basis.orthogonalize(rows[7].to(dtype)).double()
     assert torch.allclose(Q[:5] @ w, torch.zeros(5, dtype=torch.float64), atol=tol, rtol=0)
+    assert torch.allclose(w, rows[7], atol=tol, rtol=0)  # q_6 … q_8 are gone
     basis.append(rows[9].to(dtype))
     assert torch.equal(basis[5].double(), rows[9])

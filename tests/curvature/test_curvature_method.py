@@ -173,6 +173,103 @@ def test_mc_ggn_standard_error():
     assert "single sample" in single.get_notes()[0]["HessTrace"]
 
 
+def test_replicates_merge_over_backward_passes_per_replicate_and_parameter():
+    """Σ_b N_b · (replicate m of pass b) per replicate and parameter, also where a pass
+    reaches other parameters."""
+    from cockpit.quantities.curvature_base import _merged
+
+    torch.manual_seed(0)
+
+    def replicates(*names):
+        return [{k: torch.randn(3, 2) for k in names} for _ in range(4)]
+
+    first, second, other = replicates("a", "b"), replicates("a", "b"), replicates("b", "c")
+    total = _merged(_merged([], first, 5), second, 7)
+    mixed = _merged(total, other, 2)
+    for m in range(4):
+        assert list(total[m]) == ["a", "b"] and list(mixed[m]) == ["a", "b", "c"]
+        for k in "ab":
+            assert torch.allclose(total[m][k], 5 * first[m][k] + 7 * second[m][k])
+        assert torch.allclose(mixed[m]["a"], total[m]["a"])
+        assert torch.allclose(mixed[m]["b"], total[m]["b"] + 2 * other[m]["b"])
+        assert torch.allclose(mixed[m]["c"], 2 * other[m]["c"])
+
+
+class _Replicates(quantities.Quantity):
+    """The MC GGN's replicate diagonals of the mean loss, as the instruments draw them."""
+
+    def __init__(self, samples: int, seed: int):
+        super().__init__()
+        self.samples, self.seed, self.result = samples, seed, None
+
+    def prepare(self, step, tracker, optimizer, losses):
+        from cockpit.curvature.diagonal import diagonal_replicates
+
+        self.result = diagonal_replicates(
+            "diag_ggn_mc", tracker, losses, tracker.params, num_samples=self.samples,
+            generator=torch.Generator().manual_seed(self.seed))
+
+
+def test_stochastic_standard_errors_are_those_of_the_replicates():
+    """HessTrace's, TICTrace's and TICDiag's standard errors from M = 4 MC replicates equal
+    the spread of the replicates' traces and of TICDiag's first-order change with each."""
+    from cockpit.quantities.curvature_base import standard_error
+
+    model, x = model_of("activations")
+    y = torch.randint(0, 3, (x.shape[0],))
+    n, eps = x.shape[0], 1e-7
+    kwargs = dict(curvature="diag_ggn_mc", mc_samples=4, seed=3)
+    out = one_step(model, x, y, [quantities.HessTrace(**kwargs), quantities.TICDiag(**kwargs),
+                                 quantities.TICTrace(**kwargs)]).get_output()[0]
+    probe = _Replicates(4, 3)
+    one_step(model, x, y, [probe])
+    replicates = [{k: d.double() for k, d in r.items()} for r in probe.result]
+    totals = [sum(d.sum().item() for d in r.values()) for r in replicates]
+    trace = sum(totals) / 4
+    assert rel_close(out["HessTrace"], trace, 1e-9)
+    assert rel_close(out["HessTrace.stderr"], standard_error(totals), 1e-9)
+
+    grads = individual_gradients(model, lambda f, t: F.cross_entropy(f, t, reduction="none"),
+                                 x, y)
+    s = {k: g.double().pow(2).sum(0) for k, g in grads.items()}
+    h = {k: sum(r[k] for r in replicates) / 4 for k in s}
+    c = {k: h[k].clamp_min(0) + eps for k in s}
+    assert rel_close(out["TICDiag"], sum((s[k] / c[k]).sum().item() for k in s) / n, 1e-9)
+    changes = [sum((-s[k] / c[k] ** 2 * (h[k] > 0) / n * r[k]).sum().item() for k in s)
+               for r in replicates]
+    assert rel_close(out["TICDiag.stderr"], standard_error(changes), 1e-7)
+    tic_trace = sum(g.double().pow(2).sum().item() for g in grads.values()) / n / (trace + eps)
+    assert rel_close(out["TICTrace"], tic_trace, 1e-9)
+    assert rel_close(out["TICTrace.stderr"],
+                     abs(tic_trace) * standard_error(totals) / abs(trace + eps), 1e-7)
+
+
+def test_replicates_take_as_many_ops_for_any_number_of_them():
+    """Merging, summing over replicates and the replicates' traces: the same ops for 2 and
+    for 6 replicates of 5 parameters (multi-tensor kernels; on an accelerator each op is a
+    launch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cockpit.quantities.curvature_base import _merged, replicate_totals
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for m in (2, 6):
+        replicates = [{str(k): torch.randn(3, k + 1) for k in range(5)} for _ in range(m)]
+        with Count() as count:
+            replicate_totals(_merged(_merged([], replicates, 5), replicates, 7))
+        counts.append(count.ops)
+    assert counts[0] == counts[1]
+
+
 def test_view_labels_the_ggn_trace():
     from matplotlib.figure import Figure
 

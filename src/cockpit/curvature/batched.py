@@ -6,8 +6,8 @@ layer's individual "gradients" g_{n,k} = (∂f_n/∂θ)ᵀ v_{n,k} to Σ_k Σ_n 
 One backward pass per vector costs C launches of every backward kernel; on a GPU that is
 launch-bound for small networks (CIFAR-100's C = 100). Here the vectors travel together:
 
-* one ``torch.autograd.grad(f, layer outputs, V, is_grads_batched=True)`` (a vmap over the
-  backward pass) gives every layer's output gradient δ_{k,n} for a chunk of K vectors;
+* one backward pass vmap'd over the vectors (:func:`batched_grad`) gives every layer's
+  output gradient δ_{k,n} for a chunk of K vectors;
 * each layer's rule then runs once on the K·N "samples" (k, n), its recorded input repeated
   K times, so Σ_{k,n} g_{k,n} ⊙ g_{k,n} is one call of ``sum_sq`` — the same closed forms
   and kernels as for the user's own backward pass, on a K times larger batch.
@@ -29,6 +29,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from cockpit.curvature.batched_grad import batched_grad
 from cockpit.engine.capture.hooks import Call
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.histograms.device import device_path
@@ -116,11 +117,10 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
     totals: list[dict[str, Tensor]] = [{} for _ in range(len(grad_outputs) if separate else 1)]
     with engine.suspended():
         for start in range(0, len(grad_outputs), chunk):
-            vectors = grad_outputs[start:start + chunk]
+            vectors = (grad_outputs if chunk == len(grad_outputs)
+                       else grad_outputs[start:start + chunk])
             try:
-                deltas = torch.autograd.grad(output, targets, grad_outputs=vectors,
-                                             retain_graph=True, allow_unused=True,
-                                             is_grads_batched=True)
+                deltas = batched_grad([output], targets, [vectors])
             except RuntimeError:  # an operator without a batching rule for its backward
                 if start:
                     raise
@@ -128,33 +128,42 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
             for call, delta in zip(calls, deltas, strict=True):
                 if delta is None:
                     continue
+                # (no create_graph: the output gradients are outside autograd already)
+                folded = delta.reshape(-1, *delta.shape[2:])  # samples (k, n), k major
                 if not separate:
-                    _add_folded(engine, call, delta.detach(), totals[0], budget_bytes)
+                    _add_folded(engine, call, folded, n, totals[0], budget_bytes)
                     continue
                 for k in range(len(vectors)):
-                    _add_folded(engine, call, delta[k:k + 1].detach(), totals[start + k],
+                    _add_folded(engine, call, folded[k * n:(k + 1) * n], n, totals[start + k],
                                 budget_bytes)
-                del delta
+                del delta, folded
             del deltas
     return totals
 
 
-def _add_folded(engine: EngineView, call, delta: Tensor, totals: dict[str, Tensor],
-                budget_bytes: int) -> None:
-    """Add Σ_{k,n} g_{k,n} ⊙ g_{k,n} of one layer, δ [K, N, ...], in folds of samples
-    (k, n) whose scratch fits the budget."""
-    k, n = delta.shape[:2]
-    folded = delta.reshape(k * n, *delta.shape[2:])
-    x, y = call.args[0], call.outputs[0].detach()
+def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
+                totals: dict[str, Tensor], budget_bytes: int) -> None:
+    """Add Σ_{k,n} g_{k,n} ⊙ g_{k,n} of one layer, δ of the samples (k, n) as ``folded``
+    [K·N, ...] (k major), in folds of samples whose scratch fits the budget: of whole
+    vectors where one vector's samples fit (the recorded input repeated: one copy), else
+    of single samples (an index each). The rule sees no output (no closed-form rule of
+    :data:`FOLDABLE` reads it)."""
+    k = len(folded) // n
+    x = call.args[0]
     size = max(1, budget_bytes // _sample_bytes(call))
+    if size >= n:
+        size -= size % n
     for start in range(0, k * n, size):
         stop = min(start + size, k * n)
-        if start == 0 and stop == n:  # one vector's samples: the recorded input itself
-            part = dataclasses.replace(call, args=(x,), outputs=[y])
-        else:
-            index = torch.arange(start, stop, device=x.device) % n
-            part = dataclasses.replace(call, args=(x.index_select(0, index),),
-                                       outputs=[y.index_select(0, index.to(y.device))])
-        for name, sg in engine.sample_grads(part, [folded[start:stop]]).items():
+        with torch.no_grad():  # (copies of the input: no graph)
+            if start == 0 and stop == n:  # one vector's samples: the recorded input itself
+                inputs = x
+            elif start % n == 0 and stop % n == 0:
+                inputs = x.repeat((stop - start) // n, *[1] * (x.dim() - 1))
+            else:
+                inputs = x.index_select(0, torch.arange(start, stop, device=x.device) % n)
+        part = dataclasses.replace(call, args=(inputs,), outputs=[])
+        grads = folded if stop - start == k * n else folded[start:stop]
+        for name, sg in engine.sample_grads(part, [grads]).items():
             total = sg.sum_sq()
             totals[name] = totals[name] + total if name in totals else total

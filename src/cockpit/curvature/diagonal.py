@@ -218,8 +218,12 @@ def diagonal_replicates(
         factor = mc_sqrt_factor(f, kind, num_samples=num_samples, generator=generator,
                                 mse_reduction=mse_reduction) * math.sqrt(num_samples)
         per_column = sum_sq_of_backprops(engine, output, factor, batched, separate=True)
-        return [{k: sums[k].to(_wider(sums[k], p)) / n if k in sums else p.new_zeros(p.shape)
-                 for k, p in params.items()} for sums in per_column]
+        reached = [(m, k) for m, sums in enumerate(per_column) for k in params if k in sums]
+        means = dict(zip(reached, torch._foreach_div(  # (one kernel for all of them)
+            [per_column[m][k].to(_wider(per_column[m][k], params[k])) for m, k in reached],
+            float(n)), strict=True))
+        return [{k: means[m, k] if (m, k) in means else p.new_zeros(p.shape)
+                 for k, p in params.items()} for m in range(len(per_column))]
     return [diagonal_curvature(method, engine, losses, params, loss=loss,
                                mse_reduction=mse_reduction, num_samples=num_samples,
                                generator=generator, max_backprops=max_backprops,

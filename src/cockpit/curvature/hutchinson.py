@@ -16,7 +16,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["hutchinson_diagonal", "hutchinson_replicates", "hutchinson_trace", "rademacher_like"]
+from cockpit.engine.histograms.device import device_path
+
+__all__ = ["hutchinson_diagonal", "hutchinson_replicates", "hutchinson_trace", "rademacher_blocks",
+           "rademacher_like"]
 
 BlockHVP = Callable[[list[Tensor]], list[Tensor]]
 
@@ -26,6 +29,25 @@ def rademacher_like(tensor: Tensor, generator: torch.Generator | None = None) ->
     gen_device = tensor.device if generator is None else generator.device
     bits = torch.randint(0, 2, tensor.shape, generator=generator, device=gen_device)
     return (2 * bits - 1).to(dtype=tensor.dtype, device=tensor.device)
+
+
+def rademacher_blocks(params: Sequence[Tensor], num_samples: int,
+                      generator: torch.Generator | None = None) -> list[Tensor]:
+    """``num_samples`` Rademacher vectors over all ``params`` as one [M, *p.shape] tensor
+    per parameter (views of one draw: a few ops, not four per parameter and vector). The
+    entries are drawn vector by vector, each in parameter order: from a CPU generator the
+    same numbers as M × P calls of :func:`rademacher_like` in that order."""
+    first = params[0]
+    gen_device = first.device if generator is None else generator.device
+    sizes = [p.numel() for p in params]
+    bits = torch.randint(0, 2, (num_samples, sum(sizes)), generator=generator,
+                         device=gen_device)
+    signs = 2 * bits - 1
+    if all(p.dtype == first.dtype and p.device == first.device for p in params):
+        signs = signs.to(dtype=first.dtype, device=first.device)  # (one cast for all)
+    parts = signs.split(sizes, dim=1) if len(params) > 1 else (signs,)
+    return [part.to(dtype=p.dtype, device=p.device).view(num_samples, *p.shape)
+            for part, p in zip(parts, params, strict=True)]
 
 
 def hutchinson_diagonal(
@@ -43,9 +65,10 @@ def hutchinson_diagonal(
         num_samples: Number of Hessian-vector products spent.
         generator: Random generator for the Rademacher vectors.
         batched: Spend the products in one vmap'd backward pass (``hvp.batched``) instead
-            of one pass each; None: on CUDA only (on a CPU the loop is as fast). Where the
-            graph has an operator without a batching rule, the loop runs. Same draws, same
-            result either way.
+            of one pass each; None: on CUDA only (and on the CPU where it stands in for an
+            accelerator, :func:`cockpit.engine.histograms.device.device_path`; on a CPU the
+            loop is as fast). Where the graph has an operator without a batching rule, the
+            loop runs. From a CPU generator the same draws, the same result either way.
 
     Returns:
         One tensor per parameter, shaped like it.
@@ -54,18 +77,47 @@ def hutchinson_diagonal(
         raise ValueError("num_samples must be at least 1.")
     params = list(params)
     if _use_batched(params, batched) and num_samples > 1:
-        replicates = hutchinson_replicates(hvp, params, num_samples, generator, batched)
-        return [torch.stack(block).mean(0) for block in zip(*replicates, strict=True)]
-    estimate = [torch.zeros_like(p) for p in params]
-    for _ in range(num_samples):
-        v = [rademacher_like(p, generator) for p in params]
-        for est, vi, hvi in zip(estimate, v, hvp(v), strict=True):
-            est.add_(vi * hvi)
-    return [est.div_(num_samples) for est in estimate]
+        draws = rademacher_blocks(params, num_samples, generator)
+        products = _batched_products(hvp, draws)
+        if products is not None:
+            return [block.mean(0) for block in products]
+        return _mean_of_loop(hvp, _by_draw(draws))
+    return _mean_of_loop(hvp, ([block[0] for block in rademacher_blocks(params, 1, generator)]
+                               for _ in range(num_samples)))
+
+
+def _mean_of_loop(hvp: BlockHVP, draws) -> list[Tensor]:
+    """(1/M) Σ_m v_m ⊙ H v_m, one product at a time."""
+    estimate, count = None, 0
+    for v in draws:
+        products = [vi * hvi for vi, hvi in zip(v, hvp(v), strict=True)]
+        estimate = products if estimate is None else torch._foreach_add(estimate, products)
+        count += 1
+    assert estimate is not None
+    return torch._foreach_div(estimate, float(count))
 
 
 def _use_batched(params: list[Tensor], batched: bool | None) -> bool:
-    return (params[0].device.type == "cuda") if batched is None else batched
+    if batched is not None:
+        return batched
+    return params[0].device.type == "cuda" or device_path(params[0].device)
+
+
+def _batched_products(hvp: BlockHVP, draws: list[Tensor]) -> list[Tensor] | None:
+    """v_m ⊙ H v_m of every draw, [M, *shape] per block, by one batched product; None where
+    the operator has none or the graph an operator without a batching rule."""
+    if not hasattr(hvp, "batched"):
+        return None
+    try:
+        products = hvp.batched(draws)
+    except RuntimeError:  # an operator without a batching rule for double backward
+        return None
+    return list(torch._foreach_mul(draws, products))
+
+
+def _by_draw(blocks: list[Tensor]) -> list[list[Tensor]]:
+    """[M, *shape] per block as M lists of one tensor per block (views)."""
+    return [list(draw) for draw in zip(*(block.unbind(0) for block in blocks), strict=True)]
 
 
 def hutchinson_replicates(
@@ -81,17 +133,12 @@ def hutchinson_replicates(
     if num_samples < 1:
         raise ValueError("num_samples must be at least 1.")
     params = list(params)
-    draws = [[rademacher_like(p, generator) for p in params] for _ in range(num_samples)]
-    if _use_batched(params, batched) and num_samples > 1 and hasattr(hvp, "batched"):
-        stacked = [torch.stack(block) for block in zip(*draws, strict=True)]
-        try:
-            products = hvp.batched(stacked)
-        except RuntimeError:  # an operator without a batching rule for double backward
-            products = None
+    draws = rademacher_blocks(params, num_samples, generator)
+    if _use_batched(params, batched) and num_samples > 1:
+        products = _batched_products(hvp, draws)
         if products is not None:
-            return [[v[m] * hv[m] for v, hv in zip(stacked, products, strict=True)]
-                    for m in range(num_samples)]
-    return [[vi * hvi for vi, hvi in zip(v, hvp(v), strict=True)] for v in draws]
+            return _by_draw(products)
+    return [[vi * hvi for vi, hvi in zip(v, hvp(v), strict=True)] for v in _by_draw(draws)]
 
 
 def hutchinson_trace(

@@ -27,11 +27,22 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from cockpit.curvature.batched_grad import batched_grad
+
 __all__ = ["HessianVectorProduct", "flatten_tensors", "unflatten_like"]
 
 
 def flatten_tensors(tensors: Sequence[Tensor]) -> Tensor:
-    """Concatenate the flattened tensors into one vector."""
+    """Concatenate the flattened tensors into one vector: one ``_chunk_cat`` (FSDP2's
+    copy-in, where this torch has it) for non-empty plain tensors of at least one
+    dimension, of one dtype and device, outside autograd; not a view or copy per tensor."""
+    tensors = list(tensors)
+    chunk_cat = getattr(torch, "_chunk_cat", None)
+    if chunk_cat is not None and tensors and all(
+            type(t) is Tensor and t.dim() >= 1 and t.numel() and not t.requires_grad
+            and t.dtype == tensors[0].dtype and t.device == tensors[0].device
+            for t in tensors):
+        return chunk_cat(tensors, 0, 1).view(-1)
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
@@ -115,8 +126,9 @@ class HessianVectorProduct:
             retain_graph=True,
             allow_unused=True,
         )
+        # (without create_graph the products are outside autograd: no detach needed)
         return [
-            torch.zeros_like(p) if hv is None else hv.detach()
+            torch.zeros_like(p) if hv is None else hv.detach() if hv.requires_grad else hv
             for hv, p in zip(products, self._params, strict=True)
         ]
 
@@ -136,17 +148,14 @@ class HessianVectorProduct:
         if not active:
             self.num_calls += m
             return [p.new_zeros(m, *p.shape) for p in self._params]
-        products = torch.autograd.grad(
+        products = batched_grad(
             [self._grads[i] for i in active],
             self._params,
-            grad_outputs=[vs[i].to(self._grads[i]) for i in active],
-            retain_graph=True,
-            allow_unused=True,
-            is_grads_batched=True,
+            [vs[i].to(self._grads[i]) for i in active],
         )
         self.num_calls += m
         return [
-            p.new_zeros(m, *p.shape) if hv is None else hv.detach()
+            p.new_zeros(m, *p.shape) if hv is None else hv.detach() if hv.requires_grad else hv
             for hv, p in zip(products, self._params, strict=True)
         ]
 

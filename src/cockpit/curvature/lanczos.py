@@ -124,14 +124,16 @@ def _start_vector(
 
 class KrylovBasis:
     """Orthonormal vectors q_1, …, q_k of length D, kept as the rows of blocks of
-    ``BLOCK`` rows: projections on all of them take two matrix-vector products per block
-    instead of three ops per vector (a GPU waits for the host issuing them), and the basis
-    holds at most ``BLOCK`` − 1 unused rows."""
+    ``BLOCK`` rows, zero where unused, each with its transposed view made once:
+    projections on all of them take two matrix-vector products per block and no other op
+    instead of three ops per vector (a GPU waits for the host issuing them); the zero rows
+    add exact zeros. The basis holds at most ``BLOCK`` − 1 unused rows."""
 
     BLOCK = 4
 
     def __init__(self) -> None:
         self._blocks: list[Tensor] = []
+        self._transposed: list[Tensor] = []
         self._size = 0
 
     def __len__(self) -> int:
@@ -145,14 +147,19 @@ class KrylovBasis:
 
     def append(self, q: Tensor) -> None:
         if self._size == len(self._blocks) * self.BLOCK:
-            self._blocks.append(q.new_empty(self.BLOCK, q.numel()))
-        self._blocks[-1][self._size % self.BLOCK].copy_(q.reshape(-1))
+            block = q.new_zeros(self.BLOCK, q.numel())
+            self._blocks.append(block)
+            self._transposed.append(block.T)
+        self._blocks[-1][self._size % self.BLOCK].copy_(q if q.dim() == 1 else q.reshape(-1))
         self._size += 1
 
     def truncate(self, k: int) -> None:
         """Keep q_1, …, q_k."""
         self._size = min(self._size, k)
-        del self._blocks[-(-self._size // self.BLOCK):]
+        kept = -(-self._size // self.BLOCK)
+        del self._blocks[kept:], self._transposed[kept:]
+        if self._size % self.BLOCK:
+            self._blocks[-1][self._size % self.BLOCK:].zero_()
 
     def _filled(self) -> list[Tensor]:
         """The blocks, the last one cut to its filled rows."""
@@ -166,10 +173,9 @@ class KrylovBasis:
         """``w`` without its components along the basis: classical Gram-Schmidt applied
         twice ("twice is enough": orthogonal to working precision like the modified one),
         Q_bᵀ(Q_b w) removed block by block."""
-        blocks = self._filled()
         for _ in range(2):
-            for block in blocks:
-                w = torch.addmv(w, block.T, block @ w, alpha=-1)
+            for block, transposed in zip(self._blocks, self._transposed, strict=True):
+                w = torch.addmv(w, transposed, block @ w, alpha=-1)
         return w
 
     def combine(self, coefficients: list[float]) -> Tensor:
@@ -262,7 +268,8 @@ def lanczos_max_eigenvalue(
 
     while num_matvecs < max_iter:
         basis.append(q)
-        w = matvec(q).reshape(-1).to(q)
+        w = matvec(q)
+        w = (w if w.dim() == 1 else w.reshape(-1)).to(q)
         num_matvecs += 1
         alpha = torch.dot(q, w)
         w = basis.orthogonalize(w)

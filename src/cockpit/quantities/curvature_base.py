@@ -35,6 +35,7 @@ from cockpit.curvature.diagonal import (
     diagonal_replicates,
     resolve_method,
 )
+from cockpit.curvature.hvp import flatten_tensors
 from cockpit.engine.dtypes import promote
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.readout import Later, Noted
@@ -124,11 +125,7 @@ class DiagonalCurvatureQuantity(Quantity):
                 stacklevel=user_stacklevel())
         n = losses.shape[0]
         if method in STOCHASTIC:  # merge the replicates over the step's backward passes
-            if not self._replicates:
-                self._replicates = [{} for _ in replicates]
-            for total, replicate in zip(self._replicates, replicates, strict=True):
-                for k, d in replicate.items():
-                    total[k] = total[k] + n * d if k in total else n * d
+            self._replicates = _merged(self._replicates, replicates, n)
 
     def _shared(self, method: str, engine: EngineView, losses: Tensor,
                 params: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
@@ -151,8 +148,9 @@ class DiagonalCurvatureQuantity(Quantity):
             names = list(replicates[0])
             wide = [[r[k].to(promote(r[k].dtype, engine.params[k].dtype))
                      for k in names] for r in replicates]
-            totals = (wide[0] if len(wide) == 1
-                      else [sum(parts) for parts in zip(*wide, strict=True)])
+            totals = wide[0]
+            for more in wide[1:]:  # (one multi-tensor kernel per replicate)
+                totals = torch._foreach_add(totals, more)
             # N·(the replicates' mean): one multi-tensor kernel for all parameters
             sums = torch._foreach_mul(totals, n / len(replicates))
             engine.add_sample_sums(self.sample_sum_keys[0], dict(zip(names, sums, strict=True)))
@@ -211,7 +209,10 @@ class DiagonalCurvatureQuantity(Quantity):
                 or stats is None or getattr(stats, "ranks", 1) > 1):
             return None
         n = stats.num_samples
-        return [{k: s / n for k, s in r.items()} for r in self._replicates]
+        names = [list(r) for r in self._replicates]
+        means = iter(torch._foreach_div([s for r in self._replicates for s in r.values()],
+                                        float(n)))  # (one kernel for all of them)
+        return [{k: next(means) for k in keys} for keys in names]
 
     def describe(self, data: StepData, value_name: str, stderr: float | None) -> str:
         """The note on how this step's value was computed."""
@@ -236,6 +237,36 @@ def standard_error(values: list[float]) -> float:
     m = len(values)
     mean = math.fsum(values) / m
     return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (m - 1) / m)
+
+
+def replicate_totals(replicates: list[dict[str, Tensor]]) -> Tensor:
+    """Σ_j of every replicate diagonal over all parameters, float64 [M] on the device: the
+    replicates laid end to end (:func:`flatten_tensors`: one copy where they share dtype
+    and device) and summed per replicate, not one sum per replicate and parameter."""
+    sizes = {sum(d.numel() for d in r.values()) for r in replicates}
+    if len(sizes) > 1:  # (replicates over different parameters: one by one)
+        return torch.stack([flatten_tensors(list(r.values())).sum(dtype=torch.float64)
+                            for r in replicates])
+    flat = flatten_tensors([d for r in replicates for d in r.values()])
+    return flat.view(len(replicates), -1).sum(1, dtype=torch.float64)
+
+
+def _merged(totals: list[dict[str, Tensor]], replicates: list[dict[str, Tensor]],
+            n: int) -> list[dict[str, Tensor]]:
+    """Σ over the step's backward passes of N_b · (replicate m of pass b), per replicate
+    and parameter: ``totals`` (empty at the first pass) plus n · ``replicates``, in one
+    multi-tensor kernel or two for all replicates and parameters."""
+    keys = [list(r) for r in replicates]
+    scaled = iter(torch._foreach_mul([d for r in replicates for d in r.values()], float(n)))
+    new = [{k: next(scaled) for k in names} for names in keys]
+    if not totals:
+        return new
+    if [list(t) for t in totals] != keys:  # (another set of parameters: one by one)
+        return [{**t, **{k: t[k] + d if k in t else d for k, d in r.items()}}
+                for t, r in zip(totals, new, strict=True)]
+    summed = iter(torch._foreach_add([d for t in totals for d in t.values()],
+                                     [d for r in new for d in r.values()]))
+    return [{k: next(summed) for k in names} for names in keys]
 
 
 def _losses_finite(engine: EngineView, losses: Tensor) -> Tensor:

@@ -21,7 +21,11 @@ from torch import Tensor
 from cockpit.curvature.diagonal import GGN
 from cockpit.engine.readout import Noted
 from cockpit.quantities.base import StepData, Values, global_and_per_param
-from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity, standard_error
+from cockpit.quantities.curvature_base import (
+    DiagonalCurvatureQuantity,
+    replicate_totals,
+    standard_error,
+)
 from cockpit.quantities.descriptor import PURPLE, Descriptor, Panel
 
 
@@ -39,15 +43,16 @@ class HessTrace(DiagonalCurvatureQuantity):
         diagonal = self.take_diagonal(data)
         names = list(diagonal)
         replicates = self.replicate_diagonals(data)
-        sums = [_sums(diagonal)] + ([] if replicates is None else [_sums(r) for r in replicates])
         ggn = self.method_used in GGN
+        sums = [_sums(diagonal, ggn)] + ([] if replicates is None
+                                         else [replicate_totals(replicates)])
 
-        def values(per_param_sums, *replicate_sums) -> Noted:
+        def values(per_param_sums, replicate_totals=None) -> Noted:
             per_param = dict(zip(names, map(float, per_param_sums), strict=True))
             out = global_and_per_param("HessTrace", per_param, math.fsum(per_param.values()))
             stderr = None
-            if replicate_sums:
-                stderr = standard_error([math.fsum(map(float, r)) for r in replicate_sums])
+            if replicate_totals is not None:
+                stderr = standard_error([float(t) for t in replicate_totals])
                 out["HessTrace.stderr"] = stderr
             if ggn:
                 out["HessTrace.ggn"] = 1.0
@@ -56,6 +61,12 @@ class HessTrace(DiagonalCurvatureQuantity):
         return self.later_if_finite(finite, values, *sums)
 
 
-def _sums(diagonal: dict[str, Tensor]) -> Tensor:
-    """Σ_j of every parameter's diagonal, float64 [P] on the device."""
+def _sums(diagonal: dict[str, Tensor], non_negative: bool) -> Tensor:
+    """Σ_j of every parameter's diagonal, float64 [P] on the device. A GGN's diagonal is a
+    sum of squares, ≥ 0 entry by entry: its sums are ℓ1 norms, one multi-tensor kernel for
+    all parameters instead of one sum each."""
+    if non_negative and diagonal:
+        return torch.stack(torch._foreach_norm(list(diagonal.values()), ord=1,
+                                               dtype=torch.float64))
     return torch.stack([d.double().sum() for d in diagonal.values()])
+

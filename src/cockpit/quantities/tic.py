@@ -21,10 +21,15 @@ import math
 
 import torch
 
+from cockpit.curvature.hvp import flatten_tensors
 from cockpit.engine.readout import Noted
 from cockpit.engine.statistics import NORMS, SUM_SQ
 from cockpit.quantities.base import StepData, Value, Values, to_float
-from cockpit.quantities.curvature_base import DiagonalCurvatureQuantity, standard_error
+from cockpit.quantities.curvature_base import (
+    DiagonalCurvatureQuantity,
+    replicate_totals,
+    standard_error,
+)
 from cockpit.quantities.descriptor import GREEN, ORANGE, Descriptor, Panel
 
 TIC_PANEL = Panel("TIC", "curvature", "Takeuchi information criterion (TIC)", order=3,
@@ -63,21 +68,24 @@ class TICDiag(_TIC):
         parts = [torch.stack(torch._foreach_norm(ratios, ord=1, dtype=torch.float64))
                  if ratios else torch.zeros(0, dtype=torch.float64)]
         replicates = self.replicate_diagonals(data)
-        if replicates is not None:
+        if replicates is not None and hs:
             # the first-order change of each term with h_j: −s_j / c_j² where h_j > 0
-            slopes = {k: -(ratio / curvature) * (h > 0) / n for k, ratio, curvature, h
-                      in zip(names, ratios, curvatures, hs, strict=True)}
-            parts.append(torch.stack([torch.stack([(slopes[k] * r[k].double()).sum()
-                                                   for k in slopes]) for r in replicates]))
+            # ((h > 0) as max(sign h, 0)), and its sum over j for every replicate: one
+            # matrix-vector product of the replicates laid end to end with the slopes
+            slopes = torch._foreach_mul(torch._foreach_div(ratios, curvatures),
+                                        torch._foreach_clamp_min(torch._foreach_sign(hs), 0.0))
+            torch._foreach_mul_(slopes, -1.0 / n)
+            laid = flatten_tensors([r[k] for r in replicates for k in names])
+            parts.append(laid.view(len(replicates), -1).double() @ flatten_tensors(slopes))
 
-        def values(term_sums, replicate_sums=None) -> Noted:
+        def values(term_sums, replicate_totals=None) -> Noted:
             total = 0.0
             for term in term_sums:
                 total += float(term)
             out: dict[str, Value] = {"TICDiag": total / n}
             stderr = None
-            if replicate_sums is not None:
-                stderr = standard_error([math.fsum(map(float, r)) for r in replicate_sums])
+            if replicate_totals is not None:
+                stderr = standard_error([float(t) for t in replicate_totals])
                 out["TICDiag.stderr"] = stderr
             return Noted(out, {"TICDiag": self.describe(data, "TICDiag", stderr)})
 
@@ -102,8 +110,7 @@ class TICTrace(_TIC):
         stderr = None
         replicates = self.replicate_diagonals(data)
         if replicates is not None:
-            trace_se = standard_error(
-                [math.fsum(to_float(d.double().sum()) for d in r.values()) for r in replicates])
+            trace_se = standard_error(replicate_totals(replicates).tolist())
             stderr = abs(value) * trace_se / abs(trace + self.eps)
             out["TICTrace.stderr"] = stderr
         data.notes["TICTrace"] = self.describe(data, "TICTrace", stderr)

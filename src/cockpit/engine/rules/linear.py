@@ -56,12 +56,12 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
         delta = grad_output * scale if scale != 1.0 else grad_output
         delta_norms = RowNorms(delta)  # ‖δ_n‖: weight and bias
         if weight.requires_grad:
-            grads["weight"] = (OuterSampleGrads(a.detach(), delta) if transposed
-                               else OuterSampleGrads(delta, a.detach(), delta_norms))
+            grads["weight"] = (OuterSampleGrads(_detached(a), delta) if transposed
+                               else OuterSampleGrads(delta, _detached(a), delta_norms))
         if bias is not None and bias.requires_grad:
             grads["bias"] = DenseSampleGrads(delta, None if transposed else delta_norms)
         return grads
-    a_seq = a.detach().reshape(n, -1, a.shape[-1])
+    a_seq = _detached(a).reshape(n, -1, a.shape[-1])
     delta_seq = grad_output.reshape(n, -1, grad_output.shape[-1])
     # g_n = Σ_t (c·δ_{n,t}) a_{n,t}ᵀ = Σ_t δ_{n,t} (c·a_{n,t})ᵀ: the factor c goes into the
     # smaller of the two (GPT-2's output layer: the input, 768 wide, not δ, 50257 wide: no
@@ -77,6 +77,11 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
         summed = delta_seq.sum(1)
         grads["bias"] = DenseSampleGrads(summed * scale if scale_input else summed)
     return grads
+
+
+def _detached(a: Tensor) -> Tensor:
+    """``a`` outside autograd (an input outside it already, e.g. a copy, needs no op)."""
+    return a.detach() if a.requires_grad else a
 
 
 linear_rule.takes_scale = True  # type: ignore[attr-defined]
