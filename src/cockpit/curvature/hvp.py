@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from cockpit.curvature.batched_grad import batched_grad
+from cockpit.engine.chunk_cat import chunk_cat_takes
 
 __all__ = ["HessianVectorProduct", "flatten_tensors", "unflatten_like"]
 
@@ -37,12 +38,11 @@ def flatten_tensors(tensors: Sequence[Tensor]) -> Tensor:
     copy-in, where this torch has it) for non-empty plain tensors of at least one
     dimension, of one dtype and device, outside autograd; not a view or copy per tensor."""
     tensors = list(tensors)
-    chunk_cat = getattr(torch, "_chunk_cat", None)
-    if chunk_cat is not None and tensors and all(
+    if tensors and all(
             type(t) is Tensor and t.dim() >= 1 and t.numel() and not t.requires_grad
             and t.dtype == tensors[0].dtype and t.device == tensors[0].device
-            for t in tensors):
-        return chunk_cat(tensors, 0, 1).view(-1)
+            for t in tensors) and chunk_cat_takes(tensors):
+        return torch._chunk_cat(tensors, 0, 1).view(-1)
     return torch.cat([t.reshape(-1) for t in tensors])
 
 

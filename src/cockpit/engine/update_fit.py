@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cockpit.engine.chunk_cat import chunk_cat_takes
 from cockpit.engine.histograms.device import device_path
 from cockpit.engine.workspace import PARAMETER_SIZED, workspace
 
@@ -450,9 +451,8 @@ def _sum_blocks(per_block: Tensor, group: _Group) -> Tensor:
 def _flat_cat(tensors: list[Tensor], dim: int, out: Tensor) -> None:
     """``tensors`` flattened from ``dim`` on and concatenated there, into ``out``: one op
     (``_chunk_cat``, FSDP2's copy-in, where this torch has it), not a view per tensor."""
-    chunk_cat = getattr(torch, "_chunk_cat", None)
-    if chunk_cat is not None:
-        chunk_cat(tensors, dim, 1, out=out)
+    if chunk_cat_takes(tensors):
+        torch._chunk_cat(tensors, dim, 1, out=out)
         return
     torch.cat([t.flatten(dim) for t in tensors], dim=dim, out=out.flatten(dim))
 
