@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -67,3 +68,15 @@ def interleaved(old, new, repeats: int) -> tuple[float, float]:
             fn()
             times[key].append(time.perf_counter() - start)
     return statistics.median(times["old"]), statistics.median(times["new"])
+
+
+def add_gpt2_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The GPT-2-shaped model's options the memory benchmarks share (sizes, memory budget,
+    warm-up steps, bfloat16 autocast)."""
+    parser.add_argument("--budget", type=int, default=128 * 2**20, help="bytes")
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--autocast", action="store_true", help="bfloat16 autocast")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from _common import run_worker
+from _common import add_gpt2_shape_arguments, run_worker
 
 WORKER = r"""
 import inspect, json, resource, statistics, sys, time
@@ -92,14 +92,8 @@ MODES = (("untracked", "untracked"), ("none", "economy, no budget"),
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--budget", type=int, default=128 * 2**20, help="bytes")
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=2)
+    add_gpt2_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--autocast", action="store_true", help="bfloat16 autocast")
     parser.add_argument("--modes", default="untracked,none,budget",
                         help="which of untracked, none, budget to run")
     args = parser.parse_args()

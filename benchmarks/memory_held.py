@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from _common import run_worker
+from _common import add_gpt2_shape_arguments, run_worker
 
 WORKER = r"""
 import collections, gc, json, re, sys, types
@@ -218,13 +218,7 @@ print(json.dumps({"peak_mib": peak / 2**20, "base_mib": base / 2**20,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=int, default=128 * 2**20, help="bytes")
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--autocast", action="store_true", help="bfloat16 autocast")
+    add_gpt2_shape_arguments(parser)
     parser.add_argument("--min-mib", type=float, default=1.0, help="smallest kind listed")
     args = parser.parse_args()
     results = {}

@@ -149,8 +149,9 @@ def test_flatten_tensors_is_one_copy():
     """Parameter-shaped blocks (a transposed one among them, where this torch's
     ``_chunk_cat`` takes strided inputs) are flattened by one copy and one view, not a view
     or copy per block (on an accelerator each op is a launch)."""
-    from cockpit.engine.chunk_cat import _takes_strided_inputs
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cockpit.engine.chunk_cat import _takes_strided_inputs
 
     class Count(TorchDispatchMode):
         def __init__(self):

@@ -49,6 +49,21 @@ class OpsByFunction(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def second_step_ops(model: nn.Module, cockpit: Cockpit, x: torch.Tensor, y: torch.Tensor
+                    ) -> OpsByFunction:
+    """Two tracked steps of cross-entropy on (x, y); the second one's ops, the ``with``
+    block's end included (it sums the lanes); the first forms the cached edges and lane
+    offsets. Closes ``cockpit``."""
+    counter = OpsByFunction()
+    for step in range(2):
+        model.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        with counter if step == 1 else contextlib.nullcontext(), cockpit(step, losses=losses):
+            losses.mean().backward()
+    cockpit.close()
+    return counter
+
+
 def lane_counts(x: torch.Tensor, spec: BinSpec) -> LaneCounts:
     counts = hmod.histogram_dense_lanes([x], spec)
     assert isinstance(counts, LaneCounts)
@@ -234,15 +249,7 @@ def test_a_steps_lane_sum_ops_do_not_grow_with_the_parameters(forced, monkeypatc
         cockpit = Cockpit(model, [GradHist1d(), GradHist2d()],
                           hist_bins=BinSpec(-1.0, 1.0, 16), strict=True)
         x, y = torch.randn(16, 8), torch.randint(0, 8, (16,))
-        counter = OpsByFunction()
-        for step in range(2):
-            model.zero_grad()
-            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
-            # (outside the block: its end sums the lanes)
-            with counter if step == 1 else contextlib.nullcontext(), cockpit(step,
-                                                                         losses=losses):
-                losses.mean().backward()
-        cockpit.close()
+        counter = second_step_ops(model, cockpit, x, y)
         assert cockpit.get_output()[1]["GradHist1d"]["counts"].sum() == 16 * depth * 72
         assert counter.ops["tally"] == 2 * 2 * depth  # GradHist1d's (add, histc) per parameter
         return counter.ops["sum_lanes"] + counter.ops["finite_counts"]
@@ -267,14 +274,7 @@ def test_a_linear_layer_beyond_2_24_products_in_the_blocks_its_budget_allows(
         x, y = torch.randn(128, 288), torch.randint(0, 512, (128,))
         cockpit = Cockpit(model, [GradHist1d()], hist_bins=symmetric_fast_spec(0.01),
                           strict=True, memory_budget=budget)
-        counter = OpsByFunction()
-        for step in range(2):  # (the first forms the cached edges and lane offsets)
-            model.zero_grad()
-            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
-            with counter if step == 1 else contextlib.nullcontext(), cockpit(step,
-                                                                         losses=losses):
-                losses.mean().backward()
-        cockpit.close()
+        counter = second_step_ops(model, cockpit, x, y)
         return cockpit.get_output()[1]["GradHist1d"], counter.ops
 
     accelerator, ops = run(True)
