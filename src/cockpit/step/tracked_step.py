@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cockpit.engine.capture.batch_gradients import same_layout
 from cockpit.engine.readout import Later
 from cockpit.engine.reduction.step_reduction import StepReduction
 from cockpit.engine.request import StepRequest
@@ -54,8 +55,7 @@ def _holds_copy_of(buffer: Tensor, param: Tensor) -> bool:
     """Whether ``buffer`` (a batch gradient Cockpit owns) can hold a copy of ``param``:
     plain tensors of the same layout, memory apart from the parameter and its gradient."""
     if not (type(buffer) is Tensor and type(param) in (Tensor, torch.nn.Parameter)
-            and buffer.shape == param.shape and buffer.dtype == param.dtype
-            and buffer.device == param.device and buffer.stride() == param.stride()):
+            and same_layout(buffer, param)):
         return False
     address = buffer.untyped_storage().data_ptr()
     grad = param.grad

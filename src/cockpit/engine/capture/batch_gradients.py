@@ -45,7 +45,7 @@ class BatchGradientCopies:
         if not names:
             return
         kept = {k: spare for k in names
-                if (spare := spares.pop(k, None)) is not None and _fits(spare, waiting[k])}
+                if (spare := spares.pop(k, None)) is not None and same_layout(spare, waiting[k])}
         fresh = [k for k in names if k not in kept]
         with torch.no_grad():
             if kept:
@@ -59,6 +59,8 @@ class BatchGradientCopies:
         self.waiting = {}
 
 
-def _fits(spare: Tensor, source: Tensor) -> bool:
-    return (spare.shape == source.shape and spare.dtype == source.dtype
-            and spare.device == source.device and spare.stride() == source.stride())
+def same_layout(buffer: Tensor, source: Tensor) -> bool:
+    """Whether ``buffer`` can take a copy of ``source`` as it is: shape, dtype, device and
+    strides alike."""
+    return (buffer.shape == source.shape and buffer.dtype == source.dtype
+            and buffer.device == source.device and buffer.stride() == source.stride())
