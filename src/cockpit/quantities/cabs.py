@@ -12,6 +12,7 @@ from __future__ import annotations
 from cockpit.engine.statistics import NORMS
 from cockpit.quantities.base import Quantity, StepData, Value, to_float
 from cockpit.quantities.descriptor import Descriptor
+from cockpit.quantities.gradient_tests import sample_sq_norm_total
 
 
 class CABS(Quantity):
@@ -27,7 +28,7 @@ class CABS(Quantity):
             )
             return {"CABS": None}
         n = data.stats.num_samples
-        S = sum(to_float(v.double().square().sum()) for v in data.stats.norms.values())
+        S = sample_sq_norm_total(data)
         G = sum(data.grad_sq_norm(k) for k in data.stats.norms)
         loss = to_float(data.losses.double().mean())
         return {"CABS": data.learning_rate * (S / n - G) / loss}

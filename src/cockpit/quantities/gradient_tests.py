@@ -120,6 +120,16 @@ def sample_norms(data: StepData, names: list[str]) -> Tensor:
         torch.stack([stats.norms[k] for k in names]), dim=1, dtype=torch.float64))
 
 
+def sample_sq_norm_total(data: StepData) -> float:
+    """S = Σ_k Σ_n ‖g_{n,k}‖² over every parameter with individual gradients, read from the
+    device at once (for instruments outside the configurations; from :func:`sample_norms`,
+    which the gradient tests share)."""
+    stats = data.stats
+    assert stats is not None
+    names = list(stats.norms)
+    return float(sample_norms(data, names).square().sum()) if names else 0.0
+
+
 def _d2(gram_mean: dict[str, Tensor], names: list[str]) -> tuple[Tensor, Tensor]:
     """√D2_k = (Σ_n d_{n,k}²)^½ per parameter (squared on the host) and the whole network's
     d_n = Σ_k d_{n,k}, accumulated in float64 (its D2 = Σ_n d_n² is summed on the host:

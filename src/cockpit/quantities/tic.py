@@ -31,6 +31,7 @@ from cockpit.quantities.curvature_base import (
     standard_error,
 )
 from cockpit.quantities.descriptor import GREEN, ORANGE, Descriptor, Panel
+from cockpit.quantities.gradient_tests import sample_sq_norm_total
 
 TIC_PANEL = Panel("TIC", "curvature", "Takeuchi information criterion (TIC)", order=3,
                   readout=("TICDiag", "TICTrace"))
@@ -104,8 +105,7 @@ class TICTrace(_TIC):
         stats = data.stats
         assert stats is not None
         trace = math.fsum(to_float(d.double().sum()) for d in diagonal.values())
-        mean_sq_norm = sum(to_float(v.double().square().sum()) for v in stats.norms.values())
-        value = mean_sq_norm / stats.num_samples / (trace + self.eps)
+        value = sample_sq_norm_total(data) / stats.num_samples / (trace + self.eps)
         out: dict[str, Value] = {"TICTrace": value}
         stderr = None
         replicates = self.replicate_diagonals(data)
