@@ -22,6 +22,15 @@ def _expected(problem) -> tuple[float, float]:
     return float(G.mean(0).norm()), gradient_tests(G)["NormTest"]
 
 
+def _assert_recorded(cockpit: Cockpit, expected: dict[int, tuple[float, float]]) -> None:
+    """Closes ``cockpit``; its GradNorm and NormTest equal ``expected`` (step → values)."""
+    output = cockpit.get_output()
+    cockpit.close()
+    for step, (norm, norm_test) in expected.items():
+        assert abs(output[step]["GradNorm"] - norm) <= 1e-10 * norm, step
+        assert abs(output[step]["NormTest"] - norm_test) <= 1e-10 * norm_test, step
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_edits_of_p_grad_inside_the_block_do_not_reach_the_statistics(set_to_none):
     """``p.grad`` halved in place after the backward pass, inside the ``with`` block:
@@ -39,11 +48,7 @@ def test_edits_of_p_grad_inside_the_block_do_not_reach_the_statistics(set_to_non
             for p in problem.model.parameters():
                 p.grad.mul_(0.5)
         opt.step()
-    output = cockpit.get_output()
-    cockpit.close()
-    for step, (norm, norm_test) in expected.items():
-        assert abs(output[step]["GradNorm"] - norm) <= 1e-10 * norm, step
-        assert abs(output[step]["NormTest"] - norm_test) <= 1e-10 * norm_test, step
+    _assert_recorded(cockpit, expected)
 
 
 def test_a_failed_backward_pass_leaves_the_next_steps_exact():
@@ -82,11 +87,7 @@ def test_a_failed_backward_pass_leaves_the_next_steps_exact():
             optimizer.step()
         for p, q in zip(problem.model.parameters(), twin.parameters(), strict=True):
             assert torch.equal(p, q), step
-    output = cockpit.get_output()
-    cockpit.close()
-    for step, (norm, norm_test) in expected.items():
-        assert abs(output[step]["GradNorm"] - norm) <= 1e-10 * norm, step
-        assert abs(output[step]["NormTest"] - norm_test) <= 1e-10 * norm_test, step
+    _assert_recorded(cockpit, expected)
 
 
 def test_copies_without_spares_take_one_kernel():
