@@ -9,7 +9,7 @@
 #     against the one-by-one loop;
 # (c) benchmarks/gpu_overhead.py: the overhead table beside the original package's H200
 #     numbers, GPT-2 124M, ResNet-18 GroupNorm, Figure 7.
-# About 6 minutes in all (limits: TESTS_SECONDS, 60 s, BENCH_SECONDS + 50 s). Without CUDA
+# About 6 minutes in all (limits: TESTS_SECONDS, CURVATURE_SECONDS, BENCH_SECONDS + 50 s). Without CUDA
 # it checks itself in seconds: the cuda tests skip and a tiny CPU dry run of (c) runs.
 # Outputs: env.txt, cuda_tests.txt, curvature_batched.txt, gpu_overhead.txt,
 # gpu_overhead.json, summary.txt.
@@ -21,6 +21,7 @@ OUT="${OUT:-./gpu_out}"
 mkdir -p "$OUT"
 TESTS_SECONDS="${TESTS_SECONDS:-120}"
 BENCH_SECONDS="${BENCH_SECONDS:-130}"   # cells after this are skipped; the run ends soon after
+CURVATURE_SECONDS="${CURVATURE_SECONDS:-60}"   # 0 skips part (b)
 
 limit() {  # limit SECONDS command...: a wall-clock limit where `timeout` exists
     local seconds=$1; shift
@@ -47,7 +48,7 @@ echo "== (a) tests marked cuda"
 if [ "$cuda" = 1 ]; then
     # the files that hold cuda-marked tests (collecting the rest would import packages,
     # e.g. optuna, that a GPU machine may lack)
-    mapfile -t test_paths < <(grep -l "mark.cuda\|pytestmark.*cuda" tests/test_*.py)
+    mapfile -t test_paths < <(grep -rl --include="test_*.py" "mark.cuda\|pytestmark.*cuda" tests)
 else
     test_paths=(tests/test_cuda.py)   # collecting the whole suite only to skip it is slow
 fi
@@ -58,12 +59,12 @@ tests_rc=${PIPESTATUS[0]}
 echo "cuda tests: exit $tests_rc after $(( $(date +%s) - started )) s"
 
 echo "== (b) benchmarks/curvature_batched.py: batched backpropagations against the loop"
-if [ "$cuda" = 1 ]; then
-    limit 60 "$PY" benchmarks/curvature_batched.py --device cuda --repeats 2 \
+if [ "$cuda" = 1 ] && [ "$CURVATURE_SECONDS" -gt 0 ]; then
+    limit "$CURVATURE_SECONDS" "$PY" benchmarks/curvature_batched.py --device cuda --repeats 2 \
         --problems cifar10_3c3d cifar100_allcnnc 2>&1 | tee "$OUT/curvature_batched.txt"
     curv_rc=${PIPESTATUS[0]}
 else
-    echo "skipped without CUDA (on a CPU: python benchmarks/curvature_batched.py)"
+    echo "skipped (without CUDA, or CURVATURE_SECONDS=0; on a CPU: python benchmarks/curvature_batched.py)"
     curv_rc=0
 fi
 

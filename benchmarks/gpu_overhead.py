@@ -512,8 +512,8 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as error:
                     record["error"] = f"{type(error).__name__}: {error}"[:400]
                 emit(record)
-    for part, run in (("gpt2", gpt2_cells), ("resnet", resnet_cells), ("fig7", fig7_cells),
-                      ("idle", idle_cell)):
+    for part, run in (("gpt2", gpt2_cells), ("resnet", resnet_cells), ("idle", idle_cell),
+                      ("fig7", fig7_cells)):
         if part not in args.parts:
             continue
         if args.out_of_time():

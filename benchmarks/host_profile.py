@@ -1,0 +1,180 @@
+"""Where a tracked step spends the host's time: the step's Python functions (``cProfile``)
+and its device calls (``torch.profiler``), on CUDA where present.
+
+A tracked step on a GPU is bound by the host issuing kernels while the device idles; the
+aten-op count (``op_count.py``) predicts the launches, this shows which of Cockpit's
+functions take the host's time and how much device time a step holds. Models as in
+``op_count.py`` (3C3D, a CIFAR-size ResNet-18 with GroupNorm, a small GPT-2 with AdamW).
+
+    python benchmarks/host_profile.py                         # 3C3D economy, |B| = 128
+    python benchmarks/host_profile.py --model resnet18_gn --config economy --top 30
+    python benchmarks/host_profile.py --device cpu --batch 8 --steps 2   # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cockpit import Cockpit, configuration
+from op_count import MODELS
+
+
+def _to(value, device: str):
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    return value.to(device)
+
+
+def make_step(model_name: str, config: str | None, batch: int, device: str):
+    """One training step of ``model_name`` (tracked by ``config``, or untracked: None)."""
+    torch.manual_seed(0)
+    problem = MODELS[model_name](batch)
+    model = problem.model.to(device)
+    # the optimizer was built over the CPU parameters: .to() moved them in place
+    data = [_to(b, device) for b in problem.batches]
+    opt = problem.optimizer
+    watcher = Cockpit(model, configuration(config), optimizer=opt) if config else None
+
+    def step(i: int) -> None:
+        opt.zero_grad()
+        losses = problem.losses(model, data[i % len(data)])
+        if watcher is None:
+            losses.mean().backward()
+        else:
+            with watcher(i, losses=losses):
+                losses.mean().backward()
+        opt.step()
+
+    return step, watcher
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_time(step, device: str, first: int, steps: int) -> float:
+    times = []
+    for i in range(first, first + steps):
+        _sync(device)
+        start = time.perf_counter()
+        step(i)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def backward_thread_profiled(profilers: list):
+    """Profile the backward pass where autograd runs it on its own thread (CUDA): a second
+    profiler enabled by a hook on that thread, disabled at the end of each backward pass.
+    (Where ``cProfile`` sees every thread, as on Python 3.12, the second one cannot start and
+    the first has the calls already.)"""
+    main_thread = threading.get_ident()
+    extra: list = []
+    active = [False]
+
+    def stop() -> None:
+        extra[0].disable()
+        active[0] = False
+
+    def on_backward(grad: torch.Tensor) -> torch.Tensor:
+        if threading.get_ident() != main_thread and not active[0]:
+            if not extra:
+                extra.append(cProfile.Profile())
+            try:
+                extra[0].enable()
+            except ValueError:
+                return grad
+            active[0] = True
+            torch.autograd.Variable._execution_engine.queue_callback(stop)
+        return grad
+
+    def watch(module, inputs, output) -> None:
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            output.register_hook(on_backward)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(watch)
+    try:
+        yield
+    finally:
+        handle.remove()
+        profilers.extend(p for p in extra if p.getstats())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="3c3d", choices=list(MODELS))
+    parser.add_argument("--config", default="economy", choices=["economy", "business", "full"])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=8, help="profiled tracked steps")
+    parser.add_argument("--top", type=int, default=25, help="functions and ops listed")
+    args = parser.parse_args()
+
+    plain, _ = make_step(args.model, None, args.batch, args.device)
+    tracked, watcher = make_step(args.model, args.config, args.batch, args.device)
+    for i in range(3):
+        plain(i)
+        tracked(i)
+    t_plain = median_time(plain, args.device, 3, args.steps)
+    t_tracked = median_time(tracked, args.device, 3, args.steps)
+    print(f"{args.model} {args.config}, |B| = {args.batch}, {args.device}: tracked "
+          f"{t_tracked * 1e3:.2f} ms, untracked {t_plain * 1e3:.2f} ms "
+          f"({t_tracked / t_plain:.2f}×), medians of {args.steps}")
+
+    profilers = [cProfile.Profile()]
+    first = 3 + args.steps
+    _sync(args.device)
+    with backward_thread_profiled(profilers):
+        profilers[0].enable()
+        for i in range(first, first + args.steps):
+            tracked(i)
+        _sync(args.device)
+        profilers[0].disable()
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        stats = pstats.Stats(*profilers, stream=text)
+        stats.sort_stats(key).print_stats(args.top)
+        print(f"\n== Python functions by {key} over {args.steps} tracked steps "
+              f"({len(profilers)} thread(s) profiled)")
+        print(text.getvalue().replace(str(Path(__file__).parents[1]), ""))
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    first += args.steps
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(first, first + args.steps):
+            tracked(i)
+        _sync(args.device)
+    events = prof.key_averages()
+    print(f"\n== torch.profiler over {args.steps} tracked steps, by self CPU time")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if args.device.startswith("cuda"):
+        print("\n== by device time")
+        print(events.table(sort_by="self_device_time_total", row_limit=args.top))
+        calls = {e.key: e.count for e in events
+                 if e.key.startswith("cuda") and e.key in ("cudaLaunchKernel",
+                 "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaLaunchKernelExC",
+                 "cudaMemsetAsync", "cudaDeviceSynchronize")}
+        print("runtime calls per tracked step:",
+              {k: round(v / args.steps, 1) for k, v in calls.items()})
+    if watcher is not None:
+        watcher.close()
+
+
+if __name__ == "__main__":
+    main()
