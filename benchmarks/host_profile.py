@@ -8,6 +8,7 @@ functions take the host's time and how much device time a step holds. Models as 
 
     python benchmarks/host_profile.py                         # 3C3D economy, |B| = 128
     python benchmarks/host_profile.py --model resnet18_gn --config economy --top 30
+    python benchmarks/host_profile.py --model gpt2_124m --batch 8   # bf16 autocast
     python benchmarks/host_profile.py --device cpu --batch 8 --steps 2   # dry run
 """
 

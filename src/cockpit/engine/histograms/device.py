@@ -68,6 +68,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from cockpit.engine.histograms import fused
+
 _LANES = 32
 COUNTER_LIMIT = 2**24  # counts a float32 counter holds exactly: none receives more
 DEFAULT_BUDGET = 2**29  # scratch bytes of a block where the caller names none (the engine's)
@@ -298,10 +300,22 @@ def dense_tallies(chunks: Sequence[Tensor], edges: Tensor, budget: int | None = 
     """The lane counts of every element of ``chunks`` (any shapes), in blocks whose index
     and spread index (8 bytes a value) fit ``budget``."""
     slots = edges.numel() + 1
-    block = block_size(slots, budget, _INDEX_BYTES + 4)
+    fuse = bool(chunks) and fused.available(chunks[0])
+    block = (fused.block_limit(lanes(slots)) if fuse
+             else block_size(slots, budget, _INDEX_BYTES + 4))
     with torch.no_grad():
-        return [tally(bin_index(piece, edges), slots)
+        return [_tally_values(piece, edges, slots, fuse)
                 for chunk in chunks for piece in _pieces(chunk, block)]
+
+
+def _tally_values(x: Tensor, edges: Tensor, slots: int, fuse: bool,
+                  out: Tensor | None = None) -> Tensor:
+    """Lane counts of ``x``'s search indices: by the one-pass kernel (``fuse``,
+    :mod:`cockpit.engine.histograms.fused`) or by bucketize, add and histc (``out``: a
+    float buffer of x's shape that may receive the spread index)."""
+    if fuse:
+        return fused.tally_values(x, edges, lanes(slots))
+    return tally(bin_index(x, edges), slots, out=out)
 
 
 def lane_counts_1d(tallies: Sequence[Tensor], bins: int) -> LaneCounts:
@@ -366,9 +380,12 @@ def outer_tallies(delta: Tensor, a: Tensor, edges: Tensor, budget: int | None = 
     """The lane counts of the products δ[n, i]·a[n, j], formed in blocks whose products
     buffer (which then holds their spread index) and search index fit ``budget``."""
     slots = edges.numel() + 1
-    block = block_size(slots, budget, delta.element_size() + _INDEX_BYTES)
+    fuse = fused.available(delta)
+    block = block_size(slots, budget, delta.element_size() + (0 if fuse else _INDEX_BYTES))
+    if fuse:
+        block = min(block, fused.block_limit(lanes(slots)))
     with torch.no_grad():
-        return [tally(bin_index(products, edges), slots, out=products)
+        return [_tally_values(products, edges, slots, fuse, out=products)
                 for products in _products(delta, a, block)]
 
 

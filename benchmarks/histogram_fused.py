@@ -1,0 +1,74 @@
+"""The accelerator path's 1-D histogram with the one-pass Triton kernel against its three
+kernels (bucketize, add, histc), on CUDA: GradHist1d's default bins (100 on [−2, 2]) for
+values crowded around zero (gradient elements), values spread over every bin, and the
+products δ[n, i]·a[n, j] of a Linear layer's individual gradients (|B| = 128, 512 × 1152).
+Both paths in one process (``COCKPIT_FUSED_HISTOGRAM`` toggled), CUDA-event medians.
+
+    PYTHONPATH=src python benchmarks/histogram_fused.py [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+
+import torch
+
+from cockpit.engine.histograms import fused
+from cockpit.engine.histograms.exact import BinSpec, histogram_dense, histogram_outer
+
+SPEC = BinSpec(-2.0, 2.0, 100)
+
+
+def cuda_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA (the kernel's values are tested on the CPU in Triton's interpreter)")
+        return
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    n = 2**25
+    delta = torch.randn(128, 512, device="cuda", generator=generator) * 1e-2
+    a = torch.randn(128, 1152, device="cuda", generator=generator)
+    cases = {
+        "2^25 values crowded at 0": (histogram_dense,
+                                     (torch.randn(n, device="cuda", generator=generator)
+                                      * 1e-4,)),
+        "2^25 values over every bin": (histogram_dense,
+                                       (torch.rand(n, device="cuda", generator=generator)
+                                        * 4 - 2,)),
+        "products 128×512×1152": (histogram_outer, (delta, a)),
+    }
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"kernel available: {fused.available(delta)}")
+    print(f"{'case':30s} {'3 kernels ms':>13s} {'fused ms':>9s} {'speed-up':>9s}  equal")
+    for name, (fn, inputs) in cases.items():
+        results, times = {}, {}
+        for flag in ("0", "1"):
+            os.environ["COCKPIT_FUSED_HISTOGRAM"] = flag
+            results[flag] = fn(*inputs, SPEC)
+            times[flag] = cuda_ms(functools.partial(fn, *inputs, SPEC), args.repeats)
+        equal = all(torch.equal(torch.as_tensor(p).cpu(), torch.as_tensor(q).cpu())
+                    for p, q in zip(results["0"], results["1"], strict=True))
+        print(f"{name:30s} {times['0']:13.3f} {times['1']:9.3f} "
+              f"{times['0'] / times['1']:8.2f}×  {equal}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""One-pass lane counts on CUDA: the search index and the count of a block of values in one
+Triton kernel, where the accelerator path otherwise runs three (``bucketize``, ``add``,
+``histc``; :func:`cockpit.engine.histograms.device.tally`) and writes two index tensors of
+the block's size.
+
+Each program of the kernel reads a contiguous range of the values, finds every value's search
+index k(x) = #{s ∈ S : s < x} by a binary search in the sorted edges S (the lower bound that
+``torch.bucketize`` returns: exact at every edge, 0 for −∞, bins + 1 for +∞; NaN, for which no
+comparison holds, is set to bins + 1 as ``bucketize`` returns it), counts them into a private
+histogram (``tl.histogram``, no contended global counter), and adds it once to copy
+ℓ = program mod L of the slots in the float32 lane layout [L · slots] of
+:func:`~cockpit.engine.histograms.device.tally` (the lanes are then summed as before).
+
+Exactness: a float32 counter is exact up to 2^24. A program reads I·B values (B at once, I a
+power of two, a compile-time constant so that few variants are built), the fewest I for which
+at most G = L·k programs cover the block; a lane then receives at most k·I·B < 2n/L + 2k·B
+counts, so blocks of at most L·(2^23 − k·B) values (:func:`block_limit`) keep every counter
+exact.
+
+Used on CUDA where Triton imports (it ships with PyTorch's CUDA builds); elsewhere, and with
+``COCKPIT_FUSED_HISTOGRAM=0``, the three-kernel path runs. The kernel also runs in Triton's
+interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the tests check it
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+from torch import Tensor
+
+_BLOCK = 1024  # values a program reads at once
+_PROGRAMS_PER_LANE = 16  # k: G = L·k programs at most
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    """The Triton kernel, or None where Triton does not import."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # any failure to load means: no fused path
+        return None
+
+    @triton.jit
+    def count(x_ptr, edges_ptr, out_ptr, n,
+              EDGES: tl.constexpr, STEPS: tl.constexpr, SLOTS: tl.constexpr,
+              PADDED: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
+              ITERS: tl.constexpr, WIDEN: tl.constexpr):
+        pid = tl.program_id(0)
+        hist = tl.zeros([PADDED], dtype=tl.int32)
+        for step in range(ITERS):
+            offsets = (pid * ITERS + step) * BLOCK + tl.arange(0, BLOCK)
+            inside = offsets < n
+            x = tl.load(x_ptr + offsets, mask=inside, other=0.0)
+            if WIDEN:  # 16-bit floats compared as float32 (exact)
+                x = x.to(tl.float32)
+            low = tl.zeros([BLOCK], dtype=tl.int32)
+            high = low + EDGES
+            for _ in tl.static_range(STEPS):
+                active = low < high
+                middle = (low + high) // 2
+                edge = tl.load(edges_ptr + middle, mask=active, other=0.0)
+                if WIDEN:
+                    edge = edge.to(tl.float32)
+                below = edge < x
+                low = tl.where(active & below, middle + 1, low)
+                high = tl.where(active & (edge >= x), middle, high)
+            index = tl.where(x != x, EDGES, low)
+            index = tl.where(inside, index, PADDED - 1)  # a spare slot, never read
+            hist += tl.histogram(index, PADDED)
+        slots = tl.arange(0, PADDED)
+        tl.atomic_add(out_ptr + (pid % LANES) * SLOTS + slots, hist.to(tl.float32),
+                      mask=slots < SLOTS, sem="relaxed")
+
+    return count
+
+
+def available(x: Tensor) -> bool:
+    """Whether ``x``'s values can be counted by the kernel: on CUDA (or on the CPU under
+    Triton's interpreter), a floating dtype, Triton importable."""
+    if os.environ.get("COCKPIT_FUSED_HISTOGRAM", "1") == "0" or x.dtype not in _DTYPES:
+        return False
+    on_device = x.is_cuda or (x.device.type == "cpu"
+                              and os.environ.get("TRITON_INTERPRET") == "1")
+    return on_device and _kernel() is not None
+
+
+def block_limit(num_lanes: int) -> int:
+    """The most values one call counts with every float32 counter exact."""
+    return num_lanes * (2**23 - _PROGRAMS_PER_LANE * _BLOCK)
+
+
+def tally_values(x: Tensor, edges: Tensor, num_lanes: int) -> Tensor:
+    """Lane counts [L · slots] (float32, slots = len(edges) + 1) of the search indices of
+    ``x``'s values: the sum over lanes equals that of
+    ``tally(bin_index(x, edges), slots)``. ``x`` has at most :func:`block_limit` values."""
+    n = x.numel()
+    if n > block_limit(num_lanes):
+        raise ValueError(f"{n} values exceed the block of {block_limit(num_lanes)} that "
+                         "keeps every float32 counter exact: split them")
+    slots = edges.numel() + 1
+    out = torch.zeros(num_lanes * slots, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return out
+    reads = -(-n // _BLOCK)
+    iters = 1 << max(0, -(-reads // (num_lanes * _PROGRAMS_PER_LANE)) - 1).bit_length()
+    programs = -(-reads // iters)
+    assert -(-programs // num_lanes) * iters * _BLOCK <= 2**24  # see the module's docstring
+    _kernel()[(programs,)](
+        x.contiguous().view(-1), edges.to(x.dtype).contiguous(), out, n,
+        EDGES=edges.numel(), STEPS=max(1, math.ceil(math.log2(edges.numel() + 1))),
+        SLOTS=slots, PADDED=1 << slots.bit_length(), LANES=num_lanes, BLOCK=_BLOCK,
+        ITERS=iters, WIDEN=x.element_size() == 2)
+    return out

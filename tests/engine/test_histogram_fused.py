@@ -1,0 +1,113 @@
+"""The one-pass histogram kernel (cockpit.engine.histograms.fused) in Triton's interpreter on
+the CPU: its lane counts sum to those of bucketize + add + histc (the accelerator path's
+three kernels, themselves tested against exact arithmetic) for every floating dtype, at
+the edges, for ±∞ and NaN, over many programs and iterations; the accelerator path's
+dense and outer-product tallies take it and count exactly as without it. Each check runs
+in a subprocess: the interpreter is chosen when Triton is imported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_interpreted(code: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
+                                          os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_kernel_counts_equal_the_three_kernel_path_in_every_dtype():
+    run_interpreted("""
+        import math, torch
+        from cockpit.engine.histograms import device as D, fused
+        torch.manual_seed(0)
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            bins = 21
+            thresholds = torch.linspace(-1, 1, bins + 1, dtype=torch.float64)[1:-1].to(dtype)
+            edges = D.search_edges(thresholds)
+            x = (torch.randn(3037, dtype=torch.float64) * 0.7).to(dtype)
+            x[:60] = thresholds[torch.randint(0, bins - 1, (60,))]        # on the edges
+            x[60:80] = torch.nextafter(x[:20], torch.tensor(-math.inf, dtype=dtype))
+            x[80:84] = torch.tensor([math.nan, math.inf, -math.inf, 5.0])
+            slots = edges.numel() + 1
+            L = D.lanes(slots)
+            assert fused.available(x)
+            expected = D.tally(D.bin_index(x, edges), slots).view(L, slots).sum(0)
+            got = fused.tally_values(x, edges, L).view(L, slots).sum(0)
+            assert torch.equal(expected, got), (dtype, expected, got)
+            assert got[0] == 1 and got[-1] == 2  # −∞; +∞ and NaN
+    """)
+
+
+def test_many_programs_and_iterations_count_every_value_once():
+    """Slots for 8 lanes and 300,000 values: 4 reads per program, 74 programs, and the
+    lane of each program's counts below the float32 limit; a block beyond the limit is
+    refused."""
+    run_interpreted("""
+        import torch
+        from cockpit.engine.histograms import device as D, fused
+        torch.manual_seed(1)
+        thresholds = torch.linspace(-3, 3, 999)
+        edges = D.search_edges(thresholds)
+        slots = edges.numel() + 1
+        L = D.lanes(slots)
+        assert L == 8
+        x = torch.randn(300_000)
+        x[::7] = 0.0  # a crowded bin
+        out = fused.tally_values(x, edges, L)
+        expected = torch.bincount(D.bin_index(x, edges).long(), minlength=slots)
+        assert torch.equal(out.view(L, slots).sum(0).long(), expected)
+        assert (out.view(L, slots).sum(1) > 0).all()  # the counts spread over the lanes
+        try:
+            fused.tally_values(torch.zeros(fused.block_limit(L) + 1, dtype=torch.float16),
+                               edges, L)
+        except ValueError as error:
+            assert "split them" in str(error)
+        else:
+            raise AssertionError("a block beyond the limit was counted")
+    """)
+
+
+def test_the_accelerator_path_takes_the_kernel_and_counts_exactly():
+    """Dense values in pieces and a Linear layer's products δ[n, i]·a[n, j] in blocks,
+    with the kernel and without (COCKPIT_FUSED_HISTOGRAM=0), against exact counts."""
+    run_interpreted("""
+        import math, os, torch
+        from unittest import mock
+        from cockpit.engine.histograms import device as D, fused
+        from tests.engine.test_histogram_exact import exact_counts
+        from cockpit.engine.histograms.exact import BinSpec, _search_edges_on
+        torch.manual_seed(2)
+        spec = BinSpec(-0.5, 0.5, 32)
+        edges = _search_edges_on(spec, torch.float32, torch.device("cpu"))
+        x = torch.randn(4, 1000) * 0.3
+        x[0, :3] = torch.tensor([math.nan, math.inf, 0.25])
+        delta, a = torch.randn(6, 40), torch.randn(6, 50)
+        calls = []
+        real = fused.tally_values
+        with D.forced(), mock.patch.object(fused, "tally_values",
+                                           lambda *args: calls.append(1) or real(*args)):
+            dense = D.counts_1d(D.dense_tallies([x], edges, budget=8 * 1500), 32)
+            outer = D.counts_1d(D.outer_tallies(delta, a, edges, budget=4 * 5000), 32)
+            os.environ["COCKPIT_FUSED_HISTOGRAM"] = "0"
+            before = len(calls)
+            plain = D.counts_1d(D.outer_tallies(delta, a, edges, budget=4 * 5000), 32)
+        assert len(calls) == before >= 3, calls  # pieces and blocks; none when disabled
+        assert torch.equal(dense, exact_counts(x[torch.isfinite(x)], spec))
+        products = (delta[:, :, None] * a[:, None, :]).reshape(-1)
+        assert torch.equal(outer, exact_counts(products, spec))
+        assert torch.equal(plain, outer)
+    """)
