@@ -2,9 +2,11 @@
 kernels (bucketize, add, histc), on CUDA: GradHist1d's default bins (100 on [−2, 2]) for
 values crowded around zero (gradient elements), values spread over every bin, and the
 products δ[n, i]·a[n, j] of a Linear layer's individual gradients (|B| = 128, 512 × 1152).
-Both paths in one process (``COCKPIT_FUSED_HISTOGRAM`` toggled), CUDA-event medians.
+Both paths in one process (``COCKPIT_FUSED_HISTOGRAM`` toggled), CUDA-event medians; then
+whole tracked economy steps (``--models``, as in ``host_profile.py``) with the kernel and
+without, alternating in one process (the same Cockpit: only the histogram path differs).
 
-    PYTHONPATH=src python benchmarks/histogram_fused.py [--repeats 20]
+    PYTHONPATH=src python benchmarks/histogram_fused.py [--repeats 20] [--pairs 15]
 """
 
 from __future__ import annotations
@@ -13,8 +15,13 @@ import argparse
 import functools
 import os
 import statistics
+import sys
+import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 from cockpit.engine.histograms import fused
 from cockpit.engine.histograms.exact import BinSpec, histogram_dense, histogram_outer
@@ -35,9 +42,34 @@ def cuda_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def steps_with_and_without(model: str, batch: int, pairs: int) -> dict[str, float]:
+    """Median tracked-step times (ms) with the kernel ("1") and without ("0"), alternating."""
+    from host_profile import make_step
+
+    step, watcher = make_step(model, "economy", batch, "cuda")
+    for i in range(4):
+        os.environ["COCKPIT_FUSED_HISTOGRAM"] = str(i % 2)
+        step(i)
+    times: dict[str, list[float]] = {"0": [], "1": []}
+    for i in range(pairs):
+        for k, flag in enumerate(("0", "1") if i % 2 == 0 else ("1", "0")):
+            os.environ["COCKPIT_FUSED_HISTOGRAM"] = flag
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            step(4 + 2 * i + k)
+            torch.cuda.synchronize()
+            times[flag].append(1e3 * (time.perf_counter() - start))
+    watcher.close()
+    return {flag: statistics.median(t) for flag, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--pairs", type=int, default=15)
+    parser.add_argument("--models", nargs="*", default=["3c3d:128", "resnet18_gn:128",
+                                                         "gpt2_124m:8"],
+                        help="model:batch pairs for whole tracked steps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA (the kernel's values are tested on the CPU in Triton's interpreter)")
@@ -56,7 +88,7 @@ def main() -> None:
         "products 128×512×1152": (histogram_outer, (delta, a)),
     }
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"kernel available: {fused.available(delta)}")
+          f"kernel available: {fused.available(delta, fused.MIN_VALUES)}")
     print(f"{'case':30s} {'3 kernels ms':>13s} {'fused ms':>9s} {'speed-up':>9s}  equal")
     for name, (fn, inputs) in cases.items():
         results, times = {}, {}
@@ -68,6 +100,12 @@ def main() -> None:
                     for p, q in zip(results["0"], results["1"], strict=True))
         print(f"{name:30s} {times['0']:13.3f} {times['1']:9.3f} "
               f"{times['0'] / times['1']:8.2f}×  {equal}")
+    print(f"\n{'tracked economy step':30s} {'3 kernels ms':>13s} {'fused ms':>9s} "
+          f"{'speed-up':>9s}")
+    for spec in args.models:
+        model, batch = spec.split(":")
+        ms = steps_with_and_without(model, int(batch), args.pairs)
+        print(f"{spec:30s} {ms['0']:13.2f} {ms['1']:9.2f} {ms['0'] / ms['1']:8.2f}×")
 
 
 if __name__ == "__main__":

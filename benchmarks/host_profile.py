@@ -9,6 +9,7 @@ functions take the host's time and how much device time a step holds. Models as 
     python benchmarks/host_profile.py                         # 3C3D economy, |B| = 128
     python benchmarks/host_profile.py --model resnet18_gn --config economy --top 30
     python benchmarks/host_profile.py --model gpt2_124m --batch 8   # bf16 autocast
+    python benchmarks/host_profile.py --model gpt2_124m --batch 8   # bf16 autocast
     python benchmarks/host_profile.py --device cpu --batch 8 --steps 2   # dry run
 """
 
@@ -29,7 +30,32 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cockpit import Cockpit, configuration
-from op_count import MODELS
+from op_count import MODELS, Problem
+
+
+def _gpt2_124m(batch: int, length: int = 256) -> Problem:
+    """GPT-2 124M from its config (no weights downloaded), AdamW, bfloat16 autocast on CUDA,
+    T = 256: the GPU baseline's language model."""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
+                                     n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel._from_config(config)
+
+    def losses(m, tokens):
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.is_cuda):
+            logits = m(tokens).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, config.vocab_size), tokens[:, 1:].reshape(-1),
+            reduction="none").view(len(tokens), -1).mean(1)
+
+    return Problem(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                   [torch.randint(0, config.vocab_size, (batch, length)) for _ in range(3)],
+                   losses)
+
+
+MODELS = {**MODELS, "gpt2_124m": _gpt2_124m}
 
 
 def _to(value, device: str):

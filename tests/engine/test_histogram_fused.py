@@ -44,7 +44,7 @@ def test_kernel_counts_equal_the_three_kernel_path_in_every_dtype():
             x[80:84] = torch.tensor([math.nan, math.inf, -math.inf, 5.0])
             slots = edges.numel() + 1
             L = D.lanes(slots)
-            assert fused.available(x)
+            assert fused.available(x, fused.MIN_VALUES) and not fused.available(x)
             expected = D.tally(D.bin_index(x, edges), slots).view(L, slots).sum(0)
             got = fused.tally_values(x, edges, L).view(L, slots).sum(0)
             assert torch.equal(expected, got), (dtype, expected, got)
@@ -98,6 +98,7 @@ def test_the_accelerator_path_takes_the_kernel_and_counts_exactly():
         delta, a = torch.randn(6, 40), torch.randn(6, 50)
         calls = []
         real = fused.tally_values
+        fused.MIN_VALUES = 1000  # the kernel for these small tensors too
         with D.forced(), mock.patch.object(fused, "tally_values",
                                            lambda *args: calls.append(1) or real(*args)):
             dense = D.counts_1d(D.dense_tallies([x], edges, budget=8 * 1500), 32)

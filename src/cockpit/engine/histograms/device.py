@@ -300,7 +300,7 @@ def dense_tallies(chunks: Sequence[Tensor], edges: Tensor, budget: int | None = 
     """The lane counts of every element of ``chunks`` (any shapes), in blocks whose index
     and spread index (8 bytes a value) fit ``budget``."""
     slots = edges.numel() + 1
-    fuse = bool(chunks) and fused.available(chunks[0])
+    fuse = bool(chunks) and fused.available(chunks[0], sum(c.numel() for c in chunks))
     block = (fused.block_limit(lanes(slots)) if fuse
              else block_size(slots, budget, _INDEX_BYTES + 4))
     with torch.no_grad():
@@ -380,7 +380,7 @@ def outer_tallies(delta: Tensor, a: Tensor, edges: Tensor, budget: int | None = 
     """The lane counts of the products δ[n, i]·a[n, j], formed in blocks whose products
     buffer (which then holds their spread index) and search index fit ``budget``."""
     slots = edges.numel() + 1
-    fuse = fused.available(delta)
+    fuse = fused.available(delta, delta.numel() * a.shape[1])
     block = block_size(slots, budget, delta.element_size() + (0 if fuse else _INDEX_BYTES))
     if fuse:
         block = min(block, fused.block_limit(lanes(slots)))

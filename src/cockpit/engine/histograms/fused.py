@@ -33,6 +33,11 @@ import torch
 from torch import Tensor
 
 _BLOCK = 1024  # values a program reads at once
+# Fewer values are counted by the three kernels: the kernel's launch costs the host about
+# 30 µs more than three aten ops, and saves the GPU about 9 ps a value (an H200 counts 2^25
+# values in 0.37 ms instead of 0.66 ms); below 2^22 values a tracked step, bound by the
+# host, gains nothing.
+MIN_VALUES = 2**22
 _PROGRAMS_PER_LANE = 16  # k: G = L·k programs at most
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -80,10 +85,13 @@ def _kernel():
     return count
 
 
-def available(x: Tensor) -> bool:
-    """Whether ``x``'s values can be counted by the kernel: on CUDA (or on the CPU under
-    Triton's interpreter), a floating dtype, Triton importable."""
-    if os.environ.get("COCKPIT_FUSED_HISTOGRAM", "1") == "0" or x.dtype not in _DTYPES:
+def available(x: Tensor, values: int | None = None) -> bool:
+    """Whether ``values`` values like ``x``'s (default: x's own) are counted by the kernel:
+    at least :data:`MIN_VALUES` of them, on CUDA (or on the CPU under Triton's interpreter),
+    a floating dtype, Triton importable."""
+    values = x.numel() if values is None else values
+    if (os.environ.get("COCKPIT_FUSED_HISTOGRAM", "1") == "0" or x.dtype not in _DTYPES
+            or values < MIN_VALUES):
         return False
     on_device = x.is_cuda or (x.device.type == "cpu"
                               and os.environ.get("TRITON_INTERPRET") == "1")

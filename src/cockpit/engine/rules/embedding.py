@@ -57,14 +57,14 @@ class EmbeddingSampleGrads(SampleGrads):
         return self.rows.dtype
 
     def select(self, start: int, stop: int) -> SampleGrads:
-        """Samples start ≤ n < stop: their pairs are one run of the (sample-major) sorted
-        keys."""
-        lo, hi = torch.searchsorted(
-            self.pair_sample, torch.tensor([start, stop], device=self.pair_sample.device)
-        ).tolist()
+        """Samples start ≤ n < stop: the pairs of the other samples become zero rows (the
+        bounds of the samples' run of sorted pairs would be a read of the device; a zero
+        row adds nothing, and a non-finite value of another sample does not leak in)."""
+        inside = (self.pair_sample >= start) & (self.pair_sample < stop)
         part = EmbeddingSampleGrads.__new__(EmbeddingSampleGrads)
-        part.rows, part.pair_token = self.rows[lo:hi], self.pair_token[lo:hi]
-        part.pair_sample = self.pair_sample[lo:hi] - start
+        part.rows = torch.where(inside.unsqueeze(1), self.rows, 0)
+        part.pair_token = self.pair_token
+        part.pair_sample = (self.pair_sample - start).clamp_(0, stop - start - 1)
         part.num_samples, part.shape = stop - start, self.shape
         return part
 
