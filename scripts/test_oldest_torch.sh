@@ -23,8 +23,9 @@ if [ "$(installed)" != "$OLDEST" ]; then
     exit 0
   fi
 fi
-# the project's own dependencies at the tested versions, torch left as it is
-grep -v '^torch==' constraints.txt > "$VENV/constraints.txt"
+# the project's own dependencies at the tested versions, torch (and the triton it pins) left
+# as they are
+grep -v -e '^torch==' -e '^triton==' constraints.txt > "$VENV/constraints.txt"
 "$PYTHON" -m pip install -q -c "$VENV/constraints.txt" . pytest
 if [ "$(installed)" != "$OLDEST" ]; then
   echo "installing the project changed torch to $(installed) (expected $OLDEST)" >&2

@@ -52,6 +52,35 @@ def test_kernel_counts_equal_the_three_kernel_path_in_every_dtype():
     """)
 
 
+def test_uniform_bins_index_by_estimate_and_correction_exactly():
+    """With equal bins the index is estimated from (x − lo)/w and corrected once each way:
+    the counts equal the binary search's for the floats at, just below and just above
+    every edge, tiny and huge values, ±∞ and NaN, in float32 and float64, for the test
+    specs of the exact histograms (2 to 1,000 bins, asymmetric ranges)."""
+    run_interpreted("""
+        import math, torch
+        from cockpit.engine.histograms import device as D, fused
+        from cockpit.engine.histograms.exact import _search_edges_on
+        from tests.engine.test_histogram_exact import SPECS, edge_values, tiny_values
+        torch.manual_seed(3)
+        for spec in SPECS:
+            for dtype in (torch.float32, torch.float64):
+                edges = _search_edges_on(spec, dtype, torch.device("cpu"))
+                finfo = torch.finfo(dtype)
+                special = torch.tensor([math.nan, math.inf, -math.inf, finfo.max, -finfo.max,
+                                        spec.lo - 1e3, spec.hi + 1e3], dtype=dtype)
+                width = spec.hi - spec.lo
+                x = torch.cat([edge_values(spec, dtype), tiny_values(dtype), special,
+                               (torch.rand(4000, dtype=torch.float64) * 1.2 * width
+                                + spec.lo - 0.1 * width).to(dtype)])
+                slots = edges.numel() + 1
+                L = D.lanes(slots)
+                expected = D.tally(D.bin_index(x, edges), slots).view(L, slots).sum(0)
+                got = fused.tally_values(x, edges, L, (spec.lo, spec.hi))
+                assert torch.equal(got.view(L, slots).sum(0), expected), (spec, dtype)
+    """)
+
+
 def test_many_programs_and_iterations_count_every_value_once():
     """Slots for 8 lanes and 300,000 values: 4 reads per program, 74 programs, and the
     lane of each program's counts below the float32 limit; a block beyond the limit is
@@ -102,7 +131,8 @@ def test_the_accelerator_path_takes_the_kernel_and_counts_exactly():
         with D.forced(), mock.patch.object(fused, "tally_values",
                                            lambda *args: calls.append(1) or real(*args)):
             dense = D.counts_1d(D.dense_tallies([x], edges, budget=8 * 1500), 32)
-            outer = D.counts_1d(D.outer_tallies(delta, a, edges, budget=4 * 5000), 32)
+            outer = D.counts_1d(D.outer_tallies(delta, a, edges, budget=4 * 5000,
+                                                uniform=(spec.lo, spec.hi)), 32)
             os.environ["COCKPIT_FUSED_HISTOGRAM"] = "0"
             before = len(calls)
             plain = D.counts_1d(D.outer_tallies(delta, a, edges, budget=4 * 5000), 32)

@@ -295,26 +295,28 @@ def _pieces(x: Tensor, block: int) -> list[Tensor]:
     return list(x.reshape(-1).split(_parts(x.numel(), block)))
 
 
-def dense_tallies(chunks: Sequence[Tensor], edges: Tensor, budget: int | None = DEFAULT_BUDGET
-                  ) -> list[Tensor]:
+def dense_tallies(chunks: Sequence[Tensor], edges: Tensor, budget: int | None = DEFAULT_BUDGET,
+                  uniform: tuple[float, float] | None = None) -> list[Tensor]:
     """The lane counts of every element of ``chunks`` (any shapes), in blocks whose index
-    and spread index (8 bytes a value) fit ``budget``."""
+    and spread index (8 bytes a value) fit ``budget`` (``uniform``: the (lo, hi) of equal
+    bins, which the one-pass kernel uses)."""
     slots = edges.numel() + 1
     fuse = bool(chunks) and fused.available(chunks[0], sum(c.numel() for c in chunks))
     block = (fused.block_limit(lanes(slots)) if fuse
              else block_size(slots, budget, _INDEX_BYTES + 4))
     with torch.no_grad():
-        return [_tally_values(piece, edges, slots, fuse)
+        return [_tally_values(piece, edges, slots, fuse, uniform=uniform)
                 for chunk in chunks for piece in _pieces(chunk, block)]
 
 
 def _tally_values(x: Tensor, edges: Tensor, slots: int, fuse: bool,
-                  out: Tensor | None = None) -> Tensor:
+                  out: Tensor | None = None, uniform: tuple[float, float] | None = None
+                  ) -> Tensor:
     """Lane counts of ``x``'s search indices: by the one-pass kernel (``fuse``,
     :mod:`cockpit.engine.histograms.fused`) or by bucketize, add and histc (``out``: a
     float buffer of x's shape that may receive the spread index)."""
     if fuse:
-        return fused.tally_values(x, edges, lanes(slots))
+        return fused.tally_values(x, edges, lanes(slots), uniform)
     return tally(bin_index(x, edges), slots, out=out)
 
 
@@ -328,9 +330,10 @@ def counts_1d(tallies: Sequence[Tensor], bins: int) -> Tensor:
     return lane_counts_1d(tallies, bins).counts()
 
 
-def dense(x: Tensor, edges: Tensor, bins: int) -> tuple[Tensor, Tensor]:
+def dense(x: Tensor, edges: Tensor, bins: int, uniform: tuple[float, float] | None = None
+          ) -> tuple[Tensor, Tensor]:
     """Counts [bins] of the finite elements of ``x`` and the number of non-finite ones."""
-    counts = counts_1d(dense_tallies([x], edges), bins)
+    counts = counts_1d(dense_tallies([x], edges, uniform=uniform), bins)
     return counts, x.numel() - counts.sum()
 
 
@@ -375,8 +378,8 @@ def _products(delta: Tensor, a: Tensor, block: int) -> Iterator[Tensor]:
         yield torch.mul(d, a3)
 
 
-def outer_tallies(delta: Tensor, a: Tensor, edges: Tensor, budget: int | None = DEFAULT_BUDGET
-                  ) -> list[Tensor]:
+def outer_tallies(delta: Tensor, a: Tensor, edges: Tensor, budget: int | None = DEFAULT_BUDGET,
+                  uniform: tuple[float, float] | None = None) -> list[Tensor]:
     """The lane counts of the products δ[n, i]·a[n, j], formed in blocks whose products
     buffer (which then holds their spread index) and search index fit ``budget``."""
     slots = edges.numel() + 1
@@ -385,13 +388,14 @@ def outer_tallies(delta: Tensor, a: Tensor, edges: Tensor, budget: int | None = 
     if fuse:
         block = min(block, fused.block_limit(lanes(slots)))
     with torch.no_grad():
-        return [_tally_values(products, edges, slots, fuse, out=products)
+        return [_tally_values(products, edges, slots, fuse, out=products, uniform=uniform)
                 for products in _products(delta, a, block)]
 
 
-def outer(delta: Tensor, a: Tensor, edges: Tensor, bins: int) -> tuple[Tensor, Tensor]:
+def outer(delta: Tensor, a: Tensor, edges: Tensor, bins: int,
+          uniform: tuple[float, float] | None = None) -> tuple[Tensor, Tensor]:
     """Counts of the products δ[n, i]·a[n, j] and the number of non-finite ones."""
-    counts = counts_1d(outer_tallies(delta, a, edges), bins)
+    counts = counts_1d(outer_tallies(delta, a, edges, uniform=uniform), bins)
     return counts, delta.shape[0] * delta.shape[1] * a.shape[1] - counts.sum()
 
 

@@ -356,7 +356,7 @@ def _bin_chunk(chunk: Tensor, spec: BinSpec, work: Tensor, index: Tensor) -> Ten
 def histogram_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
     """Counts of all elements of ``x`` (any shape), eq. (15) on stored gradients."""
     if histogram_device.device_path(x.device):
-        return histogram_device.dense(*_on_device(x, spec), spec.bins)
+        return histogram_device.dense(*_on_device(x, spec), spec.bins, (spec.lo, spec.hi))
     flat = x.detach().reshape(-1)
     n = flat.numel()
     if n == 0 or not _fast_path_ok(spec, flat.dtype):
@@ -395,7 +395,8 @@ def histogram_dense_lanes(chunks: Sequence[Tensor], spec: BinSpec,
         tallies = []
         for chunk in chunks:
             tallies += histogram_device.dense_tallies([chunk.to(_device_dtype(chunk.dtype))],
-                                                      _on_device(chunk, spec)[1], budget)
+                                                      _on_device(chunk, spec)[1], budget,
+                                                      uniform=(spec.lo, spec.hi))
         return histogram_device.lane_counts_1d(tallies, spec.bins)
     return _sum([histogram_dense(c, spec)[0] for c in chunks])
 
@@ -644,7 +645,8 @@ def histogram_outer_lanes(delta: Tensor, a: Tensor, spec: BinSpec,
     :func:`cockpit.engine.histograms.device.sum_lanes`) and the products formed in blocks
     whose scratch fits ``budget`` bytes (None: no limit)."""
     if histogram_device.device_path(delta.device):
-        tallies = histogram_device.outer_tallies(*_outer_on_device(delta, a, spec), budget)
+        tallies = histogram_device.outer_tallies(*_outer_on_device(delta, a, spec), budget,
+                                                 uniform=(spec.lo, spec.hi))
         return histogram_device.lane_counts_1d(tallies, spec.bins)
     return histogram_outer(delta, a, spec)[0]
 
@@ -658,7 +660,8 @@ def histogram_outer(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor, in
     product, small layers and unsupported dtypes are materialized block by block.
     """
     if histogram_device.device_path(delta.device):
-        return histogram_device.outer(*_outer_on_device(delta, a, spec), spec.bins)
+        return histogram_device.outer(*_outer_on_device(delta, a, spec), spec.bins,
+                                      (spec.lo, spec.hi))
     delta, a = delta.detach(), a.detach()
     N, I = delta.shape
     J = a.shape[1]
