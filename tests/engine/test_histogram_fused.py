@@ -82,9 +82,8 @@ def test_uniform_bins_index_by_estimate_and_correction_exactly():
 
 
 def test_many_programs_and_iterations_count_every_value_once():
-    """Slots for 8 lanes and 300,000 values: 4 reads per program, 74 programs, and the
-    lane of each program's counts below the float32 limit; a block beyond the limit is
-    refused."""
+    """Slots for 8 lanes, 300,000 values and at most 4 programs per lane: 16 reads per
+    program, 19 programs, several on each lane; a block beyond the limit is refused."""
     run_interpreted("""
         import torch
         from cockpit.engine.histograms import device as D, fused
@@ -96,6 +95,7 @@ def test_many_programs_and_iterations_count_every_value_once():
         assert L == 8
         x = torch.randn(300_000)
         x[::7] = 0.0  # a crowded bin
+        fused.PROGRAMS_PER_LANE = 4
         out = fused.tally_values(x, edges, L)
         expected = torch.bincount(D.bin_index(x, edges).long(), minlength=slots)
         assert torch.equal(out.view(L, slots).sum(0).long(), expected)
