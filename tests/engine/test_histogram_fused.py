@@ -142,3 +142,35 @@ def test_the_accelerator_path_takes_the_kernel_and_counts_exactly():
         assert torch.equal(outer, exact_counts(products, spec))
         assert torch.equal(plain, outer)
     """)
+
+
+def test_a_kernel_that_fails_gives_way_to_the_three_kernels_with_the_same_counts():
+    """A kernel that cannot compile or run (a machine without a compiler for Triton) is
+    reported once and not used again; the counts come from the three kernels."""
+    run_interpreted("""
+        import warnings, torch
+        from cockpit.engine.histograms import device as D, fused
+        from cockpit.engine.histograms.exact import BinSpec, _search_edges_on
+        from tests.engine.test_histogram_exact import exact_counts
+
+        class Failing:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    raise RuntimeError("no C compiler")
+                return launch
+
+        fused._kernel.cache_clear()
+        fused._kernel = lambda: Failing()
+        fused.MIN_VALUES = 1
+        spec = BinSpec(-1.0, 1.0, 20)
+        edges = _search_edges_on(spec, torch.float32, torch.device("cpu"))
+        x = torch.randn(3, 500)
+        with D.forced(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = D.counts_1d(D.dense_tallies([x], edges), 20)
+            second = D.counts_1d(D.dense_tallies([x], edges), 20)
+        assert torch.equal(first, exact_counts(x.reshape(-1), spec))
+        assert torch.equal(second, first)
+        assert len([w for w in caught if "histogram kernel failed" in str(w.message)]) == 1
+        assert "no C compiler" in fused.broken and not fused.available(x)
+    """)

@@ -315,8 +315,11 @@ def _tally_values(x: Tensor, edges: Tensor, slots: int, fuse: bool,
     """Lane counts of ``x``'s search indices: by the one-pass kernel (``fuse``,
     :mod:`cockpit.engine.histograms.fused`) or by bucketize, add and histc (``out``: a
     float buffer of x's shape that may receive the spread index)."""
-    if fuse:
-        return fused.tally_values(x, edges, lanes(slots), uniform)
+    if fuse and fused.broken is None:
+        try:
+            return fused.tally_values(x, edges, lanes(slots), uniform)
+        except Exception as error:  # e.g. no compiler for Triton: count without it
+            fused.disable(error)
     return tally(bin_index(x, edges), slots, out=out)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import torch
 from torch import Tensor
@@ -117,7 +118,20 @@ def available(x: Tensor, values: int | None = None) -> bool:
         return False
     on_device = x.is_cuda or (x.device.type == "cpu"
                               and os.environ.get("TRITON_INTERPRET") == "1")
-    return on_device and _kernel() is not None
+    return on_device and broken is None and _kernel() is not None
+
+
+broken: str | None = None  # why the kernel failed once (then never used again)
+
+
+def disable(error: Exception) -> None:
+    """Stop using the kernel in this process (it failed to compile or run: the three
+    kernels count instead, with the same counts), and say so once."""
+    global broken
+    broken = f"{type(error).__name__}: {error}"[:300]
+    warnings.warn(f"Cockpit's CUDA histogram kernel failed ({broken}); the histograms are "
+                  "counted by three PyTorch kernels instead (same counts, slower)",
+                  RuntimeWarning, stacklevel=2)
 
 
 def block_limit(num_lanes: int) -> int:
