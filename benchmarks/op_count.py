@@ -128,16 +128,20 @@ class CountCalls:
             self.calls["builtins"] += 1
 
 
-def count(config: str | None, batch: int, counter=None, model_name: str = "3c3d"):
-    """The third step's ops (``config`` None: without Cockpit); ``counter``: another
-    context that watches the step (:class:`CountCalls`)."""
+def make_step(model_name: str, config: str | None, batch: int, device: str = "cpu"):
+    """One training step of ``model_name`` (tracked by ``config``, or untracked: None) on
+    ``device``, and its Cockpit (None untracked)."""
     torch.manual_seed(0)
-    model, opt, data, per_sample = MODELS[model_name](batch)
+    problem = MODELS[model_name](batch)
+    model = problem.model.to(device)  # (in place: the optimizer holds the same parameters)
+    data = [tuple(t.to(device) for t in b) if isinstance(b, tuple) else b.to(device)
+            for b in problem.batches]
+    opt = problem.optimizer
     watcher = Cockpit(model, configuration(config), optimizer=opt) if config else None
 
     def step(i: int) -> None:
         opt.zero_grad()
-        losses = per_sample(model, data[i])
+        losses = problem.losses(model, data[i % len(data)])
         if watcher is None:
             losses.mean().backward()
         else:
@@ -145,6 +149,13 @@ def count(config: str | None, batch: int, counter=None, model_name: str = "3c3d"
                 losses.mean().backward()
         opt.step()
 
+    return step, watcher
+
+
+def count(config: str | None, batch: int, counter=None, model_name: str = "3c3d"):
+    """The third step's ops (``config`` None: without Cockpit); ``counter``: another
+    context that watches the step (:class:`CountCalls`)."""
+    step, watcher = make_step(model_name, config, batch)
     step(0)
     step(1)
     counter = CountOps() if counter is None else counter
