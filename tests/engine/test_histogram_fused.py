@@ -174,3 +174,21 @@ def test_a_kernel_that_fails_gives_way_to_the_three_kernels_with_the_same_counts
         assert len([w for w in caught if "histogram kernel failed" in str(w.message)]) == 1
         assert "no C compiler" in fused.broken and not fused.available(x)
     """)
+
+
+def test_grad_hists_through_cockpit_with_the_kernel_equal_the_cpu_path():
+    """GradHist1d and GradHist2d of a CNN with Linear and convolution layers over three
+    steps, every 1-D block counted by the kernel (the 2-D pairs keep their path): the counts
+    equal the CPU path's exactly."""
+    run_interpreted("""
+        import pytest
+        from cockpit.engine.histograms import fused
+        fused.MIN_VALUES = 1
+        calls = []
+        real = fused.tally_values
+        fused.tally_values = lambda *args: calls.append(1) or real(*args)
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "tests/engine/"
+                            "test_histogram_device.py::"
+                            "test_grad_hists_through_cockpit_equal_the_cpu_path"])
+        assert code == 0 and len(calls) >= 3, (code, len(calls))
+    """)
