@@ -63,6 +63,29 @@ def test_float16_and_bfloat16_are_counted_exactly():
         assert torch.equal(regroup(magnitude_counts([h]), spec), _brute(h.double(), spec))
 
 
+def test_magnitude_counts_read_nothing_from_the_device():
+    """The keys of the first tracked step: no op whose output size depends on the data
+    (boolean indexing, bincount, nonzero: each a wait on a GPU); the non-finite values
+    go to a slot that is dropped."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = _awkward_values(torch.float32, 2.0**-6)
+    with Ops() as ops:
+        counts = magnitude_counts(list(x.split(7_001)))
+    assert not ops.names & {"nonzero", "masked_select", "bincount", "_local_scalar_dense",
+                            "index", "unique", "_unique2"}, ops.names
+    assert int(counts.sum()) == int(torch.isfinite(x).sum())
+
+
 @pytest.mark.parametrize("scale", [1e-7, 3e-3, 0.5, 40.0])
 def test_chosen_range_holds_all_but_a_tiny_share_and_is_not_twice_too_wide(scale):
     torch.manual_seed(1)
