@@ -339,8 +339,9 @@ class CallProcessor:
             layer = LayerContext(name, engine)
             with shared_chunks(part, layer):
                 mean = part.batch_mean()
+                # (in place: one parameter-sized sum held, not a new one per chunk)
                 total = (mean * part.num_samples if total is None
-                         else total + mean * part.num_samples)
+                         else total.add_(mean * part.num_samples))
                 for statistic in statistics:
                     if statistic.merge is Merge.NONE:
                         continue
@@ -357,7 +358,7 @@ class CallProcessor:
                         values.setdefault(statistic.name, []).append(value)
             del part, layer
         if total is not None:
-            sg.mean = total / sg.num_samples
+            sg.mean = total.div_(sg.num_samples)
         for statistic in statistics:
             if statistic.merge is Merge.NONE:
                 value = statistic.form(sg, LayerContext(name, engine))

@@ -134,7 +134,7 @@ class SampleGrads(ABC):
     def batch_mean(self) -> Tensor:
         # 1ᵀG is a BLAS matrix-vector product: twice as fast as a reduction over dim 0
         total = total_of(c.new_ones(c.shape[0]) @ _rows(c) for c in self.chunks())
-        return self.from_rows(total) / self.num_samples
+        return self.from_rows(total.div_(self.num_samples))  # (in place: a fresh sum)
 
     def gram_mean(self) -> Tensor:
         return self.dots(self.batch_mean())
@@ -331,7 +331,7 @@ class OuterSampleGrads(SampleGrads):
         return self.norms().square()
 
     def batch_mean(self) -> Tensor:
-        return self.delta.T @ self.a / self.num_samples
+        return (self.delta.T @ self.a).div_(self.num_samples)
 
     def gram_mean(self) -> Tensor:
         n, (i, j) = self.num_samples, self.shape
@@ -427,7 +427,7 @@ class SequenceOuterSampleGrads(SampleGrads):
         return self._chunk_norms() ** 2
 
     def batch_mean(self) -> Tensor:
-        return torch.einsum("nti,ntj->ij", self.delta, self.a) / self.num_samples
+        return torch.einsum("nti,ntj->ij", self.delta, self.a).div_(self.num_samples)
 
     def dots(self, u: Tensor) -> Tensor:
         return ((self.delta @ u.reshape(self.shape).to(self.delta.dtype)) * self.a).sum((1, 2))
