@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cockpit.engine.histograms.exact import BinSpec
 
@@ -176,3 +177,16 @@ def edge_neighbours(spec: BinSpec, dtype: torch.dtype, steps: int = 2) -> torch.
             e = torch.nextafter(e, torch.full_like(e, direction))
             out.append(e)
     return torch.cat(out)
+
+
+class OpNames(TorchDispatchMode):
+    """The names of the aten ops run inside it (which ops a computation issues: e.g. none
+    whose output size depends on the data, a wait on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))

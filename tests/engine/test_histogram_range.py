@@ -21,7 +21,7 @@ from cockpit.engine.histograms.auto_range import (
     regroup,
 )
 from tests.models import make_problem
-from tests.reference import bin_indices, flat, individual_gradients, same_histogram
+from tests.reference import OpNames, bin_indices, flat, individual_gradients, same_histogram
 
 
 def _brute(values: torch.Tensor, spec: BinSpec) -> torch.Tensor:
@@ -67,19 +67,8 @@ def test_magnitude_counts_read_nothing_from_the_device():
     """The keys of the first tracked step: no op whose output size depends on the data
     (boolean indexing, bincount, nonzero: each a wait on a GPU); the non-finite values
     go to a slot that is dropped."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     x = _awkward_values(torch.float32, 2.0**-6)
-    with Ops() as ops:
+    with OpNames() as ops:
         counts = magnitude_counts(list(x.split(7_001)))
     assert not ops.names & {"nonzero", "masked_select", "bincount", "_local_scalar_dense",
                             "index", "unique", "_unique2"}, ops.names

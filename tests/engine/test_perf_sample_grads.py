@@ -25,6 +25,7 @@ from cockpit.engine.rules.sample_grads import (
     SampleGrads,
     SequenceOuterSampleGrads,
 )
+from tests.reference import OpNames
 
 CONVS = {
     "conv1d_stride_dilation": (nn.Conv1d(4, 6, 3, stride=2, dilation=2, padding=1), (4, 17)),
@@ -296,18 +297,7 @@ def test_embedding_rule_matches_torch_func_without_reading_the_device(padding_id
     """Repeated tokens within a sample share one row (summed), padding contributes nothing,
     and forming the representation issues no op whose output size depends on the data (a
     wait on a GPU: ``unique``, ``nonzero``, reads of a value)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from cockpit.engine.rules.embedding import embedding_rule
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(6)
     module = nn.Embedding(7, 3, padding_idx=padding_idx).double()
@@ -315,13 +305,14 @@ def test_embedding_rule_matches_torch_func_without_reading_the_device(padding_id
     out = module(tokens)
     delta = torch.randn_like(out)
     reference = individual_grads(module, tokens, delta)["weight"]
-    with Ops() as ops:
+    with OpNames() as ops:
         sg = embedding_rule(module, (tokens,), {}, out, delta)["weight"]
     assert not ops.names & {"unique", "_unique2", "unique_consecutive", "nonzero",
                             "_local_scalar_dense", "masked_select"}, ops.names
     check_all(sg, reference, "embedding")
     for start, stop in ((0, 1), (1, 3), (3, 4)):
-        with Ops() as ops, mock.patch.object(torch.Tensor, "tolist", side_effect=AssertionError):
+        no_reads = mock.patch.object(torch.Tensor, "tolist", side_effect=AssertionError)
+        with OpNames() as ops, no_reads:
             part = sg.select(start, stop)
             dense = part.materialize()
         torch.testing.assert_close(dense, reference[start:stop])
