@@ -110,8 +110,11 @@ class _ViewState:
             self._wake.wait(timeout=self.refresh_seconds)
             self._wake.clear()
 
-    def _stale(self, state: tuple, size: tuple[int, int] | None) -> bool:
-        drawn = self.drawn
+    def _stale(self, state: tuple, size: tuple[int, int] | None,
+               drawn: dict[str, Any] | None = None) -> bool:
+        """Whether ``drawn`` (default: the last drawing) no longer shows ``state`` at
+        ``size``."""
+        drawn = self.drawn if drawn is None else drawn
         if drawn is None or drawn["state"] != state:
             return True
         old = drawn["size"]
@@ -145,8 +148,9 @@ class _ViewState:
         """Wait until the drawing shows the run log's current state (for tests)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            drawn = self.drawn
-            if drawn is not None and not self._stale(self._key(self.status()), self.size_px):
+            drawn = self.drawn  # (judged as read: the renderer may replace it meanwhile)
+            if drawn is not None and not self._stale(self._key(self.status()), self.size_px,
+                                                     drawn):
                 return drawn
             self.wake()
             time.sleep(0.05)
