@@ -179,6 +179,18 @@ def test_a_language_models_step_waits_for_the_device_once(monkeypatch, one_threa
     assert waits <= 1
 
 
+def test_a_language_models_economy_step_issues_few_ops(monkeypatch, one_thread):
+    """Economy on a small GPT-2 with AdamW against its step without Cockpit, both on the
+    accelerator path: 2.8× at |B| = 4 (3.7× before transformers' Conv1D took the Linear
+    rule and the Embedding rule stopped calling ``unique``). A regression bound a little
+    above today's."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    tracked, _, _ = count_step(monkeypatch, "economy", batch=4, problem=language_problem)
+    untracked, _, _ = count_step(monkeypatch, None, batch=4, problem=language_problem)
+    ratio = sum(tracked.values()) / sum(untracked.values())
+    assert ratio <= 3.0, (ratio, tracked.most_common(8))
+
+
 def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
     """Economy on 3C3D against the same step without Cockpit, both on the accelerator path:
     3.3× at |B| = 32 (21× when the step still read the device per number; the history of the
