@@ -15,6 +15,7 @@ import contextlib
 import traceback
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -88,8 +89,15 @@ def language_problem(device: str, batch: int):
     return model, opt, losses
 
 
+class StepCount(NamedTuple):
+    ops: collections.Counter  # aten ops by name
+    reads: collections.Counter  # host reads (.item(), .tolist(), .cpu()) by Cockpit's line
+    waits: int  # readout waits
+    sync_callers: collections.Counter  # sync ops by name and Cockpit's line (None: not ours)
+
+
 def count_step(monkeypatch, config: str | None, device="cpu", batch=32,
-               around=contextlib.nullcontext, problem=image_problem, **options):
+               around=contextlib.nullcontext, problem=image_problem, **options) -> StepCount:
     """aten ops, host reads (where) and readout waits of the third step of ``problem``
     (3C3D by default; run inside ``around()``; ``options``: Cockpit's)."""
     torch.manual_seed(0)
@@ -137,8 +145,7 @@ def count_step(monkeypatch, config: str | None, device="cpu", batch=32,
         output = cockpit.get_output()
         cockpit.close()
         assert output[1]["Alpha"] is not None and output[2]["NormTest"] is not None
-    count_step.sync_callers = counter.sync_callers
-    return counter.ops, reads, waits[0]
+    return StepCount(counter.ops, reads, waits[0], counter.sync_callers)
 
 
 @pytest.mark.parametrize("config", ["economy", "business", "full"])
@@ -151,7 +158,7 @@ def test_a_tracked_step_waits_for_the_device_at_most_a_few_times(config, monkeyp
     check of the losses and Lanczos's reads of its coefficients, one per 4 products (16
     products here: 4 reads)."""
     monkeypatch.setattr(histogram_device, "_forced", True)
-    ops, reads, waits = count_step(monkeypatch, config)
+    ops, reads, waits, _ = count_step(monkeypatch, config)
     syncs = {k: v for k, v in ops.items() if k in SYNC_OPS}
     bound = {"economy": 1, "business": 1, "full": 10}[config]
     if config != "full":
@@ -168,12 +175,12 @@ def test_a_language_models_step_waits_for_the_device_once(monkeypatch, one_threa
     count is read on the host, as AdamW itself reads it: a CPU tensor of the optimizer's
     state (fused and capturable Adam keep it on the device; they take the general path)."""
     monkeypatch.setattr(histogram_device, "_forced", True)
-    _, reads, waits = count_step(monkeypatch, "economy", batch=4, problem=language_problem,
-                                 memory_budget=2**16)
-    syncs = {k: v for k, v in count_step.sync_callers.items()
+    _, reads, waits, sync_callers = count_step(monkeypatch, "economy", batch=4,
+                                               problem=language_problem, memory_budget=2**16)
+    syncs = {k: v for k, v in sync_callers.items()
              if not k.endswith(" None") and "update_prediction.py" not in k}
     assert syncs == {}, syncs
-    assert any("update_prediction.py" in k for k in count_step.sync_callers)
+    assert any("update_prediction.py" in k for k in sync_callers)
     device_reads = {k: v for k, v in reads.items() if "update_prediction.py" not in k}
     assert sum(device_reads.values()) <= 1, reads
     assert waits <= 1
@@ -185,10 +192,10 @@ def test_a_language_models_economy_step_issues_few_ops(monkeypatch, one_thread):
     rule and the Embedding rule stopped calling ``unique``). A regression bound a little
     above today's."""
     monkeypatch.setattr(histogram_device, "_forced", True)
-    tracked, _, _ = count_step(monkeypatch, "economy", batch=4, problem=language_problem)
-    untracked, _, _ = count_step(monkeypatch, None, batch=4, problem=language_problem)
-    ratio = sum(tracked.values()) / sum(untracked.values())
-    assert ratio <= 3.0, (ratio, tracked.most_common(8))
+    tracked = count_step(monkeypatch, "economy", batch=4, problem=language_problem)
+    untracked = count_step(monkeypatch, None, batch=4, problem=language_problem)
+    ratio = sum(tracked.ops.values()) / sum(untracked.ops.values())
+    assert ratio <= 3.0, (ratio, tracked.ops.most_common(8))
 
 
 def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
@@ -196,10 +203,10 @@ def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
     3.3× at |B| = 32 (21× when the step still read the device per number; the history of the
     ops removed is in git). The goal is 3×: a regression bound a little above today's."""
     monkeypatch.setattr(histogram_device, "_forced", True)
-    tracked, _, _ = count_step(monkeypatch, "economy")
-    untracked, _, _ = count_step(monkeypatch, None)
-    ratio = sum(tracked.values()) / sum(untracked.values())
-    assert ratio <= 3.5, (ratio, tracked.most_common(8))
+    tracked = count_step(monkeypatch, "economy")
+    untracked = count_step(monkeypatch, None)
+    ratio = sum(tracked.ops.values()) / sum(untracked.ops.values())
+    assert ratio <= 3.5, (ratio, tracked.ops.most_common(8))
 
 
 @pytest.mark.parametrize("config,bound", [("business", 5.6), ("full", 34.0)])
@@ -210,10 +217,10 @@ def test_tracked_curvature_steps_issue_few_ops(config, bound, monkeypatch, one_t
     per-vector work took multi-tensor ops and batched kernels). Regression bounds a little
     above today's."""
     monkeypatch.setattr(histogram_device, "_forced", True)
-    tracked, _, _ = count_step(monkeypatch, config)
-    untracked, _, _ = count_step(monkeypatch, None)
-    ratio = sum(tracked.values()) / sum(untracked.values())
-    assert ratio <= bound, (ratio, tracked.most_common(8))
+    tracked = count_step(monkeypatch, config)
+    untracked = count_step(monkeypatch, None)
+    ratio = sum(tracked.ops.values()) / sum(untracked.ops.values())
+    assert ratio <= bound, (ratio, tracked.ops.most_common(8))
 
 
 @pytest.mark.cuda
