@@ -69,8 +69,8 @@ def magnitude_counts(chunks: Iterable[Tensor]) -> Tensor:
         keys = _keys(chunk.detach().reshape(-1))
         if counts is None:
             counts = torch.zeros(MAGNITUDE_KEYS + 1, dtype=torch.int64, device=keys.device)
+            one = torch.ones(1, dtype=torch.int64, device=keys.device)
         # (not bincount, which reads the largest key from the device for its output size)
-        one = torch.ones(1, dtype=torch.int64, device=keys.device)
         counts.index_add_(0, keys, one.expand(keys.numel()))
     if counts is None:
         return torch.zeros(MAGNITUDE_KEYS, dtype=torch.int64)
