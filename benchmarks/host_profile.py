@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import io
 import pstats
 import statistics
@@ -29,32 +30,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from op_count import MODELS, Problem, make_step
+from op_count import MODELS, gpt2_problem, make_step
 
-
-def _gpt2_124m(batch: int, length: int = 256) -> Problem:
-    """GPT-2 124M from its config (no weights downloaded), AdamW, bfloat16 autocast on CUDA,
-    T = 256: the GPU baseline's language model."""
-    import transformers
-
-    config = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
-                                     n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel._from_config(config)
-
-    def losses(m, tokens):
-        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.is_cuda):
-            logits = m(tokens).logits[:, :-1]
-        return torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, config.vocab_size), tokens[:, 1:].reshape(-1),
-            reduction="none").view(len(tokens), -1).mean(1)
-
-    return Problem(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                   [torch.randint(0, config.vocab_size, (batch, length)) for _ in range(3)],
-                   losses)
-
-
-MODELS["gpt2_124m"] = _gpt2_124m  # (op_count's table: make_step builds from it)
+# GPT-2 124M (the GPU baseline's language model, bf16 autocast on CUDA), T = 256
+MODELS["gpt2_124m"] = functools.partial(gpt2_problem, vocab=50257, length=256, n_layer=12,
+                                        n_embd=768, n_head=12, autocast=True)
 
 
 def _sync(device: str) -> None:

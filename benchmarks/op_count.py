@@ -63,19 +63,24 @@ def _image_problem(make: Callable[[], nn.Module], batch: int) -> Problem:
                    lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"))
 
 
-def _gpt2_problem(batch: int, vocab: int = 1000, length: int = 32) -> Problem:
-    """A small ``transformers`` GPT-2 (2 blocks, width 64) trained by AdamW: ℓ_n the mean
-    next-token loss of sequence n."""
+def gpt2_problem(batch: int, vocab: int = 1000, length: int = 32, n_layer: int = 2,
+                 n_embd: int = 64, n_head: int = 2, autocast: bool = False) -> Problem:
+    """A ``transformers`` GPT-2 from its config (by default small: 2 blocks, width 64)
+    trained by AdamW: ℓ_n the mean next-token loss of sequence n (``autocast``: the forward
+    pass in bfloat16 on CUDA)."""
     import transformers
 
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=vocab,
-                                     n_positions=length, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                                     vocab_size=vocab, n_positions=length, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                     eos_token_id=0)
     model = transformers.GPT2LMHeadModel._from_config(config)
 
     def losses(m: nn.Module, tokens: Tensor) -> Tensor:
-        logits = m(tokens).logits[:, :-1]
-        return F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1),
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16,
+                            enabled=autocast and tokens.is_cuda):
+            logits = m(tokens).logits[:, :-1]
+        return F.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1),
                                reduction="none").view(len(tokens), -1).mean(1)
 
     return Problem(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
@@ -85,7 +90,7 @@ def _gpt2_problem(batch: int, vocab: int = 1000, length: int = 32) -> Problem:
 MODELS: dict[str, Callable[[int], Problem]] = {
     "3c3d": lambda batch: _image_problem(cifar10_3c3d, batch),
     "resnet18_gn": lambda batch: _image_problem(resnet18_groupnorm, batch),
-    "gpt2": _gpt2_problem,
+    "gpt2": gpt2_problem,
 }
 
 
