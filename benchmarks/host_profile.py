@@ -9,8 +9,12 @@ functions take the host's time and how much device time a step holds. Models as 
     python benchmarks/host_profile.py                         # 3C3D economy, |B| = 128
     python benchmarks/host_profile.py --model resnet18_gn --config economy --top 30
     python benchmarks/host_profile.py --model gpt2_124m --batch 8   # bf16 autocast
-    python benchmarks/host_profile.py --model gpt2_124m --batch 8   # bf16 autocast
     python benchmarks/host_profile.py --device cpu --batch 8 --steps 2   # dry run
+    python benchmarks/host_profile.py --device cpu --path accelerator  # as on a GPU
+
+``--path accelerator`` takes the accelerators' histogram path on any device (as
+``op_count.py`` does); on the CPU its kernels (``bucketize``, ``histc``) are slow, so the
+times there are no proxy for a GPU's host.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from cockpit.engine.histograms import device as histogram_device
 
 sys.path.insert(0, str(Path(__file__).parent))
 from op_count import MODELS, gpt2_problem, make_step
@@ -99,7 +105,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=8, help="profiled tracked steps")
     parser.add_argument("--top", type=int, default=25, help="functions and ops listed")
+    parser.add_argument("--path", default="auto", choices=["auto", "accelerator"],
+                        help="accelerator: the accelerators' histogram path on any device")
     args = parser.parse_args()
+    if args.path == "accelerator":
+        histogram_device._forced = True
 
     plain, _ = make_step(args.model, None, args.batch, args.device)
     tracked, watcher = make_step(args.model, args.config, args.batch, args.device)

@@ -15,6 +15,7 @@ from cockpit.engine.update_prediction import (
     _find_group,
     match_update,
     predict_update,
+    predict_updates,
     sgd_update_basis,
     supports,
     unsupported_reason,
@@ -509,3 +510,78 @@ def test_next_step_counts_as_the_optimizer_does(value, dtype):
     step = torch.tensor(value, dtype=dtype)
     assert _next_step({"step": step}) == (step + 1).item()
     assert _next_step({"step": int(value)}) == value + 1
+
+
+BATCHED_CASES = ([(torch.optim.Adam, c) for c in ADAM_CASES]
+                 + [(torch.optim.AdamW, c) for c in ADAMW_CASES]
+                 + [(torch.optim.SGD, SGD_CASES[5]), (torch.optim.RMSprop, RMSPROP_CASES[3]),
+                    (torch.optim.Adagrad, ADAGRAD_CASES[5])])
+
+
+@pytest.mark.parametrize("case", BATCHED_CASES, ids=case_id)
+def test_batched_prediction_equals_one_at_a_time_and_the_real_step(case):
+    """``predict_updates`` (multi-tensor kernels for Adam/AdamW, two param groups) gives
+    the single-tensor predictions bit for bit, leaves the state alone, and equals the real
+    update (bit for bit where the optimizer takes its single-tensor path)."""
+    cls, kwargs = case
+    model = make_model()
+    optimizer = make_optimizer(cls, model, kwargs)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):  # the first step (no state) and two with state
+        backward(model, gen)
+        params = list(model.parameters())
+        grads = [p.grad.clone() for p in params]
+        state_before = snapshot_state(optimizer)
+        batched = predict_updates(optimizer, params, grads)
+        assert_same_state(state_before, snapshot_state(optimizer))
+        single = [predict_update(optimizer, p, g) for p, g in zip(params, grads, strict=True)]
+        assert all(b is not None and torch.equal(b, s)
+                   for b, s in zip(batched, single, strict=True))
+        old = [p.detach().clone() for p in params]
+        optimizer.step()
+        for b, p, o in zip(batched, params, old, strict=True):
+            if kwargs.get("foreach"):
+                assert relative_error(b, p.detach() - o) <= 1e-12
+            else:
+                assert torch.equal(b, p.detach() - o)
+
+
+def test_batched_adam_prediction_is_a_fixed_number_of_kernels():
+    """Adam's batched prediction issues the same kernels for 2 parameters as for 40 (one
+    multi-tensor kernel per operation, nothing per parameter but the read of its step
+    count, a CPU tensor that AdamW reads on the host too)."""
+
+    def ops(count: int) -> Count:
+        params = [nn.Parameter(torch.randn(3 + i)) for i in range(count)]
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        grads = [torch.randn_like(p) for p in params]
+        with Count() as counted:
+            updates = predict_updates(optimizer, params, grads)
+        assert all(u is not None for u in updates)
+        assert counted.ops.pop("_local_scalar_dense") == count
+        return counted
+
+    few, many = ops(2), ops(40)
+    assert few.ops == many.ops
+    assert all(name.startswith("_foreach_") for name in many.ops)
+
+
+def test_batched_prediction_leaves_out_what_it_cannot_predict():
+    """A parameter the optimizer does not own, a wrong shape and state that does not fit
+    the options give None for that parameter alone; an unsupported optimizer for all."""
+    model = make_model()
+    params = list(model.parameters())
+    backward(model, torch.Generator().manual_seed(2))
+    grads = [p.grad for p in params]
+    adam = torch.optim.Adam(params[:3], lr=0.01, amsgrad=True)
+    adam.step()
+    del adam.state[params[1]]["max_exp_avg_sq"]
+    wrong = [grads[0], grads[1], grads[2].reshape(-1), grads[3]]
+    updates = predict_updates(adam, params, wrong)
+    assert [u is None for u in updates] == [False, True, True, True]
+    assert torch.equal(updates[0], predict_update(adam, params[0], grads[0]))
+    lbfgs = torch.optim.LBFGS(params)
+    assert predict_updates(lbfgs, params, grads) == [None] * 4

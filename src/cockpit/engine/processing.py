@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from cockpit.engine.capture.end_of_backward import queue_at_end_of_backward
 from cockpit.engine.dtypes import promote
 from cockpit.engine.rules.batchnorm_frozen import (
     FROZEN_STATISTICS,
@@ -80,6 +81,12 @@ GRADIENT = _Gradient()
 was given: the tracker then takes g_nᵀ(gradient) from g_nᵀḡ where that is this backward's
 own gradient (a closed form for Linear layers, one shared row otherwise)."""
 
+BATCHED_DOTS_BYTES = 2**20
+"""Individual gradients of at most this many bytes (biases, normalization weights) wait for
+the end of the backward pass, where a provider that predicts many parameters at once
+(``many``) gives the directions of all of them together (Adam: a few multi-tensor kernels
+instead of nine per parameter)."""
+
 
 class CallProcessor:
     """Reduces the recorded calls of one tracked backward pass (see the module docstring).
@@ -94,12 +101,15 @@ class CallProcessor:
         self.accumulated: dict[str, DenseSampleGrads | CallSum] = {}
         # parameter → its individual gradients, waiting for the parameter's gradient
         self.pending: dict[str, SampleGrads] = {}
+        # small parameters' individual gradients, waiting for the end of the backward pass
+        # (their directions are predicted together there: ``reduce_dots``)
+        self.batched: dict[str, SampleGrads] = {}
         # calls kept (inputs and individual output gradients) for later projections
         self.kept_calls: list[Call] = []
 
     def begin(self) -> None:
         """Forget what an earlier backward pass left."""
-        self.accumulated, self.pending, self.kept_calls = {}, {}, []
+        self.accumulated, self.pending, self.kept_calls, self.batched = {}, {}, [], {}
 
     def fail(self, message: str) -> None:
         """Record why the per-sample statistics of this backward pass are invalid."""
@@ -376,10 +386,16 @@ class CallProcessor:
     def reduce_dots_guarded(self, name: str, sg: SampleGrads) -> None:
         self.guarded(name, self.reduce_dots, name, sg)
 
-    def reduce_dots(self, name: str, sg: SampleGrads) -> None:
+    def reduce_dots(self, name: str, sg: SampleGrads, bases: dict | None = None) -> None:
         """The statistics that are dot products g_nᵀu — with ḡ (GRAM_MEAN), with the
         directions known before the backward and with those the providers compute from the
-        gradient the optimizer sees — in one pass over the individual gradients."""
+        gradient the optimizer sees — in one pass over the individual gradients.
+
+        A small parameter (:data:`BATCHED_DOTS_BYTES`) whose directions a provider predicts
+        for many parameters at once waits for the end of the backward pass
+        (:meth:`reduce_batched`); ``bases``: the providers' directions, given there."""
+        if bases is None and self._waits_for_batch(name, sg):
+            return
         engine = self.engine
         stats = engine.stats
         assert stats is not None
@@ -427,7 +443,7 @@ class CallProcessor:
         if engine.direction_providers and seen is not None:
             param = engine.params[name]
             for key, provider in engine.direction_providers.items():
-                basis = provider(name, param, seen)
+                basis = bases[key] if bases is not None else provider(name, param, seen)
                 if basis is not None:
                     projections.append(
                         (key, [gradient() if v is GRADIENT else row(v) for v in basis]))
@@ -441,6 +457,48 @@ class CallProcessor:
             synced.dots[name] = dots[synced_row]
         for key, refs in projections:
             stats.projections.setdefault(key, {})[name] = _rows_of(dots, refs)
+
+
+    def _waits_for_batch(self, name: str, sg: SampleGrads) -> bool:
+        """Whether ``reduce_dots`` of this parameter waits for the end of the backward
+        pass (queued there with the first one of the pass; False outside a backward pass)."""
+        engine = self.engine
+        if (type(sg) is not DenseSampleGrads or sg.scratch_bytes() > BATCHED_DOTS_BYTES
+                or engine.state.frozen_pass or name not in engine.state.seen_grads
+                or not any(callable(getattr(p, "many", None))
+                           for p in engine.direction_providers.values())):
+            return False
+        if not self.batched and not queue_at_end_of_backward(self.reduce_batched):
+            return False
+        self.batched[name] = sg
+        return True
+
+    def reduce_batched(self) -> None:
+        """The dot products of the small parameters that waited for the end of the backward
+        pass, with every provider's directions predicted for all of them at once. Never
+        raises into the backward pass (a failure is recorded, unless ``strict``)."""
+        waiting, self.batched = self.batched, {}
+        if not waiting:
+            return
+        engine = self.engine
+        names = list(waiting)
+        params = [engine.params[k] for k in names]
+        seen = [engine.state.seen_grads[k] for k in names]
+        bases: dict[str, list] = {}
+
+        def predict() -> None:
+            for key, provider in engine.direction_providers.items():
+                many = getattr(provider, "many", None)
+                bases[key] = (many(names, params, seen) if callable(many) else
+                              [provider(*args) for args in zip(names, params, seen,
+                                                               strict=True)])
+
+        self.guarded("the directions of the small parameters", predict)
+        if len(bases) != len(engine.direction_providers):
+            return  # (recorded as a problem of the step's statistics)
+        for i, name in enumerate(names):
+            self.guarded(name, self.reduce_dots, name, waiting[name],
+                         {key: basis[i] for key, basis in bases.items()})
 
 
 def _rows_of(dots: Tensor | None, refs: list[int | Tensor]) -> Tensor:

@@ -15,7 +15,11 @@ from torch import Tensor
 
 DirectionProvider = Callable[[str, Tensor, Tensor], "list | None"]
 """fn(parameter name, parameter, gradient the optimizer will see) → a basis of directions
-(tensors, or :data:`cockpit.engine.processing.GRADIENT`), or None if it cannot predict one."""
+(tensors, or :data:`cockpit.engine.processing.GRADIENT`), or None if it cannot predict one.
+
+A provider may also have ``many(names, params, grads)`` → one such basis (or None) per
+parameter, for many parameters at once: the engine then asks it once, at the end of the
+backward pass, for the small parameters (see ``CallProcessor.reduce_dots``)."""
 
 
 @dataclass

@@ -243,6 +243,33 @@ def predict_update(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tensor 
         return None if new_param is None else new_param.sub_(param)
 
 
+def predict_updates(optimizer: Optimizer, params: Sequence[Tensor], grads: Sequence[Tensor]
+                    ) -> list[Tensor | None]:
+    """:func:`predict_update` of several parameters at once (None where one cannot be
+    predicted): Adam and AdamW by multi-tensor kernels, one launch per operation and param
+    group instead of one per operation and parameter (the same operations in the same order,
+    so the same values); the other optimizers one parameter at a time. Holds the moments of
+    all ``params`` at once: meant for many small tensors (biases, normalization weights)."""
+    if _optimizer_reason(optimizer) is not None:
+        return [None] * len(params)
+    if supported_base(optimizer) is not Adam:
+        return [predict_update(optimizer, p, g) for p, g in zip(params, grads, strict=True)]
+    updates: list[Tensor | None] = [None] * len(params)
+    groups: dict[int, tuple[dict, list[int]]] = {}
+    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+        if unsupported_reason(optimizer, param, grad) is None:
+            group = _find_group(optimizer, param)
+            groups.setdefault(id(group), (group, []))[1].append(i)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for group, indices in groups.values():
+            members = [params[i] for i in indices]
+            steps = _adam_steps(members, [grads[i].to(params[i].dtype) for i in indices],
+                                group, [optimizer.state.get(p) or {} for p in members])
+            for i, update in zip(indices, steps, strict=True):
+                updates[i] = update
+    return updates
+
+
 def _signed(grad: Tensor, group: dict) -> Tensor:
     return -grad if group["maximize"] else grad
 
@@ -294,6 +321,53 @@ def _adam_step(param: Tensor, grad: Tensor, group: dict, state: dict) -> Tensor 
     if decoupled:
         return param.mul(1 - lr * weight_decay).addcdiv_(exp_avg, denom, value=-step_size)
     return param.addcdiv(exp_avg, denom, value=-step_size)
+
+
+def _adam_steps(params: list[Tensor], grads: list[Tensor], group: dict, states: list[dict]
+                ) -> list[Tensor | None]:
+    """:func:`_adam_step` of the parameters of one group as multi-tensor operations, and
+    the update θ̂ − θ of each (None where the state does not fit the group's options)."""
+    lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
+    weight_decay, eps, amsgrad = group["weight_decay"], group["eps"], group["amsgrad"]
+    needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    kept, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], []
+    for i, (param, state) in enumerate(zip(params, states, strict=True)):
+        if state and any(key not in state for key in needed):
+            continue
+        zeros = None if state else torch.zeros_like(param)
+        exp_avgs.append(state["exp_avg"] if state else zeros)
+        exp_avg_sqs.append(state["exp_avg_sq"] if state else zeros)
+        max_exp_avg_sqs.append(state.get("max_exp_avg_sq") if state else zeros)
+        steps.append(_next_step(state))
+        kept.append(i)
+    out: list[Tensor | None] = [None] * len(params)
+    if not kept:
+        return out
+    thetas, grads = [params[i] for i in kept], [grads[i] for i in kept]
+    if group["maximize"]:
+        grads = torch._foreach_neg(grads)
+    decoupled = weight_decay != 0 and group.get("decoupled_weight_decay", False)
+    if weight_decay != 0 and not decoupled:
+        grads = torch._foreach_add(grads, thetas, alpha=weight_decay)
+    exp_avg = torch._foreach_lerp(exp_avgs, grads, 1 - beta1)
+    exp_avg_sq = torch._foreach_mul(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+    del grads
+    if amsgrad:
+        exp_avg_sq = torch._foreach_maximum(max_exp_avg_sqs, exp_avg_sq)
+    torch._foreach_sqrt_(exp_avg_sq)
+    torch._foreach_div_(exp_avg_sq, [(1 - beta2**k) ** 0.5 for k in steps])
+    torch._foreach_add_(exp_avg_sq, eps)
+    values = [-(lr / (1 - beta1**k)) for k in steps]  # −step_size per parameter
+    if decoupled:
+        new = torch._foreach_mul(thetas, 1 - lr * weight_decay)
+        torch._foreach_addcdiv_(new, exp_avg, exp_avg_sq, values)
+    else:
+        new = torch._foreach_addcdiv(thetas, exp_avg, exp_avg_sq, values)
+    torch._foreach_sub_(new, thetas)
+    for i, update in zip(kept, new, strict=True):
+        out[i] = update
+    return out
 
 
 def _rmsprop_step(param: Tensor, grad: Tensor, group: dict, state: dict) -> Tensor | None:

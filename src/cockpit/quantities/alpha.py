@@ -209,10 +209,7 @@ class Alpha(Quantity):
                 update = up.predict_update(optimizer, param, seen)
                 basis = None if update is None else [update]
             if basis is None:
-                state.failure = up.unsupported_reason(optimizer, param, grad) or (
-                    "the update could not be predicted"
-                )
-                return None
+                return _failed(name, param, grad)
             state.basis[name] = basis
             if not state.sgd:
                 return basis
@@ -223,6 +220,28 @@ class Alpha(Quantity):
             rows = [GRADIENT, *(basis.unbind(0)[1:own] if own > 1 else ())]
             return rows if last is None else [*rows, last]
 
+        def _failed(name: str, param: Tensor, grad: Tensor) -> None:
+            state.failure = up.unsupported_reason(optimizer, param, grad) or (
+                "the update could not be predicted"
+            )
+
+        def many(names: list[str], params: list[Tensor], grads: list[Tensor]
+                 ) -> list[list[Tensor] | None]:
+            """``provide`` for many parameters at once: one batched prediction."""
+            seen = grads if gradient_scale == 1.0 else torch._foreach_div(grads, gradient_scale)
+            updates = up.predict_updates(optimizer, params, seen)
+            out: list[list[Tensor] | None] = []
+            for name, param, grad, update in zip(names, params, grads, updates, strict=True):
+                if update is None:
+                    _failed(name, param, grad)
+                    out.append(None)
+                else:
+                    state.basis[name] = basis = [update]
+                    out.append(basis)
+            return out
+
+        if not state.sgd:  # (SGD's rows are the tensors as they are: nothing to batch)
+            provide.many = many  # type: ignore[attr-defined]
         return provide
 
     def _pack_later(self, state: _OpenStep, grad: Tensor) -> bool:
