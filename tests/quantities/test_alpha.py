@@ -13,6 +13,7 @@ from torch import nn
 
 from cockpit import Cockpit, at, every, logspaced, quantities
 from cockpit.engine import update_fit
+from cockpit.engine import update_prediction as up
 from cockpit.engine.histograms import device as histogram_device
 from tests.models import make_problem, train
 from tests.reference import flat, individual_gradients
@@ -187,6 +188,54 @@ def test_a_failed_copy_of_the_basis_leaves_alpha_not_computed(monkeypatch):
         cockpit.close()
     assert cockpit.get_output()[0]["Alpha"] is None
     assert "could not be copied: no memory left" in cockpit.get_notes()[0]["Alpha"]
+
+
+@pytest.mark.parametrize("opt", ["adam_amsgrad_wd", "adamw", "rmsprop_centered_momentum"])
+def test_small_parameters_are_predicted_together_at_the_end_of_the_backward_pass(
+        opt, monkeypatch):
+    """The biases' individual gradients wait for the end of the backward pass, where one
+    call predicts all their updates (Adam: multi-tensor kernels); the weights are predicted
+    in their hooks. α equals brute force, as before."""
+    batched, single = [], []
+    many, one = up.predict_updates, up.predict_update
+
+    def spy_many(optimizer, params, grads):
+        batched.append(len(params))
+        return many(optimizer, params, grads)
+
+    def spy_one(optimizer, param, grad):
+        single.append(param.dim())
+        return one(optimizer, param, grad)
+
+    monkeypatch.setattr(up, "predict_updates", spy_many)
+    monkeypatch.setattr(up, "predict_update", spy_one)
+    problem = make_problem("cnn", 6)
+    biases = sum(1 for k, _ in problem.model.named_parameters() if k.endswith("bias"))
+    rec = Recorder(problem, OPTIMIZERS[opt], every(1), 4)
+    check(rec, [0, 1, 2])
+    assert batched == [biases] * 4  # one call per step (4 tracked backward passes)
+    if opt.startswith("adam"):  # (the others predict one parameter at a time inside)
+        assert 1 not in single  # no bias predicted alone
+
+
+def test_a_failed_batched_prediction_leaves_alpha_not_computed(monkeypatch):
+    """The batched prediction runs inside autograd, at the end of the backward pass: should
+    it fail, the user's training goes on and α of that step is not computed, with the
+    reason."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no memory left")
+
+    monkeypatch.setattr(up, "predict_updates", broken)
+    problem = make_problem("mlp_relu", 6)
+    opt = OPTIMIZERS["adam"](problem.model.parameters())
+    cockpit = Cockpit(problem.model, [quantities.Alpha(every(1))], optimizer=opt)
+    before = copy.deepcopy(problem.model.state_dict())
+    train(problem, cockpit, 2, opt)
+    cockpit.close()
+    assert any(not torch.equal(before[k], v) for k, v in problem.model.state_dict().items())
+    assert cockpit.get_output()[0]["Alpha"] is None
+    assert "no memory left" in cockpit.get_notes()[0]["Alpha"]
 
 
 @pytest.mark.parametrize("schedule,steps", [(every(3), [0, 3, 6]),
