@@ -17,11 +17,13 @@ from cockpit.engine.histograms import device as histogram_device
 from tests.models import make_problem
 
 
-def run(config: str, accelerator_path: bool, monkeypatch, clip: bool) -> dict:
+def run(config: str, accelerator_path: bool, monkeypatch, clip: bool, adam: bool = False
+        ) -> dict:
     monkeypatch.setattr(histogram_device, "_forced", accelerator_path)
     problem = make_problem("cnn", 8, torch.float32, seed=3)
     model = problem.model
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1) if adam else
+           torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     cockpit = Cockpit(model, configuration(config), optimizer=opt, strict=True)
     gen = torch.Generator().manual_seed(0)
     for step in range(3):
@@ -71,11 +73,14 @@ def assert_close(a, b, where) -> None:
         assert a == b, where
 
 
-@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize(("clip", "adam"), [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("config", ["economy", "business"])
-def test_the_accelerator_path_gives_the_cpu_paths_values(config, clip, monkeypatch, one_thread):
-    cpu = flat_values(run(config, False, monkeypatch, clip))
-    accelerator = flat_values(run(config, True, monkeypatch, clip))
+def test_the_accelerator_path_gives_the_cpu_paths_values(config, clip, adam, monkeypatch,
+                                                         one_thread):
+    """(The biases go side by side on the accelerator path: their statistics at the end of
+    the backward pass, AdamW's update of all of them predicted at once.)"""
+    cpu = flat_values(run(config, False, monkeypatch, clip, adam))
+    accelerator = flat_values(run(config, True, monkeypatch, clip, adam))
     assert cpu.keys() == accelerator.keys()
     assert any(k[1] == "Alpha" and v is not None for k, v in cpu.items())
     assert any(k[1] == "GradientMismatch" and v is not None for k, v in cpu.items())

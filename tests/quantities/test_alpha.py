@@ -193,9 +193,10 @@ def test_a_failed_copy_of_the_basis_leaves_alpha_not_computed(monkeypatch):
 @pytest.mark.parametrize("opt", ["adam_amsgrad_wd", "adamw", "rmsprop_centered_momentum"])
 def test_small_parameters_are_predicted_together_at_the_end_of_the_backward_pass(
         opt, monkeypatch):
-    """The biases' individual gradients wait for the end of the backward pass, where one
-    call predicts all their updates (Adam: multi-tensor kernels); the weights are predicted
-    in their hooks. α equals brute force, as before."""
+    """On the accelerators' path the biases' individual gradients wait for the end of the
+    backward pass, where one call predicts all their updates (Adam: multi-tensor kernels);
+    the weights are predicted in their hooks. α equals brute force, as before."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
     batched, single = [], []
     many, one = up.predict_updates, up.predict_update
 
@@ -226,6 +227,7 @@ def test_a_failed_batched_prediction_leaves_alpha_not_computed(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no memory left")
 
+    monkeypatch.setattr(histogram_device, "_forced", True)
     monkeypatch.setattr(up, "predict_updates", broken)
     problem = make_problem("mlp_relu", 6)
     opt = OPTIMIZERS["adam"](problem.model.parameters())

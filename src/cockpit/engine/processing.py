@@ -26,6 +26,7 @@ whose hooks record it; the processor reads it there.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -33,8 +34,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from cockpit.engine import side_by_side
 from cockpit.engine.capture.end_of_backward import queue_at_end_of_backward
 from cockpit.engine.dtypes import promote
+from cockpit.engine.histograms.device import device_path
 from cockpit.engine.rules.batchnorm_frozen import (
     FROZEN_STATISTICS,
     frozen_batch_norm_rule,
@@ -54,6 +57,7 @@ from cockpit.engine.rules.sample_chunks import (
     samples_per_chunk,
 )
 from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.side_by_side import SMALL_BYTES
 from cockpit.engine.statistics import (
     GRAM_MEAN,
     PER_SAMPLE_STATS,
@@ -81,12 +85,6 @@ GRADIENT = _Gradient()
 was given: the tracker then takes g_nᵀ(gradient) from g_nᵀḡ where that is this backward's
 own gradient (a closed form for Linear layers, one shared row otherwise)."""
 
-BATCHED_DOTS_BYTES = 2**20
-"""Individual gradients of at most this many bytes (biases, normalization weights) wait for
-the end of the backward pass, where a provider that predicts many parameters at once
-(``many``) gives the directions of all of them together (Adam: a few multi-tensor kernels
-instead of nine per parameter)."""
-
 
 class CallProcessor:
     """Reduces the recorded calls of one tracked backward pass (see the module docstring).
@@ -102,14 +100,14 @@ class CallProcessor:
         # parameter → its individual gradients, waiting for the parameter's gradient
         self.pending: dict[str, SampleGrads] = {}
         # small parameters' individual gradients, waiting for the end of the backward pass
-        # (their directions are predicted together there: ``reduce_dots``)
-        self.batched: dict[str, SampleGrads] = {}
+        # to be reduced side by side (:meth:`reduce`)
+        self.small: dict[str, DenseSampleGrads] = {}
         # calls kept (inputs and individual output gradients) for later projections
         self.kept_calls: list[Call] = []
 
     def begin(self) -> None:
         """Forget what an earlier backward pass left."""
-        self.accumulated, self.pending, self.kept_calls, self.batched = {}, {}, [], {}
+        self.accumulated, self.pending, self.kept_calls, self.small = {}, {}, [], {}
 
     def fail(self, message: str) -> None:
         """Record why the per-sample statistics of this backward pass are invalid."""
@@ -293,6 +291,8 @@ class CallProcessor:
         loop over the registry that hands them the same :class:`SampleGrads` (materialized
         at most once, :func:`shared_chunks`) and :class:`LayerContext`; then the dot
         products (now, or when the parameter's gradient arrives)."""
+        if self._waits_side_by_side(name, sg):
+            return
         engine = self.engine
         stats, needs = engine.stats, engine.needs
         assert stats is not None
@@ -310,12 +310,16 @@ class CallProcessor:
             if engine.state.frozen_pass or engine.compute_dtypes:  # their sum (not ∂L/∂θ): keep it
                 stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
                     sg.batch_mean() * sg.num_samples)
-            waits = engine.direction_providers or (GRAM_MEAN in needs and sg.fuse_dots)
-            if waits and name not in engine.state.seen_grads and not engine.state.frozen_pass:
+            if self._waits_for_gradient(name, sg):
                 # the parameter's gradient arrives right after this layer's output gradient
                 self.pending[name] = sg
             else:
                 self.reduce_dots(name, sg)
+
+    def _waits_for_gradient(self, name: str, sg: SampleGrads) -> bool:
+        engine = self.engine
+        waits = engine.direction_providers or (GRAM_MEAN in engine.needs and sg.fuse_dots)
+        return bool(waits) and name not in engine.state.seen_grads and not engine.state.frozen_pass
 
     def within_budget(self, name: str, sg: SampleGrads) -> SampleGrads:
         """``sg`` as :class:`SampleChunks` where its |B| individual gradients exceed the
@@ -386,44 +390,35 @@ class CallProcessor:
     def reduce_dots_guarded(self, name: str, sg: SampleGrads) -> None:
         self.guarded(name, self.reduce_dots, name, sg)
 
-    def reduce_dots(self, name: str, sg: SampleGrads, bases: dict | None = None) -> None:
+    def reduce_dots(self, name: str, sg: SampleGrads) -> None:
         """The statistics that are dot products g_nᵀu — with ḡ (GRAM_MEAN), with the
         directions known before the backward and with those the providers compute from the
-        gradient the optimizer sees — in one pass over the individual gradients.
+        gradient the optimizer sees — in one pass over the individual gradients."""
+        plan = self._plan_dots(name, sg)
+        self._record_dots(plan, sg.dots_many(plan.vectors) if plan.vectors else None)
 
-        A small parameter (:data:`BATCHED_DOTS_BYTES`) whose directions a provider predicts
-        for many parameters at once waits for the end of the backward pass
-        (:meth:`reduce_batched`); ``bases``: the providers' directions, given there."""
-        if bases is None and self._waits_for_batch(name, sg):
-            return
+    def _plan_dots(self, name: str, sg: SampleGrads, bases: dict | None = None) -> _DotPlan:
+        """The directions u of :meth:`reduce_dots` and where each statistic finds its rows
+        (``bases``: the providers' directions for this parameter, if asked already)."""
         engine = self.engine
         stats = engine.stats
         assert stats is not None
-        vectors: list[Tensor] = []
-
-        def row(vector: Tensor) -> int:
-            for index, known in enumerate(vectors):  # one projection per distinct tensor
-                if known is vector:
-                    return index
-            vectors.append(vector)
-            return len(vectors) - 1
-
-        # Rows of the result: an index into dots_many's rows, or a ready [N] tensor.
+        plan = _DotPlan(name)
+        row = plan.row
         seen = engine.state.seen_grads.get(name)
         pure = seen is not None and name in engine.state.pure_grads
         # With the gradient G = Σ_m w·g_m of this backward (pure), g_nᵀG = w·N·g_nᵀḡ.
         loss_weight = engine.loss_weight
-        w_n = loss_weight * sg.num_samples if pure and loss_weight else None
-        gram_row: int | None = None
+        w_n = plan.w_n = loss_weight * sg.num_samples if pure and loss_weight else None
         gradient_ref: int | Tensor | None = None
         if GRAM_MEAN in engine.needs and sg.fuse_dots:
             if w_n:  # seen ∥ ḡ: one row serves g_nᵀḡ and a provider's GRADIENT
-                gram_row = gradient_ref = row(seen)
+                plan.gram_row = gradient_ref = row(seen)
             else:
-                gram_row = row(sg.batch_mean())
+                plan.gram_row = row(sg.batch_mean())
         synced = stats.gradient_dots
-        synced_row = (row(seen) if synced is not None and seen is not None
-                      and name in synced.gradient else None)
+        if synced is not None and seen is not None and name in synced.gradient:
+            plan.synced_row = row(seen)
 
         def gradient() -> int | Tensor:
             nonlocal gradient_ref
@@ -436,69 +431,143 @@ class CallProcessor:
                     gradient_ref = row(seen)
             return gradient_ref
 
-        projections: list[tuple[str, list[int | Tensor]]] = []
         for key, directions in engine.directions.items():
             if name in directions:
-                projections.append((key, [row(directions[name])]))
+                plan.projections.append((key, [row(directions[name])]))
         if engine.direction_providers and seen is not None:
             param = engine.params[name]
             for key, provider in engine.direction_providers.items():
                 basis = bases[key] if bases is not None else provider(name, param, seen)
                 if basis is not None:
-                    projections.append(
+                    plan.projections.append(
                         (key, [gradient() if v is GRADIENT else row(v) for v in basis]))
-        dots = sg.dots_many(vectors) if vectors else None  # [K, N]
-        if gram_row is not None:
+        return plan
+
+    def _record_dots(self, plan: _DotPlan, dots: Tensor | None) -> None:
+        """The statistics of :meth:`_plan_dots` from ``dots`` = [g_nᵀu_k]_{k,n}."""
+        stats = self.engine.stats
+        assert stats is not None
+        name, w_n = plan.name, plan.w_n
+        if plan.gram_row is not None:
             assert dots is not None
-            stats.gram_mean[name] = (dots[gram_row] / w_n if w_n and w_n != 1.0
-                                     else dots[gram_row])  # (÷1: no kernel)
-        if synced_row is not None:
-            assert dots is not None and synced is not None
-            synced.dots[name] = dots[synced_row]
-        for key, refs in projections:
+            stats.gram_mean[name] = (dots[plan.gram_row] / w_n if w_n and w_n != 1.0
+                                     else dots[plan.gram_row])  # (÷1: no kernel)
+        if plan.synced_row is not None:
+            assert dots is not None and stats.gradient_dots is not None
+            stats.gradient_dots.dots[name] = dots[plan.synced_row]
+        for key, refs in plan.projections:
             stats.projections.setdefault(key, {})[name] = _rows_of(dots, refs)
 
-
-    def _waits_for_batch(self, name: str, sg: SampleGrads) -> bool:
-        """Whether ``reduce_dots`` of this parameter waits for the end of the backward
-        pass (queued there with the first one of the pass; False outside a backward pass)."""
+    # ------------------------------------------------------------------ side by side
+    def _waits_side_by_side(self, name: str, sg: SampleGrads) -> bool:
+        """Whether this parameter waits for the end of the backward pass, to be reduced
+        with the other small ones (:mod:`cockpit.engine.side_by_side`; on accelerators,
+        whose host the kernels bind; queued with the first of the pass; False outside a
+        backward pass)."""
         engine = self.engine
-        if (type(sg) is not DenseSampleGrads or sg.scratch_bytes() > BATCHED_DOTS_BYTES
-                or engine.state.frozen_pass or name not in engine.state.seen_grads
-                or not any(callable(getattr(p, "many", None))
-                           for p in engine.direction_providers.values())):
+        if (type(sg) is not DenseSampleGrads or not device_path(sg.grads.device)
+                or sg.scratch_bytes() > SMALL_BYTES or engine.state.frozen_pass
+                or name in engine.state.multi_use
+                or engine.sharded):  # (fully_shard frees the gathered θ after each layer)
             return False
-        if not self.batched and not queue_at_end_of_backward(self.reduce_batched):
+        if not self.small and not queue_at_end_of_backward(self.reduce_side_by_side):
             return False
-        self.batched[name] = sg
+        self.small[name] = sg  # type: ignore[assignment]
         return True
 
-    def reduce_batched(self) -> None:
-        """The dot products of the small parameters that waited for the end of the backward
-        pass, with every provider's directions predicted for all of them at once. Never
+    def reduce_side_by_side(self) -> None:
+        """Every statistic of the small parameters that waited for the end of the backward
+        pass, formed side by side: the registered statistics (where they have a form for
+        it, else per parameter), the providers' directions for all of them at once
+        (``many``, e.g. one batched prediction of Adam's update) and the dot products. Never
         raises into the backward pass (a failure is recorded, unless ``strict``)."""
-        waiting, self.batched = self.batched, {}
+        waiting, self.small = self.small, {}
         if not waiting:
             return
         engine = self.engine
         names = list(waiting)
+        shapes = [(sg.num_samples, sg.dtype, sg.grads.device, sg.shape.numel())
+                  for sg in waiting.values()]
+        bins = getattr(engine.hist_spec, "bins", 0)
+        for members in side_by_side.groups(shapes, bins):
+            group = [names[i] for i in members]
+            self.guarded(f"small parameters ({', '.join(group)})", self._reduce_group, group,
+                         [waiting[k] for k in group])
+
+    def _reduce_group(self, names: list[str], sgs: list[DenseSampleGrads]) -> None:
+        engine = self.engine
+        stats = engine.stats
+        assert stats is not None
+        side = side_by_side.SideBySide([sg.grads for sg in sgs])
+        layers = [LayerContext(name, engine) for name in names]
+        for statistic in requested(engine.needs):
+            values = statistic.form_side_by_side(side, layers)
+            if values is None:
+                values = [statistic.form(sg, layer) for sg, layer in zip(sgs, layers,
+                                                                         strict=True)]
+            for name, value in zip(names, values, strict=True):
+                if value is not None:
+                    stats[statistic.name][name] = value
+        if engine.compute_dtypes:  # their sum (not ∂L/∂θ): keep it
+            for name, sg in zip(names, sgs, strict=True):
+                stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
+                    sg.batch_mean() * sg.num_samples)
+        dotted = []
+        for name, sg in zip(names, sgs, strict=True):
+            if self._waits_for_gradient(name, sg):  # (its gradient never arrived)
+                self.pending[name] = sg
+            else:
+                dotted.append((name, sg))
+        if not dotted:
+            return
+        bases = self._bases([name for name, _ in dotted])
+        plans = [self._plan_dots(name, sg, bases.get(name)) for name, sg in dotted]
+        sizes = {len(plan.vectors) for plan in plans}
+        if len(sizes) == 1 and 0 not in sizes and len(plans) == len(names):
+            dots: list[Tensor | None] = list(side.dots([plan.vectors for plan in plans]))
+        else:
+            dots = [sg.dots_many(plan.vectors) if plan.vectors else None
+                    for plan, (_, sg) in zip(plans, dotted, strict=True)]
+        for plan, value in zip(plans, dots, strict=True):
+            self._record_dots(plan, value)
+
+    def _bases(self, names: list[str]) -> dict[str, dict]:
+        """name → provider key → the provider's directions (None: none), every provider
+        asked once for all ``names`` where it can (``many``)."""
+        engine = self.engine
+        if not engine.direction_providers:
+            return {}
         params = [engine.params[k] for k in names]
         seen = [engine.state.seen_grads[k] for k in names]
-        bases: dict[str, list] = {}
+        out: dict[str, dict] = {name: {} for name in names}
+        for key, provider in engine.direction_providers.items():
+            many = getattr(provider, "many", None)
+            bases = (many(names, params, seen) if callable(many) else
+                     [provider(*args) for args in zip(names, params, seen, strict=True)])
+            for name, basis in zip(names, bases, strict=True):
+                out[name][key] = basis
+        return out
 
-        def predict() -> None:
-            for key, provider in engine.direction_providers.items():
-                many = getattr(provider, "many", None)
-                bases[key] = (many(names, params, seen) if callable(many) else
-                              [provider(*args) for args in zip(names, params, seen,
-                                                               strict=True)])
 
-        self.guarded("the directions of the small parameters", predict)
-        if len(bases) != len(engine.direction_providers):
-            return  # (recorded as a problem of the step's statistics)
-        for i, name in enumerate(names):
-            self.guarded(name, self.reduce_dots, name, waiting[name],
-                         {key: basis[i] for key, basis in bases.items()})
+@dataclasses.dataclass
+class _DotPlan:
+    """The directions u_k one parameter's dot products g_nᵀu_k need (each tensor once), and
+    the rows each statistic reads: an index into them, or a ready [N] tensor."""
+
+    name: str
+    vectors: list[Tensor] = dataclasses.field(default_factory=list)
+    gram_row: int | None = None
+    synced_row: int | None = None
+    w_n: float | None = None
+    projections: list[tuple[str, list[int | Tensor]]] = dataclasses.field(
+        default_factory=list)
+
+    def row(self, vector: Tensor) -> int:
+        for index, known in enumerate(self.vectors):  # one projection per distinct tensor
+            if known is vector:
+                return index
+        self.vectors.append(vector)
+        return len(self.vectors) - 1
 
 
 def _rows_of(dots: Tensor | None, refs: list[int | Tensor]) -> Tensor:

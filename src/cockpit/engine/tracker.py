@@ -381,13 +381,13 @@ class ModuleTracker:
                 self.gathered_params = self._gather_for_end()
             self.capture.process_remaining()
             self.processor.reduce_accumulated()
+            self.processor.reduce_side_by_side()  # (what the end of the backward pass left)
             self.processor.reduce_pending()
-            self.processor.reduce_batched()  # (what the end of the backward pass left)
             self.processor.guarded("per-sample statistics", self.stats.finish)
         finally:
             self.active = False
             self.processor.accumulated, self.processor.pending = {}, {}
-            self.processor.batched = {}
+            self.processor.small = {}
             self.release_step_cache()
             self.clear_calls()
             self.gathered_params = {}

@@ -356,7 +356,7 @@ def _bin_chunk(chunk: Tensor, spec: BinSpec, work: Tensor, index: Tensor) -> Ten
 def histogram_dense(x: Tensor, spec: BinSpec) -> tuple[Tensor, int]:
     """Counts of all elements of ``x`` (any shape), eq. (15) on stored gradients."""
     if histogram_device.device_path(x.device):
-        return histogram_device.dense(*_on_device(x, spec), spec.bins, (spec.lo, spec.hi))
+        return histogram_device.dense(*device_edges(x, spec), spec.bins, (spec.lo, spec.hi))
     flat = x.detach().reshape(-1)
     n = flat.numel()
     if n == 0 or not _fast_path_ok(spec, flat.dtype):
@@ -395,7 +395,7 @@ def histogram_dense_lanes(chunks: Sequence[Tensor], spec: BinSpec,
         tallies = []
         for chunk in chunks:
             tallies += histogram_device.dense_tallies([chunk.to(_device_dtype(chunk.dtype))],
-                                                      _on_device(chunk, spec)[1], budget,
+                                                      device_edges(chunk, spec)[1], budget,
                                                       uniform=(spec.lo, spec.hi))
         return histogram_device.lane_counts_1d(tallies, spec.bins)
     return _sum([histogram_dense(c, spec)[0] for c in chunks])
@@ -460,7 +460,7 @@ def _device_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _on_device(x: Tensor, spec: BinSpec) -> tuple[Tensor, Tensor]:
+def device_edges(x: Tensor, spec: BinSpec) -> tuple[Tensor, Tensor]:
     """x in a dtype the accelerator path bins, and its search edges there."""
     dtype = _device_dtype(x.dtype)
     return x.to(dtype), _search_edges_on(spec, dtype, x.device)

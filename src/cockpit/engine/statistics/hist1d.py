@@ -12,16 +12,17 @@ the backward pass ends (:meth:`Hist1d.finish`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from cockpit.engine.histograms.auto_range import AutoRange, magnitude_counts
-from cockpit.engine.histograms.device import LaneCounts, sum_lanes
+from cockpit.engine.histograms.device import LaneCounts, device_path, sum_lanes
 from cockpit.engine.rules.sample_grads import (
     SampleGrads,
 )
+from cockpit.engine.side_by_side import SideBySide
 from cockpit.engine.statistics.registry import (
     Counts,
     LayerContext,
@@ -61,6 +62,13 @@ class Hist1d(Counts):
             return magnitude_counts(_within_budget(_one_chunk_at_a_time(sg, layer),
                                                    layer.context.memory_budget))
         return sg.histogram_lanes(spec, layer.context.memory_budget)
+
+    def form_side_by_side(self, side: SideBySide, layers: Sequence[LayerContext]
+                          ) -> list[Tensor] | None:
+        spec = layers[0].context.hist_spec
+        if isinstance(spec, AutoRange) or not device_path(side.rows.device):
+            return None  # (the range's keys, and the CPU's exact counts: per parameter)
+        return side.histograms(spec)
 
     def finish(self, values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
         return sum_lanes(values)

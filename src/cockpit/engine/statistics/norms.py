@@ -7,9 +7,12 @@ Per parameter [N]; micro-batches concatenate their samples, ranks gather them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor
 
 from cockpit.engine.rules.sample_grads import SampleGrads
+from cockpit.engine.side_by_side import SideBySide
 from cockpit.engine.statistics.registry import Combine, LayerContext, Merge, Statistic, register
 
 
@@ -21,6 +24,10 @@ class Norms(Statistic):
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
         return sg.norms()
+
+    def form_side_by_side(self, side: SideBySide, layers: Sequence[LayerContext]
+                          ) -> list[Tensor]:
+        return side.norms()
 
 
 NORMS = register(Norms()).name

@@ -9,6 +9,8 @@ A per-sample statistic is one object (one file of this package) that says
   (:class:`Merge`): per-sample vectors are concatenated, sums added, centered sums
   combined by the parallel-variance identity, and statistics relative to the batch's own
   mean (g_nᵀḡ) cannot be merged at all;
+* optionally, how the values of many small parameters are formed at once
+  (:meth:`Statistic.form_side_by_side`: biases and normalization weights side by side);
 * optionally, how the values of every parameter are finished together when the backward
   pass ends (:meth:`Statistic.finish`: the histograms sum the lanes of all their counts in a
   few ops, not two per parameter);
@@ -28,7 +30,7 @@ registered (it merges and combines like a statistic) with ``fused_dot`` set.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar, Protocol, cast
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from cockpit.engine.histograms.device import LaneCounts
     from cockpit.engine.histograms.exact import BinSpec
     from cockpit.engine.rules.sample_grads import SampleGrads
+    from cockpit.engine.side_by_side import SideBySide
     from cockpit.engine.statistics.backward import BackwardStatistics
 
 
@@ -119,6 +122,13 @@ class Statistic:
         elsewhere, see ``fused_dot``; a histogram's lane counts on accelerators, summed by
         :meth:`finish`)."""
         raise NotImplementedError
+
+    def form_side_by_side(self, side: SideBySide, layers: Sequence[LayerContext]
+                          ) -> list[Tensor] | None:
+        """The values of several small parameters at once, from their individual gradients
+        side by side (:mod:`cockpit.engine.side_by_side`; ``layers``: one context per
+        parameter, in the order of ``side``), or None: then :meth:`form` per parameter."""
+        return None
 
     def finish(self, values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
         """The values of every parameter in their final form, formed together when the

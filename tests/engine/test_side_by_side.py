@@ -1,0 +1,120 @@
+"""Small parameters side by side (``cockpit.engine.side_by_side``): each statistic of G =
+[G_1 | … | G_P] against the same statistic of each parameter alone (per-parameter norms, dot
+products, exact histogram counts at and beside the edges), the grouping, and a tracked
+step whose small parameters cost the same few ops however many there are."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+from cockpit import Cockpit, configuration
+from cockpit.engine import side_by_side
+from cockpit.engine.histograms import device as histogram_device
+from cockpit.engine.histograms.exact import BinSpec, histogram_dense_counts
+from cockpit.engine.side_by_side import SideBySide
+from tests.engine.test_host_syncs import Count
+
+SHAPES = [(5,), (3, 2), (), (7,), (1,)]
+
+
+def grads(dtype: torch.dtype, n: int = 6, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, *shape, generator=gen) * (1 + i)).to(dtype)
+            for i, shape in enumerate(SHAPES)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_norms_and_dots_are_each_parameters_own(dtype):
+    gs = grads(dtype)
+    side = SideBySide(gs)
+    assert side.sizes == (5, 6, 1, 7, 1)
+    tol = {torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2},
+           torch.float32: {"rtol": 1e-5, "atol": 1e-5}}.get(dtype, {})
+    for norm, g in zip(side.norms(), gs, strict=True):
+        torch.testing.assert_close(norm.double(), g.double().reshape(len(g), -1).norm(dim=1),
+                                   **tol)
+    gen = torch.Generator().manual_seed(1)
+    directions = [[torch.randn(g.shape[1:], generator=gen, dtype=torch.float32)
+                   for _ in range(3)] for g in gs]
+    # rounding bound: a few units of the dtype's precision times Σ_j |g_nj u_j|
+    unit = {torch.bfloat16: 2.0**-6, torch.float32: 2.0**-20, torch.float64: 2.0**-48}[dtype]
+    for dots, g, us in zip(side.dots(directions), gs, directions, strict=True):
+        assert dots.shape == (3, len(g))
+        flat = g.double().reshape(len(g), -1)
+        rows = [u.to(dtype).double().reshape(-1) for u in us]
+        expected = torch.stack([flat @ u for u in rows])
+        magnitude = torch.stack([flat.abs() @ u.abs() for u in rows])
+        assert ((dots.double() - expected).abs() <= unit * magnitude).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("spec", [BinSpec(-1.0, 1.0, 8), BinSpec(-0.3, 0.7, 5)])
+def test_histograms_are_each_parameters_exact_counts(dtype, spec):
+    """Every element at an edge, just beside it, far outside the range, ±∞ and NaN: the
+    counts equal those of each parameter alone (the CPU's exact counts)."""
+    edges = torch.linspace(spec.lo, spec.hi, spec.bins + 1, dtype=torch.float64)
+    beside = torch.cat([edges, torch.nextafter(edges, edges + 1), torch.nextafter(edges,
+                                                                            edges - 1)])
+    special = torch.tensor([1e30, -1e30, float("inf"), -float("inf"), float("nan"), 0.0,
+                            -0.0], dtype=torch.float64)
+    pool = torch.cat([beside, special]).to(dtype)
+    gs = []
+    for i, shape in enumerate(SHAPES):
+        numel = 6 * max(1, int(torch.Size(shape).numel()))
+        index = (torch.arange(numel) * (i + 3)) % len(pool)
+        gs.append(pool[index].reshape(6, *shape))
+    counts = SideBySide(gs).histograms(spec)
+    for c, g in zip(counts, gs, strict=True):
+        assert c.dtype == torch.int64
+        assert torch.equal(c, histogram_dense_counts([g], spec)), (c, g)
+
+
+def test_groups_keep_a_key_together_and_within_the_limits(monkeypatch):
+    cpu = torch.device("cpu")
+    f32, f64 = torch.float32, torch.float64
+    shapes = [(8, f32, cpu, 10), (8, f64, cpu, 10), (8, f32, cpu, 20), (4, f32, cpu, 5),
+              (8, f32, cpu, 30)]
+    assert side_by_side.groups(shapes, bins=10) == [[0, 2, 4], [1], [3]]
+    monkeypatch.setattr(side_by_side, "MOST_ELEMENTS", 8 * 35)  # 0 and 2 fit, 4 does not
+    assert side_by_side.groups(shapes, bins=10) == [[0, 2], [1], [3], [4]]
+    monkeypatch.setattr(side_by_side, "MOST_ELEMENTS", 2**24)
+    assert side_by_side.groups(shapes, bins=2**21) == [[0], [1], [2], [3], [4]]
+
+
+def tracked_step_ops(depth: int) -> collections.Counter:
+    """The ops of the third step of economy on an MLP of ``depth`` blocks (Linear,
+    LayerNorm) trained by AdamW, on the accelerators' path."""
+    torch.manual_seed(0)
+    blocks = [m for _ in range(depth) for m in (nn.Linear(6, 6), nn.LayerNorm(6), nn.Tanh())]
+    model = nn.Sequential(*blocks, nn.Linear(6, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cockpit = Cockpit(model, configuration("economy"), optimizer=opt, strict=True)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    counted = Count()
+    for step in range(3):
+        opt.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        with counted if step == 2 else Count(), cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    assert all(v is not None for k, v in cockpit.get_output()[1].items()
+               if k in ("Alpha", "NormTest", "InnerTest", "GradHist1d"))
+    return counted.ops
+
+
+def test_small_parameters_cost_the_same_ops_however_many(monkeypatch):
+    """Three small parameters per block (bias, LayerNorm weight and bias): the histogram
+    searches, norms, Adam's predicted update and the dot products of all of them are the
+    same few ops for 2 blocks as for 6; what grows is per weight (and the hooks' views,
+    and the check of each update after the step)."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    few, many = tracked_step_ops(2), tracked_step_ops(6)
+    for op in ("bucketize", "histc", "sqrt_", "lerp", "addcdiv_"):
+        assert many[op] - few[op] == 4, op  # one per added weight (4 Linear weights)
+    for op in ("_foreach_lerp", "_foreach_addcdiv_", "cat"):
+        assert many[op] == few[op] > 0, op
