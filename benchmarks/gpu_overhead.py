@@ -465,7 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds; cells after it are skipped (default none)")
     parser.add_argument("--json", default=None, help="write every record to this file")
+    parser.add_argument("--side-by-side", default="on", choices=["on", "off"],
+                        help="off: every small parameter reduced alone in its hook (the "
+                             "path before cockpit.engine.side_by_side), for an A/B run")
     args = parser.parse_args(argv)
+    if args.side_by_side == "off":
+        from cockpit.engine import processing
+        processing.SMALL_BYTES = -1
     quick = args.quick
     args.batch = args.batch or (4 if quick else 128)
     args.steps = args.steps or (2 if quick else 10)
@@ -488,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                    else f"CPU ({platform.processor() or platform.machine()})")
     meta = {"device": device_name, "torch": torch.__version__, "quick": quick,
+            "side_by_side": args.side_by_side,
             "batch": args.batch, "python": sys.version.split()[0],
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"# gpu_overhead on {device_name}, torch {torch.__version__}, |B| = {args.batch}"
