@@ -317,6 +317,7 @@ class CallProcessor:
                 self.reduce_dots(name, sg)
 
     def _waits_for_gradient(self, name: str, sg: SampleGrads) -> bool:
+        """Whether the dot products need the parameter's gradient, not yet arrived."""
         engine = self.engine
         waits = engine.direction_providers or (GRAM_MEAN in engine.needs and sg.fuse_dots)
         return bool(waits) and name not in engine.state.seen_grads and not engine.state.frozen_pass
@@ -491,8 +492,8 @@ class CallProcessor:
         bins = getattr(engine.hist_spec, "bins", 0)
         for members in side_by_side.groups(shapes, bins):
             group = [names[i] for i in members]
-            self.guarded(f"small parameters ({', '.join(group)})", self._reduce_group, group,
-                         [waiting[k] for k in group])
+            label = f"{len(group)} small parameters ({group[0]}, …)"
+            self.guarded(label, self._reduce_group, group, [waiting[k] for k in group])
 
     def _reduce_group(self, names: list[str], sgs: list[DenseSampleGrads]) -> None:
         engine = self.engine

@@ -19,7 +19,7 @@ DirectionProvider = Callable[[str, Tensor, Tensor], "list | None"]
 
 A provider may also have ``many(names, params, grads)`` → one such basis (or None) per
 parameter, for many parameters at once: the engine then asks it once, at the end of the
-backward pass, for the small parameters (see ``CallProcessor.reduce_dots``)."""
+backward pass, for the small parameters (see ``CallProcessor.reduce_side_by_side``)."""
 
 
 @dataclass

@@ -16,7 +16,9 @@ s_tᵀ g_n(θ_t) is needed before s_t exists. Two ways, neither holds |B|×D gra
 
 * **predicted** (SGD, Adam, AdamW, RMSprop, Adagrad): inside each layer's backward hook the
   update is predicted from the layer's gradient and the optimizer state (without changing
-  it) and the individual gradients are projected on it. After ``optimizer.step()`` the
+  it) and the individual gradients are projected on it (on accelerators the small
+  parameters' updates at the end of the backward pass, all at once:
+  ``update_prediction.predict_updates``). After ``optimizer.step()`` the
   prediction is checked against the real update: a global rescaling (learning-rate change)
   is corrected; for SGD the update is fitted in the span of (gradient, parameter, old
   momentum buffer), which covers gradient clipping exactly. Tracked on consecutive steps,
@@ -209,7 +211,8 @@ class Alpha(Quantity):
                 update = up.predict_update(optimizer, param, seen)
                 basis = None if update is None else [update]
             if basis is None:
-                return _failed(name, param, grad)
+                _failed(param, grad)
+                return None
             state.basis[name] = basis
             if not state.sgd:
                 return basis
@@ -220,7 +223,7 @@ class Alpha(Quantity):
             rows = [GRADIENT, *(basis.unbind(0)[1:own] if own > 1 else ())]
             return rows if last is None else [*rows, last]
 
-        def _failed(name: str, param: Tensor, grad: Tensor) -> None:
+        def _failed(param: Tensor, grad: Tensor) -> None:
             state.failure = up.unsupported_reason(optimizer, param, grad) or (
                 "the update could not be predicted"
             )
@@ -233,7 +236,7 @@ class Alpha(Quantity):
             out: list[list[Tensor] | None] = []
             for name, param, grad, update in zip(names, params, grads, updates, strict=True):
                 if update is None:
-                    _failed(name, param, grad)
+                    _failed(param, grad)
                     out.append(None)
                 else:
                     state.basis[name] = basis = [update]
