@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from cockpit import Cockpit, at, configuration, every, logspaced, quantities
+from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.processing import CallProcessor
 from tests.models import make_problem, train
 from tests.reference import (
@@ -178,13 +179,17 @@ def test_mixed_precision_autocast_matches_per_sample_backward_passes(dtype, loss
         assert rel_close(result[name], value, rtol=3e-2), (name, result[name], value)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_alpha_under_float16_autocast_with_a_grad_scaler(optimizer):
+@pytest.mark.parametrize(("optimizer", "accelerator_path"),
+                         [("sgd", False), ("adam", False), ("adam", True)])
+def test_alpha_under_float16_autocast_with_a_grad_scaler(optimizer, accelerator_path,
+                                                          monkeypatch):
     """A GradScaler multiplies the loss by 2^16 and unscales the gradients before the step.
     Projections of float16 individual gradients on the scaled gradient overflowed (α NaN at
     every step); statistics are formed in float32, so α equals that of the unscaled run.
     Adam's update is predicted from the unscaled gradient when Cockpit knows the scaler
-    (else its prediction fails and Alpha takes the general path)."""
+    (else its prediction fails and Alpha takes the general path) — also for the biases
+    predicted side by side at the end of the backward pass (the accelerators' path)."""
+    monkeypatch.setattr(histogram_device, "_forced", accelerator_path)
 
     def alphas(scaled: bool) -> list[float]:
         torch.manual_seed(0)
