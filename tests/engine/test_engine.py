@@ -180,23 +180,29 @@ def test_mixed_precision_autocast_matches_per_sample_backward_passes(dtype, loss
 
 
 @pytest.mark.parametrize(("optimizer", "accelerator_path"),
-                         [("sgd", False), ("adam", False), ("adam", True)])
+                         [("sgd", False), ("adam", False), ("adam", True),
+                          ("adagrad", True)])
 def test_alpha_under_float16_autocast_with_a_grad_scaler(optimizer, accelerator_path,
                                                           monkeypatch):
     """A GradScaler multiplies the loss by 2^16 and unscales the gradients before the step.
     Projections of float16 individual gradients on the scaled gradient overflowed (α NaN at
     every step); statistics are formed in float32, so α equals that of the unscaled run.
-    Adam's update is predicted from the unscaled gradient when Cockpit knows the scaler
-    (else its prediction fails and Alpha takes the general path) — also for the biases
-    predicted side by side at the end of the backward pass (the accelerators' path)."""
+    Adam's and Adagrad's updates are predicted from the unscaled gradient when Cockpit
+    knows the scaler (else Adagrad's prediction fails and Alpha takes the general path) —
+    also for the biases predicted side by side at the end of the backward pass (the
+    accelerators' path)."""
     monkeypatch.setattr(histogram_device, "_forced", accelerator_path)
 
     def alphas(scaled: bool) -> list[float]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
                               nn.Linear(8 * 8 * 8, 5))
-        opt = (torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-               if optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr=1e-3))
+        opt = {"sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+               "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+               # (its update depends on the gradient's scale: S_0 = 0.1 + g²)
+               "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2,
+                                                        initial_accumulator_value=0.1),
+               }[optimizer](model.parameters())
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=scaled)
         alpha = quantities.Alpha()
         cockpit = Cockpit(model, [alpha], optimizer=opt, grad_scaler=scaler)
