@@ -469,7 +469,9 @@ class CallProcessor:
         if (type(sg) is not DenseSampleGrads or not device_path(sg.grads.device)
                 or sg.scratch_bytes() > SMALL_BYTES or engine.state.frozen_pass
                 or name in engine.state.multi_use
-                or engine.sharded):  # (fully_shard frees the gathered θ after each layer)
+                # (fully_shard frees the gathered θ after each layer; only it sets
+                # compute_dtypes, whose sums of individual gradients are not formed here)
+                or engine.sharded):
             return False
         if not self.small and not queue_at_end_of_backward(self.reduce_side_by_side):
             return False
@@ -509,10 +511,6 @@ class CallProcessor:
             for name, value in zip(names, values, strict=True):
                 if value is not None:
                     stats[statistic.name][name] = value
-        if engine.compute_dtypes:  # their sum (not ∂L/∂θ): keep it
-            for name, sg in zip(names, sgs, strict=True):
-                stats.sample_sums.setdefault(SAMPLE_GRAD_SUM, {})[name] = (
-                    sg.batch_mean() * sg.num_samples)
         dotted = []
         for name, sg in zip(names, sgs, strict=True):
             if self._waits_for_gradient(name, sg):  # (its gradient never arrived)
