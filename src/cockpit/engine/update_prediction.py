@@ -451,7 +451,8 @@ def match_update(
 
 
 class UpdateMatch:
-    """:func:`match_update` in two halves: ``checks`` = [⟨p, p⟩, ⟨p, a⟩, ‖a − κp‖ per tensor]
+    """:func:`match_update` in two halves: ``checks`` = [⟨p, p⟩, ⟨p, a⟩, ‖a − κp‖ per tensor
+    (grouped by dtype: only their sum of squares is read)]
     with κ = ⟨p, a⟩/⟨p, p⟩ (float64 on the device; dot products by BLAS in the tensors'
     dtype) is formed without reading the device; :meth:`kappa` decides on its host copy."""
 
@@ -467,19 +468,17 @@ class UpdateMatch:
         kappa = sums[1] / sums[0]
         # κp − a by dtype (κ at least in float32: rounded to bfloat16 it would miss by
         # 0.4 %), two multi-tensor kernels for the tensors of each dtype
-        by_dtype: dict[torch.dtype, tuple[list[int], list[Tensor], list[Tensor]]] = {}
-        for i, (p, a) in enumerate(zip(predicted, actual, strict=True)):
+        by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+        for p, a in zip(predicted, actual, strict=True):
             dtype = promote(a.dtype, torch.float32)
-            indices, ps, as_ = by_dtype.setdefault(dtype, ([], [], []))
-            indices.append(i)
+            ps, as_ = by_dtype.setdefault(dtype, ([], []))
             ps.append(p if p.dtype == dtype else p.to(dtype))
             as_.append(a if a.dtype == dtype else a.to(dtype))
-        residuals: list[Tensor] = [kappa] * len(predicted)  # (each replaced below)
-        for dtype, (indices, ps, as_) in by_dtype.items():
+        residuals: list[Tensor] = []
+        for dtype, (ps, as_) in by_dtype.items():
             scaled = torch._foreach_mul(ps, kappa.to(dtype))
             torch._foreach_sub_(scaled, as_)
-            for i, r in zip(indices, scaled, strict=True):
-                residuals[i] = r
+            residuals += scaled
         norms = torch.stack(torch._foreach_norm(residuals)).double()
         self.checks = torch.cat([sums, norms.to(sums.device)])
 
