@@ -1,11 +1,13 @@
 """Small parameters side by side (``cockpit.engine.side_by_side``): each statistic of G =
 [G_1 | … | G_P] against the same statistic of each parameter alone (per-parameter norms, dot
 products, exact histogram counts at and beside the edges), the grouping, and a tracked
-step whose small parameters cost the same few ops however many there are."""
+step whose small parameters cost the same few ops however many there are, and their dot
+products recorded for all of them at once as one by one."""
 
 from __future__ import annotations
 
 import collections
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +17,9 @@ from cockpit import Cockpit, configuration
 from cockpit.engine import side_by_side
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms.exact import BinSpec, histogram_dense_counts
+from cockpit.engine.processing import CallProcessor, _DotPlan
 from cockpit.engine.side_by_side import SideBySide
+from cockpit.engine.statistics.backward import BackwardStatistics, GradientDots
 from tests.engine.test_host_syncs import Count
 
 SHAPES = [(5,), (3, 2), (), (7,), (1,)]
@@ -42,7 +46,7 @@ def test_norms_and_dots_are_each_parameters_own(dtype):
                    for _ in range(3)] for g in gs]
     # rounding bound: a few units of the dtype's precision times Σ_j |g_nj u_j|
     unit = {torch.bfloat16: 2.0**-6, torch.float32: 2.0**-20, torch.float64: 2.0**-48}[dtype]
-    for dots, g, us in zip(side.dots(directions), gs, directions, strict=True):
+    for dots, g, us in zip(side.dots(directions).unbind(2), gs, directions, strict=True):
         assert dots.shape == (3, len(g))
         flat = g.double().reshape(len(g), -1)
         rows = [u.to(dtype).double().reshape(-1) for u in us]
@@ -118,3 +122,46 @@ def test_small_parameters_cost_the_same_ops_however_many(monkeypatch):
         assert many[op] - few[op] == 4, op  # one per added weight (4 Linear weights)
     for op in ("_foreach_lerp", "_foreach_addcdiv_", "cat"):
         assert many[op] == few[op] > 0, op
+
+
+def _recorded(plans, block, together: bool) -> BackwardStatistics:
+    stats = BackwardStatistics(num_samples=block.shape[1], gradient_dots=GradientDots({}))
+    processor = CallProcessor(SimpleNamespace(stats=stats))
+    if together:
+        processor._record_dots_together(plans, block)
+    else:
+        for plan, dots in zip(plans, block.unbind(2), strict=True):
+            processor._record_dots(plan, dots)
+    return stats
+
+
+@pytest.mark.parametrize("w_n", [None, 1.0, 4.0])
+def test_plans_with_the_same_rows_are_recorded_together_as_one_by_one(w_n):
+    """The gram, synced and projection rows of parameters side by side, taken for all of
+    them by one view and one unbind, are each parameter's own rows (÷ w_n for the gram)."""
+    block = torch.randn(3, 5, 4, dtype=torch.float64)
+    vectors = [torch.zeros(1)] * 3
+    plans = [_DotPlan(f"p{i}", vectors=list(vectors), gram_row=0, synced_row=1, w_n=w_n,
+                      projections=[("all", [0, 1, 2]), ("tail", [1, 2]), ("last", [2])])
+             for i in range(4)]
+    assert len({plan.rows_read() for plan in plans}) == 1
+    one_by_one, together = _recorded(plans, block, False), _recorded(plans, block, True)
+    for name in ("p0", "p1", "p2", "p3"):
+        p = int(name[1])
+        gram = block[0, :, p] / (w_n if w_n else 1.0)
+        assert torch.equal(together.gram_mean[name], gram)
+        assert torch.equal(one_by_one.gram_mean[name], gram)
+        assert torch.equal(together.gradient_dots.dots[name], block[1, :, p])
+        for key, rows in (("all", block[:, :, p]), ("tail", block[1:, :, p]),
+                          ("last", block[2:, :, p])):
+            assert torch.equal(together.projections[key][name], rows)
+            assert torch.equal(one_by_one.projections[key][name], rows)
+
+
+def test_scattered_or_ready_rows_are_not_recorded_together():
+    plan = _DotPlan("p", vectors=[torch.zeros(1)] * 3, projections=[("k", [0, 2])])
+    assert plan.rows_read() is None
+    plan.projections = [("k", [0, torch.zeros(5)])]
+    assert plan.rows_read() is None
+    plan.projections = [("k", [1, 2])]
+    assert plan.rows_read() == (3, None, None, None, (("k", 1, 2),))

@@ -523,12 +523,43 @@ class CallProcessor:
         plans = [self._plan_dots(name, sg, bases.get(name)) for name, sg in dotted]
         sizes = {len(plan.vectors) for plan in plans}
         if len(sizes) == 1 and 0 not in sizes and len(plans) == len(names):
-            dots: list[Tensor | None] = list(side.dots([plan.vectors for plan in plans]))
+            block = side.dots([plan.vectors for plan in plans])
+            if len({plan.rows_read() for plan in plans}) == 1 and plans[0].rows_read():
+                self._record_dots_together(plans, block)
+                return
+            dots: list[Tensor | None] = list(block.unbind(2))
         else:
             dots = [sg.dots_many(plan.vectors) if plan.vectors else None
                     for plan, (_, sg) in zip(plans, dotted, strict=True)]
         for plan, value in zip(plans, dots, strict=True):
             self._record_dots(plan, value)
+
+    def _record_dots_together(self, plans: list[_DotPlan], block: Tensor) -> None:
+        """:meth:`_record_dots` of parameters side by side whose plans read the same rows
+        (:meth:`_DotPlan.rows_read`) of ``block`` = [g_{n,p}ᵀu_{k,p}]_{k,n,p}: each
+        statistic's rows of every parameter by one view of the block and one ``unbind``
+        (not a view per parameter and statistic)."""
+        stats = self.engine.stats
+        assert stats is not None
+        first, names = plans[0], [plan.name for plan in plans]
+        w_n = first.w_n
+
+        def per_parameter(rows: Tensor) -> tuple[Tensor, ...]:
+            return rows.unbind(-1)  # [..., N, P] → P × [..., N]
+
+        if first.gram_row is not None:
+            rows = block[first.gram_row]
+            stats.gram_mean.update(zip(names, per_parameter(
+                rows / w_n if w_n and w_n != 1.0 else rows), strict=True))
+        if first.synced_row is not None:
+            assert stats.gradient_dots is not None
+            stats.gradient_dots.dots.update(zip(names, per_parameter(block[first.synced_row]),
+                                                strict=True))
+        for key, refs in first.projections:
+            start, stop = refs[0], refs[-1] + 1  # (consecutive: rows_read)
+            rows = block if (start, stop) == (0, len(block)) else block[start:stop]
+            stats.projections.setdefault(key, {}).update(
+                zip(names, per_parameter(rows), strict=True))
 
     def _bases(self, names: list[str]) -> dict[str, dict]:
         """name → provider key → the provider's directions (None: none), every provider
@@ -567,6 +598,20 @@ class _DotPlan:
                 return index
         self.vectors.append(vector)
         return len(self.vectors) - 1
+
+    def rows_read(self) -> tuple | None:
+        """Which rows each statistic reads, where every one reads consecutive rows of the
+        dot products (None: one reads a ready tensor or scattered rows). Parameters with
+        the same answer are recorded together (:meth:`CallProcessor._record_dots_together`)."""
+        projections = []
+        for key, refs in self.projections:
+            if not refs or not all(isinstance(r, int) for r in refs):
+                return None
+            if refs != list(range(refs[0], refs[0] + len(refs))):  # type: ignore[arg-type]
+                return None
+            projections.append((key, refs[0], len(refs)))
+        return (len(self.vectors), self.gram_row, self.synced_row, self.w_n,
+                tuple(projections))
 
 
 def _rows_of(dots: Tensor | None, refs: list[int | Tensor]) -> Tensor:

@@ -58,14 +58,14 @@ class SideBySide:
         squares = (self.rows * self.rows) @ self.indicator  # [N, P]
         return list(squares.sqrt_().unbind(1))
 
-    def dots(self, directions: Sequence[Sequence[Tensor]]) -> list[Tensor]:
-        """g_{n,p}ᵀu_{k,p}, [K, N] per parameter (``directions[p]``: its K directions, each
-        of the parameter's shape or flat)."""
+    def dots(self, directions: Sequence[Sequence[Tensor]]) -> Tensor:
+        """[g_{n,p}ᵀu_{k,p}]_{k,n,p}, [K, N, P] (``directions[p]``: parameter p's K
+        directions, each of the parameter's shape or flat)."""
         k = len(directions[0])
         flat = torch.cat([d[i] if d[i].dim() == 1 else d[i].reshape(-1)
                           for i in range(k) for d in directions])
         products = self.rows.unsqueeze(0) * flat.view(k, 1, -1).to(self.rows.dtype)
-        return list((products @ self.indicator).unbind(2))  # [K, N, P] → P × [K, N]
+        return products @ self.indicator
 
     def histograms(self, spec: BinSpec) -> list[Tensor]:
         """Counts [bins] (int64) of every parameter's N·D_p elements in ``spec``'s bins,
