@@ -188,32 +188,33 @@ def test_a_language_models_step_waits_for_the_device_once(monkeypatch, one_threa
 
 def test_a_language_models_economy_step_issues_few_ops(monkeypatch, one_thread):
     """Economy on a small GPT-2 with AdamW against its step without Cockpit, both on the
-    accelerator path: 2.3× at |B| = 4 (3.7× before transformers' Conv1D took the Linear
+    accelerator path: 2.2× at |B| = 4 (3.7× before transformers' Conv1D took the Linear
     rule and the Embedding rule stopped calling ``unique``, 2.8× before the biases and
     LayerNorm weights went side by side). A regression bound a little above today's."""
     monkeypatch.setattr(histogram_device, "_forced", True)
     tracked = count_step(monkeypatch, "economy", batch=4, problem=language_problem)
     untracked = count_step(monkeypatch, None, batch=4, problem=language_problem)
     ratio = sum(tracked.ops.values()) / sum(untracked.ops.values())
-    assert ratio <= 2.5, (ratio, tracked.ops.most_common(8))
+    assert ratio <= 2.35, (ratio, tracked.ops.most_common(8))
 
 
 def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
     """Economy on 3C3D against the same step without Cockpit, both on the accelerator path:
-    3.1× at |B| = 32 (21× when the step still read the device per number; the history of the
-    ops removed is in git). The goal is 3×: a regression bound a little above today's."""
+    2.99× at |B| = 32 (21× when the step still read the device per number; the history of
+    the ops removed is in git). The goal is 3×; the convolutions' timed choice of method
+    moves the count by a few ops: a regression bound a little above today's."""
     monkeypatch.setattr(histogram_device, "_forced", True)
     tracked = count_step(monkeypatch, "economy")
     untracked = count_step(monkeypatch, None)
     ratio = sum(tracked.ops.values()) / sum(untracked.ops.values())
-    assert ratio <= 3.3, (ratio, tracked.ops.most_common(8))
+    assert ratio <= 3.12, (ratio, tracked.ops.most_common(8))
 
 
-@pytest.mark.parametrize("config,bound", [("business", 5.4), ("full", 34.0)])
+@pytest.mark.parametrize("config,bound", [("business", 5.15), ("full", 33.0)])
 def test_tracked_curvature_steps_issue_few_ops(config, bound, monkeypatch, one_thread):
     """Business and full on 3C3D with the accelerator paths (batched curvature
     backpropagations by ``torch.func.vmap``, as on CUDA) against the step without Cockpit:
-    5.1× and 32× at |B| = 32 (10.9× and 46× before the curvature's per-tensor and
+    5.0× and 32× at |B| = 32 (10.9× and 46× before the curvature's per-tensor and
     per-vector work took multi-tensor ops and batched kernels). Regression bounds a little
     above today's."""
     monkeypatch.setattr(histogram_device, "_forced", True)

@@ -165,3 +165,15 @@ def test_scattered_or_ready_rows_are_not_recorded_together():
     assert plan.rows_read() is None
     plan.projections = [("k", [1, 2])]
     assert plan.rows_read() == (3, None, None, None, (("k", 1, 2),))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("scales", [[4.0] * 5, [1.0, 3.0, 0.3, 1.0, 7.1]])
+def test_scaled_gradients_side_by_side_are_each_parameters_product(dtype, scales):
+    """The loss weight's 1/w, multiplied into G once (one scale, or one per parameter's
+    columns), gives the same numbers as each parameter's own product s·G_p."""
+    gs = grads(dtype)
+    side = SideBySide(gs, scales)
+    expected = torch.cat([(g * s).reshape(len(g), -1) for g, s in zip(gs, scales,
+                                                                       strict=True)], dim=1)
+    assert torch.equal(side.rows, expected)

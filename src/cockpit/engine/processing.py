@@ -466,7 +466,7 @@ class CallProcessor:
         whose host the kernels bind; queued with the first of the pass; False outside a
         backward pass)."""
         engine = self.engine
-        if (type(sg) is not DenseSampleGrads or not device_path(sg.grads.device)
+        if (type(sg) is not DenseSampleGrads or not device_path(sg.unscaled.device)
                 or sg.scratch_bytes() > SMALL_BYTES or engine.state.frozen_pass
                 or name in engine.state.multi_use
                 # (fully_shard frees the gathered θ after each layer; only it sets
@@ -489,7 +489,7 @@ class CallProcessor:
             return
         engine = self.engine
         names = list(waiting)
-        shapes = [(sg.num_samples, sg.dtype, sg.grads.device, sg.shape.numel())
+        shapes = [(sg.num_samples, sg.dtype, sg.unscaled.device, sg.shape.numel())
                   for sg in waiting.values()]
         bins = getattr(engine.hist_spec, "bins", 0)
         for members in side_by_side.groups(shapes, bins):
@@ -501,7 +501,7 @@ class CallProcessor:
         engine = self.engine
         stats = engine.stats
         assert stats is not None
-        side = side_by_side.SideBySide([sg.grads for sg in sgs])
+        side = side_by_side.SideBySide([sg.unscaled for sg in sgs], [sg.scale for sg in sgs])
         layers = [LayerContext(name, engine) for name in names]
         for statistic in requested(engine.needs):
             values = statistic.form_side_by_side(side, layers)

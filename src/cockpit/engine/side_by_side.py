@@ -41,12 +41,19 @@ MOST_ELEMENTS = 2**24
 
 class SideBySide:
     """G = [G_1 | … | G_P] of parameters with the same number of samples, dtype and device
-    (``grads``: each parameter's individual gradients [N, *shape])."""
+    (``grads``: each parameter's individual gradients [N, *shape], or these divided by its
+    entry of ``scales``)."""
 
-    def __init__(self, grads: Sequence[Tensor]):
+    def __init__(self, grads: Sequence[Tensor], scales: Sequence[float] | None = None):
         rows = [g if g.dim() == 2 else g.reshape(g.shape[0], -1) for g in grads]
         self.sizes = tuple(r.shape[1] for r in rows)
         self.rows = torch.cat(rows, dim=1)
+        # one multiplication for all, the same products as one parameter at a time
+        if scales is not None and len(set(scales)) == 1 and scales[0] != 1.0:
+            self.rows.mul_(scales[0])
+        elif scales is not None and len(set(scales)) > 1:
+            self.rows.mul_(_column_scales(self.sizes, tuple(scales), self.rows.dtype,
+                                          self.rows.device))
 
     @property
     def indicator(self) -> Tensor:
@@ -88,6 +95,16 @@ def _indicator(sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 def _offsets(sizes: tuple[int, ...], slots: int, device: torch.device) -> Tensor:
     """p·slots + ½ for the columns of parameter p, float32 (exact: below 2^23)."""
     return _owners(sizes, device).float().mul_(slots).add_(0.5)
+
+
+@functools.lru_cache(maxsize=32)
+def _column_scales(sizes: tuple[int, ...], scales: tuple[float, ...], dtype: torch.dtype,
+                   device: torch.device) -> Tensor:
+    """Parameter p's scale for each of its columns, [ΣD], in the precision a multiplication
+    of ``dtype`` by a number computes in (float32 for half types)."""
+    wide = torch.float32 if dtype.itemsize < 4 else dtype
+    return torch.cat([torch.full((size,), scale, dtype=wide)
+                      for size, scale in zip(sizes, scales, strict=True)]).to(device)
 
 
 def _owners(sizes: tuple[int, ...], device: torch.device) -> Tensor:

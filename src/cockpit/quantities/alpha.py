@@ -65,16 +65,20 @@ _PREDICTED = "alpha/predicted"
 _PREVIOUS = "alpha/previous_update"
 
 
-def batch_mean_var(x: Tensor) -> Tensor:
-    """[mean, biased (1/|B|) variance] in float64 on x's device (Appendix B.2)."""
+MeanVar = tuple[Tensor, Tensor]
+
+
+def batch_mean_var(x: Tensor) -> MeanVar:
+    """(mean, biased (1/|B|) variance), 0-dim float64 tensors on x's device (Appendix B.2;
+    two scalars, not a stacked pair: the step's readout packs every scalar at once)."""
     x = x.double()
     if x.numel() > 1:
         var, mean = torch.var_mean(x, correction=0)
-        return torch.stack([mean, var])
-    return torch.cat([x.reshape(-1), torch.zeros(1, dtype=x.dtype, device=x.device)])
+        return mean, var
+    return x.reshape(()), torch.zeros((), dtype=x.dtype, device=x.device)
 
 
-def _loss_mean_var(data: StepData) -> Tensor:
+def _loss_mean_var(data: StepData) -> MeanVar:
     """:func:`batch_mean_var` of the step's losses, formed once per step (α of step t − 1
     ends and α of step t begins with the same losses)."""
     losses = data.losses
@@ -82,16 +86,17 @@ def _loss_mean_var(data: StepData) -> Tensor:
     return data.once("loss mean var", lambda: batch_mean_var(losses))
 
 
-def _no_slope(device: torch.device) -> Tensor:
-    return torch.full((2,), math.nan, dtype=torch.float64, device=device)
+def _no_slope(device: torch.device) -> MeanVar:
+    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+    return nan, nan
 
 
 def _alpha(length: float):
-    """α of ``step`` from the observations [loss mean, var, slope mean, var] at both ends."""
+    """α of ``step`` from the observations (loss mean, var, slope mean, var) at both ends."""
 
-    def value(obs0, obs1) -> Noted:
-        alpha, reason = compute_alpha(length, Observations(*map(float, obs0)),
-                                      Observations(*map(float, obs1)))
+    def value(*observed) -> Noted:
+        alpha, reason = compute_alpha(length, Observations(*map(float, observed[:4])),
+                                      Observations(*map(float, observed[4:])))
         return Noted({"Alpha": alpha}, {"Alpha": reason} if reason is not None else {})
 
     return value
@@ -102,7 +107,7 @@ class _OpenStep:
     """What is known about step t before θ_{t+1} is observed."""
 
     step: int
-    loss: Tensor | None  # [mean, variance] of the losses at θ_t, on the device
+    loss: MeanVar | None  # of the losses at θ_t, on the device
     predicted: bool
     sgd: bool = False
     basis: dict[str, list[Tensor]] = field(default_factory=dict)
@@ -114,7 +119,7 @@ class _OpenStep:
     direction: dict[str, Tensor] | None = None  # s_t
     direction_length: float = math.nan  # ‖s_t‖
     moved: list[str] = field(default_factory=list)  # parameters with s_t ≠ 0
-    obs0: Tensor | None = None  # [loss mean, var, slope mean, var] at θ_t, on the device
+    obs0: tuple[Tensor, ...] | None = None  # (loss mean, var, slope mean, var) at θ_t
 
 
 class Alpha(Quantity):
@@ -314,14 +319,15 @@ class Alpha(Quantity):
         with torch.no_grad():
             theta_norms = (torch.stack(torch._foreach_norm([data.params[k] for k in names],
                                                            dtype=torch.float64))
-                           if names else state.loss[:0])
+                           if names else torch.zeros(0, dtype=torch.float64,
+                                                     device=state.loss[0].device))
         update_norms = data.update_norm_vector(update)
         if sharded.has_sharded(update.values()):  # g_nᵀs_t needs all of s_t (sharded.py)
             update = {k: sharded.whole(s.detach()) for k, s in update.items()}
         checks, decide = self._slopes(state, update, names)
         state.project = None
         state.basis, state.unpacked = {}, {}
-        return Later(self._decision(state, update, names, decide), update_norms, state.loss,
+        return Later(self._decision(state, update, names, decide), update_norms, *state.loss,
                      theta_norms, *checks, name="Alpha")
 
     def _decision(self, state: _OpenStep, update: dict[str, Tensor], names: list[str],
@@ -332,11 +338,12 @@ class Alpha(Quantity):
         reason why there are none."""
         keys = list(update)
 
-        def value(update_norms: np.ndarray, loss: np.ndarray, theta_norms: np.ndarray,
-                  *checks) -> Noted:
+        def value(update_norms: np.ndarray, loss_mean: np.ndarray, loss_var: np.ndarray,
+                  theta_norms: np.ndarray, *checks) -> Noted:
             sq_norms = {k: v * v for k, v in zip(keys, update_norms.tolist(), strict=True)}
             length = math.sqrt(sum(sq_norms.values()))
-            if not math.isfinite(length) or not np.isfinite(loss).all():
+            if not (math.isfinite(length) and np.isfinite(loss_mean)
+                    and np.isfinite(loss_var)):
                 self._close(state)
                 return Noted({"Alpha": math.nan},
                              {"Alpha": "non-finite loss or update: α is undefined"})
@@ -360,7 +367,8 @@ class Alpha(Quantity):
             state.direction_length, state.moved = length, moved
             assert state.loss is not None
             slope = batch_mean_var(dots / length) if length > 0 else _no_slope(dots.device)
-            state.obs0 = torch.cat([state.loss, slope.to(state.loss.device)])
+            device = state.loss[0].device
+            state.obs0 = (*state.loss, *(t.to(device) for t in slope))
             return Noted({})
 
         return value
@@ -474,7 +482,7 @@ class Alpha(Quantity):
         dots = ((torch.cat(rows) if all(len(p) == 1 for p in rows)  # one row each: no views
                  else torch.stack([p[0] for p in rows])).double().sum(0) if rows else 0)
         loss = _loss_mean_var(data)
-        slope = batch_mean_var(dots / length) if length > 0 else _no_slope(loss.device)
-        obs1 = torch.cat([loss, slope.to(loss.device)])
+        slope = batch_mean_var(dots / length) if length > 0 else _no_slope(loss[0].device)
+        obs1 = (*loss, *(t.to(loss[0].device) for t in slope))
         data.late_values.setdefault(state.step, []).append(
-            Later(_alpha(length), state.obs0, obs1, name="Alpha"))
+            Later(_alpha(length), *state.obs0, *obs1, name="Alpha"))

@@ -408,7 +408,7 @@ def conv_rule(
         grads["weight"] = ConvSampleGrads(module, x_padded, delta, key, scale)
     if module.bias is not None and module.bias.requires_grad:
         bias = delta.sum(tuple(range(2, delta.dim())))  # Σ_l δ_{n,:,l}
-        grads["bias"] = DenseSampleGrads(bias * scale if scale != 1.0 else bias)
+        grads["bias"] = DenseSampleGrads(bias, scale=scale)
     return grads
 
 

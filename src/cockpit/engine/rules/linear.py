@@ -75,7 +75,7 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
                            else SequenceOuterSampleGrads(delta_seq, scaled_a))
     if bias is not None and bias.requires_grad:
         summed = delta_seq.sum(1)
-        grads["bias"] = DenseSampleGrads(summed * scale if scale_input else summed)
+        grads["bias"] = DenseSampleGrads(summed, scale=scale if scale_input else 1.0)
     return grads
 
 

@@ -29,10 +29,9 @@ def _affine_grads(
     scale: float = 1.0,
 ) -> dict[str, SampleGrads]:
     """Sum δ⊙x̂ (weight) and δ (bias) over all dims except batch and the parameter's dims,
-    δ = ``scale`` · ``delta`` (the uniform loss weight's 1/w, one multiplication)."""
+    δ = ``scale`` · ``delta`` (the uniform loss weight's 1/w: multiplied into the sums, not
+    into the layer-sized δ)."""
     n = delta.shape[0]
-    if scale != 1.0:
-        delta = delta * scale
     if channel_dim is None:  # parameter covers the trailing ``param_dims`` dims
         reduce_dims = tuple(range(1, delta.dim() - param_dims))
     else:  # parameter indexed by the channel dim only
@@ -42,11 +41,11 @@ def _affine_grads(
     if weight is not None and weight.requires_grad:
         g = (delta * x_hat).sum(reduce_dims) if reduce_dims else delta * x_hat
         grads["weight"] = DenseSampleGrads(g if g.shape[1:] == weight.shape
-                                           else g.reshape(n, *weight.shape))
+                                           else g.reshape(n, *weight.shape), scale=scale)
     if bias is not None and bias.requires_grad:
         g = delta.sum(reduce_dims) if reduce_dims else delta
         grads["bias"] = DenseSampleGrads(g if g.shape[1:] == bias.shape
-                                         else g.reshape(n, *bias.shape))
+                                         else g.reshape(n, *bias.shape), scale=scale)
     return grads
 
 

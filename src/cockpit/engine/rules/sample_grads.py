@@ -244,17 +244,31 @@ class RowNorms:
 
 
 class DenseSampleGrads(SampleGrads):
-    """Individual gradients stored explicitly as ``G[n] = g_n`` (``row_norms``: their norms,
-    where another representation shares them)."""
+    """Individual gradients stored explicitly as ``G[n] = g_n`` = ``scale`` · ``grads``
+    (``row_norms``: their norms, where another representation shares them). The scale (the
+    loss weight's 1/w) is multiplied in when G is first asked for: small parameters side by
+    side take theirs by one multiplication of all of them (``unscaled``, ``scale``)."""
 
     caches_chunks = True
     selectable = True
 
-    def __init__(self, grads: Tensor, row_norms: RowNorms | None = None):
-        self.grads = grads
+    def __init__(self, grads: Tensor, row_norms: RowNorms | None = None, scale: float = 1.0):
+        self.unscaled, self.scale = grads, scale
+        self._grads = grads if scale == 1.0 else None
         self.num_samples = grads.shape[0]
         self.shape = grads.shape[1:]
-        self.row_norms = row_norms if row_norms is not None and row_norms.x is grads else None
+        self.row_norms = (row_norms if row_norms is not None and row_norms.x is grads
+                          and scale == 1.0 else None)
+
+    @property
+    def grads(self) -> Tensor:
+        if self._grads is None:
+            self._grads = self.unscaled * self.scale
+        return self._grads
+
+    @grads.setter
+    def grads(self, value: Tensor) -> None:
+        self.unscaled, self.scale, self._grads = value, 1.0, value
 
     def norms(self) -> Tensor:
         return super().norms() if self.row_norms is None else self.row_norms()
@@ -264,10 +278,10 @@ class DenseSampleGrads(SampleGrads):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.grads.dtype
+        return self.unscaled.dtype
 
     def select(self, start: int, stop: int) -> SampleGrads:
-        return DenseSampleGrads(self.grads[start:stop])
+        return DenseSampleGrads(self.unscaled[start:stop], scale=self.scale)
 
     def add_(self, other: SampleGrads) -> None:
         """Accumulate another use of the same parameter (tied weights, reused modules)."""
