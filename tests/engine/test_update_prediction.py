@@ -12,6 +12,7 @@ from torch import nn
 from cockpit.engine.update_fit import BasisFits, fit_basis_coefficients
 from cockpit.engine.update_prediction import (
     UnsupportedOptimizer,
+    UpdateMatch,
     _find_group,
     match_update,
     predict_update,
@@ -376,6 +377,30 @@ def test_match_update_edge_cases():
     assert match_update(a, [torch.zeros(3, dtype=torch.float64)]) == 0.0
     assert match_update([torch.full((3,), float("nan"))], a) is None
     assert match_update(a, a + a) is None
+
+
+def test_update_match_of_many_small_and_some_large_tensors_against_float64():
+    """⟨p, a⟩ summed over tensors (small ones of each dtype side by side, large ones one by
+    one, a in p's dtype) and the residual norms against float64 sums; κ of a scaled update
+    is found, a perturbed small tensor breaks the match."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(5,), (3, 4), (), (300, 300), (7, 1, 2), (2**16,), (2**16 + 1,)]
+    dtypes = [torch.float32, torch.float64, torch.float32, torch.float32, torch.bfloat16,
+              torch.float32, torch.float64]
+    predicted = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes,
+                                                                      strict=True)]
+    actual = [(0.3 * p.double()).to(d) for p, d in zip(predicted, dtypes, strict=True)]
+    actual[0] = actual[0].double()  # an actual wider than its prediction
+    match = UpdateMatch(predicted, actual)
+    pp = sum(float((p.double() ** 2).sum()) for p in predicted)
+    pa = sum(float((p.double() * a.to(p.dtype).double()).sum())
+             for p, a in zip(predicted, actual, strict=True))
+    checks = match.checks.numpy()
+    assert checks[0] == pytest.approx(pp, rel=1e-6)
+    assert checks[1] == pytest.approx(pa, rel=1e-6)
+    assert match_update(predicted, actual, rtol=1e-2) == pytest.approx(0.3, rel=1e-4)
+    actual[1] = actual[1] + 1.0
+    assert match_update(predicted, actual, rtol=1e-2) is None
 
 
 def test_lr_scheduler_wrapper_and_tensor_lr_are_supported():

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
 
+from cockpit.engine.chunk_cat import chunk_cat_takes
 from cockpit.engine.dtypes import promote
 from cockpit.engine.update_fit import to_host
 
@@ -462,8 +463,7 @@ class UpdateMatch:
             return
         flat = [p if p.dim() == 1 else p.reshape(-1) for p in predicted]
         pp = torch.stack(torch._foreach_norm(flat, dtype=torch.float64)).square().sum()
-        pa = torch.stack([torch.dot(p, (a if a.dim() == 1 else a.reshape(-1)).to(p.dtype))
-                          for p, a in zip(flat, actual, strict=True)]).double().sum()
+        pa = _total_dot(flat, actual)
         sums = torch.stack([pp.to(pa.device), pa])
         kappa = sums[1] / sums[0]
         # κp − a by dtype (κ at least in float32: rounded to bfloat16 it would miss by
@@ -495,6 +495,41 @@ class UpdateMatch:
         if math.sqrt(residual_sq) <= rtol * math.sqrt(actual_sq) + atol + _TINY:
             return pa / pp
         return None
+
+
+# Tensors of at most this many elements (biases, normalization weights) enter
+# :func:`_total_dot` together: one copy of them all instead of a product per tensor.
+_SMALL_NUMEL = 2**16
+
+
+def _total_dot(flat: Sequence[Tensor], actual: Sequence[Tensor]) -> Tensor:
+    """Σ_k ⟨p_k, a_k⟩ in float64 (``flat``: the p_k as flat vectors; a_k in p_k's dtype):
+    a BLAS dot product per large tensor, one product of the small ones of each dtype side
+    by side (a few kernels however many biases a model has)."""
+    parts: list[Tensor] = []
+    small: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+    for p, a in zip(flat, actual, strict=True):
+        a = a.to(p.dtype)
+        if p.numel() <= _SMALL_NUMEL:
+            ps, as_ = small.setdefault(p.dtype, ([], []))
+            ps.append(p)
+            as_.append(a if a.dim() else a.view(1))
+        else:
+            parts.append(torch.dot(p, a if a.dim() == 1 else a.reshape(-1)))
+    for ps, as_ in small.values():
+        if len(ps) == 1:
+            a = as_[0]
+            parts.append(torch.dot(ps[0], a if a.dim() == 1 else a.reshape(-1)))
+        else:
+            parts.append(torch.mul(_side_by_side(ps), _side_by_side(as_)).sum())
+    return torch.stack(parts).double().sum() if len(parts) > 1 else parts[0].double()
+
+
+def _side_by_side(tensors: list[Tensor]) -> Tensor:
+    """The tensors flattened and concatenated (one op where ``_chunk_cat`` takes them)."""
+    if chunk_cat_takes(tensors):
+        return torch._chunk_cat(tensors, 0, 1)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def sgd_update_basis(
