@@ -430,6 +430,35 @@ def test_float32_prediction_is_bitwise():
         )
 
 
+@pytest.mark.parametrize("cls,kwargs", [
+    (torch.optim.Adam, {"lr": 1e-2}),
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01, "amsgrad": True, "maximize": True}),
+    (torch.optim.AdamW, {"lr": torch.tensor(1e-2), "amsgrad": True}),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_adam_is_replayed_by_its_own_kernel_bit_for_bit(cls, kwargs, dtype):
+    """``fused=True``: one parameter at a time and all at once (two groups, the first step
+    from an empty state), the prediction is the real update bit for bit, and the optimizer's
+    state (moments, step counts) is untouched."""
+    model = make_model(dtype=dtype)
+    optimizer = make_optimizer(cls, model, {**kwargs, "fused": True})
+    assert supports(optimizer)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        backward(model, gen, dtype=dtype)
+        params = list(model.parameters())
+        state_before = snapshot_state(optimizer)
+        single = [predict_update(optimizer, p, p.grad) for p in params]
+        together = predict_updates(optimizer, params, [p.grad for p in params])
+        assert_same_state(state_before, snapshot_state(optimizer))
+        old = [p.detach().clone() for p in params]
+        optimizer.step()
+        for one, many, p, o in zip(single, together, params, old, strict=True):
+            assert torch.equal(one, p.detach() - o)
+            assert torch.equal(many, p.detach() - o)
+
+
 class OverridingSGD(torch.optim.SGD):
     def step(self, closure=None):
         return super().step(closure)

@@ -107,6 +107,7 @@ OPTIMIZERS = {
     "adam_amsgrad_wd": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, weight_decay=0.1),
     "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
     "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, fused=True),
     "rmsprop_centered_momentum": lambda p: torch.optim.RMSprop(
         p, lr=0.005, centered=True, momentum=0.5),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, lr_decay=0.01),
@@ -370,6 +371,25 @@ def test_learning_rate_change_between_backward_and_step_is_corrected():
     for step in (0, 1):
         expected = Recorder.reference(rec, step)
         assert math.isclose(cockpit.get_output()[step]["Alpha"], expected, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("accelerator_path", [False, True])
+def test_fused_adamw_stays_on_the_predicted_path(accelerator_path, monkeypatch):
+    """AdamW(fused=True), common on GPUs, is predicted by its own kernel (biases together
+    on the accelerators' path): α from the projections formed in the backward pass, equal
+    to brute force, without keeping the layers' calls for the general path."""
+    monkeypatch.setattr(histogram_device, "_forced", accelerator_path)
+    provided = []
+    provider = quantities.Alpha._provider
+
+    def spy(self, optimizer, state, *args):
+        provided.append(state.step)
+        return provider(self, optimizer, state, *args)
+
+    monkeypatch.setattr(quantities.Alpha, "_provider", spy)
+    rec = Recorder(make_problem("cnn", 6), OPTIMIZERS["adamw_fused"], every(1), 4)
+    check(rec, [0, 1, 2])
+    assert provided == [0, 1, 2, 3]  # every step on the predicted path
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])

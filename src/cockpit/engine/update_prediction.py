@@ -20,10 +20,12 @@ under ``maximize`` and ``λ`` = weight_decay:
   ``S = S + g²`` (S starts at initial_accumulator_value); ``s = −clr · g/(√S + ε)``.
 
 Not predicted (``None``, reasons in ``UnsupportedOptimizer``): other optimizer classes
-(LBFGS and other closure-based ones included), subclasses that override ``step``, ``fused``,
-``capturable`` and ``differentiable`` groups, complex parameters, sparse gradients, tensor
-hyperparameters other than a one-element ``lr``, state that does not fit the group's options.
-``foreach=True`` runs the same math with multi-tensor kernels (agreement to rounding).
+(LBFGS and other closure-based ones included), subclasses that override ``step``, ``fused``
+groups of SGD, RMSprop and Adagrad, ``capturable`` and ``differentiable`` groups, complex
+parameters, sparse gradients, tensor hyperparameters other than a one-element ``lr``, state
+that does not fit the group's options. ``foreach=True`` runs the same math with multi-tensor
+kernels (agreement to rounding); Adam and AdamW with ``fused=True`` are replayed by their
+own fused kernel on copies (equal bit for bit).
 
 Verification after the real step (``match_update``): the caller compares predictions with the
 measured updates and accepts a global rescaling ``actual ≈ κ·predicted``:
@@ -71,7 +73,7 @@ class UnsupportedOptimizer:
 
     UNKNOWN_CLASS = "optimizer class not supported (supported: SGD, Adam, AdamW, RMSprop, Adagrad)"
     STEP_OVERRIDDEN = "optimizer subclass overrides step(); its update rule is unknown"
-    FUSED = "fused=True is not supported"
+    FUSED = "fused=True is supported for Adam and AdamW only"
     CAPTURABLE = "capturable=True is not supported"
     DIFFERENTIABLE = "differentiable=True is not supported"
     GRAD_SCALER = "optimizer carries grad_scale/found_inf (AMP GradScaler) and is not predicted"
@@ -119,8 +121,8 @@ def _supported_base(optimizer: Optimizer) -> type[Optimizer] | None:
     return None
 
 
-def _group_reason(group: dict) -> str | None:
-    if group.get("fused"):
+def _group_reason(group: dict, base: type[Optimizer]) -> str | None:
+    if group.get("fused") and base is not Adam:
         return UnsupportedOptimizer.FUSED
     if group.get("capturable"):
         return UnsupportedOptimizer.CAPTURABLE
@@ -169,7 +171,7 @@ def _optimizer_reason(optimizer: Optimizer) -> str | None:
     if getattr(optimizer, "found_inf", None) is not None:
         return UnsupportedOptimizer.GRAD_SCALER
     for group in optimizer.param_groups:
-        reason = _group_reason(group)
+        reason = _group_reason(group, base)
         if reason is not None:
             return reason
     return None
@@ -232,6 +234,8 @@ def predict_update(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tensor 
     base = supported_base(optimizer)
     with torch.no_grad():  # (no detach needed: nothing here joins a graph)
         grad = grad.to(param.dtype)
+        if base is Adam and group.get("fused"):  # type: ignore[union-attr]
+            return _fused_adam_steps([param], [grad], group, [state])[0]
         if base is SGD:
             new_param = _sgd_step(param, grad, group, state)
         elif base is Adam:
@@ -264,8 +268,9 @@ def predict_updates(optimizer: Optimizer, params: Sequence[Tensor], grads: Seque
     with torch.no_grad():
         for group, indices in groups.values():
             members = [params[i] for i in indices]
-            steps = _adam_steps(members, [grads[i].to(params[i].dtype) for i in indices],
-                                group, [optimizer.state.get(p) or {} for p in members])
+            replay = _fused_adam_steps if group.get("fused") else _adam_steps
+            steps = replay(members, [grads[i].to(params[i].dtype) for i in indices],
+                           group, [optimizer.state.get(p) or {} for p in members])
             for i, update in zip(indices, steps, strict=True):
                 updates[i] = update
     return updates
@@ -368,6 +373,54 @@ def _adam_steps(params: list[Tensor], grads: list[Tensor], group: dict, states: 
     torch._foreach_sub_(new, thetas)
     for i, update in zip(kept, new, strict=True):
         out[i] = update
+    return out
+
+
+def _fused_adam_steps(params: list[Tensor], grads: list[Tensor], group: dict,
+                      states: list[dict]) -> list[Tensor | None]:
+    """Adam and AdamW with ``fused=True``: the optimizer's own kernel
+    (``torch._fused_adam_`` / ``torch._fused_adamw_``) on copies of θ, the moments and the
+    step counts, so the same values bit for bit; the update θ̂ − θ of each parameter (None
+    where the state does not fit the group's options). Four launches per device and dtype
+    however many parameters: the copies (x·1 is exact), the counts, the kernel, the
+    differences."""
+    amsgrad = group["amsgrad"]
+    needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    by_kind: dict[tuple, list[int]] = {}
+    for i, (param, state) in enumerate(zip(params, states, strict=True)):
+        if not (state and any(key not in state for key in needed)):
+            by_kind.setdefault((param.device, param.dtype), []).append(i)
+    out: list[Tensor | None] = [None] * len(params)
+    beta1, beta2 = group["betas"]
+    replay = (torch._fused_adamw_ if group.get("decoupled_weight_decay", False)
+              else torch._fused_adam_)
+    for (device, _), members in by_kind.items():
+        thetas = [params[i] for i in members]
+        held, steps = [], []
+        for i in members:
+            state = states[i]
+            if state:  # (copied below, with θ)
+                held += [state["exp_avg"], state["exp_avg_sq"]]
+                held += [state["max_exp_avg_sq"]] if amsgrad else []
+                steps.append(state["step"])
+            else:  # the optimizer's lazy initialisation: zeros, a float32 count on θ's device
+                zeros = torch.zeros_like(params[i], memory_format=torch.preserve_format)
+                held += [zeros] * (3 if amsgrad else 2)
+                steps.append(torch.zeros((), dtype=torch.float32, device=device))
+        copies = torch._foreach_mul([*thetas, *held], 1.0)
+        new, moments = copies[:len(thetas)], copies[len(thetas):]
+        width = 3 if amsgrad else 2
+        lr = group["lr"]
+        if isinstance(lr, Tensor) and lr.device != device and lr.device.type != "cpu":
+            lr = lr.to(device)
+        replay(new, [grads[i] for i in members], moments[0::width], moments[1::width],
+               moments[2::width] if amsgrad else [], torch._foreach_add(steps, 1),
+               amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
+               weight_decay=group["weight_decay"], eps=group["eps"],
+               maximize=group["maximize"], grad_scale=None, found_inf=None)
+        torch._foreach_sub_(new, thetas)
+        for i, update in zip(members, new, strict=True):
+            out[i] = update
     return out
 
 
