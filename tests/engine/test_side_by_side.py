@@ -118,10 +118,10 @@ def test_small_parameters_cost_the_same_ops_however_many(monkeypatch):
     and the check of each update after the step)."""
     monkeypatch.setattr(histogram_device, "_forced", True)
     few, many = tracked_step_ops(2), tracked_step_ops(6)
-    for op in ("bucketize", "histc", "sqrt_", "lerp", "addcdiv_"):
+    # (Adam's update by the fused kernel: one launch per weight, one for all small ones)
+    for op in ("bucketize", "histc", "_fused_adamw_"):
         assert many[op] - few[op] == 4, op  # one per added weight (4 Linear weights)
-    for op in ("_foreach_lerp", "_foreach_addcdiv_", "cat"):
-        assert many[op] == few[op] > 0, op
+    assert many["cat"] == few["cat"] > 0
 
 
 def _recorded(plans, block, together: bool) -> BackwardStatistics:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.update_fit import BasisFits, fit_basis_coefficients
 from cockpit.engine.update_prediction import (
     UnsupportedOptimizer,
@@ -457,6 +458,48 @@ def test_fused_adam_is_replayed_by_its_own_kernel_bit_for_bit(cls, kwargs, dtype
         for one, many, p, o in zip(single, together, params, old, strict=True):
             assert torch.equal(one, p.detach() - o)
             assert torch.equal(many, p.detach() - o)
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01, "amsgrad": True}),
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "foreach": True}),
+    (torch.optim.Adam, {"lr": 1e-2, "maximize": True, "foreach": False}),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_accelerators_predict_adam_by_the_fused_kernel(cls, kwargs, dtype, monkeypatch):
+    """On the accelerators' path (forced) a non-fused Adam's update is predicted by the
+    fused kernel in float32 and float64 (a few units in the last place from the real one,
+    accepted by the check with κ = 1) and by the single-tensor replay in bfloat16 (bit for
+    bit); the optimizer's state is untouched."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    kernels = []
+    fused_adam, fused_adamw = torch._fused_adam_, torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adam_",
+                        lambda *a, **k: kernels.append(1) or fused_adam(*a, **k))
+    monkeypatch.setattr(torch, "_fused_adamw_",
+                        lambda *a, **k: kernels.append(1) or fused_adamw(*a, **k))
+    model = make_model(dtype=dtype)
+    optimizer = make_optimizer(cls, model, kwargs)
+    gen = torch.Generator().manual_seed(5)
+    unit = {torch.float32: 2.0**-23, torch.float64: 2.0**-52}.get(dtype)
+    for _ in range(3):
+        backward(model, gen, dtype=dtype)
+        params = list(model.parameters())
+        state_before = snapshot_state(optimizer)
+        predicted = [predict_update(optimizer, p, p.grad) for p in params]
+        assert_same_state(state_before, snapshot_state(optimizer))
+        old = [p.detach().clone() for p in params]
+        optimizer.step()
+        actual = [p.detach() - o for p, o in zip(params, old, strict=True)]
+        for pr, a, o in zip(predicted, actual, old, strict=True):
+            if unit is None:
+                assert torch.equal(pr, a)
+            else:  # rounding of θ̂ (|θ| ulps) and of the update's own terms
+                bound = 8 * unit * (o.abs() + a.abs()) + 1e-30
+                assert ((pr - a).abs() <= bound).all()
+        if unit is not None:
+            assert match_update(predicted, actual) == pytest.approx(1.0, abs=1e-5)
+    assert (len(kernels) > 0) == (unit is not None)
 
 
 class OverridingSGD(torch.optim.SGD):

@@ -25,7 +25,10 @@ groups of SGD, RMSprop and Adagrad, ``capturable`` and ``differentiable`` groups
 parameters, sparse gradients, tensor hyperparameters other than a one-element ``lr``, state
 that does not fit the group's options. ``foreach=True`` runs the same math with multi-tensor
 kernels (agreement to rounding); Adam and AdamW with ``fused=True`` are replayed by their
-own fused kernel on copies (equal bit for bit).
+own fused kernel on copies (equal bit for bit). On accelerators, where a parameter's nine
+single-tensor launches cost host time the GPU waits for, the other Adam variants in float32
+and float64 are predicted by that kernel too (three launches; it rounds intermediate values
+differently, a few units in the last place of the update, far inside the check below).
 
 Verification after the real step (``match_update``): the caller compares predictions with the
 measured updates and accepts a global rescaling ``actual ≈ κ·predicted``:
@@ -44,6 +47,7 @@ measured updates and accepts a global rescaling ``actual ≈ κ·predicted``:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import weakref
@@ -56,6 +60,7 @@ from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
 
 from cockpit.engine.chunk_cat import chunk_cat_takes
 from cockpit.engine.dtypes import promote
+from cockpit.engine.histograms.device import device_path
 from cockpit.engine.update_fit import to_host
 
 SUPPORTED_CLASSES: tuple[type[Optimizer], ...] = (SGD, Adam, RMSprop, Adagrad)
@@ -234,7 +239,7 @@ def predict_update(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tensor 
     base = supported_base(optimizer)
     with torch.no_grad():  # (no detach needed: nothing here joins a graph)
         grad = grad.to(param.dtype)
-        if base is Adam and group.get("fused"):  # type: ignore[union-attr]
+        if base is Adam and _replays_fused(group, param):  # type: ignore[arg-type]
             return _fused_adam_steps([param], [grad], group, [state])[0]
         if base is SGD:
             new_param = _sgd_step(param, grad, group, state)
@@ -268,7 +273,7 @@ def predict_updates(optimizer: Optimizer, params: Sequence[Tensor], grads: Seque
     with torch.no_grad():
         for group, indices in groups.values():
             members = [params[i] for i in indices]
-            replay = _fused_adam_steps if group.get("fused") else _adam_steps
+            replay = _fused_adam_steps if _replays_fused(group, members[0]) else _adam_steps
             steps = replay(members, [grads[i].to(params[i].dtype) for i in indices],
                            group, [optimizer.state.get(p) or {} for p in members])
             for i, update in zip(indices, steps, strict=True):
@@ -376,14 +381,46 @@ def _adam_steps(params: list[Tensor], grads: list[Tensor], group: dict, states: 
     return out
 
 
+def _replays_fused(group: dict, param: Tensor) -> bool:
+    """Whether Adam's update of ``param`` is predicted by the fused kernel: always for a
+    ``fused=True`` group (its own kernel); on accelerators also for the other Adam variants
+    in float32 and float64 (three launches instead of nine, whose host time a GPU waits
+    for; the kernel rounds its intermediate values differently, by a few units of the last
+    place, far inside the update check's rtol), where this torch has the kernel."""
+    if group.get("fused"):
+        return True
+    return (device_path(param.device) and param.dtype in (torch.float32, torch.float64)
+            and _fused_kernel_runs(param.device.type))
+
+
+@functools.cache
+def _fused_kernel_runs(device_type: str) -> bool:
+    """Whether ``torch._fused_adam_`` runs on this device type (probed once on a number)."""
+    try:
+        one = torch.ones(1, device=device_type)
+        torch._fused_adam_([one.clone()], [one], [one.clone()], [one.clone()], [],
+                           [torch.ones((), device=device_type)], amsgrad=False, lr=0.1,
+                           beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8,
+                           maximize=False)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=8)
+def _step_count(value: float, device: torch.device) -> Tensor:
+    """A step count k as the fused kernel reads it (float32 on θ's device), made once per
+    step and device for the states that keep their count on the host."""
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
 def _fused_adam_steps(params: list[Tensor], grads: list[Tensor], group: dict,
                       states: list[dict]) -> list[Tensor | None]:
-    """Adam and AdamW with ``fused=True``: the optimizer's own kernel
-    (``torch._fused_adam_`` / ``torch._fused_adamw_``) on copies of θ, the moments and the
-    step counts, so the same values bit for bit; the update θ̂ − θ of each parameter (None
-    where the state does not fit the group's options). Four launches per device and dtype
-    however many parameters: the copies (x·1 is exact), the counts, the kernel, the
-    differences."""
+    """Adam and AdamW by the fused kernel (``torch._fused_adam_`` / ``_fused_adamw_``, the
+    ``fused=True`` optimizer's own: the same values bit for bit there) on copies of θ, the
+    moments and the step counts; the update θ̂ − θ of each parameter (None where the state
+    does not fit the group's options). Four launches per device and dtype however many
+    parameters: the copies (x·1 is exact), the counts, the kernel, the differences."""
     amsgrad = group["amsgrad"]
     needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
     by_kind: dict[tuple, list[int]] = {}
@@ -396,31 +433,52 @@ def _fused_adam_steps(params: list[Tensor], grads: list[Tensor], group: dict,
               else torch._fused_adam_)
     for (device, _), members in by_kind.items():
         thetas = [params[i] for i in members]
-        held, steps = [], []
+        held, steps, counts = [], [], []  # counts: the steps that hold k already
         for i in members:
             state = states[i]
             if state:  # (copied below, with θ)
                 held += [state["exp_avg"], state["exp_avg_sq"]]
                 held += [state["max_exp_avg_sq"]] if amsgrad else []
-                steps.append(state["step"])
-            else:  # the optimizer's lazy initialisation: zeros, a float32 count on θ's device
+            else:  # the optimizer's lazy initialisation: zeros
                 zeros = torch.zeros_like(params[i], memory_format=torch.preserve_format)
                 held += [zeros] * (3 if amsgrad else 2)
-                steps.append(torch.zeros((), dtype=torch.float32, device=device))
+            step = state.get("step")
+            if (isinstance(step, Tensor) and step.device == device
+                    and step.dtype == torch.float32):
+                steps.append(step)  # (a fused optimizer's count: k − 1, on θ's device)
+            else:  # the count k the kernel reads, made on θ's device
+                counts.append(len(steps))
+                steps.append(_step_count(_next_step(state), device))
         copies = torch._foreach_mul([*thetas, *held], 1.0)
         new, moments = copies[:len(thetas)], copies[len(thetas):]
         width = 3 if amsgrad else 2
-        lr = group["lr"]
-        if isinstance(lr, Tensor) and lr.device != device and lr.device.type != "cpu":
+        lr = group["lr"]  # as the fused optimizer passes it; the others read a number
+        if not group.get("fused"):
+            lr = _scalar(lr)
+        elif isinstance(lr, Tensor) and lr.device != device and lr.device.type != "cpu":
             lr = lr.to(device)
         replay(new, [grads[i] for i in members], moments[0::width], moments[1::width],
-               moments[2::width] if amsgrad else [], torch._foreach_add(steps, 1),
+               moments[2::width] if amsgrad else [], _counts_after(steps, counts),
                amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
                weight_decay=group["weight_decay"], eps=group["eps"],
                maximize=group["maximize"], grad_scale=None, found_inf=None)
         torch._foreach_sub_(new, thetas)
         for i, update in zip(members, new, strict=True):
             out[i] = update
+    return out
+
+
+def _counts_after(steps: list[Tensor], ready: list[int]) -> list[Tensor]:
+    """The step counts k = t + 1 the kernel reads: the optimizer's own counts t plus one
+    (new tensors: its state keeps t), those at the indices ``ready`` (k already) as they
+    are."""
+    skip = set(ready)
+    todo = [i for i in range(len(steps)) if i not in skip]
+    out = list(steps)
+    if todo:
+        for i, count in zip(todo, torch._foreach_add([steps[i] for i in todo], 1),
+                            strict=True):
+            out[i] = count
     return out
 
 
