@@ -292,3 +292,51 @@ def test_sample_chunks_answer_like_the_whole_batch(kind):
         expected = question(whole)
         torch.testing.assert_close(question(chunked).to(expected.dtype).reshape(expected.shape),
                                    expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_tied_output_layer_under_autocast_waits_at_its_own_width(monkeypatch):
+    """Under bfloat16 autocast the tied output layer's individual gradients wait for the
+    embedding's in sample chunks: its output gradient is held in bfloat16 (the width the
+    layer computed in, half the memory of the float32 it is read in) and widened per chunk
+    when read. Every statistic equals the one formed from the output gradient widened when
+    it arrived (widening is exact), bit for bit."""
+    from cockpit.engine import processing
+    from cockpit.engine.rules.linear import linear_rule
+    from cockpit.engine.rules.sample_chunks import CallSum
+    from cockpit.engine.rules.sample_grads import SequenceOuterSampleGrads
+
+    def autocast_run(narrow: bool):
+        monkeypatch.setattr(linear_rule, "widens_output_gradient", narrow)
+        held = []
+        accumulate = processing.accumulate
+
+        def spy(accumulated, name, sg, budget=None):
+            accumulate(accumulated, name, sg, budget)
+            for value in accumulated.values():
+                if isinstance(value, CallSum):
+                    held.extend((part._factors[0].dtype, part._widened[0] is None)
+                                for part in value.calls
+                                if isinstance(part, SequenceOuterSampleGrads))
+
+        monkeypatch.setattr(processing, "accumulate", spy)
+        torch.manual_seed(0)
+        model = TiedNet()
+        tokens = torch.randint(0, 30, (7, 5))
+        cockpit = Cockpit(model, [AllStatistics()], strict=True,
+                          hist_bins=BinSpec(-0.5, 0.5, 16), memory_budget=1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens)
+        losses = token_losses(logits.float(), tokens)
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+        cockpit.close()
+        monkeypatch.undo()
+        return cockpit.get_output()[0]["AllStatistics"], held
+
+    narrow, held = autocast_run(True)
+    wide, held_wide = autocast_run(False)
+    assert held and all(item == (torch.bfloat16, True) for item in held)
+    assert held_wide and all(dtype == torch.float32 for dtype, _ in held_wide)
+    assert set(narrow) == set(wide) and any("emb.weight" in k for k in narrow)
+    for key, value in wide.items():
+        np.testing.assert_array_equal(narrow[key], value, err_msg=key)

@@ -252,7 +252,9 @@ class CallProcessor:
                 rule = frozen_batch_norm_rule
             output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
             extra = {"scale": scale} if scale != 1.0 else {}
-            args, kwargs, grads = common_precision(call.args, call.kwargs, grads)
+            args, kwargs, grads = common_precision(
+                call.args, call.kwargs, grads,
+                widen_grads=not getattr(rule, "widens_output_gradient", False))
             sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
         else:
             params = self.whole_params(unit) if call.params is None else call.params
@@ -637,7 +639,7 @@ def as_computed(grads: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:
             and torch.finfo(g.dtype).bits > bits else g for g in grads]
 
 
-def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
+def common_precision(args: tuple, kwargs: dict, grads: list[Tensor], widen_grads: bool = True
                      ) -> tuple[tuple, dict, list[Tensor]]:
     """A layer's recorded inputs and output gradient in one floating dtype, at least float32.
 
@@ -648,7 +650,9 @@ def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
     the output gradient are first rounded to its dtype (the layer's own cast), narrower ones
     are widened exactly. Half precision is always widened to float32: sums of squares and
     projections in float16 overflow (a GradScaler's factor 2^16 alone does) and in bfloat16
-    keep three digits. Unchanged when all are float32 or float64 alike."""
+    keep three digits. Unchanged when all are float32 or float64 alike. ``widen_grads``
+    False: the output gradients stay as they are (a rule that widens them itself, when it
+    reads them: :attr:`widens_output_gradient`)."""
     if not grads or not grads[0].is_floating_point():
         return args, kwargs, grads
     dtypes = {v.dtype for v in (*args, *kwargs.values(), *grads)
@@ -666,7 +670,7 @@ def common_precision(args: tuple, kwargs: dict, grads: list[Tensor]
         return value.detach().to(wide)
 
     return (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()},
-            [cast(g) for g in grads])
+            [cast(g) for g in grads] if widen_grads else grads)
 
 
 def outputs_feed_each_other(call: Call) -> bool:
@@ -724,11 +728,11 @@ def accumulate(accumulated: dict[str, DenseSampleGrads | CallSum], name: str,
         held = accumulated.get(name)
         if isinstance(held, CallSum):
             if sg.selectable:
-                held.add_(sg)
+                held.add_(sg.compact())
                 return
             accumulated[name] = held = DenseSampleGrads(held.materialize())
         elif held is None and sg.num_samples > 1 and sg.selectable:
-            accumulated[name] = CallSum([sg])
+            accumulated[name] = CallSum([sg.compact()])
             return
     dense = DenseSampleGrads(sg.materialize_owned())
     if name in accumulated:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from cockpit.engine.dtypes import promote
 from cockpit.engine.rules.registry import register_rule, register_rule_for_class_named
 from cockpit.engine.rules.sample_grads import (
     DenseSampleGrads,
@@ -45,6 +46,9 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
     each summed over the dimensions between batch and features."""
     a = args[0] if args else kwargs["x" if transposed else "input"]
     n = a.shape[0]
+    # the output gradient arrives as the layer computed it (narrower than ``a`` under
+    # autocast; see widens_output_gradient): widened here, or when read (sequences)
+    wide = promote(grad_output.dtype, a.dtype) if grad_output.is_floating_point() else None
     grads: dict[str, SampleGrads] = {}
     weight, bias = module.weight, getattr(module, "bias", None)
     if a.dim() == 1:
@@ -53,7 +57,8 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
             f"(shape {tuple(a.shape)}); Cockpit needs inputs of shape [batch, ..., features]."
         )
     if a.dim() == 2:
-        delta = grad_output * scale if scale != 1.0 else grad_output
+        delta = grad_output if wide is None else grad_output.to(wide)
+        delta = delta * scale if scale != 1.0 else delta
         delta_norms = RowNorms(delta)  # ‖δ_n‖: weight and bias
         if weight.requires_grad:
             grads["weight"] = (OuterSampleGrads(_detached(a), delta) if transposed
@@ -68,13 +73,13 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
     # 412 MB copy of δ at the start of the backward pass, where the activations peak)
     scale_input = scale != 1.0 and a_seq.numel() < delta_seq.numel()
     if scale != 1.0 and not scale_input:
-        delta_seq = delta_seq * scale
+        delta_seq = delta_seq.to(wide) * scale
     scaled_a = a_seq * scale if scale_input else a_seq
-    if weight.requires_grad:
-        grads["weight"] = (SequenceOuterSampleGrads(scaled_a, delta_seq) if transposed
-                           else SequenceOuterSampleGrads(delta_seq, scaled_a))
+    if weight.requires_grad:  # (δ widened when read: a tied layer's waits at its width)
+        grads["weight"] = (SequenceOuterSampleGrads(scaled_a, delta_seq, wide) if transposed
+                           else SequenceOuterSampleGrads(delta_seq, scaled_a, wide))
     if bias is not None and bias.requires_grad:
-        summed = delta_seq.sum(1)
+        summed = delta_seq.sum(1, dtype=wide)
         grads["bias"] = DenseSampleGrads(summed, scale=scale if scale_input else 1.0)
     return grads
 
@@ -86,3 +91,6 @@ def _detached(a: Tensor) -> Tensor:
 
 linear_rule.takes_scale = True  # type: ignore[attr-defined]
 transposed_linear_rule.takes_scale = True  # type: ignore[attr-defined]
+# the output gradient as the layer computed it (the processor widens only the inputs)
+linear_rule.widens_output_gradient = True  # type: ignore[attr-defined]
+transposed_linear_rule.widens_output_gradient = True  # type: ignore[attr-defined]

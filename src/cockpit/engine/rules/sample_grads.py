@@ -82,6 +82,12 @@ class SampleGrads(ABC):
         reuses (:mod:`cockpit.engine.workspace`): safe to keep."""
         return self.materialize()
 
+    def compact(self) -> SampleGrads:
+        """Itself, holding no more memory than it needs while it waits (e.g. to be summed
+        with the other uses of a tied weight): representations that keep a widened copy of
+        narrow factors drop it (made again when read)."""
+        return self
+
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the individual gradients are formed in."""
@@ -399,20 +405,50 @@ class SequenceOuterSampleGrads(SampleGrads):
 
     selectable = True
 
-    def __init__(self, delta: Tensor, a: Tensor):
-        self.delta, self.a = delta, a
-        self.num_samples = delta.shape[0]
+    def __init__(self, delta: Tensor, a: Tensor, wide: torch.dtype | None = None):
+        """``wide``: the dtype the gradients are formed in where a factor is narrower (a
+        layer under autocast): that factor is held as it is and widened when first read
+        (:meth:`compact` drops the widened copy: a tied output layer's δ waits for the end
+        of the backward pass at half the memory)."""
+        self._factors = (delta, a)
+        self._widened: list[Tensor | None] = [None, None]
+        self.wide = wide
+        self.num_samples, self.positions = delta.shape[0], delta.shape[1]
         self.shape = torch.Size((delta.shape[2], a.shape[2]))
+
+    def _factor(self, index: int) -> Tensor:
+        x = self._factors[index]
+        if self.wide is None or x.dtype == self.wide:
+            return x
+        widened = self._widened[index]
+        if widened is None:
+            widened = self._widened[index] = x.to(self.wide)
+        return widened
+
+    @property
+    def delta(self) -> Tensor:
+        return self._factor(0)
+
+    @property
+    def a(self) -> Tensor:
+        return self._factor(1)
+
+    def compact(self) -> SampleGrads:
+        self._widened = [None, None]
+        return self
 
     def materialize(self) -> Tensor:
         return torch.bmm(self.delta.transpose(1, 2), self.a)
 
     @property
     def dtype(self) -> torch.dtype:
-        return promote(self.delta.dtype, self.a.dtype)
+        if self.wide is not None:
+            return self.wide
+        return promote(self._factors[0].dtype, self._factors[1].dtype)
 
     def select(self, start: int, stop: int) -> SampleGrads:
-        return SequenceOuterSampleGrads(self.delta[start:stop], self.a[start:stop])
+        delta, a = self._factors
+        return SequenceOuterSampleGrads(delta[start:stop], a[start:stop], self.wide)
 
     def chunks(self) -> list[Tensor]:
         return list(self.iter_chunks())
@@ -424,7 +460,7 @@ class SequenceOuterSampleGrads(SampleGrads):
 
     def _by_grams(self) -> bool:
         """Whether per-sample Gram matrices (T×T) are cheaper than materializing g_n (I×J)."""
-        t = self.delta.shape[1]
+        t = self.positions
         i, j = self.shape
         return t * (i + j) < i * j
 
@@ -448,7 +484,7 @@ class SequenceOuterSampleGrads(SampleGrads):
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         i, j = self.shape
-        n, t = self.delta.shape[:2]
+        n, t = self.num_samples, self.positions
         stacked = torch.cat([u if u.shape == self.shape else u.reshape(i, j) for u in us],
                             dim=1).to(self.delta.dtype)
         left = (self.delta @ stacked).view(n, t, len(us), j)  # [N, T, K, J]
