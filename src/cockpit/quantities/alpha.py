@@ -57,7 +57,7 @@ from cockpit.engine.processing import GRADIENT
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.statistics import PROJECTIONS
 from cockpit.quantities.alpha_fit import Observations, compute_alpha
-from cockpit.quantities.base import Quantity, StepData, Value
+from cockpit.quantities.base import MeanVar, Quantity, StepData, Value, batch_mean_var
 from cockpit.quantities.descriptor import BLUE, Descriptor, Panel
 from cockpit.schedules import Schedule
 
@@ -65,25 +65,10 @@ _PREDICTED = "alpha/predicted"
 _PREVIOUS = "alpha/previous_update"
 
 
-MeanVar = tuple[Tensor, Tensor]
-
-
-def batch_mean_var(x: Tensor) -> MeanVar:
-    """(mean, biased (1/|B|) variance), 0-dim float64 tensors on x's device (Appendix B.2;
-    two scalars, not a stacked pair: the step's readout packs every scalar at once)."""
-    x = x.double()
-    if x.numel() > 1:
-        var, mean = torch.var_mean(x, correction=0)
-        return mean, var
-    return x.reshape(()), torch.zeros((), dtype=x.dtype, device=x.device)
-
-
 def _loss_mean_var(data: StepData) -> MeanVar:
     """:func:`batch_mean_var` of the step's losses, formed once per step (α of step t − 1
-    ends and α of step t begins with the same losses)."""
-    losses = data.losses
-    assert losses is not None
-    return data.once("loss mean var", lambda: batch_mean_var(losses))
+    ends and α of step t begins with the same losses; Loss reads the mean)."""
+    return data.loss_mean_var()
 
 
 def _no_slope(device: torch.device) -> MeanVar:
@@ -92,11 +77,18 @@ def _no_slope(device: torch.device) -> MeanVar:
 
 
 def _alpha(length: float):
-    """α of ``step`` from the observations (loss mean, var, slope mean, var) at both ends."""
+    """α of ``step`` from the observations at both ends: loss mean and variance, and the
+    mean and variance of the unnormalized slopes s_tᵀg_n, divided by ‖s_t‖ (and ‖s_t‖²)
+    here on the host."""
 
     def value(*observed) -> Noted:
-        alpha, reason = compute_alpha(length, Observations(*map(float, observed[:4])),
-                                      Observations(*map(float, observed[4:])))
+        loss0, loss_var0, slope0, slope_var0, loss1, loss_var1, slope1, slope_var1 = map(
+            float, observed)
+        if length > 0:
+            slope0, slope1 = slope0 / length, slope1 / length
+            slope_var0, slope_var1 = slope_var0 / length**2, slope_var1 / length**2
+        alpha, reason = compute_alpha(length, Observations(loss0, loss_var0, slope0, slope_var0),
+                                      Observations(loss1, loss_var1, slope1, slope_var1))
         return Noted({"Alpha": alpha}, {"Alpha": reason} if reason is not None else {})
 
     return value
@@ -366,7 +358,7 @@ class Alpha(Quantity):
                                for k, s in update.items()}
             state.direction_length, state.moved = length, moved
             assert state.loss is not None
-            slope = batch_mean_var(dots / length) if length > 0 else _no_slope(dots.device)
+            slope = batch_mean_var(dots) if length > 0 else _no_slope(dots.device)
             device = state.loss[0].device
             state.obs0 = (*state.loss, *(t.to(device) for t in slope))
             return Noted({})
@@ -480,9 +472,10 @@ class Alpha(Quantity):
         length = state.direction_length
         rows = list(projections.values())
         dots = ((torch.cat(rows) if all(len(p) == 1 for p in rows)  # one row each: no views
-                 else torch.stack([p[0] for p in rows])).double().sum(0) if rows else 0)
+                 else torch.stack([p[0] for p in rows])).sum(0, dtype=torch.float64)
+                if rows else 0)
         loss = _loss_mean_var(data)
-        slope = batch_mean_var(dots / length) if length > 0 else _no_slope(loss[0].device)
+        slope = batch_mean_var(dots) if length > 0 else _no_slope(loss[0].device)
         obs1 = (*loss, *(t.to(loss[0].device) for t in slope))
         data.late_values.setdefault(state.step, []).append(
             Later(_alpha(length), *state.obs0, *obs1, name="Alpha"))

@@ -87,6 +87,13 @@ class StepData:
         """What :meth:`once` formed for ``key`` in this step, or None."""
         return self._formed.get(key)
 
+    def loss_mean_var(self) -> MeanVar:
+        """:func:`batch_mean_var` of the step's losses, formed once per step (Loss reads
+        the mean, Alpha both)."""
+        losses = self.losses
+        assert losses is not None
+        return self.once("loss mean var", lambda: batch_mean_var(losses))
+
     def grad_norms(self) -> Tensor:
         """‖g_B‖ of every parameter tensor in the order of ``batch_grads``, float64 on the
         device (one fused kernel, formed once per step)."""
@@ -159,6 +166,19 @@ def sq_norm(x: Tensor) -> float:
     """‖x‖² by one BLAS dot product in x's dtype (no temporary, no float64 copy)."""
     flat = x.detach().reshape(-1)
     return float(torch.dot(flat, flat)) if flat.is_floating_point() else float(flat.pow(2).sum())
+
+
+MeanVar = tuple[Tensor, Tensor]
+
+
+def batch_mean_var(x: Tensor) -> MeanVar:
+    """(mean, biased (1/|B|) variance), 0-dim float64 tensors on x's device (Appendix B.2;
+    two scalars, not a stacked pair: the step's readout packs every scalar at once)."""
+    x = x.double()
+    if x.numel() > 1:
+        var, mean = torch.var_mean(x, correction=0)
+        return mean, var
+    return x.reshape(()), torch.zeros((), dtype=x.dtype, device=x.device)
 
 
 def norms(tensors: list[Tensor]) -> Tensor:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from cockpit.engine.readout import Later
 from cockpit.quantities.base import Quantity, StepData, Values
 from cockpit.quantities.descriptor import BATCH, DARK, Descriptor, Panel
@@ -17,5 +15,5 @@ class Loss(Quantity):
 
     def compute(self, data: StepData) -> Values:
         assert data.losses is not None
-        return Later(lambda mean: {"Loss": float(mean)}, data.losses.mean(dtype=torch.float64),
-                     name="Loss")
+        mean, _ = data.loss_mean_var()  # (shared with Alpha, which reads the variance too)
+        return Later(lambda mean: {"Loss": float(mean)}, mean, name="Loss")
