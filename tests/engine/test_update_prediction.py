@@ -502,6 +502,25 @@ def test_the_accelerators_predict_adam_by_the_fused_kernel(cls, kwargs, dtype, m
     assert (len(kernels) > 0) == (unit is not None)
 
 
+def test_an_optimizer_checked_once_leaves_the_parameters_own_checks():
+    """``optimizer_checked``: the walk over the groups' options is skipped (the caller asked
+    :func:`supports` already), a parameter's own problems are still found."""
+    model = make_model()
+    params = list(model.parameters())
+    backward(model, torch.Generator().manual_seed(2))
+    fused_sgd = torch.optim.SGD(params, lr=0.1, fused=True)
+    assert unsupported_reason(fused_sgd, params[0], params[0].grad) == UnsupportedOptimizer.FUSED
+    assert unsupported_reason(fused_sgd, params[0], params[0].grad,
+                              optimizer_checked=True) is None
+    sgd = torch.optim.SGD(params[:1], lr=0.1)
+    assert unsupported_reason(sgd, params[1], params[1].grad, optimizer_checked=True) == (
+        UnsupportedOptimizer.PARAM_NOT_FOUND)
+    assert predict_update(sgd, params[1], params[1].grad, optimizer_checked=True) is None
+    expected = predict_update(sgd, params[0], params[0].grad)
+    assert torch.equal(predict_update(sgd, params[0], params[0].grad, optimizer_checked=True),
+                       expected)
+
+
 class OverridingSGD(torch.optim.SGD):
     def step(self, closure=None):
         return super().step(closure)

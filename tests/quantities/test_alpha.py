@@ -201,13 +201,13 @@ def test_small_parameters_are_predicted_together_at_the_end_of_the_backward_pass
     batched, single = [], []
     many, one = up.predict_updates, up.predict_update
 
-    def spy_many(optimizer, params, grads):
+    def spy_many(optimizer, params, grads, **options):
         batched.append(len(params))
-        return many(optimizer, params, grads)
+        return many(optimizer, params, grads, **options)
 
-    def spy_one(optimizer, param, grad):
+    def spy_one(optimizer, param, grad, **options):
         single.append(param.dim())
-        return one(optimizer, param, grad)
+        return one(optimizer, param, grad, **options)
 
     monkeypatch.setattr(up, "predict_updates", spy_many)
     monkeypatch.setattr(up, "predict_update", spy_one)

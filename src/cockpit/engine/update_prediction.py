@@ -145,13 +145,17 @@ def _group_reason(group: dict, base: type[Optimizer]) -> str | None:
 
 
 def unsupported_reason(
-    optimizer: Optimizer, param: Tensor | None = None, grad: Tensor | None = None
+    optimizer: Optimizer, param: Tensor | None = None, grad: Tensor | None = None, *,
+    optimizer_checked: bool = False,
 ) -> str | None:
     """Why the updates (of ``param`` with ``grad``, if given) cannot be predicted, or None.
 
     ``UnsupportedOptimizer.INCONSISTENT_STATE`` is found only by ``predict_update`` itself.
+    ``optimizer_checked``: the caller knows that :func:`supports` holds (its param groups
+    unchanged since it asked, e.g. within one backward pass): only the parameter's own
+    checks run (the optimizer's cost a walk over every group's options, per parameter).
     """
-    reason = _optimizer_reason(optimizer)
+    reason = None if optimizer_checked else _optimizer_reason(optimizer)
     if reason is not None or param is None:
         return reason
     if _find_group(optimizer, param) is None:
@@ -226,13 +230,16 @@ def _next_step(state: dict) -> float:
     return (step + 1).item()
 
 
-def predict_update(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tensor | None:
+def predict_update(optimizer: Optimizer, param: Tensor, grad: Tensor, *,
+                   optimizer_checked: bool = False) -> Tensor | None:
     """The update ``θ_{t+1} − θ_t`` that ``optimizer.step()`` will apply to ``param``.
 
     ``grad`` is the gradient the step will see in ``param.grad``. Returns None when the update
-    cannot be predicted (see ``unsupported_reason``); never modifies ``optimizer``'s state.
+    cannot be predicted (see ``unsupported_reason``, also for ``optimizer_checked``); never
+    modifies ``optimizer``'s state.
     """
-    if unsupported_reason(optimizer, param, grad) is not None:
+    if unsupported_reason(optimizer, param, grad,
+                          optimizer_checked=optimizer_checked) is not None:
         return None
     group = _find_group(optimizer, param)
     state = optimizer.state.get(param) or {}  # .get: do not create an entry
@@ -253,21 +260,22 @@ def predict_update(optimizer: Optimizer, param: Tensor, grad: Tensor) -> Tensor 
         return None if new_param is None else new_param.sub_(param)
 
 
-def predict_updates(optimizer: Optimizer, params: Sequence[Tensor], grads: Sequence[Tensor]
-                    ) -> list[Tensor | None]:
+def predict_updates(optimizer: Optimizer, params: Sequence[Tensor], grads: Sequence[Tensor],
+                    *, optimizer_checked: bool = False) -> list[Tensor | None]:
     """:func:`predict_update` of several parameters at once (None where one cannot be
     predicted): Adam and AdamW by multi-tensor kernels, one launch per operation and param
     group instead of one per operation and parameter (the same operations in the same order,
     so the same values); the other optimizers one parameter at a time. Holds the moments of
     all ``params`` at once: meant for many small tensors (biases, normalization weights)."""
-    if _optimizer_reason(optimizer) is not None:
+    if not optimizer_checked and _optimizer_reason(optimizer) is not None:
         return [None] * len(params)
     if supported_base(optimizer) is not Adam:
-        return [predict_update(optimizer, p, g) for p, g in zip(params, grads, strict=True)]
+        return [predict_update(optimizer, p, g, optimizer_checked=True)
+                for p, g in zip(params, grads, strict=True)]
     updates: list[Tensor | None] = [None] * len(params)
     groups: dict[int, tuple[dict, list[int]]] = {}
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        if unsupported_reason(optimizer, param, grad) is None:
+        if unsupported_reason(optimizer, param, grad, optimizer_checked=True) is None:
             group = _find_group(optimizer, param)
             groups.setdefault(id(group), (group, []))[1].append(i)  # type: ignore[arg-type]
     with torch.no_grad():
@@ -673,13 +681,15 @@ def stack_rows(rows: list[Tensor], dtype: torch.dtype) -> Tensor:
 
 
 def sgd_update_rows(
-    optimizer: Optimizer, param: Tensor, grad: Tensor, previous_update: Tensor | None = None
+    optimizer: Optimizer, param: Tensor, grad: Tensor, previous_update: Tensor | None = None,
+    *, optimizer_checked: bool = False,
 ) -> list[Tensor] | None:
     """The rows of :func:`sgd_update_basis` (g, θ, b_old or s_{t−1}) as they are now, not
     copied: whoever keeps them copies g, θ and b before they change (the step changes θ
     and b in place, the user may edit the gradient after the backward pass); s_{t−1}, when
-    given, is the last row."""
-    if supported_base(optimizer) is not SGD or unsupported_reason(optimizer, param, grad):
+    given, is the last row (``optimizer_checked`` as for :func:`unsupported_reason`)."""
+    if supported_base(optimizer) is not SGD or unsupported_reason(
+            optimizer, param, grad, optimizer_checked=optimizer_checked):
         return None
     group = _find_group(optimizer, param)
     rows = [grad]

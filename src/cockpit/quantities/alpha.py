@@ -195,7 +195,8 @@ class Alpha(Quantity):
                 last = previous.get(name)
                 if last is not None and not up.previous_update_replaces_buffer(optimizer, param):
                     last = None
-                rows = up.sgd_update_rows(optimizer, param, grad, previous_update=last)
+                rows = up.sgd_update_rows(optimizer, param, grad, previous_update=last,
+                                          optimizer_checked=True)
                 if rows is not None and self._pack_later(state, grad):
                     rows = state.unpacked[name] = [r if r.dtype == param.dtype
                                                    else r.to(param.dtype) for r in rows]
@@ -205,7 +206,7 @@ class Alpha(Quantity):
                 basis = None if rows is None else up.stack_rows(rows, param.dtype)
             else:
                 seen = grad if gradient_scale == 1.0 else grad / gradient_scale
-                update = up.predict_update(optimizer, param, seen)
+                update = up.predict_update(optimizer, param, seen, optimizer_checked=True)
                 basis = None if update is None else [update]
             if basis is None:
                 _failed(param, grad)
@@ -229,7 +230,7 @@ class Alpha(Quantity):
                  ) -> list[list[Tensor] | None]:
             """``provide`` for many parameters at once: one batched prediction."""
             seen = grads if gradient_scale == 1.0 else torch._foreach_div(grads, gradient_scale)
-            updates = up.predict_updates(optimizer, params, seen)
+            updates = up.predict_updates(optimizer, params, seen, optimizer_checked=True)
             out: list[list[Tensor] | None] = []
             for name, param, grad, update in zip(names, params, grads, updates, strict=True):
                 if update is None:
