@@ -34,10 +34,11 @@ def batches(steps: int, n: int, classes: int = 10, seed: int = 1) -> list[tuple]
 
 
 def train(device: str, dtype, qs, data, make_model=cifar10_3c3d, seed: int = 0,
-          autocast=None, scaler=None) -> tuple[dict, dict]:
+          autocast=None, scaler=None, make_optimizer=None) -> tuple[dict, dict]:
     torch.manual_seed(seed)
     model = make_model().to(device, dtype)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    opt = (torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+           if make_optimizer is None else make_optimizer(model.parameters()))
     cockpit = Cockpit(model, qs, optimizer=opt, grad_scaler=scaler)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -99,6 +100,34 @@ def test_full_configuration_on_cuda_equals_the_cpu_in_float64():
             "HessTrace", "TICDiag", "HessMaxEV", "GradHist2d", "Distance",
             "UpdateSize"} <= names
     assert compare(cuda, cpu, rtol=1e-9, max_count_diff=4) > 100
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_alpha_with_adamw_on_cuda_equals_the_cpu_on_the_predicted_path(fused, monkeypatch):
+    """AdamW's update on CUDA is predicted by the fused kernel (a ``fused=True`` optimizer's
+    own; the others' at a few units in the last place), with step counts made on the device:
+    α equals the CPU's in float64, every step on the predicted path."""
+    provided = []
+    provider = quantities.Alpha._provider
+
+    def spy(self, optimizer, state, *args):
+        provided.append(state.step)
+        return provider(self, optimizer, state, *args)
+
+    monkeypatch.setattr(quantities.Alpha, "_provider", spy)
+
+    def make_optimizer(params):
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=fused)
+
+    data = batches(4, 16)
+    cpu, _ = train("cpu", torch.float64, [quantities.Alpha()], data,
+                   make_optimizer=make_optimizer)
+    provided.clear()
+    cuda, _ = train(DEVICE, torch.float64, [quantities.Alpha()], data,
+                    make_optimizer=make_optimizer)
+    assert provided == [0, 1, 2, 3]
+    assert all(cpu[s]["Alpha"] is not None for s in range(3))
+    assert compare(cuda, cpu, rtol=1e-7) >= 3
 
 
 def small_cnn(classes: int = 100) -> nn.Module:
