@@ -19,6 +19,7 @@ from torch import nn
 from cockpit import Cockpit, configuration, quantities
 from cockpit.benchmark.problems.paper_models import cifar10_3c3d
 from tests.exit_worker import free_port
+from tests.quantities.test_alpha import predicted_steps
 
 DEVICE = "cuda"
 pytestmark = [
@@ -107,14 +108,7 @@ def test_alpha_with_adamw_on_cuda_equals_the_cpu_on_the_predicted_path(fused, mo
     """AdamW's update on CUDA is predicted by the fused kernel (a ``fused=True`` optimizer's
     own; the others' at a few units in the last place), with step counts made on the device:
     α equals the CPU's in float64, every step on the predicted path."""
-    provided = []
-    provider = quantities.Alpha._provider
-
-    def spy(self, optimizer, state, *args):
-        provided.append(state.step)
-        return provider(self, optimizer, state, *args)
-
-    monkeypatch.setattr(quantities.Alpha, "_provider", spy)
+    provided = predicted_steps(monkeypatch)
 
     def make_optimizer(params):
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=fused)

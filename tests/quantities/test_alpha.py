@@ -373,13 +373,10 @@ def test_learning_rate_change_between_backward_and_step_is_corrected():
         assert math.isclose(cockpit.get_output()[step]["Alpha"], expected, rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("accelerator_path", [False, True])
-def test_fused_adamw_stays_on_the_predicted_path(accelerator_path, monkeypatch):
-    """AdamW(fused=True), common on GPUs, is predicted by its own kernel (biases together
-    on the accelerators' path): α from the projections formed in the backward pass, equal
-    to brute force, without keeping the layers' calls for the general path."""
-    monkeypatch.setattr(histogram_device, "_forced", accelerator_path)
-    provided = []
+def predicted_steps(monkeypatch) -> list[int]:
+    """The steps whose α takes the predicted path (Alpha registers its provider of the
+    update's directions), filled in as they begin."""
+    provided: list[int] = []
     provider = quantities.Alpha._provider
 
     def spy(self, optimizer, state, *args):
@@ -387,6 +384,16 @@ def test_fused_adamw_stays_on_the_predicted_path(accelerator_path, monkeypatch):
         return provider(self, optimizer, state, *args)
 
     monkeypatch.setattr(quantities.Alpha, "_provider", spy)
+    return provided
+
+
+@pytest.mark.parametrize("accelerator_path", [False, True])
+def test_fused_adamw_stays_on_the_predicted_path(accelerator_path, monkeypatch):
+    """AdamW(fused=True), common on GPUs, is predicted by its own kernel (biases together
+    on the accelerators' path): α from the projections formed in the backward pass, equal
+    to brute force, without keeping the layers' calls for the general path."""
+    monkeypatch.setattr(histogram_device, "_forced", accelerator_path)
+    provided = predicted_steps(monkeypatch)
     rec = Recorder(make_problem("cnn", 6), OPTIMIZERS["adamw_fused"], every(1), 4)
     check(rec, [0, 1, 2])
     assert provided == [0, 1, 2, 3]  # every step on the predicted path
