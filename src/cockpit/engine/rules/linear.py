@@ -8,6 +8,7 @@ has g_n(W) = Σ_t a_{n,t} δ_{n,t}ᵀ: the same factors in swapped roles.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from cockpit.engine.dtypes import promote
@@ -85,8 +86,10 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
 
 
 def _detached(a: Tensor) -> Tensor:
-    """``a`` outside autograd (an input outside it already, e.g. a copy, needs no op)."""
-    return a.detach() if a.requires_grad else a
+    """``a`` outside autograd: as it is where nothing would record (an input outside it
+    already, e.g. a copy; or in a backward hook, where grad mode is off unless the user's
+    backward creates a graph), else detached."""
+    return a.detach() if a.requires_grad and torch.is_grad_enabled() else a
 
 
 linear_rule.takes_scale = True  # type: ignore[attr-defined]

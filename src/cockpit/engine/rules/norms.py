@@ -50,7 +50,10 @@ def _affine_grads(
 
 
 def _input(args: tuple, kwargs: dict) -> Tensor:
-    return (args[0] if args else kwargs["input"]).detach()
+    """The layer's input outside autograd (no op in a backward hook, where grad mode is off
+    unless the user's backward creates a graph)."""
+    x = args[0] if args else kwargs["input"]
+    return x.detach() if x.requires_grad and torch.is_grad_enabled() else x
 
 
 # x̂ by the functional form of the layer without its affine transform: the kernel the
