@@ -212,6 +212,17 @@ def total_of(tensors: Iterable[Tensor]) -> Tensor:
     return functools.reduce(operator.add, tensors)
 
 
+def _sample_chunks(delta: Tensor, a: Tensor, per_sample: int
+                   ) -> Iterable[tuple[Tensor, Tensor]]:
+    """The factors of consecutive samples whose individual gradients (``per_sample``
+    numbers each) fit :data:`_CHUNK_ELEMENTS` together; all samples at once without a split
+    (a view per factor: host work on an accelerator) where they fit."""
+    size = max(1, _CHUNK_ELEMENTS // max(per_sample, 1))
+    if size >= delta.shape[0]:
+        return [(delta, a)]
+    return zip(delta.split(size), a.split(size), strict=True)
+
+
 def _rows(c: Tensor) -> Tensor:
     """A chunk [n, *shape] as rows [n, D] (also for a 0-dim parameter: chunk [n] → [n, 1])."""
     return c if c.dim() == 2 else c.reshape(c.shape[0], -1)
@@ -339,8 +350,7 @@ class OuterSampleGrads(SampleGrads):
         return list(self.iter_chunks())
 
     def iter_chunks(self) -> Iterator[Tensor]:
-        size = max(1, _CHUNK_ELEMENTS // max(self.shape.numel(), 1))
-        for d, a in zip(self.delta.split(size), self.a.split(size), strict=True):
+        for d, a in _sample_chunks(self.delta, self.a, self.shape.numel()):
             yield d.unsqueeze(2) * a.unsqueeze(1)
 
     def norms(self) -> Tensor:
@@ -454,8 +464,7 @@ class SequenceOuterSampleGrads(SampleGrads):
         return list(self.iter_chunks())
 
     def iter_chunks(self) -> Iterator[Tensor]:
-        size = max(1, _CHUNK_ELEMENTS // max(self.shape.numel(), 1))
-        for d, a in zip(self.delta.split(size), self.a.split(size), strict=True):
+        for d, a in _sample_chunks(self.delta, self.a, self.shape.numel()):
             yield torch.bmm(d.transpose(1, 2), a)
 
     def _by_grams(self) -> bool:
