@@ -67,8 +67,10 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
         if bias is not None and bias.requires_grad:
             grads["bias"] = DenseSampleGrads(delta, None if transposed else delta_norms)
         return grads
-    a_seq = _detached(a).reshape(n, -1, a.shape[-1])
-    delta_seq = grad_output.reshape(n, -1, grad_output.shape[-1])
+    a_seq = _detached(a)  # [N, T, ·] (other dims between batch and features: one T)
+    a_seq = a_seq if a_seq.dim() == 3 else a_seq.reshape(n, -1, a.shape[-1])
+    delta_seq = (grad_output if grad_output.dim() == 3
+                 else grad_output.reshape(n, -1, grad_output.shape[-1]))
     # g_n = Σ_t (c·δ_{n,t}) a_{n,t}ᵀ = Σ_t δ_{n,t} (c·a_{n,t})ᵀ: the factor c goes into the
     # smaller of the two (GPT-2's output layer: the input, 768 wide, not δ, 50257 wide: no
     # 412 MB copy of δ at the start of the backward pass, where the activations peak)
