@@ -521,6 +521,29 @@ def test_an_optimizer_checked_once_leaves_the_parameters_own_checks():
                        expected)
 
 
+def test_a_group_of_mixed_dtypes_takes_each_dtypes_kernel_on_the_accelerators(monkeypatch):
+    """One param group with float32 and bfloat16 tensors, predicted together on the
+    accelerators' path: each tensor as it would be alone (the fused kernel for float32, the
+    single-tensor replay, bit for bit, for bfloat16), whichever comes first."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    gen = torch.Generator().manual_seed(6)
+    for order in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        params = [torch.randn(5, 3, generator=gen).to(d).requires_grad_() for d in order]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        for _ in range(2):
+            grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+            together = predict_updates(optimizer, params, grads)
+            alone = [predict_update(optimizer, p, g) for p, g in zip(params, grads, strict=True)]
+            for many, one in zip(together, alone, strict=True):
+                assert torch.equal(many, one)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            old = [p.detach().clone() for p in params]
+            optimizer.step()
+            bf16 = order.index(torch.bfloat16)
+            assert torch.equal(together[bf16], params[bf16].detach() - old[bf16])
+
+
 class OverridingSGD(torch.optim.SGD):
     def step(self, closure=None):
         return super().step(closure)

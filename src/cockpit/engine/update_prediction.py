@@ -273,15 +273,19 @@ def predict_updates(optimizer: Optimizer, params: Sequence[Tensor], grads: Seque
         return [predict_update(optimizer, p, g, optimizer_checked=True)
                 for p, g in zip(params, grads, strict=True)]
     updates: list[Tensor | None] = [None] * len(params)
-    groups: dict[int, tuple[dict, list[int]]] = {}
+    # per param group, and within it per kernel (a group may mix dtypes: bfloat16 replays
+    # the single-tensor operations, float32 the fused kernel on accelerators)
+    groups: dict[tuple[int, bool], tuple[dict, list[int]]] = {}
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
         if unsupported_reason(optimizer, param, grad, optimizer_checked=True) is None:
             group = _find_group(optimizer, param)
-            groups.setdefault(id(group), (group, []))[1].append(i)  # type: ignore[arg-type]
+            assert group is not None  # (unsupported_reason found it)
+            key = (id(group), _replays_fused(group, param))
+            groups.setdefault(key, (group, []))[1].append(i)
     with torch.no_grad():
-        for group, indices in groups.values():
+        for (_, fused), (group, indices) in groups.items():
             members = [params[i] for i in indices]
-            replay = _fused_adam_steps if _replays_fused(group, members[0]) else _adam_steps
+            replay = _fused_adam_steps if fused else _adam_steps
             steps = replay(members, [grads[i].to(params[i].dtype) for i in indices],
                            group, [optimizer.state.get(p) or {} for p in members])
             for i, update in zip(indices, steps, strict=True):
