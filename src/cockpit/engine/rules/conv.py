@@ -22,7 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cockpit.engine.rules.registry import register_rule
-from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.rules.sample_grads import (
+    DenseSampleGrads,
+    SampleGrads,
+    outside_autograd,
+)
 from cockpit.engine.workspace import workspace
 
 
@@ -400,9 +404,7 @@ def conv_rule(
         if cache is not None and ("padded", key) in cache:
             x_padded = cache[("padded", key)]
         else:
-            # (in a backward hook grad mode is off, unless the user's backward creates a graph)
-            attached = x.requires_grad and torch.is_grad_enabled()
-            x_padded = _explicit_padding(module, x.detach() if attached else x)
+            x_padded = _explicit_padding(module, outside_autograd(x))
             if cache is not None:
                 cache[("padded", key)] = x_padded
         grads["weight"] = ConvSampleGrads(module, x_padded, delta, key, scale)

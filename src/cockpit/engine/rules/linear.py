@@ -8,7 +8,6 @@ has g_n(W) = Σ_t a_{n,t} δ_{n,t}ᵀ: the same factors in swapped roles.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from cockpit.engine.dtypes import promote
@@ -19,6 +18,7 @@ from cockpit.engine.rules.sample_grads import (
     RowNorms,
     SampleGrads,
     SequenceOuterSampleGrads,
+    outside_autograd,
 )
 
 
@@ -62,12 +62,12 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
         delta = delta * scale if scale != 1.0 else delta
         delta_norms = RowNorms(delta)  # ‖δ_n‖: weight and bias
         if weight.requires_grad:
-            grads["weight"] = (OuterSampleGrads(_detached(a), delta) if transposed
-                               else OuterSampleGrads(delta, _detached(a), delta_norms))
+            grads["weight"] = (OuterSampleGrads(outside_autograd(a), delta) if transposed
+                               else OuterSampleGrads(delta, outside_autograd(a), delta_norms))
         if bias is not None and bias.requires_grad:
             grads["bias"] = DenseSampleGrads(delta, None if transposed else delta_norms)
         return grads
-    a_seq = _detached(a)  # [N, T, ·] (other dims between batch and features: one T)
+    a_seq = outside_autograd(a)  # [N, T, ·] (other dims between batch and features: one T)
     a_seq = a_seq if a_seq.dim() == 3 else a_seq.reshape(n, -1, a.shape[-1])
     delta_seq = (grad_output if grad_output.dim() == 3
                  else grad_output.reshape(n, -1, grad_output.shape[-1]))
@@ -86,12 +86,6 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
         grads["bias"] = DenseSampleGrads(summed, scale=scale if scale_input else 1.0)
     return grads
 
-
-def _detached(a: Tensor) -> Tensor:
-    """``a`` outside autograd: as it is where nothing would record (an input outside it
-    already, e.g. a copy; or in a backward hook, where grad mode is off unless the user's
-    backward creates a graph), else detached."""
-    return a.detach() if a.requires_grad and torch.is_grad_enabled() else a
 
 
 linear_rule.takes_scale = True  # type: ignore[attr-defined]

@@ -17,7 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cockpit.engine.rules.registry import register_rule
-from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.rules.sample_grads import (
+    DenseSampleGrads,
+    SampleGrads,
+    outside_autograd,
+)
 
 
 class SampleMixingError(ValueError):
@@ -50,10 +54,7 @@ def _affine_grads(
 
 
 def _input(args: tuple, kwargs: dict) -> Tensor:
-    """The layer's input outside autograd (no op in a backward hook, where grad mode is off
-    unless the user's backward creates a graph)."""
-    x = args[0] if args else kwargs["input"]
-    return x.detach() if x.requires_grad and torch.is_grad_enabled() else x
+    return outside_autograd(args[0] if args else kwargs["input"])
 
 
 # x̂ by the functional form of the layer without its affine transform: the kernel the

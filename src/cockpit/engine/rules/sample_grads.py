@@ -212,6 +212,14 @@ def total_of(tensors: Iterable[Tensor]) -> Tensor:
     return functools.reduce(operator.add, tensors)
 
 
+def outside_autograd(x: Tensor) -> Tensor:
+    """A layer's recorded tensor outside autograd, for a rule to compute with: as it is where
+    nothing would record (no gradient needed; or in a backward hook, where grad mode is off
+    unless the user's backward creates a graph: a detach per layer would be host work on an
+    accelerator), else detached."""
+    return x.detach() if x.requires_grad and torch.is_grad_enabled() else x
+
+
 def _sample_chunks(delta: Tensor, a: Tensor, per_sample: int
                    ) -> Iterable[tuple[Tensor, Tensor]]:
     """The factors of consecutive samples whose individual gradients (``per_sample``
