@@ -450,11 +450,10 @@ class CallProcessor:
         """The statistics of :meth:`_plan_dots` from ``dots`` = [g_nᵀu_k]_{k,n}."""
         stats = self.engine.stats
         assert stats is not None
-        name, w_n = plan.name, plan.w_n
+        name = plan.name
         if plan.gram_row is not None:
             assert dots is not None
-            stats.gram_mean[name] = (dots[plan.gram_row] / w_n if w_n and w_n != 1.0
-                                     else dots[plan.gram_row])  # (÷1: no kernel)
+            stats.gram_mean[name] = _over_weight(dots[plan.gram_row], plan.w_n)
         if plan.synced_row is not None:
             assert dots is not None and stats.gradient_dots is not None
             stats.gradient_dots.dots[name] = dots[plan.synced_row]
@@ -526,7 +525,8 @@ class CallProcessor:
         sizes = {len(plan.vectors) for plan in plans}
         if len(sizes) == 1 and 0 not in sizes and len(plans) == len(names):
             block = side.dots([plan.vectors for plan in plans])
-            if len({plan.rows_read() for plan in plans}) == 1 and plans[0].rows_read():
+            layouts = {plan.rows_read() for plan in plans}
+            if len(layouts) == 1 and None not in layouts:
                 self._record_dots_together(plans, block)
                 return
             dots: list[Tensor | None] = list(block.unbind(2))
@@ -544,15 +544,13 @@ class CallProcessor:
         stats = self.engine.stats
         assert stats is not None
         first, names = plans[0], [plan.name for plan in plans]
-        w_n = first.w_n
 
         def per_parameter(rows: Tensor) -> tuple[Tensor, ...]:
             return rows.unbind(-1)  # [..., N, P] → P × [..., N]
 
         if first.gram_row is not None:
-            rows = block[first.gram_row]
             stats.gram_mean.update(zip(names, per_parameter(
-                rows / w_n if w_n and w_n != 1.0 else rows), strict=True))
+                _over_weight(block[first.gram_row], first.w_n)), strict=True))
         if first.synced_row is not None:
             assert stats.gradient_dots is not None
             stats.gradient_dots.dots.update(zip(names, per_parameter(block[first.synced_row]),
@@ -614,6 +612,12 @@ class _DotPlan:
             projections.append((key, refs[0], len(refs)))
         return (len(self.vectors), self.gram_row, self.synced_row, self.w_n,
                 tuple(projections))
+
+
+def _over_weight(rows: Tensor, w_n: float | None) -> Tensor:
+    """g_nᵀḡ from the rows g_nᵀG against this backward's gradient G = w·N·ḡ (``w_n`` = w·N;
+    None: the rows are against ḡ already; ÷1 needs no kernel)."""
+    return rows / w_n if w_n and w_n != 1.0 else rows
 
 
 def _rows_of(dots: Tensor | None, refs: list[int | Tensor]) -> Tensor:
