@@ -65,12 +65,6 @@ _PREDICTED = "alpha/predicted"
 _PREVIOUS = "alpha/previous_update"
 
 
-def _loss_mean_var(data: StepData) -> MeanVar:
-    """:func:`batch_mean_var` of the step's losses, formed once per step (α of step t − 1
-    ends and α of step t begins with the same losses; Loss reads the mean)."""
-    return data.loss_mean_var()
-
-
 def _no_slope(device: torch.device) -> MeanVar:
     nan = torch.full((), math.nan, dtype=torch.float64, device=device)
     return nan, nan
@@ -283,7 +277,7 @@ class Alpha(Quantity):
                 data.notes["Alpha"] = "needs optimizer= (the update s_t = θ_{t+1} − θ_t)"
                 return {"Alpha": None}
             return {}
-        state.loss = _loss_mean_var(data)
+        state.loss = data.loss_mean_var()
         stats = data.stats
         assert stats is not None
         if state.predicted:
@@ -475,7 +469,7 @@ class Alpha(Quantity):
         dots = ((torch.cat(rows) if all(len(p) == 1 for p in rows)  # one row each: no views
                  else torch.stack([p[0] for p in rows])).sum(0, dtype=torch.float64)
                 if rows else 0)
-        loss = _loss_mean_var(data)
+        loss = data.loss_mean_var()
         slope = batch_mean_var(dots) if length > 0 else _no_slope(loss[0].device)
         obs1 = (*loss, *(t.to(loss[0].device) for t in slope))
         data.late_values.setdefault(state.step, []).append(

@@ -89,7 +89,7 @@ class StepData:
 
     def loss_mean_var(self) -> MeanVar:
         """:func:`batch_mean_var` of the step's losses, formed once per step (Loss reads
-        the mean, Alpha both)."""
+        the mean; α of step t − 1 ends and α of step t begins with both)."""
         losses = self.losses
         assert losses is not None
         return self.once("loss mean var", lambda: batch_mean_var(losses))
@@ -178,6 +178,9 @@ def batch_mean_var(x: Tensor) -> MeanVar:
     if x.numel() > 1:
         var, mean = torch.var_mean(x, correction=0)
         return mean, var
+    if x.numel() == 0:  # (no samples: both undefined, as the mean of nothing is)
+        nan = torch.full((), math.nan, dtype=x.dtype, device=x.device)
+        return nan, nan
     return x.reshape(()), torch.zeros((), dtype=x.dtype, device=x.device)
 
 
