@@ -26,3 +26,12 @@ def chunk_cat_takes(tensors: Sequence[Tensor]) -> bool:
     if getattr(torch, "_chunk_cat", None) is None:
         return False
     return _takes_strided_inputs() or all(t.is_contiguous() for t in tensors)
+
+
+def flat_cat(tensors: Sequence[Tensor]) -> Tensor:
+    """The tensors flattened and concatenated, [Σ numel] (0-dim ones as one number): one
+    op where ``torch._chunk_cat`` takes them, else a view per tensor and a ``cat``."""
+    parts = [t if t.dim() else t.view(1) for t in tensors]
+    if chunk_cat_takes(parts) and all(t.numel() for t in parts):
+        return torch._chunk_cat(parts, 0, 1).view(-1)
+    return torch.cat([t.reshape(-1) for t in parts])

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
 
-from cockpit.engine.chunk_cat import chunk_cat_takes
+from cockpit.engine.chunk_cat import flat_cat
 from cockpit.engine.dtypes import promote
 from cockpit.engine.histograms.device import device_path
 from cockpit.engine.update_fit import to_host
@@ -636,7 +636,7 @@ def _total_dot(flat: Sequence[Tensor], actual: Sequence[Tensor]) -> Tensor:
         if p.numel() <= _SMALL_NUMEL:
             ps, as_ = small.setdefault(p.dtype, ([], []))
             ps.append(p)
-            as_.append(a if a.dim() else a.view(1))
+            as_.append(a)
         else:
             parts.append(torch.dot(p, a if a.dim() == 1 else a.reshape(-1)))
     for ps, as_ in small.values():
@@ -644,15 +644,8 @@ def _total_dot(flat: Sequence[Tensor], actual: Sequence[Tensor]) -> Tensor:
             a = as_[0]
             parts.append(torch.dot(ps[0], a if a.dim() == 1 else a.reshape(-1)))
         else:
-            parts.append(torch.mul(_side_by_side(ps), _side_by_side(as_)).sum())
+            parts.append(torch.mul(flat_cat(ps), flat_cat(as_)).sum())
     return torch.stack(parts).double().sum() if len(parts) > 1 else parts[0].double()
-
-
-def _side_by_side(tensors: list[Tensor]) -> Tensor:
-    """The tensors flattened and concatenated (one op where ``_chunk_cat`` takes them)."""
-    if chunk_cat_takes(tensors):
-        return torch._chunk_cat(tensors, 0, 1)
-    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def sgd_update_basis(

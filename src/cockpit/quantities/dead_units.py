@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cockpit.engine.chunk_cat import chunk_cat_takes
+from cockpit.engine.chunk_cat import flat_cat
 from cockpit.engine.readout import Later
 from cockpit.quantities.base import Quantity, StepData, Value, Values, fused
 from cockpit.quantities.descriptor import Descriptor
@@ -82,17 +82,14 @@ def unit_sums(grads: list[Tensor]) -> Tensor:
     weights (:func:`~cockpit.quantities.base.fused`): one copy of them side by side, its
     absolute values, one segmented sum per unit."""
     first = grads[0]
-    if (not fused(grads) or not chunk_cat_takes(grads)
-            or any(g.dtype != first.dtype or g.device != first.device or not g.numel()
-                   for g in grads)):
+    if not fused(grads) or any(g.dtype != first.dtype or g.device != first.device
+                               for g in grads):
         return torch.cat([torch.linalg.vector_norm(g, ord=1, dim=tuple(range(1, g.dim())))
                           for g in grads])
-    flat = torch.empty(sum(g.numel() for g in grads), dtype=first.dtype, device=first.device)
-    torch._chunk_cat(grads, 0, 1, out=flat.view(1, -1))
     layout = tuple((g.shape[0], math.prod(g.shape[1:])) for g in grads)
     lengths = _unit_lengths(layout, first.device)
     # ``unsafe``: the lengths sum to the elements by construction (no read of the device)
-    return torch.segment_reduce(flat.abs_(), "sum", lengths=lengths, unsafe=True)
+    return torch.segment_reduce(flat_cat(grads).abs_(), "sum", lengths=lengths, unsafe=True)
 
 
 @functools.lru_cache(maxsize=8)
