@@ -160,6 +160,10 @@ def unsupported_reason(
         return reason
     if _find_group(optimizer, param) is None:
         return UnsupportedOptimizer.PARAM_NOT_FOUND
+    return _parameter_reason(param, grad)
+
+
+def _parameter_reason(param: Tensor, grad: Tensor | None) -> str | None:
     if torch.is_complex(param):
         return UnsupportedOptimizer.COMPLEX
     if grad is not None and grad.is_sparse:
@@ -167,6 +171,17 @@ def unsupported_reason(
     if grad is not None and grad.shape != param.shape:
         return UnsupportedOptimizer.SHAPE
     return None
+
+
+def _predictable_group(optimizer: Optimizer, param: Tensor, grad: Tensor,
+                       optimizer_checked: bool) -> dict | None:
+    """The param group of ``param`` where its update can be predicted (as far as
+    :func:`unsupported_reason` knows), else None: one look-up of the group for the
+    prediction and its checks."""
+    if not optimizer_checked and _optimizer_reason(optimizer) is not None:
+        return None
+    group = _find_group(optimizer, param)
+    return None if group is None or _parameter_reason(param, grad) is not None else group
 
 
 def _optimizer_reason(optimizer: Optimizer) -> str | None:
@@ -238,10 +253,9 @@ def predict_update(optimizer: Optimizer, param: Tensor, grad: Tensor, *,
     cannot be predicted (see ``unsupported_reason``, also for ``optimizer_checked``); never
     modifies ``optimizer``'s state.
     """
-    if unsupported_reason(optimizer, param, grad,
-                          optimizer_checked=optimizer_checked) is not None:
+    group = _predictable_group(optimizer, param, grad, optimizer_checked)
+    if group is None:
         return None
-    group = _find_group(optimizer, param)
     state = optimizer.state.get(param) or {}  # .get: do not create an entry
     base = supported_base(optimizer)
     with torch.no_grad():  # (no detach needed: nothing here joins a graph)
@@ -277,9 +291,8 @@ def predict_updates(optimizer: Optimizer, params: Sequence[Tensor], grads: Seque
     # the single-tensor operations, float32 the fused kernel on accelerators)
     groups: dict[tuple[int, bool], tuple[dict, list[int]]] = {}
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        if unsupported_reason(optimizer, param, grad, optimizer_checked=True) is None:
-            group = _find_group(optimizer, param)
-            assert group is not None  # (unsupported_reason found it)
+        group = _predictable_group(optimizer, param, grad, optimizer_checked=True)
+        if group is not None:
             key = (id(group), _replays_fused(group, param))
             groups.setdefault(key, (group, []))[1].append(i)
     with torch.no_grad():
@@ -684,20 +697,21 @@ def sgd_update_rows(
     """The rows of :func:`sgd_update_basis` (g, θ, b_old or s_{t−1}) as they are now, not
     copied: whoever keeps them copies g, θ and b before they change (the step changes θ
     and b in place, the user may edit the gradient after the backward pass); s_{t−1}, when
-    given, is the last row (``optimizer_checked`` as for :func:`unsupported_reason`)."""
-    if supported_base(optimizer) is not SGD or unsupported_reason(
-            optimizer, param, grad, optimizer_checked=optimizer_checked):
+    given, is the last row where it replaces b_old's (:func:`previous_update_replaces_buffer`;
+    the caller tells by identity) (``optimizer_checked`` as for :func:`unsupported_reason`)."""
+    if supported_base(optimizer) is not SGD:
         return None
-    group = _find_group(optimizer, param)
+    group = _predictable_group(optimizer, param, grad, optimizer_checked)
+    if group is None:
+        return None
     rows = [grad]
     if group["weight_decay"] != 0:
         rows.append(param.detach())
-    if previous_update is not None and previous_update_replaces_buffer(optimizer, param):
+    buffer = (optimizer.state.get(param) or {}).get("momentum_buffer")
+    if previous_update is not None and _replaces_buffer(group, buffer):
         rows.append(previous_update)
-    else:
-        buffer = (optimizer.state.get(param) or {}).get("momentum_buffer")
-        if group["momentum"] != 0 and buffer is not None:
-            rows.append(buffer)
+    elif group["momentum"] != 0 and buffer is not None:
+        rows.append(buffer)
     return rows
 
 
@@ -707,6 +721,10 @@ def previous_update_replaces_buffer(optimizer: Optimizer, param: Tensor) -> bool
     if supported_base(optimizer) is not SGD:
         return False
     group = _find_group(optimizer, param)
-    if group is None or group["momentum"] == 0 or group["nesterov"]:
-        return False
-    return (optimizer.state.get(param) or {}).get("momentum_buffer") is not None
+    return group is not None and _replaces_buffer(
+        group, (optimizer.state.get(param) or {}).get("momentum_buffer"))
+
+
+def _replaces_buffer(group: dict, buffer: Tensor | None) -> bool:
+    """:func:`previous_update_replaces_buffer` for ``param``'s group and momentum buffer."""
+    return group["momentum"] != 0 and not group["nesterov"] and buffer is not None

@@ -187,10 +187,10 @@ class Alpha(Quantity):
             last = None
             if state.sgd:
                 last = previous.get(name)
-                if last is not None and not up.previous_update_replaces_buffer(optimizer, param):
-                    last = None
                 rows = up.sgd_update_rows(optimizer, param, grad, previous_update=last,
                                           optimizer_checked=True)
+                if rows is not None and rows[-1] is not last:  # (kept b_old's row instead)
+                    last = None
                 if rows is not None and self._pack_later(state, grad):
                     rows = state.unpacked[name] = [r if r.dtype == param.dtype
                                                    else r.to(param.dtype) for r in rows]

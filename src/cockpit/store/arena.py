@@ -26,6 +26,7 @@ class ArrayArena:
     def __init__(self, block_bytes: int = _BLOCK_BYTES):
         self.block_bytes = block_bytes
         self._block: np.ndarray | None = None
+        self._address = 0  # of the block's first byte
         self._used = 0
         self._interned: dict[tuple, np.ndarray] = {}
 
@@ -48,6 +49,7 @@ class ArrayArena:
         start = self._aligned(self._used)
         if self._block is None or start + size > self.block_bytes:
             self._block = np.empty(self.block_bytes + _ALIGN, dtype=np.uint8)
+            self._address = self._block.ctypes.data
             self._used = 0
             start = self._aligned(0)
         self._used = start + size
@@ -59,21 +61,21 @@ class ArrayArena:
         """The first offset ≥ ``offset`` in the block at a 64-byte address (cache line)."""
         if self._block is None:
             return offset
-        address = self._block.ctypes.data + offset
-        return offset + (-address) % _ALIGN
+        return offset + (-(self._address + offset)) % _ALIGN
 
     def keep_values(self, values: dict[str, Any]) -> dict[str, Any]:
         """``values`` with the numpy arrays inside its dict values kept in the arena (arrays
         named like bin edges are interned)."""
-        kept: dict[str, Any] = {}
+        kept = dict(values)
         for name, value in values.items():
+            if not isinstance(value, (dict, np.ndarray)):  # (most are numbers)
+                continue
             if isinstance(value, dict):
-                value = {
+                kept[name] = {
                     key: self.keep(item, intern=key.startswith("edges"))
                     if isinstance(item, np.ndarray) else item
                     for key, item in value.items()
                 }
-            elif isinstance(value, np.ndarray):
-                value = self.keep(value)
-            kept[name] = value
+            else:
+                kept[name] = self.keep(value)
         return kept
