@@ -1,6 +1,8 @@
 """DeadUnits' per-unit sums Σ_j |ḡ_i,j| on both paths: a norm per weight on the CPU, one copy
 of all weights and a segmented sum on accelerators (forced here)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -59,3 +61,55 @@ def test_non_finite_units_are_alive():
         with histogram_device.forced() if forced else torch.no_grad():
             sums = unit_sums(weights)
         assert (sums == 0).tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_dead_fractions_of_several_weights_and_a_weight_without_units(path, monkeypatch):
+    """Each weight's dead fraction and the total #dead / #units against the individual
+    gradients (torch.func); a weight with no units (Linear(·, 0)) is left out, not a 0/0."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from cockpit import Cockpit, quantities
+
+    monkeypatch.setattr(histogram_device, "_forced", path == "accelerator")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 4)
+            with warnings.catch_warnings():  # ("initializing zero-element tensors")
+                warnings.simplefilter("ignore", UserWarning)
+                self.empty = nn.Linear(6, 0)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return self.b(h) + self.empty(h).sum(1, keepdim=True)
+
+    torch.manual_seed(0)
+    model = Net().double()
+    with torch.no_grad():  # units 1 and 4 of ``a`` never fire: their rows get no gradient
+        model.a.bias[[1, 4]] = -1e3
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randint(0, 4, (7,))
+    cockpit = Cockpit(model, [quantities.DeadUnits()], strict=True)
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    out = cockpit.get_output()[0]
+    cockpit.close()
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_one(p, xi, yi):
+        logits = torch.func.functional_call(model, p, (xi[None],))
+        return F.cross_entropy(logits, yi[None])
+
+    grads = torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+    dead = {w: int((grads[w].abs().amax(dim=(0, 2)) == 0).sum()) for w in ("a.weight",
+                                                                         "b.weight")}
+    assert dead["a.weight"] == 2
+    assert sorted(k for k in out if k.startswith("DeadUnits/")) == [
+        "DeadUnits/a.weight", "DeadUnits/b.weight"]
+    assert out["DeadUnits/a.weight"] == dead["a.weight"] / 6
+    assert out["DeadUnits/b.weight"] == dead["b.weight"] / 4
+    assert out["DeadUnits"] == (dead["a.weight"] + dead["b.weight"]) / 10

@@ -364,7 +364,7 @@ class _Slot:
         self.offset, self.numel = offset, numel
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.rows.shape[0]  # (not len(): Tensor.__len__ is a Python function)
 
     def vectors(self) -> Tensor:
         return self.rows[:, 0, self.offset : self.offset + self.numel]

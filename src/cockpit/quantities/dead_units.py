@@ -21,6 +21,7 @@ counted (a token missing from the batch has a zero row without being dead).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -54,7 +55,7 @@ class DeadUnits(Quantity):
         names, grads = [], []
         for name in sorted(self._unit_weights(data)):
             grad = data.batch_grads.get(name)
-            if grad is None or grad.dim() < 2:
+            if grad is None or grad.dim() < 2 or grad.shape[0] == 0:  # (no units)
                 continue
             names.append(name)
             grads.append(grad)
@@ -62,15 +63,15 @@ class DeadUnits(Quantity):
             data.notes["DeadUnits"] = "no Linear or convolution weight received a gradient"
             return {"DeadUnits": None}
         sizes = [g.shape[0] for g in grads]
+        starts = [0, *itertools.accumulate(sizes[:-1])]
 
         def values(sums) -> dict[str, Value]:
-            out: dict[str, Value] = {}
-            dead = units = 0
-            for name, rows in zip(names, np.split(sums, np.cumsum(sizes)[:-1]), strict=True):
-                zero = int(np.count_nonzero(rows == 0))
-                out[f"DeadUnits/{name}"] = zero / rows.shape[0]
-                dead, units = dead + zero, units + rows.shape[0]
-            return {"DeadUnits": dead / units, **out}
+            # the dead units of each weight: one count over all rows, summed per weight
+            dead = np.add.reduceat((sums == 0).astype(np.int64), starts).tolist()
+            out: dict[str, Value] = {"DeadUnits": sum(dead) / sum(sizes)}
+            out.update((f"DeadUnits/{name}", zero / size)
+                       for name, zero, size in zip(names, dead, sizes, strict=True))
+            return out
 
         return Later(values, unit_sums(grads), name="DeadUnits")
 
