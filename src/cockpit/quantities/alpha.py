@@ -407,7 +407,7 @@ class Alpha(Quantity):
                         "rescaling)")
                 if not names:
                     return kappa * 0, None
-                rows = torch.cat([p if len(p) == 1 else p[:1]  # [P, N]: the update's rows
+                rows = torch.cat([p if p.shape[0] == 1 else p[:1]  # [P, N]: the update's rows
                                   for p in (state.projections[k] for k in names)])
                 return kappa * rows.sum(0, dtype=torch.float64), None
 
@@ -466,7 +466,7 @@ class Alpha(Quantity):
             return
         length = state.direction_length
         rows = list(projections.values())
-        dots = ((torch.cat(rows) if all(len(p) == 1 for p in rows)  # one row each: no views
+        dots = ((torch.cat(rows) if all(p.shape[0] == 1 for p in rows)  # one row each: no views
                  else torch.stack([p[0] for p in rows])).sum(0, dtype=torch.float64)
                 if rows else 0)
         loss = data.loss_mean_var()
