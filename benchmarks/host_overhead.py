@@ -11,6 +11,12 @@ medians and their difference are printed.
 
     python benchmarks/host_overhead.py                   # both problems, economy
     python benchmarks/host_overhead.py --problems gpt2 --steps 60
+    python benchmarks/host_overhead.py --every 10        # each step of a cycle of 10
+
+``--every k`` tracks every k-th step (``configuration(config, every(k))``) and prints the
+extra time of each step of the cycle: the tracked step, the step after it (Alpha observes
+θ_{t+1} there: its forward pass is recorded and each layer projects the individual
+gradients on s_t) and the untracked ones.
 
 ``3c3d``: 3C3D's six layers with 4–8 channels, SGD with momentum 0.9. ``gpt2``: a
 ``transformers`` GPT-2 with 12 blocks of width 16 (148 parameter tensors, as GPT-2 124M),
@@ -33,8 +39,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cockpit import Cockpit, configuration
 from cockpit.benchmark.problems.small_nets import TFSamePool
 from cockpit.engine.histograms import device as histogram_device
+from cockpit.schedules import every
 
 sys.path.insert(0, str(Path(__file__).parent))
 from op_count import MODELS, _image_problem, gpt2_problem, make_step
@@ -76,14 +84,56 @@ def measure(problem: str, config: str, steps: int) -> tuple[float, float]:
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def measure_cycle(problem: str, config: str, k: int, cycles: int) -> list[float]:
+    """The median extra time (s) of each step of a cycle of ``k`` (position 0 tracked) over
+    an untracked step, alternated with untracked steps of the same model."""
+    torch.manual_seed(0)
+    made = PROBLEMS[problem](2)
+    model, optimizer, batches = made.model, made.optimizer, made.batches
+    watcher = Cockpit(model, configuration(config, every(k)), optimizer=optimizer)
+
+    def step(i: int, watched: bool) -> float:
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        losses = made.losses(model, batches[i % len(batches)])
+        if watched:
+            with watcher(i, losses=losses):
+                losses.mean().backward()
+        else:
+            losses.mean().backward()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    for i in range(3 * k):
+        step(i, True)
+    by_position: list[list[float]] = [[] for _ in range(k)]
+    plain: list[float] = []
+    for i in range(3 * k, (3 + cycles) * k):
+        by_position[i % k].append(step(i, True))
+        plain.append(step(i, False))
+    watcher.close()
+    base = statistics.median(plain)
+    return [statistics.median(times) - base for times in by_position]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
     parser.add_argument("--config", default="economy", choices=["economy", "business", "full"])
     parser.add_argument("--steps", type=int, default=150, help="timed steps of each kind")
+    parser.add_argument("--every", type=int, default=None, metavar="K",
+                        help="track every K-th step: the extra time of each step of a cycle")
     args = parser.parse_args()
     torch.set_num_threads(1)
     histogram_device._forced = True
+    if args.every is not None:
+        for problem in args.problems:
+            extra = measure_cycle(problem, args.config, args.every,
+                                  max(1, args.steps // args.every))
+            print(f"{problem} {args.config} every {args.every}: extra ms per step of the "
+                  "cycle " + ", ".join(f"{e * 1e3:.2f}" for e in extra)
+                  + f"; per step of the run {sum(extra) / len(extra) * 1e3:.2f}")
+        return
     for problem in args.problems:
         plain, tracked = measure(problem, args.config, args.steps)
         print(f"{problem} {args.config}: untracked {plain * 1e3:.2f} ms, tracked "
