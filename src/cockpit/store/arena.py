@@ -67,15 +67,27 @@ class ArrayArena:
         """``values`` with the numpy arrays inside its dict values kept in the arena (arrays
         named like bin edges are interned)."""
         kept = dict(values)
+        # id → stored copy: the edges array all of a step's histograms share is looked up once
+        interned: dict[int, np.ndarray] = {}
         for name, value in values.items():
             if not isinstance(value, (dict, np.ndarray)):  # (most are numbers)
                 continue
             if isinstance(value, dict):
                 kept[name] = {
-                    key: self.keep(item, intern=key.startswith("edges"))
-                    if isinstance(item, np.ndarray) else item
+                    key: self._intern_once(item, interned) if key.startswith("edges")
+                    else self.keep(item) if isinstance(item, np.ndarray) else item
                     for key, item in value.items()
                 }
             else:
                 kept[name] = self.keep(value)
         return kept
+
+    def _intern_once(self, item: Any, interned: dict[int, np.ndarray]) -> Any:
+        """``keep(item, intern=True)`` for an array, asked once per array object (the ids
+        are valid while ``values`` holds the arrays)."""
+        if not isinstance(item, np.ndarray):
+            return item
+        stored = interned.get(id(item))
+        if stored is None:
+            stored = interned[id(item)] = self.keep(item, intern=True)
+        return stored
