@@ -40,7 +40,8 @@ class GradientTest(Quantity):
     needs = frozenset({NORMS, GRAM_MEAN})
 
     def formula(self, n: int, S: float, G: float, D2: float) -> float:
-        """The test's value from |B|, S, G and D2 = Σ_n d_n²."""
+        """The test's value from |B|, S, G and D2 = Σ_n d_n² (numbers, or arrays of one
+        entry per parameter: elementwise)."""
         raise NotImplementedError
 
     def compute(self, data: StepData) -> Values:
@@ -69,21 +70,21 @@ def compute_test(
         tensors.extend(data.once(("D2", *names), lambda: _d2(stats.gram_mean, names)))
 
     def values(G_norms, *host) -> Noted:
-        G_k = [float(G_norms[i]) ** 2 for i in rows]
-        S_k = [float(v) ** 2 for v in host[0]] if NORMS in needs else [math.nan] * len(names)
+        # per parameter as arrays (the formula's operations elementwise, as on numbers),
+        # the whole network's sums added in the parameters' order
+        G_k = np.square(G_norms[rows]) if rows else np.zeros(0)
+        missing = np.full(len(names), math.nan)
+        S_k = np.square(host[0]) if NORMS in needs else missing
         if GRAM_MEAN in needs:
-            D2_k = [float(v) ** 2 for v in host[-2]]
-            D2 = float(np.dot(host[-1], host[-1]))
+            D2_k, D2 = np.square(host[-2]), float(np.dot(host[-1], host[-1]))
         else:
-            D2_k, D2 = [math.nan] * len(names), math.nan
-
-        def value(G: float, S: float, D2: float) -> float:
-            return math.nan if G == 0.0 else formula(n, S, G, D2)
-
-        G = sum(G_k)
-        out: dict[str, Value] = {name: value(G, sum(S_k), D2)}
-        for k, G1, S1, D21 in zip(names, G_k, S_k, D2_k, strict=True):
-            out[f"{name}/{k}"] = value(G1, S1, D21)
+            D2_k, D2 = missing, math.nan
+        G = sum(G_k.tolist())
+        out: dict[str, Value] = {
+            name: math.nan if G == 0.0 else float(formula(n, sum(S_k.tolist()), G, D2))}
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_param = np.where(G_k == 0.0, math.nan, formula(n, S_k, G_k, D2_k))
+        out.update(zip((f"{name}/{k}" for k in names), per_param.tolist(), strict=True))
         notes = ({name: "mini-batch gradient is zero: the test divides by ‖g_B‖"}
                  if G == 0.0 else {})
         return Noted(out, notes)
@@ -139,8 +140,11 @@ def _d2(gram_mean: dict[str, Tensor], names: list[str]) -> tuple[Tensor, Tensor]
             d.sum(0, dtype=torch.float64))
 
 
-def sqrt_nonneg(x: float) -> float:
-    """√x for an x that is ≥ 0 in exact arithmetic (a tiny negative from rounding → 0)."""
+def sqrt_nonneg(x: float | np.ndarray) -> float | np.ndarray:
+    """√x for an x that is ≥ 0 in exact arithmetic (a tiny negative from rounding → 0; NaN
+    stays NaN), of a number or elementwise of an array."""
+    if isinstance(x, np.ndarray):
+        return np.sqrt(np.maximum(x, 0.0))  # (np.maximum keeps NaN)
     if math.isnan(x):
         return math.nan
     return math.sqrt(max(x, 0.0))
