@@ -335,7 +335,8 @@ class Alpha(Quantity):
                 return Noted({"Alpha": math.nan},
                              {"Alpha": "non-finite loss or update: α is undefined"})
             moved = [k for k, v in sq_norms.items() if v > 0]
-            noise = {k: torch.finfo(update[k].dtype).eps * v
+            eps = {dtype: torch.finfo(dtype).eps for dtype in {update[k].dtype for k in names}}
+            noise = {k: eps[update[k].dtype] * v
                      for k, v in zip(names, theta_norms.tolist(), strict=True)}
             dots, reason = decide(checks, sq_norms, moved, noise)
             if dots is None:
