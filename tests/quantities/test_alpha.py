@@ -254,6 +254,26 @@ def test_alpha_with_sparse_schedules(schedule, steps):
     check(rec, steps)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd_momentum_wd", "adam"])
+def test_the_step_that_only_observes_theta_next_copies_no_parameters(optimizer, monkeypatch):
+    """α_t's second observation (step t + 1, not a start) reads no update: θ is copied before
+    the optimizer step only where α starts; α stays the brute-force value."""
+    from cockpit.step import tracked_step
+
+    snapshots: list[int] = []
+    original = tracked_step.TrackedStep._snapshot
+
+    def counted(self, data, stats):
+        snapshots.append(self.step)
+        return original(self, data, stats)
+
+    monkeypatch.setattr(tracked_step.TrackedStep, "_snapshot", counted)
+    problem = make_problem("mlp_sigmoid", 5)
+    rec = Recorder(problem, OPTIMIZERS[optimizer], every(3), 8)
+    assert snapshots == [0, 3, 6]  # (before: [0, 1, 3, 4, 6, 7])
+    check(rec, [0, 3, 6])
+
+
 def test_adam_with_clipping_is_detected_and_falls_back_to_the_general_path():
     problem = make_problem("mlp_relu", 6)
     with pytest.warns(RuntimeWarning, match="general path"):

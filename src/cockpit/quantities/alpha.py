@@ -145,6 +145,11 @@ class Alpha(Quantity):
     def should_track(self, step: int) -> bool:
         return self.starts(step) or self.starts(step - 1)
 
+    def needs_update_at(self, step: int) -> bool:
+        """s_t only where α_t starts: at a step that only observes θ_{t+1} for α_{t−1} the
+        update is not read (no copy of θ)."""
+        return self.starts(step)
+
     # ------------------------------------------------------------------ before backward
     def prepare(self, step: int, engine: EngineView, optimizer, losses: Tensor | None
                 ) -> None:

@@ -147,6 +147,11 @@ class Quantity:
     def should_track(self, step: int) -> bool:
         return bool(self.schedule(step))
 
+    def needs_update_at(self, step: int) -> bool:
+        """Whether :meth:`compute_after_update` has work at ``step``, a step it tracks
+        (then Cockpit copies θ_t before the optimizer step for θ_{t+1} − θ_t)."""
+        return self.needs_update
+
     def prepare(self, step: int, engine: EngineView, optimizer, losses: Tensor | None
                 ) -> None:
         """Called before the user's backward pass of a tracked step (register directions
