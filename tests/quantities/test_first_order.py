@@ -208,3 +208,24 @@ def test_batch_gradients_over_consecutive_and_interrupted_tracked_steps():
     for step in tracked:
         assert rel_close(out[step]["GradNorm"], expected[step][0], 1e-6)
         assert rel_close(out[step]["NormTest"], expected[step][1], 1e-6)
+
+
+def test_a_gradient_test_written_for_numbers_gives_the_same_values():
+    """The per-parameter values are formed on arrays; a GradientTest whose formula takes
+    numbers only (``math.sqrt``) is asked once per parameter instead, with the same result
+    (and NaN where a parameter's ‖g_B‖ is 0)."""
+
+    class ScalarNormTest(quantities.NormTest):
+        def formula(self, n, S, G, D2):
+            return math.sqrt(max((S / G - n) / (n * (n - 1)), 0.0))
+
+    problem = make_problem("mlp_relu", 7, torch.float64)
+    with torch.no_grad():  # a parameter without gradient: ‖g_B‖ = 0 there
+        problem.model[0].bias.mul_(0).add_(-1e3)
+    out, _ = run_one_step(problem, instruments=[quantities.NormTest(), ScalarNormTest()])
+    keys = [k for k in out if k.startswith("NormTest/")]
+    assert keys and any(math.isnan(out[k]) for k in keys)
+    for k in keys:
+        other = out["ScalarNormTest/" + k.split("/", 1)[1]]
+        assert other == out[k] or (math.isnan(other) and math.isnan(out[k])), k
+    assert out["ScalarNormTest"] == out["NormTest"]

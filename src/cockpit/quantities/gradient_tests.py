@@ -82,14 +82,29 @@ def compute_test(
         G = sum(G_k.tolist())
         out: dict[str, Value] = {
             name: math.nan if G == 0.0 else float(formula(n, sum(S_k.tolist()), G, D2))}
-        with np.errstate(divide="ignore", invalid="ignore"):
-            per_param = np.where(G_k == 0.0, math.nan, formula(n, S_k, G_k, D2_k))
-        out.update(zip((f"{name}/{k}" for k in names), per_param.tolist(), strict=True))
+        out.update(zip((f"{name}/{k}" for k in names),
+                       _per_parameter(formula, n, S_k, G_k, D2_k), strict=True))
         notes = ({name: "mini-batch gradient is zero: the test divides by ‖g_B‖"}
                  if G == 0.0 else {})
         return Noted(out, notes)
 
     return Later(values, *tensors, name=name)
+
+
+def _per_parameter(formula: Callable, n: int, S_k: np.ndarray, G_k: np.ndarray,
+                   D2_k: np.ndarray) -> list[float]:
+    """The formula of every parameter's S, G, D2 (NaN where G = 0): elementwise on the
+    arrays, or one call per parameter for a formula written for numbers only."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        try:
+            values = np.asarray(formula(n, S_k, G_k, D2_k), dtype=np.float64)
+        except (TypeError, ValueError):  # (math.* on an array)
+            values = None
+        if values is None or values.shape != G_k.shape:
+            values = np.array([formula(n, S, G, D2) if G != 0.0 else math.nan
+                               for S, G, D2 in zip(S_k.tolist(), G_k.tolist(), D2_k.tolist(),
+                                                   strict=True)], dtype=np.float64)
+    return np.where(G_k == 0.0, math.nan, values).tolist()
 
 
 def batch_gradient_norms(data: StepData, per_sample: dict[str, Tensor]
