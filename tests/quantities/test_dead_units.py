@@ -8,6 +8,8 @@ import torch
 
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.quantities.dead_units import unit_sums
+from tests.models import Problem, train
+from tests.reference import individual_gradients
 
 
 def _weights(dtype):
@@ -91,22 +93,15 @@ def test_dead_fractions_of_several_weights_and_a_weight_without_units(path, monk
     with torch.no_grad():  # units 1 and 4 of ``a`` never fire: their rows get no gradient
         model.a.bias[[1, 4]] = -1e3
     x, y = torch.randn(7, 5, dtype=torch.float64), torch.randint(0, 4, (7,))
+    problem = Problem("dead", model, x, y,
+                      lambda out, target: F.cross_entropy(out, target, reduction="none"))
+    grads = individual_gradients(model, problem.loss_fn, x, y)
     cockpit = Cockpit(model, [quantities.DeadUnits()], strict=True)
-    losses = F.cross_entropy(model(x), y, reduction="none")
-    with cockpit(0, losses=losses):
-        losses.mean().backward()
-    out = cockpit.get_output()[0]
+    train(problem, cockpit, 1, torch.optim.SGD(model.parameters(), lr=0.0))
     cockpit.close()
-
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss_one(p, xi, yi):
-        logits = torch.func.functional_call(model, p, (xi[None],))
-        return F.cross_entropy(logits, yi[None])
-
-    grads = torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
-    dead = {w: int((grads[w].abs().amax(dim=(0, 2)) == 0).sum()) for w in ("a.weight",
-                                                                         "b.weight")}
+    out = cockpit.get_output()[0]
+    dead = {w: int((grads[w].abs().amax(dim=(0, 2)) == 0).sum())
+            for w in ("a.weight", "b.weight")}
     assert dead["a.weight"] == 2
     assert sorted(k for k in out if k.startswith("DeadUnits/")) == [
         "DeadUnits/a.weight", "DeadUnits/b.weight"]
