@@ -12,11 +12,18 @@ medians and their difference are printed.
     python benchmarks/host_overhead.py                   # both problems, economy
     python benchmarks/host_overhead.py --problems gpt2 --steps 60
     python benchmarks/host_overhead.py --every 10        # each step of a cycle of 10
+    python benchmarks/host_overhead.py --phases          # where a tracked step's time goes
 
 ``--every k`` tracks every k-th step (``configuration(config, every(k))``) and prints the
 extra time of each step of the cycle: the tracked step, the step after it (Alpha observes
 θ_{t+1} there: its forward pass is recorded and each layer projects the individual
 gradients on s_t) and the untracked ones.
+
+``--phases`` times the parts of Cockpit's pipeline inside the tracked steps (wrapping its
+methods in this process): the block's start (reading back the previous step's numbers
+among it), the layers' hooks, the dot products when a parameter's gradient arrives, the
+small parameters side by side, the step's end before the optimizer (the gradient check
+among it) and the instruments of the update after it; ms per tracked step, medians.
 
 ``3c3d``: 3C3D's six layers with 4–8 channels, SGD with momentum 0.9. ``gpt2``: a
 ``transformers`` GPT-2 with 12 blocks of width 16 (148 parameter tensors, as GPT-2 124M),
@@ -30,7 +37,9 @@ GPU, whose untracked step is the model's real arithmetic.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import importlib
 import statistics
 import sys
 import time
@@ -84,6 +93,66 @@ def measure(problem: str, config: str, steps: int) -> tuple[float, float]:
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+# (label, module, qualified name) of the pipeline's parts that ``--phases`` times
+PHASES = (
+    ("block start", "cockpit.step.sequence", "StepSequence.enter"),
+    ("  reading back the previous step", "cockpit.engine.readout", "Readout.receive"),
+    ("layers' hooks", "cockpit.engine.processing", "CallProcessor.process_guarded"),
+    ("dot products at a gradient", "cockpit.engine.processing",
+     "CallProcessor.gradient_arrived"),
+    ("small parameters side by side", "cockpit.engine.processing",
+     "CallProcessor.reduce_side_by_side"),
+    ("block end", "cockpit.step.sequence", "StepSequence.exit"),
+    ("step end (before the optimizer)", "cockpit.step.sequence", "StepSequence.end_step"),
+    ("  gradient check", "cockpit.step.tracked_step", "TrackedStep.measure_gradient_mismatch"),
+    ("update's instruments (after it)", "cockpit.step.sequence",
+     "StepSequence.finish_update"),
+)
+
+
+@contextlib.contextmanager
+def timed_phases(totals: dict[str, float]):
+    """Adds each phase's time to ``totals`` while inside (the methods wrapped, restored)."""
+    restore = []
+    for label, module_name, qualified in PHASES:
+        owner_name, attribute = qualified.split(".")
+        owner = getattr(importlib.import_module(module_name), owner_name)
+        original = owner.__dict__[attribute]
+
+        def timed(*args, _original=original, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attribute, timed)
+        restore.append((owner, attribute, original))
+    try:
+        yield
+    finally:
+        for owner, attribute, original in restore:
+            setattr(owner, attribute, original)
+
+
+def measure_phases(problem: str, config: str, steps: int) -> dict[str, float]:
+    """Median time (s) per tracked step of each of :data:`PHASES`."""
+    MODELS[f"host:{problem}"] = PROBLEMS[problem]
+    tracked, watcher = make_step(f"host:{problem}", config, 2)
+    for i in range(5):
+        tracked(i)
+    per_step: dict[str, list[float]] = {label: [] for label, _, _ in PHASES}
+    for i in range(5, 5 + steps):
+        totals: dict[str, float] = {}
+        with timed_phases(totals):
+            tracked(i)
+        for label in per_step:
+            per_step[label].append(totals.get(label, 0.0))
+    assert watcher is not None
+    watcher.close()
+    return {label: statistics.median(times) for label, times in per_step.items()}
+
+
 def measure_cycle(problem: str, config: str, k: int, cycles: int) -> list[float]:
     """The median extra time (s) of each step of a cycle of ``k`` (position 0 tracked) over
     an untracked step, alternated with untracked steps of the same model."""
@@ -123,9 +192,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150, help="timed steps of each kind")
     parser.add_argument("--every", type=int, default=None, metavar="K",
                         help="track every K-th step: the extra time of each step of a cycle")
+    parser.add_argument("--phases", action="store_true",
+                        help="time the parts of Cockpit's pipeline in the tracked steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
     histogram_device._forced = True
+    if args.phases:
+        for problem in args.problems:
+            print(f"{problem} {args.config}: ms per tracked step")
+            for label, seconds in measure_phases(problem, args.config, args.steps).items():
+                print(f"  {label:36s} {seconds * 1e3:7.3f}")
+        return
     if args.every is not None:
         for problem in args.problems:
             extra = measure_cycle(problem, args.config, args.every,
