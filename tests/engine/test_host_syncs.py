@@ -208,6 +208,39 @@ def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
     assert ratio <= 3.02, (ratio, tracked.ops.most_common(8))
 
 
+@contextlib.contextmanager
+def cockpit_calls(counter: collections.Counter):
+    """Counts the calls of Cockpit's own Python functions while inside (``sys.setprofile``)."""
+    import sys
+
+    def event(frame, kind, arg):
+        if kind == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            counter["cockpit"] += 1
+
+    sys.setprofile(event)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+
+
+@pytest.mark.parametrize("problem,batch,bound", [(image_problem, 32, 3_080),
+                                                 (language_problem, 4, 5_060)])
+def test_a_tracked_economy_step_calls_few_of_cockpits_functions(problem, batch, bound,
+                                                               monkeypatch, one_thread):
+    """The host's time of a tracked step on a GPU is the kernels' launches (the ops above)
+    and the Python around them: Cockpit's own function calls in one tracked economy step on
+    the accelerator path, 2,926 on 3C3D and 4,816 on the small GPT-2 (3,021 and 4,946 before
+    the readout's per-parameter values went to arrays and the update's rows took one
+    param-group look-up; ``benchmarks/host_overhead.py`` measures the time). A regression
+    bound a little above today's."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    calls: collections.Counter = collections.Counter()
+    count_step(monkeypatch, "economy", batch=batch, problem=problem,
+               around=lambda: cockpit_calls(calls))
+    assert 0 < calls["cockpit"] <= bound, calls
+
+
 @pytest.mark.parametrize("config,bound", [("business", 5.05), ("full", 33.0)])
 def test_tracked_curvature_steps_issue_few_ops(config, bound, monkeypatch, one_thread):
     """Business and full on 3C3D with the accelerator paths (batched curvature
