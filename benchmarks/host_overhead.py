@@ -31,7 +31,10 @@ T = 8, AdamW: the per-parameter host work of a language model.
 
 The difference (ms) is the number to compare between commits (interleave runs of both:
 the machine's load moves it by ±5 %); a ratio to this untracked step means nothing on a
-GPU, whose untracked step is the model's real arithmetic.
+GPU, whose untracked step is the model's real arithmetic. Two parts weigh more here than
+on a GPU: multi-tensor ops (``torch._foreach_*``) loop over their tensors on a CPU (one
+kernel for all on CUDA), and histograms are counted by bucketize and histc (one Triton
+kernel on CUDA).
 """
 
 from __future__ import annotations
