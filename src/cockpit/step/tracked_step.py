@@ -309,8 +309,7 @@ class TrackedStep:
                 instruments.compute(quantity, data, stats, split, self.prepare_failures,
                                     run.quantities, run.warn), values, laters)
         self._hand_over(values, data, laters)
-        later = [q for q in self.tracked
-                 if q.needs_update and q.name not in skipped and q.needs_update_at(step)]
+        later = [q for q in self.tracked if q.name not in skipped and q.needs_update_at(step)]
         if not later:
             return False
         self._update = (data, self._snapshot(data, stats), later)
