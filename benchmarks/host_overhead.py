@@ -51,7 +51,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cockpit import Cockpit, configuration
 from cockpit.benchmark.problems.small_nets import TFSamePool
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.schedules import every
@@ -77,11 +76,16 @@ PROBLEMS = {
 }
 
 
+def _registered(problem: str) -> str:
+    """The name under which ``op_count.make_step`` builds ``problem``."""
+    MODELS[f"host:{problem}"] = PROBLEMS[problem]
+    return f"host:{problem}"
+
+
 def measure(problem: str, config: str, steps: int) -> tuple[float, float]:
     """Medians (s) of the untracked and the tracked step, alternated."""
-    MODELS[f"host:{problem}"] = PROBLEMS[problem]
-    plain, _ = make_step(f"host:{problem}", None, 2)
-    tracked, watcher = make_step(f"host:{problem}", config, 2)
+    plain, _ = make_step(_registered(problem), None, 2)
+    tracked, watcher = make_step(_registered(problem), config, 2)
     for i in range(5):
         plain(i)
         tracked(i)
@@ -140,8 +144,7 @@ def timed_phases(totals: dict[str, float]):
 
 def measure_phases(problem: str, config: str, steps: int) -> dict[str, float]:
     """Median time (s) per tracked step of each of :data:`PHASES`."""
-    MODELS[f"host:{problem}"] = PROBLEMS[problem]
-    tracked, watcher = make_step(f"host:{problem}", config, 2)
+    tracked, watcher = make_step(_registered(problem), config, 2)
     for i in range(5):
         tracked(i)
     per_step: dict[str, list[float]] = {label: [] for label, _, _ in PHASES}
@@ -158,33 +161,22 @@ def measure_phases(problem: str, config: str, steps: int) -> dict[str, float]:
 
 def measure_cycle(problem: str, config: str, k: int, cycles: int) -> list[float]:
     """The median extra time (s) of each step of a cycle of ``k`` (position 0 tracked) over
-    an untracked step, alternated with untracked steps of the same model."""
-    torch.manual_seed(0)
-    made = PROBLEMS[problem](2)
-    model, optimizer, batches = made.model, made.optimizer, made.batches
-    watcher = Cockpit(model, configuration(config, every(k)), optimizer=optimizer)
-
-    def step(i: int, watched: bool) -> float:
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        losses = made.losses(model, batches[i % len(batches)])
-        if watched:
-            with watcher(i, losses=losses):
-                losses.mean().backward()
-        else:
-            losses.mean().backward()
-        optimizer.step()
-        return time.perf_counter() - start
-
+    an untracked step, alternated."""
+    plain, _ = make_step(_registered(problem), None, 2)
+    tracked, watcher = make_step(_registered(problem), config, 2, schedule=every(k))
     for i in range(3 * k):
-        step(i, True)
+        plain(i)
+        tracked(i)
     by_position: list[list[float]] = [[] for _ in range(k)]
-    plain: list[float] = []
+    untracked: list[float] = []
     for i in range(3 * k, (3 + cycles) * k):
-        by_position[i % k].append(step(i, True))
-        plain.append(step(i, False))
+        for step, out in ((plain, untracked), (tracked, by_position[i % k])):
+            start = time.perf_counter()
+            step(i)
+            out.append(time.perf_counter() - start)
+    assert watcher is not None
     watcher.close()
-    base = statistics.median(plain)
+    base = statistics.median(untracked)
     return [statistics.median(times) - base for times in by_position]
 
 

@@ -133,16 +133,19 @@ class CountCalls:
             self.calls["builtins"] += 1
 
 
-def make_step(model_name: str, config: str | None, batch: int, device: str = "cpu"):
-    """One training step of ``model_name`` (tracked by ``config``, or untracked: None) on
-    ``device``, and its Cockpit (None untracked)."""
+def make_step(model_name: str, config: str | None, batch: int, device: str = "cpu",
+              schedule=None):
+    """One training step of ``model_name`` (tracked by ``config`` at the steps ``schedule``
+    picks, every step by default; or untracked: None) on ``device``, and its Cockpit (None
+    untracked)."""
     torch.manual_seed(0)
     problem = MODELS[model_name](batch)
     model = problem.model.to(device)  # (in place: the optimizer holds the same parameters)
     data = [tuple(t.to(device) for t in b) if isinstance(b, tuple) else b.to(device)
             for b in problem.batches]
     opt = problem.optimizer
-    watcher = Cockpit(model, configuration(config), optimizer=opt) if config else None
+    watcher = (Cockpit(model, configuration(config, schedule), optimizer=opt)
+               if config else None)
 
     def step(i: int) -> None:
         opt.zero_grad()
