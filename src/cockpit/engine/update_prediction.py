@@ -675,7 +675,7 @@ def sgd_update_basis(
 
     ``previous_update``: the last update s_{t−1} of ``param``, if known and non-zero. Without
     Nesterov, SGD's last update was s_{t−1} = −lr·b_old (the buffer it left behind), so
-    s_{t−1} takes b_old's row (see :func:`previous_update_replaces_buffer`): a caller that
+    s_{t−1} takes b_old's row (see :func:`_replaces_buffer`): a caller that
     projects on s_{t−1} anyway needs one direction less. Should the buffer have been edited
     since (other than by a scaling), the fit after the step finds the update outside the span
     and says so.
@@ -697,7 +697,7 @@ def sgd_update_rows(
     """The rows of :func:`sgd_update_basis` (g, θ, b_old or s_{t−1}) as they are now, not
     copied: whoever keeps them copies g, θ and b before they change (the step changes θ
     and b in place, the user may edit the gradient after the backward pass); s_{t−1}, when
-    given, is the last row where it replaces b_old's (:func:`previous_update_replaces_buffer`;
+    given, is the last row where it replaces b_old's (:func:`_replaces_buffer`;
     the caller tells by identity) (``optimizer_checked`` as for :func:`unsupported_reason`)."""
     if supported_base(optimizer) is not SGD:
         return None
@@ -715,16 +715,8 @@ def sgd_update_rows(
     return rows
 
 
-def previous_update_replaces_buffer(optimizer: Optimizer, param: Tensor) -> bool:
-    """Whether :func:`sgd_update_basis` puts a given previous update in the momentum buffer's
-    row: SGD with momentum, without Nesterov, after its first step (a buffer exists)."""
-    if supported_base(optimizer) is not SGD:
-        return False
-    group = _find_group(optimizer, param)
-    return group is not None and _replaces_buffer(
-        group, (optimizer.state.get(param) or {}).get("momentum_buffer"))
-
-
 def _replaces_buffer(group: dict, buffer: Tensor | None) -> bool:
-    """:func:`previous_update_replaces_buffer` for ``param``'s group and momentum buffer."""
+    """Whether :func:`sgd_update_basis` puts a given previous update in the momentum buffer's
+    row, for a parameter of SGD's ``group`` with momentum buffer ``buffer``: with momentum,
+    without Nesterov, after its first step (a buffer exists)."""
     return group["momentum"] != 0 and not group["nesterov"] and buffer is not None
