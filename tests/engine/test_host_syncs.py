@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -211,7 +212,6 @@ def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):
 @contextlib.contextmanager
 def cockpit_calls(counter: collections.Counter):
     """Counts the calls of Cockpit's own Python functions while inside (``sys.setprofile``)."""
-    import sys
 
     def event(frame, kind, arg):
         if kind == "call" and frame.f_code.co_filename.startswith(PACKAGE):
