@@ -103,6 +103,44 @@ def test_full_configuration_on_cuda_equals_the_cpu_in_float64():
     assert compare(cuda, cpu, rtol=1e-9, max_count_diff=4) > 100
 
 
+def test_distance_from_theta0_in_pinned_host_memory_equals_the_cpu(monkeypatch):
+    """A θ_0 above ``HOST_ABOVE`` waits in the host's pinned memory (here: any size) and is
+    copied to the device where Distance is formed, without a host sync: the economy values
+    equal the CPU's in float64."""
+    from cockpit.engine import initial_parameters
+
+    monkeypatch.setattr(initial_parameters, "HOST_ABOVE", 0)
+    torch.manual_seed(0)
+    params = dict(cifar10_3c3d().to(DEVICE).named_parameters())
+    held = initial_parameters.snapshot(params)
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in held.values())
+    data = batches(3, 16)
+    cpu, _ = train("cpu", torch.float64, configuration("economy"), data)
+    cuda, _ = train(DEVICE, torch.float64, configuration("economy"), data)
+    # the copy and the differences wait for nothing
+    model = cifar10_3c3d().to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    cockpit = Cockpit(model, [quantities.Distance()], optimizer=opt)
+    x, y = data[0][0].to(DEVICE), data[0][1].to(DEVICE)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with cockpit(0, losses=losses):
+                losses.mean().backward()
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cockpit.close()
+    waits = [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
+    assert not [w for w in waits if "initial_parameters" in w or "distance" in w], waits
+    assert any(name.startswith("Distance/") for name in cuda[2])
+    assert compare(cuda, cpu, rtol=1e-9, max_count_diff=4) > 50
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_alpha_with_adamw_on_cuda_equals_the_cpu_on_the_predicted_path(fused, monkeypatch):
     """AdamW's update on CUDA is predicted by the fused kernel (a ``fused=True`` optimizer's

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from cockpit.arguments import checked_arguments, resolved_memory_budget, warn_slow_bins
 from cockpit.diagnose.live import LiveDiagnosis
-from cockpit.engine import sharded
+from cockpit.engine import initial_parameters, sharded
 from cockpit.engine.capture import compiled
 from cockpit.engine.histograms.auto_range import AutoRange
 from cockpit.engine.histograms.exact import BinSpec
@@ -178,7 +178,7 @@ class Cockpit:
                 quantity.predict = False  # type: ignore[attr-defined]
         self._params: dict[str, Tensor] = dict(self.tracker.params)
         check_optimizer_owns_parameters(optimizer, self._params)
-        initial = ({k: p.detach().clone() for k, p in self._params.items()}
+        initial = (initial_parameters.snapshot(self._params)
                    if any(map(needs_initial_parameters, self.quantities)) else None)
         start_time = time.perf_counter()
         self._warn = WarnOnce(strict)
@@ -291,8 +291,9 @@ class Cockpit:
                 raise ValueError(
                     f"the saved Cockpit state lacks θ_0 of {sorted(missing)[:3]}: it was saved "
                     "for another model")
-            self._run.initial = sharded.restored_slices(
-                initial, state.get("initial_params_holder"), own)
+            restored = sharded.restored_slices(initial, state.get("initial_params_holder"), own)
+            self._run.initial = (initial_parameters.host_copies(restored)
+                                 if initial_parameters.kept_on_host(self._params) else restored)
 
     def close(self) -> None:
         """Finish pending work, remove every hook and close the sinks. Idempotent."""

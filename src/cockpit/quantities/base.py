@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from cockpit.engine import sharded
+from cockpit.engine import initial_parameters, sharded
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms.auto_range import AutoRange
@@ -221,10 +221,12 @@ _FUSED_ELEMENTS = 2**26
 
 
 def norms_of_differences(xs: list[Tensor], ys: list[Tensor],
-                         scale: Tensor | None = None) -> Tensor:
+                         scale: Tensor | None = None, bring: bool = False) -> Tensor:
     """[‖x_k − c·y_k‖]_k as one float64 vector (c = ``scale``, a 0-dim tensor, or 1) by
     fused kernels (:func:`fused`): one multi-tensor difference and one multi-tensor norm per
-    group of tensors of at most 2^26 elements (the differences are temporaries)."""
+    group of tensors of at most 2^26 elements (the differences are temporaries). ``bring``:
+    ``ys`` wait in the host's memory (:mod:`cockpit.engine.initial_parameters`), each
+    group's copied to the device right before its differences."""
     groups: list[list[int]] = [[]]
     size = 0
     for k, x in enumerate(xs):
@@ -237,6 +239,8 @@ def norms_of_differences(xs: list[Tensor], ys: list[Tensor],
     with torch.no_grad():
         for group in groups:
             x, y = [xs[k] for k in group], [ys[k] for k in group]
+            if bring:
+                y = initial_parameters.brought(y, x[0].device)
             if scale is not None:
                 y = torch._foreach_mul(y, scale)
             norms.extend(torch._foreach_norm(torch._foreach_sub(x, y), dtype=torch.float64))

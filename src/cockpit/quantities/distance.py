@@ -1,13 +1,14 @@
 """Distance ‖θ_t − θ_0‖ and UpdateSize ‖θ_{t+1} − θ_t‖ (paper Table 2), total and per
-parameter tensor. θ_0 are the parameters when the Cockpit was created; the update is the one
-``optimizer.step()`` actually applied, whatever the optimizer."""
+parameter tensor. θ_0 are the parameters when the Cockpit was created (on a GPU a large
+model's wait in the host's memory: :mod:`cockpit.engine.initial_parameters`); the update is
+the one ``optimizer.step()`` actually applied, whatever the optimizer."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from cockpit.engine import sharded
+from cockpit.engine import initial_parameters, sharded
 from cockpit.engine.workspace import PARAMETER_SIZED, workspace
 from cockpit.quantities.base import (
     Quantity,
@@ -38,9 +39,11 @@ class Distance(Quantity):
             return per_param_norms("Distance", list(data.params), norms(
                 [p.detach() - data.initial_params[k] for k, p in data.params.items()]))
         params = list(data.params.values())
-        if fused(params):
+        initial = [data.initial_params[k] for k in data.params]
+        elsewhere = initial_parameters.held_apart(initial, params)
+        if fused(params) or elsewhere:
             return per_param_norms("Distance", list(data.params), norms_of_differences(
-                params, [data.initial_params[k] for k in data.params]))
+                params, initial, bring=elsewhere))
         sq = []
         for k, p in data.params.items():
             # θ_t − θ_0 in scratch memory (a fresh parameter-sized tensor per step costs page
