@@ -608,6 +608,29 @@ def test_scratch_memory_of_other_threads_is_released_too():
     assert view.numel() == 1000  # a view taken before stays usable
 
 
+def test_a_tracked_step_frees_the_scratch_memory_off_the_cpu_at_its_end(monkeypatch):
+    """A GPU's scratch buffers (a ``meta`` buffer stands in for one) are freed when a tracked
+    step ends, so they never add to the next step's peak; the CPU's are kept (fresh pages
+    cost page faults there)."""
+    from cockpit.engine.workspace import release_workspace, workspace
+
+    off_cpu, ticket = workspace().take("patches", (1000,), torch.float32, torch.device("meta"))
+    workspace().take("patches", (10,), torch.float32, torch.device("cpu"))
+    release_workspace(off_cpu_only=True)
+    assert not workspace().valid(ticket) and workspace().nbytes == 40
+    view, ticket = workspace().take("patches", (1000,), torch.float32, torch.device("meta"))
+    assert view.shape == (1000,) and workspace().valid(ticket)
+
+    problem = make_problem("cnn", 6, dtype=torch.float32)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.01)
+    cockpit = Cockpit(problem.model, [quantities.GradHist1d(), quantities.Distance()],
+                      optimizer=opt)
+    train(problem, cockpit, 1, opt)
+    assert workspace().nbytes > 40  # the CPU's buffers of the step are kept
+    assert not workspace().valid(ticket)  # the step's end freed the meta buffer
+    cockpit.close()
+
+
 class _GraphNet(nn.Module):
     """A convolution with GroupNorm, a Linear layer with LayerNorm, a Linear layer over a
     sequence dimension: every rule that takes its inputs out of autograd."""

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from cockpit.diagnose.live import LiveDiagnosis
+from cockpit.engine.workspace import release_workspace
 from cockpit.loop_checks import STEP_BACKWARDS, every_rank_attached
 from cockpit.quantities.base import Quantity
 from cockpit.step.tracked_step import TrackedStep, check_block
@@ -152,9 +153,12 @@ class StepSequence:
         self.open = None
         if current.finish(self.capture_next):
             self.awaiting_update = current
+        else:
+            release_workspace(off_cpu_only=True)
 
     def finish_update(self) -> None:
         """After the optimizer step: the finished step's instruments of the update."""
         awaiting, self.awaiting_update = self.awaiting_update, None
         if awaiting is not None:
             awaiting.finish_update()
+            release_workspace(off_cpu_only=True)
