@@ -82,6 +82,8 @@ class _Probe(quantities.Quantity):
     """Calls the curvature primitives inside a tracked step; the one-by-one loop raises, so
     a value can only come from the batched passes."""
 
+    needs_activations = True  # the diagonal curvature reads the recorded activations
+
     def __init__(self, fn, forbid_loop: bool = True):
         super().__init__()
         self.fn, self.forbid_loop, self.result = fn, forbid_loop, None

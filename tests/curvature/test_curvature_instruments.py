@@ -170,6 +170,8 @@ def test_user_gradients_unchanged_and_no_graph_left_on_grad():
 class _Estimates(quantities.Quantity):
     """Collects many diagonal estimates within one tracked step (unbiasedness tests)."""
 
+    needs_activations = True  # the diagonal curvature reads the recorded activations
+
     def __init__(self, method, repeats):
         super().__init__()
         self.method, self.repeats, self.samples = method, repeats, []

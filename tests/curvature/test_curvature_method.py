@@ -198,6 +198,8 @@ def test_replicates_merge_over_backward_passes_per_replicate_and_parameter():
 class _Replicates(quantities.Quantity):
     """The MC GGN's replicate diagonals of the mean loss, as the instruments draw them."""
 
+    needs_activations = True  # the diagonal curvature reads the recorded activations
+
     def __init__(self, samples: int, seed: int):
         super().__init__()
         self.samples, self.seed, self.result = samples, seed, None

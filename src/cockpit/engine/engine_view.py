@@ -51,7 +51,8 @@ class EngineView(Protocol):
     @property
     def activation_calls(self) -> list[tuple[nn.Module, Tensor, Tensor]]:
         """(module, input z, output a) of each recorded call of a smooth activation or
-        normalization module (:mod:`cockpit.engine.capture.activations`)."""
+        normalization module (:mod:`cockpit.engine.capture.activations`); recorded only for
+        steps that track an instrument with ``needs_activations``."""
 
     @property
     def step_cache(self) -> dict[Any, Any]:

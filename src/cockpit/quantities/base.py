@@ -136,6 +136,10 @@ class Quantity:
     differentiates_graph: bool = False
     # keys of additive per-sample sums the instrument adds in prepare (engine.add_sample_sums)
     sample_sum_keys: tuple[str, ...] = ()
+    # reads the smooth activations' inputs and outputs of the recorded forward pass (the
+    # diagonal curvature's residual terms) and the layers' inputs at the width they were
+    # given; held so only for steps that track such an instrument
+    needs_activations: bool = False
 
     def __init__(self, schedule: Schedule | int | None = None):
         self.schedule = as_schedule(schedule)

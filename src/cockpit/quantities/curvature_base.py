@@ -50,6 +50,7 @@ class DiagonalCurvatureQuantity(Quantity):
     :mod:`cockpit.curvature.diagonal` for the methods)."""
 
     differentiates_graph = True
+    needs_activations = True
     fallback = "ggn"  # what "auto" uses where the exact Hessian diagonal is not available
 
     def __init__(

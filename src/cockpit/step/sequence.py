@@ -53,8 +53,12 @@ class StepSequence:
 
     def capture_next(self, step: int) -> bool:
         """Whether the coming forward pass must be recorded. Skipped only when the steps
-        seen so far were consecutive and the schedule leaves step + 1 untracked."""
-        return not self.consecutive or bool(self.tracked(step + 1))
+        seen so far were consecutive and the schedule leaves step + 1 untracked. Sets
+        whether it keeps the activations: where step + 1's instruments read them (any
+        instrument's, if the next step is not known)."""
+        upcoming = self.tracked(step + 1) if self.consecutive else self.run.quantities
+        self.run.tracker.records_activations = any(q.needs_activations for q in upcoming)
+        return not self.consecutive or bool(upcoming)
 
     # ------------------------------------------------------------------ transitions
     def enter(self, step: int, losses: Tensor | None) -> None:
@@ -123,6 +127,7 @@ class StepSequence:
             tracker.drop_spare_gradients()
             self.consecutive = False
             tracker.capturing = True
+            tracker.records_activations = any(q.needs_activations for q in self.run.quantities)
             return False
         if self.last_step is not None and step != self.last_step + 1:
             self.consecutive = False

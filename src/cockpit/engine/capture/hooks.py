@@ -24,6 +24,7 @@ the part of it that owns the hooks and the recorded forward pass.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -122,6 +123,40 @@ class Call:
         self.outputs, self.grads = [], []
 
 
+def as_computed_inputs(args: tuple, kwargs: dict, dtype: torch.dtype,
+                       held: Callable[[Tensor], bool] = lambda t: False
+                       ) -> tuple[tuple, dict]:
+    """A layer's floating-point inputs wider than its output's ``dtype`` rounded to it,
+    unless they stay in memory anyway (``held``, or saved by autograd as the result of the
+    op that made them: ReLU, sigmoid, tanh, softmax keep their outputs).
+
+    Under autocast a Linear layer or convolution rounds its float32 input to bfloat16 or
+    float16 and computes with that; the float32 input is often a temporary the forward pass
+    frees at once (GPT-2's float32 GELU outputs, 288 MiB at B = 8, T = 256). Kept rounded,
+    the recorded call holds half of it, and the individual gradients are formed from the
+    same values (:func:`cockpit.engine.processing.common_precision` rounds such inputs so).
+    Not for the diagonal curvature, which reads the inputs as given."""
+    if not dtype.is_floating_point:
+        return args, kwargs
+    bits = torch.finfo(dtype).bits
+
+    def rounded(value):
+        if (isinstance(value, Tensor) and value.is_floating_point()
+                and torch.finfo(value.dtype).bits > bits and not held(value)
+                and not _saved_as_result(value)):
+            return value.detach().to(dtype)
+        return value
+
+    return tuple(rounded(a) for a in args), {k: rounded(v) for k, v in kwargs.items()}
+
+
+def _saved_as_result(t: Tensor) -> bool:
+    """Whether autograd keeps ``t`` (or the tensor it views) for the backward pass of the op
+    that made it (an op whose derivative reads its own output)."""
+    base = t._base if t._base is not None else t
+    return base.grad_fn is not None and hasattr(base.grad_fn, "_saved_result")
+
+
 def discover_units(model: nn.Module) -> list[Unit]:
     """The units of ``model``: modules with a registered rule or owning parameters; an
     atomic module (:data:`ATOMIC_MODULES`) is one unit with all its parameters."""
@@ -186,6 +221,9 @@ class Capture:
         self.installed = False
         self._removed = False  # for good (Cockpit closed)
         self._places: dict[int, int] = {}  # module → the id of its unit hook's first handle
+        # the recorded calls' outputs by id, while alive (:meth:`_holds`)
+        self._held_outputs: weakref.WeakValueDictionary[int, Tensor] = (
+            weakref.WeakValueDictionary())
         self.install()
 
     def install(self) -> None:
@@ -259,16 +297,25 @@ class Capture:
             if not positions:
                 return None
             outputs = [flat[i] for i in positions]
+            if (unit.rule is not None and len(outputs) == 1
+                    and not self.engine.records_activations):
+                args, kwargs = as_computed_inputs(args, kwargs, outputs[0].dtype, self._holds)
             tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
             call = Call(unit, args, kwargs, outputs, [t._version for t in tensors],
                         [None] * len(outputs), output_versions=[t._version for t in outputs],
                         output_positions=positions)
             self.calls.append(call)
+            for out in outputs:
+                self._held_outputs[id(out)] = out
             for k, out in enumerate(outputs):
                 out.register_hook(self._make_output_hook(call, k))
             return None
 
         return hook
+
+    def _holds(self, t: Tensor) -> bool:
+        """Whether ``t`` is the output of a recorded call (held as it is anyway)."""
+        return self._held_outputs.get(id(t)) is t
 
     def _attach_frozen_backward(self, module, args, kwargs, output) -> None:
         if (self._recording() and is_training_batch_norm(module)
@@ -280,7 +327,8 @@ class Capture:
             self.model_output = network_output(output)
 
     def _record_activation(self, module, args, output) -> None:
-        if (self._recording() and args and isinstance(args[0], Tensor)
+        if (self.engine.records_activations and self._recording() and args
+                and isinstance(args[0], Tensor)
                 and isinstance(output, Tensor)):
             self.activation_calls.append((module, args[0], output))
 
