@@ -150,6 +150,10 @@ def as_computed_inputs(args: tuple, kwargs: dict, dtype: torch.dtype,
     return tuple(rounded(a) for a in args), {k: rounded(v) for k, v in kwargs.items()}
 
 
+# the dtypes autocast computes in (a layer with such an output may have rounded its input)
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def _saved_as_result(t: Tensor) -> bool:
     """Whether autograd keeps ``t`` (or the tensor it views) for the backward pass of the op
     that made it (an op whose derivative reads its own output)."""
@@ -297,7 +301,7 @@ class Capture:
             if not positions:
                 return None
             outputs = [flat[i] for i in positions]
-            if (unit.rule is not None and len(outputs) == 1
+            if (outputs[0].dtype in _HALF and unit.rule is not None and len(outputs) == 1
                     and not self.engine.records_activations):
                 args, kwargs = as_computed_inputs(args, kwargs, outputs[0].dtype, self._holds)
             tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
