@@ -24,7 +24,6 @@ the part of it that owns the hooks and the recorded forward pass.
 from __future__ import annotations
 
 import operator
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -225,9 +224,6 @@ class Capture:
         self.installed = False
         self._removed = False  # for good (Cockpit closed)
         self._places: dict[int, int] = {}  # module → the id of its unit hook's first handle
-        # the recorded calls' outputs by id, while alive (:meth:`_holds`)
-        self._held_outputs: weakref.WeakValueDictionary[int, Tensor] = (
-            weakref.WeakValueDictionary())
         self.install()
 
     def install(self) -> None:
@@ -309,8 +305,6 @@ class Capture:
                         [None] * len(outputs), output_versions=[t._version for t in outputs],
                         output_positions=positions)
             self.calls.append(call)
-            for out in outputs:
-                self._held_outputs[id(out)] = out
             for k, out in enumerate(outputs):
                 out.register_hook(self._make_output_hook(call, k))
             return None
@@ -318,8 +312,9 @@ class Capture:
         return hook
 
     def _holds(self, t: Tensor) -> bool:
-        """Whether ``t`` is the output of a recorded call (held as it is anyway)."""
-        return self._held_outputs.get(id(t)) is t
+        """Whether ``t`` is the output of a recorded call (held as it is anyway); asked only
+        under autocast, the latest calls first (a normalization feeding the layer)."""
+        return any(o is t for call in reversed(self.calls) for o in call.outputs)
 
     def _attach_frozen_backward(self, module, args, kwargs, output) -> None:
         if (self._recording() and is_training_batch_norm(module)
