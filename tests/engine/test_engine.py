@@ -614,7 +614,7 @@ def test_a_tracked_step_frees_the_scratch_memory_off_the_cpu_at_its_end(monkeypa
     cost page faults there)."""
     from cockpit.engine.workspace import release_workspace, workspace
 
-    off_cpu, ticket = workspace().take("patches", (1000,), torch.float32, torch.device("meta"))
+    _, ticket = workspace().take("patches", (1000,), torch.float32, torch.device("meta"))
     workspace().take("patches", (10,), torch.float32, torch.device("cpu"))
     release_workspace(off_cpu_only=True)
     assert not workspace().valid(ticket) and workspace().nbytes == 40
