@@ -59,7 +59,8 @@ class _Upcast(torch.nn.Module):
         return x.float()
 
 
-def _autocast_run(monkeypatch, rounded: bool, steps: int = 3, activation=torch.nn.GELU):
+def _autocast_run(monkeypatch, rounded: bool, steps: int = 3, activation=torch.nn.GELU,
+                  batchnorm: str | None = None):
     from cockpit import configuration
     from cockpit.engine.capture import hooks
 
@@ -70,7 +71,8 @@ def _autocast_run(monkeypatch, rounded: bool, steps: int = 3, activation=torch.n
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), _Upcast(), activation(),
                                 torch.nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    cockpit = Cockpit(model, configuration("economy"), optimizer=opt, strict=True)
+    cockpit = Cockpit(model, configuration("economy"), optimizer=opt, strict=True,
+                      batchnorm=batchnorm)
     gen = torch.Generator().manual_seed(1)
     held = []
     for step in range(steps):
@@ -113,10 +115,47 @@ def test_under_autocast_a_layer_input_is_held_rounded_with_the_same_values(monke
     assert compared > 50
 
 
-@pytest.mark.parametrize("activation", [torch.nn.Tanh, functools.partial(torch.nn.LayerNorm, 8)])
-def test_an_input_kept_anyway_is_held_as_it_is(monkeypatch, activation):
-    """tanh's backward reads its output, and a LayerNorm's output is held as its own
-    recorded call's: the float32 input of the next layer stays in memory either way, and a
-    rounded copy would only add to it."""
-    _, held = _autocast_run(monkeypatch, rounded=True, activation=activation)
-    assert held == [torch.float32] * 3
+@pytest.mark.parametrize("activation,batchnorm,dtype", [
+    (torch.nn.Tanh, None, torch.float32),
+    (functools.partial(torch.nn.LayerNorm, 8), None, torch.bfloat16),
+    (functools.partial(torch.nn.LayerNorm, 8), "frozen_statistics", torch.float32)])
+def test_an_input_kept_anyway_is_held_as_it_is(monkeypatch, activation, batchnorm, dtype):
+    """tanh's backward reads its output: the float32 input of the next layer stays in
+    memory anyway, and a rounded copy would only add to it. A LayerNorm's float32 output is
+    freed by autograd once the next layer rounded it (held rounded), unless its recorded
+    call keeps it (the frozen-BatchNorm pass backpropagates from the layers' outputs)."""
+    _, held = _autocast_run(monkeypatch, rounded=True, activation=activation,
+                            batchnorm=batchnorm)
+    assert held == [dtype] * 3
+
+
+def test_a_layer_output_autograd_frees_is_not_held_where_no_instrument_reads_it():
+    """A Linear layer's output before a ReLU (which keeps its own output for the backward
+    pass) is freed during the forward pass at an economy step; kept where the diagonal
+    curvature backpropagates from the layers' outputs."""
+    import weakref
+
+    def outputs_alive(qs) -> list[bool]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cockpit = Cockpit(model, qs, optimizer=opt, strict=True)
+        refs = []
+        model[0].register_forward_hook(lambda m, a, out: refs.append(weakref.ref(out)))
+        alive = []
+        for step in range(2):
+            x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+            opt.zero_grad()
+            losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+            alive.append(refs[-1]() is not None)
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            opt.step()
+        cockpit.close()
+        assert all(v is not None for v in cockpit.get_output()[0].values())
+        return alive
+
+    assert outputs_alive([quantities.GradNorm(), quantities.Alpha(),
+                          quantities.GradHist1d()]) == [False, False]
+    assert outputs_alive([quantities.HessTrace(curvature="diag_ggn_exact")]) == [True, True]

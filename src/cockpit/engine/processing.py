@@ -250,7 +250,9 @@ class CallProcessor:
             if (engine.batchnorm == FROZEN_STATISTICS and not engine.state.probing
                     and is_training_batch_norm(unit.module)):
                 rule = frozen_batch_norm_rule
-            output = call.outputs[0] if call.outputs else None  # kept calls drop outputs
+            # kept calls drop outputs; a call keeps only records of those no one reads
+            output = (call.outputs[0] if call.outputs and isinstance(call.outputs[0], Tensor)
+                      else None)
             extra = {"scale": scale} if scale != 1.0 else {}
             args, kwargs, grads = common_precision(
                 call.args, call.kwargs, grads,

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from cockpit.engine import sharded
 from cockpit.engine.backward_state import BackwardState
 from cockpit.engine.capture.batch_gradients import BatchGradientCopies
-from cockpit.engine.capture.hooks import Call, Capture, Unit, layer_outputs, owner
+from cockpit.engine.capture.hooks import Call, Capture, Unit, layer_outputs, owner, zeros_of
 from cockpit.engine.histograms.auto_range import AutoRange
 from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.processing import CallProcessor, accumulate
@@ -300,7 +300,7 @@ class ModuleTracker:
                     deltas, call.probe_grads = call.probe_grads, None
                     if all(d is None for d in deltas):
                         continue
-                    deltas = [torch.zeros_like(o) if d is None else d
+                    deltas = [zeros_of(o) if d is None else d
                               for d, o in zip(deltas, call.outputs, strict=True)]
                     for name, sg in self.processor.rule(call, deltas).items():
                         if name in self.state.multi_use:

@@ -88,14 +88,39 @@ class Unit:
         return self.rule is None
 
 
+class OutputRecord:
+    """What a recorded call keeps of an output no instrument of the step reads as a tensor:
+    its autograd node and place there, shape, dtype and device (enough to route, count and
+    zero its gradient). Kept itself, the tensor would stay in memory through the forward
+    pass where autograd frees it: a Linear layer's output before a ReLU (which keeps its
+    own), a LayerNorm's float32 output that the next layer rounds under autocast."""
+
+    __slots__ = ("_version", "device", "dtype", "grad_fn", "output_nr", "shape")
+
+    def __init__(self, t: Tensor):
+        self.grad_fn, self.output_nr = t.grad_fn, t.output_nr
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self._version = t._version
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def zeros_of(output: Tensor | OutputRecord) -> Tensor:
+    """A zero gradient for ``output`` (an output no gradient reached)."""
+    return torch.zeros(output.shape, dtype=output.dtype, device=output.device)
+
+
 @dataclass
 class Call:
-    """One forward call of a unit, kept until its output gradients arrived."""
+    """One forward call of a unit, kept until its output gradients arrived. ``outputs`` are
+    the tensors where the step reads them (the diagonal curvature, Cockpit's own backward
+    passes, a rule that reads its output), else their :class:`OutputRecord`."""
 
     unit: Unit
     args: tuple | None
     kwargs: dict | None
-    outputs: list[Tensor]
+    outputs: list[Tensor | OutputRecord]
     versions: list[int]
     grads: list[Tensor | None]
     received: int = 0
@@ -301,15 +326,29 @@ class Capture:
                     and not self.engine.records_activations):
                 args, kwargs = as_computed_inputs(args, kwargs, outputs[0].dtype, self._holds)
             tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
-            call = Call(unit, args, kwargs, outputs, [t._version for t in tensors],
+            kept: list[Tensor | OutputRecord] = (
+                list(outputs) if self._reads_outputs(unit) or torch.compiler.is_compiling()
+                else [OutputRecord(o) for o in outputs])
+            call = Call(unit, args, kwargs, kept, [t._version for t in tensors],
                         [None] * len(outputs), output_versions=[t._version for t in outputs],
                         output_positions=positions)
             self.calls.append(call)
-            for k, out in enumerate(outputs):
+            for k, out in enumerate(outputs):  # (the hooks stay on the nodes)
                 out.register_hook(self._make_output_hook(call, k))
             return None
 
         return hook
+
+    def _reads_outputs(self, unit: Unit) -> bool:
+        """Whether this forward pass's calls of ``unit`` keep their output tensors: for the
+        diagonal curvature (its backward passes from the layers' outputs and checks of
+        them), the frozen-BatchNorm pass (also from the layers' outputs) and a rule that
+        reads its output (``reads_output``; no built-in rule does). While torch.compile
+        traces the module the tensors are kept too: reading their autograd nodes would break
+        the compiled graph."""
+        engine = self.engine
+        return (engine.records_activations or engine.batchnorm == FROZEN_STATISTICS
+                or getattr(unit.rule, "reads_output", False))
 
     def _holds(self, t: Tensor) -> bool:
         """Whether ``t`` is the output of a recorded call (held as it is anyway); asked only
@@ -436,7 +475,7 @@ class Capture:
         units, outputs without a gradient: zero) to the processor, after a backward pass."""
         for call in self.calls:
             if call.args is not None and call.received > 0:
-                call.grads = [g if g is not None else torch.zeros_like(out)
+                call.grads = [g if g is not None else zeros_of(out)
                               for g, out in zip(call.grads, call.outputs, strict=True)]
                 self.engine.processor.process_guarded(call)
 
