@@ -14,9 +14,9 @@ beyond that (e.g. individual gradients accumulated over several calls of a tied 
 must copy it. Memory: the largest request per purpose, kept until :func:`release_workspace`
 (called when a Cockpit is closed). A GPU's buffers are freed at the end of every tracked
 step (``release_workspace(off_cpu_only=True)``): its caching allocator serves the next
-step's requests without page faults or device allocations, and until then the training's
-own tensors may use the memory (kept, the parameter-sized buffer alone would add GPT-2
-124M's embedding, 147 MiB, to every backward pass's peak).
+step's requests without page faults or device allocations, and between tracked steps and
+through the forward passes the memory is the training's (3C3D's unfolded inputs at
+|B| = 128: 288 MiB).
 """
 
 from __future__ import annotations

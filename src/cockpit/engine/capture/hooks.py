@@ -327,7 +327,7 @@ class Capture:
                 args, kwargs = as_computed_inputs(args, kwargs, outputs[0].dtype, self._holds)
             tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
             kept: list[Tensor | OutputRecord] = (
-                list(outputs) if self._reads_outputs(unit) or torch.compiler.is_compiling()
+                list(outputs) if self._reads_outputs(unit)
                 else [OutputRecord(o) for o in outputs])
             call = Call(unit, args, kwargs, kept, [t._version for t in tensors],
                         [None] * len(outputs), output_versions=[t._version for t in outputs],
@@ -348,7 +348,7 @@ class Capture:
         the compiled graph."""
         engine = self.engine
         return (engine.records_activations or engine.batchnorm == FROZEN_STATISTICS
-                or getattr(unit.rule, "reads_output", False))
+                or getattr(unit.rule, "reads_output", False) or torch.compiler.is_compiling())
 
     def _holds(self, t: Tensor) -> bool:
         """Whether ``t`` is the output of a recorded call (held as it is anyway); asked only
