@@ -8,11 +8,14 @@
 # (b) benchmarks/curvature_batched.py: the diagonal curvature's batched backpropagations
 #     against the one-by-one loop;
 # (c) benchmarks/gpu_overhead.py: the overhead table beside the original package's H200
-#     numbers, GPT-2 124M, ResNet-18 GroupNorm, Figure 7.
-# About 6 minutes in all (limits: TESTS_SECONDS, CURVATURE_SECONDS, BENCH_SECONDS + 50 s). Without CUDA
-# it checks itself in seconds: the cuda tests skip and a tiny CPU dry run of (c) runs.
+#     numbers, GPT-2 124M, ResNet-18 GroupNorm, Figure 7;
+# (d) benchmarks/gpu_memory_peak.py: what is live at GPT-2 124M's tracked peak, by where it
+#     was allocated (MEMORY_SECONDS, 0 skips).
+# About 7 minutes in all (limits: TESTS_SECONDS, CURVATURE_SECONDS, BENCH_SECONDS + 50 s,
+# MEMORY_SECONDS). Without CUDA it checks itself in seconds: the cuda tests skip and a tiny
+# CPU dry run of (c) runs.
 # Outputs: env.txt, cuda_tests.txt, curvature_batched.txt, gpu_overhead.txt,
-# gpu_overhead.json, summary.txt.
+# gpu_overhead.json, gpu_memory_peak.txt, summary.txt.
 set -u -o pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -22,6 +25,7 @@ mkdir -p "$OUT"
 TESTS_SECONDS="${TESTS_SECONDS:-120}"
 BENCH_SECONDS="${BENCH_SECONDS:-130}"   # cells after this are skipped; the run ends soon after
 CURVATURE_SECONDS="${CURVATURE_SECONDS:-60}"   # 0 skips part (b)
+MEMORY_SECONDS="${MEMORY_SECONDS:-60}"   # 0 skips part (d)
 
 limit() {  # limit SECONDS command...: a wall-clock limit where `timeout` exists
     local seconds=$1; shift
@@ -77,6 +81,14 @@ fi
 limit $(( BENCH_SECONDS + 50 )) "$PY" benchmarks/gpu_overhead.py "${bench_args[@]}" \
     --json "$OUT/gpu_overhead.json" 2>&1 | tee "$OUT/gpu_overhead.txt"
 bench_rc=${PIPESTATUS[0]}
+
+echo "== (d) benchmarks/gpu_memory_peak.py: what is live at GPT-2's tracked peak"
+if [ "$cuda" = 1 ] && [ "$MEMORY_SECONDS" -gt 0 ]; then
+    limit "$MEMORY_SECONDS" "$PY" benchmarks/gpu_memory_peak.py 2>&1 \
+        | grep -v '^\[transformers\]' | tee "$OUT/gpu_memory_peak.txt"
+else
+    echo "skipped (without CUDA, or MEMORY_SECONDS=0; a dry run: python benchmarks/gpu_memory_peak.py --device cpu)"
+fi
 
 {
     echo "cuda available: $cuda"
