@@ -169,7 +169,6 @@ class Cockpit:
         self.tracker = ModuleTracker(compiled.uncompiled(model), hist_spec, hist2d_bins,
                                      strict=strict, batchnorm=batchnorm,
                                      memory_budget=resolved_memory_budget(memory_budget, model))
-        self.tracker.records_activations = any(q.needs_activations for q in self.quantities)
         self._compiled = compiled.EagerAtTrackedSteps(model, self.tracker)
         if batchnorm == FROZEN_STATISTICS and any(
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):

@@ -46,6 +46,7 @@ class StepSequence:
         self.diagnosis = diagnosis
         self.open: TrackedStep | None = None  # the tracked step whose blocks come in
         self.awaiting_update: TrackedStep | None = None  # finished, before optimizer.step()
+        self._keep_activations_for(run.quantities)  # (the first step is not known yet)
 
     @property
     def in_block(self) -> bool:
@@ -57,8 +58,14 @@ class StepSequence:
         whether it keeps the activations: where step + 1's instruments read them (any
         instrument's, if the next step is not known)."""
         upcoming = self.tracked(step + 1) if self.consecutive else self.run.quantities
-        self.run.tracker.records_activations = any(q.needs_activations for q in upcoming)
+        self._keep_activations_for(upcoming)
         return not self.consecutive or bool(upcoming)
+
+    def _keep_activations_for(self, quantities: list[Quantity]) -> None:
+        """The coming forward passes keep what the diagonal curvature reads (the smooth
+        activations' calls, the layers' inputs as given and their outputs) where one of
+        ``quantities`` reads it."""
+        self.run.tracker.records_activations = any(q.needs_activations for q in quantities)
 
     # ------------------------------------------------------------------ transitions
     def enter(self, step: int, losses: Tensor | None) -> None:
@@ -127,7 +134,7 @@ class StepSequence:
             tracker.drop_spare_gradients()
             self.consecutive = False
             tracker.capturing = True
-            tracker.records_activations = any(q.needs_activations for q in self.run.quantities)
+            self._keep_activations_for(self.run.quantities)
             return False
         if self.last_step is not None and step != self.last_step + 1:
             self.consecutive = False

@@ -148,8 +148,7 @@ class Call:
 
 
 def as_computed_inputs(args: tuple, kwargs: dict, dtype: torch.dtype,
-                       held: Callable[[Tensor], bool] = lambda t: False
-                       ) -> tuple[tuple, dict]:
+                       held: Callable[[Tensor], bool]) -> tuple[tuple, dict]:
     """A layer's floating-point inputs wider than its output's ``dtype`` rounded to it,
     unless they stay in memory anyway (``held``, or saved by autograd as the result of the
     op that made them: ReLU, sigmoid, tanh, softmax keep their outputs).
