@@ -1,9 +1,9 @@
 """What is live at the peak of a tracked step on CUDA, by where it was allocated: GPT-2 124M
 (from its config, bf16 autocast, B = 8, T = 256, AdamW), economy against the untracked step.
 
-The peak is measured as ``gpu_overhead.py``'s GPT-2 cell does (building the model, its
-optimizer and Cockpit and three steps, above what was allocated before: parameters,
-optimizer state and Cockpit's copies count). Then one more step runs under
+The model, its step and the peak are ``gpu_overhead.py``'s GPT-2 cell's (``Clock.built``:
+building the model, its optimizer and Cockpit and three steps, above what was allocated
+before: parameters, optimizer state and Cockpit's copies count). Then one more step runs under
 ``torch.cuda.memory`` history with Python stacks; replaying its allocations finds the step's
 peak, and each block live there is named by the innermost Cockpit frame that allocated it,
 else the innermost ``transformers``/``torch.optim`` frame (the training's own tensors).
@@ -21,32 +21,8 @@ import collections
 import json
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
-from cockpit import Cockpit, configuration
-from cockpit.integrations.transformers import sequence_losses
-
-
-def build(config: GPT2Config, data: list[torch.Tensor], device: str, tracked: bool):
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(config).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    cockpit = Cockpit(model, configuration("economy"), optimizer=opt) if tracked else None
-
-    def step(i: int) -> None:
-        ids = data[i % len(data)]
-        opt.zero_grad()
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            logits = model(ids).logits
-        losses = sequence_losses(logits.float(), ids, shift=True)
-        if cockpit is None:
-            losses.mean().backward()
-        else:
-            with cockpit(i, losses=losses):
-                losses.mean().backward()
-        opt.step()
-
-    return step, cockpit
+from gpu_overhead import Clock, gpt2_problem, gpt2_trainer
 
 
 def allocated_where(frames: list[dict]) -> str:
@@ -83,37 +59,35 @@ def live_at_peak(trace: list[dict]) -> tuple[int, dict[str, int]]:
     return peak, dict(kinds)
 
 
-def measure(config: GPT2Config, data: list[torch.Tensor], device: str, tracked: bool,
-            top: int) -> None:
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-    step, cockpit = build(config, data, device, tracked)
-    for i in range(3):
-        step(i)
+def measure(clock: Clock, config, data: list[torch.Tensor], tracked: bool, top: int) -> None:
+    made: list = []
+
+    def factory():
+        step, cockpit = gpt2_trainer(config, data, clock.device, tracked)
+        made.append(cockpit)
+        return step
+
+    start = torch.cuda.memory_allocated() if clock.cuda else 0
+    step, peak = clock.built(factory)
     record: dict = {"tracked": tracked}
-    if cuda:
-        torch.cuda.synchronize()
-        record["peak_MiB"] = round((torch.cuda.max_memory_allocated() - start) / 2**20)
+    kinds: dict[str, int] = {}
+    if clock.cuda:
+        record["peak_MiB"] = round(peak or 0)
         record["persistent_MiB"] = round((torch.cuda.memory_allocated() - start) / 2**20)
         torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
         step(3)
-        torch.cuda.synchronize()
+        clock.sync()
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-        peak, kinds = live_at_peak(snapshot["device_traces"][0])
-        record["step_peak_above_persistent_MiB"] = round(peak / 2**20)
+        step_peak, kinds = live_at_peak(snapshot["device_traces"][0])
+        record["step_peak_above_persistent_MiB"] = round(step_peak / 2**20)
     else:
         step(3)
-        kinds = {}
     print(json.dumps(record), flush=True)
     for where, size in sorted(kinds.items(), key=lambda kv: -kv[1])[:top]:
         print(f"   {size / 2**20:8.1f} MiB  {where}")
-    if cockpit is not None:
-        cockpit.close()
+    if made[0] is not None:
+        made[0].close()
 
 
 def main() -> None:
@@ -121,17 +95,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--top", type=int, default=12, help="allocation sites listed")
     args = parser.parse_args()
-    if args.device == "cuda":
-        config = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257)
-        batch, length = 8, 256
-    else:  # a dry run
-        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000)
-        batch, length = 2, 32
-    generator = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, config.vocab_size, (batch, length), generator=generator)
-            .to(args.device) for _ in range(4)]
+    clock = Clock(torch.device(args.device))
+    config, data = gpt2_problem(clock.device, quick=not clock.cuda)  # (a CPU: a dry run)
     for tracked in (False, True):
-        measure(config, data, args.device, tracked, args.top)
+        measure(clock, config, data, tracked, args.top)
 
 
 if __name__ == "__main__":

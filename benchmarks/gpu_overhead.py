@@ -256,12 +256,12 @@ def idle_cell(args, clock: Clock, emit) -> None:
           "tracked_ms": 1e3 * statistics.median(watched), "pairs": len(base)})
 
 
-def gpt2_cells(args, clock: Clock, emit) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
+def gpt2_problem(device: torch.device, quick: bool) -> tuple[object, list[torch.Tensor]]:
+    """GPT-2 124M's config (a 2-layer one if ``quick``) and four batches of token ids
+    (B = 8, T = 256; quick: 2, 32) on ``device``."""
+    from transformers import GPT2Config
 
-    from cockpit.integrations.transformers import sequence_losses
-
-    if args.quick:
+    if quick:
         config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=64)
         batch, length = 2, 32
     else:
@@ -270,28 +270,46 @@ def gpt2_cells(args, clock: Clock, emit) -> None:
         batch, length = 8, 256
     generator = torch.Generator().manual_seed(0)
     data = [torch.randint(0, config.vocab_size, (batch, length), generator=generator)
-            .to(clock.device) for _ in range(4)]
+            .to(device) for _ in range(4)]
+    return config, data
+
+
+def gpt2_trainer(config, data: list[torch.Tensor], device: torch.device, tracked: bool
+                 ) -> tuple[Callable[[int], None], Cockpit | None]:
+    """step(i) of AdamW on GPT-2 built from ``config`` (bf16 autocast on CUDA), economy
+    tracked every step if ``tracked``, and its Cockpit."""
+    from transformers import GPT2LMHeadModel
+
+    from cockpit.integrations.transformers import sequence_losses
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cockpit = Cockpit(model, configuration("economy"), optimizer=opt) if tracked else None
+    autocast = device.type == "cuda"
+
+    def step(i: int) -> None:
+        ids = data[i % len(data)]
+        opt.zero_grad()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(ids).logits
+        losses = sequence_losses(logits.float(), ids, shift=True)
+        context = (cockpit(i, losses=losses) if cockpit is not None
+                   else contextlib.nullcontext())
+        with context:
+            losses.mean().backward()
+        opt.step()
+
+    return step, cockpit
+
+
+def gpt2_cells(args, clock: Clock, emit) -> None:
+    config, data = gpt2_problem(clock.device, args.quick)
+    batch, length = data[0].shape
     autocast = clock.device.type == "cuda"
 
-    def build(tracked: bool):
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(config).to(clock.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        cockpit = Cockpit(model, configuration("economy"), optimizer=opt) if tracked else None
-
-        def step(i: int) -> None:
-            ids = data[i % len(data)]
-            opt.zero_grad()
-            with torch.autocast(clock.device.type, dtype=torch.bfloat16, enabled=autocast):
-                logits = model(ids).logits
-            losses = sequence_losses(logits.float(), ids, shift=True)
-            context = (cockpit(i, losses=losses) if cockpit is not None
-                       else contextlib.nullcontext())
-            with context:
-                losses.mean().backward()
-            opt.step()
-
-        return step
+    def build(tracked: bool) -> Callable[[int], None]:
+        return gpt2_trainer(config, data, clock.device, tracked)[0]
 
     record = {"part": "gpt2", "B": batch, "T": length, "layers": config.n_layer,
               "bf16_autocast": autocast}
