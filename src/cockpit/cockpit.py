@@ -41,6 +41,7 @@ from cockpit.quantities.base import Quantity, Value
 from cockpit.step.hist_range import HistogramRange
 from cockpit.step.instrument_traits import needs_initial_parameters, predicts_update
 from cockpit.step.recorder import Recorder
+from cockpit.step.schedule_plan import SchedulePlan
 from cockpit.step.sequence import StepSequence
 from cockpit.step.warn_once import WarnOnce
 from cockpit.step.watched_run import WatchedRun
@@ -209,6 +210,7 @@ class Cockpit:
         if self._diagnosis is not None:
             recorder.on_record = self._diagnosis.add
         self._schedule_answers: dict[int, list[Quantity]] = {}
+        self._schedule_plan = SchedulePlan(self.quantities)
         self._steps = StepSequence(self._run, self._tracked, resumed_from, attachment,
                                    self._diagnosis)
         self._log, self._output = log, recorder.output  # (what tests read)
@@ -327,7 +329,7 @@ class Cockpit:
         the next one and as the current one; the last few answers are kept)."""
         known = self._schedule_answers.get(step)
         if known is None:
-            known = [q for q in self.quantities if q.should_track(step)]
+            known = self._schedule_plan.tracked(step)
             if len(self._schedule_answers) >= 4:
                 del self._schedule_answers[next(iter(self._schedule_answers))]
             self._schedule_answers[step] = known

@@ -457,7 +457,8 @@ class ModuleTracker:
     def drop_spare_gradients(self) -> None:
         """Forget the kept batch gradients: the next step is not tracked, or their memory
         holds θ_t for the update now (``TrackedStep._snapshot``)."""
-        self.state.spare_grads, self._last_batch_grads = {}, {}
+        if self.state.spare_grads or self._last_batch_grads:
+            self.state.spare_grads, self._last_batch_grads = {}, {}
 
     @property
     def weights_problem(self) -> str | None:

@@ -179,6 +179,8 @@ class OutsideBackwardWatch:
                 functools.partial(self._after, name)))
 
     def disarm(self) -> None:
+        if not self._handles:  # (nothing armed: nothing noted either)
+            return
         for handle in self._handles:
             handle.remove()
         self._handles = []

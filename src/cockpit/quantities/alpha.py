@@ -139,11 +139,10 @@ class Alpha(Quantity):
     def predict(self, value: bool) -> None:
         self._general = not value
 
+    schedule_offsets = (0, 1)  # α_t starts at step t and is completed at step t + 1
+
     def starts(self, step: int) -> bool:
         return bool(self.schedule(step))
-
-    def should_track(self, step: int) -> bool:
-        return self.starts(step) or self.starts(step - 1)
 
     def needs_update_at(self, step: int) -> bool:
         """s_t only where α_t starts: at a step that only observes θ_{t+1} for α_{t−1} the

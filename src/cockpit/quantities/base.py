@@ -140,6 +140,9 @@ class Quantity:
     # diagonal curvature's residual terms) and the layers' inputs at the width they were
     # given; held so only for steps that track such an instrument
     needs_activations: bool = False
+    # the steps tracked relative to the schedule's: step s + k for each offset k and each
+    # step s the schedule picks (Alpha: also the step after, where it observes θ_{t+1})
+    schedule_offsets: tuple[int, ...] = (0,)
 
     def __init__(self, schedule: Schedule | int | None = None):
         self.schedule = as_schedule(schedule)
@@ -149,7 +152,7 @@ class Quantity:
         return type(self).__name__
 
     def should_track(self, step: int) -> bool:
-        return bool(self.schedule(step))
+        return any(self.schedule(step - k) for k in self.schedule_offsets)
 
     def needs_update_at(self, step: int) -> bool:
         """Whether :meth:`compute_after_update` has work at ``step``, a step it tracks

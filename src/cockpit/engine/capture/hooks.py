@@ -371,6 +371,8 @@ class Capture:
 
     def clear(self) -> None:
         """Forget the recorded forward pass."""
+        if not self.calls and self.model_output is None and not self.activation_calls:
+            return
         for call in self.calls:
             call.release()
         self.calls = []
