@@ -25,7 +25,10 @@ among it), the layers' hooks, the dot products when a parameter's gradient arriv
 small parameters side by side, the step's end before the optimizer (the gradient check
 among it) and the instruments of the update after it; ms per tracked step, medians.
 
-``3c3d``: 3C3D's six layers with 4–8 channels, SGD with momentum 0.9. ``gpt2``: a
+``3c3d``: 3C3D's six layers with 4–8 channels, SGD with momentum 0.9. ``resnet18_gn``: the
+CIFAR-size ResNet-18 with GroupNorm of ``gpu_overhead.py`` at an eighth of its width (62
+parameter tensors, 8–64 channels, 32×32 images; SGD with momentum): its convolutions still
+do some arithmetic on this CPU, so its numbers hold more than the host's time. ``gpt2``: a
 ``transformers`` GPT-2 with 12 blocks of width 16 (148 parameter tensors, as GPT-2 124M),
 T = 8, AdamW: the per-parameter host work of a language model.
 
@@ -56,6 +59,7 @@ from cockpit.engine.histograms import device as histogram_device
 from cockpit.schedules import every
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_overhead import BasicBlock
 from op_count import MODELS, _image_problem, gpt2_problem, make_step
 
 
@@ -69,8 +73,19 @@ def tiny_3c3d() -> nn.Sequential:
         nn.Linear(8, 10))
 
 
+def tiny_resnet18_groupnorm() -> nn.Module:
+    """ResNet-18 with GroupNorm (``gpu_overhead.resnet18_groupnorm``: 20 convolutions, 20
+    GroupNorm layers, 62 parameter tensors) at an eighth of its width, 8–64 channels."""
+    widths = [(8, 8, 1), (8, 8, 1), (8, 16, 2), (16, 16, 1), (16, 32, 2), (32, 32, 1),
+              (32, 64, 2), (64, 64, 1)]
+    return nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.GroupNorm(8, 8), nn.ReLU(),
+                         *[BasicBlock(*w) for w in widths], nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(64, 10))
+
+
 PROBLEMS = {
     "3c3d": functools.partial(_image_problem, tiny_3c3d),
+    "resnet18_gn": functools.partial(_image_problem, tiny_resnet18_groupnorm),
     "gpt2": functools.partial(gpt2_problem, vocab=64, length=8, n_layer=12, n_embd=16,
                               n_head=2),
 }
