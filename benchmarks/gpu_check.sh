@@ -10,12 +10,15 @@
 # (c) benchmarks/gpu_overhead.py: the overhead table beside the original package's H200
 #     numbers, GPT-2 124M, ResNet-18 GroupNorm, Figure 7;
 # (d) benchmarks/gpu_memory_peak.py: what is live at GPT-2 124M's tracked peak, by where it
-#     was allocated (MEMORY_SECONDS, 0 skips).
-# About 7 minutes in all (limits: TESTS_SECONDS, CURVATURE_SECONDS, BENCH_SECONDS + 50 s,
-# MEMORY_SECONDS). Without CUDA it checks itself in seconds: the cuda tests skip and a tiny
+#     was allocated (MEMORY_SECONDS, 0 skips);
+# (e) benchmarks/host_overhead.py --device cuda: the CPU proxy's tiny problems on the GPU,
+#     every step and each step of an every-10th cycle (HOST_SECONDS, 0 skips): the host's
+#     time with CUDA's launches, beside the same run on a CPU.
+# About 8 minutes in all (limits: TESTS_SECONDS, CURVATURE_SECONDS, BENCH_SECONDS + 50 s,
+# MEMORY_SECONDS, HOST_SECONDS). Without CUDA it checks itself in seconds: the cuda tests skip and a tiny
 # CPU dry run of (c) runs.
 # Outputs: env.txt, cuda_tests.txt, curvature_batched.txt, gpu_overhead.txt,
-# gpu_overhead.json, gpu_memory_peak.txt, summary.txt.
+# gpu_overhead.json, gpu_memory_peak.txt, host_overhead.txt, summary.txt.
 set -u -o pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -26,6 +29,7 @@ TESTS_SECONDS="${TESTS_SECONDS:-120}"
 BENCH_SECONDS="${BENCH_SECONDS:-130}"   # cells after this are skipped; the run ends soon after
 CURVATURE_SECONDS="${CURVATURE_SECONDS:-60}"   # 0 skips part (b)
 MEMORY_SECONDS="${MEMORY_SECONDS:-60}"   # 0 skips part (d)
+HOST_SECONDS="${HOST_SECONDS:-60}"   # 0 skips part (e)
 
 limit() {  # limit SECONDS command...: a wall-clock limit where `timeout` exists
     local seconds=$1; shift
@@ -88,6 +92,16 @@ if [ "$cuda" = 1 ] && [ "$MEMORY_SECONDS" -gt 0 ]; then
         | grep -v '^\[transformers\]' | tee "$OUT/gpu_memory_peak.txt"
 else
     echo "skipped (without CUDA, or MEMORY_SECONDS=0; a dry run: python benchmarks/gpu_memory_peak.py --device cpu)"
+fi
+
+echo "== (e) benchmarks/host_overhead.py --device cuda: the CPU proxy's problems on the GPU"
+if [ "$cuda" = 1 ] && [ "$HOST_SECONDS" -gt 0 ]; then
+    limit "$HOST_SECONDS" bash -c '"$0" benchmarks/host_overhead.py --device cuda --steps 60 &&
+        "$0" benchmarks/host_overhead.py --device cuda --every 10 --steps 200 \
+            --problems 3c3d resnet18_gn' "$PY" 2>&1 \
+        | grep -v '^\[transformers\]' | tee "$OUT/host_overhead.txt"
+else
+    echo "skipped (without CUDA, or HOST_SECONDS=0; on a CPU: python benchmarks/host_overhead.py)"
 fi
 
 {

@@ -13,6 +13,11 @@ medians and their difference are printed.
     python benchmarks/host_overhead.py --problems gpt2 --steps 60
     python benchmarks/host_overhead.py --every 10        # each step of a cycle of 10
     python benchmarks/host_overhead.py --phases          # where a tracked step's time goes
+    python benchmarks/host_overhead.py --device cuda     # the same on a GPU's host
+
+``--device cuda`` runs the same tiny problems on a GPU (each step timed from an idle device
+to the end of its kernels): the step is still its host's time, now with CUDA's dispatch and
+launches, which calibrates this CPU proxy against a GPU machine.
 
 ``--every k`` tracks every k-th step (``configuration(config, every(k))``) and prints the
 extra time of each step of the cycle: the tracked step, the step after it (Alpha observes
@@ -97,19 +102,39 @@ def _registered(problem: str) -> str:
     return f"host:{problem}"
 
 
-def measure(problem: str, config: str, steps: int) -> tuple[float, float]:
+def _timed(step, device: str):
+    """``step`` that returns its time (s): on CUDA from an idle device to the end of its
+    kernels."""
+    if not device.startswith("cuda"):
+        def run(i: int) -> float:
+            start = time.perf_counter()
+            step(i)
+            return time.perf_counter() - start
+        return run
+
+    def run_cuda(i: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(i)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    return run_cuda
+
+
+def measure(problem: str, config: str, steps: int, device: str = "cpu"
+            ) -> tuple[float, float]:
     """Medians (s) of the untracked and the tracked step, alternated."""
-    plain, _ = make_step(_registered(problem), None, 2)
-    tracked, watcher = make_step(_registered(problem), config, 2)
+    plain, _ = make_step(_registered(problem), None, 2, device)
+    tracked, watcher = make_step(_registered(problem), config, 2, device)
     for i in range(5):
         plain(i)
         tracked(i)
     times: tuple[list[float], list[float]] = ([], [])
+    timed = [_timed(plain, device), _timed(tracked, device)]
     for i in range(5, 5 + steps):
-        for step, out in zip((plain, tracked), times, strict=True):
-            start = time.perf_counter()
-            step(i)
-            out.append(time.perf_counter() - start)
+        for step, out in zip(timed, times, strict=True):
+            out.append(step(i))
     assert watcher is not None
     watcher.close()
     return statistics.median(times[0]), statistics.median(times[1])
@@ -157,9 +182,11 @@ def timed_phases(totals: dict[str, float]):
             setattr(owner, attribute, original)
 
 
-def measure_phases(problem: str, config: str, steps: int) -> dict[str, float]:
-    """Median time (s) per tracked step of each of :data:`PHASES`."""
-    tracked, watcher = make_step(_registered(problem), config, 2)
+def measure_phases(problem: str, config: str, steps: int, device: str = "cpu"
+                   ) -> dict[str, float]:
+    """Median time (s) per tracked step of each of :data:`PHASES` (on CUDA: the host's time
+    in each, the device not waited for)."""
+    tracked, watcher = make_step(_registered(problem), config, 2, device)
     for i in range(5):
         tracked(i)
     per_step: dict[str, list[float]] = {label: [] for label, _, _ in PHASES}
@@ -174,21 +201,21 @@ def measure_phases(problem: str, config: str, steps: int) -> dict[str, float]:
     return {label: statistics.median(times) for label, times in per_step.items()}
 
 
-def measure_cycle(problem: str, config: str, k: int, cycles: int) -> list[float]:
+def measure_cycle(problem: str, config: str, k: int, cycles: int, device: str = "cpu"
+                  ) -> list[float]:
     """The median extra time (s) of each step of a cycle of ``k`` (position 0 tracked) over
     an untracked step, alternated."""
-    plain, _ = make_step(_registered(problem), None, 2)
-    tracked, watcher = make_step(_registered(problem), config, 2, schedule=every(k))
+    plain, _ = make_step(_registered(problem), None, 2, device)
+    tracked, watcher = make_step(_registered(problem), config, 2, device, schedule=every(k))
     for i in range(3 * k):
         plain(i)
         tracked(i)
     by_position: list[list[float]] = [[] for _ in range(k)]
     untracked: list[float] = []
+    timed_plain, timed_tracked = _timed(plain, device), _timed(tracked, device)
     for i in range(3 * k, (3 + cycles) * k):
-        for step, out in ((plain, untracked), (tracked, by_position[i % k])):
-            start = time.perf_counter()
-            step(i)
-            out.append(time.perf_counter() - start)
+        untracked.append(timed_plain(i))
+        by_position[i % k].append(timed_tracked(i))
     assert watcher is not None
     watcher.close()
     base = statistics.median(untracked)
@@ -204,26 +231,31 @@ def main() -> None:
                         help="track every K-th step: the extra time of each step of a cycle")
     parser.add_argument("--phases", action="store_true",
                         help="time the parts of Cockpit's pipeline in the tracked steps")
+    parser.add_argument("--device", default="cpu",
+                        help="cuda: the same tiny problems on a GPU, where a step's time is "
+                             "its host's with CUDA's launches (the CPU proxy's calibration)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    histogram_device._forced = True
+    histogram_device._forced = args.device == "cpu"  # (a GPU takes its own paths)
+    device = args.device
     if args.phases:
         for problem in args.problems:
-            print(f"{problem} {args.config}: ms per tracked step")
-            for label, seconds in measure_phases(problem, args.config, args.steps).items():
+            print(f"{problem} {args.config} ({device}): ms per tracked step")
+            for label, seconds in measure_phases(problem, args.config, args.steps,
+                                                 device).items():
                 print(f"  {label:36s} {seconds * 1e3:7.3f}")
         return
     if args.every is not None:
         for problem in args.problems:
             extra = measure_cycle(problem, args.config, args.every,
-                                  max(1, args.steps // args.every))
+                                  max(1, args.steps // args.every), device)
             print(f"{problem} {args.config} every {args.every}: extra ms per step of the "
                   "cycle " + ", ".join(f"{e * 1e3:.2f}" for e in extra)
                   + f"; per step of the run {sum(extra) / len(extra) * 1e3:.2f}")
         return
     for problem in args.problems:
-        plain, tracked = measure(problem, args.config, args.steps)
-        print(f"{problem} {args.config}: untracked {plain * 1e3:.2f} ms, tracked "
+        plain, tracked = measure(problem, args.config, args.steps, device)
+        print(f"{problem} {args.config} ({device}): untracked {plain * 1e3:.2f} ms, tracked "
               f"{tracked * 1e3:.2f} ms, host overhead {(tracked - plain) * 1e3:.2f} ms")
 
 
