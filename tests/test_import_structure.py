@@ -5,6 +5,8 @@ tested on its own."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import cockpit
@@ -69,3 +71,29 @@ def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycle_through(graph, "a") == ["a", "b", "c", "a"]
     assert _cycle_through(graph, "d") is None
+
+
+def test_importing_cockpit_leaves_the_compiler_and_distributed_tensors_unimported():
+    """``import cockpit`` (and its CLI and integrations) imports neither torch's compiler nor
+    its distributed tensors, which alone took longer than all the rest (~0.7 s and ~0.6 s):
+    a compiled model or a sharded parameter brings them with it, and Cockpit looks their
+    classes up there."""
+    code = ("import sys, torch; import cockpit, cockpit.cli, cockpit.integrations; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.tensor') "
+            "if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, cwd=SRC.parent)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_compiled_models_are_recognized_once_the_compiler_is_imported():
+    """The look-up sees the wrapper's class as soon as torch.compile has imported it (the
+    sharded tensors' look-up is exercised by every fully_shard test)."""
+    import torch
+    from torch import nn
+
+    from cockpit.engine.capture.compiled import is_compiled
+
+    layer = nn.Linear(2, 2)
+    assert not is_compiled(layer)
+    assert is_compiled(torch.compile(layer))  # (imports the compiler; compiles nothing yet)

@@ -51,21 +51,28 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TypeGuard, cast
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 from torch import Tensor, nn
 
-try:
+if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
-except ImportError:  # torch without distributed tensors
-    DTensor = None  # type: ignore[assignment,misc]
+
+
+def _dtensor_class() -> type | None:
+    """``DTensor``, where torch's distributed tensors are imported; no tensor is one before
+    (``fully_shard`` imports them). Not imported here: that takes longer (~0.6 s) than the
+    rest of Cockpit's import."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
 def is_sharded(tensor: object) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a ``DTensor`` (a slice of it per process)."""
-    return DTensor is not None and isinstance(tensor, DTensor)
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def whole(tensor: Tensor) -> Tensor:
@@ -79,9 +86,10 @@ def whole(tensor: Tensor) -> Tensor:
 def has_sharded(tensors: Iterable[Tensor]) -> bool:
     """Whether any of ``tensors`` is a ``DTensor`` (e.g. the parameters of a model sharded
     by ``fully_shard``)."""
-    if DTensor is None:
+    dtensor = _dtensor_class()
+    if dtensor is None:
         return False
-    return any(map(isinstance, tensors, itertools.repeat(DTensor)))  # (no frame per tensor)
+    return any(map(isinstance, tensors, itertools.repeat(dtensor)))  # (no frame per tensor)
 
 
 def local(tensor: Tensor) -> Tensor:
