@@ -56,6 +56,8 @@ def check_all(sg: SampleGrads, g: Tensor, tag: str) -> None:
     expected_dots = torch.stack([flat @ u.reshape(-1) for u in us])
     torch.testing.assert_close(sg.dots(us[0]), expected_dots[0], msg=tag)
     torch.testing.assert_close(sg.dots_many(us), expected_dots, msg=tag)
+    # one direction alone (taken as it is, without stacking)
+    torch.testing.assert_close(sg.dots_many(us[1:2]), expected_dots[1:2], msg=tag)
     torch.testing.assert_close(sg.sq_norms(), flat.pow(2).sum(1), msg=tag)
     torch.testing.assert_close(sg.norms(), flat.norm(dim=1), msg=tag)
     mean = flat.mean(0)
@@ -76,6 +78,7 @@ def check_all(sg: SampleGrads, g: Tensor, tag: str) -> None:
         torch.testing.assert_close(got, expected, msg=tag)
     # after materialization the projections come from the cached tensor: same numbers
     torch.testing.assert_close(sg.dots_many(us), expected_dots, msg=tag)
+    torch.testing.assert_close(sg.dots_many(us[2:]), expected_dots[2:], msg=tag)
 
 
 @pytest.mark.parametrize("method", ["unfold", "grouped", "channels_last"])
@@ -245,6 +248,7 @@ def test_conv_projections_of_flat_and_shaped_directions_agree(method, monkeypatc
     expected = torch.stack([g @ u.reshape(-1) for u in us])
     torch.testing.assert_close(sg.dots_many([u.reshape(-1) for u in us]), expected)
     torch.testing.assert_close(sg.dots_many(us), expected)
+    torch.testing.assert_close(sg.dots_many([us[1].reshape(-1)]), expected[1:])
 
 
 @pytest.mark.parametrize("method", ["unfold", "channels_last"])
@@ -265,6 +269,9 @@ def test_conv_projections_cast_directions_to_the_gradients_dtype(method, monkeyp
     got = sg.dots_many(us)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, torch.stack([g @ u.float().reshape(-1) for u in us]))
+    one = sg.dots_many(us[:1])  # (one direction: cast, not stacked)
+    assert one.dtype == torch.float32
+    torch.testing.assert_close(one, got[:1])
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.5])

@@ -239,9 +239,12 @@ class ConvSampleGrads(SampleGrads):
     def _directions(self, us: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
         """K parameter-shaped tensors as rows [K, D] in row order (:meth:`to_rows` of each)
         and ``dtype``, in scratch memory: one ``stack`` writes them, for the channels-last
-        order into the permuted view of the rows' buffer."""
+        order into the permuted view of the rows' buffer (one contiguous direction in θ's
+        order is a view of itself)."""
         shaped = [u if u.shape == self.shape else u.reshape(self.shape) for u in us]
         ws, k, device = workspace(), len(us), self.delta.device
+        if k == 1 and not self._is_channels_last() and shaped[0].is_contiguous():
+            return shaped[0].reshape(1, -1).to(dtype)  # (a view where the dtype is the rows')
         if not self._is_channels_last():
             out, _ = ws.take("directions", (k, *self.shape), dtype, device)
             torch.stack(shaped, out=out)
@@ -359,7 +362,7 @@ class ConvSampleGrads(SampleGrads):
         costs one convolution per direction and never builds g_n. So materialize for two or
         more directions, and for one when D ≤ C_out·L (few input channels per kernel, many
         positions: the gradients are no larger than δ)."""
-        positions = self.delta[0, 0].numel()
+        positions = math.prod(self.delta.shape[2:])  # (not a view of δ: no op)
         return num_directions >= 2 or self.shape[1:].numel() <= positions
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
@@ -371,9 +374,12 @@ class ConvSampleGrads(SampleGrads):
         k, og = len(us), c_out // groups
         # weights [K, G, Og, Cg, *kernel] → [G·K·Og, Cg, *kernel]: group g's output
         # channels stay together, as the grouped convolution requires
-        stacked = torch.stack([u.reshape(self.shape) for u in us]).to(delta.dtype)
-        stacked = stacked.reshape(k, groups, og, *self.shape[1:])
-        weight = stacked.transpose(0, 1).reshape(k * c_out, *self.shape[1:])
+        if k == 1:  # (the direction as the weight itself: no copy)
+            weight = us[0].reshape(self.shape).to(delta.dtype)
+        else:
+            stacked = torch.stack([u.reshape(self.shape) for u in us]).to(delta.dtype)
+            stacked = stacked.reshape(k, groups, og, *self.shape[1:])
+            weight = stacked.transpose(0, 1).reshape(k * c_out, *self.shape[1:])
         conv = _CONV[len(module.kernel_size)]
         out = conv(self.x, weight, None, module.stride, 0, module.dilation, groups)
         if groups == 1:  # ⟨conv(x_n; U_k), δ_n⟩ for all k by one batched matvec

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from cockpit.engine.histograms.exact import BinSpec, histogram2d_dense, histogram_dense_counts
 from cockpit.engine.rules.registry import register_rule
-from cockpit.engine.rules.sample_grads import SampleGrads
+from cockpit.engine.rules.sample_grads import SampleGrads, stack_or_view
 
 
 class EmbeddingSampleGrads(SampleGrads):
@@ -86,7 +86,7 @@ class EmbeddingSampleGrads(SampleGrads):
         return self.rows.new_zeros(self.num_samples).index_add_(0, self.pair_sample, per_pair)
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
-        return torch.stack([self.dots(u) for u in us])
+        return stack_or_view([self.dots(u) for u in us])
 
     def sum_sq(self) -> Tensor:
         rows = self.rows.double()

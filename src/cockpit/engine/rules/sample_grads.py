@@ -151,7 +151,7 @@ class SampleGrads(ABC):
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         """[g_nᵀ u_k]_{k,n} for several directions in one pass over the gradients."""
-        stacked = torch.stack([self.to_rows(u) for u in us])  # [K, D]
+        stacked = stack_or_view([self.to_rows(u) for u in us])  # [K, D]
         return _cat([stacked.to(c.dtype) @ _rows(c).T for c in self.chunks()], dim=1)
 
     def sum_sq(self) -> Tensor:
@@ -210,6 +210,11 @@ class SampleGrads(ABC):
 def total_of(tensors: Iterable[Tensor]) -> Tensor:
     """The sum of the tensors (``sum()`` would add its start value 0: one op more)."""
     return functools.reduce(operator.add, tensors)
+
+
+def stack_or_view(rows: Sequence[Tensor]) -> Tensor:
+    """``torch.stack(rows)``; one row as a view of itself (no copy, no kernel)."""
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(list(rows))
 
 
 def outside_autograd(x: Tensor) -> Tensor:
@@ -389,7 +394,7 @@ class OuterSampleGrads(SampleGrads):
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         """δ_nᵀ U_k a_n: one matmul δ U_k per direction (concatenating the directions first
         would copy K parameter-sized tensors for no gain in the products)."""
-        return torch.stack([((self.delta @ self._as_weight(u)) * self.a).sum(1) for u in us])
+        return stack_or_view([((self.delta @ self._as_weight(u)) * self.a).sum(1) for u in us])
 
     def sum_sq(self) -> Tensor:
         return self.delta.double().pow(2).T @ self.a.double().pow(2)
@@ -502,8 +507,10 @@ class SequenceOuterSampleGrads(SampleGrads):
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         i, j = self.shape
         n, t = self.num_samples, self.positions
-        stacked = torch.cat([u if u.shape == self.shape else u.reshape(i, j) for u in us],
-                            dim=1).to(self.delta.dtype)
+        shaped = [u if u.shape == self.shape else u.reshape(i, j) for u in us]
+        # (a lone direction as it is: no copy into a concatenation)
+        stacked = (shaped[0] if len(shaped) == 1 else torch.cat(shaped, dim=1)).to(
+            self.delta.dtype)
         left = (self.delta @ stacked).view(n, t, len(us), j)  # [N, T, K, J]
         # Σ_{t,j} (δ_{n,t}ᵀU_k)_j a_{n,t,j}: one product and one sum (an einsum takes ~8 ops)
         return (left * self.a.unsqueeze(2)).sum((1, 3)).T
