@@ -53,7 +53,8 @@ def test_readme_image_was_drawn_by_the_current_view_code() -> None:
 def test_readme_image_shows_the_current_demos_run(tmp_path) -> None:
     """The README's figure is the output of the demo as it trains today: its first steps'
     losses (stored in the PNG) are those of a fresh demo run (seeded: the same on every
-    run; the first steps of the default run are those of a short one)."""
+    run, up to the rounding of the machine's float sums; the first steps of the default run
+    are those of a short one)."""
     import json
 
     from cockpit.store import read_output
@@ -64,7 +65,10 @@ def test_readme_image_shows_the_current_demos_run(tmp_path) -> None:
     logdir = tmp_path / "demo"
     assert run_demo(["--steps", str(RUN_KEY_STEPS), "--no-plot", "--logdir", str(logdir)]) == 0
     output = read_output(logdir)
-    assert json.loads(stored) == [output[s]["Loss"] for s in sorted(output)]
+    # (to a millionth: the processor's vector width changes the last digits of the float
+    # sums, and the training carries them on; another demo would differ in the first ones)
+    assert json.loads(stored) == pytest.approx([output[s]["Loss"] for s in sorted(output)],
+                                               rel=1e-6, abs=0)
 
 
 def test_demo_figure_comes_from_the_same_code_and_panels(demo_png) -> None:

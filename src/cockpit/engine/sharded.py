@@ -62,16 +62,15 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 
-def _dtensor_class() -> type | None:
-    """``DTensor``, where torch's distributed tensors are imported; no tensor is one before
-    (``fully_shard`` imports them). Not imported here: that takes longer (~0.6 s) than the
-    rest of Cockpit's import."""
-    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+# ``DTensor`` is looked up where torch's distributed tensors are imported; no tensor is one
+# before (``fully_shard`` imports them). Not imported here: that takes longer (~0.6 s) than the
+# rest of Cockpit's import. (Inline in the two checks below: they run per parameter.)
+_DISTRIBUTED_TENSORS = "torch.distributed.tensor"
 
 
 def is_sharded(tensor: object) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a ``DTensor`` (a slice of it per process)."""
-    dtensor = _dtensor_class()
+    dtensor = getattr(sys.modules.get(_DISTRIBUTED_TENSORS), "DTensor", None)
     return dtensor is not None and isinstance(tensor, dtensor)
 
 
@@ -86,7 +85,7 @@ def whole(tensor: Tensor) -> Tensor:
 def has_sharded(tensors: Iterable[Tensor]) -> bool:
     """Whether any of ``tensors`` is a ``DTensor`` (e.g. the parameters of a model sharded
     by ``fully_shard``)."""
-    dtensor = _dtensor_class()
+    dtensor = getattr(sys.modules.get(_DISTRIBUTED_TENSORS), "DTensor", None)
     if dtensor is None:
         return False
     return any(map(isinstance, tensors, itertools.repeat(dtensor)))  # (no frame per tensor)

@@ -152,7 +152,10 @@ class Quantity:
         return type(self).__name__
 
     def should_track(self, step: int) -> bool:
-        return any(self.schedule(step - k) for k in self.schedule_offsets)
+        offsets = self.schedule_offsets
+        if len(offsets) == 1:  # (no generator for the common case: asked often)
+            return bool(self.schedule(step - offsets[0]))
+        return any(self.schedule(step - k) for k in offsets)
 
     def needs_update_at(self, step: int) -> bool:
         """Whether :meth:`compute_after_update` has work at ``step``, a step it tracks

@@ -48,5 +48,14 @@ class SchedulePlan:
         answers = [bool(schedule(step - k)) for schedule, k in self.questions]
         if not self.any_own and not any(answers):
             return []
-        return [q for q, asks in zip(self.quantities, self.asks, strict=True)
-                if (q.should_track(step) if asks is None else any(answers[i] for i in asks))]
+        tracked = []
+        for q, asks in zip(self.quantities, self.asks, strict=True):
+            if asks is None:
+                if q.should_track(step):
+                    tracked.append(q)
+                continue
+            for i in asks:
+                if answers[i]:
+                    tracked.append(q)
+                    break
+        return tracked
