@@ -209,10 +209,8 @@ class Cockpit:
                                          sinks, strict) if diagnose else None)
         if self._diagnosis is not None:
             recorder.on_record = self._diagnosis.add
-        self._schedule_answers: dict[int, list[Quantity]] = {}
-        self._schedule_plan = SchedulePlan(self.quantities)
-        self._steps = StepSequence(self._run, self._tracked, resumed_from, attachment,
-                                   self._diagnosis)
+        self._steps = StepSequence(self._run, SchedulePlan(self.quantities).tracked,
+                                   resumed_from, attachment, self._diagnosis)
         self._log, self._output = log, recorder.output  # (what tests read)
         self._closed = False
         if any(q.needs & PER_SAMPLE_STATS for q in self.quantities):
@@ -322,18 +320,6 @@ class Cockpit:
     def hist_spec(self) -> BinSpec | AutoRange:
         """The bins of GradHist1d now (an automatic range is decided at the first step)."""
         return self._run.hist.spec
-
-    # ------------------------------------------------------------------ schedules
-    def _tracked(self, step: int) -> list[Quantity]:
-        """The instruments the schedules track at ``step`` (asked about a step twice: as
-        the next one and as the current one; the last few answers are kept)."""
-        known = self._schedule_answers.get(step)
-        if known is None:
-            known = self._schedule_plan.tracked(step)
-            if len(self._schedule_answers) >= 4:
-                del self._schedule_answers[next(iter(self._schedule_answers))]
-            self._schedule_answers[step] = known
-        return list(known)
 
     # ------------------------------------------------------------------ hooks
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:

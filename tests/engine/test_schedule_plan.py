@@ -86,7 +86,7 @@ def test_a_step_no_instrument_tracks_calls_few_of_cockpits_functions():
     """Inside a training step each of Cockpit's objects touched is a memory read (the step's
     tensors pushed them out of the caches), so the steps no instrument tracks do little: one
     such step of economy every(10), from its block's start to the optimizer's hooks, calls
-    31 of Cockpit's Python functions (57 when every instrument asked its schedule itself).
+    30 of Cockpit's Python functions (57 when every instrument asked its schedule itself).
     A regression bound a little above today's."""
     package = str(Path(cockpit.__file__).parent)
     problem = make_problem("mlp_relu", 8)

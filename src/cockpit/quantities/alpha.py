@@ -118,6 +118,7 @@ class Alpha(Quantity):
     needs = frozenset({PROJECTIONS})
     needs_update = True
     handles_invalid_statistics = True
+    schedule_offsets = (0, 1)  # α_t starts at step t and is completed at step t + 1
 
     def __init__(self, schedule: Schedule | int | None = None, rtol: float = 1e-3,
                  predict: bool = True):
@@ -138,8 +139,6 @@ class Alpha(Quantity):
     @predict.setter
     def predict(self, value: bool) -> None:
         self._general = not value
-
-    schedule_offsets = (0, 1)  # α_t starts at step t and is completed at step t + 1
 
     def starts(self, step: int) -> bool:
         return bool(self.schedule(step))
