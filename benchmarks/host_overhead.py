@@ -64,7 +64,7 @@ from cockpit.engine.histograms import device as histogram_device
 from cockpit.schedules import every
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_overhead import BasicBlock
+from gpu_overhead import BasicBlock, Clock
 from op_count import MODELS, _image_problem, gpt2_problem, make_step
 
 
@@ -102,26 +102,6 @@ def _registered(problem: str) -> str:
     return f"host:{problem}"
 
 
-def _timed(step, device: str):
-    """``step`` that returns its time (s): on CUDA from an idle device to the end of its
-    kernels."""
-    if not device.startswith("cuda"):
-        def run(i: int) -> float:
-            start = time.perf_counter()
-            step(i)
-            return time.perf_counter() - start
-        return run
-
-    def run_cuda(i: int) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step(i)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    return run_cuda
-
-
 def measure(problem: str, config: str, steps: int, device: str = "cpu"
             ) -> tuple[float, float]:
     """Medians (s) of the untracked and the tracked step, alternated."""
@@ -131,10 +111,10 @@ def measure(problem: str, config: str, steps: int, device: str = "cpu"
         plain(i)
         tracked(i)
     times: tuple[list[float], list[float]] = ([], [])
-    timed = [_timed(plain, device), _timed(tracked, device)]
+    clock = Clock(torch.device(device))  # (on CUDA from an idle device to its kernels' end)
     for i in range(5, 5 + steps):
-        for step, out in zip(timed, times, strict=True):
-            out.append(step(i))
+        for step, out in zip((plain, tracked), times, strict=True):
+            out.append(clock.time(functools.partial(step, i)))
     assert watcher is not None
     watcher.close()
     return statistics.median(times[0]), statistics.median(times[1])
@@ -212,10 +192,10 @@ def measure_cycle(problem: str, config: str, k: int, cycles: int, device: str = 
         tracked(i)
     by_position: list[list[float]] = [[] for _ in range(k)]
     untracked: list[float] = []
-    timed_plain, timed_tracked = _timed(plain, device), _timed(tracked, device)
+    clock = Clock(torch.device(device))
     for i in range(3 * k, (3 + cycles) * k):
-        untracked.append(timed_plain(i))
-        by_position[i % k].append(timed_tracked(i))
+        untracked.append(clock.time(functools.partial(plain, i)))
+        by_position[i % k].append(clock.time(functools.partial(tracked, i)))
     assert watcher is not None
     watcher.close()
     base = statistics.median(untracked)
