@@ -33,4 +33,4 @@ def scheduled(quantity: Quantity, step: int) -> bool:
 
 def problem_of(quantity: Quantity, problems: list[tuple[str, str]]) -> str | None:
     """The reason ``quantity`` cannot describe the step, if one of ``problems`` touches it."""
-    return first_problem(problems, problem_scopes(quantity))
+    return first_problem(problems, problem_scopes(quantity)) if problems else None

@@ -53,6 +53,9 @@ class Recorder:
         self.dropped = resumed  # steps dropped from memory (read back from the run log)
         # each step goes to the sinks whole, once all its instruments have a value or reason
         self._outbox = StepOutbox(self._step_complete, self._write_sinks)
+        # the instruments scheduled at the last few steps (asked once per step, not at each
+        # record of it)
+        self._expected: dict[int, tuple[str, ...]] = {}
         # recent steps whose individual gradients are an approximation → its label
         self._approximated: dict[int, str] = {}
         # sees every record (the live diagnosis)
@@ -143,18 +146,32 @@ class Recorder:
                         and values.get(quantity.name) is not None):
                     notes.setdefault(quantity.name, approximation)
         values = self._arena.keep_values(values)
-        self.output.setdefault(step, {}).update(values)
+        recorded = self.output.get(step)
+        if recorded is None:
+            last = next(reversed(self.output), step)
+            recorded = self.output[step] = {}
+            if step < last:
+                self._keep_in_order()
+        recorded.update(values)
         if notes:
             self.notes.setdefault(step, {}).update(notes)
         if self.memory_steps is not None and len(self.output) > self.memory_steps:
             self._drop_oldest()
-        self._outbox.add(step, values, notes)
+        if self.sinks:
+            self._outbox.add(step, values, notes)
         if self.on_record is not None:
             self.on_record(step, values)
 
+    def _keep_in_order(self) -> None:
+        """Sort the recorded steps in place (a step recorded after a later one: rare, e.g.
+        a late value for a step already dropped from memory)."""
+        steps = sorted(self.output.items())
+        self.output.clear()
+        self.output.update(steps)
+
     def _drop_oldest(self) -> None:
         """Forget the oldest recorded step (memory stays flat; the run log keeps it)."""
-        oldest = min(self.output)
+        oldest = next(iter(self.output))  # (kept in step order)
         del self.output[oldest]
         self.notes.pop(oldest, None)
         if not self.dropped and self.log is None:
@@ -169,8 +186,14 @@ class Recorder:
     def _step_complete(self, step: int, values: dict[str, Value], notes: dict[str, str]
                        ) -> bool:
         """Whether every instrument scheduled at ``step`` has its value or its reason."""
-        return all(not scheduled(q, step) or has_value(values, q.name) or q.name in notes
-                   for q in self.quantities)
+        expected = self._expected.get(step)
+        if expected is None:
+            expected = tuple(q.name for q in self.quantities if scheduled(q, step))
+            if len(self._expected) >= 4:
+                del self._expected[next(iter(self._expected))]
+            self._expected[step] = expected
+        return all(name in values or name in notes or has_value(values, name)
+                   for name in expected)
 
     def _write_sinks(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
         for sink in self.sinks:

@@ -113,8 +113,8 @@ def available(x: Tensor, values: int | None = None) -> bool:
     at least :data:`MIN_VALUES` of them, on CUDA (or on the CPU under Triton's interpreter),
     a floating dtype, Triton importable."""
     values = x.numel() if values is None else values
-    if (os.environ.get("COCKPIT_FUSED_HISTOGRAM", "1") == "0" or x.dtype not in _DTYPES
-            or values < MIN_VALUES):
+    if (values < MIN_VALUES or x.dtype not in _DTYPES
+            or os.environ.get("COCKPIT_FUSED_HISTOGRAM", "1") == "0"):
         return False
     on_device = x.is_cuda or (x.device.type == "cpu"
                               and os.environ.get("TRITON_INTERPRET") == "1")
