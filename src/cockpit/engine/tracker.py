@@ -214,6 +214,7 @@ class ModuleTracker:
             # also without per-sample instruments: the diagonal curvature's backprops
             # (sum_sq_of_backprops) need each sample's share of a broadcast output too
             self.capture.tap_broadcasts(losses, num_samples)
+        self.capture.walked = None  # (holds the graph's nodes)
         self.active = True
         return self.stats
 

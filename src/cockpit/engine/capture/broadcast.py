@@ -27,6 +27,7 @@ stacked [N, ...] δ to the layer rule with the layer's inputs expanded over the 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -113,9 +114,19 @@ class BroadcastTap:
         self.handles = []
 
 
-def consumers_of(root) -> dict[tuple[object, int], list[tuple[object, int]]]:
-    """(node, output index) → the nodes that take it as input, with the edge index."""
+def consumers_of(root, nodes: Iterable | None = None
+                 ) -> dict[tuple[object, int], list[tuple[object, int]]]:
+    """(node, output index) → the nodes that take it as input, with the edge index.
+    ``nodes``: the graph's nodes in the order of a depth-first walk from ``root``
+    (:func:`~cockpit.engine.capture.hooks.reachable_nodes`), if walked already: their edges
+    are read in that order, which gives the same lists in the same order."""
     consumers: dict[tuple[object, int], list[tuple[object, int]]] = {}
+    if nodes is not None:
+        for node in nodes:
+            for edge, (child, nr) in enumerate(node.next_functions):
+                if child is not None:
+                    consumers.setdefault((child, nr), []).append((node, edge))
+        return consumers
     seen: set = set()
     stack = [root]
     while stack:

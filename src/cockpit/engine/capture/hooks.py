@@ -210,15 +210,17 @@ def owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 _first = operator.itemgetter(0)
 
 
-def reachable_nodes(root: Tensor) -> set:
-    """The autograd nodes ``root`` depends on."""
-    seen: set = set()
+def reachable_nodes(root: Tensor) -> dict:
+    """The autograd nodes ``root`` depends on, in the order of a depth-first walk (the keys
+    of a dict: :func:`~cockpit.engine.capture.broadcast.consumers_of` reads its edges in
+    that order without walking the graph again)."""
+    seen: dict = {}
     stack = [root.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
-        seen.add(node)
+        seen[node] = None
         stack.extend(map(_first, node.next_functions))  # (no Python frame per edge)
     return seen
 
@@ -239,6 +241,9 @@ class Capture:
         self.engine = engine
         self.units = discover_units(engine.model)
         self.calls: list[Call] = []
+        # (root node, its graph's nodes) of the last walk from the losses, until the
+        # backward pass begins: the broadcast taps read the same graph's edges
+        self.walked: tuple[object, dict] | None = None
         self.model_output: Tensor | None = None  # the model's output of the recorded forward
         # (module, input z, output a) of smooth activation modules, for the Hessian diagonal
         self.activation_calls: list[tuple[nn.Module, Tensor, Tensor]] = []
@@ -371,6 +376,7 @@ class Capture:
 
     def clear(self) -> None:
         """Forget the recorded forward pass."""
+        self.walked = None
         if not self.calls and self.model_output is None and not self.activation_calls:
             return
         for call in self.calls:
@@ -382,6 +388,7 @@ class Capture:
     def drop_outside(self, root: Tensor) -> None:
         """Forget the recorded calls whose outputs ``root`` does not depend on."""
         seen = reachable_nodes(root)
+        self.walked = (root.grad_fn, seen)
         kept = []
         for call in self.calls:
             if any(o.grad_fn in seen for o in call.outputs):
@@ -526,7 +533,9 @@ class Capture:
                 if y.grad_fn is None or not (mismatch or index_inputs):
                     continue
                 if consumers is None:
-                    consumers = consumers_of(losses.grad_fn)
+                    root, nodes = self.walked or (None, None)
+                    consumers = consumers_of(losses.grad_fn,
+                                             nodes if root is losses.grad_fn else None)
                 paths, others = find_paths(y, consumers, bd, n)
                 if not paths:
                     continue
