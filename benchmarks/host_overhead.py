@@ -13,6 +13,7 @@ medians and their difference are printed.
     python benchmarks/host_overhead.py --problems gpt2 --steps 60
     python benchmarks/host_overhead.py --every 10        # each step of a cycle of 10
     python benchmarks/host_overhead.py --phases          # where a tracked step's time goes
+    python benchmarks/host_overhead.py --phases --every 10 --steps 40   # and the step after
     python benchmarks/host_overhead.py --device cuda     # the same on a GPU's host
 
 ``--device cuda`` runs the same tiny problems on a GPU (each step timed from an idle device
@@ -25,7 +26,8 @@ extra time of each step of the cycle: the tracked step, the step after it (Alpha
 gradients on s_t) and the untracked ones.
 
 ``--phases`` times the parts of Cockpit's pipeline inside the tracked steps (wrapping its
-methods in this process): the block's start (reading back the previous step's numbers
+methods in this process; with ``--every k`` also inside the step after each, where Alpha
+observes θ_{t+1}): the block's start (reading back the previous step's numbers
 among it), the layers' hooks, the dot products when a parameter's gradient arrives, the
 small parameters side by side, the step's end before the optimizer (the gradient check
 among it) and the instruments of the update after it; ms per tracked step, medians.
@@ -162,23 +164,34 @@ def timed_phases(totals: dict[str, float]):
             setattr(owner, attribute, original)
 
 
-def measure_phases(problem: str, config: str, steps: int, device: str = "cpu"
-                   ) -> dict[str, float]:
-    """Median time (s) per tracked step of each of :data:`PHASES` (on CUDA: the host's time
-    in each, the device not waited for)."""
-    tracked, watcher = make_step(_registered(problem), config, 2, device)
-    for i in range(5):
+def measure_phases(problem: str, config: str, steps: int, device: str = "cpu",
+                   k: int | None = None) -> dict[int, dict[str, float]]:
+    """Median time (s) per step of each of :data:`PHASES` (on CUDA: the host's time in each,
+    the device not waited for): of the tracked step (position 0), and with ``k`` (tracked
+    every k-th step) also of the step after it (position 1: Alpha's θ_{t+1})."""
+    schedule = None if k is None else every(k)
+    tracked, watcher = make_step(_registered(problem), config, 2, device, schedule=schedule)
+    cycle = 1 if k is None else k
+    for i in range(3 * cycle):
         tracked(i)
-    per_step: dict[str, list[float]] = {label: [] for label, _, _ in PHASES}
-    for i in range(5, 5 + steps):
-        totals: dict[str, float] = {}
-        with timed_phases(totals):
+    positions = (0,) if k is None else (0, 1)
+    per_step = {pos: {label: [] for label, _, _ in PHASES} for pos in positions}
+    i = 3 * cycle
+    while len(per_step[positions[-1]][PHASES[0][0]]) < steps:
+        position = i % cycle
+        if position not in per_step:
             tracked(i)
-        for label in per_step:
-            per_step[label].append(totals.get(label, 0.0))
+        else:
+            totals: dict[str, float] = {}
+            with timed_phases(totals):
+                tracked(i)
+            for label, times in per_step[position].items():
+                times.append(totals.get(label, 0.0))
+        i += 1
     assert watcher is not None
     watcher.close()
-    return {label: statistics.median(times) for label, times in per_step.items()}
+    return {pos: {label: statistics.median(times) for label, times in by_label.items()}
+            for pos, by_label in per_step.items()}
 
 
 def measure_cycle(problem: str, config: str, k: int, cycles: int, device: str = "cpu"
@@ -220,10 +233,14 @@ def main() -> None:
     device = args.device
     if args.phases:
         for problem in args.problems:
-            print(f"{problem} {args.config} ({device}): ms per tracked step")
-            for label, seconds in measure_phases(problem, args.config, args.steps,
-                                                 device).items():
-                print(f"  {label:36s} {seconds * 1e3:7.3f}")
+            phases = measure_phases(problem, args.config, args.steps, device, args.every)
+            for position, by_label in phases.items():
+                which = ("tracked step" if position == 0
+                         else "step after it (Alpha's θ_{t+1})")
+                cycle = "" if args.every is None else f", every {args.every}"
+                print(f"{problem} {args.config} ({device}{cycle}): ms per {which}")
+                for label, seconds in by_label.items():
+                    print(f"  {label:36s} {seconds * 1e3:7.3f}")
         return
     if args.every is not None:
         for problem in args.problems:
