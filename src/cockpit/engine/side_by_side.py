@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.histograms.device import bin_index
 from cockpit.engine.histograms.exact import BinSpec, device_edges
 
@@ -71,7 +72,7 @@ class SideBySide:
         k = len(directions[0])
         flat = torch.cat([d[i] if d[i].dim() == 1 else d[i].reshape(-1)
                           for i in range(k) for d in directions])
-        products = self.rows.unsqueeze(0) * flat.view(k, 1, -1).to(self.rows.dtype)
+        products = self.rows.unsqueeze(0) * in_dtype(flat.view(k, 1, -1), self.rows.dtype)
         return products @ self.indicator
 
     def histograms(self, spec: BinSpec) -> list[Tensor]:

@@ -59,7 +59,7 @@ from torch import Tensor
 from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
 
 from cockpit.engine.chunk_cat import flat_cat
-from cockpit.engine.dtypes import promote
+from cockpit.engine.dtypes import in_dtype, promote
 from cockpit.engine.histograms.device import device_path
 from cockpit.engine.update_fit import to_host
 
@@ -259,7 +259,7 @@ def predict_update(optimizer: Optimizer, param: Tensor, grad: Tensor, *,
     state = optimizer.state.get(param) or {}  # .get: do not create an entry
     base = supported_base(optimizer)
     with torch.no_grad():  # (no detach needed: nothing here joins a graph)
-        grad = grad.to(param.dtype)
+        grad = in_dtype(grad, param.dtype)
         if base is Adam and _replays_fused(group, param):  # type: ignore[arg-type]
             return _fused_adam_steps([param], [grad], group, [state])[0]
         if base is SGD:
@@ -299,7 +299,7 @@ def predict_updates(optimizer: Optimizer, params: Sequence[Tensor], grads: Seque
         for (_, fused), (group, indices) in groups.items():
             members = [params[i] for i in indices]
             replay = _fused_adam_steps if fused else _adam_steps
-            steps = replay(members, [grads[i].to(params[i].dtype) for i in indices],
+            steps = replay(members, [in_dtype(grads[i], params[i].dtype) for i in indices],
                            group, [optimizer.state.get(p) or {} for p in members])
             for i, update in zip(indices, steps, strict=True):
                 updates[i] = update
@@ -645,7 +645,7 @@ def _total_dot(flat: Sequence[Tensor], actual: Sequence[Tensor]) -> Tensor:
     parts: list[Tensor] = []
     small: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
     for p, a in zip(flat, actual, strict=True):
-        a = a.to(p.dtype)
+        a = in_dtype(a, p.dtype)
         if p.numel() <= _SMALL_NUMEL:
             ps, as_ = small.setdefault(p.dtype, ([], []))
             ps.append(p)

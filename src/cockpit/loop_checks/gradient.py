@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.sharded import is_sharded, shard_like
 from cockpit.engine.workspace import PARAMETER_SIZED, workspace
@@ -65,7 +66,7 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
             if p is None or p.grad is None or p.grad.layout != torch.strided:
                 return None
             grads.append(p.grad)
-            means.append(g.to(p.grad.dtype))
+            means.append(in_dtype(g, p.grad.dtype))
             if is_sharded(p.grad):  # fully_shard: ḡ sliced like this rank's shard of p.grad
                 means[-1] = shard_like(means[-1], p.grad)
         # [‖p.grad‖, ‖ḡ‖] over all parameters, from one pass over both lists
@@ -73,7 +74,7 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         grad_norm, mean_norm = totals.unbind()
         # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖
         c = grad_norm / mean_norm
-        c = (c if sign > 0 else -c).to(grads[0].dtype)
+        c = in_dtype(c if sign > 0 else -c, grads[0].dtype)
         if fused(grads):  # the differences' norms squared and summed on the host
             halves = norms_of_differences(grads, means, c)
             return Later(lambda t, h: _mismatch(t, h * h), totals, halves,

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cockpit.engine.dtypes import promote
+from cockpit.engine.dtypes import in_dtype, promote
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms import rounding
 
@@ -394,8 +394,8 @@ def histogram_dense_lanes(chunks: Sequence[Tensor], spec: BinSpec,
     if chunks and histogram_device.device_path(chunks[0].device):
         tallies = []
         for chunk in chunks:
-            tallies += histogram_device.dense_tallies([chunk.to(_device_dtype(chunk.dtype))],
-                                                      device_edges(chunk, spec)[1], budget,
+            values, edges = device_edges(chunk, spec)
+            tallies += histogram_device.dense_tallies([values], edges, budget,
                                                       uniform=(spec.lo, spec.hi))
         return histogram_device.lane_counts_1d(tallies, spec.bins)
     return _sum([histogram_dense(c, spec)[0] for c in chunks])
@@ -463,7 +463,7 @@ def _device_dtype(*dtypes: torch.dtype) -> torch.dtype:
 def device_edges(x: Tensor, spec: BinSpec) -> tuple[Tensor, Tensor]:
     """x in a dtype the accelerator path bins, and its search edges there."""
     dtype = _device_dtype(x.dtype)
-    return x.to(dtype), _search_edges_on(spec, dtype, x.device)
+    return in_dtype(x, dtype), _search_edges_on(spec, dtype, x.device)
 
 
 def _sample_keys(values32: Tensor, sample: Tensor) -> Tensor:
@@ -629,7 +629,8 @@ def _outer_on_device(delta: Tensor, a: Tensor, spec: BinSpec) -> tuple[Tensor, T
     if delta.dim() != 2 or a.dim() != 2 or a.shape[0] != delta.shape[0]:
         raise ValueError(f"delta {tuple(delta.shape)} and a {tuple(a.shape)} differ in N")
     dtype = _device_dtype(delta.dtype, a.dtype)
-    return delta.to(dtype), a.to(dtype), _search_edges_on(spec, dtype, delta.device)
+    return (in_dtype(delta, dtype), in_dtype(a, dtype),
+            _search_edges_on(spec, dtype, delta.device))
 
 
 def histogram_outer_counts(delta: Tensor, a: Tensor, spec: BinSpec) -> Tensor:

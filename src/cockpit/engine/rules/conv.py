@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.rules.registry import register_rule
 from cockpit.engine.rules.sample_grads import (
     DenseSampleGrads,
@@ -244,7 +245,7 @@ class ConvSampleGrads(SampleGrads):
         shaped = [u if u.shape == self.shape else u.reshape(self.shape) for u in us]
         ws, k, device = workspace(), len(us), self.delta.device
         if k == 1 and not self._is_channels_last() and shaped[0].is_contiguous():
-            return shaped[0].reshape(1, -1).to(dtype)  # (a view where the dtype is the rows')
+            return in_dtype(shaped[0].reshape(1, -1), dtype)  # (a view: no copy)
         if not self._is_channels_last():
             out, _ = ws.take("directions", (k, *self.shape), dtype, device)
             torch.stack(shaped, out=out)
@@ -375,9 +376,9 @@ class ConvSampleGrads(SampleGrads):
         # weights [K, G, Og, Cg, *kernel] → [G·K·Og, Cg, *kernel]: group g's output
         # channels stay together, as the grouped convolution requires
         if k == 1:  # (the direction as the weight itself: no copy)
-            weight = us[0].reshape(self.shape).to(delta.dtype)
+            weight = in_dtype(us[0].reshape(self.shape), delta.dtype)
         else:
-            stacked = torch.stack([u.reshape(self.shape) for u in us]).to(delta.dtype)
+            stacked = in_dtype(torch.stack([u.reshape(self.shape) for u in us]), delta.dtype)
             stacked = stacked.reshape(k, groups, og, *self.shape[1:])
             weight = stacked.transpose(0, 1).reshape(k * c_out, *self.shape[1:])
         conv = _CONV[len(module.kernel_size)]

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.histograms.exact import BinSpec, histogram2d_dense, histogram_dense_counts
 from cockpit.engine.rules.registry import register_rule
 from cockpit.engine.rules.sample_grads import SampleGrads, stack_or_view
@@ -82,7 +83,8 @@ class EmbeddingSampleGrads(SampleGrads):
         return out.index_add_(0, self.pair_token, self.rows) / self.num_samples
 
     def dots(self, u: Tensor) -> Tensor:
-        per_pair = (self.rows * u.reshape(self.shape).to(self.rows.dtype)[self.pair_token]).sum(1)
+        per_pair = (self.rows * in_dtype(u.reshape(self.shape), self.rows.dtype)[
+            self.pair_token]).sum(1)
         return self.rows.new_zeros(self.num_samples).index_add_(0, self.pair_sample, per_pair)
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:

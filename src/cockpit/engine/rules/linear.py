@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from cockpit.engine.dtypes import promote
+from cockpit.engine.dtypes import in_dtype, promote
 from cockpit.engine.rules.registry import register_rule, register_rule_for_class_named
 from cockpit.engine.rules.sample_grads import (
     DenseSampleGrads,
@@ -58,7 +58,7 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
             f"(shape {tuple(a.shape)}); Cockpit needs inputs of shape [batch, ..., features]."
         )
     if a.dim() == 2:
-        delta = grad_output if wide is None else grad_output.to(wide)
+        delta = grad_output if wide is None else in_dtype(grad_output, wide)
         delta = delta * scale if scale != 1.0 else delta
         delta_norms = RowNorms(delta)  # ‖δ_n‖: weight and bias
         if weight.requires_grad:
@@ -76,7 +76,7 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
     # 412 MB copy of δ at the start of the backward pass, where the activations peak)
     scale_input = scale != 1.0 and a_seq.numel() < delta_seq.numel()
     if scale != 1.0 and not scale_input:
-        delta_seq = delta_seq.to(wide) * scale
+        delta_seq = in_dtype(delta_seq, wide) * scale
     scaled_a = a_seq * scale if scale_input else a_seq
     if weight.requires_grad:  # (δ widened when read: a tied layer's waits at its width)
         grads["weight"] = (SequenceOuterSampleGrads(scaled_a, delta_seq, wide) if transposed

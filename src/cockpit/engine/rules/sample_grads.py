@@ -43,7 +43,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from cockpit.engine.dtypes import promote
+from cockpit.engine.dtypes import in_dtype, promote
 from cockpit.engine.histograms.device import DEFAULT_BUDGET, LaneCounts, device_path
 from cockpit.engine.histograms.exact import (
     BinSpec,
@@ -147,12 +147,12 @@ class SampleGrads(ABC):
 
     def dots(self, u: Tensor) -> Tensor:
         flat_u = self.to_rows(u)
-        return _cat([_rows(c) @ flat_u.to(c.dtype) for c in self.chunks()])
+        return _cat([_rows(c) @ in_dtype(flat_u, c.dtype) for c in self.chunks()])
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         """[g_nᵀ u_k]_{k,n} for several directions in one pass over the gradients."""
         stacked = stack_or_view([self.to_rows(u) for u in us])  # [K, D]
-        return _cat([stacked.to(c.dtype) @ _rows(c).T for c in self.chunks()], dim=1)
+        return _cat([in_dtype(stacked, c.dtype) @ _rows(c).T for c in self.chunks()], dim=1)
 
     def sum_sq(self) -> Tensor:
         return self.from_rows(total_of(_sum_sq_64(c) for c in self.chunks()))
@@ -386,7 +386,7 @@ class OuterSampleGrads(SampleGrads):
     def _as_weight(self, u: Tensor) -> Tensor:
         """``u`` as an [I, J] matrix in δ's dtype (no view op where it is one already)."""
         u = u if u.shape == self.shape else u.reshape(self.shape)
-        return u.to(self.delta.dtype)
+        return in_dtype(u, self.delta.dtype)
 
     def dots(self, u: Tensor) -> Tensor:
         return ((self.delta @ self._as_weight(u)) * self.a).sum(1)
@@ -502,15 +502,16 @@ class SequenceOuterSampleGrads(SampleGrads):
         return torch.einsum("nti,ntj->ij", self.delta, self.a).div_(self.num_samples)
 
     def dots(self, u: Tensor) -> Tensor:
-        return ((self.delta @ u.reshape(self.shape).to(self.delta.dtype)) * self.a).sum((1, 2))
+        return ((self.delta @ in_dtype(u.reshape(self.shape), self.delta.dtype)) * self.a).sum(
+            (1, 2))
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         i, j = self.shape
         n, t = self.num_samples, self.positions
         shaped = [u if u.shape == self.shape else u.reshape(i, j) for u in us]
         # (a lone direction as it is: no copy into a concatenation)
-        stacked = (shaped[0] if len(shaped) == 1 else torch.cat(shaped, dim=1)).to(
-            self.delta.dtype)
+        stacked = in_dtype(shaped[0] if len(shaped) == 1 else torch.cat(shaped, dim=1),
+                           self.delta.dtype)
         left = (self.delta @ stacked).view(n, t, len(us), j)  # [N, T, K, J]
         # Σ_{t,j} (δ_{n,t}ᵀU_k)_j a_{n,t,j}: one product and one sum (an einsum takes ~8 ops)
         return (left * self.a.unsqueeze(2)).sum((1, 3)).T
