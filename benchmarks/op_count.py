@@ -15,6 +15,7 @@ backpropagations), as on a GPU.
     python benchmarks/op_count.py --config business --path cpu --top 30
     python benchmarks/op_count.py --model resnet18_gn --batch 32   # 62 parameter tensors
     python benchmarks/op_count.py --model gpt2 --batch 4           # transformers, AdamW
+    python benchmarks/op_count.py --after     # the step after a tracked one (θ_{t+1})
 
 It also counts the Python calls of the tracked step (``sys.setprofile``, without the op
 counter): Cockpit's own functions, other Python code (torch's), builtins.
@@ -39,6 +40,7 @@ import cockpit
 from cockpit import Cockpit, configuration
 from cockpit.benchmark.problems.small_nets import cifar10_3c3d
 from cockpit.engine.histograms import device as histogram_device
+from cockpit.schedules import every
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_overhead import resnet18_groupnorm
@@ -160,15 +162,17 @@ def make_step(model_name: str, config: str | None, batch: int, device: str = "cp
     return step, watcher
 
 
-def count(config: str | None, batch: int, counter=None, model_name: str = "3c3d"):
+def count(config: str | None, batch: int, counter=None, model_name: str = "3c3d",
+          after: bool = False):
     """The third step's ops (``config`` None: without Cockpit); ``counter``: another
-    context that watches the step (:class:`CountCalls`)."""
-    step, watcher = make_step(model_name, config, batch)
-    step(0)
-    step(1)
+    context that watches the step (:class:`CountCalls`). ``after``: tracked every other
+    step, the fourth step's, after the tracked third (Alpha observes θ_{t+1} there)."""
+    step, watcher = make_step(model_name, config, batch, schedule=every(2) if after else None)
+    for i in range(3 if after else 2):
+        step(i)
     counter = CountOps() if counter is None else counter
     with counter:
-        step(2)
+        step(3 if after else 2)
     if watcher is not None:
         watcher.get_output()
         watcher.close()
@@ -182,17 +186,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--model", default="3c3d", choices=list(MODELS))
     parser.add_argument("--top", type=int, default=20, help="functions listed")
+    parser.add_argument("--after", action="store_true",
+                        help="the step after a tracked one (Alpha observes θ_{t+1} there)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     histogram_device._forced = args.path == "accelerator"
+    which = "the step after a tracked one" if args.after else "a tracked step"
     plain = sum(count(None, args.batch, model_name=args.model).ops.values())
-    tracked = count(args.config, args.batch, model_name=args.model)
+    tracked = count(args.config, args.batch, model_name=args.model, after=args.after)
     total = sum(tracked.ops.values())
     print(f"{args.model} {args.config}, {args.path} path, |B| = {args.batch}: {total} aten ops "
-          f"in a tracked step, {plain} without Cockpit ({total / plain:.2f}×)")
+          f"in {which}, {plain} without Cockpit ({total / plain:.2f}×)")
     print("ops:", ", ".join(f"{k} {v}" for k, v in tracked.ops.most_common(12)))
-    calls = count(args.config, args.batch, CountCalls(), args.model).calls
-    print(f"Python calls in the tracked step: {sum(calls.values())} ("
+    calls = count(args.config, args.batch, CountCalls(), args.model, args.after).calls
+    print(f"Python calls in {which}: {sum(calls.values())} ("
           + ", ".join(f"{k} {v}" for k, v in calls.most_common()) + ")")
     for where, n in tracked.where.most_common(args.top):
         print(f"{n:7d}  {where}")
