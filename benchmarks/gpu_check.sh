@@ -12,8 +12,9 @@
 # (d) benchmarks/gpu_memory_peak.py: what is live at GPT-2 124M's tracked peak, by where it
 #     was allocated (MEMORY_SECONDS, 0 skips);
 # (e) benchmarks/host_overhead.py --device cuda: the CPU proxy's tiny problems on the GPU,
-#     every step and each step of an every-10th cycle (HOST_SECONDS, 0 skips): the host's
-#     time with CUDA's launches, beside the same run on a CPU.
+#     every step and each step of an every-10th cycle, then where the host's time goes in
+#     the tracked step and the one after it (HOST_SECONDS, 0 skips): the host's time with
+#     CUDA's launches, beside the same run on a CPU.
 # About 8 minutes in all (limits: TESTS_SECONDS, CURVATURE_SECONDS, BENCH_SECONDS + 50 s,
 # MEMORY_SECONDS, HOST_SECONDS). Without CUDA it checks itself in seconds: the cuda tests skip and a tiny
 # CPU dry run of (c) runs.
@@ -29,7 +30,7 @@ TESTS_SECONDS="${TESTS_SECONDS:-120}"
 BENCH_SECONDS="${BENCH_SECONDS:-130}"   # cells after this are skipped; the run ends soon after
 CURVATURE_SECONDS="${CURVATURE_SECONDS:-60}"   # 0 skips part (b)
 MEMORY_SECONDS="${MEMORY_SECONDS:-60}"   # 0 skips part (d)
-HOST_SECONDS="${HOST_SECONDS:-60}"   # 0 skips part (e)
+HOST_SECONDS="${HOST_SECONDS:-80}"   # 0 skips part (e)
 
 limit() {  # limit SECONDS command...: a wall-clock limit where `timeout` exists
     local seconds=$1; shift
@@ -98,7 +99,9 @@ echo "== (e) benchmarks/host_overhead.py --device cuda: the CPU proxy's problems
 if [ "$cuda" = 1 ] && [ "$HOST_SECONDS" -gt 0 ]; then
     limit "$HOST_SECONDS" bash -c '"$0" benchmarks/host_overhead.py --device cuda --steps 60 &&
         "$0" benchmarks/host_overhead.py --device cuda --every 10 --steps 200 \
-            --problems 3c3d resnet18_gn' "$PY" 2>&1 \
+            --problems 3c3d resnet18_gn &&
+        "$0" benchmarks/host_overhead.py --device cuda --phases --every 10 --steps 20 \
+            --problems 3c3d gpt2' "$PY" 2>&1 \
         | grep -v '^\[transformers\]' | tee "$OUT/host_overhead.txt"
 else
     echo "skipped (without CUDA, or HOST_SECONDS=0; on a CPU: python benchmarks/host_overhead.py)"
