@@ -168,11 +168,12 @@ class ModuleTracker:
     def clear_calls(self) -> None:
         self.capture.clear()
 
-    def drop_calls_outside(self, root: Tensor) -> None:
+    def drop_calls_outside(self, root: Tensor) -> dict:
         """Forget recorded calls whose outputs ``root`` does not depend on: forward passes
         of steps the Cockpit did not see (their graphs are gone), evaluation passes, ….
-        Kept, they would make every parameter look used twice and hold stale activations."""
-        self.capture.drop_outside(root)
+        Kept, they would make every parameter look used twice and hold stale activations.
+        Returns the graph's nodes walked for it, for :meth:`begin`."""
+        return self.capture.drop_outside(root)
 
     def probe_calls(self) -> list[Call]:
         """The recorded calls whose inputs and outputs are still held (those Cockpit's own
@@ -184,11 +185,13 @@ class ModuleTracker:
         return name in self.state.multi_use
 
     # ------------------------------------------------------------------ backward
-    def begin(self, request: StepRequest, losses: Tensor | None) -> BackwardStatistics:
+    def begin(self, request: StepRequest, losses: Tensor | None, graph: dict | None = None
+              ) -> BackwardStatistics:
         """Arm the hooks for one tracked backward pass of the individual ``losses``.
 
         ``request`` stays the engine's until :meth:`end`: instruments preparing the step
-        (after ``begin``, before the backward) add their directions to it."""
+        (after ``begin``, before the backward) add their directions to it. ``graph``: the
+        losses' graph as :meth:`drop_calls_outside` walked it (else walked again here)."""
         num_samples = 0 if losses is None else int(losses.shape[0])
         self.stats = BackwardStatistics(num_samples)
         self.stats.losses = None if losses is None else losses.detach()
@@ -213,8 +216,7 @@ class ModuleTracker:
         if losses is not None and losses.grad_fn is not None and num_samples > 1:
             # also without per-sample instruments: the diagonal curvature's backprops
             # (sum_sq_of_backprops) need each sample's share of a broadcast output too
-            self.capture.tap_broadcasts(losses, num_samples)
-        self.capture.walked = None  # (holds the graph's nodes)
+            self.capture.tap_broadcasts(losses, num_samples, graph)
         self.active = True
         return self.stats
 

@@ -129,9 +129,10 @@ class TrackedStep:
         run, tracker, losses = self.run, self.run.tracker, checks.losses
         problems = checks.problems
         recorded = tracker.num_calls  # forward calls before those of other graphs go
+        graph = None  # the losses' graph, walked once for the tracker
         if losses is not None and losses.requires_grad:
             losses.register_hook(tracker.losses_hook)
-            tracker.drop_calls_outside(losses)
+            graph = tracker.drop_calls_outside(losses)
         captured = tracker.num_calls
         if self.reduction is None:
             request = self._first_request()
@@ -148,7 +149,7 @@ class TrackedStep:
             self.forwards.add(losses.grad_fn)
         if checks.finite is not None:
             self.checks.append(Later(nonfinite_warning(self.step), checks.finite))
-        stats = tracker.begin(request, losses)
+        stats = tracker.begin(request, losses, graph)
         self.in_block = True
         if (tracker.sharded and losses is not None
                 and any(q.differentiates_graph for q in self.tracked)):

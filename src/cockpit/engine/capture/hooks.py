@@ -241,9 +241,6 @@ class Capture:
         self.engine = engine
         self.units = discover_units(engine.model)
         self.calls: list[Call] = []
-        # (root node, its graph's nodes) of the last walk from the losses, until the
-        # backward pass begins: the broadcast taps read the same graph's edges
-        self.walked: tuple[object, dict] | None = None
         self.model_output: Tensor | None = None  # the model's output of the recorded forward
         # (module, input z, output a) of smooth activation modules, for the Hessian diagonal
         self.activation_calls: list[tuple[nn.Module, Tensor, Tensor]] = []
@@ -376,7 +373,6 @@ class Capture:
 
     def clear(self) -> None:
         """Forget the recorded forward pass."""
-        self.walked = None
         if not self.calls and self.model_output is None and not self.activation_calls:
             return
         for call in self.calls:
@@ -385,10 +381,10 @@ class Capture:
         self.model_output = None
         self.activation_calls = []
 
-    def drop_outside(self, root: Tensor) -> None:
-        """Forget the recorded calls whose outputs ``root`` does not depend on."""
+    def drop_outside(self, root: Tensor) -> dict:
+        """Forget the recorded calls whose outputs ``root`` does not depend on; the graph's
+        nodes walked for it (:func:`reachable_nodes`)."""
         seen = reachable_nodes(root)
-        self.walked = (root.grad_fn, seen)
         kept = []
         for call in self.calls:
             if any(o.grad_fn in seen for o in call.outputs):
@@ -397,6 +393,7 @@ class Capture:
                 call.release()
         self.calls = kept
         self.activation_calls = [c for c in self.activation_calls if c[2].grad_fn in seen]
+        return seen
 
     def probe_calls(self) -> list[Call]:
         """The recorded calls whose inputs and outputs are still held."""
@@ -512,9 +509,10 @@ class Capture:
                 return
 
     # ------------------------------------------------------------------ broadcast taps
-    def tap_broadcasts(self, losses: Tensor, n: int) -> None:
+    def tap_broadcasts(self, losses: Tensor, n: int, graph: dict | None = None) -> None:
         """Find the layer outputs shared by the batch (see :mod:`cockpit.engine.capture.broadcast`)
-        and hook the nodes that broadcast them, so that their δ_n arrive per sample.
+        and hook the nodes that broadcast them, so that their δ_n arrive per sample
+        (``graph``: the losses' graph as :meth:`drop_outside` walked it, if it did).
 
         Candidates: outputs without the batch size at the batch dimension, and outputs of
         layers whose inputs are all integer tensors (index inputs such as position ids
@@ -533,9 +531,7 @@ class Capture:
                 if y.grad_fn is None or not (mismatch or index_inputs):
                     continue
                 if consumers is None:
-                    root, nodes = self.walked or (None, None)
-                    consumers = consumers_of(losses.grad_fn,
-                                             nodes if root is losses.grad_fn else None)
+                    consumers = consumers_of(losses.grad_fn, graph)
                 paths, others = find_paths(y, consumers, bd, n)
                 if not paths:
                     continue
