@@ -192,8 +192,7 @@ class Recorder:
             if len(self._expected) >= 4:
                 del self._expected[next(iter(self._expected))]
             self._expected[step] = expected
-        return all(name in values or name in notes or has_value(values, name)
-                   for name in expected)
+        return all(has_value(values, name) or name in notes for name in expected)
 
     def _write_sinks(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
         for sink in self.sinks:
