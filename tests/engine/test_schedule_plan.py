@@ -16,7 +16,7 @@ from cockpit.quantities import Alpha, GradNorm, Loss, UpdateSize
 from cockpit.quantities.base import Quantity
 from cockpit.schedules import at, every
 from cockpit.step.schedule_plan import SchedulePlan
-from tests.models import make_problem
+from tests.models import make_problem, train
 
 
 class _Counting:
@@ -66,12 +66,7 @@ def test_a_run_records_the_steps_the_schedules_pick():
     problem = make_problem("mlp_relu", 6)
     opt = torch.optim.SGD(problem.model.parameters(), lr=0.1)
     cockpit = Cockpit(problem.model, configuration("economy", every(3)), optimizer=opt)
-    for step in range(8):
-        opt.zero_grad()
-        losses = problem.losses()
-        with cockpit(step, losses=losses):
-            losses.mean().backward()
-        opt.step()
+    train(problem, cockpit, 8, opt)
     output = cockpit.get_output()
     cockpit.close()
     assert sorted(s for s in output if "Loss" in output[s]) == [0, 3, 6]
