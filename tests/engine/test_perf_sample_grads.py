@@ -7,6 +7,7 @@ the float64-accumulated sums of squares must equal the brute-force individual gr
 
 from __future__ import annotations
 
+import contextlib
 import math
 from unittest import mock
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.rules import conv as conv_module
 from cockpit.engine.rules.conv import ConvSampleGrads, conv_rule, reuse_unfolded_inputs
@@ -176,8 +178,16 @@ def test_float32_sums_of_squares_accumulate_in_float64():
     )
 
 
+@pytest.mark.parametrize("accelerator", [False, True])
 @pytest.mark.parametrize("seq", [False, True])
-def test_linear_dots_many_match_torch_func(seq):
+def test_linear_dots_many_match_torch_func(seq, accelerator):
+    """Both paths: the directions one by one (CPU) and side by side in one matmul (the
+    accelerators' path, forced here)."""
+    with histogram_device.forced() if accelerator else contextlib.nullcontext():
+        _check_linear(seq)
+
+
+def _check_linear(seq: bool) -> None:
     torch.manual_seed(3)
     module = nn.Linear(7, 5).double()
     x = torch.randn(6, 4, 7, dtype=torch.float64) if seq else torch.randn(6, 7).double()
