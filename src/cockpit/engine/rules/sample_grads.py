@@ -10,6 +10,7 @@ instruments ask, each with a closed form where the layer structure allows one:
 
 * ``norms()``         ‖g_n‖                        shape [N]
 * ``sq_norms()``      ‖g_n‖²                       shape [N]
+* ``chunk_norms()``   ‖g_n‖ from the materialized gradients (where they are formed anyway)
 * ``gram_mean()``     g_nᵀ ḡ  with ḡ = (1/N) Σ_m g_m  shape [N]
 * ``dots(u)``         g_nᵀ u for a direction u      shape [N]
 * ``dots_many(us)``   g_nᵀ u_k for K directions at once (one pass)  shape [K, N]
@@ -129,12 +130,14 @@ class SampleGrads(ABC):
         has its own closed form for the squares."""
         if type(self).sq_norms is not SampleGrads.sq_norms:
             return self.sq_norms().sqrt()
-        return self._chunk_norms()
+        return self.chunk_norms()
 
     def sq_norms(self) -> Tensor:
-        return self._chunk_norms() ** 2
+        return self.chunk_norms() ** 2
 
-    def _chunk_norms(self) -> Tensor:
+    def chunk_norms(self) -> Tensor:
+        """‖g_n‖ from the materialized chunks (one norm kernel each), whatever closed form
+        the representation has: the cheaper one where a statistic materialized them already."""
         return _cat([torch.linalg.vector_norm(_rows(c), dim=1) for c in self.chunks()])
 
     def batch_mean(self) -> Tensor:
@@ -497,14 +500,14 @@ class SequenceOuterSampleGrads(SampleGrads):
     def norms(self) -> Tensor:
         if self._by_grams():  # (a sum of Gram products may round below 0 where g_n ≈ 0)
             return self.sq_norms().clamp_min_(0).sqrt_()
-        return self._chunk_norms()
+        return self.chunk_norms()
 
     def sq_norms(self) -> Tensor:
         if self._by_grams():
             gram_delta = torch.bmm(self.delta, self.delta.transpose(1, 2))
             gram_a = torch.bmm(self.a, self.a.transpose(1, 2))
             return (gram_delta * gram_a).sum((1, 2))
-        return self._chunk_norms() ** 2
+        return self.chunk_norms() ** 2
 
     def batch_mean(self) -> Tensor:
         return torch.einsum("nti,ntj->ij", self.delta, self.a).div_(self.num_samples)

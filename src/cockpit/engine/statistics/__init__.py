@@ -11,7 +11,9 @@
 A new statistic is one more file here that calls :func:`register` (:mod:`.l1_norms` is the
 smallest example): the package imports every module in it. The built-in statistics are
 imported first, in the order in which a layer's statistics are formed (the order of
-registration), the others after them by name.
+registration), the others after them by name. The histograms come first: where they
+materialize a layer's individual gradients, the norms are read from those (one kernel per
+chunk) instead of their closed forms (a sequence layer's Gram matrices: six).
 """
 # ruff: noqa: I001  (the statistics' imports are in registration order, not sorted)
 
@@ -38,13 +40,13 @@ from cockpit.engine.statistics.registry import (
     seal,
     shared_chunks,
 )
+from cockpit.engine.statistics.hist1d import HIST1D
+from cockpit.engine.statistics.hist2d import HIST2D
 from cockpit.engine.statistics.norms import NORMS
 from cockpit.engine.statistics.sq_norms import SQ_NORMS
 from cockpit.engine.statistics.gram_mean import GRAM_MEAN
 from cockpit.engine.statistics.sum_sq import SUM_SQ
 from cockpit.engine.statistics.var_sum import VAR_SUM
-from cockpit.engine.statistics.hist1d import HIST1D
-from cockpit.engine.statistics.hist2d import HIST2D
 
 # Any other module of this package is a statistic too: imported (registered) by name order.
 for _module in pkgutil.iter_modules(__path__):

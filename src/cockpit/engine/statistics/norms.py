@@ -23,7 +23,8 @@ class Norms(Statistic):
     combine = Combine.GATHER
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
-        return sg.norms()
+        # materialized by a statistic formed before (a histogram): one norm per chunk
+        return sg.norms() if layer.chunks is None else sg.chunk_norms()
 
     def form_side_by_side(self, side: SideBySide, layers: Sequence[LayerContext]
                           ) -> list[Tensor]:

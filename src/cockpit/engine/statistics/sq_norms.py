@@ -18,7 +18,8 @@ class SqNorms(Statistic):
     combine = Combine.GATHER
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
-        return sg.sq_norms()
+        # materialized by a statistic formed before (a histogram): from those chunks
+        return sg.sq_norms() if layer.chunks is None else sg.chunk_norms().square()
 
 
 SQ_NORMS = register(SqNorms()).name
