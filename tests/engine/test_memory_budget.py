@@ -340,3 +340,91 @@ def test_a_tied_output_layer_under_autocast_waits_at_its_own_width(monkeypatch):
     assert set(narrow) == set(wide) and any("emb.weight" in k for k in narrow)
     for key, value in wide.items():
         np.testing.assert_array_equal(narrow[key], value, err_msg=key)
+
+
+def conv_alpha_run(budget, selected: list):
+    """Economy every 2nd step on a convolution whose projections go by convolution (D =
+    C_in·k² = 72 > 4 positions), four steps; the samples ranges ``select``ed per step."""
+    from cockpit import configuration
+    from cockpit.engine.rules.conv import ConvSampleGrads
+    from cockpit.schedules import every
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(16, 3)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cockpit = Cockpit(model, configuration("economy", every(2)), optimizer=opt, strict=True,
+                      memory_budget=budget)
+    x = torch.randn(8, 8, 4, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (8,))
+    original = ConvSampleGrads.select
+    with pytest.MonkeyPatch.context() as patch:
+        for step in range(4):
+            patch.setattr(ConvSampleGrads, "select",
+                          lambda self, start, stop, step=step: (
+                              selected.append(step), original(self, start, stop))[1])
+            opt.zero_grad()
+            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            opt.step()
+    cockpit.close()
+    return cockpit.get_output()
+
+
+def test_projections_of_a_chunked_convolution_are_formed_whole_where_they_fit():
+    """The convolution's 8 × 288 individual gradients (18 KiB) exceed a 4 KiB budget: its
+    statistics are formed in sample chunks at the tracked steps; at the steps after them,
+    where Alpha only projects on s_t (by one convolution, 1 KiB), the whole batch is
+    projected at once, no chunk formed. Every value equals the unchunked run's."""
+    chunked_steps: list[int] = []
+    whole_steps: list[int] = []
+    expected = conv_alpha_run(None, whole_steps)
+    recorded = conv_alpha_run(4096, chunked_steps)
+    assert whole_steps == []
+    assert set(chunked_steps) == {0, 2}  # the tracked steps only
+    assert recorded[0]["Alpha"] is not None and recorded[2]["Alpha"] is not None
+    for step in expected:
+        want, got = dict(leaves(expected[step])), dict(leaves(recorded[step]))
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            if value is None:
+                assert got[key] is None, key
+            else:
+                np.testing.assert_allclose(np.asarray(got[key], dtype=float),
+                                           np.asarray(value, dtype=float), rtol=1e-9,
+                                           atol=1e-12, equal_nan=True, err_msg=key)
+
+
+def test_sample_chunks_project_the_whole_batch_where_its_dots_fit_the_budget():
+    """A convolution projecting by convolution holds K times δ's size, not its individual
+    gradients: within the budget the whole batch answers, no chunk is formed; above it, or
+    where the projections materialize (two directions), the chunks answer, equally."""
+    from cockpit.engine.rules.sample_chunks import SampleChunks
+    from cockpit.engine.rules.sample_grads import DenseSampleGrads
+    torch.manual_seed(4)
+    conv = nn.Conv2d(8, 4, 3).double()
+    x = torch.randn(6, 8, 4, 4, dtype=torch.float64)
+    delta = torch.randn(6, 4, 2, 2, dtype=torch.float64)
+    whole = DenseSampleGrads(conv_rule_weight(conv, x, delta).materialize_owned().clone())
+    sg = conv_rule_weight(conv, x, delta)  # (not materialized)
+    us = [torch.randn(sg.shape, dtype=torch.float64) for _ in range(2)]
+    one = sg.dots_scratch_bytes(1)
+    assert one == 6 * 4 * 2 * 2 * 8 < sg.scratch_bytes() == sg.dots_scratch_bytes(2)
+    for budget, directions, formed in ((one, us[:1], False), (one - 1, us[:1], True),
+                                       (one, us, True)):
+        parts: list[int] = []
+
+        def part(start, stop, parts=parts):
+            parts.append(start)
+            return sg.select(start, stop)
+
+        chunked = SampleChunks(6, sg.shape, sg.dtype, part, size=4, whole=sg, budget=budget)
+        torch.testing.assert_close(chunked.dots_many(directions),
+                                   whole.dots_many(directions), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(chunked.dots(directions[0]), whole.dots(directions[0]),
+                                   rtol=1e-12, atol=1e-12)
+        assert bool(parts) == formed
+
+
+def conv_rule_weight(conv, x, delta):
+    from cockpit.engine.rules.conv import conv_rule
+    return conv_rule(conv, (x,), {}, conv(x), delta)["weight"]

@@ -338,7 +338,7 @@ class CallProcessor:
         if sg.num_samples > 1 and sg.selectable:
             per_sample = -(-sg.scratch_bytes() // sg.num_samples)
             sg = SampleChunks(sg.num_samples, sg.shape, sg.dtype, sg.select,
-                              samples_per_chunk(per_sample, budget))
+                              samples_per_chunk(per_sample, budget), whole=sg, budget=budget)
             self.engine.chunked_layers[name] = sg.num_chunks
         return sg
 
@@ -351,6 +351,8 @@ class CallProcessor:
         stats = engine.stats
         assert stats is not None
         statistics = requested(engine.needs)
+        if not statistics:  # (only dot products: ḡ, if one needs it, is formed when asked)
+            return
         values: dict[str, list[Tensor]] = {}
         centered: dict[str, tuple[Tensor, Tensor, int]] = {}
         total: Tensor | None = None  # Σ_n g_n, for the dot products with ḡ later

@@ -366,6 +366,13 @@ class ConvSampleGrads(SampleGrads):
         positions = math.prod(self.delta.shape[2:])  # (not a view of δ: no op)
         return num_directions >= 2 or self.shape[1:].numel() <= positions
 
+    def dots_scratch_bytes(self, num_directions: int) -> int:
+        """Projected by convolution: the K convolutions' outputs, K times δ's size (no
+        individual gradients); materialized: those of :meth:`scratch_bytes`."""
+        if self._rows is not None or self._materialize_for_projections(num_directions):
+            return self.scratch_bytes()
+        return num_directions * self.delta.numel() * self.delta.element_size()
+
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         if self._rows is not None or self._materialize_for_projections(len(us)):
             rows = self.chunks()[0]  # one chunk [N, D]

@@ -8,8 +8,11 @@ added, the mean is ḡ = Σ_k |C_k| ḡ_k / |B|, and a centered sum combines by 
 parallel-variance identity V = V_a + V_b + (N_a N_b / N)(ḡ_a − ḡ_b)⊙(ḡ_a − ḡ_b).
 
 :class:`SampleChunks` answers the whole batch's questions (dot products with ḡ and with
-directions, which the processor forms over the whole batch) from its chunks; the processor
-forms the other statistics per chunk and merges them (:mod:`cockpit.engine.processing`).
+directions, which the processor forms over the whole batch) from its chunks, or from the
+whole batch's representation where its dot products hold no more than the budget (a
+convolution projects by convolution: K times its output gradient, no individual gradients);
+the processor forms the other statistics per chunk and merges them
+(:mod:`cockpit.engine.processing`).
 """
 
 from __future__ import annotations
@@ -35,10 +38,14 @@ class SampleChunks(SampleGrads):
     selectable = True
 
     def __init__(self, num_samples: int, shape: torch.Size, dtype: torch.dtype,
-                 part: Callable[[int, int], SampleGrads], size: int):
+                 part: Callable[[int, int], SampleGrads], size: int,
+                 whole: SampleGrads | None = None, budget: int | None = None):
         self.num_samples, self.shape, self._dtype = num_samples, shape, dtype
         self.part, self.size = part, size
         self.mean: Tensor | None = None  # ḡ, once known (saves a pass over the chunks)
+        # the whole batch's representation, which answers the dot products at once where
+        # they hold no more than ``budget`` bytes (a convolution's projections)
+        self.whole, self.budget = whole, budget
 
     @property
     def dtype(self) -> torch.dtype:
@@ -81,10 +88,22 @@ class SampleChunks(SampleGrads):
     def gram_mean(self) -> Tensor:
         return self.dots(self.batch_mean())
 
+    def _whole_within_budget(self, num_directions: int) -> SampleGrads | None:
+        whole, budget = self.whole, self.budget
+        if whole is None or budget is None:
+            return None
+        return whole if whole.dots_scratch_bytes(num_directions) <= budget else None
+
     def dots(self, u: Tensor) -> Tensor:
+        whole = self._whole_within_budget(1)
+        if whole is not None:
+            return whole.dots(u)
         return torch.cat([p.dots(u) for p in self.parts()])
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
+        whole = self._whole_within_budget(len(us))
+        if whole is not None:
+            return whole.dots_many(us)
         return torch.cat([p.dots_many(us) for p in self.parts()], dim=1)
 
     def sum_sq(self) -> Tensor:

@@ -21,7 +21,7 @@ instruments ask, each with a closed form where the layer structure allows one:
 * ``select(start, stop)`` the samples of a range alone (where ``selectable``), so that a
   layer above the memory budget is processed in sample chunks
   (:mod:`cockpit.engine.rules.sample_chunks`); ``scratch_bytes()`` what its statistics
-  would hold at once
+  would hold at once, ``dots_scratch_bytes(k)`` what ``dots_many`` with k directions holds
 
 :class:`DenseSampleGrads` materializes ``[N, *shape]`` and serves as the general fallback;
 :class:`OuterSampleGrads` and :class:`SequenceOuterSampleGrads` hold g_n = Σ_t δ_{n,t} a_{n,t}ᵀ
@@ -97,6 +97,12 @@ class SampleGrads(ABC):
     def scratch_bytes(self) -> int:
         """Bytes of all |B| individual gradients at once: |B| · D · itemsize."""
         return self.num_samples * self.shape.numel() * self.dtype.itemsize
+
+    def dots_scratch_bytes(self, num_directions: int) -> int:
+        """Bytes :meth:`dots_many` holds at once for ``num_directions`` directions (by
+        default those of :meth:`scratch_bytes`; less where a representation projects without
+        materializing the individual gradients)."""
+        return self.scratch_bytes()
 
     # whether :meth:`select` forms a sample range without materializing the others
     selectable: bool = False
