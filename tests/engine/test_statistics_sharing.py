@@ -122,8 +122,9 @@ def test_norms_are_read_from_the_chunks_a_histogram_materialized(monkeypatch):
     np.testing.assert_allclose(shared, alone, rtol=1e-12)
 
 
-def test_norms_and_squares_from_materialized_chunks_match_the_brute_force():
-    """Both statistics read the chunks a statistic formed before them (one norm each)."""
+def test_norms_and_squares_from_materialized_chunks_match_the_brute_force(monkeypatch):
+    """On accelerators both statistics read the chunks a statistic formed before them (one
+    norm each); a CPU keeps the closed form (the Gram matrices' fewer FLOPs)."""
     generator = torch.Generator().manual_seed(2)
     delta = torch.randn(5, 2, 7, generator=generator, dtype=torch.float64)
     a = torch.randn(5, 2, 6, generator=generator, dtype=torch.float64)
@@ -132,5 +133,13 @@ def test_norms_and_squares_from_materialized_chunks_match_the_brute_force():
     flat = torch.einsum("nti,ntj->nij", delta, a).reshape(5, -1)
     layer = LayerContext("w", SimpleNamespace())
     layer.chunks = sg.chunks()
-    torch.testing.assert_close(REGISTRY[NORMS].form(sg, layer), flat.norm(dim=1))
-    torch.testing.assert_close(REGISTRY[SQ_NORMS].form(sg, layer), flat.pow(2).sum(1))
+    grams = []
+    original = SequenceOuterSampleGrads.sq_norms
+    monkeypatch.setattr(SequenceOuterSampleGrads, "sq_norms",
+                        lambda self: (grams.append(1), original(self))[1])
+    for accelerator in (True, False):
+        grams.clear()
+        with histogram_device.forced() if accelerator else contextlib.nullcontext():
+            torch.testing.assert_close(REGISTRY[NORMS].form(sg, layer), flat.norm(dim=1))
+            torch.testing.assert_close(REGISTRY[SQ_NORMS].form(sg, layer), flat.pow(2).sum(1))
+        assert len(grams) == (0 if accelerator else 2)

@@ -12,8 +12,9 @@ A new statistic is one more file here that calls :func:`register` (:mod:`.l1_nor
 smallest example): the package imports every module in it. The built-in statistics are
 imported first, in the order in which a layer's statistics are formed (the order of
 registration), the others after them by name. The histograms come first: where they
-materialize a layer's individual gradients, the norms are read from those (one kernel per
-chunk) instead of their closed forms (a sequence layer's Gram matrices: six).
+materialize a layer's individual gradients on an accelerator, the norms are read from those
+(one kernel per chunk) instead of their closed forms (a sequence layer's Gram matrices: six
+kernels).
 """
 # ruff: noqa: I001  (the statistics' imports are in registration order, not sorted)
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from cockpit.engine.histograms.device import device_path
 from cockpit.engine.rules.sample_grads import SampleGrads
 from cockpit.engine.side_by_side import SideBySide
 from cockpit.engine.statistics.registry import Combine, LayerContext, Merge, Statistic, register
@@ -23,8 +24,12 @@ class Norms(Statistic):
     combine = Combine.GATHER
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
-        # materialized by a statistic formed before (a histogram): one norm per chunk
-        return sg.norms() if layer.chunks is None else sg.chunk_norms()
+        # materialized by a statistic formed before (a histogram): one norm kernel per
+        # chunk on accelerators, whose launches bind the host (a CPU keeps the closed form,
+        # the fewer FLOPs)
+        if layer.chunks is not None and device_path(layer.chunks[0].device):
+            return sg.chunk_norms()
+        return sg.norms()
 
     def form_side_by_side(self, side: SideBySide, layers: Sequence[LayerContext]
                           ) -> list[Tensor]:

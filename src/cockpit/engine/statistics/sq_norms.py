@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from cockpit.engine.histograms.device import device_path
 from cockpit.engine.rules.sample_grads import SampleGrads
 from cockpit.engine.statistics.registry import Combine, LayerContext, Merge, Statistic, register
 
@@ -18,8 +19,11 @@ class SqNorms(Statistic):
     combine = Combine.GATHER
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
-        # materialized by a statistic formed before (a histogram): from those chunks
-        return sg.sq_norms() if layer.chunks is None else sg.chunk_norms().square()
+        # materialized by a statistic formed before (a histogram): from those chunks on
+        # accelerators (as Norms)
+        if layer.chunks is not None and device_path(layer.chunks[0].device):
+            return sg.chunk_norms().square()
+        return sg.sq_norms()
 
 
 SQ_NORMS = register(SqNorms()).name
