@@ -428,3 +428,69 @@ def test_sample_chunks_project_the_whole_batch_where_its_dots_fit_the_budget():
 def conv_rule_weight(conv, x, delta):
     from cockpit.engine.rules.conv import conv_rule
     return conv_rule(conv, (x,), {}, conv(x), delta)["weight"]
+
+
+def tied_alpha_run(budget, selected: list):
+    """Economy every 2nd step on TiedNet, four steps; the steps at which the tied weight's
+    summed individual gradients were formed for a sample range (``CallSum.select``)."""
+    from cockpit import configuration
+    from cockpit.engine.rules.sample_chunks import CallSum
+    from cockpit.schedules import every
+    torch.manual_seed(0)
+    model = TiedNet().double()
+    tokens = torch.randint(0, 30, (7, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cockpit = Cockpit(model, configuration("economy", every(2)), optimizer=opt,
+                      memory_budget=budget)
+    original = CallSum.select
+    with pytest.MonkeyPatch.context() as patch:
+        for step in range(4):
+            patch.setattr(CallSum, "select", lambda self, start, stop, step=step: (
+                selected.append(step), original(self, start, stop))[1])
+            opt.zero_grad()
+            losses = token_losses(model(tokens), tokens)
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            opt.step()
+    cockpit.close()
+    return cockpit.get_output()
+
+
+def test_a_tied_weight_is_projected_call_by_call_on_one_direction():
+    """The tied embedding's individual gradients (7 × 30 × 6 float64, 10 KiB) exceed half a
+    4 KiB budget: its calls are kept apart and summed per sample chunk for the statistics.
+    Where Alpha only projects on s_t, each call projects on its own (the output layer's
+    δ U and the embedding's rows, each within the budget): no sample range is summed, and
+    every value equals the unchunked run's."""
+    chunked_steps: list[int] = []
+    expected = tied_alpha_run(None, [])
+    recorded = tied_alpha_run(4096, chunked_steps)
+    assert set(chunked_steps) == {0, 2}
+    assert recorded[0]["Alpha"] is not None and recorded[2]["Alpha"] is not None
+    for step in expected:
+        want, got = dict(leaves(expected[step])), dict(leaves(recorded[step]))
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            if value is None:
+                assert got[key] is None, key
+            else:
+                np.testing.assert_allclose(np.asarray(got[key], dtype=float),
+                                           np.asarray(value, dtype=float), rtol=1e-9,
+                                           atol=1e-12, equal_nan=True, err_msg=key)
+
+
+def test_a_call_sum_projects_one_direction_call_by_call():
+    """g_nᵀu = Σ_c g_n^{(c)ᵀ}u: one direction from each call's own projection, without
+    summing the calls' individual gradients; several from the sum, equally."""
+    from cockpit.engine.rules.sample_chunks import CallSum
+    sg = representations()["tied"]
+    assert isinstance(sg, CallSum)
+    whole = sg.materialize().reshape(sg.num_samples, -1)
+    us = [torch.randn(sg.shape, dtype=torch.float64) for _ in range(2)]
+    expected = torch.stack([whole @ u.reshape(-1) for u in us])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CallSum, "select", lambda *args: pytest.fail("summed the calls"))
+        torch.testing.assert_close(sg.dots_many(us[:1]), expected[:1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(sg.dots(us[1]), expected[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sg.dots_many(us), expected, rtol=1e-12, atol=1e-12)
+    assert sg.dots_scratch_bytes(1) < sg.scratch_bytes() == sg.dots_scratch_bytes(2)

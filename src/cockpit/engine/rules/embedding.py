@@ -90,6 +90,10 @@ class EmbeddingSampleGrads(SampleGrads):
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         return stack_or_view([self.dots(u) for u in us])
 
+    def dots_scratch_bytes(self, num_directions: int) -> int:
+        """One direction's rows at the slots at a time (no individual gradients)."""
+        return 2 * self.rows.numel() * self.rows.element_size()
+
     def sum_sq(self) -> Tensor:
         rows = self.rows.double()
         return rows.new_zeros(self.shape).index_add_(0, self.pair_token, rows.pow(2))

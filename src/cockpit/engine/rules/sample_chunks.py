@@ -173,3 +173,19 @@ class CallSum(SampleGrads):
 
     def materialize(self) -> Tensor:
         return self.select(0, self.num_samples).materialize()
+
+    def dots(self, u: Tensor) -> Tensor:
+        return self.dots_many([u])[0]
+
+    def dots_many(self, us: Sequence[Tensor]) -> Tensor:
+        """g_nᵀu = Σ_c g_n^{(c)ᵀ}u: one direction by each call's own projection (a factored
+        call's δU costs the FLOPs of materializing once, without its N·D numbers); several
+        from the materialized sum (a factored call would cost that once per direction)."""
+        if len(us) == 1:
+            return total_of(call.dots_many(us) for call in self.calls)
+        return super().dots_many(us)
+
+    def dots_scratch_bytes(self, num_directions: int) -> int:
+        if num_directions == 1:
+            return max(call.dots_scratch_bytes(1) for call in self.calls)
+        return self.scratch_bytes()

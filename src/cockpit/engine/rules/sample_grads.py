@@ -522,6 +522,11 @@ class SequenceOuterSampleGrads(SampleGrads):
         return ((self.delta @ in_dtype(u.reshape(self.shape), self.delta.dtype)) * self.a).sum(
             (1, 2))
 
+    def dots_scratch_bytes(self, num_directions: int) -> int:
+        """δ U_k for every position: N·T·K·J numbers (no individual gradients)."""
+        return (self.num_samples * self.positions * num_directions * self.shape[1]
+                * self.dtype.itemsize)
+
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         i, j = self.shape
         n, t = self.num_samples, self.positions
