@@ -219,18 +219,9 @@ def test_every_instrument_is_unchanged_by_chunking(configuration, micro_batches)
     micro-batches the merged statistics and the kept calls)."""
     expected = outputs_of(None, configuration, micro_batches)
     recorded = outputs_of(1, configuration, micro_batches)
-    assert expected.keys() == recorded.keys()
     for step in expected:
-        want, got = dict(leaves(expected[step])), dict(leaves(recorded[step]))
-        assert want.keys() == got.keys()
-        assert sum(v is not None for v in want.values()) > 20
-        for key, value in want.items():
-            if value is None:
-                assert got[key] is None, key
-            else:
-                np.testing.assert_allclose(np.asarray(got[key], dtype=float),
-                                           np.asarray(value, dtype=float), rtol=1e-9,
-                                           atol=1e-12, equal_nan=True, err_msg=key)
+        assert sum(v is not None for _, v in leaves(expected[step])) > 20
+    assert_same_outputs(expected, recorded)
 
 
 def representations() -> dict:
@@ -341,47 +332,35 @@ def test_a_tied_output_layer_under_autocast_waits_at_its_own_width(monkeypatch):
     for key, value in wide.items():
         np.testing.assert_array_equal(narrow[key], value, err_msg=key)
 
-
-def conv_alpha_run(budget, selected: list):
-    """Economy every 2nd step on a convolution whose projections go by convolution (D =
-    C_in·k² = 72 > 4 positions), four steps; the samples ranges ``select``ed per step."""
+def every_other_step_run(model, x, y, loss_fn, budget, representation):
+    """Economy every 2nd step, four steps (SGD with momentum 0.9): the output, and the steps
+    at which ``representation.select`` formed a sample range."""
     from cockpit import configuration
-    from cockpit.engine.rules.conv import ConvSampleGrads
     from cockpit.schedules import every
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(8, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(16, 3)).double()
+    from tests.models import Problem, train
+    selected: list[int] = []
+    steps = iter(range(4))
+    current = [0]
+
+    def losses(output, target):  # (once per step)
+        current[0] = next(steps)
+        return loss_fn(output, target)
+
+    original = representation.select
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    cockpit = Cockpit(model, configuration("economy", every(2)), optimizer=opt, strict=True,
+    cockpit = Cockpit(model, configuration("economy", every(2)), optimizer=opt,
                       memory_budget=budget)
-    x = torch.randn(8, 8, 4, 4, dtype=torch.float64)
-    y = torch.randint(0, 3, (8,))
-    original = ConvSampleGrads.select
     with pytest.MonkeyPatch.context() as patch:
-        for step in range(4):
-            patch.setattr(ConvSampleGrads, "select",
-                          lambda self, start, stop, step=step: (
-                              selected.append(step), original(self, start, stop))[1])
-            opt.zero_grad()
-            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
-            with cockpit(step, losses=losses):
-                losses.mean().backward()
-            opt.step()
+        patch.setattr(representation, "select", lambda self, start, stop: (
+            selected.append(current[0]), original(self, start, stop))[1])
+        train(Problem("every other step", model, x, y, losses), cockpit, 4, opt)
     cockpit.close()
-    return cockpit.get_output()
+    return cockpit.get_output(), selected
 
 
-def test_projections_of_a_chunked_convolution_are_formed_whole_where_they_fit():
-    """The convolution's 8 × 288 individual gradients (18 KiB) exceed a 4 KiB budget: its
-    statistics are formed in sample chunks at the tracked steps; at the steps after them,
-    where Alpha only projects on s_t (by one convolution, 1 KiB), the whole batch is
-    projected at once, no chunk formed. Every value equals the unchunked run's."""
-    chunked_steps: list[int] = []
-    whole_steps: list[int] = []
-    expected = conv_alpha_run(None, whole_steps)
-    recorded = conv_alpha_run(4096, chunked_steps)
-    assert whole_steps == []
-    assert set(chunked_steps) == {0, 2}  # the tracked steps only
-    assert recorded[0]["Alpha"] is not None and recorded[2]["Alpha"] is not None
+def assert_same_outputs(expected: dict, recorded: dict) -> None:
+    """Every value of every step equal (float64 rounding), None where the other's is."""
+    assert expected.keys() == recorded.keys()
     for step in expected:
         want, got = dict(leaves(expected[step])), dict(leaves(recorded[step]))
         assert want.keys() == got.keys()
@@ -392,6 +371,30 @@ def test_projections_of_a_chunked_convolution_are_formed_whole_where_they_fit():
                 np.testing.assert_allclose(np.asarray(got[key], dtype=float),
                                            np.asarray(value, dtype=float), rtol=1e-9,
                                            atol=1e-12, equal_nan=True, err_msg=key)
+
+
+def conv_run(budget):
+    """A convolution whose projections go by convolution (D = C_in·k² = 72 > 4 positions)."""
+    from cockpit.engine.rules.conv import ConvSampleGrads
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(16, 3)).double()
+    x, y = torch.randn(8, 8, 4, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    return every_other_step_run(
+        model, x, y, lambda out, target: nn.functional.cross_entropy(out, target, reduction="none"),
+        budget, ConvSampleGrads)
+
+
+def test_projections_of_a_chunked_convolution_are_formed_whole_where_they_fit():
+    """The convolution's 8 × 288 individual gradients (18 KiB) exceed a 4 KiB budget: its
+    statistics are formed in sample chunks at the tracked steps; at the steps after them,
+    where Alpha only projects on s_t (by one convolution, 1 KiB), the whole batch is
+    projected at once, no chunk formed. Every value equals the unchunked run's."""
+    expected, whole_steps = conv_run(None)
+    recorded, chunked_steps = conv_run(4096)
+    assert whole_steps == []
+    assert set(chunked_steps) == {0, 2}  # the tracked steps only
+    assert recorded[0]["Alpha"] is not None and recorded[2]["Alpha"] is not None
+    assert_same_outputs(expected, recorded)
 
 
 def test_sample_chunks_project_the_whole_batch_where_its_dots_fit_the_budget():
@@ -430,30 +433,12 @@ def conv_rule_weight(conv, x, delta):
     return conv_rule(conv, (x,), {}, conv(x), delta)["weight"]
 
 
-def tied_alpha_run(budget, selected: list):
-    """Economy every 2nd step on TiedNet, four steps; the steps at which the tied weight's
-    summed individual gradients were formed for a sample range (``CallSum.select``)."""
-    from cockpit import configuration
+def tied_run(budget):
     from cockpit.engine.rules.sample_chunks import CallSum
-    from cockpit.schedules import every
     torch.manual_seed(0)
-    model = TiedNet().double()
     tokens = torch.randint(0, 30, (7, 5))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    cockpit = Cockpit(model, configuration("economy", every(2)), optimizer=opt,
-                      memory_budget=budget)
-    original = CallSum.select
-    with pytest.MonkeyPatch.context() as patch:
-        for step in range(4):
-            patch.setattr(CallSum, "select", lambda self, start, stop, step=step: (
-                selected.append(step), original(self, start, stop))[1])
-            opt.zero_grad()
-            losses = token_losses(model(tokens), tokens)
-            with cockpit(step, losses=losses):
-                losses.mean().backward()
-            opt.step()
-    cockpit.close()
-    return cockpit.get_output()
+    return every_other_step_run(TiedNet().double(), tokens, tokens, token_losses, budget,
+                                CallSum)
 
 
 def test_a_tied_weight_is_projected_call_by_call_on_one_direction():
@@ -462,21 +447,11 @@ def test_a_tied_weight_is_projected_call_by_call_on_one_direction():
     Where Alpha only projects on s_t, each call projects on its own (the output layer's
     δ U and the embedding's rows, each within the budget): no sample range is summed, and
     every value equals the unchunked run's."""
-    chunked_steps: list[int] = []
-    expected = tied_alpha_run(None, [])
-    recorded = tied_alpha_run(4096, chunked_steps)
+    expected, _ = tied_run(None)
+    recorded, chunked_steps = tied_run(4096)
     assert set(chunked_steps) == {0, 2}
     assert recorded[0]["Alpha"] is not None and recorded[2]["Alpha"] is not None
-    for step in expected:
-        want, got = dict(leaves(expected[step])), dict(leaves(recorded[step]))
-        assert want.keys() == got.keys()
-        for key, value in want.items():
-            if value is None:
-                assert got[key] is None, key
-            else:
-                np.testing.assert_allclose(np.asarray(got[key], dtype=float),
-                                           np.asarray(value, dtype=float), rtol=1e-9,
-                                           atol=1e-12, equal_nan=True, err_msg=key)
+    assert_same_outputs(expected, recorded)
 
 
 def test_a_call_sum_projects_one_direction_call_by_call():
