@@ -324,8 +324,17 @@ def test_embedding_rule_matches_torch_func_without_reading_the_device(padding_id
     reference = individual_grads(module, tokens, delta)["weight"]
     with OpNames() as ops:
         sg = embedding_rule(module, (tokens,), {}, out, delta)["weight"]
-    assert not ops.names & {"unique", "_unique2", "unique_consecutive", "nonzero",
-                            "_local_scalar_dense", "masked_select"}, ops.names
+    # projections are linear in g_n: read from the positions' rows, no grouping (sort)
+    direction = torch.randn(7, 3, dtype=torch.float64)
+    with OpNames() as projecting:
+        torch.testing.assert_close(sg.dots(direction),
+                                   reference.reshape(4, -1) @ direction.reshape(-1))
+    with OpNames() as grouping:  # (the slots, formed once a norm asks)
+        sg.sq_norms()
+    assert "sort" not in projecting.names and "sort" in grouping.names
+    for names in (ops.names, grouping.names):
+        assert not names & {"unique", "_unique2", "unique_consecutive", "nonzero",
+                            "_local_scalar_dense", "masked_select"}, names
     check_all(sg, reference, "embedding")
     for start, stop in ((0, 1), (1, 3), (3, 4)):
         no_reads = mock.patch.object(torch.Tensor, "tolist", side_effect=AssertionError)

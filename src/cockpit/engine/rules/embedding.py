@@ -28,34 +28,62 @@ class EmbeddingSampleGrads(SampleGrads):
     sorted order of the keys n·V + token. A pair seen several times fills one slot, the
     others stay zero rows (assigned to the last sample's last token, which keeps the slots
     sorted): the slots are as many as the positions, known without reading the device (the
-    distinct pairs' number would be a wait on a GPU), and zero rows add nothing to a sum."""
+    distinct pairs' number would be a wait on a GPU), and zero rows add nothing to a sum.
+
+    The slots are formed when a question that is not linear in g_n first needs them (norms,
+    histograms, sums of squares); projections are linear, g_nᵀu = Σ_t ⟨δ_{n,t}, u[i_{n,t}]⟩,
+    and read the positions' rows as they are (no sort)."""
 
     selectable = True
 
     def __init__(self, indices: Tensor, delta: Tensor, num_embeddings: int, padding_idx):
         n = indices.shape[0]
         idx = indices.reshape(n, -1)
-        positions = idx.shape[1]
-        rows = delta.reshape(n * positions, -1)
+        rows = delta.reshape(idx.numel(), -1)
         if padding_idx is not None:
             rows = rows * (idx != padding_idx).reshape(-1, 1)
-        sample = torch.arange(0, n * num_embeddings, num_embeddings, device=idx.device)
-        keys, order = torch.sort((idx + sample.unsqueeze(1)).reshape(-1))
-        # slot of each sorted key: the number of distinct keys before it
-        first = torch.ones_like(keys, dtype=torch.int64)
-        torch.ne(keys[1:], keys[:-1], out=first[1:])
-        slot = first.cumsum_(0).sub_(1)
-        self.rows = rows.new_zeros(rows.shape).index_add_(0, slot, rows[order])
-        last = n * num_embeddings - 1
-        slot_keys = torch.full_like(keys, last).scatter_(0, slot, keys)
-        self.pair_sample = slot_keys // num_embeddings
-        self.pair_token = slot_keys % num_embeddings
+        # each position's row and its token [N, T] (None where only slots are held)
+        self._by_position: tuple[Tensor, Tensor] | None = (rows, idx)
+        self._slots: tuple[Tensor, Tensor, Tensor] | None = None
         self.num_samples = n
         self.shape = torch.Size((num_embeddings, rows.shape[-1]))
 
+    def _grouped(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(rows, pair_sample, pair_token) of the slots, formed once."""
+        if self._slots is None:
+            assert self._by_position is not None
+            rows, idx = self._by_position
+            n, vocab = self.num_samples, self.shape[0]
+            sample = torch.arange(0, n * vocab, vocab, device=idx.device)
+            keys, order = torch.sort((idx + sample.unsqueeze(1)).reshape(-1))
+            # slot of each sorted key: the number of distinct keys before it
+            first = torch.ones_like(keys, dtype=torch.int64)
+            torch.ne(keys[1:], keys[:-1], out=first[1:])
+            slot = first.cumsum_(0).sub_(1)
+            slot_rows = rows.new_zeros(rows.shape).index_add_(0, slot, rows[order])
+            slot_keys = torch.full_like(keys, n * vocab - 1).scatter_(0, slot, keys)
+            self._slots = (slot_rows, slot_keys // vocab, slot_keys % vocab)
+        return self._slots
+
+    @property
+    def rows(self) -> Tensor:
+        return self._grouped()[0]
+
+    @property
+    def pair_sample(self) -> Tensor:
+        return self._grouped()[1]
+
+    @property
+    def pair_token(self) -> Tensor:
+        return self._grouped()[2]
+
+    def _any_rows(self) -> Tensor:
+        """The positions' rows or the slots' (as many, the same dtype), without grouping."""
+        return self._by_position[0] if self._by_position is not None else self.rows
+
     @property
     def dtype(self) -> torch.dtype:
-        return self.rows.dtype
+        return self._any_rows().dtype
 
     def select(self, start: int, stop: int) -> SampleGrads:
         """Samples start ≤ n < stop: the pairs of the other samples become zero rows (the
@@ -63,9 +91,9 @@ class EmbeddingSampleGrads(SampleGrads):
         row adds nothing, and a non-finite value of another sample does not leak in)."""
         inside = (self.pair_sample >= start) & (self.pair_sample < stop)
         part = EmbeddingSampleGrads.__new__(EmbeddingSampleGrads)
-        part.rows = torch.where(inside.unsqueeze(1), self.rows, 0)
-        part.pair_token = self.pair_token
-        part.pair_sample = (self.pair_sample - start).clamp_(0, stop - start - 1)
+        part._by_position = None
+        part._slots = (torch.where(inside.unsqueeze(1), self.rows, 0), (
+            self.pair_sample - start).clamp_(0, stop - start - 1), self.pair_token)
         part.num_samples, part.shape = stop - start, self.shape
         return part
 
@@ -83,16 +111,20 @@ class EmbeddingSampleGrads(SampleGrads):
         return out.index_add_(0, self.pair_token, self.rows) / self.num_samples
 
     def dots(self, u: Tensor) -> Tensor:
-        per_pair = (self.rows * in_dtype(u.reshape(self.shape), self.rows.dtype)[
-            self.pair_token]).sum(1)
+        weight = in_dtype(u.reshape(self.shape), self.dtype)
+        if self._by_position is not None:  # Σ_t ⟨δ_{n,t}, u[i_{n,t}]⟩
+            rows, idx = self._by_position
+            return (rows.reshape(*idx.shape, -1) * weight[idx]).sum((1, 2))
+        per_pair = (self.rows * weight[self.pair_token]).sum(1)
         return self.rows.new_zeros(self.num_samples).index_add_(0, self.pair_sample, per_pair)
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         return stack_or_view([self.dots(u) for u in us])
 
     def dots_scratch_bytes(self, num_directions: int) -> int:
-        """One direction's rows at the slots at a time (no individual gradients)."""
-        return 2 * self.rows.numel() * self.rows.element_size()
+        """One direction's rows at the positions at a time (no individual gradients)."""
+        rows = self._any_rows()
+        return 2 * rows.numel() * rows.element_size()
 
     def sum_sq(self) -> Tensor:
         rows = self.rows.double()
