@@ -114,31 +114,15 @@ class BroadcastTap:
         self.handles = []
 
 
-def consumers_of(root, nodes: Iterable | None = None
-                 ) -> dict[tuple[object, int], list[tuple[object, int]]]:
-    """(node, output index) → the nodes that take it as input, with the edge index.
-    ``nodes``: the graph's nodes in the order of a depth-first walk from ``root``
-    (:func:`~cockpit.engine.capture.hooks.reachable_nodes`), if walked already: their edges
-    are read in that order, which gives the same lists in the same order."""
+def consumers_of(nodes: Iterable) -> dict[tuple[object, int], list[tuple[object, int]]]:
+    """(node, output index) → the nodes that take it as input, with the edge index, from the
+    graph's nodes in the order of a depth-first walk from its root
+    (:func:`~cockpit.engine.capture.hooks.reachable_nodes`; each list in that order)."""
     consumers: dict[tuple[object, int], list[tuple[object, int]]] = {}
-    if nodes is not None:
-        for node in nodes:
-            for edge, (child, nr) in enumerate(node.next_functions):
-                if child is not None:
-                    consumers.setdefault((child, nr), []).append((node, edge))
-        return consumers
-    seen: set = set()
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in nodes:
         for edge, (child, nr) in enumerate(node.next_functions):
-            if child is None:
-                continue
-            consumers.setdefault((child, nr), []).append((node, edge))
-            stack.append(child)
+            if child is not None:
+                consumers.setdefault((child, nr), []).append((node, edge))
     return consumers
 
 

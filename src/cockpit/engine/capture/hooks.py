@@ -531,7 +531,7 @@ class Capture:
                 if y.grad_fn is None or not (mismatch or index_inputs):
                     continue
                 if consumers is None:
-                    consumers = consumers_of(losses.grad_fn, graph)
+                    consumers = consumers_of(reachable_nodes(losses) if graph is None else graph)
                 paths, others = find_paths(y, consumers, bd, n)
                 if not paths:
                     continue
