@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from cockpit.engine.histograms.device import device_path
 from cockpit.engine.rules.sample_grads import SampleGrads
 from cockpit.engine.side_by_side import SideBySide
 from cockpit.engine.statistics.registry import Combine, LayerContext, Merge, Statistic, register
@@ -24,10 +23,7 @@ class Norms(Statistic):
     combine = Combine.GATHER
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
-        # materialized by a statistic formed before (a histogram): one norm kernel per
-        # chunk on accelerators, whose launches bind the host (a CPU keeps the closed form,
-        # the fewer FLOPs)
-        if layer.chunks is not None and device_path(layer.chunks[0].device):
+        if layer.materialized_on_accelerator:  # (by a histogram, formed before)
             return sg.chunk_norms()
         return sg.norms()
 

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, cast
 import torch
 from torch import Tensor
 
+from cockpit.engine.histograms.device import device_path
+
 if TYPE_CHECKING:
     from cockpit.engine.histograms.auto_range import AutoRange
     from cockpit.engine.histograms.device import LaneCounts
@@ -83,6 +85,13 @@ class LayerContext:
         self.name, self.context = name, context
         # the individual gradients in sample chunks, once a statistic has materialized them
         self.chunks: list[Tensor] | None = None
+
+    @property
+    def materialized_on_accelerator(self) -> bool:
+        """Whether a statistic formed before materialized the individual gradients on an
+        accelerator, whose launches bind the host: norms are then one kernel per chunk
+        (a CPU keeps a representation's closed form, the fewer FLOPs)."""
+        return self.chunks is not None and device_path(self.chunks[0].device)
 
     @property
     def param(self) -> Tensor:

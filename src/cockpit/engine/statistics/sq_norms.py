@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from cockpit.engine.histograms.device import device_path
 from cockpit.engine.rules.sample_grads import SampleGrads
 from cockpit.engine.statistics.registry import Combine, LayerContext, Merge, Statistic, register
 
@@ -19,9 +18,7 @@ class SqNorms(Statistic):
     combine = Combine.GATHER
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor:
-        # materialized by a statistic formed before (a histogram): from those chunks on
-        # accelerators (as Norms)
-        if layer.chunks is not None and device_path(layer.chunks[0].device):
+        if layer.materialized_on_accelerator:  # (by a histogram, formed before)
             return sg.chunk_norms().square()
         return sg.sq_norms()
 
