@@ -16,6 +16,7 @@ from cockpit.engine import processing
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.rules.sample_grads import SequenceOuterSampleGrads
 from cockpit.engine.statistics import NORMS, REGISTRY, SQ_NORMS, LayerContext
+from tests.models import Problem, train
 
 
 class SequenceModel(nn.Module):
@@ -95,17 +96,14 @@ def _norm_test_values(with_histogram: bool) -> list:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     instruments = [quantities.NormTest()] + ([quantities.GradHist1d()] if with_histogram else [])
     generator = torch.Generator().manual_seed(1)
+    # T = 2 positions: T(I + J) < IJ, the closed form's Gram matrices are the cheaper
+    x = torch.randn(8, 2, 9, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 9, (8,), generator=generator)
+    problem = Problem("sequence", model, x, y, lambda out, target: nn.functional.cross_entropy(
+        out.mean(1), target, reduction="none"))
     with histogram_device.forced():
         cockpit = Cockpit(model, instruments, optimizer=opt, strict=True)
-        for step in range(3):
-            # T = 2 positions: T(I + J) < IJ, the closed form's Gram matrices are the cheaper
-            x = torch.randn(8, 2, 9, generator=generator, dtype=torch.float64)
-            y = torch.randint(0, 9, (8,), generator=generator)
-            opt.zero_grad()
-            losses = nn.functional.cross_entropy(model(x).mean(1), y, reduction="none")
-            with cockpit(step, losses=losses):
-                losses.mean().backward()
-            opt.step()
+        train(problem, cockpit, 3, opt)
         cockpit.close()
     return [cockpit.get_output()[step]["NormTest"] for step in range(3)]
 
