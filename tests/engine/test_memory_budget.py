@@ -6,6 +6,8 @@ pass is processed stays within the budget; bad budgets are refused."""
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 import torch
@@ -385,14 +387,16 @@ def conv_run(budget):
 
 
 def test_projections_of_a_chunked_convolution_are_formed_whole_where_they_fit():
-    """The convolution's 8 × 288 individual gradients (18 KiB) exceed a 4 KiB budget: its
-    statistics are formed in sample chunks at the tracked steps; at the steps after them,
-    where Alpha only projects on s_t (by one convolution, 1 KiB), the whole batch is
-    projected at once, no chunk formed. Every value equals the unchunked run's."""
+    """The convolution's 8 × 288 individual gradients (18 KiB) exceed a 4 KiB budget (one
+    sample a chunk): at the tracked steps each sample is formed once, its statistics and its
+    dot products (with ḡ, and with the update's directions once the gradient arrived) from
+    the same chunk; at the steps after them, where Alpha only projects on s_t (by one
+    convolution, 1 KiB), the whole batch is projected at once, no chunk formed. Every value
+    equals the unchunked run's."""
     expected, whole_steps = conv_run(None)
     recorded, chunked_steps = conv_run(4096)
     assert whole_steps == []
-    assert set(chunked_steps) == {0, 2}  # the tracked steps only
+    assert collections.Counter(chunked_steps) == {0: 8, 2: 8}  # the tracked steps, once
     assert recorded[0]["Alpha"] is not None and recorded[2]["Alpha"] is not None
     assert_same_outputs(expected, recorded)
 

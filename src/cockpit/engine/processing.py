@@ -99,6 +99,8 @@ class CallProcessor:
         self.accumulated: dict[str, DenseSampleGrads | CallSum] = {}
         # parameter → its individual gradients, waiting for the parameter's gradient
         self.pending: dict[str, SampleGrads] = {}
+        # chunked parameters whose statistics wait to be formed in the dot products' pass
+        self.unformed: set[str] = set()
         # small parameters' individual gradients, waiting for the end of the backward pass
         # to be reduced side by side (:meth:`reduce`)
         self.small: dict[str, DenseSampleGrads] = {}
@@ -108,6 +110,7 @@ class CallProcessor:
     def begin(self) -> None:
         """Forget what an earlier backward pass left."""
         self.accumulated, self.pending, self.kept_calls, self.small = {}, {}, [], {}
+        self.unformed = set()
 
     def fail(self, message: str) -> None:
         """Record why the per-sample statistics of this backward pass are invalid."""
@@ -301,8 +304,16 @@ class CallProcessor:
         stats, needs = engine.stats, engine.needs
         assert stats is not None
         sg = self.within_budget(name, sg)
-        layer = LayerContext(name, engine)
         chunked = isinstance(sg, SampleChunks)
+        if chunked and not (engine.state.frozen_pass or engine.compute_dtypes):
+            # the statistics and the dot products in one pass over the chunks
+            self.unformed.add(name)
+            if self._waits_for_gradient(name, sg):
+                self.pending[name] = sg
+            else:
+                self.reduce_dots(name, sg)
+            return
+        layer = LayerContext(name, engine)
         with contextlib.nullcontext() if chunked else shared_chunks(sg, layer):
             if chunked:
                 self.form_in_chunks(name, sg)
@@ -342,27 +353,35 @@ class CallProcessor:
             self.engine.chunked_layers[name] = sg.num_chunks
         return sg
 
-    def form_in_chunks(self, name: str, sg: SampleChunks) -> None:
+    def form_in_chunks(self, name: str, sg: SampleChunks,
+                       vectors: list[Tensor] | None = None, keep_mean: bool = True
+                       ) -> Tensor | None:
         """Every requested statistic of one parameter, formed per sample chunk (all of a
         chunk's statistics share its one materialization) and merged as each declares:
         per-sample values concatenated, sums added, centered sums by the parallel-variance
-        identity; statistics relative to the whole batch's mean on the whole ``sg``."""
+        identity; statistics relative to the whole batch's mean on the whole ``sg``. With
+        ``vectors`` also the dot products [g_nᵀu_k]_{k,n} from the same chunks (returned).
+        ḡ is formed on the way (and kept in ``sg.mean``) where ``keep_mean`` or a centered
+        statistic asks for it: per chunk a pass over its N·D numbers."""
         engine = self.engine
         stats = engine.stats
         assert stats is not None
         statistics = requested(engine.needs)
-        if not statistics:  # (only dot products: ḡ, if one needs it, is formed when asked)
-            return
+        if not statistics and not vectors:  # (ḡ, if a dot product needs it, when asked)
+            return None
+        dots: list[Tensor] = []
         values: dict[str, list[Tensor]] = {}
         centered: dict[str, tuple[Tensor, Tensor, int]] = {}
         total: Tensor | None = None  # Σ_n g_n, for the dot products with ḡ later
+        with_mean = keep_mean or any(s.merge is Merge.CENTERED for s in statistics)
         for part in sg.parts():
             layer = LayerContext(name, engine)
             with shared_chunks(part, layer):
-                mean = part.batch_mean()
-                # (in place: one parameter-sized sum held, not a new one per chunk)
-                total = (mean * part.num_samples if total is None
-                         else total.add_(mean * part.num_samples))
+                if with_mean:
+                    mean = part.batch_mean()
+                    # (in place: one parameter-sized sum held, not a new one per chunk)
+                    total = (mean * part.num_samples if total is None
+                             else total.add_(mean * part.num_samples))
                 for statistic in statistics:
                     if statistic.merge is Merge.NONE:
                         continue
@@ -377,6 +396,8 @@ class CallProcessor:
                         values[statistic.name][0] = values[statistic.name][0] + value
                     else:
                         values.setdefault(statistic.name, []).append(value)
+                if vectors:
+                    dots.append(part.dots_many(vectors))
             del part, layer
         if total is not None:
             sg.mean = total.div_(sg.num_samples)
@@ -393,6 +414,7 @@ class CallProcessor:
                 value = values[statistic.name][0]
             if value is not None:
                 stats[statistic.name][name] = value
+        return torch.cat(dots, dim=1) if dots else None
 
     def reduce_dots_guarded(self, name: str, sg: SampleGrads) -> None:
         self.guarded(name, self.reduce_dots, name, sg)
@@ -400,9 +422,34 @@ class CallProcessor:
     def reduce_dots(self, name: str, sg: SampleGrads) -> None:
         """The statistics that are dot products g_nᵀu — with ḡ (GRAM_MEAN), with the
         directions known before the backward and with those the providers compute from the
-        gradient the optimizer sees — in one pass over the individual gradients."""
+        gradient the optimizer sees — in one pass over the individual gradients. A chunked
+        parameter whose statistics waited for this (``unformed``) forms them in the same pass
+        over its chunks where its dot products go by chunks (each chunk materialized once),
+        unless g_nᵀḡ needs ḡ from a pass of its own."""
+        if name in self.unformed:
+            self.unformed.discard(name)
+            assert isinstance(sg, SampleChunks)
+            if self._mean_takes_a_pass(name, sg):
+                self.form_in_chunks(name, sg)  # (sets ḡ)
+            else:
+                plan = self._plan_dots(name, sg)
+                by_chunks = bool(plan.vectors) and not sg.dots_at_once(len(plan.vectors))
+                dots = self.form_in_chunks(name, sg, plan.vectors if by_chunks else None,
+                                           keep_mean=False)
+                if plan.vectors and not by_chunks:
+                    dots = sg.dots_many(plan.vectors)
+                self._record_dots(plan, dots)
+                return
         plan = self._plan_dots(name, sg)
         self._record_dots(plan, sg.dots_many(plan.vectors) if plan.vectors else None)
+
+    def _mean_takes_a_pass(self, name: str, sg: SampleGrads) -> bool:
+        """Whether g_nᵀḡ needs ḡ from the individual gradients (:meth:`_plan_dots`): unless
+        this backward's own gradient G = w·N·ḡ is known."""
+        engine = self.engine
+        pure = name in engine.state.seen_grads and name in engine.state.pure_grads
+        return (GRAM_MEAN in engine.needs and sg.fuse_dots
+                and not (pure and engine.loss_weight))
 
     def _plan_dots(self, name: str, sg: SampleGrads, bases: dict | None = None) -> _DotPlan:
         """The directions u of :meth:`reduce_dots` and where each statistic finds its rows

@@ -397,6 +397,7 @@ class ModuleTracker:
         finally:
             self.active = False
             self.processor.accumulated, self.processor.pending = {}, {}
+            self.processor.unformed = set()
             self.processor.small = {}
             self.release_step_cache()
             self.clear_calls()

@@ -94,6 +94,11 @@ class SampleChunks(SampleGrads):
             return None
         return whole if whole.dots_scratch_bytes(num_directions) <= budget else None
 
+    def dots_at_once(self, num_directions: int) -> bool:
+        """Whether :meth:`dots_many` answers ``num_directions`` directions from the whole
+        batch's representation (else by chunks)."""
+        return self._whole_within_budget(num_directions) is not None
+
     def dots(self, u: Tensor) -> Tensor:
         whole = self._whole_within_budget(1)
         if whole is not None:
