@@ -466,7 +466,9 @@ class Capture:
                 held = None if sharded.is_sharded(param.grad) else param.grad  # (deferred)
                 seen = alias if held is None else alias + held
                 engine.state.seen_grads[name] = seen
-                if first and param.grad is None and name not in engine.state.multi_use:
+                # (a tied weight's gradient sums its calls, as its individual gradients do:
+                # they are accumulated over the calls and reduced after the backward pass)
+                if first and param.grad is None:
                     engine.state.pure_grads.add(name)
                 else:
                     engine.state.pure_grads.discard(name)
