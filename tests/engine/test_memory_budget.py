@@ -7,6 +7,7 @@ pass is processed stays within the budget; bad budgets are refused."""
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import numpy as np
 import pytest
@@ -386,15 +387,19 @@ def conv_run(budget):
         budget, ConvSampleGrads)
 
 
-def test_projections_of_a_chunked_convolution_are_formed_whole_where_they_fit():
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_projections_of_a_chunked_convolution_are_formed_whole_where_they_fit(path):
     """The convolution's 8 × 288 individual gradients (18 KiB) exceed a 4 KiB budget (one
     sample a chunk): at the tracked steps each sample is formed once, its statistics and its
     dot products (with ḡ, and with the update's directions once the gradient arrived) from
     the same chunk; at the steps after them, where Alpha only projects on s_t (by one
     convolution, 1 KiB), the whole batch is projected at once, no chunk formed. Every value
-    equals the unchunked run's."""
-    expected, whole_steps = conv_run(None)
-    recorded, chunked_steps = conv_run(4096)
+    equals the unchunked run's, on the CPU's path and on the accelerators' (histograms by
+    lanes, norms read from a histogram's chunks)."""
+    from cockpit.engine.histograms.device import forced
+    with forced() if path == "accelerator" else contextlib.nullcontext():
+        expected, whole_steps = conv_run(None)
+        recorded, chunked_steps = conv_run(4096)
     assert whole_steps == []
     assert collections.Counter(chunked_steps) == {0: 8, 2: 8}  # the tracked steps, once
     assert recorded[0]["Alpha"] is not None and recorded[2]["Alpha"] is not None
