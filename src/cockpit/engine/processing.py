@@ -17,7 +17,8 @@ per parameter and reduces each to the statistics the step's instruments need:
 Parameters used by several calls (tied weights) have their individual gradients summed over
 the calls (``accumulated``) and are reduced when the backward pass ends. A parameter whose
 |B| individual gradients exceed the engine's ``memory_budget`` (bytes) is reduced in sample
-chunks that each fit it (:mod:`cockpit.engine.rules.sample_chunks`; exact). The state of the
+chunks that each fit it (:mod:`cockpit.engine.rules.sample_chunks`; exact), its statistics
+waiting with its dot products so that one pass over the chunks forms both. The state of the
 backward pass itself (the request, the loss weights w_n, the gradients seen so far, the
 statistics being filled) belongs to the :class:`~cockpit.engine.tracker.ModuleTracker`
 whose hooks record it; the processor reads it there.
