@@ -240,3 +240,19 @@ def test_gram_from_the_synchronized_gradient_only_where_it_is_proportional():
                               mean) is None
     zero = {name: torch.zeros_like(value) for name, value in mean.items()}
     assert gram_from_gradient(_statistics_with_gradient(gradient, dots), zero) is None
+
+
+def test_layers_formed_in_sample_chunks_report_the_global_batch(tmp_path):
+    """A memory budget so small that both convolutions form their individual gradients in
+    chunks of 3 of a rank's 12 samples (statistics and dot products in one pass over the
+    chunks): every rank's values equal those of one process on the whole batch."""
+    config = _config("cnn", [12, 12], seed=3, cockpit_kwargs={"memory_budget": 2048})
+    ranks = _two_processes(tmp_path, config)
+    expected, _ = whole_batch_run(make_problem("cnn", 48), config["batches"], sgd,
+                                  chosen=instruments())
+    for result in ranks:
+        assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
+        assert "sample chunks" in str(result["notes"][0])
+        output = strip(result["output"])
+        assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
+        assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
