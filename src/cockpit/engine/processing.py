@@ -110,7 +110,13 @@ class CallProcessor:
 
     def begin(self) -> None:
         """Forget what an earlier backward pass left."""
-        self.accumulated, self.pending, self.kept_calls, self.small = {}, {}, [], {}
+        self.kept_calls = []
+        self.drop_waiting()
+
+    def drop_waiting(self) -> None:
+        """Forget the individual gradients that wait to be reduced (a backward pass ended,
+        or failed)."""
+        self.accumulated, self.pending, self.small = {}, {}, {}
         self.unformed = set()
 
     def fail(self, message: str) -> None:
@@ -447,10 +453,17 @@ class CallProcessor:
     def _mean_takes_a_pass(self, name: str, sg: SampleGrads) -> bool:
         """Whether g_nᵀḡ needs ḡ from the individual gradients (:meth:`_plan_dots`): unless
         this backward's own gradient G = w·N·ḡ is known."""
+        return (GRAM_MEAN in self.engine.needs and sg.fuse_dots
+                and not self._own_gradient_scale(name, sg.num_samples))
+
+    def _own_gradient_scale(self, name: str, num_samples: int) -> float | None:
+        """w·N where the gradient seen for ``name`` is this backward's own, G = Σ_m w·g_m =
+        w·N·ḡ (so g_nᵀG = w·N·g_nᵀḡ); None where it is not (or not seen yet)."""
         engine = self.engine
-        pure = name in engine.state.seen_grads and name in engine.state.pure_grads
-        return (GRAM_MEAN in engine.needs and sg.fuse_dots
-                and not (pure and engine.loss_weight))
+        seen = engine.state.seen_grads.get(name)
+        if seen is None or name not in engine.state.pure_grads or not engine.loss_weight:
+            return None
+        return engine.loss_weight * num_samples
 
     def _plan_dots(self, name: str, sg: SampleGrads, bases: dict | None = None) -> _DotPlan:
         """The directions u of :meth:`reduce_dots` and where each statistic finds its rows
@@ -461,10 +474,7 @@ class CallProcessor:
         plan = _DotPlan(name)
         row = plan.row
         seen = engine.state.seen_grads.get(name)
-        pure = seen is not None and name in engine.state.pure_grads
-        # With the gradient G = Σ_m w·g_m of this backward (pure), g_nᵀG = w·N·g_nᵀḡ.
-        loss_weight = engine.loss_weight
-        w_n = plan.w_n = loss_weight * sg.num_samples if pure and loss_weight else None
+        w_n = plan.w_n = self._own_gradient_scale(name, sg.num_samples)
         gradient_ref: int | Tensor | None = None
         if GRAM_MEAN in engine.needs and sg.fuse_dots:
             if w_n:  # seen ∥ ḡ: one row serves g_nᵀḡ and a provider's GRADIENT

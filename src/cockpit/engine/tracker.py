@@ -396,9 +396,7 @@ class ModuleTracker:
             self.processor.guarded("per-sample statistics", self.stats.finish)
         finally:
             self.active = False
-            self.processor.accumulated, self.processor.pending = {}, {}
-            self.processor.unformed = set()
-            self.processor.small = {}
+            self.processor.drop_waiting()
             self.release_step_cache()
             self.clear_calls()
             self.gathered_params = {}
