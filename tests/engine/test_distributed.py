@@ -124,6 +124,22 @@ def test_the_accelerator_paths_histograms_count_the_global_batch(tmp_path):
             1 + parameters)
 
 
+def test_stacked_linear_weights_report_the_global_batch(tmp_path):
+    """On the accelerator path the three hidden Linear weights of one shape are formed
+    stacked (their statistics together, their dot products once their gradients arrived),
+    uneven shards under Adam: every rank's values equal one process on the whole batch."""
+    config = _config("mlp_deep", [10, 14], seed=3, make_optimizer=adam,
+                     accelerator_path=True)
+    ranks = _two_processes(tmp_path, config)
+    expected, _ = whole_batch_run(make_problem("mlp_deep", 48), config["batches"], adam,
+                                  gradients=ranks[0]["stepped"], chosen=instruments())
+    for result in ranks:
+        assert not [m for m in result["warnings"] if MISUSE.search(m)], result["warnings"]
+        output = strip(result["output"])
+        assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
+        assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
+
+
 def test_gradients_all_reduced_after_the_block_give_the_global_batch(tmp_path):
     """Against the advice, the gradients are averaged after the ``with`` block: at the
     optimizer step every process holds the global gradient, so the values are the global

@@ -110,6 +110,45 @@ def test_many_programs_and_iterations_count_every_value_once():
     """)
 
 
+def test_rows_are_counted_apart_in_one_launch():
+    """Five rows (layers of one shape, stacked) with different values, crowded bins and
+    non-finite ones: each row's lane counts equal those of the row alone; Linear layers
+    stacked (``cockpit.engine.stacked``) count through it exactly, in one launch."""
+    run_interpreted("""
+        import math, torch
+        from unittest import mock
+        from cockpit.engine.histograms import device as D, fused
+        from cockpit.engine.histograms.exact import BinSpec, histogram_dense_counts
+        from cockpit.engine.rules.sample_grads import SequenceOuterSampleGrads
+        from cockpit.engine.stacked import StackedGrads
+        torch.manual_seed(3)
+        edges = D.search_edges(torch.linspace(-1, 1, 12)[1:-1])
+        slots = edges.numel() + 1
+        L = D.lanes(slots)
+        x = torch.randn(5, 20_000) * torch.tensor([0.1, 0.5, 1.0, 2.0, 0.0])[:, None]
+        x[1, :5] = torch.tensor([math.nan, math.inf, -math.inf, 1.0, -1.0])
+        fused.PROGRAMS_PER_LANE = 2
+        rows = fused.tally_rows(x, edges, L)
+        assert rows.shape == (5, L * slots)
+        for row, values in zip(rows, x):
+            assert torch.equal(row.view(L, slots).sum(0),
+                               fused.tally_values(values, edges, L).view(L, slots).sum(0))
+        assert rows[4].view(L, slots).sum(0)[6] == 20_000  # every zero in one bin
+        spec = BinSpec(-1.0, 1.0, 10)
+        grads = [SequenceOuterSampleGrads(torch.randn(6, 4, 30), torch.randn(6, 4, 20))
+                 for _ in range(3)]
+        calls = []
+        real = fused.tally_rows
+        fused.MIN_VALUES = 1000
+        with D.forced(), mock.patch.object(fused, "tally_rows",
+                                           lambda *args: calls.append(1) or real(*args)):
+            counts = StackedGrads(grads).histograms(spec, None)
+        assert calls == [1]
+        for got, sg in zip(counts, grads):
+            assert torch.equal(got, histogram_dense_counts([sg.materialize()], spec))
+    """)
+
+
 def test_the_accelerator_path_takes_the_kernel_and_counts_exactly():
     """Dense values in pieces and a Linear layer's products δ[n, i]·a[n, j] in blocks,
     with the kernel and without (COCKPIT_FUSED_HISTOGRAM=0), against exact counts."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from cockpit import Cockpit, configuration
-from cockpit.engine import side_by_side
+from cockpit.engine import side_by_side, stacked
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms.exact import BinSpec, histogram_dense_counts
 from cockpit.engine.processing import CallProcessor, _DotPlan
@@ -117,6 +117,7 @@ def test_small_parameters_cost_the_same_ops_however_many(monkeypatch):
     same few ops for 2 blocks as for 6; what grows is per weight (and the hooks' views,
     and the check of each update after the step)."""
     monkeypatch.setattr(histogram_device, "_forced", True)
+    monkeypatch.setattr(stacked, "capacity", lambda sg, budget: 0)  # weights one by one
     few, many = tracked_step_ops(2), tracked_step_ops(6)
     # (Adam's update by the fused kernel: one launch per weight, one for all small ones)
     # (and the concatenation of a weight's directions for its dot products)

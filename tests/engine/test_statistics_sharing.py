@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from cockpit import Cockpit, quantities
-from cockpit.engine import processing
+from cockpit.engine import processing, stacked
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.rules.sample_grads import SequenceOuterSampleGrads
 from cockpit.engine.statistics import NORMS, REGISTRY, SQ_NORMS, LayerContext
@@ -111,7 +111,8 @@ def _norm_test_values(with_histogram: bool) -> list:
 def test_norms_are_read_from_the_chunks_a_histogram_materialized(monkeypatch):
     """Where the histogram materialized a sequence layer's individual gradients (its range
     settled after the first step), ‖g_n‖ is read from them, not formed again from Gram
-    matrices: the same NormTest to rounding."""
+    matrices: the same NormTest to rounding (the weights one by one, not stacked)."""
+    monkeypatch.setattr(stacked, "capacity", lambda sg, budget: 0)
     alone, grams_alone = norm_test_run(False, monkeypatch)
     shared, grams_shared = norm_test_run(True, monkeypatch)
     assert grams_alone == [True] * 2 * 3  # two weights, three steps

@@ -14,6 +14,10 @@ per parameter and reduces each to the statistics the step's instruments need:
   needs the parameter's gradient, which arrives right after the layer's output gradient,
   the :class:`SampleGrads` waits for it (``pending``).
 
+On accelerators, whose host the kernels bind, two kinds of parameters wait to be formed
+together: small ones until the backward pass ends (:mod:`cockpit.engine.side_by_side`), and
+Linear weights of one shape until a stack of them is full and their gradients have arrived
+(:mod:`cockpit.engine.stacked`: a transformer's blocks in the kernels of one layer).
 Parameters used by several calls (tied weights) have their individual gradients summed over
 the calls (``accumulated``) and are reduced when the backward pass ends. A parameter whose
 |B| individual gradients exceed the engine's ``memory_budget`` (bytes) is reduced in sample
@@ -29,13 +33,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from cockpit.engine import side_by_side
+from cockpit.engine import side_by_side, stacked
 from cockpit.engine.capture.end_of_backward import queue_at_end_of_backward
 from cockpit.engine.dtypes import promote
 from cockpit.engine.histograms.device import device_path
@@ -105,6 +110,14 @@ class CallProcessor:
         # small parameters' individual gradients, waiting for the end of the backward pass
         # to be reduced side by side (:meth:`reduce`)
         self.small: dict[str, DenseSampleGrads] = {}
+        # Linear weights waiting to be formed with others of their shape: the open stack of
+        # each shape, and every waiting weight's stack (:mod:`cockpit.engine.stacked`)
+        self.stacks: dict[tuple, stacked.Stack] = {}
+        self.stacked: dict[str, stacked.Stack] = {}
+        self._stacks_queued = False
+        # the backward pass has ended and its remaining calls are processed (deferred
+        # units): the grouped work is formed when they are done, not queued in autograd
+        self.after_backward = False
         # calls kept (inputs and individual output gradients) for later projections
         self.kept_calls: list[Call] = []
 
@@ -118,6 +131,7 @@ class CallProcessor:
         or failed)."""
         self.accumulated, self.pending, self.small = {}, {}, {}
         self.unformed = set()
+        self.stacks, self.stacked, self._stacks_queued = {}, {}, False
 
     def fail(self, message: str) -> None:
         """Record why the per-sample statistics of this backward pass are invalid."""
@@ -220,9 +234,15 @@ class CallProcessor:
         self.pending = {}
 
     def gradient_arrived(self, name: str) -> None:
-        """The parameter's gradient is known: form the dot products that waited for it."""
+        """The parameter's gradient is known: form the dot products that waited for it (and
+        a full stack of Linear weights whose last gradient this was)."""
         if name in self.pending:
             self.reduce_dots_guarded(name, self.pending.pop(name))
+        stack = self.stacked.get(name)
+        if stack is not None and name in stack.waiting:
+            stack.waiting.discard(name)
+            if stack.full and not stack.waiting:
+                self.reduce_stack_guarded(stack)
 
     @staticmethod
     def individual(grad: Tensor, weights: Tensor, batch_dim: int) -> Tensor:
@@ -300,12 +320,13 @@ class CallProcessor:
     def reduce_guarded(self, name: str, sg: SampleGrads) -> None:
         self.guarded(name, self.reduce, name, sg)
 
-    def reduce(self, name: str, sg: SampleGrads) -> None:
+    def reduce(self, name: str, sg: SampleGrads, alone: bool = False) -> None:
         """Every requested statistic of one parameter from its individual gradients, in one
         loop over the registry that hands them the same :class:`SampleGrads` (materialized
         at most once, :func:`shared_chunks`) and :class:`LayerContext`; then the dot
-        products (now, or when the parameter's gradient arrives)."""
-        if self._waits_side_by_side(name, sg):
+        products (now, or when the parameter's gradient arrives). Unless ``alone``, small
+        parameters and Linear weights may first wait to be formed with others."""
+        if not alone and (self._waits_side_by_side(name, sg) or self._waits_stacked(name, sg)):
             return
         engine = self.engine
         stats, needs = engine.stats, engine.needs
@@ -526,8 +547,8 @@ class CallProcessor:
     def _waits_side_by_side(self, name: str, sg: SampleGrads) -> bool:
         """Whether this parameter waits for the end of the backward pass, to be reduced
         with the other small ones (:mod:`cockpit.engine.side_by_side`; on accelerators,
-        whose host the kernels bind; queued with the first of the pass; False outside a
-        backward pass)."""
+        whose host the kernels bind; queued with the first of the pass, or formed by the
+        tracker's end for calls processed after the pass; False outside either)."""
         engine = self.engine
         if (type(sg) is not DenseSampleGrads or not device_path(sg.unscaled.device)
                 or sg.scratch_bytes() > SMALL_BYTES or engine.state.frozen_pass
@@ -536,7 +557,8 @@ class CallProcessor:
                 # compute_dtypes, whose sums of individual gradients are not formed here)
                 or engine.sharded):
             return False
-        if not self.small and not queue_at_end_of_backward(self.reduce_side_by_side):
+        if (not self.small and not self.after_backward
+                and not queue_at_end_of_backward(self.reduce_side_by_side)):
             return False
         self.small[name] = sg  # type: ignore[assignment]
         return True
@@ -574,29 +596,119 @@ class CallProcessor:
             for name, value in zip(names, values, strict=True):
                 if value is not None:
                     stats[statistic.name][name] = value
+        self._dots_together(names, sgs, side.dots,
+                            lambda index, vectors: sgs[index].dots_many(vectors))
+
+    def _dots_together(self, names: list[str], sgs: Sequence[SampleGrads],
+                       together: Callable[[list[list[Tensor]]], Tensor],
+                       alone: Callable[[int, list[Tensor]], Tensor]) -> None:
+        """The dot products of parameters formed together (side by side, or stacked): by
+        ``together`` (every parameter's directions → [g_{n,p}ᵀu_{k,p}]_{k,n,p}) where each
+        has the same number of them and every gradient has arrived, else by ``alone``
+        (parameter index, its directions → [K, N]); the providers asked once for all. A
+        parameter whose gradient has not arrived waits for it (``pending``)."""
         dotted = []
-        for name, sg in zip(names, sgs, strict=True):
+        for index, (name, sg) in enumerate(zip(names, sgs, strict=True)):
             if self._waits_for_gradient(name, sg):  # (its gradient never arrived)
                 self.pending[name] = sg
             else:
-                dotted.append((name, sg))
+                dotted.append((index, name, sg))
         if not dotted:
             return
-        bases = self._bases([name for name, _ in dotted])
-        plans = [self._plan_dots(name, sg, bases.get(name)) for name, sg in dotted]
+        bases = self._bases([name for _, name, _ in dotted])
+        plans = [self._plan_dots(name, sg, bases.get(name)) for _, name, sg in dotted]
         sizes = {len(plan.vectors) for plan in plans}
         if len(sizes) == 1 and 0 not in sizes and len(plans) == len(names):
-            block = side.dots([plan.vectors for plan in plans])
+            block = together([plan.vectors for plan in plans])
             layouts = {plan.rows_read() for plan in plans}
             if len(layouts) == 1 and None not in layouts:
                 self._record_dots_together(plans, block)
                 return
             dots: list[Tensor | None] = list(block.unbind(2))
         else:
-            dots = [sg.dots_many(plan.vectors) if plan.vectors else None
-                    for plan, (_, sg) in zip(plans, dotted, strict=True)]
+            dots = [alone(index, plan.vectors) if plan.vectors else None
+                    for plan, (index, _, _) in zip(plans, dotted, strict=True)]
         for plan, value in zip(plans, dots, strict=True):
             self._record_dots(plan, value)
+
+    # ------------------------------------------------------------------ stacked
+    def _waits_stacked(self, name: str, sg: SampleGrads) -> bool:
+        """Whether this Linear weight waits to be formed with others of its shape
+        (:mod:`cockpit.engine.stacked`; on accelerators, whose host the kernels bind). A
+        stack is formed when it is full and its last gradient has arrived, or when the
+        backward pass ends (or the tracker's end, for calls processed after the pass; False
+        outside either)."""
+        engine = self.engine
+        if (type(sg) not in stacked.STACKABLE or engine.state.frozen_pass
+                or name in engine.state.multi_use or engine.sharded):
+            return False
+        group = stacked.key(sg)  # type: ignore[arg-type]
+        if group is None or not device_path(group[-1]):
+            return False
+        size = stacked.capacity(sg, engine.memory_budget)  # type: ignore[arg-type]
+        if size < 2:
+            return False
+        if not (self._stacks_queued or self.after_backward):
+            if not queue_at_end_of_backward(self.reduce_stacked):
+                return False
+            self._stacks_queued = True
+        stack = self.stacks.get(group)
+        if stack is None:
+            stack = self.stacks[group] = stacked.Stack(size)
+        stack.add(name, sg)  # type: ignore[arg-type]
+        self.stacked[name] = stack
+        if self._waits_for_gradient(name, sg):
+            stack.waiting.add(name)
+        if stack.full:
+            del self.stacks[group]
+            if not stack.waiting:
+                self.reduce_stack_guarded(stack)
+        return True
+
+    def reduce_stacked(self) -> None:
+        """Form every stack still waiting (the backward pass ended). Never raises into the
+        backward pass (a failure is recorded, unless ``strict``)."""
+        self._stacks_queued = False
+        waiting = list({id(stack): stack for stack in self.stacked.values()}.values())
+        self.stacks = {}
+        for stack in waiting:
+            self.reduce_stack_guarded(stack)
+
+    def reduce_stack_guarded(self, stack: stacked.Stack) -> None:
+        label = (stack.names[0] if len(stack.names) == 1
+                 else f"{len(stack.names)} stacked Linear weights ({stack.names[0]}, …)")
+        self.guarded(label, self._reduce_stack, stack)
+
+    def _reduce_stack(self, stack: stacked.Stack) -> None:
+        """Every statistic of a stack's Linear weights from their individual gradients
+        formed at once (:class:`~cockpit.engine.stacked.StackedGrads`): the statistics with
+        a stacked form by it, the others per weight from its slice (no second
+        materialization), then the dot products by one batched product."""
+        for name in stack.names:
+            self.stacked.pop(name, None)
+        names, sgs = stack.names, stack.grads
+        if len(names) == 1:
+            self.reduce(names[0], sgs[0], alone=True)
+            return
+        engine = self.engine
+        stats = engine.stats
+        assert stats is not None
+        block = stacked.StackedGrads(sgs)
+        layers = [LayerContext(name, engine) for name in names]
+        with contextlib.ExitStack() as scope:
+            for sg, layer in zip(sgs, layers, strict=True):
+                scope.enter_context(shared_chunks(sg, layer))
+            for statistic in requested(engine.needs):
+                values = statistic.form_stacked(block, layers)
+                if values is None:
+                    for index, layer in enumerate(layers):  # (each weight's slice of G)
+                        layer.chunks = layer.chunks or [block.layer(index)]
+                    values = [statistic.form(sg, layer)
+                              for sg, layer in zip(sgs, layers, strict=True)]
+                for name, value in zip(names, values, strict=True):
+                    if value is not None:
+                        stats[statistic.name][name] = value
+            self._dots_together(names, sgs, block.dots, block.layer_dots)
 
     def _record_dots_together(self, plans: list[_DotPlan], block: Tensor) -> None:
         """:meth:`_record_dots` of parameters side by side whose plans read the same rows

@@ -389,13 +389,16 @@ class ModuleTracker:
                 self._see_optimizer_gradients()
             if self.sharded:  # FSDP has freed the unsharded parameters again by now
                 self.gathered_params = self._gather_for_end()
+            self.processor.after_backward = True  # (grouped work is formed right below)
             self.capture.process_remaining()
             self.processor.reduce_accumulated()
             self.processor.reduce_side_by_side()  # (what the end of the backward pass left)
+            self.processor.reduce_stacked()
             self.processor.reduce_pending()
             self.processor.guarded("per-sample statistics", self.stats.finish)
         finally:
             self.active = False
+            self.processor.after_backward = False
             self.processor.drop_waiting()
             self.release_step_cache()
             self.clear_calls()

@@ -64,6 +64,9 @@ def _kernel():
               PADDED: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
               ITERS: tl.constexpr, WIDEN: tl.constexpr, UNIFORM: tl.constexpr):
         pid = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)  # (rows counted apart: n values each)
+        x_ptr += row * n
+        out_ptr += row * (LANES * SLOTS)
         hist = tl.zeros([PADDED], dtype=tl.int32)
         for step in range(ITERS):
             offsets = (pid * ITERS + step) * BLOCK + tl.arange(0, BLOCK)
@@ -148,13 +151,21 @@ def tally_values(x: Tensor, edges: Tensor, num_lanes: int,
     up to x's dtype): the index is estimated from (x − lo)/w and corrected by one comparison
     each way (exact: the estimate is within one of the index for up to
     :data:`MAX_UNIFORM_BINS` bins) instead of a binary search."""
-    n = x.numel()
+    return tally_rows(x.reshape(1, -1), edges, num_lanes, uniform)[0]
+
+
+def tally_rows(x: Tensor, edges: Tensor, num_lanes: int,
+               uniform: tuple[float, float] | None = None) -> Tensor:
+    """:func:`tally_values` of every row of ``x`` [R, M] apart, in one launch: [R, L · slots]
+    (the individual gradients of R layers of one shape, each row at most
+    :func:`block_limit` values)."""
+    rows, n = x.shape
     if n > block_limit(num_lanes):
         raise ValueError(f"{n} values exceed the block of {block_limit(num_lanes)} that "
                          "keeps every float32 counter exact: split them")
     slots = edges.numel() + 1
-    out = torch.zeros(num_lanes * slots, dtype=torch.float32, device=x.device)
-    if n == 0:
+    out = torch.zeros(rows, num_lanes * slots, dtype=torch.float32, device=x.device)
+    if n == 0 or rows == 0:
         return out
     bins = edges.numel() - 1
     uniform = uniform if uniform is not None and bins <= MAX_UNIFORM_BINS else None
@@ -164,8 +175,8 @@ def tally_values(x: Tensor, edges: Tensor, num_lanes: int,
     iters = 1 << max(0, -(-reads // (num_lanes * PROGRAMS_PER_LANE)) - 1).bit_length()
     programs = -(-reads // iters)
     assert -(-programs // num_lanes) * iters * BLOCK <= 2**24  # see the module's docstring
-    _kernel()[(programs,)](
-        x.contiguous().view(-1), edges.to(x.dtype).contiguous(), out, n, low_edge,
+    _kernel()[(programs, rows)](
+        x.contiguous(), edges.to(x.dtype).contiguous(), out, n, low_edge,
         inverse_width, EDGES=edges.numel(),
         STEPS=max(1, math.ceil(math.log2(edges.numel() + 1))), SLOTS=slots,
         PADDED=1 << slots.bit_length(), LANES=num_lanes, BLOCK=BLOCK, ITERS=iters,

@@ -466,6 +466,11 @@ class SequenceOuterSampleGrads(SampleGrads):
         return widened
 
     @property
+    def factors(self) -> tuple[Tensor, Tensor]:
+        """(δ, a) as the layer handed them, before any widening to ``wide``."""
+        return self._factors
+
+    @property
     def delta(self) -> Tensor:
         return self._factor(0)
 

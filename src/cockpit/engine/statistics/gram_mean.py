@@ -11,9 +11,12 @@ dot-product pass, beside the projections.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor
 
 from cockpit.engine.rules.sample_grads import SampleGrads
+from cockpit.engine.stacked import StackedGrads
 from cockpit.engine.statistics.registry import Combine, LayerContext, Merge, Statistic, register
 
 
@@ -26,6 +29,10 @@ class GramMean(Statistic):
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor | None:
         return None if sg.fuse_dots else sg.gram_mean()
+
+    def form_stacked(self, stack: StackedGrads, layers: Sequence[LayerContext]
+                     ) -> list[None]:
+        return [None] * len(layers)  # (stacked on accelerators: a row of the dot products)
 
 
 GRAM_MEAN = register(GramMean()).name

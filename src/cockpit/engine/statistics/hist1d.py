@@ -23,6 +23,7 @@ from cockpit.engine.rules.sample_grads import (
     SampleGrads,
 )
 from cockpit.engine.side_by_side import SideBySide
+from cockpit.engine.stacked import StackedGrads
 from cockpit.engine.statistics.registry import (
     Counts,
     LayerContext,
@@ -69,6 +70,13 @@ class Hist1d(Counts):
         if isinstance(spec, AutoRange) or not device_path(side.rows.device):
             return None  # (the range's keys, and the CPU's exact counts: per parameter)
         return side.histograms(spec)
+
+    def form_stacked(self, stack: StackedGrads, layers: Sequence[LayerContext]
+                     ) -> list[Tensor | LaneCounts] | None:
+        spec = layers[0].context.hist_spec
+        if isinstance(spec, AutoRange):
+            return None  # (the range's keys: per layer, from its slice)
+        return stack.histograms(spec, layers[0].context.memory_budget)
 
     def finish(self, values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
         return sum_lanes(values)

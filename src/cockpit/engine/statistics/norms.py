@@ -13,6 +13,7 @@ from torch import Tensor
 
 from cockpit.engine.rules.sample_grads import SampleGrads
 from cockpit.engine.side_by_side import SideBySide
+from cockpit.engine.stacked import StackedGrads
 from cockpit.engine.statistics.registry import Combine, LayerContext, Merge, Statistic, register
 
 
@@ -30,6 +31,10 @@ class Norms(Statistic):
     def form_side_by_side(self, side: SideBySide, layers: Sequence[LayerContext]
                           ) -> list[Tensor]:
         return side.norms()
+
+    def form_stacked(self, stack: StackedGrads, layers: Sequence[LayerContext]
+                     ) -> list[Tensor]:
+        return stack.norms()
 
 
 NORMS = register(Norms()).name

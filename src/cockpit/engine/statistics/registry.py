@@ -10,7 +10,8 @@ A per-sample statistic is one object (one file of this package) that says
   combined by the parallel-variance identity, and statistics relative to the batch's own
   mean (g_nᵀḡ) cannot be merged at all;
 * optionally, how the values of many small parameters are formed at once
-  (:meth:`Statistic.form_side_by_side`: biases and normalization weights side by side);
+  (:meth:`Statistic.form_side_by_side`: biases and normalization weights side by side), and
+  those of Linear weights of one shape (:meth:`Statistic.form_stacked`);
 * optionally, how the values of every parameter are finished together when the backward
   pass ends (:meth:`Statistic.finish`: the histograms sum the lanes of all their counts in a
   few ops, not two per parameter);
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from cockpit.engine.histograms.exact import BinSpec
     from cockpit.engine.rules.sample_grads import SampleGrads
     from cockpit.engine.side_by_side import SideBySide
+    from cockpit.engine.stacked import StackedGrads
     from cockpit.engine.statistics.backward import BackwardStatistics
 
 
@@ -137,6 +139,14 @@ class Statistic:
         """The values of several small parameters at once, from their individual gradients
         side by side (:mod:`cockpit.engine.side_by_side`; ``layers``: one context per
         parameter, in the order of ``side``), or None: then :meth:`form` per parameter."""
+        return None
+
+    def form_stacked(self, stack: StackedGrads, layers: Sequence[LayerContext]
+                     ) -> Sequence[Tensor | LaneCounts] | None:
+        """The values of several Linear weights of one shape at once, from their individual
+        gradients stacked (:mod:`cockpit.engine.stacked`; ``layers``: one context per weight,
+        in the order of ``stack``, each holding its slice as its chunks), or None: then
+        :meth:`form` per weight."""
         return None
 
     def finish(self, values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:

@@ -1,0 +1,197 @@
+r"""Linear layers of one shape stacked: their statistics in the kernels of one layer.
+
+A tracked step on an accelerator is bound by the host issuing kernels, and every Linear
+layer costs the same dozen of them whatever its size (its individual gradients, their
+norms, a histogram's three, the dot products). Transformers repeat a few shapes many
+times (GPT-2's blocks: four Linear shapes, each once per block), so the processor
+(:class:`~cockpit.engine.processing.CallProcessor`) holds the factors (δ, a) of Linear
+weights with the same shape, number of samples and dtype until a stack of them is full (or
+the backward pass ends) and forms the individual gradients of all L layers at once,
+
+    G = [G_1; …; G_L] ∈ R^{L × N × D},   G_l = [g_{l,1} … g_{l,N}]ᵀ,
+    g_{l,n} = Σ_t δ_{l,n,t} a_{l,n,t}ᵀ   (one ``bmm`` of the concatenated factors),
+
+from which
+
+* ‖g_{l,n}‖: one norm over the L·N rows;
+* the counts of GradHist1d (eq. 15) per layer: every element's search index (the same
+  edges as one layer alone) plus its lane's and its layer's offset, counted by one
+  ``histc`` over L·(lanes)·(bins + 2) slots (:func:`cockpit.engine.histograms.device.tally`
+  for one layer); where the one-pass kernel counts (CUDA, many values) one launch for all
+  layers, each counted apart (:func:`cockpit.engine.histograms.fused.tally_rows`);
+* g_{l,n}ᵀu_{l,k} for K directions per layer: one batched product U G_lᵀ, [L, K, N].
+
+A stack's individual gradients take at most half the memory budget and its histogram's
+search and spread index (8 bytes a value, in blocks of layers) the other half, so that its
+scratch stays within what one large layer may hold. The values equal those of
+one layer at a time up to the order of float additions (the same products G; the norms and
+dot products summed over G instead of the factors).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from cockpit.engine.dtypes import in_dtype
+from cockpit.engine.histograms import fused
+from cockpit.engine.histograms.device import (
+    COUNTER_LIMIT,
+    DEFAULT_BUDGET,
+    LaneCounts,
+    bin_index,
+    dense_tallies,
+    lane_counts_1d,
+    lanes,
+)
+from cockpit.engine.histograms.exact import BinSpec, device_edges
+from cockpit.engine.rules.sample_grads import OuterSampleGrads, SequenceOuterSampleGrads
+
+STACKABLE = (OuterSampleGrads, SequenceOuterSampleGrads)
+"""The representations whose individual gradients a stack forms together (Linear weights)."""
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def key(sg: OuterSampleGrads | SequenceOuterSampleGrads) -> tuple | None:
+    """What layers stacked together share (their representation, N, the factors' shapes
+    and dtypes, the device), or None where ``sg`` is not stacked (half-precision
+    gradients: one layer at a time, as their histograms bin them)."""
+    if type(sg) is OuterSampleGrads:
+        delta, a, wide = sg.delta, sg.a, None
+        if delta.dtype != a.dtype or delta.dtype not in _WIDE:
+            return None
+    elif type(sg) is SequenceOuterSampleGrads:
+        delta, a = sg.factors
+        wide = sg.wide
+        if sg.dtype not in _WIDE:
+            return None
+    else:
+        return None
+    return (type(sg), tuple(delta.shape), tuple(a.shape), delta.dtype, a.dtype, wide,
+            delta.device)
+
+
+def capacity(sg: OuterSampleGrads | SequenceOuterSampleGrads, budget: int | None) -> int:
+    """How many layers like ``sg`` one stack holds: their |B| individual gradients within
+    half the memory budget (None: :data:`DEFAULT_BUDGET`)."""
+    half = (DEFAULT_BUDGET if budget is None else budget) // 2
+    return half // max(sg.num_samples * sg.shape.numel() * sg.dtype.itemsize, 1)
+
+
+class Stack:
+    """The Linear weights of one :func:`key` waiting to be formed together (at most
+    ``size`` of them), and the names whose parameter gradient has not arrived yet."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.names: list[str] = []
+        self.grads: list[OuterSampleGrads | SequenceOuterSampleGrads] = []
+        self.waiting: set[str] = set()
+
+    @property
+    def full(self) -> bool:
+        return len(self.names) >= self.size
+
+    def add(self, name: str, sg: OuterSampleGrads | SequenceOuterSampleGrads) -> None:
+        self.names.append(name)
+        self.grads.append(sg)
+
+
+class StackedGrads:
+    """G = [G_1; …; G_L], [L, N, D], of L Linear weights of one :func:`key`."""
+
+    def __init__(self, grads: Sequence[OuterSampleGrads | SequenceOuterSampleGrads]):
+        first = grads[0]
+        self.num_layers, self.num_samples = len(grads), first.num_samples
+        self.shape = first.shape
+        if type(first) is SequenceOuterSampleGrads:
+            delta, a = (_cat_widened([sg.factors[i] for sg in grads], first.wide)  # type: ignore[union-attr]
+                        for i in (0, 1))
+            rows = torch.bmm(delta.transpose(1, 2), a)  # [L·N, I, J]
+        else:
+            delta = torch.cat([sg.delta for sg in grads])  # type: ignore[union-attr]
+            a = torch.cat([sg.a for sg in grads])  # type: ignore[union-attr]
+            rows = delta.unsqueeze(2) * a.unsqueeze(1)
+        self.rows = rows.view(self.num_layers, self.num_samples, -1)
+
+    def layer(self, index: int) -> Tensor:
+        """G_l as the individual gradients of layer l, [N, I, J] (a view)."""
+        return self.rows[index].view(self.num_samples, *self.shape)
+
+    def norms(self) -> list[Tensor]:
+        """‖g_{l,n}‖, [N] per layer: one norm over every row."""
+        norms = torch.linalg.vector_norm(self.rows, dim=2)  # [L, N]
+        return list(norms.unbind(0))
+
+    def dots(self, directions: Sequence[Sequence[Tensor]]) -> Tensor:
+        """[g_{l,n}ᵀu_{l,k}]_{k,n,l}, [K, N, L] (``directions[l]``: layer l's K directions,
+        each of the weight's shape or flat)."""
+        k = len(directions[0])
+        stacked = torch.stack([u for us in directions for u in us])  # [L·K, *shape]
+        u = in_dtype(stacked.view(self.num_layers, k, -1), self.rows.dtype)
+        return torch.bmm(u, self.rows.transpose(1, 2)).permute(1, 2, 0)
+
+    def layer_dots(self, index: int, directions: Sequence[Tensor]) -> Tensor:
+        """[g_{l,n}ᵀu_k]_{k,n} of layer l alone, [K, N]."""
+        u = torch.stack([v.reshape(-1) for v in directions])
+        return in_dtype(u, self.rows.dtype) @ self.rows[index].T
+
+    def histograms(self, spec: BinSpec, budget: int | None) -> list[Tensor | LaneCounts]:
+        """Counts [bins] of every layer's N·D elements in ``spec``'s bins, with the edges of
+        one layer alone (see the module docstring), int64: by one launch of the one-pass
+        kernel where it counts, else the layers in blocks whose index and spread index
+        (8 bytes a value) fit half of ``budget``."""
+        values, edges = device_edges(self.rows, spec)
+        slots = edges.numel() + 1
+        per_layer = values.shape[1] * values.shape[2]
+        uniform = (spec.lo, spec.hi)
+        if fused.available(values) and per_layer <= fused.block_limit(lanes(slots)):
+            try:
+                tallies = fused.tally_rows(values.view(self.num_layers, -1), edges,
+                                           lanes(slots), uniform)
+                return list(_finite(tallies.view(self.num_layers, -1, slots)).unbind(0))
+            except Exception as error:  # e.g. no compiler for Triton: count without it
+                fused.disable(error)
+        num_lanes = lanes(self.num_layers * slots)
+        if per_layer % num_lanes or per_layer > num_lanes * COUNTER_LIMIT:
+            # (an odd size, or more values than the stack's fewer lanes count exactly)
+            return [lane_counts_1d(dense_tallies([layer], edges, budget, uniform), spec.bins)
+                    for layer in values.unbind(0)]
+        flat = values.view(self.num_layers, -1, num_lanes)
+        scratch = (DEFAULT_BUDGET if budget is None else budget) // 16  # (half the budget)
+        step = max(1, scratch // per_layer)
+        counts: list[Tensor | LaneCounts] = []
+        for part in flat.split(step):
+            layers = part.shape[0]
+            spread = torch.add(bin_index(part, edges),
+                               _offsets(layers, num_lanes, slots, part.device))
+            total = layers * num_lanes * slots
+            tally = torch.histc(spread, bins=total, min=0, max=total)
+            counts += _finite(tally.view(layers, num_lanes, slots)).unbind(0)
+        return counts
+
+
+def _finite(tallies: Tensor) -> Tensor:
+    """The counts of the finite values, [layers, bins] int64, from lane counts
+    [layers, lanes, slots] (slots 1 … bins; float32 counts of at most 2^24: exact)."""
+    return tallies[:, :, 1:-1].sum(1, dtype=torch.long)
+
+
+def _cat_widened(parts: list[Tensor], wide: torch.dtype | None) -> Tensor:
+    """The layers' factors concatenated over the samples, in ``wide`` (narrow factors are
+    widened once, after the concatenation)."""
+    joined = torch.cat(parts)
+    return joined if wide is None or joined.dtype == wide else joined.to(wide)
+
+
+@functools.lru_cache(maxsize=32)
+def _offsets(layers: int, num_lanes: int, slots: int, device: torch.device) -> Tensor:
+    """l·L·slots + k·slots + ½ for lane k of layer l, [layers, 1, L] float32 (exact: below
+    2^24)."""
+    lane = torch.arange(num_lanes, dtype=torch.float32) * slots
+    layer = torch.arange(layers, dtype=torch.float32) * (num_lanes * slots)
+    return (layer.view(-1, 1, 1) + lane.view(1, 1, -1) + 0.5).to(device)

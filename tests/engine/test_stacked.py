@@ -1,0 +1,215 @@
+"""Linear weights of one shape stacked (``cockpit.engine.stacked``): the norms, dot products
+and exact histogram counts of G = [G_1; …; G_L] against each layer's own individual
+gradients formed by brute force, and tracked steps whose every instrument equals the
+layer-at-a-time path (sequences, plain Linear layers, GPT-2's ``Conv1D``; with a memory
+budget that splits the stacks; with micro-batches), at ops that do not grow with depth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from cockpit import Cockpit, configuration
+from cockpit.engine import stacked
+from cockpit.engine.histograms import device as histogram_device
+from cockpit.engine.histograms.exact import BinSpec, histogram_dense_counts
+from cockpit.engine.rules.sample_grads import OuterSampleGrads, SequenceOuterSampleGrads
+from cockpit.engine.stacked import StackedGrads
+from tests.engine.test_memory_budget import assert_same_outputs, leaves
+from tests.engine.test_side_by_side import tracked_step_ops
+
+
+def sequence_grads(layers: int, dtype: torch.dtype, n: int = 5, t: int = 3, i: int = 4,
+                   j: int = 6, seed: int = 0) -> list[SequenceOuterSampleGrads]:
+    gen = torch.Generator().manual_seed(seed)
+    return [SequenceOuterSampleGrads(torch.randn(n, t, i, generator=gen).to(dtype),
+                                     torch.randn(n, t, j, generator=gen).to(dtype))
+            for _ in range(layers)]
+
+
+def brute_force(sg) -> torch.Tensor:
+    """g_n of one layer in float64 by an einsum over the factors."""
+    if isinstance(sg, OuterSampleGrads):
+        return torch.einsum("ni,nj->nij", sg.delta.double(), sg.a.double())
+    delta, a = sg.factors
+    return torch.einsum("nti,ntj->nij", delta.double(), a.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["sequence", "outer"])
+def test_norms_and_dots_are_each_layers_own(dtype, kind):
+    gen = torch.Generator().manual_seed(1)
+    if kind == "sequence":
+        grads = sequence_grads(3, dtype)
+    else:
+        grads = [OuterSampleGrads(torch.randn(5, 4, generator=gen).to(dtype),
+                                  torch.randn(5, 6, generator=gen).to(dtype)) for _ in range(3)]
+    stack = StackedGrads(grads)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    for norms, sg in zip(stack.norms(), grads, strict=True):
+        torch.testing.assert_close(norms.double(), brute_force(sg).flatten(1).norm(dim=1), **tol)
+    directions = [[torch.randn(4, 6, generator=gen, dtype=dtype) for _ in range(2)]
+                  for _ in grads]
+    block = stack.dots(directions)
+    assert block.shape == (2, 5, 3)
+    for index, (sg, us) in enumerate(zip(grads, directions, strict=True)):
+        flat = brute_force(sg).flatten(1)
+        expected = torch.stack([flat @ u.double().reshape(-1) for u in us])
+        torch.testing.assert_close(block[:, :, index].double(), expected, **tol)
+        torch.testing.assert_close(stack.layer_dots(index, us).double(), expected, **tol)
+
+
+def edge_grads(layers: int, n: int, i: int, j: int, spec: BinSpec) -> list[OuterSampleGrads]:
+    """Outer factors (a = 1) whose products are the spec's edges, their neighbours, zeros,
+    values outside the range and non-finite ones."""
+    gen = torch.Generator().manual_seed(2)
+    edges = torch.linspace(spec.lo, spec.hi, spec.bins + 1)
+    special = torch.cat([torch.tensor([5.0, -5.0, float("inf"), float("-inf"), float("nan"),
+                                       0.0, -0.0]),
+                         edges, torch.nextafter(edges, torch.tensor(-9.0)),
+                         torch.nextafter(edges, torch.tensor(9.0))])
+    out = []
+    for _ in range(layers):
+        values = torch.rand(n * i, generator=gen) * 2.4 - 1.2
+        values[: min(len(special), len(values))] = special[: len(values)]
+        values = values[torch.randperm(len(values), generator=gen)]
+        out.append(OuterSampleGrads(values.view(n, i), torch.ones(n, j)))
+    return out
+
+
+@pytest.mark.parametrize(("n", "i", "j", "budget"), [
+    (8, 16, 4, None),     # every layer's size a multiple of the lanes: one histc for all
+    (4, 64, 8, 2**16),    # blocks of two layers within half the budget (4096 values)
+    (3, 7, 5, None),      # an odd size: each layer's own tallies
+])
+def test_histograms_are_each_layers_exact_counts(n, i, j, budget):
+    spec = BinSpec(-1.0, 1.0, 10)
+    grads = edge_grads(5, n, i, j, spec)
+    with histogram_device.forced():
+        counts = StackedGrads(grads).histograms(spec, budget)
+    for got, sg in zip(counts, grads, strict=True):  # (the CPU path's exact counts)
+        got = got.counts() if isinstance(got, histogram_device.LaneCounts) else got
+        expected = histogram_dense_counts([sg.materialize()], spec)
+        assert got.dtype == torch.int64 and torch.equal(got, expected)
+        assert 0 < int(expected.sum()) < n * i * j  # (non-finite and outside values left out)
+
+
+# ---------------------------------------------------------------- tracked steps
+
+
+class Tokens(nn.Module):
+    """Four Linear layers of one shape on sequences [N, T, 6], a head on their mean."""
+
+    def __init__(self, depth: int = 4):
+        super().__init__()
+        self.blocks = nn.Sequential(*[m for _ in range(depth)
+                                      for m in (nn.Linear(6, 6), nn.Tanh())])
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean(1))
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=20, n_embd=8, n_layer=3, n_head=2, n_positions=6, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel._from_config(config, attn_implementation="eager")
+
+
+def problem(kind: str):
+    """model, inputs, losses(model, inputs)."""
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 3, (8,), generator=gen)
+    if kind == "gpt2":
+        ids = torch.randint(0, 20, (8, 6), generator=gen)
+
+        def lm_losses(model, ids):
+            logits = model(input_ids=ids).logits[:, :-1]
+            return nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:],
+                                               reduction="none").mean(1)
+
+        return gpt2().double(), ids, lm_losses
+    if kind == "sequence":
+        x = torch.randn(8, 5, 6, generator=gen, dtype=torch.float64)
+        return Tokens().double(), x, lambda m, x: nn.functional.cross_entropy(
+            m(x), y[: len(x)], reduction="none")
+    x = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(6, 6), nn.Tanh())],
+                          nn.Linear(6, 3)).double()
+    return model, x, lambda m, x: nn.functional.cross_entropy(m(x), y[: len(x)],
+                                                              reduction="none")
+
+
+def outputs(kind: str, config: str, stacks: bool, monkeypatch, micro_batches: int = 1,
+            budget: int | None = 2**29) -> tuple[dict, list[int]]:
+    """Every instrument's output over three steps (AdamW, the accelerators' path), and the
+    number of layers of every stack formed."""
+    sizes: list[int] = []
+    original_init = StackedGrads.__init__
+
+    def spy(self, grads):
+        sizes.append(len(grads))
+        original_init(self, grads)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(StackedGrads, "__init__", spy)
+        if not stacks:
+            patch.setattr(stacked, "capacity", lambda sg, budget: 0)
+        patch.setattr(histogram_device, "_forced", True)
+        torch.manual_seed(0)
+        model, x, losses_of = problem(kind)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cockpit = Cockpit(model, configuration(config), optimizer=opt, strict=True,
+                          memory_budget=budget, grad_accumulation=micro_batches > 1)
+        for step in range(3):
+            opt.zero_grad()
+            for part in x.tensor_split(micro_batches):
+                losses = losses_of(model, part)
+                with cockpit(step, losses=losses):
+                    (losses.sum() / len(x)).backward()
+            opt.step()
+        cockpit.close()
+    return cockpit.get_output(), sizes
+
+
+@pytest.mark.parametrize(("kind", "config", "micro_batches", "expected_sizes"), [
+    ("sequence", "economy", 1, [4] * 3),
+    ("sequence", "business", 2, [4] * 6),
+    ("outer", "economy", 1, [4] * 3),
+    ("outer", "business", 1, [4] * 3),
+    ("gpt2", "economy", 1, [3] * 4 * 3),  # c_attn, attn.c_proj, c_fc, mlp.c_proj × 3 steps
+    ("gpt2", "economy", 2, [3] * 4 * 6),
+])
+def test_every_instrument_equals_one_layer_at_a_time(kind, config, micro_batches,
+                                                     expected_sizes, monkeypatch):
+    """Over three steps: Alpha's projections on Adam's update, the gradient tests, the
+    histograms (GradHist2d too in business), with micro-batches the merged statistics."""
+    expected, none = outputs(kind, config, False, monkeypatch, micro_batches)
+    got, sizes = outputs(kind, config, True, monkeypatch, micro_batches)
+    assert none == [] and sorted(sizes) == expected_sizes
+    for step in expected:
+        assert sum(v is not None for _, v in leaves(expected[step])) > 20
+    assert_same_outputs(expected, got)
+
+
+def test_the_memory_budget_splits_the_stacks(monkeypatch):
+    """A budget whose half holds two layers' individual gradients (8 × 36 float64 numbers
+    each): the four weights in two stacks of two, the same outputs."""
+    budget = 2 * (2 * 8 * 36 * 8) + 10
+    expected, _ = outputs("outer", "economy", False, monkeypatch, budget=budget)
+    got, sizes = outputs("outer", "economy", True, monkeypatch, budget=budget)
+    assert sizes == [2, 2] * 3
+    assert_same_outputs(expected, got)
+
+
+def test_stacked_weights_cost_the_same_kernels_however_many(monkeypatch):
+    """2 or 6 weights of one shape: one materialization, one norm, one histogram search and
+    count, one prediction of Adam's update and one batched dot product for all of them."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    few, many = tracked_step_ops(2), tracked_step_ops(6)  # (blocks of Linear(6, 6) and more)
+    for op in ("bmm", "linalg_vector_norm", "bucketize", "histc", "_fused_adamw_"):
+        assert many[op] == few[op], op
+    assert few["bmm"] >= 1  # the stack's dot products
