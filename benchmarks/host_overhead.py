@@ -29,6 +29,7 @@ gradients on s_t) and the untracked ones.
 methods in this process; with ``--every k`` also inside the step after each, where Alpha
 observes θ_{t+1}): the block's start (reading back the previous step's numbers
 among it), the layers' hooks, the dot products when a parameter's gradient arrives, the
+Linear weights stacked (formed where a stack fills: mostly inside the two before), the
 small parameters side by side, the step's end before the optimizer (the gradient check
 among it) and the instruments of the update after it; ms per tracked step, medians.
 
@@ -129,6 +130,9 @@ PHASES = (
     ("layers' hooks", "cockpit.engine.processing", "CallProcessor.process_guarded"),
     ("dot products at a gradient", "cockpit.engine.processing",
      "CallProcessor.gradient_arrived"),
+    # (formed where a stack fills: mostly inside the two phases above, the rest after them)
+    ("  Linear weights stacked", "cockpit.engine.processing",
+     "CallProcessor.reduce_stack_guarded"),
     ("small parameters side by side", "cockpit.engine.processing",
      "CallProcessor.reduce_side_by_side"),
     ("block end", "cockpit.step.sequence", "StepSequence.exit"),

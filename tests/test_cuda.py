@@ -190,6 +190,42 @@ def test_auto_uses_the_mc_ggn_for_many_classes_on_cuda():
     assert math.isfinite(cuda[0]["HessTrace"]) and cuda[0]["HessTrace.stderr"] > 0
 
 
+@pytest.mark.parametrize("kernel", [False, True])
+def test_stacked_linear_weights_on_cuda_equal_the_cpu(kernel, monkeypatch):
+    """Six Linear weights of one shape on sequences, economy with AdamW: formed as one
+    stack on CUDA (one at a time on the CPU), the same values in float64; with the one-pass
+    kernel (its threshold lowered) every layer's histogram counted in one launch."""
+    from cockpit.engine import stacked
+    from cockpit.engine.histograms import fused
+    from tests.engine.test_stacked import Tokens
+
+    launches, stacks = [], []
+    if kernel:
+        if not fused.available(torch.zeros(1, device=DEVICE), fused.MIN_VALUES):
+            pytest.skip("the one-pass kernel needs Triton")
+        monkeypatch.setattr(fused, "MIN_VALUES", 1)
+        real_rows = fused.tally_rows
+        monkeypatch.setattr(fused, "tally_rows",
+                            lambda *args: launches.append(args[0].shape) or real_rows(*args))
+    real_init = stacked.StackedGrads.__init__
+    monkeypatch.setattr(stacked.StackedGrads, "__init__",
+                        lambda self, grads: stacks.append(len(grads)) or real_init(self, grads))
+    generator = torch.Generator().manual_seed(2)
+    data = [(torch.randn(16, 5, 6, generator=generator),
+             torch.randint(0, 3, (16,), generator=generator)) for _ in range(4)]
+
+    def run(device: str) -> dict:
+        return train(device, torch.float64, configuration("economy"), data,
+                     make_model=lambda: Tokens(6),
+                     make_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))[0]
+
+    cpu = run("cpu")
+    assert stacks == []
+    cuda = run(DEVICE)
+    assert stacks == [6] * 4 and (not kernel or len(launches) == 4)
+    assert compare(cuda, cpu, rtol=1e-9, max_count_diff=4) > 40
+
+
 ECONOMY_VALUES = ("Loss", "GradNorm", "NormTest", "InnerTest", "OrthoTest", "Alpha",
                   "Distance", "UpdateSize")
 
