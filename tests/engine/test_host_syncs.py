@@ -186,15 +186,16 @@ def test_a_language_models_step_waits_for_the_device_once(monkeypatch, one_threa
 
 def test_a_language_models_economy_step_issues_few_ops(monkeypatch, one_thread):
     """Economy on a small GPT-2 with AdamW against its step without Cockpit, both on the
-    accelerator path: 1.92× at |B| = 4 (3.7× before transformers' Conv1D took the Linear
+    accelerator path: 1.74× at |B| = 4 (3.7× before transformers' Conv1D took the Linear
     rule and the Embedding rule stopped calling ``unique``, 2.8× before the biases and
     LayerNorm weights went side by side, 2.2× before AdamW's update was predicted by the
-    fused kernel). A regression bound a little above today's."""
+    fused kernel, 1.85× before Linear weights of one shape were stacked). A regression
+    bound a little above today's."""
     monkeypatch.setattr(histogram_device, "_forced", True)
     tracked = count_step(monkeypatch, "economy", batch=4, problem=language_problem)
     untracked = count_step(monkeypatch, None, batch=4, problem=language_problem)
     ratio = sum(tracked.ops.values()) / sum(untracked.ops.values())
-    assert ratio <= 2.0, (ratio, tracked.ops.most_common(8))
+    assert ratio <= 1.8, (ratio, tracked.ops.most_common(8))
 
 
 def test_a_tracked_economy_step_issues_few_ops(monkeypatch, one_thread):

@@ -15,6 +15,7 @@ from cockpit import Cockpit, configuration
 from cockpit.engine import stacked
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms.exact import BinSpec, histogram_dense_counts
+from cockpit.engine.processing import CallProcessor
 from cockpit.engine.rules.sample_grads import OuterSampleGrads, SequenceOuterSampleGrads
 from cockpit.engine.stacked import StackedGrads
 from tests.engine.test_memory_budget import assert_same_outputs, leaves
@@ -213,3 +214,17 @@ def test_stacked_weights_cost_the_same_kernels_however_many(monkeypatch):
     for op in ("bmm", "linalg_vector_norm", "bucketize", "histc", "_fused_adamw_"):
         assert many[op] == few[op], op
     assert few["bmm"] >= 1  # the stack's dot products
+
+
+def test_a_shape_alone_in_the_last_backward_pass_no_longer_waits(monkeypatch):
+    """The head's weight has no partner of its shape: at the first tracked step it waits
+    for the end of the backward pass (and is formed alone), at the later ones it is formed
+    in its hook; the four block weights are one stack every step."""
+    formed: list[list[str]] = []
+    real = CallProcessor.reduce_stack_guarded
+    monkeypatch.setattr(CallProcessor, "reduce_stack_guarded",
+                        lambda self, stack: formed.append(sorted(stack.names))
+                        or real(self, stack))
+    outputs("sequence", "economy", True, monkeypatch)
+    blocks = [f"blocks.{i}.weight" for i in (0, 2, 4, 6)]
+    assert sorted(formed) == sorted([["head.weight"], blocks, blocks, blocks])

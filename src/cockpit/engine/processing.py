@@ -115,6 +115,10 @@ class CallProcessor:
         self.stacks: dict[tuple, stacked.Stack] = {}
         self.stacked: dict[str, stacked.Stack] = {}
         self._stacks_queued = False
+        # the weights of each shape in this backward pass, and the shapes the last one had
+        # only one weight of (those no longer wait for a partner)
+        self._shape_counts: dict[tuple, int] = {}
+        self._lone_shapes: set[tuple] = set()
         # the backward pass has ended and its remaining calls are processed (deferred
         # units): the grouped work is formed when they are done, not queued in autograd
         self.after_backward = False
@@ -122,9 +126,13 @@ class CallProcessor:
         self.kept_calls: list[Call] = []
 
     def begin(self) -> None:
-        """Forget what an earlier backward pass left."""
+        """Forget what an earlier backward pass left (but which of its Linear shapes were
+        alone: a model's layers do not change from one step to the next)."""
         self.kept_calls = []
         self.drop_waiting()
+        if self._shape_counts:
+            self._lone_shapes = {key for key, n in self._shape_counts.items() if n == 1}
+            self._shape_counts = {}
 
     def drop_waiting(self) -> None:
         """Forget the individual gradients that wait to be reduced (a backward pass ended,
@@ -647,6 +655,9 @@ class CallProcessor:
             return False
         size = stacked.capacity(sg, engine.memory_budget)  # type: ignore[arg-type]
         if size < 2:
+            return False
+        self._shape_counts[group] = self._shape_counts.get(group, 0) + 1
+        if group in self._lone_shapes:  # (alone in the last backward pass: no partner)
             return False
         if not (self._stacks_queued or self.after_backward):
             if not queue_at_end_of_backward(self.reduce_stacked):
