@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 from cockpit import Cockpit, configuration
@@ -114,6 +113,8 @@ class Tokens(nn.Module):
 
 
 def gpt2() -> nn.Module:
+    import transformers
+
     config = transformers.GPT2Config(
         vocab_size=20, n_embd=8, n_layer=3, n_head=2, n_positions=6, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0)
