@@ -142,11 +142,12 @@ class Statistic:
         return None
 
     def form_stacked(self, stack: StackedGrads, layers: Sequence[LayerContext]
-                     ) -> Sequence[Tensor | LaneCounts] | None:
+                     ) -> Sequence[Tensor | LaneCounts | None] | None:
         """The values of several Linear weights of one shape at once, from their individual
         gradients stacked (:mod:`cockpit.engine.stacked`; ``layers``: one context per weight,
-        in the order of ``stack``, each holding its slice as its chunks), or None: then
-        :meth:`form` per weight."""
+        in the order of ``stack``; a None value: formed elsewhere, as for :meth:`form`), or
+        None: then :meth:`form` per weight (each layer's context holding its slice of the
+        stack as its chunks)."""
         return None
 
     def finish(self, values: Mapping[str, Tensor | LaneCounts]) -> dict[str, Tensor]:
