@@ -50,8 +50,8 @@ def test_norms_and_dots_are_each_layers_own(dtype, kind):
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
     for norms, sg in zip(stack.norms(), grads, strict=True):
         torch.testing.assert_close(norms.double(), brute_force(sg).flatten(1).norm(dim=1), **tol)
-    directions = [[torch.randn(4, 6, generator=gen, dtype=dtype) for _ in range(2)]
-                  for _ in grads]
+    directions = [[torch.randn(4, 6, generator=gen, dtype=dtype),  # (θ's shape, or flat)
+                   torch.randn(24, generator=gen, dtype=dtype)] for _ in grads]
     block = stack.dots(directions)
     assert block.shape == (2, 5, 3)
     for index, (sg, us) in enumerate(zip(grads, directions, strict=True)):

@@ -131,7 +131,7 @@ class StackedGrads:
         """[g_{l,n}ᵀu_{l,k}]_{k,n,l}, [K, N, L] (``directions[l]``: layer l's K directions,
         each of the weight's shape or flat)."""
         k = len(directions[0])
-        stacked = torch.stack([u for us in directions for u in us])  # [L·K, *shape]
+        stacked = torch.stack([u.reshape(-1) for us in directions for u in us])  # [L·K, D]
         u = in_dtype(stacked.view(self.num_layers, k, -1), self.rows.dtype)
         return torch.bmm(u, self.rows.transpose(1, 2)).permute(1, 2, 0)
 
