@@ -97,9 +97,10 @@ def make_problem(name: str, batch_size: int, dtype=torch.float64, seed: int = 0)
         model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 6), nn.ReLU(),
                               nn.Linear(6, 3))
         x, y, loss = torch.randn(n, 5), torch.randint(0, 3, (n,)), cross_entropy
-    elif name == "mlp_deep":  # three hidden Linear layers of one shape
+    elif name == "mlp_deep":  # three hidden Linear layers and LayerNorms of one shape
         model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(),
-                              *[m for _ in range(3) for m in (nn.Linear(6, 6), nn.Tanh())],
+                              *[m for _ in range(3)
+                                for m in (nn.Linear(6, 6), nn.LayerNorm(6), nn.Tanh())],
                               nn.Linear(6, 3))
         x, y, loss = torch.randn(n, 5), torch.randint(0, 3, (n,)), cross_entropy
     elif name == "mlp_sigmoid":

@@ -127,7 +127,8 @@ def test_the_accelerator_paths_histograms_count_the_global_batch(tmp_path):
 def test_stacked_linear_weights_report_the_global_batch(tmp_path):
     """On the accelerator path the three hidden Linear weights of one shape are formed
     stacked (their statistics together, their dot products once their gradients arrived),
-    uneven shards under Adam: every rank's values equal one process on the whole batch."""
+    and so are the three LayerNorms (one normalization of their inputs), uneven shards
+    under Adam: every rank's values equal one process on the whole batch."""
     config = _config("mlp_deep", [10, 14], seed=3, make_optimizer=adam,
                      accelerator_path=True)
     ranks = _two_processes(tmp_path, config)

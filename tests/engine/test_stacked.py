@@ -100,12 +100,13 @@ def test_histograms_are_each_layers_exact_counts(n, i, j, budget):
 
 
 class Tokens(nn.Module):
-    """Four Linear layers of one shape on sequences [N, T, 6], a head on their mean."""
+    """Four Linear layers of one shape on sequences [N, T, 6] (each followed by a LayerNorm
+    where ``norms``), a head on their mean."""
 
-    def __init__(self, depth: int = 4):
+    def __init__(self, depth: int = 4, norms: bool = False):
         super().__init__()
-        self.blocks = nn.Sequential(*[m for _ in range(depth)
-                                      for m in (nn.Linear(6, 6), nn.Tanh())])
+        self.blocks = nn.Sequential(*[m for _ in range(depth) for m in (
+            nn.Linear(6, 6), *([nn.LayerNorm(6)] if norms else []), nn.Tanh())])
         self.head = nn.Linear(6, 3)
 
     def forward(self, x):
@@ -134,10 +135,17 @@ def problem(kind: str):
                                                reduction="none").mean(1)
 
         return gpt2().double(), ids, lm_losses
-    if kind == "sequence":
+    if kind in ("sequence", "layernorm"):
         x = torch.randn(8, 5, 6, generator=gen, dtype=torch.float64)
-        return Tokens().double(), x, lambda m, x: nn.functional.cross_entropy(
-            m(x), y[: len(x)], reduction="none")
+        return Tokens(norms=kind == "layernorm").double(), x, lambda m, x: (
+            nn.functional.cross_entropy(m(x), y[: len(x)], reduction="none"))
+    if kind == "groupnorm":  # three convolutions and GroupNorms of one shape
+        x = torch.randn(8, 4, 5, 5, generator=gen, dtype=torch.float64)
+        model = nn.Sequential(*[m for _ in range(3) for m in (
+            nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU())],
+            nn.Flatten(), nn.Linear(100, 3)).double()
+        return model, x, lambda m, x: nn.functional.cross_entropy(m(x), y[: len(x)],
+                                                                  reduction="none")
     x = torch.randn(8, 6, generator=gen, dtype=torch.float64)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(6, 6), nn.Tanh())],
                           nn.Linear(6, 3)).double()
@@ -146,20 +154,27 @@ def problem(kind: str):
 
 
 def outputs(kind: str, config: str, stacks: bool, monkeypatch, micro_batches: int = 1,
-            budget: int | None = 2**29) -> tuple[dict, list[int]]:
+            budget: int | None = 2**29) -> tuple[dict, list[int], list[int]]:
     """Every instrument's output over three steps (AdamW, the accelerators' path), and the
-    number of layers of every stack formed."""
+    number of layers of every stack of Linear weights and of normalization layers formed."""
     sizes: list[int] = []
-    original_init = StackedGrads.__init__
+    norm_sizes: list[int] = []
+    original_init, original_norms = StackedGrads.__init__, stacked.form_norm_stack
 
     def spy(self, grads):
         sizes.append(len(grads))
         original_init(self, grads)
 
+    def norm_spy(stack):
+        norm_sizes.append(len(stack.units))
+        return original_norms(stack)
+
     with monkeypatch.context() as patch:
         patch.setattr(StackedGrads, "__init__", spy)
+        patch.setattr(stacked, "form_norm_stack", norm_spy)
         if not stacks:
             patch.setattr(stacked, "capacity", lambda sg, budget: 0)
+            patch.setattr(stacked, "norm_capacity", lambda x, delta, budget: 0)
         patch.setattr(histogram_device, "_forced", True)
         torch.manual_seed(0)
         model, x, losses_of = problem(kind)
@@ -174,24 +189,30 @@ def outputs(kind: str, config: str, stacks: bool, monkeypatch, micro_batches: in
                     (losses.sum() / len(x)).backward()
             opt.step()
         cockpit.close()
-    return cockpit.get_output(), sizes
+    return cockpit.get_output(), sizes, norm_sizes
 
 
-@pytest.mark.parametrize(("kind", "config", "micro_batches", "expected_sizes"), [
-    ("sequence", "economy", 1, [4] * 3),
-    ("sequence", "business", 2, [4] * 6),
-    ("outer", "economy", 1, [4] * 3),
-    ("outer", "business", 1, [4] * 3),
-    ("gpt2", "economy", 1, [3] * 4 * 3),  # c_attn, attn.c_proj, c_fc, mlp.c_proj × 3 steps
-    ("gpt2", "economy", 2, [3] * 4 * 6),
+@pytest.mark.parametrize(("kind", "config", "micro_batches", "expected_sizes", "norm_sizes"), [
+    ("sequence", "economy", 1, [4] * 3, []),
+    ("sequence", "business", 2, [4] * 6, []),
+    ("outer", "economy", 1, [4] * 3, []),
+    ("outer", "business", 1, [4] * 3, []),
+    # c_attn, attn.c_proj, c_fc, mlp.c_proj; ln_1, ln_2 of 3 blocks and ln_f; × 3 steps
+    ("gpt2", "economy", 1, [3] * 4 * 3, [7] * 3),
+    ("gpt2", "economy", 2, [3] * 4 * 6, [7] * 6),
+    ("layernorm", "economy", 1, [4] * 3, [4] * 3),
+    ("layernorm", "business", 2, [4] * 6, [4] * 6),
+    ("groupnorm", "economy", 1, [], [3] * 3),
+    ("groupnorm", "business", 1, [], [3] * 3),
 ])
 def test_every_instrument_equals_one_layer_at_a_time(kind, config, micro_batches,
-                                                     expected_sizes, monkeypatch):
+                                                     expected_sizes, norm_sizes, monkeypatch):
     """Over three steps: Alpha's projections on Adam's update, the gradient tests, the
     histograms (GradHist2d too in business), with micro-batches the merged statistics."""
-    expected, none = outputs(kind, config, False, monkeypatch, micro_batches)
-    got, sizes = outputs(kind, config, True, monkeypatch, micro_batches)
-    assert none == [] and sorted(sizes) == expected_sizes
+    expected, none, no_norms = outputs(kind, config, False, monkeypatch, micro_batches)
+    got, sizes, norms = outputs(kind, config, True, monkeypatch, micro_batches)
+    assert none == no_norms == [] and sorted(sizes) == expected_sizes
+    assert sorted(norms) == norm_sizes
     for step in expected:
         assert sum(v is not None for _, v in leaves(expected[step])) > 20
     assert_same_outputs(expected, got)
@@ -201,8 +222,8 @@ def test_the_memory_budget_splits_the_stacks(monkeypatch):
     """A budget whose half holds two layers' individual gradients (8 × 36 float64 numbers
     each): the four weights in two stacks of two, the same outputs."""
     budget = 2 * (2 * 8 * 36 * 8) + 10
-    expected, _ = outputs("outer", "economy", False, monkeypatch, budget=budget)
-    got, sizes = outputs("outer", "economy", True, monkeypatch, budget=budget)
+    expected, _, _ = outputs("outer", "economy", False, monkeypatch, budget=budget)
+    got, sizes, _ = outputs("outer", "economy", True, monkeypatch, budget=budget)
     assert sizes == [2, 2] * 3
     assert_same_outputs(expected, got)
 

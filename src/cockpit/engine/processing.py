@@ -14,10 +14,11 @@ per parameter and reduces each to the statistics the step's instruments need:
   needs the parameter's gradient, which arrives right after the layer's output gradient,
   the :class:`SampleGrads` waits for it (``pending``).
 
-On accelerators, whose host the kernels bind, two kinds of parameters wait to be formed
-together: small ones until the backward pass ends (:mod:`cockpit.engine.side_by_side`), and
-Linear weights of one shape until a stack of them is full and their gradients have arrived
-(:mod:`cockpit.engine.stacked`: a transformer's blocks in the kernels of one layer).
+On accelerators, whose host the kernels bind, parameters of one kind wait to be formed
+together: small ones until the backward pass ends (:mod:`cockpit.engine.side_by_side`),
+Linear weights of one shape until a stack of them is full and their gradients have arrived,
+and normalization layers of one shape, by their rule's inputs, until a stack of them is
+full (:mod:`cockpit.engine.stacked`: a transformer's blocks in the kernels of one layer).
 Parameters used by several calls (tied weights) have their individual gradients summed over
 the calls (``accumulated``) and are reduced when the backward pass ends. A parameter whose
 |B| individual gradients exceed the engine's ``memory_budget`` (bytes) is reduced in sample
@@ -62,7 +63,7 @@ from cockpit.engine.rules.sample_chunks import (
     merge_centered,
     samples_per_chunk,
 )
-from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
+from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads, outside_autograd
 from cockpit.engine.side_by_side import SMALL_BYTES
 from cockpit.engine.statistics import (
     GRAM_MEAN,
@@ -119,6 +120,10 @@ class CallProcessor:
         # only one weight of (those no longer wait for a partner)
         self._shape_counts: dict[tuple, int] = {}
         self._lone_shapes: set[tuple] = set()
+        # normalization layers waiting to be formed with others of their shape (their rule's
+        # inputs; :func:`cockpit.engine.stacked.form_norm_stack`)
+        self.norm_stacks: dict[tuple, stacked.NormStack] = {}
+        self._norms_queued = False
         # the backward pass has ended and its remaining calls are processed (deferred
         # units): the grouped work is formed when they are done, not queued in autograd
         self.after_backward = False
@@ -140,6 +145,7 @@ class CallProcessor:
         self.accumulated, self.pending, self.small = {}, {}, {}
         self.unformed = set()
         self.stacks, self.stacked, self._stacks_queued = {}, {}, False
+        self.norm_stacks, self._norms_queued = {}, False
 
     def fail(self, message: str) -> None:
         """Record why the per-sample statistics of this backward pass are invalid."""
@@ -215,6 +221,8 @@ class CallProcessor:
                 output_positions=call.output_positions, params=params))
         if engine.needs <= {PROJECTIONS} and not (engine.directions
                                                    or engine.direction_providers):
+            return
+        if self._waits_normalized(call, grads, scale):
             return
         for name, sg in self.rule(call, grads, scale).items():
             if sg.num_samples != stats.num_samples:
@@ -577,6 +585,7 @@ class CallProcessor:
         it, else per parameter), the providers' directions for all of them at once
         (``many``, e.g. one batched prediction of Adam's update) and the dot products. Never
         raises into the backward pass (a failure is recorded, unless ``strict``)."""
+        self.reduce_norm_stacks()  # (their small parameters join these)
         waiting, self.small = self.small, {}
         if not waiting:
             return
@@ -640,6 +649,64 @@ class CallProcessor:
             self._record_dots(plan, value)
 
     # ------------------------------------------------------------------ stacked
+    def _waits_normalized(self, call: Call, grads: list[Tensor], scale: float) -> bool:
+        """Whether this normalization layer's call waits to be formed with others of its
+        shape (:func:`cockpit.engine.stacked.form_norm_stack`; on accelerators; formed when
+        the stack is full, or when the backward pass ends — before the small parameters
+        side by side, which its results join)."""
+        engine = self.engine
+        unit = call.unit
+        if (unit.rule not in stacked.NORM_RULES or len(grads) != 1
+                or engine.state.frozen_pass or engine.sharded
+                or not device_path(grads[0].device)
+                or any(engine.unit_param_name(unit, k) in engine.state.multi_use
+                       for k in unit.params)):
+            return False
+        args, kwargs, (delta,) = common_precision(call.args, call.kwargs, grads)
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, Tensor):
+            return False
+        group = stacked.norm_key(unit.module, unit.rule, x, delta, scale)
+        if group is None:
+            return False
+        size = stacked.norm_capacity(x, delta, engine.memory_budget)
+        if size < 2:
+            return False
+        self._shape_counts[group] = self._shape_counts.get(group, 0) + 1
+        if group in self._lone_shapes:  # (alone in the last backward pass: no partner)
+            return False
+        if not (self._norms_queued or self.after_backward):
+            if not queue_at_end_of_backward(self.reduce_norm_stacks):
+                return False
+            self._norms_queued = True
+        stack = self.norm_stacks.get(group)
+        if stack is None:
+            stack = self.norm_stacks[group] = stacked.NormStack(size, unit.rule, scale)
+        stack.add(unit, outside_autograd(x), delta)
+        if stack.full:
+            del self.norm_stacks[group]
+            self._reduce_norm_stack_guarded(stack)
+        return True
+
+    def reduce_norm_stacks(self) -> None:
+        """Form every norm stack still waiting (the backward pass ended)."""
+        self._norms_queued = False
+        waiting, self.norm_stacks = list(self.norm_stacks.values()), {}
+        for stack in waiting:
+            self._reduce_norm_stack_guarded(stack)
+
+    def _reduce_norm_stack_guarded(self, stack: stacked.NormStack) -> None:
+        first = stack.units[0].name or type(stack.units[0].module).__name__
+        label = (first if len(stack.units) == 1
+                 else f"{len(stack.units)} stacked normalization layers ({first}, …)")
+        self.guarded(label, self._reduce_norm_stack, stack)
+
+    def _reduce_norm_stack(self, stack: stacked.NormStack) -> None:
+        engine = self.engine
+        for unit, grads in zip(stack.units, stacked.form_norm_stack(stack), strict=True):
+            for attr, sg in grads.items():
+                self.reduce(engine.unit_param_name(unit, attr), sg)
+
     def _waits_stacked(self, name: str, sg: SampleGrads) -> bool:
         """Whether this Linear weight waits to be formed with others of its shape
         (:mod:`cockpit.engine.stacked`; on accelerators, whose host the kernels bind). A

@@ -21,6 +21,13 @@ from which
   layers, each counted apart (:func:`cockpit.engine.histograms.fused.tally_rows`);
 * g_{l,n}ᵀu_{l,k} for K directions per layer: one batched product U G_lᵀ, [L, K, N].
 
+Normalization layers of one shape (LayerNorm, RMSNorm, GroupNorm: GPT-2's 25 LayerNorms,
+a ResNet's GroupNorms per stage) are stacked one step earlier, by their rule's inputs: x̂ of
+the concatenated inputs [x_1; …; x_L] is one normalization (each sample is normalized on its
+own), g(γ) = Σ δ ⊙ x̂ and g(β) = Σ δ one product and two sums for all L layers
+(:func:`form_norm_stack`), and the L layers' small individual gradients then go side by side
+as before. A norm stack holds at most a quarter of the budget of inputs and output gradients.
+
 A stack's individual gradients take at most half the memory budget and its histogram's
 search and spread index (8 bytes a value, in blocks of layers) the other half, so that its
 scratch stays within what one large layer may hold. The values equal those of
@@ -34,7 +41,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.histograms import fused
@@ -48,7 +55,13 @@ from cockpit.engine.histograms.device import (
     lanes,
 )
 from cockpit.engine.histograms.exact import BinSpec, device_edges
-from cockpit.engine.rules.sample_grads import OuterSampleGrads, SequenceOuterSampleGrads
+from cockpit.engine.rules.norms import group_norm_rule, layer_norm_rule, rms_norm_rule
+from cockpit.engine.rules.sample_grads import (
+    DenseSampleGrads,
+    OuterSampleGrads,
+    SampleGrads,
+    SequenceOuterSampleGrads,
+)
 
 STACKABLE = (OuterSampleGrads, SequenceOuterSampleGrads)
 """The representations whose individual gradients a stack forms together (Linear weights)."""
@@ -131,7 +144,10 @@ class StackedGrads:
         """[g_{l,n}ᵀu_{l,k}]_{k,n,l}, [K, N, L] (``directions[l]``: layer l's K directions,
         each of the weight's shape or flat)."""
         k = len(directions[0])
-        stacked = torch.stack([u.reshape(-1) for us in directions for u in us])  # [L·K, D]
+        every = [u for us in directions for u in us]
+        if len({u.shape for u in every}) > 1:  # (θ's shape and flat ones: all flat)
+            every = [u.reshape(-1) for u in every]
+        stacked = torch.stack(every)  # [L·K, *shape]
         u = in_dtype(stacked.view(self.num_layers, k, -1), self.rows.dtype)
         return torch.bmm(u, self.rows.transpose(1, 2)).permute(1, 2, 0)
 
@@ -195,3 +211,66 @@ def _offsets(layers: int, num_lanes: int, slots: int, device: torch.device) -> T
     lane = torch.arange(num_lanes, dtype=torch.float32) * slots
     layer = torch.arange(layers, dtype=torch.float32) * (num_lanes * slots)
     return (layer.view(-1, 1, 1) + lane.view(1, 1, -1) + 0.5).to(device)
+
+
+NORM_RULES = (layer_norm_rule, rms_norm_rule, group_norm_rule)
+"""The normalization rules whose layers a norm stack forms together (BatchNorm in eval mode
+normalizes by each layer's own running statistics: one layer at a time)."""
+
+
+def norm_key(module: nn.Module, rule, x: Tensor, delta: Tensor, scale: float) -> tuple | None:
+    """What normalization layers stacked together share (the rule and its settings, the
+    input's and output gradient's shapes and dtypes, the device, the loss weight's scale,
+    which affine parameters are trained), or None where the layer is not stacked."""
+    if rule not in NORM_RULES or type(module) not in (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm):
+        return None
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    settings = getattr(module, "normalized_shape", None) or getattr(module, "num_groups", None)
+    return (rule, settings, module.eps, tuple(x.shape), x.dtype, tuple(delta.shape),
+            delta.dtype, x.device, scale, weight is not None and weight.requires_grad,
+            bias is not None and bias.requires_grad)
+
+
+def norm_capacity(x: Tensor, delta: Tensor, budget: int | None) -> int:
+    """How many normalization layers like this one a norm stack holds: their inputs and
+    output gradients within a quarter of the memory budget (None: :data:`DEFAULT_BUDGET`)
+    (forming them takes about as much again, and x̂ and δ ⊙ x̂ one input each)."""
+    quarter = (DEFAULT_BUDGET if budget is None else budget) // 4
+    held = x.numel() * x.element_size() + delta.numel() * delta.element_size()
+    return quarter // max(held, 1)
+
+
+class NormStack:
+    """Normalization layers of one :func:`norm_key` waiting to be formed together (at most
+    ``size``): each layer's unit, input x and output gradient δ, as its rule reads them."""
+
+    def __init__(self, size: int, rule, scale: float):
+        self.size, self.rule, self.scale = size, rule, scale
+        self.units: list = []
+        self.inputs: list[Tensor] = []
+        self.deltas: list[Tensor] = []
+
+    @property
+    def full(self) -> bool:
+        return len(self.units) >= self.size
+
+    def add(self, unit, x: Tensor, delta: Tensor) -> None:
+        self.units.append(unit)
+        self.inputs.append(x)
+        self.deltas.append(delta)
+
+
+def form_norm_stack(stack: NormStack) -> list[dict[str, SampleGrads]]:
+    """Each layer's individual gradients (attribute → :class:`DenseSampleGrads`, the rule's
+    own) from one call of the rule on the concatenated inputs and output gradients: the
+    samples of layer l are rows l·N … (l + 1)·N − 1 of every result (views)."""
+    x, delta = torch.cat(stack.inputs), torch.cat(stack.deltas)
+    extra = {"scale": stack.scale} if stack.scale != 1.0 else {}
+    joined = stack.rule(stack.units[0].module, (x,), {}, None, delta, **extra)
+    n = stack.inputs[0].shape[0]
+    out: list[dict[str, SampleGrads]] = [{} for _ in stack.units]
+    for attr, sg in joined.items():
+        assert isinstance(sg, DenseSampleGrads)
+        for index, part in enumerate(sg.unscaled.split(n)):
+            out[index][attr] = DenseSampleGrads(part, scale=sg.scale)
+    return out
