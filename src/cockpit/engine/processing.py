@@ -649,6 +649,19 @@ class CallProcessor:
             self._record_dots(plan, value)
 
     # ------------------------------------------------------------------ stacked
+    def _waits_for_partners(self, group: tuple, size: int, queued: bool,
+                            at_end: Callable[[], None]) -> bool:
+        """Whether a layer of shape ``group`` waits to be stacked: a stack holds two or more
+        of them (``size``), the shape had more than one layer in the last backward pass, and
+        what waits is formed when this pass ends (``at_end``, queued in autograd unless
+        ``queued`` already) or at the tracker's end (calls processed after the pass)."""
+        if size < 2:
+            return False
+        self._shape_counts[group] = self._shape_counts.get(group, 0) + 1
+        if group in self._lone_shapes:  # (alone in the last backward pass: no partner)
+            return False
+        return queued or self.after_backward or queue_at_end_of_backward(at_end)
+
     def _waits_normalized(self, call: Call, grads: list[Tensor], scale: float) -> bool:
         """Whether this normalization layer's call waits to be formed with others of its
         shape (:func:`cockpit.engine.stacked.form_norm_stack`; on accelerators; formed when
@@ -670,15 +683,10 @@ class CallProcessor:
         if group is None:
             return False
         size = stacked.norm_capacity(x, delta, engine.memory_budget)
-        if size < 2:
+        if not self._waits_for_partners(group, size, self._norms_queued,
+                                        self.reduce_norm_stacks):
             return False
-        self._shape_counts[group] = self._shape_counts.get(group, 0) + 1
-        if group in self._lone_shapes:  # (alone in the last backward pass: no partner)
-            return False
-        if not (self._norms_queued or self.after_backward):
-            if not queue_at_end_of_backward(self.reduce_norm_stacks):
-                return False
-            self._norms_queued = True
+        self._norms_queued = True
         stack = self.norm_stacks.get(group)
         if stack is None:
             stack = self.norm_stacks[group] = stacked.NormStack(size, unit.rule, scale)
@@ -721,15 +729,9 @@ class CallProcessor:
         if group is None or not device_path(group[-1]):
             return False
         size = stacked.capacity(sg, engine.memory_budget)  # type: ignore[arg-type]
-        if size < 2:
+        if not self._waits_for_partners(group, size, self._stacks_queued, self.reduce_stacked):
             return False
-        self._shape_counts[group] = self._shape_counts.get(group, 0) + 1
-        if group in self._lone_shapes:  # (alone in the last backward pass: no partner)
-            return False
-        if not (self._stacks_queued or self.after_backward):
-            if not queue_at_end_of_backward(self.reduce_stacked):
-                return False
-            self._stacks_queued = True
+        self._stacks_queued = True
         stack = self.stacks.get(group)
         if stack is None:
             stack = self.stacks[group] = stacked.Stack(size)
