@@ -17,6 +17,11 @@ counts freed pages the allocator keeps. One step is profiled after ``--warmup`` 
 
     python benchmarks/memory_held.py                        # n_layer 2, n_embd 256
     python benchmarks/memory_held.py --n-embd 768 --autocast
+    python benchmarks/memory_held.py --path accelerator     # as on a GPU (stacked layers)
+
+``--path accelerator`` forces the accelerators' paths on the CPU (histograms, small
+parameters side by side, layers of one shape stacked), ``accelerator-unstacked`` the same
+with every layer formed alone: what the stacks hold beyond one layer at a time.
 """
 
 from __future__ import annotations
@@ -35,7 +40,14 @@ from cockpit.engine import workspace as ws_module
 
 mode, budget = sys.argv[1], int(sys.argv[2])
 n_layer, n_embd, batch, length = map(int, sys.argv[3:7])
-warmup, autocast = int(sys.argv[7]), sys.argv[8] == "1"
+warmup, autocast, path = int(sys.argv[7]), sys.argv[8] == "1", sys.argv[9]
+if path != "cpu":
+    from cockpit.engine.histograms import device as histogram_device
+    histogram_device._forced = True
+if path == "accelerator-unstacked":
+    from cockpit.engine import stacked
+    stacked.capacity = lambda sg, budget: 0
+    stacked.norm_capacity = lambda x, delta, budget: 0
 torch.set_num_threads(2)
 torch.manual_seed(0)
 config = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64),
@@ -220,16 +232,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_gpt2_shape_arguments(parser)
     parser.add_argument("--min-mib", type=float, default=1.0, help="smallest kind listed")
+    parser.add_argument("--path", choices=["cpu", "accelerator", "accelerator-unstacked"],
+                        default="cpu", help="the paths a step takes (see above)")
     args = parser.parse_args()
     results = {}
     for mode in ("untracked", "economy"):
         results[mode] = run_worker(WORKER, mode, str(args.budget), str(args.n_layer),
                                    str(args.n_embd), str(args.batch), str(args.length),
-                                   str(args.warmup), "1" if args.autocast else "0")
+                                   str(args.warmup), "1" if args.autocast else "0",
+                                   args.path)
     untracked, economy = results["untracked"], results["economy"]
     print(f"GPT-2 shape n_layer={args.n_layer} n_embd={args.n_embd} |B|={args.batch} "
           f"T={args.length}, AdamW, {'bf16 autocast' if args.autocast else 'float32'}, "
-          f"budget {args.budget / 2**20:.0f} MiB; parameters {economy['params_mib']:.0f} MiB")
+          f"budget {args.budget / 2**20:.0f} MiB, {args.path} path; parameters "
+          f"{economy['params_mib']:.0f} MiB")
     print(f"peak allocated: untracked {untracked['peak_mib']:.0f} MiB, economy "
           f"{economy['peak_mib']:.0f} MiB ({economy['peak_mib'] / untracked['peak_mib']:.2f}×)")
     print(f"untracked peak in {untracked['peak_at']}, economy's in {economy['peak_at']}")

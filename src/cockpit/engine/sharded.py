@@ -58,6 +58,8 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 import torch
 from torch import Tensor, nn
 
+from cockpit.engine import float_sums
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
@@ -104,8 +106,7 @@ def sq_norms(tensors: list[Tensor]) -> Tensor:
     from cockpit.engine.reduction.ranks import all_reduce_sum
 
     shards = [local(t).detach().reshape(-1) for t in tensors]
-    summed = torch.stack([torch.dot(s, s) if s.is_floating_point() else s.pow(2).sum()
-                          for s in shards]).double()
+    summed = torch.stack([float_sums.sq_norm(s) for s in shards])
     all_reduce_sum(summed)
     return summed.clone()  # the buffer itself stays with all_reduce_sum
 

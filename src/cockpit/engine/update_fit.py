@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cockpit.engine import float_sums
 from cockpit.engine.chunk_cat import chunk_cat_takes
 from cockpit.engine.histograms.device import device_path
 from cockpit.engine.workspace import PARAMETER_SIZED, workspace
@@ -43,8 +44,7 @@ def fit_basis_coefficients(
     See :func:`fit_basis_coefficients_many`.
     """
     if actual_sq is None:
-        target = actual.reshape(-1)
-        actual_sq = float(torch.dot(target, target))
+        actual_sq = float(float_sums.sq_norm(actual))
     return fit_basis_coefficients_many([basis], [actual], rtol, [atol], [actual_sq])[0]
 
 

@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
 
+from cockpit.engine import float_sums
 from cockpit.engine.chunk_cat import flat_cat
 from cockpit.engine.dtypes import in_dtype, promote
 from cockpit.engine.histograms.device import device_path
@@ -562,8 +563,9 @@ def _as_double(tensors: Sequence[Tensor | None]) -> list[Tensor]:
 
 
 def _dot(a: Tensor, b: Tensor) -> float:
-    """⟨a, b⟩ by a BLAS dot product in the tensors' dtype (no temporary)."""
-    return float(torch.dot(a.reshape(-1), b.reshape(-1).to(a.dtype)))
+    """⟨a, b⟩ in the tensors' dtype, its rows' sums added in float64 on a CPU
+    (:func:`cockpit.engine.float_sums.dot`)."""
+    return float(float_sums.dot(a, b))
 
 
 def match_update(
@@ -640,8 +642,10 @@ _SMALL_NUMEL = 2**16
 
 def _total_dot(flat: Sequence[Tensor], actual: Sequence[Tensor]) -> Tensor:
     """Σ_k ⟨p_k, a_k⟩ in float64 (``flat``: the p_k as flat vectors; a_k in p_k's dtype):
-    a BLAS dot product per large tensor, one product of the small ones of each dtype side
-    by side (a few kernels however many biases a model has)."""
+    a dot product per large tensor (on a CPU by rows, :func:`cockpit.engine.float_sums.dot`:
+    a float32 BLAS dot of an embedding's Adam step drifts by 1e-3, more than Alpha's check
+    allows), one product of the small ones of each dtype side by side (a few kernels
+    however many biases a model has)."""
     parts: list[Tensor] = []
     small: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
     for p, a in zip(flat, actual, strict=True):
@@ -651,7 +655,7 @@ def _total_dot(flat: Sequence[Tensor], actual: Sequence[Tensor]) -> Tensor:
             ps.append(p)
             as_.append(a)
         else:
-            parts.append(torch.dot(p, a if a.dim() == 1 else a.reshape(-1)))
+            parts.append(float_sums.dot(p, a))
     for ps, as_ in small.values():
         if len(ps) == 1:
             a = as_[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cockpit.engine import float_sums
 from cockpit.engine.reduction import ranks as distributed
 from cockpit.engine.statistics import GRAM_MEAN, BackwardStatistics, Combine, requested
 
@@ -161,8 +162,8 @@ def gram_from_gradient(local: BackwardStatistics, mean: dict[str, Tensor]
     for name, g_bar in mean.items():
         grad = synced.gradient[name].reshape(-1)
         pairs.append((grad, g_bar.reshape(-1).to(grad.dtype)))
-    inner = sum(float(torch.dot(grad, g_bar)) for grad, g_bar in pairs)
-    sq_mean = sum(float(torch.dot(g_bar, g_bar)) for _, g_bar in pairs)
+    inner = sum(float(float_sums.dot(grad, g_bar)) for grad, g_bar in pairs)
+    sq_mean = sum(float(float_sums.sq_norm(g_bar)) for _, g_bar in pairs)
     if not sq_mean > 0.0 or inner == 0.0:
         return None
     c = inner / sq_mean

@@ -1,0 +1,62 @@
+"""Sums of many float32 products that keep their digits on a CPU: ⟨a, b⟩ and ‖x‖².
+
+A CPU's BLAS accumulates ``torch.dot`` of float32 vectors in a few float32 partial sums, and
+``torch.linalg.vector_norm`` without a dtype likewise: over millions of terms of one sign
+(a squared norm; Adam's first update, ±lr in every element) they drift — ‖x‖² of 12.9 M
+equal-sized numbers comes out 1 % low, enough to report a wrong norm and to fail Alpha's
+check that the real update is the predicted one. Here the vector is cut into rows of
+:data:`ROW` numbers: each row's sum is short enough to be exact to a few units of float32
+(the norms of rows by one ``vector_norm`` over dim 1 in float32; dot products of rows by
+one batched product, half precision widened to float32 first), and the rows' sums are added
+in float64. As fast as one ``dot`` on a CPU; float64
+vectors, short ones, and other devices (whose reductions are trees) keep one ``dot``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ROW = 256
+"""Numbers summed in the vector's dtype before the float64 sum."""
+
+_LONG = 2**16  # shorter vectors: one dot product (its error stays near float32's ε)
+
+
+def _blocked(x: Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and x.numel() > _LONG)
+
+
+def sq_norm(x: Tensor) -> Tensor:
+    """‖x‖² as a 0-dim float64 tensor on x's device (integers: Σ x², exact)."""
+    flat = x.detach().reshape(-1)
+    if not flat.is_floating_point():
+        return flat.pow(2).sum().double()
+    if not _blocked(flat):
+        return torch.dot(flat, flat).double()
+    if flat.dtype != torch.float32:  # (the remainder's dot product in float32 too)
+        flat = flat.float()
+    head, tail = _rows(flat)
+    total = torch.linalg.vector_norm(head, dim=1, dtype=torch.float32).double().square().sum()
+    return total + torch.dot(tail, tail).double() if tail.numel() else total
+
+
+def dot(a: Tensor, b: Tensor) -> Tensor:
+    """⟨a, b⟩ as a 0-dim float64 tensor on a's device (b in a's dtype, both flattened)."""
+    a = a.detach().reshape(-1)
+    b = b.detach().reshape(-1).to(a.dtype)
+    if not _blocked(a):
+        return torch.dot(a, b).double()
+    if a.dtype != torch.float32:  # (half precision: each row's sum in float32)
+        a, b = a.float(), b.float()
+    a_head, a_tail = _rows(a)
+    b_head, b_tail = _rows(b)
+    total = torch.bmm(a_head.unsqueeze(1), b_head.unsqueeze(2)).double().sum()
+    return total + torch.dot(a_tail, b_tail).double() if a_tail.numel() else total
+
+
+def _rows(flat: Tensor) -> tuple[Tensor, Tensor]:
+    """The vector as rows [n // ROW, ROW] (a view) and the remaining n mod ROW numbers."""
+    whole = flat.numel() - flat.numel() % ROW
+    return flat[:whole].view(-1, ROW), flat[whole:]
