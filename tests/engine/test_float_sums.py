@@ -15,6 +15,7 @@ from torch import nn
 
 from cockpit import Cockpit, quantities
 from cockpit.engine import float_sums
+from tests.models import Problem, train
 
 N = 12_865_792 + 77  # GPT-2 small's token embedding (50257 × 256) and a remainder
 
@@ -60,15 +61,11 @@ def test_alpha_on_adamws_first_step_of_a_large_layer_is_predicted():
     model = nn.Linear(3200, 4000)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cockpit = Cockpit(model, [quantities.Alpha()], optimizer=opt)
-    x, y = torch.randn(6, 3200), torch.randint(0, 4000, (6,))
+    problem = Problem("linear", model, torch.randn(6, 3200), torch.randint(0, 4000, (6,)),
+                      lambda out, y: F.cross_entropy(out, y, reduction="none"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(3):
-            opt.zero_grad()
-            losses = F.cross_entropy(model(x), y, reduction="none")
-            with cockpit(step, losses=losses):
-                losses.mean().backward()
-            opt.step()
+        train(problem, cockpit, 3, opt)
         cockpit.close()
     assert not [w for w in caught if "does not match the prediction" in str(w.message)]
     output, notes = cockpit.get_output(), cockpit.get_notes()
