@@ -1,4 +1,4 @@
-r"""Linear layers of one shape stacked: their statistics in the kernels of one layer.
+r"""Layers of one shape stacked: their statistics in the kernels of one layer.
 
 A tracked step on an accelerator is bound by the host issuing kernels, and every Linear
 layer costs the same dozen of them whatever its size (its individual gradients, their
@@ -28,7 +28,7 @@ own), g(γ) = Σ δ ⊙ x̂ and g(β) = Σ δ one product and two sums for all L
 (:func:`form_norm_stack`), and the L layers' small individual gradients then go side by side
 as before. A norm stack holds at most a quarter of the budget of inputs and output gradients.
 
-A stack's individual gradients take at most half the memory budget and its histogram's
+A Linear stack's individual gradients take at most half the memory budget and its histogram's
 search and spread index (8 bytes a value, in blocks of layers) the other half, so that its
 scratch stays within what one large layer may hold. The values equal those of
 one layer at a time up to the order of float additions (the same products G; the norms and
