@@ -35,11 +35,12 @@ def sq_norm(x: Tensor) -> Tensor:
         return flat.pow(2).sum().double()
     if not _blocked(flat):
         return torch.dot(flat, flat).double()
-    if flat.dtype != torch.float32:  # (the remainder's dot product in float32 too)
-        flat = flat.float()
     head, tail = _rows(flat)
     total = torch.linalg.vector_norm(head, dim=1, dtype=torch.float32).double().square().sum()
-    return total + torch.dot(tail, tail).double() if tail.numel() else total
+    if not tail.numel():
+        return total
+    tail = tail.float()  # (a few hundred numbers: half precision widened, no copy of the rest)
+    return total + torch.dot(tail, tail).double()
 
 
 def dot(a: Tensor, b: Tensor) -> Tensor:

@@ -562,12 +562,6 @@ def _as_double(tensors: Sequence[Tensor | None]) -> list[Tensor]:
     return [t.detach().double() for t in tensors]  # type: ignore[union-attr]
 
 
-def _dot(a: Tensor, b: Tensor) -> float:
-    """⟨a, b⟩ in the tensors' dtype, its rows' sums added in float64 on a CPU
-    (:func:`cockpit.engine.float_sums.dot`)."""
-    return float(float_sums.dot(a, b))
-
-
 def match_update(
     predicted: Sequence[Tensor | None], actual: Sequence[Tensor], rtol: float = 1e-4,
     atol: float = 0.0, actual_sq: float | None = None,
@@ -584,7 +578,7 @@ def match_update(
     if len(predicted) != len(actual) or any(p is None for p in predicted):
         return None
     if actual_sq is None:
-        actual_sq = sum(_dot(a, a) for a in actual)
+        actual_sq = sum(float(float_sums.sq_norm(a)) for a in actual)
     match = UpdateMatch(predicted, actual)  # type: ignore[arg-type]
     return match.kappa(to_host(match.checks).numpy(), rtol, atol, actual_sq)
 
