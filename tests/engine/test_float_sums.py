@@ -38,7 +38,7 @@ def test_norms_and_dots_keep_their_digits(kind, dtype):
     exact_dot = float((a.double() * b.double()).sum())
     got_sq = float_sums.sq_norm(a)
     got_dot = float_sums.dot(a, b)
-    assert got_sq.dtype == got_dot.dtype == torch.float64 and got_sq.dim() == 0
+    assert got_sq.dtype == got_dot.dtype == torch.float64 and got_sq.dim() == 0  # (by rows)
     assert abs(float(got_sq) / exact_sq - 1) <= 1e-6  # (torch.dot of float32: 1e-2)
     # (Gaussian: the terms cancel, so the error is relative to Σ|a_i b_i|)
     scale = float((a.double() * b.double()).abs().sum())

@@ -29,35 +29,41 @@ def _blocked(x: Tensor) -> bool:
 
 
 def sq_norm(x: Tensor) -> Tensor:
-    """‖x‖² as a 0-dim float64 tensor on x's device (integers: Σ x², exact)."""
+    """‖x‖² as a 0-dim tensor on x's device: float64 where summed by rows, else one dot
+    product in x's dtype (integers: Σ x², exact); callers widen, after stacking several."""
     flat = x.detach().reshape(-1)
     if not flat.is_floating_point():
-        return flat.pow(2).sum().double()
+        return flat.pow(2).sum()
     if not _blocked(flat):
-        return torch.dot(flat, flat).double()
+        return torch.dot(flat, flat)
     head, tail = _rows(flat)
     total = torch.linalg.vector_norm(head, dim=1, dtype=torch.float32).double().square().sum()
-    if not tail.numel():
+    if tail is None:
         return total
     tail = tail.float()  # (a few hundred numbers: half precision widened, no copy of the rest)
     return total + torch.dot(tail, tail).double()
 
 
 def dot(a: Tensor, b: Tensor) -> Tensor:
-    """⟨a, b⟩ as a 0-dim float64 tensor on a's device (b in a's dtype, both flattened)."""
+    """⟨a, b⟩ as a 0-dim tensor on a's device (b in a's dtype, both flattened): float64
+    where summed by rows, else one dot product in a's dtype."""
     a = a.detach().reshape(-1)
     b = b.detach().reshape(-1).to(a.dtype)
     if not _blocked(a):
-        return torch.dot(a, b).double()
+        return torch.dot(a, b)
     if a.dtype != torch.float32:  # (half precision: each row's sum in float32)
         a, b = a.float(), b.float()
     a_head, a_tail = _rows(a)
     b_head, b_tail = _rows(b)
     total = torch.bmm(a_head.unsqueeze(1), b_head.unsqueeze(2)).double().sum()
-    return total + torch.dot(a_tail, b_tail).double() if a_tail.numel() else total
+    return total if a_tail is None else total + torch.dot(a_tail, b_tail).double()
 
 
-def _rows(flat: Tensor) -> tuple[Tensor, Tensor]:
-    """The vector as rows [n // ROW, ROW] (a view) and the remaining n mod ROW numbers."""
-    whole = flat.numel() - flat.numel() % ROW
+def _rows(flat: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The vector as rows [n // ROW, ROW] (a view) and the remaining n mod ROW numbers
+    (None where there are none: no slices, host work on every call)."""
+    rest = flat.numel() % ROW
+    if not rest:
+        return flat.view(-1, ROW), None
+    whole = flat.numel() - rest
     return flat[:whole].view(-1, ROW), flat[whole:]

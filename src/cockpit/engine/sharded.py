@@ -106,7 +106,7 @@ def sq_norms(tensors: list[Tensor]) -> Tensor:
     from cockpit.engine.reduction.ranks import all_reduce_sum
 
     shards = [local(t).detach().reshape(-1) for t in tensors]
-    summed = torch.stack([float_sums.sq_norm(s) for s in shards])
+    summed = torch.stack([float_sums.sq_norm(s) for s in shards]).double()
     all_reduce_sum(summed)
     return summed.clone()  # the buffer itself stays with all_reduce_sum
 

@@ -258,8 +258,8 @@ def norms_of_differences(xs: list[Tensor], ys: list[Tensor],
 
 
 def sq_norm_tensor(x: Tensor) -> Tensor:
-    """‖x‖² as a 0-dim float64 tensor on x's device, by one dot product in x's dtype (on a
-    CPU by rows: :func:`cockpit.engine.float_sums.sq_norm`)."""
+    """‖x‖² as a 0-dim tensor on x's device, by one dot product in x's dtype (on a CPU, for
+    long vectors, by rows, in float64: :func:`cockpit.engine.float_sums.sq_norm`)."""
     if sharded.is_sharded(x):
         return sharded.sq_norms([x])[0]
     return float_sums.sq_norm(x)
