@@ -7,6 +7,7 @@ many classes and says so."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import warnings
 
@@ -29,6 +30,7 @@ from cockpit.curvature.hutchinson import (
     rademacher_like,
 )
 from cockpit.curvature.hvp import HessianVectorProduct
+from cockpit.engine.histograms import device as histogram_device
 from tests.curvature.test_curvature_instruments import (
     dense_ggn_diagonal,
     dense_hessian,
@@ -108,17 +110,44 @@ def run_probe(problem: Problem, fn, forbid_loop: bool = True):
     return probe.result
 
 
+def summed_side_by_side(monkeypatch) -> list[list[str]]:
+    """The names of the small parameters each side-by-side sum of squares covered."""
+    groups: list[list[str]] = []
+    original = batched_module._add_side_by_side
+
+    def spy(small):
+        if small:
+            groups.append([name for _, name, _ in small])
+        original(small)
+
+    monkeypatch.setattr(batched_module, "_add_side_by_side", spy)
+    return groups
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
 @pytest.mark.parametrize("budget", [None, 1])
 @pytest.mark.parametrize("name", ["mlp_relu", "mlp_sigmoid", "cnn_plain", "residual"])
-def test_batched_exact_ggn_equals_dense_reference(name, budget, monkeypatch):
+def test_batched_exact_ggn_equals_dense_reference(name, budget, accelerator, monkeypatch):
+    """On the accelerator path the small parameters' sums of squares are formed side by
+    side (the biases, and cnn_plain's GroupNorm weight and bias): the same values."""
     monkeypatch.setattr(batched_module, "DEFAULT_BUDGET_BYTES", budget)
+    side = summed_side_by_side(monkeypatch)
     problem = problem_of(name)
     expected = dense_ggn_diagonal(problem)
-    got = run_probe(problem, lambda tracker, losses: diagonal_curvature(
-        "diag_ggn_exact", tracker, losses, tracker.params, batched=True))
+    with histogram_device.forced() if accelerator else contextlib.nullcontext():
+        got = run_probe(problem, lambda tracker, losses: diagonal_curvature(
+            "diag_ggn_exact", tracker, losses, tracker.params, batched=True))
     assert set(got) == set(expected)
     for k, d in expected.items():
         assert torch.allclose(got[k], d, rtol=1e-9, atol=1e-13), k
+    biases = {k for k in expected if k.endswith("bias")}
+    covered = {name for group in side for name in group}
+    if accelerator and budget is None:  # (one chunk: every vector's samples at once)
+        assert len(side) == 1 and biases <= covered
+        if name == "cnn_plain":
+            assert {"4.weight", "4.bias"} <= covered  # (the GroupNorm's)
+    elif not accelerator:
+        assert not side
 
 
 def test_batched_grad_equals_one_backward_pass_per_vector():
@@ -192,9 +221,12 @@ def test_batched_exact_hessian_diagonal(name):
         assert torch.allclose(got[k], d.reshape(s), rtol=1e-9, atol=1e-12), k
 
 
-def test_batched_mc_replicates_equal_the_loop():
-    """The MC GGN's replicates (one sampled column each) are the loop's, one by one."""
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_batched_mc_replicates_equal_the_loop(accelerator, monkeypatch):
+    """The MC GGN's replicates (one sampled column each) are the loop's, one by one (on
+    the accelerator path with each replicate's small parameters summed side by side)."""
     problem = cnn_problem()
+    side = summed_side_by_side(monkeypatch)
 
     def replicates(batched):
         def fn(tracker, losses):
@@ -203,8 +235,10 @@ def test_batched_mc_replicates_equal_the_loop():
                                        num_samples=4, generator=generator, batched=batched)
         return fn
 
-    got = run_probe(problem, replicates(True))
+    with histogram_device.forced() if accelerator else contextlib.nullcontext():
+        got = run_probe(problem, replicates(True))
     want = run_probe(problem, replicates(False), forbid_loop=False)
+    assert bool(side) == accelerator
     assert len(got) == len(want) == 4
     for g, w in zip(got, want, strict=True):
         for k in w:

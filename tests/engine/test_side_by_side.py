@@ -20,7 +20,9 @@ from cockpit.engine.histograms.exact import BinSpec, histogram_dense_counts
 from cockpit.engine.processing import CallProcessor, _DotPlan
 from cockpit.engine.side_by_side import SideBySide
 from cockpit.engine.statistics.backward import BackwardStatistics, GradientDots
+from cockpit.quantities import Quantity
 from tests.engine.test_host_syncs import Count
+from tests.reference import individual_gradients
 
 SHAPES = [(5,), (3, 2), (), (7,), (1,)]
 
@@ -53,6 +55,24 @@ def test_norms_and_dots_are_each_parameters_own(dtype):
         expected = torch.stack([flat @ u for u in rows])
         magnitude = torch.stack([flat.abs() @ u.abs() for u in rows])
         assert ((dots.double() - expected).abs() <= unit * magnitude).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("scales", [None, [4.0] * 5, [1.0, 3.0, 0.3, 1.0, 7.1]])
+def test_sums_of_squares_are_each_parameters_own(dtype, scales):
+    """Σ_n g_{n,p} ⊙ g_{n,p} (TICDiag) of each parameter side by side: float64 of its own
+    shape (a scalar parameter too), the same numbers as the parameter alone — its scaled
+    gradients squared in their dtype and summed in float64."""
+    gs = grads(dtype)
+    factors = scales or [1.0] * len(gs)
+    sums = SideBySide(gs, scales).sum_sq()
+    for total, g, scale in zip(sums, gs, factors, strict=True):
+        assert total.dtype == torch.float64 and total.shape == g.shape[1:]
+        scaled = g * scale if scale != 1.0 else g
+        torch.testing.assert_close(total, scaled.square().sum(0, dtype=torch.float64),
+                                   rtol=1e-12, atol=0.0)
+        tol = {"rtol": 2e-2 if dtype == torch.bfloat16 else 1e-6, "atol": 0.0}
+        torch.testing.assert_close(total, (g.double() * scale).pow(2).sum(0), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -179,3 +199,46 @@ def test_scaled_gradients_side_by_side_are_each_parameters_product(dtype, scales
     expected = torch.cat([(g * s).reshape(len(g), -1) for g, s in zip(gs, scales,
                                                                        strict=True)], dim=1)
     assert torch.equal(side.rows, expected)
+
+
+class SumsOfSquares(Quantity):
+    """Σ_n g_n ⊙ g_n of every parameter as the engine formed it (test only)."""
+
+    needs = frozenset({"sum_sq"})
+
+    def compute(self, data):
+        return {"SumsOfSquares": {k: v.double().clone() for k, v in data.stats.sum_sq.items()}}
+
+
+def test_a_tracked_step_sums_each_parameters_squares_side_by_side_and_stacked(monkeypatch):
+    """On the accelerator path the biases and LayerNorm parameters are summed side by side
+    and the three Linear(6, 6) weights stacked: every parameter's Σ_n g_n ⊙ g_n is its own,
+    torch.func's in float64."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    torch.manual_seed(0)
+    blocks = [m for _ in range(3) for m in (nn.Linear(6, 6), nn.LayerNorm(6), nn.Tanh())]
+    model = nn.Sequential(*blocks, nn.Linear(6, 3)).double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    sides, stacks = collections.Counter(), collections.Counter()
+    for module, counter in ((side_by_side.SideBySide, sides), (stacked.StackedGrads, stacks)):
+        original = module.sum_sq
+
+        def spy(self, _original=original, _counter=counter):
+            _counter["members"] += len(self.shapes if hasattr(self, "sizes")
+                                       else self.rows)
+            return _original(self)
+
+        monkeypatch.setattr(module, "sum_sq", spy)
+    cockpit = Cockpit(model, [SumsOfSquares()], strict=True)
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    cockpit.close()
+    got = cockpit.get_output()[0]["SumsOfSquares"]
+    expected = individual_gradients(model, lambda out, t: nn.functional.cross_entropy(
+        out, t, reduction="none"), x, y)
+    assert set(got) == set(expected)
+    for name, g in expected.items():
+        torch.testing.assert_close(torch.as_tensor(got[name]), g.pow(2).sum(0),
+                                   rtol=1e-10, atol=1e-14, msg=name)
+    assert sides["members"] == 10 and stacks["members"] == 3  # (the last weight alone)

@@ -61,6 +61,24 @@ def test_norms_and_dots_are_each_layers_own(dtype, kind):
         torch.testing.assert_close(stack.layer_dots(index, us).double(), expected, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["sequence", "outer"])
+def test_sums_of_squares_are_each_layers_own(dtype, kind):
+    """Σ_n g_n ⊙ g_n (TICDiag) of every layer of a stack: float64, θ's shape, equal to the
+    brute-force sum and to the layer's own representation."""
+    gen = torch.Generator().manual_seed(3)
+    if kind == "sequence":
+        grads = sequence_grads(3, dtype)
+    else:
+        grads = [OuterSampleGrads(torch.randn(5, 4, generator=gen).to(dtype),
+                                  torch.randn(5, 6, generator=gen).to(dtype)) for _ in range(3)]
+    tol = {"rtol": 1e-6, "atol": 1e-7} if dtype == torch.float32 else {}
+    for sums, sg in zip(StackedGrads(grads).sum_sq(), grads, strict=True):
+        assert sums.dtype == torch.float64 and sums.shape == (4, 6)
+        torch.testing.assert_close(sums, brute_force(sg).pow(2).sum(0), **tol)
+        torch.testing.assert_close(sums, sg.sum_sq(), **tol)
+
+
 def edge_grads(layers: int, n: int, i: int, j: int, spec: BinSpec) -> list[OuterSampleGrads]:
     """Outer factors (a = 1) whose products are the spec's edges, their neighbours, zeros,
     values outside the range and non-finite ones."""

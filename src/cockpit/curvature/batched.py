@@ -10,7 +10,10 @@ launch-bound for small networks (CIFAR-100's C = 100). Here the vectors travel t
   output gradient δ_{k,n} for a chunk of K vectors;
 * each layer's rule then runs once on the K·N "samples" (k, n), its recorded input repeated
   K times, so Σ_{k,n} g_{k,n} ⊙ g_{k,n} is one call of ``sum_sq`` — the same closed forms
-  and kernels as for the user's own backward pass, on a K times larger batch.
+  and kernels as for the user's own backward pass, on a K times larger batch;
+* the small parameters' (biases, normalization weights) individual gradients of a chunk
+  are summed side by side (:meth:`cockpit.engine.side_by_side.SideBySide.sum_sq`): one
+  square and one sum for all of them instead of three kernels each.
 
 Memory: a chunk of K vectors holds K times the backward pass's activation gradients, and a
 rule's scratch grows with its batch; both are chunked to ``budget_bytes``.
@@ -30,9 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from cockpit.curvature.batched_grad import batched_grad
+from cockpit.engine import side_by_side
 from cockpit.engine.capture.hooks import Call
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.histograms.device import device_path
+from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 
 # Layers whose rule reads one batched input ``args[0]`` (batch dimension first) and whose
 # individual gradients depend on nothing else: repeating the input repeats their samples.
@@ -115,6 +120,7 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
     per_vector = 2 * sum(t.numel() * t.element_size() for t in targets)
     chunk = max(1, min(len(grad_outputs), budget_bytes // max(per_vector, 1)))
     totals: list[dict[str, Tensor]] = [{} for _ in range(len(grad_outputs) if separate else 1)]
+    small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]] = []  # (its totals, name)
     with engine.suspended():
         for start in range(0, len(grad_outputs), chunk):
             vectors = (grad_outputs if chunk == len(grad_outputs)
@@ -131,23 +137,26 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
                 # (no create_graph: the output gradients are outside autograd already)
                 folded = delta.reshape(-1, *delta.shape[2:])  # samples (k, n), k major
                 if not separate:
-                    _add_folded(engine, call, folded, n, totals[0], budget_bytes)
+                    _add_folded(engine, call, folded, n, totals[0], budget_bytes, small)
                     continue
                 for k in range(len(vectors)):
                     _add_folded(engine, call, folded[k * n:(k + 1) * n], n, totals[start + k],
-                                budget_bytes)
+                                budget_bytes, small)
                 del delta, folded
             del deltas
+            _add_side_by_side(small)
     return totals
 
 
 def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
-                totals: dict[str, Tensor], budget_bytes: int) -> None:
+                totals: dict[str, Tensor], budget_bytes: int,
+                small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]]) -> None:
     """Add Σ_{k,n} g_{k,n} ⊙ g_{k,n} of one layer, δ of the samples (k, n) as ``folded``
     [K·N, ...] (k major), in folds of samples whose scratch fits the budget: of whole
     vectors where one vector's samples fit (the recorded input repeated: one copy), else
     of single samples (an index each). The rule sees no output (no closed-form rule of
-    :data:`FOLDABLE` reads it)."""
+    :data:`FOLDABLE` reads it). A small parameter's individual gradients of one fold of
+    all samples go to ``small`` instead, summed side by side with the others'."""
     k = len(folded) // n
     x = call.args[0]
     size = max(1, budget_bytes // _sample_bytes(call))
@@ -165,5 +174,33 @@ def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
         part = dataclasses.replace(call, args=(inputs,), outputs=[])
         grads = folded if stop - start == k * n else folded[start:stop]
         for name, sg in engine.sample_grads(part, [grads]).items():
-            total = sg.sum_sq()
-            totals[name] = totals[name] + total if name in totals else total
+            if stop - start == k * n and _waits_side_by_side(sg):
+                small.append((totals, name, sg))  # type: ignore[arg-type]
+                continue
+            _add(totals, name, sg.sum_sq())
+
+
+def _waits_side_by_side(sg: SampleGrads) -> bool:
+    """Whether a parameter's individual gradients are summed side by side: explicit ones,
+    small (:data:`cockpit.engine.side_by_side.SMALL_BYTES`), on an accelerator."""
+    if type(sg) is not DenseSampleGrads or not device_path(sg.unscaled.device):
+        return False
+    return sg.unscaled.numel() * sg.unscaled.element_size() <= side_by_side.SMALL_BYTES
+
+
+def _add_side_by_side(small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]]) -> None:
+    """Add the sums of squares of the small parameters waiting in ``small`` to their
+    totals, those with the same samples, dtype and device side by side; empties ``small``."""
+    shapes = [(sg.num_samples, sg.unscaled.dtype, sg.unscaled.device,
+               sg.shape.numel()) for _, _, sg in small]
+    for group in side_by_side.groups(shapes, bins=0):
+        members = [small[i] for i in group]
+        side = side_by_side.SideBySide([sg.unscaled for _, _, sg in members],
+                                       [sg.scale for _, _, sg in members])
+        for (totals, name, _), total in zip(members, side.sum_sq(), strict=True):
+            _add(totals, name, total)
+    small.clear()
+
+
+def _add(totals: dict[str, Tensor], name: str, total: Tensor) -> None:
+    totals[name] = totals[name] + total if name in totals else total

@@ -11,6 +11,8 @@ until the end of the backward pass and forms their statistics together from
 and the 0/1 matrix S ∈ R^{ΣD_p × P} that sums the columns of each parameter:
 
 * ‖g_{n,p}‖ = √((G ⊙ G) S)_{np};
+* Σ_n g_{n,p} ⊙ g_{n,p} (TICDiag eq. 29): the column sums of G ⊙ G in float64, split by
+  parameter;
 * g_{n,p}ᵀu_{k,p} = ((G ⊙ U_k) S)_{np} for K directions U_k = [u_{k,1} | … | u_{k,P}];
 * the histogram counts of GradHist1d (eq. 15): the search index of every element (the same
   edges as one parameter alone) plus p·(bins + 2), counted by one ``histc`` over
@@ -47,6 +49,7 @@ class SideBySide:
 
     def __init__(self, grads: Sequence[Tensor], scales: Sequence[float] | None = None):
         rows = [g if g.dim() == 2 else g.reshape(g.shape[0], -1) for g in grads]
+        self.shapes = tuple(g.shape[1:] for g in grads)
         self.sizes = tuple(r.shape[1] for r in rows)
         self.rows = torch.cat(rows, dim=1)
         # one multiplication for all, the same products as one parameter at a time
@@ -65,6 +68,13 @@ class SideBySide:
         """‖g_{n,p}‖, [N] per parameter."""
         squares = (self.rows * self.rows) @ self.indicator  # [N, P]
         return list(squares.sqrt_().unbind(1))
+
+    def sum_sq(self) -> list[Tensor]:
+        """Σ_n g_{n,p} ⊙ g_{n,p} in float64, of parameter p's shape: the squares in G's dtype
+        summed in float64, as one parameter alone (views of one [ΣD] sum)."""
+        sums = self.rows.square().sum(0, dtype=torch.float64)
+        return [part if len(shape) == 1 else part.view(shape)  # (a bias is flat already)
+                for part, shape in zip(sums.split(self.sizes), self.shapes, strict=True)]
 
     def dots(self, directions: Sequence[Sequence[Tensor]]) -> Tensor:
         """[g_{n,p}ᵀu_{k,p}]_{k,n,p}, [K, N, P] (``directions[p]``: parameter p's K

@@ -14,6 +14,7 @@ the backward pass ends) and forms the individual gradients of all L layers at on
 from which
 
 * ‖g_{l,n}‖: one norm over the L·N rows;
+* Σ_n g_{l,n} ⊙ g_{l,n} (TICDiag eq. 29): the squares of G summed over the samples in float64;
 * the counts of GradHist1d (eq. 15) per layer: every element's search index (the same
   edges as one layer alone) plus its lane's and its layer's offset, counted by one
   ``histc`` over L·(lanes)·(bins + 2) slots (:func:`cockpit.engine.histograms.device.tally`
@@ -139,6 +140,12 @@ class StackedGrads:
         """‖g_{l,n}‖, [N] per layer: one norm over every row."""
         norms = torch.linalg.vector_norm(self.rows, dim=2)  # [L, N]
         return list(norms.unbind(0))
+
+    def sum_sq(self) -> list[Tensor]:
+        """Σ_n g_{l,n} ⊙ g_{l,n} per layer, float64 of the weight's shape: the squares in
+        G's dtype summed over the samples in float64 (one layer's materialized form)."""
+        sums = self.rows.square().sum(1, dtype=torch.float64)  # [L, D]
+        return list(sums.view(self.num_layers, *self.shape).unbind(0))
 
     def dots(self, directions: Sequence[Sequence[Tensor]]) -> Tensor:
         """[g_{l,n}ᵀu_{l,k}]_{k,n,l}, [K, N, L] (``directions[l]``: layer l's K directions,
