@@ -348,3 +348,73 @@ def test_auto_picks_the_mc_ggn_for_many_classes(classes, method):
         assert abs(value - reference) <= 5 * stderr
     else:
         assert rel_close(value, reference, 1e-9)
+
+
+@pytest.mark.parametrize("conv", [
+    nn.Conv1d(3, 4, 3, padding=1),
+    nn.Conv2d(2, 5, 3, stride=2, padding=1, bias=False),
+    nn.Conv2d(2, 3, (3, 2), dilation=(2, 1), padding="same", padding_mode="reflect"),
+    nn.Conv3d(2, 2, 2, stride=(1, 2, 1)),
+])
+@pytest.mark.parametrize("vectors_per_fold", [1, 2, 5])
+def test_folded_convolution_sums_equal_each_vectors_own(conv, vectors_per_fold):
+    """Σ_k Σ_n g_{k,n} ⊙ g_{k,n} of a convolution's weight with the input's patches formed
+    once for the K vectors (in folds of vectors within the budget) equals the sum of the
+    brute-force individual gradients (torch.func) of each vector's backpropagation."""
+    from cockpit.engine.rules.conv import folded_weight_sum_sq
+
+    torch.manual_seed(0)
+    conv = conv.double()
+    n, k = 3, 5
+    x = torch.randn(n, conv.in_channels, *[6] * (conv.weight.dim() - 2), dtype=torch.float64)
+    out = conv(x)
+    folded = torch.randn(k * n, *out.shape[1:], dtype=torch.float64)
+
+    def sample_output(weight, x_n, v_n):  # ⟨conv(x_n; W), v_n⟩: its gradient is g_{k,n}
+        params = {"weight": weight} | ({"bias": conv.bias} if conv.bias is not None else {})
+        y = torch.func.functional_call(conv, params, (x_n.unsqueeze(0),))
+        return (y[0] * v_n).sum()
+
+    each = torch.func.vmap(torch.func.grad(sample_output), in_dims=(None, 0, 0))
+    expected = sum(each(conv.weight.detach(), x, folded[i * n:(i + 1) * n]).pow(2).sum(0)
+                   for i in range(k))
+    positions = math.prod(out.shape[2:])
+    patches = n * conv.weight.shape[1:].numel() * positions * 8
+    per_vector = n * (conv.weight.numel() + conv.out_channels * positions) * 8
+    budget = patches + vectors_per_fold * per_vector
+    got = folded_weight_sum_sq(conv, x, folded, budget)
+    assert got is not None and got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    assert folded_weight_sum_sq(conv, x, folded, patches + per_vector - 1) is None
+
+
+def test_batched_convolutions_unfold_each_input_once(monkeypatch):
+    """The exact GGN's C = 5 vectors on the accelerator path: each convolution's patches
+    are formed from its N recorded samples (not a repeated input of C·N), the dense
+    reference's values."""
+    from cockpit.engine.rules import conv as conv_module
+
+    problem = pool_problem()
+    expected = dense_ggn_diagonal(problem)
+    unfolded: list[int] = []
+    original = conv_module._patches
+
+    def spy(module, x, out_sizes, out=None):
+        unfolded.append(x.shape[0])
+        return original(module, x, out_sizes, out)
+
+    monkeypatch.setattr(conv_module, "_patches", spy)
+    counter, add_folded = CountOps(), batched_module._add_folded
+
+    def counted(*args, **kwargs):
+        with counter:
+            return add_folded(*args, **kwargs)
+
+    monkeypatch.setattr(batched_module, "_add_folded", counted)
+    with histogram_device.forced():
+        got = run_probe(problem, lambda tracker, losses: diagonal_curvature(
+            "diag_ggn_exact", tracker, losses, tracker.params, batched=True))
+    for k, d in expected.items():
+        assert torch.allclose(got[k], d, rtol=1e-9, atol=1e-13), k
+    assert unfolded == [5, 5]  # (two convolutions, N = 5 samples each)
+    assert counter.ops["repeat"] == 1  # (the Linear layer's input, repeated for its rule)

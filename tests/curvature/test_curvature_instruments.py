@@ -349,3 +349,28 @@ def test_hess_top_ev_brackets_hold_for_a_cluster_of_equal_eigenvalues():
                                    strict=True):
         assert value <= exact + 1e-9 and exact <= bound + 1e-9
         assert value == pytest.approx(exact, rel=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hess_trace_sums_each_parameters_signed_diagonal(dtype):
+    """HessTrace's per-parameter sums by multi-tensor kernels (‖d⁺‖₁ − ‖d⁻‖₁ for a Hessian's
+    diagonal, which may be negative) equal each diagonal's float64 sum, non-finite entries
+    included; a GGN's (≥ 0) is its ℓ1 norm."""
+    from cockpit.quantities.hess_trace import _sums
+
+    gen = torch.Generator().manual_seed(0)
+    diagonal = {f"p{i}": torch.randn(shape, generator=gen).to(dtype)
+                for i, shape in enumerate([(7, 3), (5,), (), (2, 2, 2)])}
+    diagonal["p4"] = torch.tensor([1.0, float("inf"), -2.0], dtype=dtype)
+    diagonal["p5"] = torch.tensor([float("-inf"), 3.0], dtype=dtype)
+    diagonal["p6"] = torch.tensor([float("inf"), float("-inf")], dtype=dtype)
+    diagonal["p7"] = torch.tensor([float("nan"), 1.0], dtype=dtype)
+    got = _sums(diagonal, non_negative=False)
+    expected = torch.stack([d.double().sum() for d in diagonal.values()])
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12, equal_nan=True)
+    squares = {k: d.square() for k, d in list(diagonal.items())[:4]}
+    torch.testing.assert_close(_sums(squares, non_negative=True),
+                               torch.stack([d.double().sum() for d in squares.values()]),
+                               rtol=1e-12, atol=0.0)
+    assert _sums({}, non_negative=False).shape == (0,)

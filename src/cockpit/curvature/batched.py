@@ -11,6 +11,10 @@ launch-bound for small networks (CIFAR-100's C = 100). Here the vectors travel t
 * each layer's rule then runs once on the K·N "samples" (k, n), its recorded input repeated
   K times, so Σ_{k,n} g_{k,n} ⊙ g_{k,n} is one call of ``sum_sq`` — the same closed forms
   and kernels as for the user's own backward pass, on a K times larger batch;
+* a convolution with one group forms its input's patches once for all K vectors of a
+  chunk, whose output gradients are K·C_out output channels of one product per sample
+  (:func:`cockpit.engine.rules.conv.folded_weight_sum_sq`), instead of unfolding its
+  input repeated K times;
 * the small parameters' (biases, normalization weights) individual gradients of a chunk
   are summed side by side (:meth:`cockpit.engine.side_by_side.SideBySide.sum_sq`): one
   square and one sum for all of them instead of three kernels each.
@@ -37,6 +41,7 @@ from cockpit.engine import side_by_side
 from cockpit.engine.capture.hooks import Call
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.histograms.device import device_path
+from cockpit.engine.rules.conv import conv_rule, folded_weight_sum_sq
 from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 
 # Layers whose rule reads one batched input ``args[0]`` (batch dimension first) and whose
@@ -159,6 +164,8 @@ def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
     all samples go to ``small`` instead, summed side by side with the others'."""
     k = len(folded) // n
     x = call.args[0]
+    if _convolution_folds(engine, call, folded, totals, budget_bytes, small):
+        return
     size = max(1, budget_bytes // _sample_bytes(call))
     if size >= n:
         size -= size % n
@@ -178,6 +185,33 @@ def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
                 small.append((totals, name, sg))  # type: ignore[arg-type]
                 continue
             _add(totals, name, sg.sum_sq())
+
+
+def _convolution_folds(engine: EngineView, call, folded: Tensor, totals: dict[str, Tensor],
+                       budget_bytes: int,
+                       small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]]) -> bool:
+    """A convolution with one group whose input and output gradients share a dtype (no
+    mixed-precision parameters): its weight's sums by the input's patches formed once for
+    all vectors, its bias's from Σ_l δ_{k,n,:,l} (side by side). False where this does not
+    apply or the patches exceed the budget (then the rule runs on the repeated input)."""
+    unit, x = call.unit, call.args[0]
+    module = unit.module
+    if (unit.rule is not conv_rule or module.groups != 1 or not module.weight.requires_grad
+            or x.dtype != folded.dtype or engine.compute_dtypes):
+        return False
+    with torch.no_grad():
+        weight = folded_weight_sum_sq(module, x, folded, budget_bytes)
+    if weight is None:
+        return False
+    _add(totals, engine.unit_param_name(unit, "weight"), weight)
+    if module.bias is not None and module.bias.requires_grad:
+        bias = DenseSampleGrads(folded.sum(tuple(range(2, folded.dim()))))
+        name = engine.unit_param_name(unit, "bias")
+        if _waits_side_by_side(bias):
+            small.append((totals, name, bias))
+        else:
+            _add(totals, name, bias.sum_sq())
+    return True
 
 
 def _waits_side_by_side(sg: SampleGrads) -> bool:

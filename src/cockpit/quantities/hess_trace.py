@@ -62,11 +62,19 @@ class HessTrace(DiagonalCurvatureQuantity):
 
 
 def _sums(diagonal: dict[str, Tensor], non_negative: bool) -> Tensor:
-    """Σ_j of every parameter's diagonal, float64 [P] on the device. A GGN's diagonal is a
-    sum of squares, ≥ 0 entry by entry: its sums are ℓ1 norms, one multi-tensor kernel for
-    all parameters instead of one sum each."""
-    if non_negative and diagonal:
-        return torch.stack(torch._foreach_norm(list(diagonal.values()), ord=1,
-                                               dtype=torch.float64))
-    return torch.stack([d.double().sum() for d in diagonal.values()])
+    """Σ_j of every parameter's diagonal, float64 [P] on the device, by multi-tensor kernels
+    for all parameters instead of one sum each. A GGN's diagonal is a sum of squares, ≥ 0
+    entry by entry: its sums are ℓ1 norms. A Hessian's may be negative: Σ_j d_j =
+    ‖max(d, 0)‖₁ − ‖min(d, 0)‖₁, both accumulated in float64 (NaN and ±∞ stay as in the
+    sum)."""
+    values = list(diagonal.values())
+    if not values:
+        return torch.zeros(0, dtype=torch.float64)
+    if non_negative:
+        return torch.stack(torch._foreach_norm(values, ord=1, dtype=torch.float64))
+    positive = torch._foreach_norm(torch._foreach_clamp_min(values, 0.0), ord=1,
+                                   dtype=torch.float64)
+    negative = torch._foreach_norm(torch._foreach_clamp_max(values, 0.0), ord=1,
+                                   dtype=torch.float64)
+    return torch.stack(positive) - torch.stack(negative)
 

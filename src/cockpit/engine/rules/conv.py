@@ -429,3 +429,40 @@ def conv_rule(
 
 
 conv_rule.takes_scale = True  # type: ignore[attr-defined]
+
+
+def folded_weight_sum_sq(module: nn.modules.conv._ConvNd, x: Tensor, folded: Tensor,
+                         budget_bytes: int) -> Tensor | None:
+    """Σ_k Σ_n g_{k,n} ⊙ g_{k,n} of the weight of a convolution with one group, for the
+    output gradients δ_{k,n} of K vectors per sample (``folded``: [K·N, C_out, *out], k
+    major; ``x``: the recorded input [N, C_in, *in]), float64 of the weight's shape; None
+    where the input's patches alone exceed ``budget_bytes``.
+
+    g_{k,n} = δ_{k,n} U_nᵀ with the same patches U_n for every k, so the K vectors are K·C_out
+    output channels of one product per sample, [δ_{1,n}; …; δ_{K,n}] U_nᵀ: the patches of N
+    samples are formed once instead of those of K·N repeated inputs. Vectors are taken in
+    groups whose K'·N individual gradients and output gradients fit the budget beside the
+    patches."""
+    n = x.shape[0]
+    k, c_out = len(folded) // n, folded.shape[1]
+    out_sizes = folded.shape[2:]
+    positions = math.prod(out_sizes)
+    patch_numbers = n * module.weight.shape[1:].numel() * positions
+    itemsize = max(folded.element_size(), x.element_size())
+    free = budget_bytes - patch_numbers * itemsize
+    per_vector = n * (module.weight.numel() + c_out * positions) * itemsize
+    if free < per_vector:
+        return None
+    patches = _patches(module, _explicit_padding(module, outside_autograd(x)), out_sizes)
+    patches = in_dtype(patches, folded.dtype).transpose(1, 2)  # [N, L, C_in·K]
+    step = min(k, free // per_vector)
+    total: Tensor | None = None
+    for start in range(0, k, step):
+        vectors = min(step, k - start)
+        deltas = folded[start * n:(start + vectors) * n].reshape(vectors, n, c_out, positions)
+        stacked = deltas.transpose(0, 1).reshape(n, vectors * c_out, positions)
+        grads = torch.bmm(in_dtype(stacked, patches.dtype), patches)  # [N, K'·C_out, C_in·K]
+        sums = grads.square().sum(0, dtype=torch.float64).view(vectors, -1).sum(0)
+        total = sums if total is None else total + sums
+    assert total is not None
+    return total.view(module.weight.shape)
