@@ -29,6 +29,8 @@ METHODS = ("diag_ggn_exact", "diag_ggn_mc", "hutchinson")
 class Timing(quantities.Quantity):
     """Times the curvature primitives inside a tracked step (before the user's backward)."""
 
+    needs_activations = True  # (the diagonal curvature backpropagates from the layers' outputs)
+
     def __init__(self, methods, repeats: int, sync):
         super().__init__(every(1))
         self.methods, self.repeats, self.sync = methods, repeats, sync

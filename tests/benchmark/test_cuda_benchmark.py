@@ -45,3 +45,18 @@ def test_gpu_overhead_dry_run_on_the_cpu(tmp_path):
     assert abs(idle["ratio"] - idle["tracked_ms"] / idle["untracked_ms"]) < 1e-9
     assert "A step no instrument tracks" in table
     assert data["meta"]["device"].startswith("CPU")
+
+
+def test_curvature_batched_dry_run_on_the_cpu():
+    """``benchmarks/curvature_batched.py`` (part b of ``gpu_check.sh``) runs on a small batch:
+    each method's loop and batched time, and their ratio."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "benchmarks/curvature_batched.py", "--batch", "4", "--repeats", "1",
+         "--methods", "diag_ggn_exact", "diag_ggn_mc"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["method"] for r in records] == ["diag_ggn_exact", "diag_ggn_mc"]
+    assert all(r["loop_ms"] > 0 and r["batched_ms"] > 0 for r in records)
+    assert "Timing failed" not in result.stderr

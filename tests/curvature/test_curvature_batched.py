@@ -418,3 +418,21 @@ def test_batched_convolutions_unfold_each_input_once(monkeypatch):
         assert torch.allclose(got[k], d, rtol=1e-9, atol=1e-13), k
     assert unfolded == [5, 5]  # (two convolutions, N = 5 samples each)
     assert counter.ops["repeat"] == 1  # (the Linear layer's input, repeated for its rule)
+
+
+def test_an_instrument_without_needs_activations_is_told_to_declare_it():
+    """An own instrument that backpropagates through the recorded calls but does not set
+    needs_activations gets a message that says so, not autograd's complaint about the
+    records the forward pass kept in place of the outputs."""
+
+    class Undeclared(_Probe):
+        needs_activations = False
+
+    problem = pool_problem()
+    probe = Undeclared(lambda tracker, losses: diagonal_curvature(
+        "diag_ggn_exact", tracker, losses, tracker.params, batched=True))
+    cockpit = Cockpit(problem.model, [probe], strict=True)
+    losses = problem.losses()
+    with pytest.raises(RuntimeError, match="needs_activations = True"), cockpit(
+            0, losses=losses):
+        losses.mean().backward()

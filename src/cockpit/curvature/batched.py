@@ -11,8 +11,8 @@ launch-bound for small networks (CIFAR-100's C = 100). Here the vectors travel t
 * each layer's rule then runs once on the K·N "samples" (k, n), its recorded input repeated
   K times, so Σ_{k,n} g_{k,n} ⊙ g_{k,n} is one call of ``sum_sq`` — the same closed forms
   and kernels as for the user's own backward pass, on a K times larger batch;
-* a convolution with one group forms its input's patches once for all K vectors of a
-  chunk, whose output gradients are K·C_out output channels of one product per sample
+* on accelerators a convolution with one group forms its input's patches once for all K
+  vectors of a chunk, whose output gradients are K·C_out output channels of one product per sample
   (:func:`cockpit.engine.rules.conv.folded_weight_sum_sq`), instead of unfolding its
   input repeated K times;
 * the small parameters' (biases, normalization weights) individual gradients of a chunk
@@ -190,15 +190,17 @@ def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
 def _convolution_folds(engine: EngineView, call, folded: Tensor, totals: dict[str, Tensor],
                        budget_bytes: int,
                        small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]]) -> bool:
-    """A convolution with one group whose input and output gradients share a dtype (no
-    mixed-precision parameters): its weight's sums by the input's patches formed once for
-    all vectors, its bias's from Σ_l δ_{k,n,:,l} (side by side). False where this does not
-    apply or the patches exceed the budget (then the rule runs on the repeated input)."""
+    """A convolution with one group on an accelerator whose input and output gradients share
+    a dtype (no mixed-precision parameters): its weight's sums by the input's patches formed
+    once for all vectors, its bias's from Σ_l δ_{k,n,:,l} (side by side). False where this
+    does not apply or the patches exceed the budget (then the rule runs on the repeated
+    input)."""
     unit, x = call.unit, call.args[0]
     module = unit.module
     if (unit.rule is not conv_rule or module.groups != 1 or not module.weight.requires_grad
-            or x.dtype != folded.dtype or engine.compute_dtypes):
-        return False
+            or x.dtype != folded.dtype or engine.compute_dtypes
+            or not device_path(folded.device)):
+        return False  # (a CPU sums the rule's rows sample by sample in its cache: faster)
     with torch.no_grad():
         weight = folded_weight_sum_sq(module, x, folded, budget_bytes)
     if weight is None:

@@ -396,8 +396,17 @@ class Capture:
         return seen
 
     def probe_calls(self) -> list[Call]:
-        """The recorded calls whose inputs and outputs are still held."""
-        return [c for c in self.calls if c.args is not None and c.outputs]
+        """The recorded calls whose inputs and outputs are still held. Raises where this
+        step's forward pass kept only records of the outputs: no instrument of the step
+        declared that it backpropagates from them (``needs_activations``)."""
+        calls = [c for c in self.calls if c.args is not None and c.outputs]
+        if any(isinstance(o, OutputRecord) for c in calls for o in c.outputs):
+            raise RuntimeError(
+                "the layers' outputs of this step's forward pass were not kept: an "
+                "instrument that backpropagates from them (the diagonal curvature, "
+                "Cockpit's own backward passes through the recorded calls) sets the class "
+                "attribute needs_activations = True")
+        return calls
 
     def multi_use(self) -> set[str]:
         """The parameters used by more than one recorded call."""
