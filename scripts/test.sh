@@ -23,8 +23,12 @@ python -m mypy src/cockpit/__init__.py src/cockpit/__main__.py src/cockpit/_extr
   src/cockpit/step src/cockpit/loop_checks src/cockpit/arguments.py src/cockpit/store/metadata.py \
   src/cockpit/quantities/descriptor.py src/cockpit/engine/statistics
 python -m pytest -p no:cacheprovider "$@"
-# a subset on the oldest torch the package supports (only for the whole suite, not when
-# arguments pick tests)
+# only for the whole suite, not when arguments pick tests: the instruments' and the
+# curvature's tests again on the accelerator paths forced on the CPU (what a GPU runs: every
+# value against the same references; docs/architecture.md), then a subset on the oldest
+# torch the package supports
 if [ "$#" -eq 0 ]; then
+  python -m pytest -p no:cacheprovider --accelerator-path tests/quantities tests/curvature \
+    tests/test_reliability.py
   bash scripts/test_oldest_torch.sh
 fi

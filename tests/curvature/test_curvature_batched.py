@@ -124,7 +124,7 @@ def summed_side_by_side(monkeypatch) -> list[list[str]]:
     return groups
 
 
-@pytest.mark.parametrize("accelerator", [False, True])
+@pytest.mark.parametrize("accelerator", [pytest.param(False, marks=pytest.mark.cpu_path), True])
 @pytest.mark.parametrize("budget", [None, 1])
 @pytest.mark.parametrize("name", ["mlp_relu", "mlp_sigmoid", "cnn_plain", "residual"])
 def test_batched_exact_ggn_equals_dense_reference(name, budget, accelerator, monkeypatch):
@@ -221,7 +221,7 @@ def test_batched_exact_hessian_diagonal(name):
         assert torch.allclose(got[k], d.reshape(s), rtol=1e-9, atol=1e-12), k
 
 
-@pytest.mark.parametrize("accelerator", [False, True])
+@pytest.mark.parametrize("accelerator", [pytest.param(False, marks=pytest.mark.cpu_path), True])
 def test_batched_mc_replicates_equal_the_loop(accelerator, monkeypatch):
     """The MC GGN's replicates (one sampled column each) are the loop's, one by one (on
     the accelerator path with each replicate's small parameters summed side by side)."""

@@ -17,7 +17,7 @@ from cockpit.engine.histograms.exact import (
     histogram_outer,
 )
 from tests.reference import bin_indices_np as np_bins
-from tests.reference import edge_neighbours
+from tests.reference import edge_neighbours, host_count
 
 F32, F64 = torch.float32, torch.float64
 
@@ -39,6 +39,7 @@ def assert_hist(result, expected: tuple[np.ndarray, int]) -> None:
     counts, num_nonfinite = result
     assert counts.dtype == torch.int64 and counts.shape == expected[0].shape
     np.testing.assert_array_equal(counts.numpy(), expected[0])
+    num_nonfinite = host_count(num_nonfinite)
     assert isinstance(num_nonfinite, int) and num_nonfinite == expected[1]
 
 

@@ -19,7 +19,7 @@ from cockpit.engine.rules import sample_grads
 from cockpit.engine.rules.sample_grads import OuterSampleGrads, SampleGrads
 from tests.models import make_problem
 from tests.reference import bin_indices_np as np_bins
-from tests.reference import edge_neighbours, individual_gradients
+from tests.reference import edge_neighbours, host_count, individual_gradients
 
 F32, F64 = torch.float32, torch.float64
 
@@ -51,6 +51,7 @@ def check(delta, a, theta, spec_g, spec_theta) -> tuple[torch.Tensor, int]:
     expected, expected_bad = brute_force(delta, a, theta, spec_g, spec_theta)
     assert counts.dtype == torch.int64 and counts.shape == (spec_g.bins, spec_theta.bins)
     np.testing.assert_array_equal(counts.numpy(), expected)
+    bad = host_count(bad)
     assert isinstance(bad, int) and bad == expected_bad
     assert counts.sum().item() + bad == delta.shape[0] * theta.numel()
     for x, y in zip((delta, a, theta), before, strict=True):
@@ -186,6 +187,7 @@ def test_degenerate_shapes(shape, mode):
     check(delta, a, theta, *SPECS[1])
 
 
+@pytest.mark.cpu_path
 def test_wrong_guesses_are_repaired(monkeypatch):
     """Random searchsorted guesses, and bounds on the kept entries that are too tight: the
     exact verification (bisection, redo with the sorted rows) still gives brute force."""
@@ -220,6 +222,7 @@ def test_default_settings_on_a_larger_layer(scale):
     check(delta, a, theta, *SPECS[0])
 
 
+@pytest.mark.cpu_path
 def test_fallback_after_the_exact_counts(monkeypatch):
     """The early estimate says factored, the exact counts say dense: still brute force."""
     monkeypatch.setattr(h2, "_estimate", lambda *args: 0.0)

@@ -51,6 +51,7 @@ def test_floor_of_the_product_is_exact(dtype, s, m):
     assert [math.floor(v) for v in (x * s + m).tolist()] != want
 
 
+@pytest.mark.cpu_path
 def test_only_worker_threads_change_the_rounding_mode(monkeypatch):
     """Called from this (the user's) thread, every product is formed in a worker thread;
     this thread's mode stays round-to-nearest and the worker's is restored."""

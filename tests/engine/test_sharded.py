@@ -296,8 +296,13 @@ def test_a_reduce_dtype_alone_leaves_the_values_exact(group_of_one):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     output, notes = economy_run(model, problem, steps=1)
-    # (the update is the optimizer's on the gradient rounded to bfloat16 by the reduction)
-    assert assert_same_values(output, expected, range(1), rtol=1e-12,
+    # (the update is the optimizer's on the gradient rounded to bfloat16 by the reduction;
+    # on the accelerator path the unsharded model's layers are stacked, the sharded ones
+    # not: the same numbers summed in another order)
+    from cockpit.engine.histograms import device
+
+    rtol = 1e-6 if device._forced else 1e-12
+    assert assert_same_values(output, expected, range(1), rtol=rtol,
                               skip={"UpdateSize", "UpdateRatio"}) > 30
     assert not any("mixed precision" in note for note in notes.get(0, {}).values())
 

@@ -8,6 +8,7 @@ import contextlib
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -121,6 +122,7 @@ def test_norms_are_read_from_the_chunks_a_histogram_materialized(monkeypatch):
     np.testing.assert_allclose(shared, alone, rtol=1e-12)
 
 
+@pytest.mark.cpu_path
 def test_norms_and_squares_from_materialized_chunks_match_the_brute_force(monkeypatch):
     """On accelerators both statistics read the chunks a statistic formed before them (one
     norm each); a CPU keeps the closed form (the Gram matrices' fewer FLOPs)."""

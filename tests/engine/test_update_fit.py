@@ -211,6 +211,7 @@ def test_packed_bases_give_the_same_fits_in_a_fixed_number_of_ops(accelerator_pa
     assert count(3) == count(30)
 
 
+@pytest.mark.cpu_path
 def test_the_cpu_path_fits_one_tensor_at_a_time():
     """Without the accelerators' path, no rows of all tensors (F would be a copy of every
     basis): the per-tensor BLAS products and the workspace's residual."""

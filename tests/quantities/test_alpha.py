@@ -323,6 +323,7 @@ def test_sgd_momentum_buffer_edited_is_still_exact():
 
 
 @pytest.mark.parametrize("opt,expected", [("sgd_dampening", 1), ("sgd_momentum_wd", 2)])
+@pytest.mark.cpu_path
 def test_sgd_momentum_projects_on_the_previous_update_once(monkeypatch, opt, expected):
     """Tracked every step with momentum SGD, s_{t−1} = −lr·b_old spans the buffer's part of the
     next update: each Linear weight gets one projection per step for s_{t−1} and the buffer
