@@ -441,8 +441,8 @@ def folded_weight_sum_sq(module: nn.modules.conv._ConvNd, x: Tensor, folded: Ten
     g_{k,n} = δ_{k,n} U_nᵀ with the same patches U_n for every k, so the K vectors are K·C_out
     output channels of one product per sample, [δ_{1,n}; …; δ_{K,n}] U_nᵀ: the patches of N
     samples are formed once instead of those of K·N repeated inputs. Vectors are taken in
-    groups whose K'·N individual gradients and output gradients fit the budget beside the
-    patches."""
+    groups whose K'·N individual gradients (twice: their squares) and output gradients fit
+    the budget beside the patches."""
     n = x.shape[0]
     k, c_out = len(folded) // n, folded.shape[1]
     out_sizes = folded.shape[2:]
@@ -450,7 +450,7 @@ def folded_weight_sum_sq(module: nn.modules.conv._ConvNd, x: Tensor, folded: Ten
     patch_numbers = n * module.weight.shape[1:].numel() * positions
     itemsize = max(folded.element_size(), x.element_size())
     free = budget_bytes - patch_numbers * itemsize
-    per_vector = n * (module.weight.numel() + c_out * positions) * itemsize
+    per_vector = n * (2 * module.weight.numel() + c_out * positions) * itemsize
     if free < per_vector:
         return None
     patches = _patches(module, _explicit_padding(module, outside_autograd(x)), out_sizes)
