@@ -115,6 +115,7 @@ def test_parameter_sized_copies_at_each_stage(tracked_loop):
     assert max(held["between"][1:]) == pytest.approx(2.0, abs=0.01)
 
 
+@pytest.mark.cpu_path
 def test_one_parameter_sized_scratch_buffer():
     """The CPU's parameter-sized temporaries (θ_t − θ₀, p.grad − c·ḡ) share one buffer,
     the size of the largest parameter."""
@@ -153,6 +154,7 @@ def _peak_allocated(fn) -> int:
     return peak
 
 
+@pytest.mark.cpu_path
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_adam_prediction_holds_three_temporaries(decoupled):
     """AdamW's predicted update ŝ = θ̂ − θ needs the two new moments and θ̂ (GPT-2's token

@@ -166,6 +166,30 @@ def test_conv_projection_path_by_size(channels, lazy):
     assert sg._rows is not None
 
 
+@pytest.mark.parametrize(("padding", "mode", "copied"), [
+    (1, "zeros", False), ("same", "zeros", False), (1, "reflect", True)])
+def test_conv_projections_pad_by_the_convolution(padding, mode, copied):
+    """Projected by convolution, a zero-padded layer's input is padded by the convolution
+    itself (no padded copy: the step after a tracked one projects on s_t only); other
+    padding modes copy it padded once, as materializing does; the brute force's values."""
+    torch.manual_seed(3)
+    module = nn.Conv2d(8, 4, 3, padding=padding, padding_mode=mode).double()
+    x = torch.randn(6, 8, 5, 5, dtype=torch.float64)
+    out = module(x)
+    delta = torch.randn_like(out)
+    sg = conv_rule(module, (x,), {}, out, delta)["weight"]
+    u = torch.randn(sg.shape, dtype=torch.float64)
+    dots = sg.dots_many([u])
+    assert sg._rows is None and (sg._padded is not None) == copied
+    expected = individual_grads(module, x, delta)["weight"].flatten(1) @ u.reshape(-1)
+    torch.testing.assert_close(dots[0], expected)
+    half = sg.select(0, 3)
+    torch.testing.assert_close(half.dots_many([u])[0], expected[:3])
+    torch.testing.assert_close(half.sq_norms(),
+                               individual_grads(module, x, delta)["weight"][:3]
+                               .flatten(1).pow(2).sum(1))
+
+
 def test_float32_sums_of_squares_accumulate_in_float64():
     gen = torch.Generator().manual_seed(2)
     g = (torch.randn(64, 30, 20, generator=gen) * 1e3).float()

@@ -134,7 +134,8 @@ def reuse_unfolded_inputs():
 
 class ConvSampleGrads(SampleGrads):
     """Individual weight gradients of a convolution, g_n(W) = δ_n U_nᵀ per group, held as the
-    padded input x and the output gradient δ.
+    input x (padded when first needed: projections by a convolution with zero padding take
+    the layer's padding themselves, no padded copy) and the output gradient δ.
 
     * projections never build g_n: with W' = U (a direction in weight space),
       g_nᵀ U = Σ_l δ_{n,:,l}ᵀ (U * patch_l(x_n)) = ⟨δ_n, conv(x_n; U)⟩, one convolution of the
@@ -152,10 +153,13 @@ class ConvSampleGrads(SampleGrads):
     selectable = True
 
     def __init__(
-        self, module: nn.modules.conv._ConvNd, x_padded: Tensor, delta: Tensor, key=None,
-        scale: float = 1.0,
+        self, module: nn.modules.conv._ConvNd, x_padded: Tensor | None, delta: Tensor, key=None,
+        scale: float = 1.0, x: Tensor | None = None,
     ):
-        self.module, self.x, self.delta = module, x_padded, delta
+        """``x_padded``: the input with the layer's padding applied, or None with the input
+        ``x`` as the layer received it (padded when first needed)."""
+        self.module, self.delta = module, delta
+        self._padded, self._input = x_padded, x
         self.scale = scale  # the individual gradients are scale · δ_n U_nᵀ
         self.num_samples = delta.shape[0]
         self.shape = module.weight.shape
@@ -168,10 +172,22 @@ class ConvSampleGrads(SampleGrads):
     def dtype(self) -> torch.dtype:
         return self.delta.dtype
 
+    @property
+    def x(self) -> Tensor:
+        """The padded input."""
+        if self._padded is None:
+            assert self._input is not None
+            self._padded = _explicit_padding(self.module, self._input)
+        return self._padded
+
     def select(self, start: int, stop: int) -> SampleGrads:
         key = None if self._key is None else (self._key, start, stop)
-        return ConvSampleGrads(self.module, self.x[start:stop], self.delta[start:stop], key,
-                               self.scale)
+        if self._padded is None:
+            assert self._input is not None
+            return ConvSampleGrads(self.module, None, self.delta[start:stop], key, self.scale,
+                                   x=self._input[start:stop])
+        return ConvSampleGrads(self.module, self._padded[start:stop], self.delta[start:stop],
+                               key, self.scale)
 
     def _unfolded(self, channels_last: bool = False) -> Tensor:
         """The unfolded input of :func:`_patches` (or :func:`_patches_channels_last`): in
@@ -389,7 +405,11 @@ class ConvSampleGrads(SampleGrads):
             stacked = stacked.reshape(k, groups, og, *self.shape[1:])
             weight = stacked.transpose(0, 1).reshape(k * c_out, *self.shape[1:])
         conv = _CONV[len(module.kernel_size)]
-        out = conv(self.x, weight, None, module.stride, 0, module.dilation, groups)
+        if self._padded is None and module.padding_mode == "zeros":  # (no padded copy)
+            out = conv(self._input, weight, None, module.stride, module.padding,
+                       module.dilation, groups)
+        else:
+            out = conv(self.x, weight, None, module.stride, 0, module.dilation, groups)
         if groups == 1:  # ⟨conv(x_n; U_k), δ_n⟩ for all k by one batched matvec
             dots = torch.bmm(out.reshape(n, k, -1), delta.reshape(n, -1, 1))  # [N, K, 1]
             return dots.reshape(n, k).T * self.scale
@@ -415,13 +435,14 @@ def conv_rule(
     delta = grad_output
     if module.weight.requires_grad:
         cache, key = _UNFOLD_CACHE, (id(module), id(x), x._version)
-        if cache is not None and ("padded", key) in cache:
-            x_padded = cache[("padded", key)]
+        if cache is None:  # (padded where first needed)
+            grads["weight"] = ConvSampleGrads(module, None, delta, key, scale,
+                                              x=outside_autograd(x))
         else:
-            x_padded = _explicit_padding(module, outside_autograd(x))
-            if cache is not None:
-                cache[("padded", key)] = x_padded
-        grads["weight"] = ConvSampleGrads(module, x_padded, delta, key, scale)
+            if ("padded", key) not in cache:
+                cache[("padded", key)] = _explicit_padding(module, outside_autograd(x))
+            grads["weight"] = ConvSampleGrads(module, cache[("padded", key)], delta, key,
+                                              scale)
     if module.bias is not None and module.bias.requires_grad:
         bias = delta.sum(tuple(range(2, delta.dim())))  # Σ_l δ_{n,:,l}
         grads["bias"] = DenseSampleGrads(bias, scale=scale)
