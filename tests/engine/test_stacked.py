@@ -37,15 +37,20 @@ def brute_force(sg) -> torch.Tensor:
     return torch.einsum("nti,ntj->nij", delta.double(), a.double())
 
 
+def three_layers(kind: str, dtype: torch.dtype, gen: torch.Generator) -> list:
+    """Three layers' factors of 5 samples, a weight of shape (4, 6): over sequences, or
+    plain outer products."""
+    if kind == "sequence":
+        return sequence_grads(3, dtype)
+    return [OuterSampleGrads(torch.randn(5, 4, generator=gen).to(dtype),
+                             torch.randn(5, 6, generator=gen).to(dtype)) for _ in range(3)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["sequence", "outer"])
 def test_norms_and_dots_are_each_layers_own(dtype, kind):
     gen = torch.Generator().manual_seed(1)
-    if kind == "sequence":
-        grads = sequence_grads(3, dtype)
-    else:
-        grads = [OuterSampleGrads(torch.randn(5, 4, generator=gen).to(dtype),
-                                  torch.randn(5, 6, generator=gen).to(dtype)) for _ in range(3)]
+    grads = three_layers(kind, dtype, gen)
     stack = StackedGrads(grads)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
     for norms, sg in zip(stack.norms(), grads, strict=True):
@@ -66,12 +71,7 @@ def test_norms_and_dots_are_each_layers_own(dtype, kind):
 def test_sums_of_squares_are_each_layers_own(dtype, kind):
     """Σ_n g_n ⊙ g_n (TICDiag) of every layer of a stack: float64, θ's shape, equal to the
     brute-force sum and to the layer's own representation."""
-    gen = torch.Generator().manual_seed(3)
-    if kind == "sequence":
-        grads = sequence_grads(3, dtype)
-    else:
-        grads = [OuterSampleGrads(torch.randn(5, 4, generator=gen).to(dtype),
-                                  torch.randn(5, 6, generator=gen).to(dtype)) for _ in range(3)]
+    grads = three_layers(kind, dtype, torch.Generator().manual_seed(3))
     tol = {"rtol": 1e-6, "atol": 1e-7} if dtype == torch.float32 else {}
     for sums, sg in zip(StackedGrads(grads).sum_sq(), grads, strict=True):
         assert sums.dtype == torch.float64 and sums.shape == (4, 6)
