@@ -224,8 +224,7 @@ def test_a_tracked_step_sums_each_parameters_squares_side_by_side_and_stacked(mo
         original = module.sum_sq
 
         def spy(self, _original=original, _counter=counter):
-            _counter["members"] += len(self.shapes if hasattr(self, "sizes")
-                                       else self.rows)
+            _counter["members"] += len(self.sizes if hasattr(self, "sizes") else self.rows)
             return _original(self)
 
         monkeypatch.setattr(module, "sum_sq", spy)

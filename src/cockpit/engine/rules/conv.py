@@ -192,23 +192,22 @@ class ConvSampleGrads(SampleGrads):
     def _unfolded(self, channels_last: bool = False) -> Tensor:
         """The unfolded input of :func:`_patches` (or :func:`_patches_channels_last`): in
         scratch memory, or once per input while several backprops share it."""
-        cache, out_sizes = _UNFOLD_CACHE, self.delta.shape[2:]
+        cache, out_sizes, x = _UNFOLD_CACHE, self.delta.shape[2:], self.x
         unfold = _patches_channels_last if channels_last else _patches
         if cache is not None and self._key is not None:  # kept for several backprops
             key = ("patches_cl" if channels_last else "patches", self._key)
             if key not in cache:
-                cache[key] = unfold(self.module, self.x, out_sizes)
+                cache[key] = unfold(self.module, x, out_sizes)
             return cache[key]
-        ws, dtype, device, (n, c_in) = workspace(), self.x.dtype, self.x.device, self.x.shape[:2]
+        ws, dtype, device, (n, c_in) = workspace(), x.dtype, x.device, x.shape[:2]
         kernel = self.module.kernel_size
         if not channels_last:
             buffer, _ = ws.take("patches", (n, c_in, *kernel, *out_sizes), dtype, device)
-            return unfold(self.module, self.x, out_sizes, out=buffer)
+            return unfold(self.module, x, out_sizes, out=buffer)
         buffer, _ = ws.take("patches", (n, *out_sizes, *kernel[:-1], kernel[-1] * c_in),
                             dtype, device)
-        x_buffer, _ = ws.take("channels_last_input", (n, *self.x.shape[2:], c_in), dtype,
-                              device)
-        return unfold(self.module, self.x, out_sizes, buffer, x_buffer)
+        x_buffer, _ = ws.take("channels_last_input", (n, *x.shape[2:], c_in), dtype, device)
+        return unfold(self.module, x, out_sizes, buffer, x_buffer)
 
     def materialize(self) -> Tensor:
         rows = self.chunks()[0]
@@ -346,8 +345,9 @@ class ConvSampleGrads(SampleGrads):
         on a 2-core CPU the channels-last patches win on 2C2D's second layer (41 → 32 ms) and
         on every 3C3D layer (e.g. the third, 26 → 16 ms) but lose on a first layer with one
         input channel; the grouped convolution lost everywhere when measured."""
-        key = (tuple(self.x.shape), tuple(self.delta.shape), self.shape, self.module.stride,
-               self.module.dilation, self.module.groups, self.x.dtype, self.x.device.type,
+        x = self.x
+        key = (tuple(x.shape), tuple(self.delta.shape), self.shape, self.module.stride,
+               self.module.dilation, self.module.groups, x.dtype, x.device.type,
                _UNFOLD_CACHE is None)
         method = _METHODS.get(key)
         if method is None:
@@ -357,8 +357,8 @@ class ConvSampleGrads(SampleGrads):
                 for _ in range(3):  # the first run is cold (scratch memory, kernels)
                     start = time.perf_counter()
                     run()
-                    if self.x.device.type == "cuda":
-                        torch.cuda.synchronize(self.x.device)
+                    if x.device.type == "cuda":
+                        torch.cuda.synchronize(x.device)
                     times.append(time.perf_counter() - start)
                 timings[name] = min(times[1:])
             method = _METHODS[key] = min(timings, key=timings.__getitem__)
