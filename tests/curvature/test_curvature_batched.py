@@ -386,6 +386,11 @@ def test_folded_convolution_sums_equal_each_vectors_own(conv, vectors_per_fold):
     assert got is not None and got.dtype == torch.float64
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
     assert folded_weight_sum_sq(conv, x, folded, patches + per_vector - 1) is None
+    apart = folded_weight_sum_sq(conv, x, folded, budget, separate=True)
+    assert apart is not None and apart.shape == (k, *conv.weight.shape)
+    for i in range(k):  # each vector's own Σ_n
+        own = each(conv.weight.detach(), x, folded[i * n:(i + 1) * n]).pow(2).sum(0)
+        torch.testing.assert_close(apart[i], own, rtol=1e-12, atol=1e-14)
 
 
 def test_batched_convolutions_unfold_each_input_once(monkeypatch):
@@ -436,3 +441,35 @@ def test_an_instrument_without_needs_activations_is_told_to_declare_it():
     with pytest.raises(RuntimeError, match="needs_activations = True"), cockpit(
             0, losses=losses):
         losses.mean().backward()
+
+
+def test_mc_replicates_unfold_each_convolutions_input_once(monkeypatch):
+    """The MC GGN's replicates (one sampled column each, summed apart) on the accelerator
+    path: each convolution's patches are formed once for all replicates, and every
+    replicate equals the loop's."""
+    from cockpit.engine.rules import conv as conv_module
+
+    problem = pool_problem()
+    unfolded: list[int] = []
+    original = conv_module._patches
+
+    def spy(module, x, out_sizes, out=None):
+        unfolded.append(x.shape[0])
+        return original(module, x, out_sizes, out)
+
+    def replicates(batched):
+        def fn(tracker, losses):
+            generator = torch.Generator().manual_seed(3)
+            return diagonal_replicates("diag_ggn_mc", tracker, losses, tracker.params,
+                                       num_samples=4, generator=generator, batched=batched)
+        return fn
+
+    monkeypatch.setattr(conv_module, "_patches", spy)
+    with histogram_device.forced():
+        got = run_probe(problem, replicates(True))
+    assert unfolded == [5, 5]  # (two convolutions, once each for the four replicates)
+    want = run_probe(problem, replicates(False), forbid_loop=False)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want, strict=True):
+        for k in w:
+            assert torch.allclose(g[k], w[k], rtol=1e-10, atol=1e-15), k

@@ -144,6 +144,9 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
                 if not separate:
                     _add_folded(engine, call, folded, n, totals[0], budget_bytes, small)
                     continue
+                if _convolution_folds(engine, call, folded,
+                                      totals[start:start + len(vectors)], budget_bytes, small):
+                    continue  # (each vector's sums from patches formed once)
                 for k in range(len(vectors)):
                     _add_folded(engine, call, folded[k * n:(k + 1) * n], n, totals[start + k],
                                 budget_bytes, small)
@@ -164,7 +167,7 @@ def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
     all samples go to ``small`` instead, summed side by side with the others'."""
     k = len(folded) // n
     x = call.args[0]
-    if _convolution_folds(engine, call, folded, totals, budget_bytes, small):
+    if _convolution_folds(engine, call, folded, [totals], budget_bytes, small):
         return
     size = max(1, budget_bytes // _sample_bytes(call))
     if size >= n:
@@ -187,32 +190,38 @@ def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
             _add(totals, name, sg.sum_sq())
 
 
-def _convolution_folds(engine: EngineView, call, folded: Tensor, totals: dict[str, Tensor],
-                       budget_bytes: int,
+def _convolution_folds(engine: EngineView, call, folded: Tensor,
+                       targets: list[dict[str, Tensor]], budget_bytes: int,
                        small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]]) -> bool:
     """A convolution with one group on an accelerator whose input and output gradients share
     a dtype (no mixed-precision parameters): its weight's sums by the input's patches formed
-    once for all vectors, its bias's from Σ_l δ_{k,n,:,l} (side by side). False where this
+    once for all vectors, its bias's from Σ_l δ_{k,n,:,l} (side by side), added to the one
+    dict of ``targets`` (summed over the vectors) or to each vector's own. False where this
     does not apply or the patches exceed the budget (then the rule runs on the repeated
-    input)."""
+    input, or on each vector's output gradients)."""
     unit, x = call.unit, call.args[0]
     module = unit.module
     if (unit.rule is not conv_rule or module.groups != 1 or not module.weight.requires_grad
             or x.dtype != folded.dtype or engine.compute_dtypes
             or not device_path(folded.device)):
         return False  # (a CPU sums the rule's rows sample by sample in its cache: faster)
+    separate = len(targets) > 1
     with torch.no_grad():
-        weight = folded_weight_sum_sq(module, x, folded, budget_bytes)
+        weight = folded_weight_sum_sq(module, x, folded, budget_bytes, separate)
     if weight is None:
         return False
-    _add(totals, engine.unit_param_name(unit, "weight"), weight)
+    name = engine.unit_param_name(unit, "weight")
+    for totals, sums in zip(targets, weight.unbind(0) if separate else [weight], strict=True):
+        _add(totals, name, sums)
     if module.bias is not None and module.bias.requires_grad:
-        bias = DenseSampleGrads(folded.sum(tuple(range(2, folded.dim()))))
-        name = engine.unit_param_name(unit, "bias")
-        if _waits_side_by_side(bias):
-            small.append((totals, name, bias))
-        else:
-            _add(totals, name, bias.sum_sq())
+        sums = folded.sum(tuple(range(2, folded.dim())))  # [K·N, C_out]
+        name, n = engine.unit_param_name(unit, "bias"), len(folded) // len(targets)
+        for index, totals in enumerate(targets):
+            bias = DenseSampleGrads(sums[index * n:(index + 1) * n] if separate else sums)
+            if _waits_side_by_side(bias):
+                small.append((totals, name, bias))
+            else:
+                _add(totals, name, bias.sum_sq())
     return True
 
 

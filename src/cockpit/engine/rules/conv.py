@@ -453,11 +453,12 @@ conv_rule.takes_scale = True  # type: ignore[attr-defined]
 
 
 def folded_weight_sum_sq(module: nn.modules.conv._ConvNd, x: Tensor, folded: Tensor,
-                         budget_bytes: int) -> Tensor | None:
+                         budget_bytes: int, separate: bool = False) -> Tensor | None:
     """Σ_k Σ_n g_{k,n} ⊙ g_{k,n} of the weight of a convolution with one group, for the
     output gradients δ_{k,n} of K vectors per sample (``folded``: [K·N, C_out, *out], k
-    major; ``x``: the recorded input [N, C_in, *in]), float64 of the weight's shape; None
-    where the input's patches alone exceed ``budget_bytes``.
+    major; ``x``: the recorded input [N, C_in, *in]), float64 of the weight's shape (with
+    ``separate`` each vector's Σ_n apart, [K, *weight.shape]); None where the input's
+    patches alone exceed ``budget_bytes``.
 
     g_{k,n} = δ_{k,n} U_nᵀ with the same patches U_n for every k, so the K vectors are K·C_out
     output channels of one product per sample, [δ_{1,n}; …; δ_{K,n}] U_nᵀ: the patches of N
@@ -477,13 +478,19 @@ def folded_weight_sum_sq(module: nn.modules.conv._ConvNd, x: Tensor, folded: Ten
     patches = _patches(module, _explicit_padding(module, outside_autograd(x)), out_sizes)
     patches = in_dtype(patches, folded.dtype).transpose(1, 2)  # [N, L, C_in·K]
     step = min(k, free // per_vector)
-    total: Tensor | None = None
+    parts: list[Tensor] = []
     for start in range(0, k, step):
         vectors = min(step, k - start)
         deltas = folded[start * n:(start + vectors) * n].reshape(vectors, n, c_out, positions)
         stacked = deltas.transpose(0, 1).reshape(n, vectors * c_out, positions)
         grads = torch.bmm(in_dtype(stacked, patches.dtype), patches)  # [N, K'·C_out, C_in·K]
-        sums = grads.square().sum(0, dtype=torch.float64).view(vectors, -1).sum(0)
-        total = sums if total is None else total + sums
-    assert total is not None
-    return total.view(module.weight.shape)
+        sums = grads.square().sum(0, dtype=torch.float64).view(vectors, -1)  # [K', D]
+        if separate:
+            parts.append(sums)
+        else:
+            summed = sums.sum(0, keepdim=True)
+            parts = [summed if not parts else parts[0] + summed]
+    if separate:
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return joined.view(k, *module.weight.shape)
+    return parts[0].view(module.weight.shape)
