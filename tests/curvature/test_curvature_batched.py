@@ -221,6 +221,37 @@ def test_batched_exact_hessian_diagonal(name):
         assert torch.allclose(got[k], d.reshape(s), rtol=1e-9, atol=1e-12), k
 
 
+def mc_replicates(batched: bool):
+    """A probe's function: the MC GGN's four replicates (one sampled column each)."""
+    def fn(tracker, losses):
+        generator = torch.Generator().manual_seed(3)
+        return diagonal_replicates("diag_ggn_mc", tracker, losses, tracker.params,
+                                   num_samples=4, generator=generator, batched=batched)
+    return fn
+
+
+def assert_same_replicates(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want, strict=True):
+        for k in w:
+            assert torch.allclose(g[k], w[k], rtol=1e-10, atol=1e-15), k
+
+
+def unfolded_samples(monkeypatch) -> list[int]:
+    """The number of samples of each input a convolution unfolds into patches."""
+    from cockpit.engine.rules import conv as conv_module
+
+    unfolded: list[int] = []
+    original = conv_module._patches
+
+    def spy(module, x, out_sizes, out=None):
+        unfolded.append(x.shape[0])
+        return original(module, x, out_sizes, out)
+
+    monkeypatch.setattr(conv_module, "_patches", spy)
+    return unfolded
+
+
 @pytest.mark.parametrize("accelerator", [pytest.param(False, marks=pytest.mark.cpu_path), True])
 def test_batched_mc_replicates_equal_the_loop(accelerator, monkeypatch):
     """The MC GGN's replicates (one sampled column each) are the loop's, one by one (on
@@ -228,21 +259,11 @@ def test_batched_mc_replicates_equal_the_loop(accelerator, monkeypatch):
     problem = cnn_problem()
     side = summed_side_by_side(monkeypatch)
 
-    def replicates(batched):
-        def fn(tracker, losses):
-            generator = torch.Generator().manual_seed(3)
-            return diagonal_replicates("diag_ggn_mc", tracker, losses, tracker.params,
-                                       num_samples=4, generator=generator, batched=batched)
-        return fn
-
     with histogram_device.forced() if accelerator else contextlib.nullcontext():
-        got = run_probe(problem, replicates(True))
-    want = run_probe(problem, replicates(False), forbid_loop=False)
+        got = run_probe(problem, mc_replicates(True))
+    want = run_probe(problem, mc_replicates(False), forbid_loop=False)
     assert bool(side) == accelerator
-    assert len(got) == len(want) == 4
-    for g, w in zip(got, want, strict=True):
-        for k in w:
-            assert torch.allclose(g[k], w[k], rtol=1e-10, atol=1e-15), k
+    assert_same_replicates(got, want)
     assert not torch.allclose(got[0]["0.weight"], got[1]["0.weight"])  # independent draws
 
 
@@ -397,18 +418,9 @@ def test_batched_convolutions_unfold_each_input_once(monkeypatch):
     """The exact GGN's C = 5 vectors on the accelerator path: each convolution's patches
     are formed from its N recorded samples (not a repeated input of C·N), the dense
     reference's values."""
-    from cockpit.engine.rules import conv as conv_module
-
     problem = pool_problem()
     expected = dense_ggn_diagonal(problem)
-    unfolded: list[int] = []
-    original = conv_module._patches
-
-    def spy(module, x, out_sizes, out=None):
-        unfolded.append(x.shape[0])
-        return original(module, x, out_sizes, out)
-
-    monkeypatch.setattr(conv_module, "_patches", spy)
+    unfolded = unfolded_samples(monkeypatch)
     counter, add_folded = CountOps(), batched_module._add_folded
 
     def counted(*args, **kwargs):
@@ -447,29 +459,10 @@ def test_mc_replicates_unfold_each_convolutions_input_once(monkeypatch):
     """The MC GGN's replicates (one sampled column each, summed apart) on the accelerator
     path: each convolution's patches are formed once for all replicates, and every
     replicate equals the loop's."""
-    from cockpit.engine.rules import conv as conv_module
-
     problem = pool_problem()
-    unfolded: list[int] = []
-    original = conv_module._patches
-
-    def spy(module, x, out_sizes, out=None):
-        unfolded.append(x.shape[0])
-        return original(module, x, out_sizes, out)
-
-    def replicates(batched):
-        def fn(tracker, losses):
-            generator = torch.Generator().manual_seed(3)
-            return diagonal_replicates("diag_ggn_mc", tracker, losses, tracker.params,
-                                       num_samples=4, generator=generator, batched=batched)
-        return fn
-
-    monkeypatch.setattr(conv_module, "_patches", spy)
+    unfolded = unfolded_samples(monkeypatch)
     with histogram_device.forced():
-        got = run_probe(problem, replicates(True))
+        got = run_probe(problem, mc_replicates(True))
     assert unfolded == [5, 5]  # (two convolutions, once each for the four replicates)
-    want = run_probe(problem, replicates(False), forbid_loop=False)
-    assert len(got) == len(want) == 4
-    for g, w in zip(got, want, strict=True):
-        for k in w:
-            assert torch.allclose(g[k], w[k], rtol=1e-10, atol=1e-15), k
+    want = run_probe(problem, mc_replicates(False), forbid_loop=False)
+    assert_same_replicates(got, want)

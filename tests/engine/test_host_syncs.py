@@ -231,11 +231,13 @@ def test_a_tracked_economy_step_calls_few_of_cockpits_functions(problem, batch, 
                                                                monkeypatch, one_thread):
     """The host's time of a tracked step on a GPU is the kernels' launches (the ops above)
     and the Python around them: Cockpit's own function calls in one tracked economy step on
-    the accelerator path, 2,697 on 3C3D and 4,521 on the small GPT-2 (2,962 and 4,895 before
+    the accelerator path, 2,709 on 3C3D and 4,549 on the small GPT-2 (2,962 and 4,895 before
     a step's completeness asked each schedule once per step instead of at every record; +11
     and +103 since a tensor already in its dtype skips ``.to``, a builtin call of ~1 µs, by
     ``in_dtype``, a Python call of ~0.1 µs; 3C3D +65 and GPT-2 −104 since layers of one
-    shape are stacked: the checks whether a layer waits, and the stacks formed once; the
+    shape are stacked: the checks whether a layer waits, and the stacks formed once; +12
+    and +28 since one predicate, ``side_by_side.is_small``, says which parameters go side
+    by side, one call per parameter; the
     convolutions' timed choice of method moved the first by a few dozen between runs: here
     it is pinned to the channels-last unfolding, a CPU's usual choice;
     ``benchmarks/host_overhead.py`` measures the time). A regression bound a little above

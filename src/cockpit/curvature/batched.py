@@ -165,10 +165,9 @@ def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
     of single samples (an index each). The rule sees no output (no closed-form rule of
     :data:`FOLDABLE` reads it). A small parameter's individual gradients of one fold of
     all samples go to ``small`` instead, summed side by side with the others'."""
-    k = len(folded) // n
-    x = call.args[0]
     if _convolution_folds(engine, call, folded, [totals], budget_bytes, small):
         return
+    k, x = len(folded) // n, call.args[0]
     size = max(1, budget_bytes // _sample_bytes(call))
     if size >= n:
         size -= size % n
@@ -184,10 +183,10 @@ def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
         part = dataclasses.replace(call, args=(inputs,), outputs=[])
         grads = folded if stop - start == k * n else folded[start:stop]
         for name, sg in engine.sample_grads(part, [grads]).items():
-            if stop - start == k * n and _waits_side_by_side(sg):
-                small.append((totals, name, sg))  # type: ignore[arg-type]
-                continue
-            _add(totals, name, sg.sum_sq())
+            if stop - start == k * n:  # (a fold of all samples: it may wait for others)
+                _sum_or_wait(totals, name, sg, small)
+            else:
+                _add(totals, name, sg.sum_sq())
 
 
 def _convolution_folds(engine: EngineView, call, folded: Tensor,
@@ -218,19 +217,19 @@ def _convolution_folds(engine: EngineView, call, folded: Tensor,
         name, n = engine.unit_param_name(unit, "bias"), len(folded) // len(targets)
         for index, totals in enumerate(targets):
             bias = DenseSampleGrads(sums[index * n:(index + 1) * n] if separate else sums)
-            if _waits_side_by_side(bias):
-                small.append((totals, name, bias))
-            else:
-                _add(totals, name, bias.sum_sq())
+            _sum_or_wait(totals, name, bias, small)
     return True
 
 
-def _waits_side_by_side(sg: SampleGrads) -> bool:
-    """Whether a parameter's individual gradients are summed side by side: explicit ones,
-    small (:data:`cockpit.engine.side_by_side.SMALL_BYTES`), on an accelerator."""
-    if type(sg) is not DenseSampleGrads or not device_path(sg.unscaled.device):
-        return False
-    return sg.unscaled.numel() * sg.unscaled.element_size() <= side_by_side.SMALL_BYTES
+def _sum_or_wait(totals: dict[str, Tensor], name: str, sg: SampleGrads,
+                 small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]]) -> None:
+    """Add the parameter's Σ g ⊙ g to its totals, or, if small
+    (:func:`cockpit.engine.side_by_side.is_small`), leave it in ``small`` to be summed side
+    by side with the others'."""
+    if side_by_side.is_small(sg):
+        small.append((totals, name, sg))  # type: ignore[arg-type]
+    else:
+        _add(totals, name, sg.sum_sq())
 
 
 def _add_side_by_side(small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]]) -> None:

@@ -64,7 +64,6 @@ from cockpit.engine.rules.sample_chunks import (
     samples_per_chunk,
 )
 from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads, outside_autograd
-from cockpit.engine.side_by_side import SMALL_BYTES
 from cockpit.engine.statistics import (
     GRAM_MEAN,
     PER_SAMPLE_STATS,
@@ -566,8 +565,7 @@ class CallProcessor:
         whose host the kernels bind; queued with the first of the pass, or formed by the
         tracker's end for calls processed after the pass; False outside either)."""
         engine = self.engine
-        if (type(sg) is not DenseSampleGrads or not device_path(sg.unscaled.device)
-                or sg.scratch_bytes() > SMALL_BYTES or engine.state.frozen_pass
+        if (not side_by_side.is_small(sg) or engine.state.frozen_pass
                 or name in engine.state.multi_use
                 # (fully_shard frees the gathered θ after each layer; only it sets
                 # compute_dtypes, whose sums of individual gradients are not formed here)

@@ -31,8 +31,9 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.dtypes import in_dtype
-from cockpit.engine.histograms.device import bin_index
+from cockpit.engine.histograms.device import bin_index, device_path
 from cockpit.engine.histograms.exact import BinSpec, device_edges
+from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 
 SMALL_BYTES = 2**20
 """The most bytes of individual gradients (|B|·D·itemsize) a parameter may have to wait for
@@ -40,6 +41,13 @@ the end of the backward pass (a bias of 2,048 float32 numbers at |B| = 128)."""
 
 MOST_ELEMENTS = 2**24
 """The most elements of G at once (float32 histogram counts are exact below 2^24)."""
+
+
+def is_small(sg: SampleGrads) -> bool:
+    """Whether a parameter's individual gradients may go side by side: explicit ones
+    (:class:`DenseSampleGrads`) on an accelerator, at most :data:`SMALL_BYTES` of them."""
+    return (type(sg) is DenseSampleGrads and device_path(sg.unscaled.device)
+            and sg.scratch_bytes() <= SMALL_BYTES)
 
 
 class SideBySide:

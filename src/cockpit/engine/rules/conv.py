@@ -182,12 +182,10 @@ class ConvSampleGrads(SampleGrads):
 
     def select(self, start: int, stop: int) -> SampleGrads:
         key = None if self._key is None else (self._key, start, stop)
-        if self._padded is None:
-            assert self._input is not None
-            return ConvSampleGrads(self.module, None, self.delta[start:stop], key, self.scale,
-                                   x=self._input[start:stop])
-        return ConvSampleGrads(self.module, self._padded[start:stop], self.delta[start:stop],
-                               key, self.scale)
+        padded = None if self._padded is None else self._padded[start:stop]
+        given = None if self._input is None else self._input[start:stop]
+        return ConvSampleGrads(self.module, padded, self.delta[start:stop], key, self.scale,
+                               x=given)
 
     def _unfolded(self, channels_last: bool = False) -> Tensor:
         """The unfolded input of :func:`_patches` (or :func:`_patches_channels_last`): in
@@ -484,13 +482,6 @@ def folded_weight_sum_sq(module: nn.modules.conv._ConvNd, x: Tensor, folded: Ten
         deltas = folded[start * n:(start + vectors) * n].reshape(vectors, n, c_out, positions)
         stacked = deltas.transpose(0, 1).reshape(n, vectors * c_out, positions)
         grads = torch.bmm(in_dtype(stacked, patches.dtype), patches)  # [N, K'·C_out, C_in·K]
-        sums = grads.square().sum(0, dtype=torch.float64).view(vectors, -1)  # [K', D]
-        if separate:
-            parts.append(sums)
-        else:
-            summed = sums.sum(0, keepdim=True)
-            parts = [summed if not parts else parts[0] + summed]
-    if separate:
-        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return joined.view(k, *module.weight.shape)
-    return parts[0].view(module.weight.shape)
+        parts.append(grads.square().sum(0, dtype=torch.float64).view(vectors, -1))  # [K', D]
+    each = parts[0] if len(parts) == 1 else torch.cat(parts)  # [K, D]
+    return each.view(k, *module.weight.shape) if separate else each.sum(0).view(module.weight.shape)
