@@ -1,16 +1,18 @@
 """Untracked steps run without Cockpit's hooks on the model, and the tracked steps around
 them are still exact: against brute-force individual gradients (torch.func), with the
 user's own forward hooks before and after Cockpit's, and at a tracked step the schedule
-did not foresee."""
+did not foresee, and after step numbers jumped."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from cockpit import Cockpit
 from cockpit.quantities import GradNorm, NormTest
 from cockpit.schedules import at, every
+from cockpit.step.sequence import CONSECUTIVE_TO_PREDICT
 from tests.models import make_problem
 from tests.reference import flat, gradient_tests, individual_gradients
 
@@ -78,3 +80,61 @@ def test_a_tracked_step_the_schedule_did_not_foresee_keeps_the_batch_gradient():
     cockpit.close()
     assert abs(output[5]["GradNorm"] - expected) <= 1e-12 * expected
     assert output[5]["NormTest"] is None and notes[5]["NormTest"]
+
+
+def test_after_a_jump_forward_passes_are_recorded_until_the_numbers_run_on_again():
+    """A skipped step number (a batch left out) makes the next step unknown: every forward
+    pass is recorded; once the numbers came consecutively CONSECUTIVE_TO_PREDICT times
+    again only the forward passes the schedule needs are (the hooks come off between
+    untracked steps), and NormTest at each tracked step, before and after, equals the brute
+    force's."""
+    problem = make_problem("mlp_relu", 6)
+    model = problem.model
+    plain_counts = _hook_counts(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model, [NormTest(every(5))], optimizer=opt)
+    steps = [0, 1, 3, *range(4, 4 + CONSECUTIVE_TO_PREDICT + 8)]
+    hooked, expected = {}, {}
+    for step in steps:
+        if step % 5 == 0:
+            grads = individual_gradients(model, problem.loss_fn, problem.x, problem.y)
+            expected[step] = gradient_tests(flat(grads))["NormTest"]
+        _step(problem, cockpit, opt, step)
+        hooked[step] = _hook_counts(model) != plain_counts
+    output = cockpit.get_output()
+    cockpit.close()
+    assert not hooked[0]  # step 1 untracked and expected
+    again = 3 + CONSECUTIVE_TO_PREDICT  # the step after which step + 1 is expected again
+    assert all(hooked[s] for s in steps if 3 <= s < again)
+    assert [s for s in steps if s >= again and hooked[s]] == [
+        s for s in steps if s >= again and (s + 1) % 5 == 0]
+    assert len(expected) == 4
+    for step, value in expected.items():
+        assert abs(output[step]["NormTest"] - value) <= 1e-10 * value, step
+
+
+def test_a_jump_onto_an_unrecorded_tracked_step_makes_every_forward_pass_recorded():
+    """Steps 0–12 consecutive, then 14 (tracked, its forward pass not recorded: 13 was
+    expected): NormTest of step 14 is missing with the reason; from then on every forward
+    pass is recorded however consecutive the numbers (the hooks stay on), so a second jump
+    onto a tracked step has its value, equal to the brute force's."""
+    problem = make_problem("mlp_relu", 6)
+    model = problem.model
+    plain_counts = _hook_counts(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model, [NormTest(at([14, 40]))], optimizer=opt)
+    for step in range(13):
+        _step(problem, cockpit, opt, step)
+    with pytest.warns(RuntimeWarning, match="forward pass"):
+        _step(problem, cockpit, opt, 14)
+        cockpit.get_output()
+    for step in range(15, 15 + CONSECUTIVE_TO_PREDICT + 2):
+        _step(problem, cockpit, opt, step)
+        assert _hook_counts(model) != plain_counts, step
+    grads = individual_gradients(model, problem.loss_fn, problem.x, problem.y)
+    expected = gradient_tests(flat(grads))["NormTest"]
+    _step(problem, cockpit, opt, 40)
+    output, notes = cockpit.get_output(), cockpit.get_notes()
+    cockpit.close()
+    assert output[14]["NormTest"] is None and "forward pass" in notes[14]["NormTest"]
+    assert abs(output[40]["NormTest"] - expected) <= 1e-10 * expected

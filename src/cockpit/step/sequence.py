@@ -22,6 +22,10 @@ from cockpit.quantities.base import Quantity
 from cockpit.step.tracked_step import TrackedStep, check_block
 from cockpit.step.watched_run import WatchedRun
 
+#: After step numbers jump, every forward pass is recorded until this many steps in a row
+#: came with consecutive numbers again; then only the forward passes the schedule needs.
+CONSECUTIVE_TO_PREDICT = 8
+
 
 class StepSequence:
     """Opens and completes the tracked steps of one Cockpit.
@@ -41,7 +45,8 @@ class StepSequence:
                  diagnosis: LiveDiagnosis | None):
         self.run, self.tracked = run, tracked
         self.last_step = last_step
-        self.consecutive = True  # the steps seen so far were consecutive
+        self._in_a_row = CONSECUTIVE_TO_PREDICT  # consecutive numbers since the last jump
+        self._predicts = True  # False for good once a jump met an unrecorded forward pass
         self.attachment = attachment
         self.diagnosis = diagnosis
         self.open: TrackedStep | None = None  # the tracked step whose blocks come in
@@ -52,11 +57,19 @@ class StepSequence:
     def in_block(self) -> bool:
         return self.open is not None and self.open.in_block
 
+    @property
+    def consecutive(self) -> bool:
+        """Whether the next step is expected to be step + 1: at the start, and once the
+        numbers were consecutive :data:`CONSECUTIVE_TO_PREDICT` times in a row after a jump
+        (a skipped batch, a resumed counter); never again after a jump reached a tracked
+        step whose forward pass was not recorded."""
+        return self._predicts and self._in_a_row >= CONSECUTIVE_TO_PREDICT
+
     def capture_next(self, step: int) -> bool:
-        """Whether the coming forward pass must be recorded. Skipped only when the steps
-        seen so far were consecutive and the schedule leaves step + 1 untracked. Sets
-        whether it keeps the activations: where step + 1's instruments read them (any
-        instrument's, if the next step is not known)."""
+        """Whether the coming forward pass must be recorded. Skipped only when the next
+        step is expected to be step + 1 (:attr:`consecutive`) and the schedule leaves it
+        untracked. Sets whether it keeps the activations: where step + 1's instruments read
+        them (any instrument's, if the next step is not known)."""
         upcoming = self.tracked(step + 1) if self.consecutive else self.run.quantities
         self._keep_activations_for(upcoming)
         return not self.consecutive or bool(upcoming)
@@ -81,6 +94,8 @@ class StepSequence:
         if self.in_block:
             raise RuntimeError("cockpit(step) blocks cannot be nested; close the previous one")
         self.run.watch.disarm()  # a block is open: its backward passes are seen
+        # what the forward pass before the block recorded: its calls, their activations
+        recorded = self.run.tracker.capturing, self.run.tracker.records_activations
         current = self.open
         continues = current is not None and current.step == step
         unstepped = False  # the previous tracked step had no optimizer step
@@ -94,7 +109,7 @@ class StepSequence:
                     "optimizer step, give them the same step number (their values were "
                     f"recorded as step {current.step} alone)", key="step-without-optimizer")
             self.finish()
-        if not continues and not self._number(step):
+        if not continues and not self._number(step, recorded):
             return
         tracked = self.tracked(step)
         if tracked and self.attachment is not None:
@@ -113,9 +128,10 @@ class StepSequence:
             current = self.open = TrackedStep(self.run, step, tracked)
         current.open_block(checks)
 
-    def _number(self, step: int) -> bool:
+    def _number(self, step: int, recorded: tuple[bool, bool]) -> bool:
         """A block with a new step number: the previous step's update and numbers first;
-        False where the step is not recorded (a repeated or earlier number)."""
+        False where the step is not recorded (a repeated or earlier number). ``recorded``:
+        whether the forward pass before the block was recorded, and its activations."""
         self.finish_update()
         self.run.recorder.read_back()  # the previous step's numbers, one wait for all of them
         if self.diagnosis is not None:
@@ -132,12 +148,19 @@ class StepSequence:
                           key="step-backwards")
             tracker.clear_calls()
             tracker.drop_spare_gradients()
-            self.consecutive = False
+            self._in_a_row = 0
             tracker.capturing = True
             self._keep_activations_for(self.run.quantities)
             return False
-        if self.last_step is not None and step != self.last_step + 1:
-            self.consecutive = False
+        if self.last_step is None or step == self.last_step + 1:
+            self._in_a_row += 1
+        else:
+            self._in_a_row = 0
+            calls, activations = recorded
+            upcoming = self.tracked(step)
+            needs_activations = any(q.needs_activations for q in upcoming)
+            if upcoming and (not calls or (needs_activations and not activations)):
+                self._predicts = False  # its forward pass is lost: record every one from now
         self.last_step = step
         return True
 

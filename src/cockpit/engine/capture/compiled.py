@@ -22,9 +22,10 @@ and the graph compiled while ``capturing`` is False traces Cockpit's hooks to no
 guards on ``capturing``, which stays False whenever the graph runs).
 
 The eager module runs whenever the tracker captures: the forward passes of tracked steps
-(and of the step after each of Alpha's), every forward pass once step numbers were not
-consecutive, and with gradient accumulation the micro-batches after the first of an untracked
-step that precedes a tracked one (they cannot be told from that step's first forward).
+(and of the step after each of Alpha's), every forward pass after step numbers jumped until
+they ran on consecutively again, and with gradient accumulation the micro-batches after the
+first of an untracked step that precedes a tracked one (they cannot be told from that step's
+first forward).
 """
 
 from __future__ import annotations
