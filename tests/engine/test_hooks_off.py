@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from cockpit import Cockpit
+from cockpit.engine.capture.removed_hooks import forget_removed_hooks
 from cockpit.quantities import GradNorm, NormTest
 from cockpit.schedules import at, every
 from cockpit.step.sequence import CONSECUTIVE_TO_PREDICT
@@ -138,3 +139,46 @@ def test_a_jump_onto_an_unrecorded_tracked_step_makes_every_forward_pass_recorde
     cockpit.close()
     assert output[14]["NormTest"] is None and "forward pass" in notes[14]["NormTest"]
     assert abs(output[40]["NormTest"] - expected) <= 1e-10 * expected
+
+
+def test_parameters_carry_no_emptied_hook_between_untracked_steps():
+    """Between untracked steps no parameter keeps the emptied hook dict of Cockpit's removed
+    hooks (autograd would still call into Python for it at every backward pass): unset,
+    as before Cockpit; a parameter hook of the user's stays and fires at every step, and
+    the tracked steps' GradNorm equals the brute force's."""
+    problem = make_problem("mlp_relu", 6)
+    model = problem.model
+    params = dict(model.named_parameters())
+    fired = []
+    params["2.bias"].register_hook(lambda g: fired.append(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model, [GradNorm(every(3)), NormTest(every(3))], optimizer=opt)
+    expected = {}
+    for step in range(7):
+        if step % 3 == 0:
+            expected[step] = torch.cat([g.mean(0).flatten() for g in individual_gradients(
+                model, problem.loss_fn, problem.x, problem.y).values()]).norm().item()
+        _step(problem, cockpit, opt, step)
+        if step % 3 in (0, 1):  # the next step is untracked: no hook of Cockpit's is left
+            assert {n for n, p in params.items() if p._backward_hooks is not None} == {
+                "2.bias"}, step
+    output = cockpit.get_output()
+    cockpit.close()
+    assert len(fired) == 7
+    for step, value in expected.items():
+        assert abs(output[step]["GradNorm"] - value) <= 1e-12 * value, step
+
+
+def test_forget_removed_hooks_unsets_only_emptied_dicts():
+    """A tensor whose hooks were all removed gets no callback (its dict unset) and a hook
+    registered afterwards fires; a tensor with a hook left keeps it."""
+    a, b = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    a.register_hook(lambda g: None).remove()
+    seen = []
+    b.register_hook(lambda g: seen.append("b"))
+    b.register_hook(lambda g: None).remove()
+    forget_removed_hooks([a, b])
+    assert a._backward_hooks is None and len(b._backward_hooks) == 1
+    a.register_hook(lambda g: seen.append("a"))
+    (a * b).sum().backward()
+    assert sorted(seen) == ["a", "b"]

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from cockpit.engine.capture.removed_hooks import forget_removed_hooks
 from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.sharded import is_sharded, shard_like
@@ -184,6 +185,7 @@ class OutsideBackwardWatch:
             return
         for handle in self._handles:
             handle.remove()
+        forget_removed_hooks(self.params[name] for name in self._left)
         self._handles = []
         self._left = {}
         self._onto_left = {}

@@ -40,6 +40,7 @@ from cockpit.engine.capture.broadcast import (
     find_paths,
     per_sample_delta,
 )
+from cockpit.engine.capture.removed_hooks import forget_removed_hooks
 from cockpit.engine.processing import weights_problem
 from cockpit.engine.rules.batchnorm_frozen import (
     FROZEN_STATISTICS,
@@ -246,7 +247,7 @@ class Capture:
         self.activation_calls: list[tuple[nn.Module, Tensor, Tensor]] = []
         self.frozen_backward = FrozenStatisticsBackward()
         self._handles: list = []  # the hooks while installed (see install)
-        self._hooked_twins: set[int] = set()
+        self._hooked_twins: dict[int, Tensor] = {}  # the unsharded parameters hooked
         self.installed = False
         self._removed = False  # for good (Cockpit closed)
         self._places: dict[int, int] = {}  # module → the id of its unit hook's first handle
@@ -287,8 +288,9 @@ class Capture:
             return
         for handle in self._handles:
             handle.remove()
+        forget_removed_hooks([*self.engine.params.values(), *self._hooked_twins.values()])
         self._handles = []
-        self._hooked_twins = set()
+        self._hooked_twins = {}
         self.installed = False
 
     def hook_unsharded_parameters(self) -> dict[str, Tensor]:
@@ -298,7 +300,7 @@ class Capture:
         twins = sharded.unsharded_parameters(self.engine.model, self.engine.params)
         for name, twin in twins.items():
             if id(twin) not in self._hooked_twins:
-                self._hooked_twins.add(id(twin))
+                self._hooked_twins[id(twin)] = twin
                 self._handles.append(twin.register_hook(self._make_param_hook(name)))
         return twins
 
