@@ -44,6 +44,10 @@ from cockpit.engine.histograms.device import device_path
 from cockpit.engine.rules.conv import conv_rule, folded_weight_sum_sq
 from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 
+# Small parameters' individual gradients waiting to be summed side by side: (the totals
+# they add to, the parameter's name, its individual gradients).
+_Waiting = list[tuple[dict[str, Tensor], str, DenseSampleGrads]]
+
 # Layers whose rule reads one batched input ``args[0]`` (batch dimension first) and whose
 # individual gradients depend on nothing else: repeating the input repeats their samples.
 FOLDABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.GroupNorm,
@@ -125,7 +129,7 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
     per_vector = 2 * sum(t.numel() * t.element_size() for t in targets)
     chunk = max(1, min(len(grad_outputs), budget_bytes // max(per_vector, 1)))
     totals: list[dict[str, Tensor]] = [{} for _ in range(len(grad_outputs) if separate else 1)]
-    small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]] = []  # (its totals, name)
+    small: _Waiting = []
     with engine.suspended():
         for start in range(0, len(grad_outputs), chunk):
             vectors = (grad_outputs if chunk == len(grad_outputs)
@@ -158,7 +162,7 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
 
 def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
                 totals: dict[str, Tensor], budget_bytes: int,
-                small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]]) -> None:
+                small: _Waiting) -> None:
     """Add Σ_{k,n} g_{k,n} ⊙ g_{k,n} of one layer, δ of the samples (k, n) as ``folded``
     [K·N, ...] (k major), in folds of samples whose scratch fits the budget: of whole
     vectors where one vector's samples fit (the recorded input repeated: one copy), else
@@ -191,7 +195,7 @@ def _add_folded(engine: EngineView, call, folded: Tensor, n: int,
 
 def _convolution_folds(engine: EngineView, call, folded: Tensor,
                        targets: list[dict[str, Tensor]], budget_bytes: int,
-                       small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]]) -> bool:
+                       small: _Waiting) -> bool:
     """A convolution with one group on an accelerator whose input and output gradients share
     a dtype (no mixed-precision parameters): its weight's sums by the input's patches formed
     once for all vectors, its bias's from Σ_l δ_{k,n,:,l} (side by side), added to the one
@@ -222,7 +226,7 @@ def _convolution_folds(engine: EngineView, call, folded: Tensor,
 
 
 def _sum_or_wait(totals: dict[str, Tensor], name: str, sg: SampleGrads,
-                 small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]]) -> None:
+                 small: _Waiting) -> None:
     """Add the parameter's Σ g ⊙ g to its totals, or, if small
     (:func:`cockpit.engine.side_by_side.is_small`), leave it in ``small`` to be summed side
     by side with the others'."""
@@ -232,7 +236,7 @@ def _sum_or_wait(totals: dict[str, Tensor], name: str, sg: SampleGrads,
         _add(totals, name, sg.sum_sq())
 
 
-def _add_side_by_side(small: list[tuple[dict[str, Tensor], str, DenseSampleGrads]]) -> None:
+def _add_side_by_side(small: _Waiting) -> None:
     """Add the sums of squares of the small parameters waiting in ``small`` to their
     totals, those with the same samples, dtype and device side by side; empties ``small``."""
     shapes = [(sg.num_samples, sg.unscaled.dtype, sg.unscaled.device,

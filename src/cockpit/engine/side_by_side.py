@@ -57,7 +57,7 @@ class SideBySide:
 
     def __init__(self, grads: Sequence[Tensor], scales: Sequence[float] | None = None):
         rows = [g if g.dim() == 2 else g.reshape(g.shape[0], -1) for g in grads]
-        self._grads = grads  # (their shapes, for sum_sq)
+        self._shapes = [g.shape[1:] for g in grads]  # (for sum_sq)
         self.sizes = tuple(r.shape[1] for r in rows)
         self.rows = torch.cat(rows, dim=1)
         # one multiplication for all, the same products as one parameter at a time
@@ -81,8 +81,8 @@ class SideBySide:
         """Σ_n g_{n,p} ⊙ g_{n,p} in float64, of parameter p's shape: the squares in G's dtype
         summed in float64, as one parameter alone (views of one [ΣD] sum)."""
         sums = self.rows.square().sum(0, dtype=torch.float64)
-        return [part if g.dim() == 2 else part.view(g.shape[1:])  # (a bias is flat already)
-                for part, g in zip(sums.split(self.sizes), self._grads, strict=True)]
+        return [part.view(shape) for part, shape in zip(sums.split(self.sizes), self._shapes,
+                                                         strict=True)]
 
     def dots(self, directions: Sequence[Sequence[Tensor]]) -> Tensor:
         """[g_{n,p}ᵀu_{k,p}]_{k,n,p}, [K, N, P] (``directions[p]``: parameter p's K
