@@ -194,7 +194,9 @@ def test_auto_uses_the_mc_ggn_for_many_classes_on_cuda():
 def test_stacked_linear_weights_on_cuda_equal_the_cpu(kernel, monkeypatch):
     """Six Linear weights of one shape on sequences, economy with AdamW: formed as one
     stack on CUDA (one at a time on the CPU), the same values in float64; with the one-pass
-    kernel (its threshold lowered) every layer's histogram counted in one launch."""
+    kernel (its threshold lowered) the six stacked layers' histograms counted in one launch
+    and the head's weight (side by side, alone) in another, at each step after the first
+    (the first counts magnitudes for GradHist1d's automatic range)."""
     from cockpit.engine import stacked
     from cockpit.engine.histograms import fused
     from tests.engine.test_stacked import Tokens
@@ -222,7 +224,9 @@ def test_stacked_linear_weights_on_cuda_equal_the_cpu(kernel, monkeypatch):
     cpu = run("cpu")
     assert stacks == []
     cuda = run(DEVICE)
-    assert stacks == [6] * 4 and (not kernel or len(launches) == 4)
+    assert stacks == [6] * 4
+    if kernel:  # 16 samples: 6 layers of 6 × 6, the head of 3 × 6
+        assert sorted(launches) == [torch.Size([1, 16 * 18])] * 3 + [torch.Size([6, 16 * 36])] * 3
     assert compare(cuda, cpu, rtol=1e-9, max_count_diff=4) > 40
 
 
