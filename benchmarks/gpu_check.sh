@@ -15,11 +15,15 @@
 #     every step and each step of an every-10th cycle, then where the host's time goes in
 #     the tracked step and the one after it (HOST_SECONDS, 0 skips): the host's time with
 #     CUDA's launches, beside the same run on a CPU.
-# About 8 minutes in all (limits: TESTS_SECONDS, CURVATURE_SECONDS, BENCH_SECONDS + 50 s,
-# MEMORY_SECONDS, HOST_SECONDS). Without CUDA it checks itself in seconds: the cuda tests skip and a tiny
+# (f) benchmarks/host_profile.py --device-only: the device's heaviest kernels in a tracked
+#     economy step of GPT-2 124M, ResNet-18 GroupNorm and 3C3D (a kernel that takes
+#     milliseconds where the step's others take microseconds: a bad shape for the library
+#     that runs it; DEVICE_SECONDS, 0 skips).
+# About 9 minutes in all (limits: TESTS_SECONDS, CURVATURE_SECONDS, BENCH_SECONDS + 50 s,
+# MEMORY_SECONDS, HOST_SECONDS, DEVICE_SECONDS). Without CUDA it checks itself in seconds: the cuda tests skip and a tiny
 # CPU dry run of (c) runs.
 # Outputs: env.txt, cuda_tests.txt, curvature_batched.txt, gpu_overhead.txt,
-# gpu_overhead.json, gpu_memory_peak.txt, host_overhead.txt, summary.txt.
+# gpu_overhead.json, gpu_memory_peak.txt, host_overhead.txt, device_kernels.txt, summary.txt.
 set -u -o pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -31,6 +35,7 @@ BENCH_SECONDS="${BENCH_SECONDS:-130}"   # cells after this are skipped; the run 
 CURVATURE_SECONDS="${CURVATURE_SECONDS:-60}"   # 0 skips part (b)
 MEMORY_SECONDS="${MEMORY_SECONDS:-60}"   # 0 skips part (d)
 HOST_SECONDS="${HOST_SECONDS:-80}"   # 0 skips part (e)
+DEVICE_SECONDS="${DEVICE_SECONDS:-90}"   # 0 skips part (f)
 
 limit() {  # limit SECONDS command...: a wall-clock limit where `timeout` exists
     local seconds=$1; shift
@@ -105,6 +110,17 @@ if [ "$cuda" = 1 ] && [ "$HOST_SECONDS" -gt 0 ]; then
         | grep -v '^\[transformers\]' | tee "$OUT/host_overhead.txt"
 else
     echo "skipped (without CUDA, or HOST_SECONDS=0; on a CPU: python benchmarks/host_overhead.py)"
+fi
+
+echo "== (f) benchmarks/host_profile.py --device-only: the heaviest kernels of a tracked step"
+if [ "$cuda" = 1 ] && [ "$DEVICE_SECONDS" -gt 0 ]; then
+    limit "$DEVICE_SECONDS" bash -c 'for problem in "gpt2_124m 8" "resnet18_gn 128" "3c3d 128"; do
+            set -- $problem
+            "$0" benchmarks/host_profile.py --model "$1" --batch "$2" --device-only --steps 3 \
+                --top 12 | sed -n "/^[a-z0-9_]* economy/p; /== by device time/,\$p"
+        done' "$PY" 2>&1 | grep -v '^\[transformers\]' | tee "$OUT/device_kernels.txt"
+else
+    echo "skipped (without CUDA, or DEVICE_SECONDS=0)"
 fi
 
 {

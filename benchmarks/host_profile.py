@@ -9,6 +9,7 @@ functions take the host's time and how much device time a step holds. Models as 
     python benchmarks/host_profile.py                         # 3C3D economy, |B| = 128
     python benchmarks/host_profile.py --model resnet18_gn --config economy --top 30
     python benchmarks/host_profile.py --model gpt2_124m --batch 8   # bf16 autocast
+    python benchmarks/host_profile.py --model gpt2_124m --batch 8 --device-only --steps 3
     python benchmarks/host_profile.py --device cpu --batch 8 --steps 2   # dry run
     python benchmarks/host_profile.py --device cpu --path accelerator  # as on a GPU
 
@@ -105,6 +106,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=8, help="profiled tracked steps")
     parser.add_argument("--top", type=int, default=25, help="functions and ops listed")
+    parser.add_argument("--device-only", action="store_true",
+                        help="only torch.profiler's tables (no cProfile of the Python functions)")
     parser.add_argument("--path", default="auto", choices=["auto", "accelerator"],
                         help="accelerator: the accelerators' histogram path on any device")
     args = parser.parse_args()
@@ -122,8 +125,17 @@ def main() -> None:
           f"{t_tracked * 1e3:.2f} ms, untracked {t_plain * 1e3:.2f} ms "
           f"({t_tracked / t_plain:.2f}×), medians of {args.steps}")
 
-    profilers = [cProfile.Profile()]
     first = 3 + args.steps
+    if not args.device_only:
+        python_functions(tracked, args, first)
+    device_calls(tracked, args, first + args.steps)
+    if watcher is not None:
+        watcher.close()
+
+
+def python_functions(tracked, args, first: int) -> None:
+    """The tracked steps' Python functions by own and by cumulative time."""
+    profilers = [cProfile.Profile()]
     _sync(args.device)
     with backward_thread_profiled(profilers):
         profilers[0].enable()
@@ -139,10 +151,13 @@ def main() -> None:
               f"({len(profilers)} thread(s) profiled)")
         print(text.getvalue().replace(str(Path(__file__).parents[1]), ""))
 
+
+def device_calls(tracked, args, first: int) -> None:
+    """torch.profiler's ops by host time and, on CUDA, by device time, with the runtime's
+    launches and synchronizations per step."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    first += args.steps
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(first, first + args.steps):
             tracked(i)
@@ -159,8 +174,6 @@ def main() -> None:
                  "cudaMemsetAsync", "cudaDeviceSynchronize")}
         print("runtime calls per tracked step:",
               {k: round(v / args.steps, 1) for k, v in calls.items()})
-    if watcher is not None:
-        watcher.close()
 
 
 if __name__ == "__main__":
