@@ -118,9 +118,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes (a dry run)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    # (layers, samples, D): GPT-2 124M's stacks at B = 8 within half the default budget
+    # (layers, samples, D): GPT-2 124M's stacks at B = 8 within half the default budget, and
+    # a sample chunk of its tied embedding (one layer: "per layer" is DenseSampleGrads' one
+    # product U Gᵀ)
     cases = ([(3, 2, 3000), (2, 2, 1000)] if args.quick else
-             [(4, 8, 2304 * 768), (3, 8, 3072 * 768), (12, 8, 768 * 768)])
+             [(4, 8, 2304 * 768), (3, 8, 3072 * 768), (12, 8, 768 * 768),
+              (1, 3, 50257 * 768)])
     directions = [1, 3]
     torch.backends.cuda.matmul.allow_tf32 = False
     generator = torch.Generator(device=args.device).manual_seed(0)
