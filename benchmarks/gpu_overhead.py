@@ -511,10 +511,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--side-by-side", default="on", choices=["on", "off"],
                         help="off: every small parameter reduced alone in its hook (the "
                              "path before cockpit.engine.side_by_side), for an A/B run")
+    parser.add_argument("--stacks", default="on", choices=["on", "off"],
+                        help="off: every Linear weight and normalization layer formed alone "
+                             "(the path before cockpit.engine.stacked), for an A/B run")
     args = parser.parse_args(argv)
     if args.side_by_side == "off":
         from cockpit.engine import processing
         processing.SMALL_BYTES = -1
+    if args.stacks == "off":
+        from cockpit.engine import stacked
+        stacked.capacity = stacked.norm_capacity = lambda *args: 0
     quick = args.quick
     args.batch = args.batch or (4 if quick else 128)
     args.steps = args.steps or (2 if quick else 10)
@@ -537,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                    else f"CPU ({platform.processor() or platform.machine()})")
     meta = {"device": device_name, "torch": torch.__version__, "quick": quick,
-            "side_by_side": args.side_by_side,
+            "side_by_side": args.side_by_side, "stacks": args.stacks,
             "batch": args.batch, "python": sys.version.split()[0],
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"# gpu_overhead on {device_name}, torch {torch.__version__}, |B| = {args.batch}"
