@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -485,6 +486,59 @@ def print_table(records: list[dict], reference: dict, device_name: str) -> None:
         print(f"| {config} | " + " | ".join(cells) + " |")
 
 
+def goal_checks(records: list[dict], reference: dict) -> list[tuple[str, float, float]]:
+    """The GPU goals this run measured: (goal, measured, bound), met when measured ≤ bound.
+    Step ratios (tracked ÷ untracked), the tracked step over the original package's, Figure
+    7's run-time ratios and their quotient by the original's, the idle step, GPT-2's peak."""
+    checks: list[tuple[str, float, float]] = []
+
+    def add(goal: str, value: float | None, bound: float) -> None:
+        if value is not None and math.isfinite(value):
+            checks.append((goal, value, bound))
+
+    for r in records:
+        if "ratio" not in r:
+            continue
+        original = reference.get(key_of(r), {}).get("original") or {}
+        part = r["part"]
+        if part == "side":
+            name = f"{r['problem']} {r['config']}"
+            if (r["problem"], r["config"]) == ("cifar10_3c3d", "economy"):
+                add(f"{name}: tracked step ≤ 2× the untracked", r["ratio"], 2.0)
+            if "tracked_ms" in original:
+                add(f"{name}: tracked step ≤ half the original's",
+                    r["tracked_ms"] / original["tracked_ms"], 0.5)
+        elif part == "gpt2":
+            add("GPT-2 124M economy: tracked step ≤ 1.5×", r["ratio"], 1.5)
+            if r.get("peak_tracked_MiB") and r.get("peak_untracked_MiB"):
+                add("GPT-2 124M economy: peak memory ≤ 1.25×",
+                    r["peak_tracked_MiB"] / r["peak_untracked_MiB"], 1.25)
+        elif part == "resnet":
+            every = r["every"]
+            add(f"ResNet-18 GroupNorm economy every {'step' if every == 1 else '10th step'}",
+                r["ratio"], 3.0 if every == 1 else 1.2)
+        elif part == "idle":
+            add("a step no instrument tracks ≤ 1.02×", r["ratio"], 1.02)
+        elif part == "fig7":
+            config, every = r["config"], r["every"]
+            if original.get("ratio"):
+                add(f"Figure 7 {config} every {every}: ≤ half the original's",
+                    r["ratio"] / original["ratio"], 0.5)
+            if (config == "economy" and every >= 4) or (config == "business" and every >= 16):
+                add(f"Figure 7 {config} every {every}: ≤ 2×", r["ratio"], 2.0)
+    return checks
+
+
+def print_goals(records: list[dict], reference: dict) -> None:
+    checks = goal_checks(records, reference)
+    if not checks:
+        return
+    met = sum(value <= bound for _, value, bound in checks)
+    print(f"\n## Goals: {met} of {len(checks)} met\n")
+    for goal, value, bound in checks:
+        print(f"- {'met' if value <= bound else 'NOT met'}: {goal} — {value:.3g} (≤ {bound:g})")
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -581,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
             emit({"part": part, "error": f"{type(error).__name__}: {error}"[:400]})
     reference = load_reference()
     print_table(records, reference, device_name)
+    print_goals(records, reference)
     meta["seconds"] = round(time.perf_counter() - started, 1)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -44,6 +44,11 @@ def test_gpu_overhead_dry_run_on_the_cpu(tmp_path):
     assert idle["pairs"] >= 3 and idle["ratio"] > 0
     assert abs(idle["ratio"] - idle["tracked_ms"] / idle["untracked_ms"]) < 1e-9
     assert "A step no instrument tracks" in table
+    # the goals the run measured, each with its value and whether it is met
+    goal = next(line for line in table.splitlines()
+                if line.startswith("- ") and "cifar10_3c3d economy: tracked step ≤ 2×" in line)
+    assert goal.startswith("- met" if side["ratio"] <= 2 else "- NOT met")
+    assert f"{side['ratio']:.3g} (≤ 2)" in goal
     assert data["meta"]["device"].startswith("CPU")
 
 
