@@ -174,6 +174,26 @@ def device_calls(tracked, args, first: int) -> None:
                  "cudaMemsetAsync", "cudaDeviceSynchronize")}
         print("runtime calls per tracked step:",
               {k: round(v / args.steps, 1) for k, v in calls.items()})
+        print(heaviest_kernel(events, args.steps))
+
+
+def heaviest_kernel(events, steps: int) -> str:
+    """One line on the kernel with the most device time: a kernel that takes milliseconds
+    where the others take microseconds is a shape its library handles badly."""
+    try:
+        kernels = [e for e in events
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+                   and e.count]
+        if not kernels:
+            return "heaviest kernel: none recorded"
+        total = sum(e.self_device_time_total for e in kernels)
+        top = max(kernels, key=lambda e: e.self_device_time_total)
+        return (f"heaviest kernel: {top.key[:90]} — {top.count / steps:.1f} a step, "
+                f"{top.self_device_time_total / top.count / 1e3:.3f} ms each, "
+                f"{100 * top.self_device_time_total / max(total, 1e-9):.0f} % of the "
+                f"kernels' {total / steps / 1e3:.2f} ms a step")
+    except Exception as error:  # (profiler fields differ between torch versions)
+        return f"heaviest kernel: not read ({type(error).__name__}: {error})"
 
 
 if __name__ == "__main__":
