@@ -401,7 +401,7 @@ def test_folded_convolution_sums_equal_each_vectors_own(conv, vectors_per_fold):
                    for i in range(k))
     positions = math.prod(out.shape[2:])
     patches = n * conv.weight.shape[1:].numel() * positions * 8
-    per_vector = n * (2 * conv.weight.numel() + conv.out_channels * positions) * 8
+    per_vector = n * (conv.weight.numel() + conv.out_channels * positions) * 8
     budget = patches + vectors_per_fold * per_vector
     got = folded_weight_sum_sq(conv, x, folded, budget)
     assert got is not None and got.dtype == torch.float64

@@ -2,7 +2,10 @@
 ‖x‖² and ⟨a, b⟩ of an embedding-sized vector of equal-sized numbers (Adam's first update),
 of Gaussian numbers, with a remainder beyond the rows, in every floating dtype; and Alpha on
 AdamW's first steps of a layer that large stays on its predicted path (a float32 dot product
-there drifted by 1e-3 and failed the check that the real update is the predicted one)."""
+there drifted by 1e-3 and failed the check that the real update is the predicted one). Sums
+of squares over the samples (``sample_sum_sq``) against float64, and without the float64
+copy of the squares that ``sum(dtype=torch.float64)`` makes (allocations counted by the
+profiler)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from torch import nn
 
 from cockpit import Cockpit, quantities
 from cockpit.engine import float_sums
+from cockpit.engine.float_sums import sample_sum_sq
 from tests.models import Problem, train
 
 N = 12_865_792 + 77  # GPT-2 small's token embedding (50257 × 256) and a remainder
@@ -70,3 +74,47 @@ def test_alpha_on_adamws_first_step_of_a_large_layer_is_predicted():
     assert not [w for w in caught if "does not match the prediction" in str(w.message)]
     output, notes = cockpit.get_output(), cockpit.get_notes()
     assert all(output[step]["Alpha"] is not None for step in range(2)), notes
+
+
+def peak_allocated(fn) -> int:
+    """The most bytes allocated at once on the CPU while ``fn`` runs (the profiler's
+    allocation events), above what was allocated before."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    events = []
+
+    def walk(nodes):
+        for node in nodes:
+            if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
+                events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            walk(node.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    current = peak = 0
+    for _, size in sorted(events):
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_sample_sum_sq_equals_float64_without_a_wide_copy(dtype):
+    gen = torch.Generator().manual_seed(0)
+    c = (torch.randn(16, 2**17, generator=gen) * 1e-3).to(dtype)
+    expected = c.square().double().sum(0)  # (the squares in c's dtype, as Cockpit forms them)
+    got = sample_sum_sq(c)
+    assert got.dtype == torch.float64 and got.shape == (2**17,)
+    torch.testing.assert_close(got, expected, rtol=1e-6 if dtype != torch.float64 else 1e-15,
+                               atol=0)
+    small = c[:, :1000]  # (a small block: summed in float64, as ever)
+    assert torch.equal(sample_sum_sq(small), small.square().sum(0, dtype=torch.float64))
+    if dtype == torch.bfloat16:  # (a CPU widens half precision to float32 to reduce it)
+        return
+    block, out = c.numel() * c.element_size(), 2**17 * 8
+    # the squares (c's size) and the sums; ``square().sum(0, dtype=float64)`` made a float64
+    # copy of the squares beside them (three blocks' worth for float32)
+    assert peak_allocated(lambda: sample_sum_sq(c)) <= block + 2 * out
+    owned = c.clone()
+    assert peak_allocated(lambda: sample_sum_sq(owned, owned=True)) <= 2 * out
+    torch.testing.assert_close(owned.double(), c.square().double())  # (squared in place)

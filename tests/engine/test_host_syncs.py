@@ -252,14 +252,16 @@ def test_a_tracked_economy_step_calls_few_of_cockpits_functions(problem, batch, 
     assert 0 < calls["cockpit"] <= bound, calls
 
 
-@pytest.mark.parametrize("config,bound", [("business", 4.8), ("full", 33.0)])
+@pytest.mark.parametrize("config,bound", [("business", 4.9), ("full", 33.0)])
 def test_tracked_curvature_steps_issue_few_ops(config, bound, monkeypatch, one_thread):
     """Business and full on 3C3D with the accelerator paths (batched curvature
     backpropagations by ``torch.func.vmap``, as on CUDA) against the step without Cockpit:
     4.6× and 32× at |B| = 32 (10.9× and 46× before the curvature's per-tensor and
     per-vector work took multi-tensor ops and batched kernels; business 4.9× before the
     sums of squares side by side and the convolutions' patches formed once for all
-    vectors). Regression bounds a little above today's."""
+    vectors; 4.73× → 4.80× since large blocks of squares are summed in float32 and widened
+    after the sum, without a float64 copy of the block). Regression bounds a little above
+    today's."""
     monkeypatch.setattr(histogram_device, "_forced", True)
     tracked = count_step(monkeypatch, config)
     untracked = count_step(monkeypatch, None)

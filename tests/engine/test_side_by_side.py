@@ -15,6 +15,7 @@ from torch import nn
 
 from cockpit import Cockpit, configuration
 from cockpit.engine import side_by_side, stacked
+from cockpit.engine.float_sums import sample_sum_sq
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms.exact import BinSpec, histogram_dense_counts
 from cockpit.engine.processing import CallProcessor, _DotPlan
@@ -62,15 +63,14 @@ def test_norms_and_dots_are_each_parameters_own(dtype):
 def test_sums_of_squares_are_each_parameters_own(dtype, scales):
     """Σ_n g_{n,p} ⊙ g_{n,p} (TICDiag) of each parameter side by side: float64 of its own
     shape (a scalar parameter too), the same numbers as the parameter alone — its scaled
-    gradients squared in their dtype and summed in float64."""
+    gradients squared in their dtype and summed over the samples (``sample_sum_sq``)."""
     gs = grads(dtype)
     factors = scales or [1.0] * len(gs)
     sums = SideBySide(gs, scales).sum_sq()
     for total, g, scale in zip(sums, gs, factors, strict=True):
         assert total.dtype == torch.float64 and total.shape == g.shape[1:]
         scaled = g * scale if scale != 1.0 else g
-        torch.testing.assert_close(total, scaled.square().sum(0, dtype=torch.float64),
-                                   rtol=1e-12, atol=0.0)
+        torch.testing.assert_close(total, sample_sum_sq(scaled), rtol=1e-12, atol=0.0)
         tol = {"rtol": 2e-2 if dtype == torch.bfloat16 else 1e-6, "atol": 0.0}
         torch.testing.assert_close(total, (g.double() * scale).pow(2).sum(0), **tol)
 

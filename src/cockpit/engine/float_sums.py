@@ -1,4 +1,5 @@
-"""Sums of many float32 products that keep their digits on a CPU: ⟨a, b⟩ and ‖x‖².
+"""Sums of many float32 products that keep their digits on a CPU: ⟨a, b⟩ and ‖x‖²; and
+sums of squares over the samples without a float64 copy (:func:`sample_sum_sq`).
 
 A CPU's BLAS accumulates ``torch.dot`` of float32 vectors in a few float32 partial sums, and
 ``torch.linalg.vector_norm`` without a dtype likewise: over millions of terms of one sign
@@ -57,6 +58,28 @@ def dot(a: Tensor, b: Tensor) -> Tensor:
     b_head, b_tail = _rows(b)
     total = torch.bmm(a_head.unsqueeze(1), b_head.unsqueeze(2)).double().sum()
     return total if a_tail is None else total + torch.dot(a_tail, b_tail).double()
+
+
+_WIDE_COPY = 2**20
+"""Squares up to this many are summed in float64 directly (their float64 copy is small)."""
+
+
+def sample_sum_sq(c: Tensor, dim: int = 0, owned: bool = False) -> Tensor:
+    """Σ over ``dim`` (the samples) of c ⊙ c, float64, without a float64 copy of a large c.
+
+    ``c.square().sum(dim, dtype=torch.float64)`` costs three times c's memory: PyTorch
+    widens a reduction's input to the output's dtype first (on a GPU too; only half
+    precision to float32 is reduced without a copy). Beyond :data:`_WIDE_COPY` numbers the
+    squares are summed in float32 (half precision accumulated in float32: on a GPU without
+    a copy, a CPU widens it first) and widened after the reduction: a sum of |B|
+    non-negative squares has no cancellation and keeps float32's digits, as the CPU path's
+    per-sample accumulation does. ``owned``: c is the caller's scratch, squared in place."""
+    squares = c.square_() if owned else c.square()
+    if squares.dtype == torch.float64 or squares.numel() <= _WIDE_COPY:
+        return squares.sum(dim, dtype=torch.float64)
+    if squares.dtype == torch.float32:
+        return squares.sum(dim).double()
+    return squares.sum(dim, dtype=torch.float32).double()
 
 
 def _rows(flat: Tensor) -> tuple[Tensor, Tensor | None]:

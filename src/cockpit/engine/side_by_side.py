@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.dtypes import in_dtype
+from cockpit.engine.float_sums import sample_sum_sq
 from cockpit.engine.histograms.device import bin_index, device_path
 from cockpit.engine.histograms.exact import BinSpec, device_edges
 from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
@@ -79,8 +80,8 @@ class SideBySide:
 
     def sum_sq(self) -> list[Tensor]:
         """Σ_n g_{n,p} ⊙ g_{n,p} in float64, of parameter p's shape: the squares in G's dtype
-        summed in float64, as one parameter alone (views of one [ΣD] sum)."""
-        sums = self.rows.square().sum(0, dtype=torch.float64)
+        summed over the samples as one parameter alone (views of one [ΣD] sum)."""
+        sums = sample_sum_sq(self.rows)
         return [part.view(shape) for part, shape in zip(sums.split(self.sizes), self._shapes,
                                                          strict=True)]
 

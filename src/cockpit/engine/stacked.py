@@ -14,7 +14,8 @@ the backward pass ends) and forms the individual gradients of all L layers at on
 from which
 
 * ‖g_{l,n}‖: one norm over the L·N rows;
-* Σ_n g_{l,n} ⊙ g_{l,n} (TICDiag eq. 29): the squares of G summed over the samples in float64;
+* Σ_n g_{l,n} ⊙ g_{l,n} (TICDiag eq. 29): the squares of G summed over the samples, as one
+  layer's (:func:`cockpit.engine.float_sums.sample_sum_sq`);
 * the counts of GradHist1d (eq. 15) per layer: every element's search index (the same
   edges as one layer alone) plus its lane's and its layer's offset, counted by one
   ``histc`` over L·(lanes)·(bins + 2) slots (:func:`cockpit.engine.histograms.device.tally`
@@ -46,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from cockpit.engine.dtypes import in_dtype
+from cockpit.engine.float_sums import sample_sum_sq
 from cockpit.engine.histograms import fused
 from cockpit.engine.histograms.device import (
     COUNTER_LIMIT,
@@ -144,8 +146,9 @@ class StackedGrads:
 
     def sum_sq(self) -> list[Tensor]:
         """Σ_n g_{l,n} ⊙ g_{l,n} per layer, float64 of the weight's shape: the squares in
-        G's dtype summed over the samples in float64 (one layer's materialized form)."""
-        sums = self.rows.square().sum(1, dtype=torch.float64)  # [L, D]
+        G's dtype summed over the samples as one layer's materialized form
+        (:func:`~cockpit.engine.float_sums.sample_sum_sq`)."""
+        sums = sample_sum_sq(self.rows, dim=1)  # [L, D]
         return list(sums.view(self.num_layers, *self.shape).unbind(0))
 
     def dots(self, directions: Sequence[Sequence[Tensor]]) -> Tensor:

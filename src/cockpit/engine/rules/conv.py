@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cockpit.engine.dtypes import in_dtype
+from cockpit.engine.float_sums import sample_sum_sq
 from cockpit.engine.rules.registry import register_rule
 from cockpit.engine.rules.sample_grads import (
     DenseSampleGrads,
@@ -461,8 +462,8 @@ def folded_weight_sum_sq(module: nn.modules.conv._ConvNd, x: Tensor, folded: Ten
     g_{k,n} = δ_{k,n} U_nᵀ with the same patches U_n for every k, so the K vectors are K·C_out
     output channels of one product per sample, [δ_{1,n}; …; δ_{K,n}] U_nᵀ: the patches of N
     samples are formed once instead of those of K·N repeated inputs. Vectors are taken in
-    groups whose K'·N individual gradients (twice: their squares) and output gradients fit
-    the budget beside the patches."""
+    groups whose K'·N individual gradients (squared in place) and output gradients fit the
+    budget beside the patches."""
     n = x.shape[0]
     k, c_out = len(folded) // n, folded.shape[1]
     out_sizes = folded.shape[2:]
@@ -470,7 +471,7 @@ def folded_weight_sum_sq(module: nn.modules.conv._ConvNd, x: Tensor, folded: Ten
     patch_numbers = n * module.weight.shape[1:].numel() * positions
     itemsize = max(folded.element_size(), x.element_size())
     free = budget_bytes - patch_numbers * itemsize
-    per_vector = n * (2 * module.weight.numel() + c_out * positions) * itemsize
+    per_vector = n * (module.weight.numel() + c_out * positions) * itemsize
     if free < per_vector:
         return None
     patches = _patches(module, _explicit_padding(module, outside_autograd(x)), out_sizes)
@@ -482,6 +483,6 @@ def folded_weight_sum_sq(module: nn.modules.conv._ConvNd, x: Tensor, folded: Ten
         deltas = folded[start * n:(start + vectors) * n].reshape(vectors, n, c_out, positions)
         stacked = deltas.transpose(0, 1).reshape(n, vectors * c_out, positions)
         grads = torch.bmm(in_dtype(stacked, patches.dtype), patches)  # [N, K'·C_out, C_in·K]
-        parts.append(grads.square().sum(0, dtype=torch.float64).view(vectors, -1))  # [K', D]
+        parts.append(sample_sum_sq(grads, owned=True).view(vectors, -1))  # [K', D]
     each = parts[0] if len(parts) == 1 else torch.cat(parts)  # [K, D]
     return each.view(k, *module.weight.shape) if separate else each.sum(0).view(module.weight.shape)

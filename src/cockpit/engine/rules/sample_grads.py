@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.dtypes import in_dtype, promote
+from cockpit.engine.float_sums import sample_sum_sq
 from cockpit.engine.histograms.device import DEFAULT_BUDGET, LaneCounts, device_path
 from cockpit.engine.histograms.exact import (
     BinSpec,
@@ -261,7 +262,7 @@ def _sum_sq_64(c: Tensor) -> Tensor:
     samples one fused multiply-add per sample into a cache-resident accumulator (6× faster
     on a CPU than squaring the whole [N, D] block and reducing over dim 0)."""
     if c.shape[0] <= 1 or math.prod(c.shape[1:]) < 2**14 or device_path(c.device):
-        return c.square().sum(0, dtype=torch.float64)  # (accelerators: few kernels)
+        return sample_sum_sq(c)  # (accelerators: few kernels)
     total = c[0] * c[0]
     for row in c[1:]:
         total.addcmul_(row, row)
