@@ -57,7 +57,7 @@ def cockpit_frame(node) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--problem", default="cifar10_3c3d", choices=PROBLEMS)
+    parser.add_argument("--problem", default="cifar10_3c3d", choices=[*PROBLEMS, "resnet18_gn"])
     parser.add_argument("--config", default="business",
                         choices=["none", "economy", "business", "full"])
     parser.add_argument("--batch", type=int, default=128)

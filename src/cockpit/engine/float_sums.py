@@ -64,7 +64,7 @@ _WIDE_COPY = 2**20
 """Squares up to this many are summed in float64 directly (their float64 copy is small)."""
 
 
-def sample_sum_sq(c: Tensor, dim: int = 0, owned: bool = False) -> Tensor:
+def sample_sum_sq(c: Tensor, dim: int = 0, owned: bool = False, widen: bool = True) -> Tensor:
     """Σ over ``dim`` (the samples) of c ⊙ c, float64, without a float64 copy of a large c.
 
     ``c.square().sum(dim, dtype=torch.float64)`` costs three times c's memory: PyTorch
@@ -73,13 +73,15 @@ def sample_sum_sq(c: Tensor, dim: int = 0, owned: bool = False) -> Tensor:
     squares are summed in float32 (half precision accumulated in float32: on a GPU without
     a copy, a CPU widens it first) and widened after the reduction: a sum of |B|
     non-negative squares has no cancellation and keeps float32's digits, as the CPU path's
-    per-sample accumulation does. ``owned``: c is the caller's scratch, squared in place."""
+    per-sample accumulation does. ``owned``: c is the caller's scratch, squared in place.
+    ``widen=False``: a large block's sums stay float32, for a caller that adds several blocks'
+    sums and widens once (one kernel instead of one a block)."""
     squares = c.square_() if owned else c.square()
     if squares.dtype == torch.float64 or squares.numel() <= _WIDE_COPY:
         return squares.sum(dim, dtype=torch.float64)
-    if squares.dtype == torch.float32:
-        return squares.sum(dim).double()
-    return squares.sum(dim, dtype=torch.float32).double()
+    sums = (squares.sum(dim) if squares.dtype == torch.float32
+            else squares.sum(dim, dtype=torch.float32))
+    return sums.double() if widen else sums
 
 
 def _rows(flat: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -483,6 +483,6 @@ def folded_weight_sum_sq(module: nn.modules.conv._ConvNd, x: Tensor, folded: Ten
         deltas = folded[start * n:(start + vectors) * n].reshape(vectors, n, c_out, positions)
         stacked = deltas.transpose(0, 1).reshape(n, vectors * c_out, positions)
         grads = torch.bmm(in_dtype(stacked, patches.dtype), patches)  # [N, K'·C_out, C_in·K]
-        parts.append(sample_sum_sq(grads, owned=True).view(vectors, -1))  # [K', D]
-    each = parts[0] if len(parts) == 1 else torch.cat(parts)  # [K, D]
+        parts.append(sample_sum_sq(grads, owned=True, widen=False).view(vectors, -1))  # [K', D]
+    each = in_dtype(parts[0] if len(parts) == 1 else torch.cat(parts), torch.float64)  # [K, D]
     return each.view(k, *module.weight.shape) if separate else each.sum(0).view(module.weight.shape)
