@@ -231,3 +231,40 @@ def test_grad_hists_through_cockpit_with_the_kernel_equal_the_cpu_path():
                             "test_grad_hists_through_cockpit_equal_the_cpu_path"])
         assert code == 0 and len(calls) >= 3, (code, len(calls))
     """)
+
+
+def test_stacked_weights_through_cockpit_take_one_launch_per_stack():
+    """Six Linear weights of one shape on sequences, economy with AdamW on the accelerators'
+    path: at each step after the first (which counts magnitudes for GradHist1d's automatic
+    range) one launch counts the six stacked layers and one the head's weight; the values
+    equal the CPU path's (as ``test_cuda`` checks on a GPU)."""
+    run_interpreted("""
+        import torch
+        from cockpit import configuration
+        from cockpit.engine import stacked
+        from cockpit.engine.histograms import device as D, fused
+        from tests.engine.test_stacked import Tokens
+        from tests.test_cuda import compare, train
+        generator = torch.Generator().manual_seed(2)
+        data = [(torch.randn(16, 5, 6, generator=generator),
+                 torch.randint(0, 3, (16,), generator=generator)) for _ in range(4)]
+
+        def run():
+            return train("cpu", torch.float64, configuration("economy"), data,
+                         make_model=lambda: Tokens(6),
+                         make_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))[0]
+
+        cpu = run()
+        launches, stacks = [], []
+        fused.MIN_VALUES = 1
+        real_rows, real_init = fused.tally_rows, stacked.StackedGrads.__init__
+        fused.tally_rows = lambda *args: launches.append(args[0].shape) or real_rows(*args)
+        stacked.StackedGrads.__init__ = (
+            lambda self, grads: stacks.append(len(grads)) or real_init(self, grads))
+        with D.forced():
+            accelerator = run()
+        assert stacks == [6] * 4, stacks
+        # 16 samples: 6 layers of 6 × 6, the head of 3 × 6
+        assert sorted(launches) == [torch.Size([1, 16 * 18])] * 3 + [torch.Size([6, 16 * 36])] * 3
+        assert compare(accelerator, cpu, rtol=1e-9, max_count_diff=4) > 40
+    """)
