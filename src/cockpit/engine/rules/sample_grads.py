@@ -165,7 +165,7 @@ class SampleGrads(ABC):
         return _cat([in_dtype(stacked, c.dtype) @ _rows(c).T for c in self.chunks()], dim=1)
 
     def sum_sq(self) -> Tensor:
-        sums = [_sum_sq_64(c) for c in self.chunks()]  # (large blocks' in float32)
+        sums = [_block_sum_sq(c) for c in self.chunks()]
         return self.from_rows(total_of([in_dtype(sums[0], torch.float64), *sums[1:]]))
 
     def centered_sum_sq(self) -> Tensor:
@@ -257,12 +257,13 @@ def _cat(parts: list[Tensor], dim: int = 0) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def _sum_sq_64(c: Tensor) -> Tensor:
-    """Σ_n c_n ⊙ c_n as float64, or float32 where an accelerator sums a large block (the
-    caller widens once after adding the blocks). A sum of |B| squares loses no digits worth a
-    float64 accumulator (unlike the centered sums), so it is formed in c's dtype: for large
-    samples one fused multiply-add per sample into a cache-resident accumulator (6× faster
-    on a CPU than squaring the whole [N, D] block and reducing over dim 0)."""
+def _block_sum_sq(c: Tensor) -> Tensor:
+    """Σ_n c_n ⊙ c_n of one block of individual gradients: float64, or float32 where an
+    accelerator sums a large block (the caller widens once after adding the blocks). A sum
+    of |B| squares loses no digits worth a float64 accumulator (unlike the centered sums), so
+    it is formed in c's dtype: for large samples one fused multiply-add per sample into a
+    cache-resident accumulator (6× faster on a CPU than squaring the whole [N, D] block and
+    reducing over dim 0)."""
     if c.shape[0] <= 1 or math.prod(c.shape[1:]) < 2**14 or device_path(c.device):
         return sample_sum_sq(c, widen=False)  # (accelerators: few kernels)
     total = c[0] * c[0]
