@@ -79,8 +79,7 @@ def sample_sum_sq(c: Tensor, dim: int = 0, owned: bool = False, widen: bool = Tr
     squares = c.square_() if owned else c.square()
     if squares.dtype == torch.float64 or squares.numel() <= _WIDE_COPY:
         return squares.sum(dim, dtype=torch.float64)
-    sums = (squares.sum(dim) if squares.dtype == torch.float32
-            else squares.sum(dim, dtype=torch.float32))
+    sums = squares.sum(dim, dtype=torch.float32)  # (float32 squares: no copy)
     return sums.double() if widen else sums
 
 
