@@ -111,8 +111,10 @@ class Cockpit:
             pass per step in one process only.
         memory_budget: bytes of individual gradients one layer may hold at once; a layer
             above it (e.g. a large vocabulary's embedding) is processed in sample chunks,
-            exactly, at some extra time, and said so once in the notes. ``"auto"``
-            (default): 512 MiB, at most 1/16 of a GPU's memory; None: no limit.
+            exactly, at some extra time, and said so once in the notes. A number given
+            also caps the chunks of the curvature's batched backpropagations (the GGN's
+            and the Hessian diagonal's; by default 1/16 of a GPU's memory, at most 8 GiB).
+            ``"auto"`` (default): 512 MiB, at most 1/16 of a GPU's memory; None: no limit.
 
     Gradient accumulation: all backward passes of one optimizer step go inside
     ``with cockpit(step, losses=...)`` blocks with the same ``step``; the step's values
@@ -167,9 +169,12 @@ class Cockpit:
         # a compiled model (torch.compile): hooks on the eager module inside, which runs at
         # tracked steps only (see cockpit.engine.capture.compiled)
         hist_spec: BinSpec | AutoRange = AutoRange() if hist_bins is None else hist_bins
+        budget = resolved_memory_budget(memory_budget, model)
+        # a budget the user gave also caps the curvature's chunks ("auto" leaves them theirs)
         self.tracker = ModuleTracker(compiled.uncompiled(model), hist_spec, hist2d_bins,
-                                     strict=strict, batchnorm=batchnorm,
-                                     memory_budget=resolved_memory_budget(memory_budget, model))
+                                     strict=strict, batchnorm=batchnorm, memory_budget=budget,
+                                     curvature_budget=None if isinstance(memory_budget, str)
+                                     else budget)
         self._compiled = compiled.EagerAtTrackedSteps(model, self.tracker)
         if batchnorm == FROZEN_STATISTICS and any(
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):

@@ -466,3 +466,43 @@ def test_mc_replicates_unfold_each_convolutions_input_once(monkeypatch):
     assert unfolded == [5, 5]  # (two convolutions, once each for the four replicates)
     want = run_probe(problem, mc_replicates(False), forbid_loop=False)
     assert_same_replicates(got, want)
+
+
+@pytest.mark.parametrize("budget", ["auto", 2**12])
+def test_a_memory_budget_given_caps_the_batched_chunks(budget, monkeypatch):
+    """``Cockpit(..., memory_budget=N)`` bounds the curvature's chunks as it bounds a
+    layer's individual gradients: the exact GGN's C = 4 vectors, one chunk under the
+    default budget, take one chunk per vector within 4 KiB (a vector's layer-output
+    gradients count 26 KiB) and each layer's folded individual gradients go in folds
+    within it; HessTrace equals the dense reference's either way."""
+    problem = cnn_problem()
+    chunks: list[int] = []
+    folds = collections.Counter()
+    batched, sample_grads = batched_module.batched_grad, batched_module._add_folded
+
+    def counted(outputs, inputs, vectors):
+        chunks.append(len(vectors[0]))
+        return batched(outputs, inputs, vectors)
+
+    def spied(engine, call, folded, n, totals, budget_bytes, small):
+        folds[budget_bytes] += 1
+        return sample_grads(engine, call, folded, n, totals, budget_bytes, small)
+
+    monkeypatch.setattr(batched_module, "batched_grad", counted)
+    monkeypatch.setattr(batched_module, "_add_folded", spied)
+    model = problem.model
+    cockpit = Cockpit(model, [quantities.HessTrace(curvature="diag_ggn_exact")],
+                      strict=True, memory_budget=budget)
+    assert cockpit.tracker.curvature_budget == (None if budget == "auto" else budget)
+    with histogram_device.forced():  # (batched, as on an accelerator)
+        losses = problem.losses()
+        with cockpit(0, losses=losses):
+            losses.mean().backward()
+    cockpit.close()
+    if budget == "auto":
+        assert chunks == [4] and set(folds) == {batched_module.default_budget(problem.x.device)}
+    else:
+        assert chunks == [1, 1, 1, 1] and set(folds) == {budget}
+    expected = dense_ggn_diagonal(problem)
+    reference = sum(d.sum().item() for d in expected.values())
+    assert rel_close(cockpit.get_output()[0]["HessTrace"], reference, 1e-9)

@@ -69,6 +69,14 @@ def default_budget(device: torch.device) -> int:
     return 2**30
 
 
+def chunk_budget(device: torch.device, cap: int | None) -> int:
+    """Bytes a chunk may take: :func:`default_budget`, at most ``cap`` (a ``memory_budget``
+    the user gave, which bounds the folded individual gradients here as it bounds a layer's
+    in the statistics)."""
+    budget = default_budget(device)
+    return budget if cap is None else min(budget, cap)
+
+
 def use_batched(device: torch.device, batched: bool | None) -> bool:
     """Whether to batch the backpropagations: ``batched`` if given, else on CUDA only (and
     on the CPU where it stands in for an accelerator: :func:`device_path`'s ``forced``).
@@ -118,9 +126,9 @@ def batched_sum_sq_of_backprops(engine: EngineView, output: Tensor, grad_outputs
     computes it one vector at a time (``grad_outputs``: [K, *output.shape]), as a list of
     one dict; with ``separate`` the K sums Σ_n g_{n,k} ⊙ g_{n,k} one by one (K dicts). None
     where the batched passes do not apply (module docstring). ``budget_bytes``: default
-    :func:`default_budget`."""
+    :func:`chunk_budget` of the engine's ``curvature_budget``."""
     if budget_bytes is None:
-        budget_bytes = default_budget(output.device)
+        budget_bytes = chunk_budget(output.device, engine.curvature_budget)
     n = output.shape[0]
     calls = _foldable_calls(engine, n)
     if not calls:

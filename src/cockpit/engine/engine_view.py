@@ -55,6 +55,11 @@ class EngineView(Protocol):
         steps that track an instrument with ``needs_activations``."""
 
     @property
+    def curvature_budget(self) -> int | None:
+        """Bytes a chunk of the curvature's batched backpropagations may take at most (the
+        ``memory_budget`` the user gave); None: the device's default."""
+
+    @property
     def step_cache(self) -> dict[Any, Any]:
         """Work shared by instruments within one backward pass (released at its end)."""
 

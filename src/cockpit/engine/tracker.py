@@ -72,12 +72,16 @@ class ModuleTracker:
         strict: bool = False,
         batchnorm: str | None = None,
         memory_budget: int | None = None,
+        curvature_budget: int | None = None,
     ):
         self.model = model
         self.state = BackwardState()  # what the hooks of a tracked backward pass learned
         # bytes of individual gradients one layer may hold at once (None: no limit); above
         # it a layer is processed in sample chunks (cockpit.engine.rules.sample_chunks)
         self.memory_budget = memory_budget
+        # bytes a chunk of the curvature's batched backpropagations may take at most (a
+        # memory_budget the user gave; None: the device's default, curvature/batched.py)
+        self.curvature_budget = curvature_budget
         self.chunked_layers: dict[str, int] = {}  # parameter → sample chunks, when chunked
         self._chunks_told: set[str] = set()
         self.batchnorm = check_batchnorm_mode(batchnorm)
