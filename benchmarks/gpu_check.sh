@@ -14,7 +14,8 @@
 # (e) benchmarks/host_overhead.py --device cuda: the CPU proxy's tiny problems on the GPU,
 #     every step and each step of an every-10th cycle, then where the host's time goes in
 #     the tracked step and the one after it (HOST_SECONDS, 0 skips): the host's time with
-#     CUDA's launches, beside the same run on a CPU.
+#     CUDA's launches, beside the same run on a CPU; then benchmarks/replay_bound.py: the
+#     ops of a tracked step replayed without Cockpit's Python, and as one CUDA graph.
 # (f) benchmarks/host_profile.py --device-only: the device's heaviest kernels in a tracked
 #     economy step of GPT-2 124M, ResNet-18 GroupNorm and 3C3D (a kernel that takes
 #     milliseconds where the step's others take microseconds: a bad shape for the library
@@ -35,7 +36,7 @@ TESTS_SECONDS="${TESTS_SECONDS:-120}"
 BENCH_SECONDS="${BENCH_SECONDS:-130}"   # cells after this are skipped; the run ends soon after
 CURVATURE_SECONDS="${CURVATURE_SECONDS:-60}"   # 0 skips part (b)
 MEMORY_SECONDS="${MEMORY_SECONDS:-60}"   # 0 skips part (d)
-HOST_SECONDS="${HOST_SECONDS:-80}"   # 0 skips part (e)
+HOST_SECONDS="${HOST_SECONDS:-100}"   # 0 skips part (e)
 DEVICE_SECONDS="${DEVICE_SECONDS:-110}"   # 0 skips part (f)
 
 limit() {  # limit SECONDS command...: a wall-clock limit where `timeout` exists
@@ -107,7 +108,8 @@ if [ "$cuda" = 1 ] && [ "$HOST_SECONDS" -gt 0 ]; then
         "$0" benchmarks/host_overhead.py --device cuda --every 10 --steps 200 \
             --problems 3c3d resnet18_gn &&
         "$0" benchmarks/host_overhead.py --device cuda --phases --every 10 --steps 20 \
-            --problems 3c3d gpt2' "$PY" 2>&1 \
+            --problems 3c3d gpt2 &&
+        "$0" benchmarks/replay_bound.py --device cuda --steps 20' "$PY" 2>&1 \
         | grep -v '^\[transformers\]' | tee "$OUT/host_overhead.txt"
 else
     echo "skipped (without CUDA, or HOST_SECONDS=0; on a CPU: python benchmarks/host_overhead.py)"

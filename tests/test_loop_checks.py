@@ -189,3 +189,53 @@ def test_a_correct_loop_with_zeroed_tensors_raises_no_warning():
                 losses.mean().backward()
             opt.step()
         cockpit.close()
+
+
+def _tree():
+    """Nested containers, a module shared by two parents, a None submodule, a frozen
+    parameter and a parameter slot set to None."""
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(
+        torch.nn.Sequential(torch.nn.Linear(2, 3), shared),
+        torch.nn.ModuleDict({"a": shared, "b": torch.nn.LayerNorm(3)}),
+        torch.nn.Linear(3, 2, bias=False))
+    model[0].register_module("absent", None)
+    model[1]["b"].bias = None
+    model[2].weight.requires_grad_(False)
+    return model
+
+
+CHANGES = {
+    "none": lambda m: None,
+    "appended deep down": lambda m: m[0].append(torch.nn.Linear(3, 3)),
+    "replaced": lambda m: m[1].__setitem__("b", torch.nn.LayerNorm(3)),
+    "parameter replaced": lambda m: setattr(m[2], "weight", torch.nn.Parameter(
+        torch.ones(2, 3))),
+    "unfrozen": lambda m: m[2].weight.requires_grad_(True),
+    "tracked one frozen": lambda m: m[0][0].weight.requires_grad_(False),
+    "slot filled": lambda m: setattr(m[1]["b"], "bias", torch.nn.Parameter(torch.zeros(3))),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_the_quick_parameter_walk_agrees_with_named_parameters(change):
+    """``parameters_changed`` answers None from one walk over the modules' dictionaries
+    where every parameter is known and no untracked one requires a gradient; the reason
+    it gives otherwise names what ``named_parameters`` shows changed."""
+    from cockpit.loop_checks.problems import _as_known, parameters_changed
+
+    model = _tree()
+    known = {id(p): name for name, p in model.named_parameters()}
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert _as_known(model, known, trainable)
+    CHANGES[change](model)
+    reason = parameters_changed(model, known, trainable)
+    unchanged = change in ("none", "tracked one frozen")
+    assert _as_known(model, known, trainable) is unchanged
+    assert (reason is None) is unchanged
+    expected = {"appended deep down": "added: 0.3.weight", "replaced": "replaced: 1.b.weight",
+                "parameter replaced": "replaced: 2.weight", "unfrozen": "made trainable: 2.weight",
+                "slot filled": "added: 1.b.bias"}.get(change)
+    if expected is not None:
+        assert expected in reason.replace("'", "")

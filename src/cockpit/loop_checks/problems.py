@@ -52,6 +52,8 @@ def parameters_changed(model: torch.nn.Module, known: dict[int, str],
     (``model[2] = nn.Linear(...)``) or made trainable; else None. ``known``: id → name of
     every parameter at construction; ``trainable``: the tracked ones (frozen later is
     harmless: a parameter without a gradient adds nothing to any instrument)."""
+    if _as_known(model, known, trainable):
+        return None
     names = set(known.values())
     added: list[str] = []
     replaced: list[str] = []
@@ -74,6 +76,29 @@ def parameters_changed(model: torch.nn.Module, known: dict[int, str],
             "created with, so only Loss, BatchSize and Time are recorded from here on; create "
             "a new Cockpit for the changed model (cockpit.close(); Cockpit(model, ..., "
             "logdir=<new directory>))")
+
+
+def _as_known(model: torch.nn.Module, known: dict[int, str], trainable: dict[str, Tensor]
+              ) -> bool:
+    """Whether every parameter of ``model`` is a known one, and none of the untracked ones
+    requires a gradient: :func:`parameters_changed`'s answer None where it is, from one walk
+    over the modules' own dictionaries (``named_parameters`` nests a generator per module and
+    level: about ten Python calls per parameter at every tracked step)."""
+    stack: list[torch.nn.Module | None] = [model]
+    seen: set[int] = set()
+    while stack:
+        module = stack.pop()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        for p in module._parameters.values():
+            if p is None:
+                continue
+            name = known.get(id(p))
+            if name is None or (p.requires_grad and name not in trainable):
+                return False
+        stack.extend(module._modules.values())
+    return True
 
 
 def first_problem(problems: list[tuple[str, str]], scopes: tuple[str, ...]) -> str | None:

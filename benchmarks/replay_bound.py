@@ -1,0 +1,299 @@
+"""How much of a tracked step's host time is Cockpit's Python, and how much its ops: the ops
+Cockpit issued in one tracked step, recorded and replayed without Cockpit's code.
+
+A tracked step on a GPU is bound by its host (``host_overhead.py``): Python deciding what to
+form, and the ops it dispatches and launches. This benchmark splits the two. One tracked step
+of ``host_overhead.py``'s tiny problems runs under a ``TorchDispatchMode`` that records every
+aten op issued with a frame of Cockpit's package on the Python stack (its hooks, its
+rules, its instruments, its optimizer hooks; not the model, the loss or the optimizer), with
+its arguments: the tensors an earlier recorded op made, or those it found (parameters,
+activations, Cockpit's buffers) as they are. Then, alternated with tracked and untracked
+steps,
+
+* **replay**: the recorded ops run again in their order on the recorded inputs, one
+  dispatch each and nothing else (the host's floor of an eager tracked step that issued
+  the same ops with no Python of its own: what a plan decided once and replayed costs);
+* on CUDA also **graph**: the replay captured once in a CUDA graph and launched as one
+  (the floor without the host: what capturing the step's work would leave; ops that read
+  the device on the host, such as ``.item()``, are left out of the capture and counted).
+
+    python benchmarks/replay_bound.py                          # 3C3D, GPT-2, ResNet-18
+    python benchmarks/replay_bound.py --problems gpt2 --steps 30
+    python benchmarks/replay_bound.py --device cuda            # with the CUDA graph
+
+Printed per problem (ms per tracked step, medians): Cockpit's extra time (tracked −
+untracked), the replay of its ops, its Python (the difference), and on CUDA the graph. The
+recorded values are not checked: the replay only measures (its ops run on one step's
+tensors again; in-place ops on Cockpit's own buffers repeat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+import cockpit
+from cockpit.engine.histograms import device as histogram_device
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_overhead import Clock
+from host_overhead import _registered
+from op_count import make_step
+
+PACKAGE = str(Path(cockpit.__file__).parent)
+MODELS_IN_PACKAGE = PACKAGE + "/benchmark/"  # (the problems' models: the user's code here)
+
+# ops that read the device on the host: not capturable, left out of the CUDA graph
+HOST_READS = {"_local_scalar_dense", "nonzero", "repeat_interleave", "masked_select",
+              "equal", "is_nonzero", "unique_consecutive", "_unique2"}
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """An argument made by an earlier recorded op: its index and output position."""
+
+    op: int
+    position: int
+
+
+def _argument_maker(value: Any):
+    """(constant, value) or (None, fn(outputs) → value) for one argument: a recorded op's
+    output, a list holding some (multi-tensor ops), or anything else as it is."""
+    if isinstance(value, _Ref):
+        return None, lambda outputs, r=value: outputs[r.op][r.position]
+    if isinstance(value, (list, tuple)) and any(isinstance(v, _Ref) for v in value):
+        makers = [_argument_maker(v) for v in value]
+        kind = type(value)
+        return None, lambda outputs: kind(v if f is None else f(outputs)
+                                          for v, f in ((c, g) for c, g in makers))
+    return value, None
+
+
+def _call_into(box: list, func, args: list, kwargs: dict) -> None:
+    box.append(func(*args, **kwargs))
+
+
+def _leaves(out: Any) -> Any:
+    """An op's outputs as ``tree_flatten`` lists them (its positions in :class:`_Ref`)."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (list, tuple)) and all(isinstance(o, torch.Tensor) for o in out):
+        return out
+    return tree_flatten(out)[0]
+
+
+@dataclass
+class Tape:
+    """The recorded ops: (op, arguments with :class:`_Ref` for recorded outputs)."""
+
+    ops: list[tuple[Any, list, dict]] = field(default_factory=list)
+    # id → (the output it is, the tensor: held, so that no later tensor takes its id)
+    made: dict[int, tuple[_Ref, torch.Tensor]] = field(default_factory=dict)
+    reads: list[list[int]] = field(default_factory=list)  # per op: the ops it reads from
+
+    def argument(self, value: Any) -> Any:
+        """A recorded op's output as its :class:`_Ref`; a tensor found elsewhere as an alias
+        of its data (holding the tensor itself would keep autograd from stealing a
+        gradient into ``p.grad``: the recorded step would copy it)."""
+        if isinstance(value, torch.Tensor):
+            found = self.made.get(id(value))
+            if found is not None and found[1] is value:
+                return found[0]
+            return value.detach()
+        return value
+
+    def add(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        index = len(self.ops)
+        leaves_in = tree_flatten((args, kwargs))[0]
+        self.reads.append(sorted({found[0].op for t in leaves_in if isinstance(t, torch.Tensor)
+                                  and (found := self.made.get(id(t))) is not None
+                                  and found[1] is t}))
+        self.ops.append((func, [_argument_maker(a) for a in tree_map(self.argument, args)],
+                         {k: _argument_maker(v)
+                          for k, v in tree_map(self.argument, kwargs).items()}))
+        leaves, _ = tree_flatten(out)
+        for position, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                self.made[id(leaf)] = (_Ref(index, position), leaf)
+
+    def replay(self, skip: frozenset = frozenset()) -> None:
+        """The ops in their order but those at the indices ``skip``; the outputs of each
+        kept for the ops that read them (the arguments rebuilt by closures made once: no
+        tree walk per op)."""
+        outputs: list[Any] = []
+        with torch.no_grad():  # (what Cockpit's ops record into autograd is not timed)
+            for index, (func, args, kwargs) in enumerate(self.ops):
+                if index in skip:
+                    outputs.append(())
+                    continue
+                out = func(*[c if f is None else f(outputs) for c, f in args],
+                           **{k: c if f is None else f(outputs) for k, (c, f) in kwargs.items()})
+                outputs.append(_leaves(out))
+
+    def time_by_op(self, clock: Clock) -> dict[str, float]:
+        """Seconds of one replay by op name (each op timed alone, on CUDA to its end)."""
+        totals: dict[str, float] = {}
+        outputs: list[Any] = []
+        with torch.no_grad():
+            for func, args, kwargs in self.ops:
+                built = ([c if f is None else f(outputs) for c, f in args],
+                         {k: c if f is None else f(outputs) for k, (c, f) in kwargs.items()})
+                box: list = []
+                seconds = clock.time(functools.partial(_call_into, box, func, *built))
+                outputs.append(_leaves(box[0]))
+                name = func.overloadpacket.__name__
+                totals[name] = totals.get(name, 0.0) + seconds
+        return totals
+
+    def host_reads(self) -> int:
+        return sum(func.overloadpacket.__name__ in HOST_READS for func, _, _ in self.ops)
+
+    def host_ops(self) -> frozenset:
+        """The indices of the ops a CUDA graph cannot hold: those that read the device on
+        the host, and those with a tensor on the host (the step's numbers copied out, small
+        tensors made on the host) or depending on one of them."""
+        skipped: set[int] = set()
+        for index, (func, args, kwargs) in enumerate(self.ops):
+            values = [c for c, f in args] + [c for c, f in kwargs.values()]
+            refs = [r for r in self._refs(index) if r in skipped]
+            on_host = any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                          for v in values for t in (v if isinstance(v, (list, tuple)) else [v]))
+            if func.overloadpacket.__name__ in HOST_READS or on_host or refs:
+                skipped.add(index)
+        return frozenset(skipped)
+
+    def _refs(self, index: int) -> list[int]:
+        """The ops whose outputs op ``index`` reads."""
+        return self.reads[index]
+
+
+def _is_cockpits() -> bool:
+    """Whether a frame of Cockpit's package (not the problems' models) is on the stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(PACKAGE) and not name.startswith(MODELS_IN_PACKAGE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class Recorder(TorchDispatchMode):
+    """Records the ops issued from Cockpit's code (module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tape = Tape()
+        self.users = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _is_cockpits():
+            self.tape.add(func, args, kwargs, out)
+        else:
+            self.users += 1
+        return out
+
+
+def _graphed(tape: Tape) -> tuple[torch.cuda.CUDAGraph | None, int]:
+    """The replay without the ops on the host (:meth:`Tape.host_ops`) captured in a CUDA
+    graph (None where the capture fails: said), and how many ops were left out."""
+    skip = tape.host_ops()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # (a warm-up outside the capture, as CUDA asks)
+        tape.replay(skip)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            tape.replay(skip)
+    except Exception as error:  # (an op CUDA cannot capture: the measurement says so)
+        print(f"  the CUDA graph capture failed: {type(error).__name__}: {error}"[:300])
+        torch.cuda.synchronize()
+        return None, len(skip)
+    return graph, len(skip)
+
+
+def measure(problem: str, config: str, steps: int, device: str) -> dict[str, float]:
+    """Medians (ms) of Cockpit's extra time, the replay and (CUDA) the graph, and counts."""
+    name = _registered(problem)
+    plain, _ = make_step(name, None, 2, device)
+    tracked, watcher = make_step(name, config, 2, device)
+    for i in range(5):
+        plain(i)
+        tracked(i)
+    recorder = Recorder()
+    with recorder:
+        tracked(5)
+    tape = recorder.tape
+    graph, left_out = _graphed(tape) if device.startswith("cuda") else (None, 0)
+    clock = Clock(torch.device(device))
+    times: dict[str, list[float]] = {"plain": [], "tracked": [], "replay": [], "graph": []}
+    for i in range(6, 6 + steps):
+        times["plain"].append(clock.time(lambda i=i: plain(i)))
+        times["tracked"].append(clock.time(lambda i=i: tracked(i)))
+        times["replay"].append(clock.time(tape.replay))
+        if graph is not None:
+            times["graph"].append(clock.time(graph.replay))
+    by_op: dict[str, list[float]] = {}
+    for _ in range(5):
+        for name, seconds in tape.time_by_op(clock).items():
+            by_op.setdefault(name, []).append(seconds)
+    assert watcher is not None
+    watcher.close()
+    med = {k: 1000 * statistics.median(v) for k, v in times.items() if v}
+    return {"extra": med["tracked"] - med["plain"], "plain": med["plain"],
+            "replay": med["replay"], "graph": med.get("graph", float("nan")),
+            "ops": len(tape.ops), "host reads": tape.host_reads(), "user ops": recorder.users,
+            "left out": left_out,
+            "by op": {k: 1000 * statistics.median(v) for k, v in by_op.items()},
+            "counts": _counts(tape)}
+
+
+def _counts(tape: Tape) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for func, _, _ in tape.ops:
+        counts[func.overloadpacket.__name__] = counts.get(func.overloadpacket.__name__, 0) + 1
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", nargs="+", default=["3c3d", "gpt2", "resnet18_gn"],
+                        choices=["3c3d", "resnet18_gn", "gpt2"])
+    parser.add_argument("--config", default="economy", choices=["economy", "business", "full"])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps of each kind")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--top", type=int, default=8,
+                        help="the ops that take the replay's time, each timed alone")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    histogram_device._forced = True  # (the accelerators' paths, as on a GPU)
+    for problem in args.problems:
+        r = measure(problem, args.config, args.steps, args.device)
+        python = r["extra"] - r["replay"]
+        graph = ("" if args.device == "cpu" else
+                 f", as one CUDA graph {r['graph']:.2f} ({r['left out']} ops on the host "
+                 "left out)")
+        print(f"{problem} {args.config} ({args.device}): untracked {r['plain']:.2f} ms; "
+              f"Cockpit's extra {r['extra']:.2f} ms = its {r['ops']} ops replayed "
+              f"{r['replay']:.2f} + its Python {python:.2f} ({100 * python / r['extra']:.0f} %)"
+              f"{graph}; {r['host reads']} host reads of the device, {r['user ops']} ops of "
+              "the user's step")
+        ranked = sorted(r["by op"].items(), key=lambda kv: -kv[1])[:args.top]
+        print("  " + ", ".join(f"{name} ×{r['counts'][name]} {ms:.2f}" for name, ms in ranked))
+
+
+if __name__ == "__main__":
+    main()

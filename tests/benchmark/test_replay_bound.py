@@ -1,0 +1,53 @@
+"""``benchmarks/replay_bound.py``: the ops Cockpit issues in a tracked step, recorded and
+replayed without its Python."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cockpit.engine.histograms import device as histogram_device
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import replay_bound
+from host_overhead import _registered
+from op_count import make_step
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_recorder_leaves_the_users_ops_to_the_user_and_the_tape_replays():
+    """The ops the recorder does not count as Cockpit's are exactly an untracked step's
+    (the model, the loss, the optimizer); Cockpit's make no host read of the device on the
+    accelerators' path, and its tape replays (twice) on the recorded tensors."""
+    with histogram_device.forced():
+        plain, _ = make_step(_registered("3c3d"), None, 2)
+        tracked, watcher = make_step(_registered("3c3d"), "economy", 2)
+        for i in range(4):
+            plain(i)
+            tracked(i)
+        counter = _Count()
+        with counter:
+            plain(4)
+        recorder = replay_bound.Recorder()
+        with recorder:
+            tracked(4)
+        tape = recorder.tape
+        assert recorder.users == counter.ops > 0
+        assert len(tape.ops) > counter.ops  # (economy: norms, dots, histograms, the fit)
+        assert tape.host_reads() == 0
+        tape.replay()
+        tape.replay()
+        tracked(5)  # (the training goes on)
+        watcher.close()
+    assert watcher.get_output()[5]["Loss"] is not None
