@@ -22,17 +22,25 @@ steps,
     python benchmarks/replay_bound.py --device cuda            # with the CUDA graph
 
 Printed per problem (ms per tracked step, medians): Cockpit's extra time (tracked −
-untracked), the replay of its ops, its Python (the difference), and on CUDA the graph. The
-recorded values are not checked: the replay only measures (its ops run on one step's
-tensors again; in-place ops on Cockpit's own buffers repeat).
+untracked), the replay of its ops, its Python (the difference), and on CUDA the graph; the
+ops that take the replay's time (each timed alone); then per phase of the pipeline
+(``host_overhead.py --phases``, each phase's own time without the phases inside it) its
+ops, their replay and the phase's whole time in a tracked step: the difference is the
+phase's Python. A replayed op costs the host about 1 µs more than in the step (its
+arguments rebuilt, the op called through its Python overload): the Python shares printed
+are lower bounds. The recorded values are not checked: the replay only measures (its ops
+run on one step's tensors again; in-place ops on Cockpit's own buffers repeat).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import importlib
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +54,7 @@ from cockpit.engine.histograms import device as histogram_device
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_overhead import Clock
-from host_overhead import _registered
+from host_overhead import PHASES, _registered
 from op_count import make_step
 
 PACKAGE = str(Path(cockpit.__file__).parent)
@@ -98,6 +106,7 @@ class Tape:
     ops: list[tuple[Any, list, dict]] = field(default_factory=list)
     # id → (the output it is, the tensor: held, so that no later tensor takes its id)
     made: dict[int, tuple[_Ref, torch.Tensor]] = field(default_factory=dict)
+    phases: list[str] = field(default_factory=list)  # per op: the phase that issued it
     reads: list[list[int]] = field(default_factory=list)  # per op: the ops it reads from
 
     def argument(self, value: Any) -> Any:
@@ -111,8 +120,9 @@ class Tape:
             return value.detach()
         return value
 
-    def add(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+    def add(self, func, args: tuple, kwargs: dict, out: Any, phase: str) -> None:
         index = len(self.ops)
+        self.phases.append(phase)
         leaves_in = tree_flatten((args, kwargs))[0]
         self.reads.append(sorted({found[0].op for t in leaves_in if isinstance(t, torch.Tensor)
                                   and (found := self.made.get(id(t))) is not None
@@ -138,6 +148,24 @@ class Tape:
                 out = func(*[c if f is None else f(outputs) for c, f in args],
                            **{k: c if f is None else f(outputs) for k, (c, f) in kwargs.items()})
                 outputs.append(_leaves(out))
+
+    def time_by_phase(self) -> dict[str, float]:
+        """Seconds of the host in one replay by the phase that issued each op (the device
+        not waited for: the host's time, as :func:`host_overhead.timed_phases` measures)."""
+        totals: dict[str, float] = {}
+        outputs: list[Any] = []
+        with torch.no_grad():
+            start, phase = time.perf_counter(), self.phases[0] if self.phases else ""
+            for (func, args, kwargs), label in zip(self.ops, self.phases, strict=True):
+                if label != phase:
+                    now = time.perf_counter()
+                    totals[phase] = totals.get(phase, 0.0) + now - start
+                    start, phase = now, label
+                out = func(*[c if f is None else f(outputs) for c, f in args],
+                           **{k: c if f is None else f(outputs) for k, (c, f) in kwargs.items()})
+                outputs.append(_leaves(out))
+            totals[phase] = totals.get(phase, 0.0) + time.perf_counter() - start
+        return totals
 
     def time_by_op(self, clock: Clock) -> dict[str, float]:
         """Seconds of one replay by op name (each op timed alone, on CUDA to its end)."""
@@ -188,21 +216,65 @@ def _is_cockpits() -> bool:
 
 
 class Recorder(TorchDispatchMode):
-    """Records the ops issued from Cockpit's code (module docstring)."""
+    """Records the ops issued from Cockpit's code (module docstring), each with the
+    innermost of ``host_overhead.PHASES`` it ran in (``phases``: the labels entered)."""
 
     def __init__(self):
         super().__init__()
         self.tape = Tape()
         self.users = 0
+        self.phases: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if _is_cockpits():
-            self.tape.add(func, args, kwargs, out)
+            self.tape.add(func, args, kwargs, out,
+                          self.phases[-1] if self.phases else OUTSIDE_PHASES)
         else:
             self.users += 1
         return out
+
+
+OUTSIDE_PHASES = "forward hooks and others"
+
+
+@contextlib.contextmanager
+def innermost_phases(entered: list[str], totals: dict[str, float] | None = None):
+    """While inside, ``entered`` lists the :data:`host_overhead.PHASES` entered (their
+    methods wrapped; restored after) and ``totals`` gets each one's own time, without the
+    phases inside it (the host's time, Python and ops)."""
+    clock = {"start": 0.0}
+    restore = []
+
+    def charge(now: float) -> None:
+        if entered and totals is not None:
+            totals[entered[-1]] = totals.get(entered[-1], 0.0) + now - clock["start"]
+        clock["start"] = now
+
+    for label, module_name, qualified in PHASES:
+        owner_name, attribute = qualified.split(".")
+        owner = getattr(importlib.import_module(module_name), owner_name)
+        original = owner.__dict__[attribute]
+
+        stripped = label.strip()
+
+        def wrapped(*args, _original=original, _label=stripped, **kwargs):
+            charge(time.perf_counter())
+            entered.append(_label)
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                charge(time.perf_counter())
+                entered.pop()
+
+        setattr(owner, attribute, wrapped)
+        restore.append((owner, attribute, original))
+    try:
+        yield
+    finally:
+        for owner, attribute, original in restore:
+            setattr(owner, attribute, original)
 
 
 def _graphed(tape: Tape) -> tuple[torch.cuda.CUDAGraph | None, int]:
@@ -234,7 +306,7 @@ def measure(problem: str, config: str, steps: int, device: str) -> dict[str, flo
         plain(i)
         tracked(i)
     recorder = Recorder()
-    with recorder:
+    with innermost_phases(recorder.phases), recorder:
         tracked(5)
     tape = recorder.tape
     graph, left_out = _graphed(tape) if device.startswith("cuda") else (None, 0)
@@ -250,6 +322,16 @@ def measure(problem: str, config: str, steps: int, device: str) -> dict[str, flo
     for _ in range(5):
         for name, seconds in tape.time_by_op(clock).items():
             by_op.setdefault(name, []).append(seconds)
+    phase_ops: dict[str, list[float]] = {}
+    phase_all: dict[str, list[float]] = {}
+    for i in range(6 + steps, 6 + 2 * steps):
+        for label, seconds in tape.time_by_phase().items():
+            phase_ops.setdefault(label, []).append(seconds)
+        totals: dict[str, float] = {}
+        with innermost_phases([], totals):
+            tracked(i)
+        for label, seconds in totals.items():
+            phase_all.setdefault(label, []).append(seconds)
     assert watcher is not None
     watcher.close()
     med = {k: 1000 * statistics.median(v) for k, v in times.items() if v}
@@ -258,6 +340,9 @@ def measure(problem: str, config: str, steps: int, device: str) -> dict[str, flo
             "ops": len(tape.ops), "host reads": tape.host_reads(), "user ops": recorder.users,
             "left out": left_out,
             "by op": {k: 1000 * statistics.median(v) for k, v in by_op.items()},
+            "phase ops": {k: 1000 * statistics.median(v) for k, v in phase_ops.items()},
+            "phase all": {k: 1000 * statistics.median(v) for k, v in phase_all.items()},
+            "phase counts": {k: tape.phases.count(k) for k in set(tape.phases)},
             "counts": _counts(tape)}
 
 
@@ -293,6 +378,16 @@ def main() -> None:
               "the user's step")
         ranked = sorted(r["by op"].items(), key=lambda kv: -kv[1])[:args.top]
         print("  " + ", ".join(f"{name} ×{r['counts'][name]} {ms:.2f}" for name, ms in ranked))
+        print(f"  {'phase (own time, ms)':40s} {'ops':>5s} {'replayed':>9s} {'all':>7s} "
+              f"{'Python':>7s}")
+        for label in [label.strip() for label, _, _ in PHASES] + [OUTSIDE_PHASES]:
+            ops, replayed = r["phase counts"].get(label, 0), r["phase ops"].get(label, 0.0)
+            whole = r["phase all"].get(label)
+            if not ops and whole is None:
+                continue
+            rest = (f"{whole:7.2f} {whole - replayed:7.2f}" if whole is not None
+                    else f"{'–':>7s} {'–':>7s}")
+            print(f"  {label:40s} {ops:5d} {replayed:9.2f} {rest}")
 
 
 if __name__ == "__main__":

@@ -239,3 +239,42 @@ def test_the_quick_parameter_walk_agrees_with_named_parameters(change):
                 "slot filled": "added: 1.b.bias"}.get(change)
     if expected is not None:
         assert expected in reason.replace("'", "")
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_grad_norm_reads_the_norms_the_gradient_check_formed(accelerator, monkeypatch):
+    """‖g_B‖ of every parameter is formed once per step (by the gradient check, which
+    GradNorm then reads) and equals the whole batch's gradient norm."""
+    from cockpit.engine.histograms import device as histogram_device
+    from cockpit.loop_checks import gradient
+    from cockpit.quantities import base
+
+    problem = make_problem("cnn", 12)
+    opt = sgd(problem.model)
+    cockpit = Cockpit(problem.model, [quantities.GradNorm()], optimizer=opt)
+    formed: list[list] = []
+    original = base.norms
+
+    def spied(tensors):
+        formed.append(list(tensors))
+        return original(tensors)
+
+    monkeypatch.setattr(base, "norms", spied)
+    monkeypatch.setattr(gradient, "norms", spied)
+    monkeypatch.setattr(histogram_device, "_forced", accelerator)
+    expected = []
+    for step in range(2):
+        opt.zero_grad()
+        expected.append(torch.cat([g.reshape(-1) for g in whole_batch_gradient(
+            problem).values()]).norm().item())
+        formed.clear()
+        losses = problem.losses()
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+        # [p.grad…, g_B…] for the check, and nothing more (GradNorm formed none)
+        assert [len(f) for f in formed] == [2 * len(list(problem.model.parameters()))]
+    output = cockpit.get_output()
+    cockpit.close()
+    for step in range(2):
+        assert output[step]["GradNorm"] == pytest.approx(expected[step], rel=1e-10)

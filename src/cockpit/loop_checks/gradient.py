@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import weakref
 from collections.abc import Callable
 
@@ -43,7 +44,8 @@ WATCHED = 4  # parameters watched for backward passes outside the blocks
 
 
 def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
-                      weights: list[float | None]) -> Later | None:
+                      weights: list[float | None], mean_norms: list | None = None
+                      ) -> Later | None:
     """1 − cos∠(p.grad, ḡ) = ½ Σ_params ‖p.grad/‖p.grad‖ − sign(w)·ḡ/‖ḡ‖‖² over the
     parameters the step's backward passes reached (the keys of ``mean``), as one vector
     (the half squared distance of unit vectors: no cancellation near 0).
@@ -53,6 +55,10 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
     not a multiple of ḡ), a parameter without a dense p.grad. Formed on the device; the
     value ({"GradientMismatch": ...}) comes when the step's numbers are read: None for a
     zero or non-finite ḡ, 1 for a zero p.grad against a non-zero ḡ.
+
+    ``mean_norms``: a list that receives [‖ḡ‖ per parameter (float64, on the device),
+    the tensors of ``mean`` they are the norms of] where they were formed on the way (GradNorm
+    reads the same numbers: :meth:`cockpit.quantities.base.StepData.reuse_grad_norms`).
     """
     if not mean or not weights or any(w is None for w in weights):
         return None
@@ -71,7 +77,10 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
             if is_sharded(p.grad):  # fully_shard: ḡ sliced like this rank's shard of p.grad
                 means[-1] = shard_like(means[-1], p.grad)
         # [‖p.grad‖, ‖ḡ‖] over all parameters, from one pass over both lists
-        totals = torch.linalg.vector_norm(norms(grads + means).view(2, -1), dim=1)
+        both = norms(grads + means)
+        if mean_norms is not None and all(map(operator.is_, means, mean.values())):
+            mean_norms[:] = [both[len(grads):], list(mean.values())]
+        totals = torch.linalg.vector_norm(both.view(2, -1), dim=1)
         grad_norm, mean_norm = totals.unbind()
         # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖
         c = grad_norm / mean_norm

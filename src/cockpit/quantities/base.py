@@ -19,6 +19,7 @@ step to the host together and records the values at the next read (the next step
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -98,6 +99,14 @@ class StepData:
         """‖g_B‖ of every parameter tensor in the order of ``batch_grads``, float64 on the
         device (one fused kernel, formed once per step)."""
         return self.once("grad norms", lambda: norms(list(self.batch_grads.values())))
+
+    def reuse_grad_norms(self, norms: Tensor, grads: list[Tensor]) -> None:
+        """Take ``norms`` (‖·‖ of each of ``grads``, formed earlier in the step: the gradient
+        check's) as :meth:`grad_norms` where ``grads`` are this step's batch gradients, the
+        same tensors in the same order."""
+        current = list(self.batch_grads.values())
+        if len(current) == len(grads) and all(map(operator.is_, current, grads)):
+            self._formed.setdefault("grad norms", norms)
 
     def losses_finite(self) -> Tensor | None:
         """Whether every loss of the step is finite (:func:`all_finite`, formed once per

@@ -101,6 +101,8 @@ class TrackedStep:
         self.prepare_failures: dict[str, str] = {}
         self.weights: list[float | None] = []  # loss weight w of each backward pass
         self.mismatch: Later | None = None  # GradientMismatch, set at optimizer.step()
+        # [‖g_B‖ per parameter, the batch gradients they are of], formed by the check
+        self._mean_norms: list = []
         self.checks: list[Later] = []  # misuse checks decided when the numbers are read
         self.gradient_held: Later | None = None  # GradientHeld, checked at the first block
         # the first block's losses' finite witness (finite iff they are), read only where
@@ -250,7 +252,7 @@ class TrackedStep:
         mean = {} if reduced is None else reduced.batch_grads
         stepped = self.run.stepped_params()
         mean = {k: g for k, g in mean.items() if k in stepped}
-        self.mismatch = gradient_mismatch(stepped, mean, self.weights)
+        self.mismatch = gradient_mismatch(stepped, mean, self.weights, self._mean_norms)
 
     # ------------------------------------------------------------------ values
     def finish(self, capture_next: Callable[[int], bool]) -> bool:
@@ -380,7 +382,7 @@ class TrackedStep:
 
     def _step_data(self, stats: BackwardStatistics) -> StepData:
         run = self.run
-        return StepData(
+        data = StepData(
             step=self.step,
             losses=stats.losses,
             stats=stats,
@@ -393,3 +395,7 @@ class TrackedStep:
             time=self.elapsed,
             engine=run.tracker,
         )
+        if self._mean_norms:
+            data.reuse_grad_norms(*self._mean_norms)
+            self._mean_norms = []
+        return data
