@@ -82,23 +82,26 @@ def _as_known(model: torch.nn.Module, known: dict[int, str], trainable: dict[str
               ) -> bool:
     """Whether every parameter of ``model`` is a known one, and none of the untracked ones
     requires a gradient: :func:`parameters_changed`'s answer None where it is, from one walk
-    over the modules' own dictionaries (``named_parameters`` nests a generator per module and
-    level: about ten Python calls per parameter at every tracked step)."""
+    over the modules' own dictionaries and set operations on the parameters' ids
+    (``named_parameters`` nests a generator per module and level: about ten Python calls
+    per parameter at every tracked step)."""
     stack: list[torch.nn.Module | None] = [model]
     seen: set[int] = set()
+    params: list[Tensor | None] = []
     while stack:
         module = stack.pop()
         if module is None or id(module) in seen:
             continue
         seen.add(id(module))
-        for p in module._parameters.values():
-            if p is None:
-                continue
-            name = known.get(id(p))
-            if name is None or (p.requires_grad and name not in trainable):
-                return False
+        params.extend(module._parameters.values())
         stack.extend(module._modules.values())
-    return True
+    ids = set(map(id, params))
+    ids.discard(id(None))
+    if not ids <= known.keys():
+        return False
+    untracked = {i for i, name in known.items() if name not in trainable}
+    return not (untracked & ids) or not any(
+        p.requires_grad for p in params if p is not None and id(p) in untracked)
 
 
 def first_problem(problems: list[tuple[str, str]], scopes: tuple[str, ...]) -> str | None:
