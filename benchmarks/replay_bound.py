@@ -15,7 +15,11 @@ steps,
   the same ops with no Python of its own: what a plan decided once and replayed costs);
 * on CUDA also **graph**: the replay captured once in a CUDA graph and launched as one
   (the floor without the host: what capturing the step's work would leave; ops that read
-  the device on the host, such as ``.item()``, are left out of the capture and counted).
+  the device on the host, such as ``.item()``, are left out of the capture and counted);
+* and a first capture's estimate: the ops of the phases outside the user's backward pass
+  (:data:`OUTSIDE_BACKWARD`: the step's end, the gradient check, the update's instruments,
+  the block's start) as one CUDA graph, the others replayed one by one (on a CPU the
+  latter alone: what would be left of the ops).
 
     python benchmarks/replay_bound.py                          # 3C3D, GPT-2, ResNet-18
     python benchmarks/replay_bound.py --problems gpt2 --steps 30
@@ -107,6 +111,7 @@ class Tape:
     # id → (the output it is, the tensor: held, so that no later tensor takes its id)
     made: dict[int, tuple[_Ref, torch.Tensor]] = field(default_factory=dict)
     phases: list[str] = field(default_factory=list)  # per op: the phase that issued it
+    recorded: list[Any] = field(default_factory=list)  # per op: its outputs in the step
     reads: list[list[int]] = field(default_factory=list)  # per op: the ops it reads from
 
     def argument(self, value: Any) -> Any:
@@ -131,19 +136,20 @@ class Tape:
                          {k: _argument_maker(v)
                           for k, v in tree_map(self.argument, kwargs).items()}))
         leaves, _ = tree_flatten(out)
+        self.recorded.append(leaves)
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 self.made[id(leaf)] = (_Ref(index, position), leaf)
 
     def replay(self, skip: frozenset = frozenset()) -> None:
-        """The ops in their order but those at the indices ``skip``; the outputs of each
-        kept for the ops that read them (the arguments rebuilt by closures made once: no
-        tree walk per op)."""
+        """The ops in their order but those at the indices ``skip`` (whose outputs the
+        others read as the step made them); the outputs of each kept for the ops that read
+        them (the arguments rebuilt by closures made once: no tree walk per op)."""
         outputs: list[Any] = []
         with torch.no_grad():  # (what Cockpit's ops record into autograd is not timed)
             for index, (func, args, kwargs) in enumerate(self.ops):
                 if index in skip:
-                    outputs.append(())
+                    outputs.append(self.recorded[index])
                     continue
                 out = func(*[c if f is None else f(outputs) for c, f in args],
                            **{k: c if f is None else f(outputs) for k, (c, f) in kwargs.items()})
@@ -277,10 +283,23 @@ def innermost_phases(entered: list[str], totals: dict[str, float] | None = None)
             setattr(owner, attribute, original)
 
 
-def _graphed(tape: Tape) -> tuple[torch.cuda.CUDAGraph | None, int]:
-    """The replay without the ops on the host (:meth:`Tape.host_ops`) captured in a CUDA
-    graph (None where the capture fails: said), and how many ops were left out."""
+# the phases outside the user's backward pass: where a captured graph would replace the
+# eager ops first (between backward and optimizer.step(), after it, at a block's start)
+OUTSIDE_BACKWARD = frozenset({"step end (before the optimizer)", "gradient check",
+                              "update's instruments (after it)", "block start",
+                              "reading back the previous step"})
+
+
+def _graphed(tape: Tape, only: frozenset | None = None
+             ) -> tuple[torch.cuda.CUDAGraph | None, int]:
+    """The replay without the ops on the host (:meth:`Tape.host_ops`; with ``only``, of
+    the ops of those phases alone) captured in a CUDA graph (None where the capture fails:
+    said), and how many ops were left out."""
     skip = tape.host_ops()
+    left_out = len(skip)
+    if only is not None:
+        skip = skip | {i for i, label in enumerate(tape.phases) if label not in only}
+        left_out = sum(label in only for label in tape.phases) - (len(tape.ops) - len(skip))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # (a warm-up outside the capture, as CUDA asks)
@@ -293,8 +312,8 @@ def _graphed(tape: Tape) -> tuple[torch.cuda.CUDAGraph | None, int]:
     except Exception as error:  # (an op CUDA cannot capture: the measurement says so)
         print(f"  the CUDA graph capture failed: {type(error).__name__}: {error}"[:300])
         torch.cuda.synchronize()
-        return None, len(skip)
-    return graph, len(skip)
+        return None, left_out
+    return graph, left_out
 
 
 def measure(problem: str, config: str, steps: int, device: str) -> dict[str, float]:
@@ -309,15 +328,22 @@ def measure(problem: str, config: str, steps: int, device: str) -> dict[str, flo
     with innermost_phases(recorder.phases), recorder:
         tracked(5)
     tape = recorder.tape
-    graph, left_out = _graphed(tape) if device.startswith("cuda") else (None, 0)
+    cuda = device.startswith("cuda")
+    graph, left_out = _graphed(tape) if cuda else (None, 0)
+    outside, outside_left = _graphed(tape, OUTSIDE_BACKWARD) if cuda else (None, 0)
+    inside = frozenset(i for i, label in enumerate(tape.phases) if label in OUTSIDE_BACKWARD)
     clock = Clock(torch.device(device))
-    times: dict[str, list[float]] = {"plain": [], "tracked": [], "replay": [], "graph": []}
+    times: dict[str, list[float]] = {"plain": [], "tracked": [], "replay": [], "graph": [],
+                                     "rest": [], "outside": []}
     for i in range(6, 6 + steps):
         times["plain"].append(clock.time(lambda i=i: plain(i)))
         times["tracked"].append(clock.time(lambda i=i: tracked(i)))
         times["replay"].append(clock.time(tape.replay))
+        times["rest"].append(clock.time(functools.partial(tape.replay, inside)))
         if graph is not None:
             times["graph"].append(clock.time(graph.replay))
+        if outside is not None:
+            times["outside"].append(clock.time(outside.replay))
     by_op: dict[str, list[float]] = {}
     for _ in range(5):
         for name, seconds in tape.time_by_op(clock).items():
@@ -337,6 +363,8 @@ def measure(problem: str, config: str, steps: int, device: str) -> dict[str, flo
     med = {k: 1000 * statistics.median(v) for k, v in times.items() if v}
     return {"extra": med["tracked"] - med["plain"], "plain": med["plain"],
             "replay": med["replay"], "graph": med.get("graph", float("nan")),
+            "rest": med["rest"], "outside": med.get("outside", float("nan")),
+            "outside ops": len(inside), "outside left out": outside_left,
             "ops": len(tape.ops), "host reads": tape.host_reads(), "user ops": recorder.users,
             "left out": left_out,
             "by op": {k: 1000 * statistics.median(v) for k, v in by_op.items()},
@@ -376,6 +404,11 @@ def main() -> None:
               f"{r['replay']:.2f} + its Python {python:.2f} ({100 * python / r['extra']:.0f} %)"
               f"{graph}; {r['host reads']} host reads of the device, {r['user ops']} ops of "
               "the user's step")
+        outside = ("" if args.device == "cpu" else
+                   f" + those {r['outside']:.2f} as one CUDA graph ({r['outside left out']} "
+                   "on the host left out)")
+        print(f"  the ops outside the backward pass ({r['outside ops']} of them) captured: "
+              f"the others replayed {r['rest']:.2f}{outside}")
         ranked = sorted(r["by op"].items(), key=lambda kv: -kv[1])[:args.top]
         print("  " + ", ".join(f"{name} ×{r['counts'][name]} {ms:.2f}" for name, ms in ranked))
         print(f"  {'phase (own time, ms)':40s} {'ops':>5s} {'replayed':>9s} {'all':>7s} "
