@@ -278,3 +278,29 @@ def test_grad_norm_reads_the_norms_the_gradient_check_formed(accelerator, monkey
     cockpit.close()
     for step in range(2):
         assert output[step]["GradNorm"] == pytest.approx(expected[step], rel=1e-10)
+
+
+def test_norms_of_batch_gradients_changed_since_are_formed_again():
+    """The check's norms are reused only for the very tensors it measured, unchanged: a
+    batch gradient replaced or modified in place since gets its norm formed afresh."""
+    from cockpit.engine.histograms.exact import BinSpec
+    from cockpit.quantities.base import StepData
+
+    def data(grads):
+        return StepData(step=0, losses=None, stats=None, batch_grads=grads, params={},
+                        initial_params=None, learning_rate=None, hist_spec=BinSpec(-1, 1, 4),
+                        hist2d_specs=(BinSpec(-1, 1, 4), BinSpec(-1, 1, 4)), time=0.0)
+
+    grads = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([1.0])}
+    measured = torch.tensor([5.0, 1.0], dtype=torch.float64)
+    versions = [g._version for g in grads.values()]
+    reused = data(dict(grads))
+    reused.reuse_grad_norms(measured, list(grads.values()), versions)
+    assert reused.grad_norms() is measured
+    replaced = data({"a": grads["a"].clone(), "b": grads["b"]})
+    replaced.reuse_grad_norms(measured, list(grads.values()), versions)
+    grads["b"].mul_(2)  # (in place, after the check)
+    edited = data(dict(grads))
+    edited.reuse_grad_norms(measured, list(grads.values()), versions)
+    assert replaced.grad_norms().tolist() == [5.0, 2.0]  # (b's norm formed now: 2)
+    assert edited.grad_norms().tolist() == [5.0, 2.0]

@@ -100,12 +100,14 @@ class StepData:
         device (one fused kernel, formed once per step)."""
         return self.once("grad norms", lambda: norms(list(self.batch_grads.values())))
 
-    def reuse_grad_norms(self, norms: Tensor, grads: list[Tensor]) -> None:
+    def reuse_grad_norms(self, norms: Tensor, grads: list[Tensor], versions: list[int]
+                         ) -> None:
         """Take ``norms`` (‖·‖ of each of ``grads``, formed earlier in the step: the gradient
         check's) as :meth:`grad_norms` where ``grads`` are this step's batch gradients, the
-        same tensors in the same order."""
+        same tensors in the same order, unchanged since (``versions``: theirs then)."""
         current = list(self.batch_grads.values())
-        if len(current) == len(grads) and all(map(operator.is_, current, grads)):
+        if (len(current) == len(grads) and all(map(operator.is_, current, grads))
+                and list(map(operator.attrgetter("_version"), current)) == versions):
             self._formed.setdefault("grad norms", norms)
 
     def losses_finite(self) -> Tensor | None:

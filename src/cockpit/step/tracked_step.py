@@ -101,7 +101,8 @@ class TrackedStep:
         self.prepare_failures: dict[str, str] = {}
         self.weights: list[float | None] = []  # loss weight w of each backward pass
         self.mismatch: Later | None = None  # GradientMismatch, set at optimizer.step()
-        # [‖g_B‖ per parameter, the batch gradients they are of], formed by the check
+        # [‖g_B‖ per parameter, the batch gradients they are of, their versions], formed by
+        # the gradient check (GradNorm reads them)
         self._mean_norms: list = []
         self.checks: list[Later] = []  # misuse checks decided when the numbers are read
         self.gradient_held: Later | None = None  # GradientHeld, checked at the first block
