@@ -144,28 +144,39 @@ PHASES = (
 
 
 @contextlib.contextmanager
-def timed_phases(totals: dict[str, float]):
-    """Adds each phase's time to ``totals`` while inside (the methods wrapped, restored)."""
+def wrapped_phases(wrap):
+    """While inside, each method of :data:`PHASES` is ``wrap(label, method)`` (restored
+    after)."""
     restore = []
     for label, module_name, qualified in PHASES:
         owner_name, attribute = qualified.split(".")
         owner = getattr(importlib.import_module(module_name), owner_name)
         original = owner.__dict__[attribute]
-
-        def timed(*args, _original=original, _label=label, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - start
-
-        setattr(owner, attribute, timed)
+        setattr(owner, attribute, wrap(label, original))
         restore.append((owner, attribute, original))
     try:
         yield
     finally:
         for owner, attribute, original in restore:
             setattr(owner, attribute, original)
+
+
+@contextlib.contextmanager
+def timed_phases(totals: dict[str, float]):
+    """Adds each phase's time to ``totals`` while inside (the methods wrapped, restored)."""
+
+    def timing(label: str, original):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals[label] = totals.get(label, 0.0) + time.perf_counter() - start
+
+        return timed
+
+    with wrapped_phases(timing):
+        yield
 
 
 def measure_phases(problem: str, config: str, steps: int, device: str = "cpu",

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
 import statistics
 import sys
 import time
@@ -58,7 +57,7 @@ from cockpit.engine.histograms import device as histogram_device
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_overhead import Clock
-from host_overhead import PHASES, _registered
+from host_overhead import PHASES, _registered, wrapped_phases
 from op_count import make_step
 
 PACKAGE = str(Path(cockpit.__file__).parent)
@@ -251,36 +250,28 @@ def innermost_phases(entered: list[str], totals: dict[str, float] | None = None)
     methods wrapped; restored after) and ``totals`` gets each one's own time, without the
     phases inside it (the host's time, Python and ops)."""
     clock = {"start": 0.0}
-    restore = []
 
     def charge(now: float) -> None:
         if entered and totals is not None:
             totals[entered[-1]] = totals.get(entered[-1], 0.0) + now - clock["start"]
         clock["start"] = now
 
-    for label, module_name, qualified in PHASES:
-        owner_name, attribute = qualified.split(".")
-        owner = getattr(importlib.import_module(module_name), owner_name)
-        original = owner.__dict__[attribute]
-
+    def entering(label: str, original):
         stripped = label.strip()
 
-        def wrapped(*args, _original=original, _label=stripped, **kwargs):
+        def wrapped(*args, **kwargs):
             charge(time.perf_counter())
-            entered.append(_label)
+            entered.append(stripped)
             try:
-                return _original(*args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 charge(time.perf_counter())
                 entered.pop()
 
-        setattr(owner, attribute, wrapped)
-        restore.append((owner, attribute, original))
-    try:
+        return wrapped
+
+    with wrapped_phases(entering):
         yield
-    finally:
-        for owner, attribute, original in restore:
-            setattr(owner, attribute, original)
 
 
 # the phases outside the user's backward pass: where a captured graph would replace the
