@@ -192,14 +192,16 @@ class Tape:
 
     def host_ops(self) -> frozenset:
         """The indices of the ops a CUDA graph cannot hold: those that read the device on
-        the host, and those with a tensor on the host (the step's numbers copied out, small
-        tensors made on the host) or depending on one of them."""
+        the host, and those with a tensor on the host among their arguments or outputs (the
+        step's numbers copied out, small tensors made on the host) or depending on one of
+        them."""
         skipped: set[int] = set()
         for index, (func, args, kwargs) in enumerate(self.ops):
             values = [c for c, f in args] + [c for c, f in kwargs.values()]
             refs = [r for r in self._refs(index) if r in skipped]
             on_host = any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
-                          for v in values for t in (v if isinstance(v, (list, tuple)) else [v]))
+                          for v in (*values, *self.recorded[index])
+                          for t in (v if isinstance(v, (list, tuple)) else [v]))
             if func.overloadpacket.__name__ in HOST_READS or on_host or refs:
                 skipped.add(index)
         return frozenset(skipped)
