@@ -84,8 +84,7 @@ def _argument_maker(value: Any):
     if isinstance(value, (list, tuple)) and any(isinstance(v, _Ref) for v in value):
         makers = [_argument_maker(v) for v in value]
         kind = type(value)
-        return None, lambda outputs: kind(v if f is None else f(outputs)
-                                          for v, f in ((c, g) for c, g in makers))
+        return None, lambda outputs: kind(c if f is None else f(outputs) for c, f in makers)
     return value, None
 
 
@@ -104,7 +103,9 @@ def _leaves(out: Any) -> Any:
 
 @dataclass
 class Tape:
-    """The recorded ops: (op, arguments with :class:`_Ref` for recorded outputs)."""
+    """The recorded ops: (op, its arguments as (constant, None) or (None, a maker that
+    reads the earlier ops' outputs)), and per op its phase, its outputs in the step and the
+    ops it reads from."""
 
     ops: list[tuple[Any, list, dict]] = field(default_factory=list)
     # id → (the output it is, the tensor: held, so that no later tensor takes its id)
