@@ -284,7 +284,7 @@ def test_norms_of_batch_gradients_changed_since_are_formed_again():
     """The check's norms are reused only for the very tensors it measured, unchanged: a
     batch gradient replaced or modified in place since gets its norm formed afresh."""
     from cockpit.engine.histograms.exact import BinSpec
-    from cockpit.quantities.base import StepData
+    from cockpit.quantities.base import FormedNorms, StepData
 
     def data(grads):
         return StepData(step=0, losses=None, stats=None, batch_grads=grads, params={},
@@ -293,14 +293,14 @@ def test_norms_of_batch_gradients_changed_since_are_formed_again():
 
     grads = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([1.0])}
     measured = torch.tensor([5.0, 1.0], dtype=torch.float64)
-    versions = [g._version for g in grads.values()]
+    formed = FormedNorms.of(measured, list(grads.values()))
     reused = data(dict(grads))
-    reused.reuse_grad_norms(measured, list(grads.values()), versions)
+    reused.reuse_grad_norms(formed)
     assert reused.grad_norms() is measured
     replaced = data({"a": grads["a"].clone(), "b": grads["b"]})
-    replaced.reuse_grad_norms(measured, list(grads.values()), versions)
+    replaced.reuse_grad_norms(formed)
     grads["b"].mul_(2)  # (in place, after the check)
     edited = data(dict(grads))
-    edited.reuse_grad_norms(measured, list(grads.values()), versions)
+    edited.reuse_grad_norms(formed)
     assert replaced.grad_norms().tolist() == [5.0, 2.0]  # (b's norm formed now: 2)
     assert edited.grad_norms().tolist() == [5.0, 2.0]

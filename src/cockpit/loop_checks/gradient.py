@@ -36,16 +36,21 @@ from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.sharded import is_sharded, shard_like
 from cockpit.engine.workspace import PARAMETER_SIZED, workspace
-from cockpit.quantities.base import fused, norms, norms_of_differences, sq_norm_tensor
+from cockpit.quantities.base import (
+    FormedNorms,
+    fused,
+    norms,
+    norms_of_differences,
+    sq_norm_tensor,
+)
 
 ADDED = "added"  # a backward outside the blocks added to the gradient the blocks left
 ONLY_OUTSIDE = "only_outside"  # the blocks saw no gradient; a backward outside them did
 WATCHED = 4  # parameters watched for backward passes outside the blocks
-_VERSION = operator.attrgetter("_version")
 
 
 def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
-                      weights: list[float | None], mean_norms: list | None = None
+                      weights: list[float | None], mean_norms: list[FormedNorms] | None = None
                       ) -> Later | None:
     """1 − cos∠(p.grad, ḡ) = ½ Σ_params ‖p.grad/‖p.grad‖ − sign(w)·ḡ/‖ḡ‖‖² over the
     parameters the step's backward passes reached (the keys of ``mean``), as one vector
@@ -57,9 +62,8 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
     value ({"GradientMismatch": ...}) comes when the step's numbers are read: None for a
     zero or non-finite ḡ, 1 for a zero p.grad against a non-zero ḡ.
 
-    ``mean_norms``: a list that receives [‖ḡ‖ per parameter (float64, on the device),
-    the tensors of ``mean`` they are the norms of, their versions] where they were formed on
-    the way (GradNorm reads the same numbers:
+    ``mean_norms``: a list that receives ‖ḡ‖ per parameter of ``mean`` where they were
+    formed on the way (GradNorm reads the same numbers:
     :meth:`cockpit.quantities.base.StepData.reuse_grad_norms`).
     """
     if not mean or not weights or any(w is None for w in weights):
@@ -81,8 +85,7 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         # [‖p.grad‖, ‖ḡ‖] over all parameters, from one pass over both lists
         both = norms(grads + means)
         if mean_norms is not None and all(map(operator.is_, means, mean.values())):
-            mean_norms[:] = [both[len(grads):], list(mean.values()),
-                             list(map(_VERSION, mean.values()))]
+            mean_norms.append(FormedNorms.of(both[len(grads):], list(mean.values())))
         totals = torch.linalg.vector_norm(both.view(2, -1), dim=1)
         grad_norm, mean_norm = totals.unbind()
         # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖

@@ -22,7 +22,7 @@ import math
 import operator
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -41,6 +41,28 @@ Values = dict[str, Value] | Later  # what compute() returns
 
 
 T = TypeVar("T")
+
+_VERSION = operator.attrgetter("_version")
+
+
+class FormedNorms(NamedTuple):
+    """‖x‖ of each of ``tensors`` (float64, on the device), formed while they had
+    ``versions``: work one part of a step did that a later part may read."""
+
+    norms: Tensor
+    tensors: list[Tensor]
+    versions: list[int]
+
+    @classmethod
+    def of(cls, norms: Tensor, tensors: list[Tensor]) -> FormedNorms:
+        return cls(norms, tensors, list(map(_VERSION, tensors)))
+
+    def hold_for(self, tensors: list[Tensor]) -> bool:
+        """Whether these are the norms of ``tensors``: the same tensors in the same order,
+        unchanged since."""
+        return (len(tensors) == len(self.tensors)
+                and all(map(operator.is_, tensors, self.tensors))
+                and list(map(_VERSION, tensors)) == self.versions)
 
 
 @dataclass
@@ -100,15 +122,11 @@ class StepData:
         device (one fused kernel, formed once per step)."""
         return self.once("grad norms", lambda: norms(list(self.batch_grads.values())))
 
-    def reuse_grad_norms(self, norms: Tensor, grads: list[Tensor], versions: list[int]
-                         ) -> None:
-        """Take ``norms`` (‖·‖ of each of ``grads``, formed earlier in the step: the gradient
-        check's) as :meth:`grad_norms` where ``grads`` are this step's batch gradients, the
-        same tensors in the same order, unchanged since (``versions``: theirs then)."""
-        current = list(self.batch_grads.values())
-        if (len(current) == len(grads) and all(map(operator.is_, current, grads))
-                and list(map(operator.attrgetter("_version"), current)) == versions):
-            self._formed.setdefault("grad norms", norms)
+    def reuse_grad_norms(self, formed: FormedNorms) -> None:
+        """Take norms formed earlier in the step (the gradient check's) as
+        :meth:`grad_norms` where they are those of this step's batch gradients."""
+        if formed.hold_for(list(self.batch_grads.values())):
+            self._formed.setdefault("grad norms", formed.norms)
 
     def losses_finite(self) -> Tensor | None:
         """Whether every loss of the step is finite (:func:`all_finite`, formed once per

@@ -45,7 +45,7 @@ from cockpit.loop_checks import (
     report_backward_outside,
     step_problems,
 )
-from cockpit.quantities.base import Quantity, StepData, Value, finite_witness
+from cockpit.quantities.base import FormedNorms, Quantity, StepData, Value, finite_witness
 from cockpit.step import instruments
 from cockpit.step.instrument_traits import describes_the_batch, problem_of, reads_gradient
 from cockpit.step.watched_run import WatchedRun
@@ -101,9 +101,8 @@ class TrackedStep:
         self.prepare_failures: dict[str, str] = {}
         self.weights: list[float | None] = []  # loss weight w of each backward pass
         self.mismatch: Later | None = None  # GradientMismatch, set at optimizer.step()
-        # [‖g_B‖ per parameter, the batch gradients they are of, their versions], formed by
-        # the gradient check (GradNorm reads them)
-        self._mean_norms: list = []
+        # ‖g_B‖ per parameter as the gradient check formed them (GradNorm reads them)
+        self._mean_norms: list[FormedNorms] = []
         self.checks: list[Later] = []  # misuse checks decided when the numbers are read
         self.gradient_held: Later | None = None  # GradientHeld, checked at the first block
         # the first block's losses' finite witness (finite iff they are), read only where
@@ -253,6 +252,7 @@ class TrackedStep:
         mean = {} if reduced is None else reduced.batch_grads
         stepped = self.run.stepped_params()
         mean = {k: g for k, g in mean.items() if k in stepped}
+        self._mean_norms = []
         self.mismatch = gradient_mismatch(stepped, mean, self.weights, self._mean_norms)
 
     # ------------------------------------------------------------------ values
@@ -396,7 +396,7 @@ class TrackedStep:
             time=self.elapsed,
             engine=run.tracker,
         )
-        if self._mean_norms:
-            data.reuse_grad_norms(*self._mean_norms)
-            self._mean_norms = []
+        for formed in self._mean_norms:
+            data.reuse_grad_norms(formed)
+        self._mean_norms = []
         return data
