@@ -52,15 +52,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-import cockpit
 from cockpit.engine.histograms import device as histogram_device
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_overhead import Clock
 from host_overhead import PHASES, _registered, wrapped_phases
-from op_count import make_step
+from op_count import PACKAGE, make_step
 
-PACKAGE = str(Path(cockpit.__file__).parent)
 MODELS_IN_PACKAGE = PACKAGE + "/benchmark/"  # (the problems' models: the user's code here)
 
 # ops that read the device on the host: not capturable, left out of the CUDA graph
@@ -86,10 +84,6 @@ def _argument_maker(value: Any):
         kind = type(value)
         return None, lambda outputs: kind(c if f is None else f(outputs) for c, f in makers)
     return value, None
-
-
-def _call_into(box: list, func, args: list, kwargs: dict) -> None:
-    box.append(func(*args, **kwargs))
 
 
 def _leaves(out: Any) -> Any:
@@ -141,19 +135,25 @@ class Tape:
             if isinstance(leaf, torch.Tensor):
                 self.made[id(leaf)] = (_Ref(index, position), leaf)
 
+    def _run(self, index: int, outputs: list) -> None:
+        """Op ``index`` on its arguments (the recorded ops' among ``outputs``), its outputs
+        appended to ``outputs`` (the arguments rebuilt by closures made once: no tree walk
+        per op)."""
+        func, args, kwargs = self.ops[index]
+        out = func(*[c if f is None else f(outputs) for c, f in args],
+                   **{k: c if f is None else f(outputs) for k, (c, f) in kwargs.items()})
+        outputs.append(_leaves(out))
+
     def replay(self, skip: frozenset = frozenset()) -> None:
         """The ops in their order but those at the indices ``skip`` (whose outputs the
-        others read as the step made them); the outputs of each kept for the ops that read
-        them (the arguments rebuilt by closures made once: no tree walk per op)."""
+        others read as the step made them)."""
         outputs: list[Any] = []
         with torch.no_grad():  # (what Cockpit's ops record into autograd is not timed)
-            for index, (func, args, kwargs) in enumerate(self.ops):
+            for index in range(len(self.ops)):
                 if index in skip:
                     outputs.append(self.recorded[index])
-                    continue
-                out = func(*[c if f is None else f(outputs) for c, f in args],
-                           **{k: c if f is None else f(outputs) for k, (c, f) in kwargs.items()})
-                outputs.append(_leaves(out))
+                else:
+                    self._run(index, outputs)
 
     def time_by_phase(self) -> dict[str, float]:
         """Seconds of the host in one replay by the phase that issued each op (the device
@@ -162,14 +162,12 @@ class Tape:
         outputs: list[Any] = []
         with torch.no_grad():
             start, phase = time.perf_counter(), self.phases[0] if self.phases else ""
-            for (func, args, kwargs), label in zip(self.ops, self.phases, strict=True):
+            for index, label in enumerate(self.phases):
                 if label != phase:
                     now = time.perf_counter()
                     totals[phase] = totals.get(phase, 0.0) + now - start
                     start, phase = now, label
-                out = func(*[c if f is None else f(outputs) for c, f in args],
-                           **{k: c if f is None else f(outputs) for k, (c, f) in kwargs.items()})
-                outputs.append(_leaves(out))
+                self._run(index, outputs)
             totals[phase] = totals.get(phase, 0.0) + time.perf_counter() - start
         return totals
 
@@ -178,12 +176,8 @@ class Tape:
         totals: dict[str, float] = {}
         outputs: list[Any] = []
         with torch.no_grad():
-            for func, args, kwargs in self.ops:
-                built = ([c if f is None else f(outputs) for c, f in args],
-                         {k: c if f is None else f(outputs) for k, (c, f) in kwargs.items()})
-                box: list = []
-                seconds = clock.time(functools.partial(_call_into, box, func, *built))
-                outputs.append(_leaves(box[0]))
+            for index, (func, _, _) in enumerate(self.ops):
+                seconds = clock.time(functools.partial(self._run, index, outputs))
                 name = func.overloadpacket.__name__
                 totals[name] = totals.get(name, 0.0) + seconds
         return totals
