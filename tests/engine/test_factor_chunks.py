@@ -40,11 +40,11 @@ def test_chunks_are_the_individual_gradients_in_order(kind, elements, chunks, mo
 
 def test_a_narrow_factor_is_widened_when_read_and_dropped_by_compact():
     sg = factors("sequence", narrow=True)
-    assert sg.dtype == torch.float32 and sg._widened == [None, None]
+    assert sg.dtype == torch.float32 and sg._read == [None, None]
     widened = sg.delta
     assert widened.dtype == torch.float32 and sg.delta is widened  # (kept while in use)
     assert torch.equal(widened, sg._factors[0].float())
-    assert sg.compact() is sg and sg._widened == [None, None]
+    assert sg.compact() is sg and sg._read == [None, None]
     part = sg.select(2, 4)
     assert part._factors[0].dtype == torch.bfloat16 and part.dtype == torch.float32
     torch.testing.assert_close(part.materialize(), sg.materialize()[2:4])

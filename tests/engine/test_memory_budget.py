@@ -308,7 +308,7 @@ def test_a_tied_output_layer_under_autocast_waits_at_its_own_width(monkeypatch):
             accumulate(accumulated, name, sg, budget)
             for value in accumulated.values():
                 if isinstance(value, CallSum):
-                    held.extend((part._factors[0].dtype, part._widened[0] is None)
+                    held.extend((part._factors[0].dtype, part._read[0] is None)
                                 for part in value.calls
                                 if isinstance(part, SequenceOuterSampleGrads))
 

@@ -284,3 +284,28 @@ def test_a_shape_alone_in_the_last_backward_pass_no_longer_waits(monkeypatch):
     outputs("sequence", "economy", True, monkeypatch)
     blocks = [f"blocks.{i}.weight" for i in (0, 2, 4, 6)]
     assert sorted(formed) == sorted([["head.weight"], blocks, blocks, blocks])
+
+
+@pytest.mark.parametrize("scaled", [0, 1])
+@pytest.mark.parametrize("narrow", [False, True])
+def test_a_scale_held_apart_is_multiplied_once_for_the_stack(scaled, narrow):
+    """Layers over sequences hand their factors unscaled with the loss weight's 1/w held
+    apart (``scale``, into factor ``scaled``): each layer read alone multiplies it in after
+    the widening, the stack multiplies the concatenated factor once; both are c·g_n."""
+    c = 1 / 0.3  # (not a power of two: each factor's rounding shows)
+    gen = torch.Generator().manual_seed(4)
+    grads = [SequenceOuterSampleGrads(
+        torch.randn(5, 3, 4, generator=gen).to(torch.bfloat16 if narrow else torch.float32),
+        torch.randn(5, 3, 6, generator=gen), torch.float32 if narrow else None, c, scaled)
+        for _ in range(3)]
+    with Count() as counted:
+        stack = StackedGrads(grads)
+    assert counted.ops["mul"] + counted.ops["mul_"] == 1
+    for index, sg in enumerate(grads):
+        expected = c * brute_force(sg)
+        torch.testing.assert_close(stack.layer(index).double(), expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(stack.layer(index), sg.materialize(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(sg.select(1, 4).materialize(), sg.materialize()[1:4],
+                                   rtol=1e-6, atol=1e-6)
+    assert stacked.key(grads[0]) != stacked.key(SequenceOuterSampleGrads(*grads[0].factors,
+                                                                          grads[0].wide))

@@ -75,21 +75,23 @@ _WIDE = (torch.float32, torch.float64)
 
 def key(sg: OuterSampleGrads | SequenceOuterSampleGrads) -> tuple | None:
     """What layers stacked together share (their representation, N, the factors' shapes
-    and dtypes, the device), or None where ``sg`` is not stacked (half-precision
-    gradients: one layer at a time, as their histograms bin them)."""
+    and dtypes, the device, the scale held apart and which factor takes it), or None where
+    ``sg`` is not stacked (half-precision gradients: one layer at a time, as their
+    histograms bin them)."""
     if type(sg) is OuterSampleGrads:
         delta, a, wide = sg.delta, sg.a, None
         if delta.dtype != a.dtype or delta.dtype not in _WIDE:
             return None
+        scale: tuple = ()
     elif type(sg) is SequenceOuterSampleGrads:
         delta, a = sg.factors
-        wide = sg.wide
+        wide, scale = sg.wide, (sg.scale, sg.scaled)
         if sg.dtype not in _WIDE:
             return None
     else:
         return None
     return (type(sg), tuple(delta.shape), tuple(a.shape), delta.dtype, a.dtype, wide,
-            delta.device)
+            *scale, delta.device)  # (the device last: the processor reads it there)
 
 
 def capacity(sg: OuterSampleGrads | SequenceOuterSampleGrads, budget: int | None) -> int:
@@ -126,8 +128,11 @@ class StackedGrads:
         self.num_layers, self.num_samples = len(grads), first.num_samples
         self.shape = first.shape
         if type(first) is SequenceOuterSampleGrads:
-            delta, a = (_cat_widened([sg.factors[i] for sg in grads], first.wide)  # type: ignore[union-attr]
-                        for i in (0, 1))
+            factors = [_cat_widened([sg.factors[i] for sg in grads], first.wide)  # type: ignore[union-attr]
+                       for i in (0, 1)]
+            if first.scale != 1.0:  # (the stack's one scale, as its key says) in place: the
+                factors[first.scaled].mul_(first.scale)  # concatenation is a fresh tensor
+            delta, a = factors
             rows = torch.bmm(delta.transpose(1, 2), a)  # [L·N, I, J]
         else:
             delta = torch.cat([sg.delta for sg in grads])  # type: ignore[union-attr]

@@ -73,17 +73,16 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
                  else grad_output.reshape(n, -1, grad_output.shape[-1]))
     # g_n = Σ_t (c·δ_{n,t}) a_{n,t}ᵀ = Σ_t δ_{n,t} (c·a_{n,t})ᵀ: the factor c goes into the
     # smaller of the two (GPT-2's output layer: the input, 768 wide, not δ, 50257 wide: no
-    # 412 MB copy of δ at the start of the backward pass, where the activations peak)
-    scale_input = scale != 1.0 and a_seq.numel() < delta_seq.numel()
-    if scale != 1.0 and not scale_input:
-        delta_seq = in_dtype(delta_seq, wide) * scale
-    scaled_a = a_seq * scale if scale_input else a_seq
+    # 412 MB copy of δ at the start of the backward pass, where the activations peak), when
+    # it is read (a stack of layers multiplies once for all of them)
+    into_input = a_seq.numel() < delta_seq.numel()
     if weight.requires_grad:  # (δ widened when read: a tied layer's waits at its width)
-        grads["weight"] = (SequenceOuterSampleGrads(scaled_a, delta_seq, wide) if transposed
-                           else SequenceOuterSampleGrads(delta_seq, scaled_a, wide))
+        grads["weight"] = (
+            SequenceOuterSampleGrads(a_seq, delta_seq, wide, scale, 0 if into_input else 1)
+            if transposed else
+            SequenceOuterSampleGrads(delta_seq, a_seq, wide, scale, 1 if into_input else 0))
     if bias is not None and bias.requires_grad:
-        summed = delta_seq.sum(1, dtype=wide)
-        grads["bias"] = DenseSampleGrads(summed, scale=scale if scale_input else 1.0)
+        grads["bias"] = DenseSampleGrads(delta_seq.sum(1, dtype=wide), scale=scale)
     return grads
 
 

@@ -449,29 +449,38 @@ class SequenceOuterSampleGrads(SampleGrads):
 
     selectable = True
 
-    def __init__(self, delta: Tensor, a: Tensor, wide: torch.dtype | None = None):
+    def __init__(self, delta: Tensor, a: Tensor, wide: torch.dtype | None = None,
+                 scale: float = 1.0, scaled: int = 0):
         """``wide``: the dtype the gradients are formed in where a factor is narrower (a
         layer under autocast): that factor is held as it is and widened when first read
         (:meth:`compact` drops the widened copy: a tied output layer's δ waits for the end
-        of the backward pass at half the memory)."""
+        of the backward pass at half the memory). ``scale``: a factor c of every g_n, held
+        apart and multiplied into the factor ``scaled`` (0: ``delta``, 1: ``a``) when it is
+        first read, after the widening (a stack of layers multiplies their concatenated
+        factor once: :class:`cockpit.engine.stacked.StackedGrads`)."""
         self._factors = (delta, a)
-        self._widened: list[Tensor | None] = [None, None]
-        self.wide = wide
+        self._read: list[Tensor | None] = [None, None]
+        self.wide, self.scale, self.scaled = wide, scale, scaled
         self.num_samples, self.positions = delta.shape[0], delta.shape[1]
         self.shape = torch.Size((delta.shape[2], a.shape[2]))
 
     def _factor(self, index: int) -> Tensor:
         x = self._factors[index]
-        if self.wide is None or x.dtype == self.wide:
+        scaled = self.scale != 1.0 and index == self.scaled
+        if not scaled and (self.wide is None or x.dtype == self.wide):
             return x
-        widened = self._widened[index]
-        if widened is None:
-            widened = self._widened[index] = x.to(self.wide)
-        return widened
+        read = self._read[index]
+        if read is None:
+            # (first read after the backward pass maybe, in grad mode: no graph recorded)
+            read = x.detach() if x.requires_grad else x
+            read = read if self.wide is None else in_dtype(read, self.wide)
+            self._read[index] = read = read * self.scale if scaled else read
+        return read
 
     @property
     def factors(self) -> tuple[Tensor, Tensor]:
-        """(δ, a) as the layer handed them, before any widening to ``wide``."""
+        """(δ, a) as the layer handed them, before any widening to ``wide`` and without
+        ``scale``."""
         return self._factors
 
     @property
@@ -483,7 +492,7 @@ class SequenceOuterSampleGrads(SampleGrads):
         return self._factor(1)
 
     def compact(self) -> SampleGrads:
-        self._widened = [None, None]
+        self._read = [None, None]
         return self
 
     def materialize(self) -> Tensor:
@@ -497,7 +506,8 @@ class SequenceOuterSampleGrads(SampleGrads):
 
     def select(self, start: int, stop: int) -> SampleGrads:
         delta, a = self._factors
-        return SequenceOuterSampleGrads(delta[start:stop], a[start:stop], self.wide)
+        return SequenceOuterSampleGrads(delta[start:stop], a[start:stop], self.wide,
+                                        self.scale, self.scaled)
 
     def chunks(self) -> list[Tensor]:
         return list(self.iter_chunks())
