@@ -42,6 +42,7 @@ At θ_{t+1} the direction s_t is known, so the projection is done directly in th
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -327,10 +328,14 @@ class Alpha(Quantity):
         checks of :meth:`_slopes`, α's observations at θ_t (kept for the next step) or the
         reason why there are none."""
         keys = list(update)
+        # ε of each projected parameter's dtype (θ_{t+1} − θ_t rounds by ≤ ε/2 per element)
+        eps_of = {dtype: torch.finfo(dtype).eps for dtype in {update[k].dtype for k in names}}
+        eps = [eps_of[update[k].dtype] for k in names]
 
         def value(update_norms: np.ndarray, loss_mean: np.ndarray, loss_var: np.ndarray,
                   theta_norms: np.ndarray, *checks) -> Noted:
-            sq_norms = {k: v * v for k, v in zip(keys, update_norms.tolist(), strict=True)}
+            host = update_norms.tolist()
+            sq_norms = dict(zip(keys, map(operator.mul, host, host), strict=True))
             length = math.sqrt(sum(sq_norms.values()))
             if not (math.isfinite(length) and np.isfinite(loss_mean)
                     and np.isfinite(loss_var)):
@@ -338,9 +343,7 @@ class Alpha(Quantity):
                 return Noted({"Alpha": math.nan},
                              {"Alpha": "non-finite loss or update: α is undefined"})
             moved = [k for k, v in sq_norms.items() if v > 0]
-            eps = {dtype: torch.finfo(dtype).eps for dtype in {update[k].dtype for k in names}}
-            noise = {k: eps[update[k].dtype] * v
-                     for k, v in zip(names, theta_norms.tolist(), strict=True)}
+            noise = dict(zip(names, map(operator.mul, eps, theta_norms.tolist()), strict=True))
             dots, reason = decide(checks, sq_norms, moved, noise)
             if dots is None:
                 self._close(state)

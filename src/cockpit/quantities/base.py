@@ -326,9 +326,9 @@ def per_param_norms(name: str, names: list[str], norms: Tensor) -> Later:
     ``name/<parameter>``) from the norms ``norms`` of the tensors ``names``."""
 
     def values(norms_host) -> dict[str, Value]:
-        per_param = dict(zip(names, map(float, norms_host), strict=True))
-        total = math.sqrt(sum(v * v for v in per_param.values()))
-        return global_and_per_param(name, per_param, total)
+        host = norms_host.tolist()
+        total = math.sqrt(sum(map(operator.mul, host, host)))
+        return global_and_per_param(name, dict(zip(names, host, strict=True)), total)
 
     return Later(values, norms, name=name)
 
@@ -341,5 +341,6 @@ def global_and_per_param(
     name: str, per_param: dict[str, float], total: float
 ) -> dict[str, Value]:
     out: dict[str, Value] = {name: total}
-    out.update({f"{name}/{param}": value for param, value in per_param.items()})
+    out.update(zip([f"{name}/{param}" for param in per_param], per_param.values(),
+                   strict=True))
     return out

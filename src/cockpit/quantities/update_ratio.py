@@ -12,6 +12,7 @@ for every value that would divide by zero, and its name in the note.
 from __future__ import annotations
 
 import math
+import operator
 
 from torch import Tensor
 
@@ -75,15 +76,15 @@ class UpdateRatio(Quantity):
         after_rows = [i for i, k in enumerate(update) if k in position]
 
         def values(before_all, after_all) -> Noted:
-            b = {k: float(before_all[i]) for k, i in zip(names, rows, strict=True)}
-            a = {k: float(after_all[i]) for k, i in zip(names, after_rows, strict=True)}
-            zero = [k for k in names if b[k] == 0.0]
+            b, a = before_all[rows].tolist(), after_all[after_rows].tolist()
+            zero = [k for k, v in zip(names, b, strict=True) if v == 0.0]
             notes = ({"UpdateRatio": (
                 f"‖θ_t‖ = 0 for {', '.join(zero[:4])}{' …' if len(zero) > 4 else ''}: no "
                 "ratio for them (NaN)")} if zero else {})
-            per_param = {k: math.nan if b[k] == 0.0 else a[k] / b[k] for k in names}
-            total_before = math.sqrt(sum(v * v for v in b.values()))
-            total = (math.sqrt(sum(v * v for v in a.values())) / total_before
+            per_param = dict(zip(names, [math.nan if v == 0.0 else u / v
+                                         for u, v in zip(a, b, strict=True)], strict=True))
+            total_before = math.sqrt(sum(map(operator.mul, b, b)))
+            total = (math.sqrt(sum(map(operator.mul, a, a))) / total_before
                      if total_before > 0 else math.nan)
             return Noted(global_and_per_param("UpdateRatio", per_param, total), notes)
 

@@ -34,7 +34,8 @@ class ArrayArena:
         """A copy of ``array`` that lives in a block; a large array (over 1/8 of a block: its
         own allocation does not fragment the heap) is kept as it is, without a copy.
         ``intern``: arrays equal in dtype, shape and bytes share one stored copy."""
-        array = np.ascontiguousarray(array)
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
         if intern:
             key = (array.dtype.str, array.shape, array.tobytes())
             stored = self._interned.get(key)
@@ -69,24 +70,22 @@ class ArrayArena:
         kept = dict(values)
         # id → stored copy: the edges array all of a step's histograms share is looked up once
         interned: dict[int, np.ndarray] = {}
+        keep, intern_once, ndarray = self.keep, self._intern_once, np.ndarray
         for name, value in values.items():
-            if not isinstance(value, (dict, np.ndarray)):  # (most are numbers)
-                continue
-            if isinstance(value, dict):
+            if isinstance(value, dict):  # (a histogram: counts, edges, range)
                 kept[name] = {
-                    key: self._intern_once(item, interned) if key.startswith("edges")
-                    else self.keep(item) if isinstance(item, np.ndarray) else item
+                    key: item if not isinstance(item, ndarray)
+                    else intern_once(item, interned) if key.startswith("edges")
+                    else keep(item)
                     for key, item in value.items()
                 }
-            else:
-                kept[name] = self.keep(value)
+            elif isinstance(value, ndarray):  # (most values are numbers)
+                kept[name] = keep(value)
         return kept
 
-    def _intern_once(self, item: Any, interned: dict[int, np.ndarray]) -> Any:
-        """``keep(item, intern=True)`` for an array, asked once per array object (the ids
-        are valid while ``values`` holds the arrays)."""
-        if not isinstance(item, np.ndarray):
-            return item
+    def _intern_once(self, item: np.ndarray, interned: dict[int, np.ndarray]) -> np.ndarray:
+        """``keep(item, intern=True)``, asked once per array object (the ids are valid while
+        ``values`` holds the arrays)."""
         stored = interned.get(id(item))
         if stored is None:
             stored = interned[id(item)] = self.keep(item, intern=True)

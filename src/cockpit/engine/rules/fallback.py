@@ -34,8 +34,19 @@ _NO_BATCHING_RULE = "There is a performance drop because we have not yet impleme
 
 
 def batch_dim_of(module: nn.Module) -> int:
-    """The batch dimension of the module's main inputs and outputs."""
-    return 0 if getattr(module, "batch_first", True) else 1
+    """The batch dimension of the module's main inputs and outputs (``batch_first``, where
+    the module has it: an attribute of the instance, or of its class such as a property)."""
+    flag = module.__dict__.get("batch_first", _ABSENT)
+    if flag is _ABSENT:
+        # (most layers have none: asked of the class, without nn.Module.__getattr__'s
+        # search of the parameters, buffers and submodules and its exception)
+        if getattr(type(module), "batch_first", _ABSENT) is _ABSENT:
+            return 0
+        flag = module.batch_first
+    return 0 if flag else 1
+
+
+_ABSENT = object()
 
 
 def output_tensors(output) -> list[Tensor]:
