@@ -725,3 +725,26 @@ def test_batched_prediction_leaves_out_what_it_cannot_predict():
     assert torch.equal(updates[0], predict_update(adam, params[0], grads[0]))
     lbfgs = torch.optim.LBFGS(params)
     assert predict_updates(lbfgs, params, grads) == [None] * 4
+
+
+def test_update_match_of_many_tensors_by_blocks_against_float64(monkeypatch):
+    """40 tensors on the accelerators' path: the checks from two blocks (⟨p, p⟩, ⟨p, a⟩
+    and one residual norm for all tensors) against float64 sums; κ of a scaled update is
+    found, a perturbed tensor breaks the match."""
+    from cockpit.engine.histograms import device as histogram_device
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(64, 3, 3, 3), (64,), (128, 64), (7,), (3, 40)]
+    predicted = [torch.randn(shapes[k % 5], generator=gen) * (k + 1) for k in range(40)]
+    actual = [0.3 * p for p in predicted]
+    match = UpdateMatch(predicted, actual)
+    checks = match.checks.numpy()
+    assert len(checks) == 3  # (one residual: the blocks' difference at once)
+    pp = sum(float((p.double() ** 2).sum()) for p in predicted)
+    pa = sum(float((p.double() * a.double()).sum()) for p, a in zip(predicted, actual,
+                                                                     strict=True))
+    assert checks[0] == pytest.approx(pp, rel=1e-12)
+    assert checks[1] == pytest.approx(pa, rel=1e-7)
+    assert match_update(predicted, actual, rtol=1e-5) == pytest.approx(0.3, rel=1e-6)
+    actual[7] = actual[7] + 1e-2
+    assert match_update(predicted, actual, rtol=1e-5) is None

@@ -62,6 +62,7 @@ from cockpit.engine import float_sums
 from cockpit.engine.chunk_cat import flat_cat
 from cockpit.engine.dtypes import in_dtype, promote
 from cockpit.engine.histograms.device import device_path
+from cockpit.engine.tensor_block import TensorBlock
 from cockpit.engine.update_fit import to_host
 
 SUPPORTED_CLASSES: tuple[type[Optimizer], ...] = (SGD, Adam, RMSprop, Adagrad)
@@ -593,6 +594,10 @@ class UpdateMatch:
         if not predicted:
             self.checks = torch.zeros(2, dtype=torch.float64)
             return
+        blocks = _blocks(predicted, actual)
+        if blocks is not None:
+            self.checks = _block_checks(*blocks)
+            return
         flat = [p if p.dim() == 1 else p.reshape(-1) for p in predicted]
         pp = torch.stack(torch._foreach_norm(flat, dtype=torch.float64)).square().sum()
         pa = _total_dot(flat, actual)
@@ -627,6 +632,33 @@ class UpdateMatch:
         if math.sqrt(residual_sq) <= rtol * math.sqrt(actual_sq) + atol + _TINY:
             return pa / pp
         return None
+
+
+def _blocks(predicted: Sequence[Tensor], actual: Sequence[Tensor]
+            ) -> tuple[TensorBlock, TensorBlock] | None:
+    """Both lists in one block each where that pays (many tensors on an accelerator,
+    :class:`~cockpit.engine.tensor_block.TensorBlock`), of one floating dtype of at least
+    float32 (κ is applied in it)."""
+    p_block = TensorBlock.on_accelerator(predicted)
+    if p_block is None or p_block.values.dtype not in (torch.float32, torch.float64):
+        return None
+    a_block = TensorBlock.of(actual)
+    if a_block is None or a_block.values.dtype != p_block.values.dtype:
+        return None
+    return p_block, a_block
+
+
+def _block_checks(p: TensorBlock, a: TensorBlock) -> Tensor:
+    """:class:`UpdateMatch`'s checks from the blocks of p and a: ⟨p, p⟩ and ⟨p, a⟩ summed
+    per column of the blocks (ROWS numbers each) and then in float64, and ‖κp − a‖ over all
+    tensors at once (only the sum of squares is read)."""
+    pp = p.sq_norms().sum()
+    pa = torch.linalg.vecdot(p.values, a.values, dim=0).sum(dtype=torch.float64)
+    sums = torch.stack([pp, pa])
+    kappa = (sums[1] / sums[0]).to(p.values.dtype)
+    residual = torch.linalg.vector_norm(p.values.mul_(kappa).sub_(a.values),
+                                        dtype=torch.float64)
+    return torch.cat([sums, residual.reshape(1)])
 
 
 # Tensors of at most this many elements (biases, normalization weights) enter

@@ -35,6 +35,7 @@ from cockpit.engine.capture.removed_hooks import forget_removed_hooks
 from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.sharded import is_sharded, shard_like
+from cockpit.engine.tensor_block import TensorBlock
 from cockpit.engine.workspace import PARAMETER_SIZED, workspace
 from cockpit.quantities.base import (
     FormedNorms,
@@ -82,8 +83,15 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
             means.append(in_dtype(g, p.grad.dtype))
             if is_sharded(p.grad):  # fully_shard: ḡ sliced like this rank's shard of p.grad
                 means[-1] = shard_like(means[-1], p.grad)
+        # many tensors on an accelerator: both lists in one block each (a few ops whatever
+        # their number; :class:`~cockpit.engine.tensor_block.TensorBlock`)
+        blocks = ((TensorBlock.on_accelerator(grads), TensorBlock.of(means))
+                  if fused(grads) else None)
+        if blocks is not None and None in blocks:
+            blocks = None
         # [‖p.grad‖, ‖ḡ‖] over all parameters, from one pass over both lists
-        both = norms(grads + means)
+        both = (norms(grads + means) if blocks is None
+                else torch.cat([blocks[0].sq_norms(), blocks[1].sq_norms()]).sqrt_())
         if mean_norms is not None and all(map(operator.is_, means, mean.values())):
             mean_norms.append(FormedNorms.of(both[len(grads):], list(mean.values())))
         totals = torch.linalg.vector_norm(both.view(2, -1), dim=1)
@@ -91,6 +99,9 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖
         c = grad_norm / mean_norm
         c = in_dtype(c if sign > 0 else -c, grads[0].dtype)
+        if blocks is not None:  # the differences' squared norms summed on the host
+            halves_sq = blocks[0].subtract(blocks[1], c).sq_norms()
+            return Later(_mismatch, totals, halves_sq, name="GradientMismatch")
         if fused(grads):  # the differences' norms squared and summed on the host
             halves = norms_of_differences(grads, means, c)
             return Later(lambda t, h: _mismatch(t, h * h), totals, halves,

@@ -58,7 +58,14 @@ from cockpit.engine.processing import GRADIENT
 from cockpit.engine.readout import Later, Noted
 from cockpit.engine.statistics import PROJECTIONS
 from cockpit.quantities.alpha_fit import Observations, compute_alpha
-from cockpit.quantities.base import MeanVar, Quantity, StepData, Value, batch_mean_var
+from cockpit.quantities.base import (
+    MeanVar,
+    Quantity,
+    StepData,
+    Value,
+    batch_mean_var,
+    fused_norms,
+)
 from cockpit.quantities.descriptor import BLUE, Descriptor, Panel
 from cockpit.schedules import Schedule
 
@@ -308,8 +315,7 @@ class Alpha(Quantity):
         names = [k for k in state.projections if k in update] if state.predicted else []
         assert state.loss is not None
         with torch.no_grad():
-            theta_norms = (torch.stack(torch._foreach_norm([data.params[k] for k in names],
-                                                           dtype=torch.float64))
+            theta_norms = (fused_norms([data.params[k] for k in names])
                            if names else torch.zeros(0, dtype=torch.float64,
                                                      device=state.loss[0].device))
         update_norms = data.update_norm_vector(update)

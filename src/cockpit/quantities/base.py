@@ -34,6 +34,7 @@ from cockpit.engine.histograms.auto_range import AutoRange
 from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.readout import Later
 from cockpit.engine.statistics import BackwardStatistics
+from cockpit.engine.tensor_block import TensorBlock
 from cockpit.schedules import Schedule, as_schedule
 
 Value = float | None | dict[str, Any]
@@ -242,6 +243,18 @@ def norms(tensors: list[Tensor]) -> Tensor:
     with torch.no_grad():
         if not histogram_device.device_path(tensors[0].device):
             return torch.stack([sq_norm_tensor(t) for t in tensors]).double().sqrt_()
+        return fused_norms(tensors)
+
+
+def fused_norms(tensors: list[Tensor]) -> Tensor:
+    """‖x‖ of every tensor as one float64 vector by fused kernels on any device: from one
+    block of them all where there are many (a few ops and tensors made, whatever their
+    number: :class:`~cockpit.engine.tensor_block.TensorBlock`), else one multi-tensor norm
+    (``torch._foreach_norm``, accumulated in float64)."""
+    with torch.no_grad():
+        block = TensorBlock.on_accelerator(tensors)
+        if block is not None:
+            return block.sq_norms().sqrt_()
         return stacked(torch._foreach_norm(tensors, dtype=torch.float64))
 
 
@@ -262,10 +275,12 @@ _FUSED_ELEMENTS = 2**26
 def norms_of_differences(xs: list[Tensor], ys: list[Tensor],
                          scale: Tensor | None = None, bring: bool = False) -> Tensor:
     """[‖x_k − c·y_k‖]_k as one float64 vector (c = ``scale``, a 0-dim tensor, or 1) by
-    fused kernels (:func:`fused`): one multi-tensor difference and one multi-tensor norm per
-    group of tensors of at most 2^26 elements (the differences are temporaries). ``bring``:
-    ``ys`` wait in the host's memory (:mod:`cockpit.engine.initial_parameters`), each
-    group's copied to the device right before its differences."""
+    fused kernels (:func:`fused`) per group of tensors of at most 2^26 elements (the
+    differences are temporaries): the difference of two blocks and its norms
+    (:class:`~cockpit.engine.tensor_block.TensorBlock`), or where blocks do not pay one
+    multi-tensor difference and one multi-tensor norm. ``bring``: ``ys`` wait in the host's
+    memory (:mod:`cockpit.engine.initial_parameters`), each group's copied to the device
+    right before its differences."""
     groups: list[list[int]] = [[]]
     size = 0
     for k, x in enumerate(xs):
@@ -274,16 +289,22 @@ def norms_of_differences(xs: list[Tensor], ys: list[Tensor],
             size = 0
         groups[-1].append(k)
         size += x.numel()
-    norms: list[Tensor] = []
+    parts: list[Tensor] = []
     with torch.no_grad():
         for group in groups:
             x, y = [xs[k] for k in group], [ys[k] for k in group]
             if bring:
                 y = initial_parameters.brought(y, x[0].device)
+            x_block = TensorBlock.on_accelerator(x)
+            y_block = None if x_block is None else TensorBlock.on_accelerator(y)
+            if x_block is not None and y_block is not None:
+                parts.append(x_block.subtract(y_block, scale).sq_norms().sqrt_())
+                continue
             if scale is not None:
                 y = torch._foreach_mul(y, scale)
-            norms.extend(torch._foreach_norm(torch._foreach_sub(x, y), dtype=torch.float64))
-    return stacked(norms)
+            parts.append(stacked(torch._foreach_norm(torch._foreach_sub(x, y),
+                                                     dtype=torch.float64)))
+    return parts[0] if len(parts) == 1 else _joined(parts)
 
 
 def sq_norm_tensor(x: Tensor) -> Tensor:
@@ -319,6 +340,12 @@ def stacked(norms: list[Tensor]) -> Tensor:
     if len({n.device for n in norms}) > 1:  # a model spread over devices
         norms = [n.to(device, non_blocking=True) for n in norms]
     return torch.stack(norms).to(torch.float64)
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """Vectors of norms (float64) as one, on the first one's device."""
+    device = parts[0].device
+    return torch.cat([p.to(device, non_blocking=True) for p in parts])
 
 
 def per_param_norms(name: str, names: list[str], norms: Tensor) -> Later:

@@ -1,0 +1,108 @@
+"""The norms of many tensors from one block that holds them all.
+
+A multi-tensor norm (``torch._foreach_norm``) is one kernel on a GPU, but it makes a 0-dim
+output tensor for each of the P tensors, and every tensor made costs the host an allocation
+and a tensor object; the difference of two lists (``torch._foreach_sub``) makes P more. On a
+model of many parameters the host then spends more on these tensors than on the kernels
+(GPT-2's 148 tensors: the gradient check made 749 tensors in 12 ops). Here the tensors
+are copied into one block by one op, ``torch._chunk_cat(tensors, 0, R)``: each tensor is cut
+along its first dimension into R pieces, and piece r lies in row r of the block, in columns
+of the tensor's own, zero-padded where the tensor has fewer than R pieces' worth of rows.
+Then, for the block B [R, W] and the columns c_k of tensor k,
+
+    ‖x_k‖² = Σ_{j ∈ c_k} Σ_r B_{r,j}²:
+
+one norm over the rows per column, accumulated in float64 (R numbers each), and one
+segmented sum of the columns' squares per tensor (float64), whatever P is. A difference of
+two lists of equal shapes is one difference of their blocks (equal layouts; the padding
+stays zero). The price is the copy of the tensors into the block, on the device (which the
+host binds on a GPU), and the block's padding, bounded here to an eighth of the elements
+(or 2^20 elements: a small model's).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from cockpit.engine.chunk_cat import chunk_cat_takes
+from cockpit.engine.histograms.device import device_path
+
+ROWS = 32
+"""R: the rows of a block (the float64 column norms then hold 1/R of the elements)."""
+
+# Below this many tensors a multi-tensor op pays: a block takes about four ops more, and an
+# op costs the host of a GPU what a few tensors made cost it
+_MIN_TENSORS = 32
+_PADDING = 8  # padding: at most 1/8 of the elements, or 2^20 elements (a small model's)
+_PADDING_ELEMENTS = 2**20
+
+
+@functools.lru_cache(maxsize=16)
+def _lengths(shapes: tuple[tuple[int, ...], ...], device: torch.device) -> Tensor | None:
+    """The block's columns per tensor of ``shapes`` (as ``torch._chunk_cat`` lays them
+    out), on ``device``; None where the padding would exceed an eighth of the elements."""
+    widths = [math.ceil(s[0] / ROWS) * (math.prod(s) // s[0]) for s in shapes]
+    elements = sum(math.prod(s) for s in shapes)
+    if ROWS * sum(widths) - elements > max(elements // _PADDING, _PADDING_ELEMENTS):
+        return None
+    lengths = torch.tensor(widths)
+    if device.type != "cuda":
+        return lengths.to(device)
+    return lengths.pin_memory().to(device, non_blocking=True)
+
+
+class TensorBlock:
+    """Tensors of one dtype and device side by side (see the module docstring): ``values``
+    [ROWS, W], ``lengths`` [P] the columns of each."""
+
+    def __init__(self, values: Tensor, lengths: Tensor):
+        self.values, self.lengths = values, lengths
+
+    @staticmethod
+    def of(tensors: Sequence[Tensor]) -> TensorBlock | None:
+        """The tensors in one block, or None where the block does not pay or cannot hold
+        them: fewer than 32 tensors, not floating point, a tensor subclass (a DTensor's
+        shards), several dtypes or devices, a 0-dim or empty one, a layout with much
+        padding, a torch whose ``_chunk_cat`` cannot take them."""
+        if len(tensors) < _MIN_TENSORS:
+            return None
+        first = tensors[0]
+        kinds = {(t.dtype, t.device, type(t), t.dim() == 0 or t.numel() == 0)
+                 for t in tensors}
+        if (len(kinds) > 1 or not first.is_floating_point() or first.dim() == 0
+                or first.numel() == 0 or type(first) not in (Tensor, torch.nn.Parameter)
+                or not chunk_cat_takes(tensors)):
+            return None
+        lengths = _lengths(tuple([tuple(t.shape) for t in tensors]), first.device)
+        if lengths is None:
+            return None
+        return TensorBlock(torch._chunk_cat(list(tensors), 0, ROWS), lengths)
+
+    @staticmethod
+    def on_accelerator(tensors: Sequence[Tensor]) -> TensorBlock | None:
+        """:meth:`of` on an accelerator (and on the CPU where its path is forced: tests);
+        None on a CPU, which loops over the tensors either way: a block would copy them
+        for nothing."""
+        if len(tensors) < _MIN_TENSORS or not device_path(tensors[0].device):
+            return None
+        return TensorBlock.of(tensors)
+
+    def sq_norms(self) -> Tensor:
+        """‖x_k‖² of every tensor, [P] float64."""
+        columns = torch.linalg.vector_norm(self.values, dim=0, dtype=torch.float64)
+        return torch.segment_reduce(columns.square_(), "sum", lengths=self.lengths,
+                                    unsafe=True)  # (the lengths sum to W: no device read)
+
+    def subtract(self, other: TensorBlock, scale: Tensor | None = None) -> TensorBlock:
+        """x_k − c·y_k of every tensor (``other``: the y_k, of the same shapes; c =
+        ``scale``, a 0-dim tensor, or 1), in place of this block's values."""
+        if scale is None:
+            self.values.sub_(other.values)
+        else:  # (x + (−1)·y·c: no temporary of the block's size)
+            self.values.addcmul_(other.values, scale, value=-1)
+        return self
