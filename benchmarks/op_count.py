@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import cockpit
 from cockpit import Cockpit, configuration
@@ -46,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_overhead import resnet18_groupnorm
 
 PACKAGE = str(Path(cockpit.__file__).parent)
+USER = "the user's loop"  # where an op no Cockpit function issued comes from
 
 
 class Problem(NamedTuple):
@@ -97,20 +99,26 @@ MODELS: dict[str, Callable[[int], Problem]] = {
 
 
 class CountOps(TorchDispatchMode):
-    """Every aten op, by name and by the Cockpit function that issued it."""
+    """Every aten op, by name and by the Cockpit function that issued it; and the tensors the
+    ops made (``made``: Cockpit's and the user's loop's), each of them an allocation and a
+    tensor object for the host of a GPU (a multi-tensor op on P tensors makes P)."""
 
     def __init__(self):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
         self.where: collections.Counter = collections.Counter()
+        self.made: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[func.overloadpacket.__name__] += 1
         frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(PACKAGE)
                   and "/benchmark/" not in f.filename]
         self.where[(f"{frames[-1].filename[len(PACKAGE) + 1:]}:{frames[-1].name}"
-                    if frames else "the user's loop")] += 1
-        return func(*args, **(kwargs or {}))
+                    if frames else USER)] += 1
+        out = func(*args, **(kwargs or {}))
+        self.made["Cockpit" if frames else USER] += sum(
+            isinstance(t, Tensor) for t in tree_leaves(out))
+        return out
 
 
 class CountCalls:
@@ -198,6 +206,8 @@ def main() -> None:
     print(f"{args.model} {args.config}, {args.path} path, |B| = {args.batch}: {total} aten ops "
           f"in {which}, {plain} without Cockpit ({total / plain:.2f}×)")
     print("ops:", ", ".join(f"{k} {v}" for k, v in tracked.ops.most_common(12)))
+    made, user = tracked.made["Cockpit"], tracked.made[USER]
+    print(f"tensors made: {made} by Cockpit's ops, {user} by the user's step")
     calls = count(args.config, args.batch, CountCalls(), args.model, args.after).calls
     print(f"Python calls in {which}: {sum(calls.values())} ("
           + ", ".join(f"{k} {v}" for k, v in calls.most_common()) + ")")

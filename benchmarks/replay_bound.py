@@ -29,11 +29,12 @@ Printed per problem (ms per tracked step, medians): Cockpit's extra time (tracke
 untracked), the replay of its ops, its Python (the difference), and on CUDA the graph; the
 ops that take the replay's time (each timed alone); then per phase of the pipeline
 (``host_overhead.py --phases``, each phase's own time without the phases inside it) its
-ops, their replay and the phase's whole time in a tracked step: the difference is the
-phase's Python. A replayed op costs the host about 1 µs more than in the step (its
-arguments rebuilt, the op called through its Python overload): the Python shares printed
-are lower bounds. The recorded values are not checked: the replay only measures (its ops
-run on one step's tensors again; in-place ops on Cockpit's own buffers repeat).
+ops, the tensors they made (each an allocation and a tensor object for a GPU's host), their
+replay and the phase's whole time in a tracked step: the difference is the phase's Python.
+A replayed op costs the host about 1 µs more than in the step (its arguments rebuilt, the
+op called through its Python overload): the Python shares printed are lower bounds. The
+recorded values are not checked: the replay only measures (its ops run on one step's tensors
+again; in-place ops on Cockpit's own buffers repeat).
 """
 
 from __future__ import annotations
@@ -154,6 +155,14 @@ class Tape:
                     outputs.append(self.recorded[index])
                 else:
                     self._run(index, outputs)
+
+    def tensors_made(self) -> dict[str, int]:
+        """The tensors the ops made in the step, by phase (each an allocation and a tensor
+        object for the host of a GPU: a multi-tensor op on P tensors makes P)."""
+        made: dict[str, int] = {}
+        for label, leaves in zip(self.phases, self.recorded, strict=True):
+            made[label] = made.get(label, 0) + sum(isinstance(t, torch.Tensor) for t in leaves)
+        return made
 
     def time_by_phase(self) -> dict[str, float]:
         """Seconds of the host in one replay by the phase that issued each op (the device
@@ -359,7 +368,7 @@ def measure(problem: str, config: str, steps: int, device: str) -> dict[str, flo
             "phase ops": {k: 1000 * statistics.median(v) for k, v in phase_ops.items()},
             "phase all": {k: 1000 * statistics.median(v) for k, v in phase_all.items()},
             "phase counts": {k: tape.phases.count(k) for k in set(tape.phases)},
-            "counts": _counts(tape)}
+            "phase made": tape.tensors_made(), "counts": _counts(tape)}
 
 
 def _counts(tape: Tape) -> dict[str, int]:
@@ -388,7 +397,8 @@ def main() -> None:
                  f", as one CUDA graph {r['graph']:.2f} ({r['left out']} ops on the host "
                  "left out)")
         print(f"{problem} {args.config} ({args.device}): untracked {r['plain']:.2f} ms; "
-              f"Cockpit's extra {r['extra']:.2f} ms = its {r['ops']} ops replayed "
+              f"Cockpit's extra {r['extra']:.2f} ms = its {r['ops']} ops (making "
+              f"{sum(r['phase made'].values())} tensors) replayed "
               f"{r['replay']:.2f} + its Python {python:.2f} ({100 * python / r['extra']:.0f} %)"
               f"{graph}; {r['host reads']} host reads of the device, {r['user ops']} ops of "
               "the user's step")
@@ -399,8 +409,8 @@ def main() -> None:
               f"the others replayed {r['rest']:.2f}{outside}")
         ranked = sorted(r["by op"].items(), key=lambda kv: -kv[1])[:args.top]
         print("  " + ", ".join(f"{name} ×{r['counts'][name]} {ms:.2f}" for name, ms in ranked))
-        print(f"  {'phase (own time, ms)':40s} {'ops':>5s} {'replayed':>9s} {'all':>7s} "
-              f"{'Python':>7s}")
+        print(f"  {'phase (own time, ms)':40s} {'ops':>5s} {'made':>5s} {'replayed':>9s} "
+              f"{'all':>7s} {'Python':>7s}")
         for label in [label.strip() for label, _, _ in PHASES] + [OUTSIDE_PHASES]:
             ops, replayed = r["phase counts"].get(label, 0), r["phase ops"].get(label, 0.0)
             whole = r["phase all"].get(label)
@@ -408,7 +418,8 @@ def main() -> None:
                 continue
             rest = (f"{whole:7.2f} {whole - replayed:7.2f}" if whole is not None
                     else f"{'–':>7s} {'–':>7s}")
-            print(f"  {label:40s} {ops:5d} {replayed:9.2f} {rest}")
+            made = r["phase made"].get(label, 0)
+            print(f"  {label:40s} {ops:5d} {made:5d} {replayed:9.2f} {rest}")
 
 
 if __name__ == "__main__":

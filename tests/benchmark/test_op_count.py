@@ -17,8 +17,11 @@ def test_op_count_lists_the_ops_of_a_tracked_step_by_function():
         [sys.executable, "benchmarks/op_count.py", "--batch", "4", "--top", "50"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    head, ops, calls, *rows = result.stdout.strip().splitlines()
+    head, ops, made, calls, *rows = result.stdout.strip().splitlines()
     assert ops.startswith("ops: ")
+    by_cockpit, by_user = map(int, re.search(
+        r"tensors made: (\d+) by Cockpit's ops, (\d+) by the user's step", made).groups())
+    assert by_cockpit > 0 and by_user > 0
     by_kind = dict(re.findall(r"(builtins|cockpit|other Python) (\d+)", calls))
     assert int(by_kind["cockpit"]) > 0 and int(by_kind["builtins"]) > 0
     assert int(re.search(r"Python calls in a tracked step: (\d+)", calls).group(1)) == sum(
@@ -42,7 +45,7 @@ def test_op_count_of_the_step_after_a_tracked_one_has_only_its_projections():
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
         outputs[bool(flags)] = result.stdout.strip().splitlines()
-    head, _, calls, *rows = outputs[True]
+    head, _, _, calls, *rows = outputs[True]
     assert "in the step after a tracked one" in head and "after a tracked one:" in calls
     after, plain = map(int, re.search(r"(\d+) aten ops .*, (\d+) without", head).groups())
     tracked = int(re.search(r"(\d+) aten ops", outputs[False][0]).group(1))
