@@ -15,7 +15,9 @@
 #     every step and each step of an every-10th cycle, then where the host's time goes in
 #     the tracked step and the one after it (HOST_SECONDS, 0 skips): the host's time with
 #     CUDA's launches, beside the same run on a CPU; then benchmarks/replay_bound.py: the
-#     ops of a tracked step replayed without Cockpit's Python, and as one CUDA graph.
+#     ops of a tracked step replayed without Cockpit's Python, and as one CUDA graph; then
+#     benchmarks/tensor_block.py: the norms of a model's parameters by multi-tensor ops
+#     against one block of them (the host's time of each).
 # (f) benchmarks/host_profile.py --device-only: the device's heaviest kernels in a tracked
 #     economy step of GPT-2 124M, ResNet-18 GroupNorm and 3C3D (a kernel that takes
 #     milliseconds where the step's others take microseconds: a bad shape for the library
@@ -109,7 +111,8 @@ if [ "$cuda" = 1 ] && [ "$HOST_SECONDS" -gt 0 ]; then
             --problems 3c3d resnet18_gn &&
         "$0" benchmarks/host_overhead.py --device cuda --phases --every 10 --steps 20 \
             --problems 3c3d gpt2 &&
-        "$0" benchmarks/replay_bound.py --device cuda --steps 20' "$PY" 2>&1 \
+        "$0" benchmarks/replay_bound.py --device cuda --steps 20 &&
+        "$0" benchmarks/tensor_block.py --device cuda' "$PY" 2>&1 \
         | grep -v '^\[transformers\]' | tee "$OUT/host_overhead.txt"
 else
     echo "skipped (without CUDA, or HOST_SECONDS=0; on a CPU: python benchmarks/host_overhead.py)"
