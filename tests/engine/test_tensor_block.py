@@ -7,6 +7,7 @@ by multi-tensor ops, at far fewer tensors made."""
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from cockpit.engine import tensor_block
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.tensor_block import ROWS, TensorBlock
 from tests.engine.test_memory_budget import assert_same_outputs
+from tests.models import Problem, train
 
 # a convolution, its bias, Linear weights wider and narrower than the block's rows, an
 # embedding, short vectors
@@ -123,12 +125,9 @@ def run(blocks: bool, monkeypatch, optimizer: str = "sgd") -> tuple[dict, int]:
         opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
                if optimizer == "sgd" else torch.optim.AdamW(model.parameters(), lr=1e-2))
         cockpit = Cockpit(model, configuration("economy"), optimizer=opt, strict=True)
-        for step in range(3):
-            opt.zero_grad()
-            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
-            with cockpit(step, losses=losses):
-                losses.mean().backward()
-            opt.step()
+        problem = Problem("deep MLP", model, x, y, functools.partial(
+            nn.functional.cross_entropy, reduction="none"))
+        train(problem, cockpit, 3, opt)
         cockpit.close()
     return cockpit.get_output(), made.tensors
 
