@@ -72,6 +72,39 @@ def test_gradient_mismatch_is_recorded_and_legitimate_edits_raise_no_warning(edi
             assert got == pytest.approx(expected[step], rel=1e-6)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failing_gradient_check_is_recorded_not_raised_into_the_step(strict, monkeypatch):
+    """The check runs inside ``optimizer.step()``: an error there is GradientMismatch's
+    recorded failure (None, the error in its note, a warning), the step and the other
+    instruments go on; ``strict=True`` raises it."""
+    from cockpit.step import tracked_step
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a kernel this device refused")
+
+    monkeypatch.setattr(tracked_step, "gradient_mismatch", broken)
+    problem = make_problem("mlp_relu", 8)
+    opt = sgd(problem.model)
+    cockpit = Cockpit(problem.model, [quantities.GradNorm()], optimizer=opt, strict=strict)
+    before = [p.detach().clone() for p in problem.model.parameters()]
+    opt.zero_grad()
+    losses = problem.losses()
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    if strict:
+        with pytest.raises(RuntimeError, match="refused"):
+            opt.step()
+        return
+    with pytest.warns(RuntimeWarning, match="GradientMismatch failed at step 0"):
+        opt.step()
+        cockpit.close()
+    assert any(not torch.equal(a, p) for a, p in zip(before, problem.model.parameters(),
+                                                     strict=True))  # (the step was taken)
+    assert cockpit.get_output()[0]["GradientMismatch"] is None
+    assert cockpit.get_notes()[0]["GradientMismatch"] == "failed: a kernel this device refused"
+    assert cockpit.get_output()[0]["GradNorm"] > 0
+
+
 def test_sam_second_backward_after_zero_grad_is_no_misuse():
     """SAM: the gradient at θ + ρ·g/‖g‖ is backpropagated after zero_grad, outside the
     block; the optimizer steps on it. Recorded as GradientMismatch, never warned about."""

@@ -96,6 +96,20 @@ def test_lists_a_block_does_not_take():
     assert TensorBlock.of([*many[:-1], torch.randn(1, 2 ** 21)]) is None
 
 
+def test_a_kernel_that_refuses_or_lays_out_otherwise_leaves_the_multi_tensor_ops(
+        monkeypatch):
+    xs = tensors(40)
+    assert TensorBlock.of(xs) is not None
+
+    def refused(tensors, dim, chunks):
+        raise RuntimeError("not these inputs")
+
+    monkeypatch.setattr(torch, "_chunk_cat", refused)
+    assert TensorBlock.of(xs) is None
+    monkeypatch.setattr(torch, "_chunk_cat", lambda tensors, dim, chunks: torch.zeros(chunks, 5))
+    assert TensorBlock.of(xs) is None
+
+
 def deep_mlp() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     layers = [m for _ in range(20) for m in (nn.Linear(6, 6), nn.Tanh())]

@@ -43,17 +43,19 @@ _PADDING_ELEMENTS = 2**20
 
 
 @functools.lru_cache(maxsize=16)
-def _lengths(shapes: tuple[tuple[int, ...], ...], device: torch.device) -> Tensor | None:
+def _layout(shapes: tuple[tuple[int, ...], ...], device: torch.device
+            ) -> tuple[Tensor, int] | None:
     """The block's columns per tensor of ``shapes`` (as ``torch._chunk_cat`` lays them
-    out), on ``device``; None where the padding would exceed an eighth of the elements."""
+    out), on ``device``, and their sum W; None where the padding would exceed an eighth of
+    the elements (and 2^20 elements)."""
     widths = [math.ceil(s[0] / ROWS) * (math.prod(s) // s[0]) for s in shapes]
     elements = sum(math.prod(s) for s in shapes)
     if ROWS * sum(widths) - elements > max(elements // _PADDING, _PADDING_ELEMENTS):
         return None
     lengths = torch.tensor(widths)
     if device.type != "cuda":
-        return lengths.to(device)
-    return lengths.pin_memory().to(device, non_blocking=True)
+        return lengths.to(device), sum(widths)
+    return lengths.pin_memory().to(device, non_blocking=True), sum(widths)
 
 
 class TensorBlock:
@@ -68,7 +70,7 @@ class TensorBlock:
         """The tensors in one block, or None where the block does not pay or cannot hold
         them: fewer than 32 tensors, not floating point, a tensor subclass (a DTensor's
         shards), several dtypes or devices, a 0-dim or empty one, a layout with much
-        padding, a torch whose ``_chunk_cat`` cannot take them."""
+        padding, a torch whose ``_chunk_cat`` cannot take them or lays them out otherwise."""
         if len(tensors) < _MIN_TENSORS:
             return None
         first = tensors[0]
@@ -78,10 +80,17 @@ class TensorBlock:
                 or first.numel() == 0 or type(first) not in (Tensor, torch.nn.Parameter)
                 or not chunk_cat_takes(tensors)):
             return None
-        lengths = _lengths(tuple([tuple(t.shape) for t in tensors]), first.device)
-        if lengths is None:
+        layout = _layout(tuple([tuple(t.shape) for t in tensors]), first.device)
+        if layout is None:
             return None
-        return TensorBlock(torch._chunk_cat(list(tensors), 0, ROWS), lengths)
+        lengths, width = layout
+        try:
+            values = torch._chunk_cat(list(tensors), 0, ROWS)
+        except RuntimeError:  # (inputs this torch's kernel refuses: the multi-tensor ops)
+            return None
+        if values.shape != (ROWS, width):  # (another layout than the one counted on)
+            return None
+        return TensorBlock(values, lengths)
 
     @staticmethod
     def on_accelerator(tensors: Sequence[Tensor]) -> TensorBlock | None:

@@ -89,6 +89,16 @@ def check_block(run: WatchedRun, step: int, tracked: list[Quantity], losses: Ten
     return BlockChecks(losses, finite, problems, held)
 
 
+def _failed(error: Exception) -> Callable[[], dict]:
+    """A :class:`Later`'s function that raises ``error`` when the numbers are read: the
+    value is recorded as failed, with the error in its note and a warning."""
+
+    def fail() -> dict:
+        raise error
+
+    return fail
+
+
 class TrackedStep:
     """A tracked step: its backward passes (micro-batches) come in, then it is finished."""
 
@@ -253,7 +263,13 @@ class TrackedStep:
         stepped = self.run.stepped_params()
         mean = {k: g for k, g in mean.items() if k in stepped}
         self._mean_norms = []
-        self.mismatch = gradient_mismatch(stepped, mean, self.weights, self._mean_norms)
+        try:
+            self.mismatch = gradient_mismatch(stepped, mean, self.weights, self._mean_norms)
+        except Exception as error:  # (inside optimizer.step(): never raised into it)
+            if self.run.warn.strict:
+                raise
+            self._mean_norms = []
+            self.mismatch = Later(_failed(error), name="GradientMismatch")
 
     # ------------------------------------------------------------------ values
     def finish(self, capture_next: Callable[[int], bool]) -> bool:
