@@ -69,6 +69,17 @@ def test_differences_are_each_pairs_own(scaled):
     torch.testing.assert_close(diff.sq_norms(), expected, rtol=1e-12, atol=0)
 
 
+def test_a_block_reads_each_tensor_in_its_logical_order():
+    """p.grad may be channels-last or transposed where Cockpit's copies are contiguous: the
+    blocks of both lists hold the same numbers in the same places (differences of zero)."""
+    xs = tensors(40, torch.float64)
+    strided = [x.contiguous(memory_format=torch.channels_last) if x.dim() == 4
+               else x.T.contiguous().T if x.dim() == 2 else x for x in xs]
+    assert any(not x.is_contiguous() for x in strided)
+    diff = TensorBlock.of(strided).subtract(TensorBlock.of(xs)).sq_norms()
+    assert torch.equal(diff, torch.zeros_like(diff))
+
+
 def test_the_tensors_made_do_not_grow_with_their_number():
     """40 or 120 tensors: the same ops, the same few tensors made (a multi-tensor norm
     makes one per tensor)."""
