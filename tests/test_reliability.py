@@ -318,3 +318,72 @@ def test_skipping_the_optimizer_step_after_a_non_finite_loss_gives_no_micro_batc
     messages = [str(w.message) for w in caught]
     assert any("non-finite loss" in m for m in messages)
     assert not any("not followed by optimizer.step()" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("where", ["_snapshot", "finish_update"])
+def test_a_failure_of_cockpits_work_in_the_optimizer_step_never_stops_training(where,
+                                                                            monkeypatch):
+    """Out of memory while Cockpit copies θ_t inside ``optimizer.step()`` (or while it forms
+    the update's instruments after it) at step 1: the step goes on, training matches a run
+    without Cockpit, step 1's instruments that got no value are None with the error, the
+    other steps are recorded as usual."""
+    from cockpit.step.tracked_step import TrackedStep
+
+    original = getattr(TrackedStep, where)
+
+    def failing(self, *args):
+        if self.step == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return original(self, *args)
+
+    monkeypatch.setattr(TrackedStep, where, failing)
+    x, y = _data()
+    twin, model = _model(), _model()
+    runs = []
+    for net, watched in ((twin, False), (model, True)):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        cockpit = Cockpit(net, configuration("economy"), optimizer=opt) if watched else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(4):
+                opt.zero_grad()
+                losses = _ce(net(x), y)
+                if cockpit is None:
+                    losses.mean().backward()
+                else:
+                    with cockpit(step, losses=losses):
+                        losses.mean().backward()
+                opt.step()
+            if cockpit is not None:
+                cockpit.close()
+        runs.append(caught)
+    for a, b in zip(twin.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)  # (training unchanged by the failure)
+    assert any("step 1: Cockpit's work" in str(w.message) and "out of memory" in str(w.message)
+               for w in runs[1])
+    output, notes = cockpit.get_output(), cockpit.get_notes()
+    for name in ("UpdateSize", "Alpha"):
+        assert output[1][name] is None
+        assert "out of memory (simulated)" in notes[1][name]
+    for step in (0, 2):
+        assert all(output[step][name] is not None for name in ("UpdateSize", "Alpha", "Loss"))
+    assert output[3]["UpdateSize"] is not None and output[1]["GradNorm"] is not None
+
+
+def test_a_failure_of_cockpits_work_is_raised_when_strict(monkeypatch):
+    from cockpit.step.tracked_step import TrackedStep
+
+    def failing(self, *args):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(TrackedStep, "_snapshot", failing)
+    model = _model()
+    x, y = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model, configuration("economy"), optimizer=opt, strict=True)
+    opt.zero_grad()
+    losses = _ce(model(x), y)
+    with cockpit(0, losses=losses):
+        losses.mean().backward()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        opt.step()

@@ -58,6 +58,8 @@ class Recorder:
         self._expected: dict[int, tuple[str, ...]] = {}
         # recent steps whose individual gradients are an approximation → its label
         self._approximated: dict[int, str] = {}
+        # steps whose pipeline failed → the reason, for the instruments that get no value
+        self._failed: dict[int, str] = {}
         # sees every record (the live diagnosis)
         self.on_record: Callable[[int, dict[str, Value]], None] | None = None
 
@@ -87,9 +89,20 @@ class Recorder:
         for old in list(self._approximated)[:-4]:  # Alpha's value comes a step later
             del self._approximated[old]
 
+    def failed(self, step: int, reason: str) -> None:
+        """Cockpit's work for ``step`` failed: once the values it did form are read back,
+        its instruments without a value are recorded as None with ``reason``."""
+        self._failed[step] = reason
+
     def read_back(self) -> None:
         """Receive the values of the records made since the last read (one wait) and record
-        them in order."""
+        them in order (then the failed steps' missing instruments)."""
+        self._read_unread()
+        for step, reason in list(self._failed.items()):
+            del self._failed[step]
+            self._record_missing(step, f"not computed: {reason}")
+
+    def _read_unread(self) -> None:
         if not self._unread:
             return
         unread, self._unread = self._unread, []
@@ -129,13 +142,19 @@ class Recorder:
     def _record_unfinished(self) -> None:
         """An instrument scheduled at a recorded step that never got its value (Alpha at the
         last step needs the next one) is recorded as None with the reason."""
-        for step, values in sorted(self.output.items()):
-            missing = {q.name: f"not computed: {pending_reason(q.name)}; the "
-                       "run ended before it" for q in self.quantities
-                       if scheduled(q, step) and not has_value(values, q.name)
-                       and q.name not in self.notes.get(step, {})}
-            if missing:
-                self.record(step, dict.fromkeys(missing), missing)
+        for step in sorted(self.output):
+            self._record_missing(step, None)
+
+    def _record_missing(self, step: int, reason: str | None) -> None:
+        """The instruments scheduled at ``step`` without a value or a note, recorded as None
+        with ``reason`` (None: what each was waiting for, and that the run ended)."""
+        values = self.output.get(step, {})
+        missing = {q.name: reason or f"not computed: {pending_reason(q.name)}; the run "
+                   "ended before it" for q in self.quantities
+                   if scheduled(q, step) and not has_value(values, q.name)
+                   and q.name not in self.notes.get(step, {})}
+        if missing:
+            self.record(step, dict.fromkeys(missing), missing)
 
     def _record_now(self, step: int, values: dict[str, Value], notes: dict[str, str]) -> None:
         self.hist_range.narrow(values.get("GradHist1d"))

@@ -186,7 +186,12 @@ class StepSequence:
         if current is None or current.in_block:
             return
         self.open = None
-        if current.finish(self.capture_next):
+        try:
+            awaits_update = current.finish(self.capture_next)
+        except Exception as error:
+            self._failed(current.step, error, "at the end of its backward passes")
+            awaits_update = False
+        if awaits_update:
             self.awaiting_update = current
         else:
             release_workspace(off_cpu_only=True)
@@ -195,5 +200,22 @@ class StepSequence:
         """After the optimizer step: the finished step's instruments of the update."""
         awaiting, self.awaiting_update = self.awaiting_update, None
         if awaiting is not None:
-            awaiting.finish_update()
+            try:
+                awaiting.finish_update()
+            except Exception as error:
+                self._failed(awaiting.step, error, "after its optimizer step")
             release_workspace(off_cpu_only=True)
+
+    def _failed(self, step: int, error: Exception, when: str) -> None:
+        """Cockpit's work for ``step`` failed where the user's loop is waiting on it (inside
+        ``optimizer.step()`` or a block's start): out of memory on a GPU, a failure of
+        Cockpit's own. Warned about, and the step's instruments that get no value are
+        recorded with the reason; never raised into the training (raised with
+        ``strict=True``)."""
+        if self.run.warn.strict:
+            raise error
+        reason = f"Cockpit's work {when} failed ({type(error).__name__}: {error})"
+        self.run.recorder.failed(step, reason)
+        self.run.warn(f"step {step}: {reason}; its unfinished instruments are not recorded, "
+                      "training and the next steps go on",
+                      key=f"step-failed:{type(error).__name__}")
