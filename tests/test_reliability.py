@@ -93,6 +93,13 @@ def _assert_training_unchanged(loop, params):
         assert torch.equal(a, b)
 
 
+def _plain_loop(cockpit, step, model, x, y):
+    """One block per step around one backward pass of the batch's mean loss."""
+    losses = _ce(model(x), y)
+    with cockpit(step, losses=losses):
+        losses.mean().backward()
+
+
 def _once(messages: list[str], fragment: str) -> None:
     found = [m for m in messages if fragment in m]
     assert len(found) == 1, (fragment, messages)
@@ -103,13 +110,7 @@ GRADIENT_READERS = ("GradNorm", "GradHist1d", "NormTest", "InnerTest", "OrthoTes
 
 def test_a_plain_loop_matches_the_reference():
     """The control: one backward pass per block gives GradNorm = ‖ḡ‖ of torch.func."""
-
-    def loop(cockpit, step, model, x, y):
-        losses = _ce(model(x), y)
-        with cockpit(step, losses=losses):
-            losses.mean().backward()
-
-    r = _run(loop)
+    r = _run(_plain_loop)
     output, _notes, messages, _params, ref = r.output, r.notes, r.messages, r.params, r.ref
     assert messages == []
     for step in range(4):
@@ -337,31 +338,11 @@ def test_a_failure_of_cockpits_work_in_the_optimizer_step_never_stops_training(w
         return original(self, *args)
 
     monkeypatch.setattr(TrackedStep, where, failing)
-    x, y = _data()
-    twin, model = _model(), _model()
-    runs = []
-    for net, watched in ((twin, False), (model, True)):
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        cockpit = Cockpit(net, configuration("economy"), optimizer=opt) if watched else None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for step in range(4):
-                opt.zero_grad()
-                losses = _ce(net(x), y)
-                if cockpit is None:
-                    losses.mean().backward()
-                else:
-                    with cockpit(step, losses=losses):
-                        losses.mean().backward()
-                opt.step()
-            if cockpit is not None:
-                cockpit.close()
-        runs.append(caught)
-    for a, b in zip(twin.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b)  # (training unchanged by the failure)
-    assert any("step 1: Cockpit's work" in str(w.message) and "out of memory" in str(w.message)
-               for w in runs[1])
-    output, notes = cockpit.get_output(), cockpit.get_notes()
+    r = _run(_plain_loop)
+    _assert_training_unchanged(_plain_loop, r.params)
+    _once(r.messages, "step 1: Cockpit's work")
+    assert any("out of memory" in m for m in r.messages if "step 1: Cockpit's work" in m)
+    output, notes = r.output, r.notes
     for name in ("UpdateSize", "Alpha"):
         assert output[1][name] is None
         assert "out of memory (simulated)" in notes[1][name]
@@ -382,8 +363,6 @@ def test_a_failure_of_cockpits_work_is_raised_when_strict(monkeypatch):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cockpit = Cockpit(model, configuration("economy"), optimizer=opt, strict=True)
     opt.zero_grad()
-    losses = _ce(model(x), y)
-    with cockpit(0, losses=losses):
-        losses.mean().backward()
+    _plain_loop(cockpit, 0, model, x, y)
     with pytest.raises(RuntimeError, match="out of memory"):
         opt.step()
