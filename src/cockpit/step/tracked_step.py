@@ -89,7 +89,7 @@ def check_block(run: WatchedRun, step: int, tracked: list[Quantity], losses: Ten
     return BlockChecks(losses, finite, problems, held)
 
 
-def _failed(error: Exception) -> Callable[[], dict]:
+def _raising(error: Exception) -> Callable[[], dict]:
     """A :class:`Later`'s function that raises ``error`` when the numbers are read: the
     value is recorded as failed, with the error in its note and a warning."""
 
@@ -269,7 +269,7 @@ class TrackedStep:
             if self.run.warn.strict:
                 raise
             self._mean_norms = []
-            self.mismatch = Later(_failed(error), name="GradientMismatch")
+            self.mismatch = Later(_raising(error), name="GradientMismatch")
 
     # ------------------------------------------------------------------ values
     def finish(self, capture_next: Callable[[int], bool]) -> bool:
