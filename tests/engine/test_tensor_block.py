@@ -107,6 +107,19 @@ def test_lists_a_block_does_not_take():
     assert TensorBlock.of([*many[:-1], torch.randn(1, 2 ** 21)]) is None
 
 
+def test_a_pair_of_lists_shares_one_layout(monkeypatch):
+    """Two lists in blocks whose difference is one op only where their shapes and dtype
+    are the same (on the accelerators' path)."""
+    monkeypatch.setattr(histogram_device, "_forced", True)
+    xs = tensors(40)
+    pair = TensorBlock.pair(xs, [x * 2 for x in xs])
+    assert pair is not None and pair[0].lengths is pair[1].lengths
+    assert TensorBlock.pair(xs, [x.reshape(-1) for x in xs]) is None
+    assert TensorBlock.pair(xs, [x.double() for x in xs]) is None
+    monkeypatch.setattr(histogram_device, "_forced", False)
+    assert TensorBlock.pair(xs, xs) is None  # (a CPU loops over the tensors either way)
+
+
 def test_a_kernel_that_refuses_or_lays_out_otherwise_leaves_the_multi_tensor_ops(
         monkeypatch):
     xs = tensors(40)

@@ -101,6 +101,17 @@ class TensorBlock:
             return None
         return TensorBlock.of(tensors)
 
+    @staticmethod
+    def pair(xs: Sequence[Tensor], ys: Sequence[Tensor]
+             ) -> tuple[TensorBlock, TensorBlock] | None:
+        """Two lists of equal shapes and dtype in a block each, on an accelerator (one
+        layout: their difference is one op), or None where either is not taken."""
+        x = TensorBlock.on_accelerator(xs)
+        y = None if x is None else TensorBlock.of(ys)
+        if x is None or y is None or y.lengths is not x.lengths or y.values.dtype != x.values.dtype:
+            return None
+        return x, y
+
     def sq_norms(self) -> Tensor:
         """‖x_k‖² of every tensor, [P] float64."""
         columns = torch.linalg.vector_norm(self.values, dim=0, dtype=torch.float64)

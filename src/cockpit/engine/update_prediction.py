@@ -639,13 +639,10 @@ def _blocks(predicted: Sequence[Tensor], actual: Sequence[Tensor]
     """Both lists in one block each where that pays (many tensors on an accelerator,
     :class:`~cockpit.engine.tensor_block.TensorBlock`), of one floating dtype of at least
     float32 (κ is applied in it)."""
-    p_block = TensorBlock.on_accelerator(predicted)
-    if p_block is None or p_block.values.dtype not in (torch.float32, torch.float64):
+    blocks = TensorBlock.pair(predicted, actual)
+    if blocks is None or blocks[0].values.dtype not in (torch.float32, torch.float64):
         return None
-    a_block = TensorBlock.of(actual)
-    if a_block is None or a_block.values.dtype != p_block.values.dtype:
-        return None
-    return p_block, a_block
+    return blocks
 
 
 def _block_checks(p: TensorBlock, a: TensorBlock) -> Tensor:

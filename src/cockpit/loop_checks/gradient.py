@@ -85,11 +85,10 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
                 means[-1] = shard_like(means[-1], p.grad)
         # many tensors on an accelerator: both lists in one block each (a few ops whatever
         # their number; :class:`~cockpit.engine.tensor_block.TensorBlock`)
-        grad_block = TensorBlock.on_accelerator(grads) if fused(grads) else None
-        mean_block = None if grad_block is None else TensorBlock.of(means)
+        blocks = TensorBlock.pair(grads, means) if fused(grads) else None
         # [‖p.grad‖, ‖ḡ‖] over all parameters, from one pass over both lists
-        both = (norms(grads + means) if grad_block is None or mean_block is None
-                else torch.cat([grad_block.sq_norms(), mean_block.sq_norms()]).sqrt_())
+        both = (norms(grads + means) if blocks is None
+                else torch.cat([blocks[0].sq_norms(), blocks[1].sq_norms()]).sqrt_())
         if mean_norms is not None and all(map(operator.is_, means, mean.values())):
             mean_norms.append(FormedNorms.of(both[len(grads):], list(mean.values())))
         totals = torch.linalg.vector_norm(both.view(2, -1), dim=1)
@@ -97,9 +96,8 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖
         c = grad_norm / mean_norm
         c = in_dtype(c if sign > 0 else -c, grads[0].dtype)
-        if grad_block is not None and mean_block is not None:
-            # (the differences' squared norms, summed on the host)
-            halves_sq = grad_block.subtract(mean_block, c).sq_norms()
+        if blocks is not None:  # (the differences' squared norms, summed on the host)
+            halves_sq = blocks[0].subtract(blocks[1], c).sq_norms()
             return Later(_mismatch, totals, halves_sq, name="GradientMismatch")
         if fused(grads):  # the differences' norms squared and summed on the host
             halves = norms_of_differences(grads, means, c)

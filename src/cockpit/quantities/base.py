@@ -295,10 +295,9 @@ def norms_of_differences(xs: list[Tensor], ys: list[Tensor],
             x, y = [xs[k] for k in group], [ys[k] for k in group]
             if bring:
                 y = initial_parameters.brought(y, x[0].device)
-            x_block = TensorBlock.on_accelerator(x)
-            y_block = None if x_block is None else TensorBlock.on_accelerator(y)
-            if x_block is not None and y_block is not None:
-                parts.append(x_block.subtract(y_block, scale).sq_norms().sqrt_())
+            blocks = TensorBlock.pair(x, y)
+            if blocks is not None:
+                parts.append(blocks[0].subtract(blocks[1], scale).sq_norms().sqrt_())
                 continue
             if scale is not None:
                 y = torch._foreach_mul(y, scale)
