@@ -1,0 +1,292 @@
+"""What stands between the ops of a tracked step and a CUDA graph, phase by phase.
+
+A CUDA graph replays the kernels it captured with the arguments they had: the same input
+addresses, the same numbers passed from the host. Capturing Cockpit's work outside the
+user's backward pass (``replay_bound.py``'s first capture target) is sound only where
+every tracked step issues the same ops, reads its inputs from the same memory, and passes
+no host number that changes from step to step (a learning rate, a step count, a loss
+weight given to an op as a Python float would be replayed with its first value: a plausible
+wrong number). This audit records the ops Cockpit issues in two consecutive tracked steps
+(``replay_bound.Recorder``'s selection, with the line of Cockpit that issued each) and
+compares them op by op:
+
+* **sequence**: whether both steps issued the same ops in each phase (a data-dependent
+  branch or shape would need one graph per variant);
+* **constants that change**: the non-tensor arguments (numbers, sizes, lists) that differ
+  between the steps, with the line that passes them — each one a value to move into a
+  device tensor before that phase can be captured;
+* **inputs**: the tensors the ops read that no earlier op of the same phase made (each
+  counted once per phase), by where
+  they live — parameters, gradients (``p.grad``), the optimizer's state, tensors made by
+  Cockpit's ops in an earlier phase of the step (the layers' statistics), and others
+  (Cockpit's buffers, the losses) — and whether the second step read the same memory (the
+  first step's tensors are held, so equal storage means memory that persisted) or other
+  memory (a graph needs a copy into a static buffer first: one multi-tensor copy per
+  phase);
+* **host reads**: ops that read the device on the host (none is the accelerators' rule).
+
+    python benchmarks/capture_audit.py                       # 3C3D, GPT-2, ResNet-18
+    python benchmarks/capture_audit.py --problems gpt2 --every 2   # the step after, too
+
+``--every 2`` tracks every other step and audits the tracked step and the step after it
+(where Alpha observes θ_{t+1}) against the next cycle's. The problems, paths and
+selection are ``replay_bound.py``'s (``host_overhead.py``'s tiny models, accelerator paths
+forced); on a CPU the memory a step reads is the CPU allocator's, which reuses freed blocks
+as CUDA's caching allocator does, but not at the same addresses: the "other memory" counts
+are what a graph must copy in either way, the "same memory" ones what it may read in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cockpit import every
+from op_count import PACKAGE, make_step
+from replay_bound import (
+    HOST_READS,
+    MODELS_IN_PACKAGE,
+    OUTSIDE_BACKWARD,
+    OUTSIDE_PHASES,
+    _is_cockpits,
+    _registered,
+    histogram_device,
+    innermost_phases,
+)
+
+ORIGINS = ("parameter", "gradient", "optimizer state", "earlier phase", "other")
+
+
+@dataclass
+class Op:
+    name: str
+    phase: str
+    site: str  # the innermost line of Cockpit that issued it
+    constants: list[Any]
+    inputs: list[tuple[str, int]]  # (origin, storage address) of each input from outside
+    host_read: bool
+
+
+@dataclass
+class StepOps:
+    ops: list[Op] = field(default_factory=list)
+    held: list[torch.Tensor] = field(default_factory=list)  # keeps the inputs' memory
+
+
+def _site() -> str:
+    """The innermost frame of Cockpit's package (not the problems' models) on the stack."""
+    for frame in reversed(traceback.extract_stack()):
+        name = frame.filename
+        if name.startswith(PACKAGE) and not name.startswith(MODELS_IN_PACKAGE):
+            return f"{name[len(PACKAGE) + 1:]}:{frame.lineno}"
+    return "?"
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # (a tensor without storage)
+        return 0
+
+
+class AuditRecorder(TorchDispatchMode):
+    """Records Cockpit's ops of one step (``replay_bound.Recorder``'s selection) with their
+    constants, the origins of their inputs and the phase and line that issued them."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer, phases: list[str]):
+        super().__init__()
+        self.step = StepOps()
+        self.params, self.optimizer = params, optimizer
+        # storage address → parameter, gradient or optimizer state (looked up afresh where
+        # an address is not known: gradients set to None are allocated anew each step)
+        self.places = _places(params, optimizer)
+        self.phases = phases
+        self._made: dict[int, tuple[torch.Tensor, str]] = {}  # id → (tensor, its phase)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not _is_cockpits():
+            return out
+        phase = self.phases[-1] if self.phases else OUTSIDE_PHASES
+        leaves, _ = tree_flatten((args, kwargs))
+        constants, inputs = [], []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                constants.append(leaf)
+                continue
+            found = self._made.get(id(leaf))
+            if found is not None and found[0] is leaf:
+                if found[1] != phase:
+                    inputs.append(("earlier phase", _storage(leaf)))
+                continue
+            address = _storage(leaf)
+            if address not in self.places:
+                self.places.update(_places(self.params, self.optimizer))
+            inputs.append((self.places.get(address, "other"), address))
+            self.step.held.append(leaf.detach())
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self._made[id(leaf)] = (leaf, phase)
+                self.step.held.append(leaf)
+        self.step.ops.append(Op(func.overloadpacket.__name__, phase, _site(), constants,
+                                inputs, func.overloadpacket.__name__ in HOST_READS))
+        return out
+
+
+def _places(model_params: list[torch.Tensor], optimizer) -> dict[int, str]:
+    """Storage address → what lives there now: the parameters, their gradients, the
+    optimizer's state."""
+    places = {}
+    for p in model_params:
+        places[_storage(p)] = "parameter"
+        if p.grad is not None:
+            places[_storage(p.grad)] = "gradient"
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    places[_storage(value)] = "optimizer state"
+    return places
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (a != a and b != b)
+    return type(a) is type(b) and a == b
+
+
+def record(step: Callable[[int], None], watcher, index: int) -> StepOps:
+    """Cockpit's ops in step ``index``."""
+    phases: list[str] = []
+    recorder = AuditRecorder(list(watcher.model.parameters()), watcher.optimizer, phases)
+    with innermost_phases(phases), recorder:
+        step(index)
+    return recorder.step
+
+
+def compare(a: StepOps, b: StepOps) -> dict[str, dict[str, Any]]:
+    """Per phase: both steps' op counts, whether they issued the same ops, the constants
+    that changed (site, op, both values), the tensors read from outside the phase by origin
+    and memory (each once), host reads."""
+    out: dict[str, dict[str, Any]] = {}
+    by_phase_a: dict[str, list[Op]] = {}
+    by_phase_b: dict[str, list[Op]] = {}
+    for op in a.ops:
+        by_phase_a.setdefault(op.phase, []).append(op)
+    for op in b.ops:
+        by_phase_b.setdefault(op.phase, []).append(op)
+    for phase in dict.fromkeys([*by_phase_a, *by_phase_b]):
+        ops_a, ops_b = by_phase_a.get(phase, []), by_phase_b.get(phase, [])
+        same = [o.name for o in ops_a] == [o.name for o in ops_b]
+        row: dict[str, Any] = {"ops": (len(ops_a), len(ops_b)), "same ops": same,
+                               "changed": [], "host reads": sum(o.host_read for o in ops_b),
+                               "inputs": {}}
+        if not same:
+            first = next((i for i, (x, y) in enumerate(zip(ops_a, ops_b, strict=False))
+                          if x.name != y.name), min(len(ops_a), len(ops_b)))
+            row["first difference"] = (
+                first, ops_a[first].name if first < len(ops_a) else None,
+                ops_b[first].name if first < len(ops_b) else None,
+                (ops_a[first] if first < len(ops_a) else ops_b[first]).site)
+        counted: set[tuple[str, int]] = set()
+        for x, y in zip(ops_a, ops_b, strict=False):
+            if x.name != y.name:
+                break
+            if len(x.constants) != len(y.constants) or not all(
+                    map(_same, x.constants, y.constants)):
+                row["changed"].append((y.site, y.name, x.constants, y.constants))
+            for (origin, address), (_, address_b) in zip(x.inputs, y.inputs, strict=False):
+                if (origin, address_b) in counted:  # (each tensor once per phase)
+                    continue
+                counted.add((origin, address_b))
+                kind = "same memory" if address == address_b else "other memory"
+                counts = row["inputs"].setdefault(origin, {"same memory": 0,
+                                                           "other memory": 0})
+                counts[kind] += 1
+        out[phase] = row
+    return out
+
+
+def _short(values: list[Any]) -> str:
+    text = ", ".join(repr(v) for v in values)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def report(title: str, rows: dict[str, dict[str, Any]]) -> None:
+    print(title)
+    print(f"  {'phase (* outside the backward pass)':38s} {'ops':>5s} {'same':>5s} "
+          f"{'changed':>8s} {'reads':>6s}  inputs from outside the phase: same memory / "
+          "other memory")
+    for phase, row in rows.items():
+        inputs = ", ".join(f"{origin} {c['same memory']}/{c['other memory']}"
+                           for origin in ORIGINS if (c := row["inputs"].get(origin)))
+        mark = "*" if phase in OUTSIDE_BACKWARD else " "
+        print(f" {mark}{phase:38s} {row['ops'][1]:5d} {'yes' if row['same ops'] else 'NO':>5s} "
+              f"{len(row['changed']):8d} {row['host reads']:6d}  {inputs}")
+        if not row["same ops"]:
+            index, x, y, site = row["first difference"]
+            print(f"      ops differ from op {index} on: {x} / {y} ({site})")
+    changed = {(phase, site, name): (x, y) for phase, row in rows.items()
+               for site, name, x, y in row["changed"]}
+    if changed:
+        print("  constants that changed between the steps (the first at each line):")
+        for (phase, site, name), (x, y) in changed.items():
+            print(f"    {phase}: {name} at {site}: ({_short(x)}) → ({_short(y)})")
+
+
+def audit(problem: str, config: str, cycle: int) -> list[tuple[str, dict[str, dict[str, Any]]]]:
+    """The comparisons of :func:`compare` for ``problem``: two consecutive tracked steps
+    (``cycle`` 1), or (``cycle`` 2: tracked every other step) two tracked steps and the two
+    steps after them; the learning rate decays by 1 % a step, as under a scheduler."""
+    step, watcher = make_step(_registered(problem), config, 2, "cpu",
+                              every(cycle) if cycle > 1 else None)
+    assert watcher is not None
+    optimizer = watcher.optimizer
+
+    def decayed(i: int, recorded: bool = False) -> StepOps | None:
+        ops = record(step, watcher, i) if recorded else step(i)
+        for group in optimizer.param_groups:
+            group["lr"] *= 0.99
+        return ops
+
+    for i in range(6):
+        decayed(i)
+    steps = [decayed(i, True) for i in range(6, 6 + 2 * cycle)]
+    watcher.close()
+    if cycle == 1:
+        return [(f"{problem} {config}, tracked steps 6 and 7:", compare(steps[0], steps[1]))]
+    return [(f"{problem} {config} every 2nd, tracked steps 6 and 8:",
+             compare(steps[0], steps[2])),
+            (f"{problem} {config} every 2nd, the steps after them (7 and 9):",
+             compare(steps[1], steps[3]))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", nargs="+", default=["3c3d", "gpt2", "resnet18_gn"],
+                        choices=["3c3d", "resnet18_gn", "gpt2"])
+    parser.add_argument("--config", default="economy", choices=["economy", "business", "full"])
+    parser.add_argument("--every", type=int, default=1, choices=[1, 2],
+                        help="2: the tracked step and the step after it, each against the "
+                             "next cycle's")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    histogram_device._forced = True  # (the accelerators' paths, as on a GPU)
+    for problem in args.problems:
+        for title, rows in audit(problem, args.config, args.every):
+            report(title, rows)
+
+
+if __name__ == "__main__":
+    main()
