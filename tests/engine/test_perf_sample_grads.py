@@ -152,16 +152,28 @@ def test_conv_unfold_cache_serves_repeated_backprops(method, monkeypatch):
     assert len(unfolds) == 1
 
 
-@pytest.mark.parametrize(("channels", "lazy"), [(8, True), (1, False)])
-def test_conv_projection_path_by_size(channels, lazy):
-    """Projections by convolution when D > C_out·L (the materialized gradients would be
-    larger than δ), else materialized once; norms always materialize."""
+@pytest.mark.parametrize(("channels", "accelerator", "lazy"),
+                         [(8, False, True), (1, False, False), (8, True, True), (1, True, True)])
+def test_conv_projection_path_by_size(channels, accelerator, lazy, monkeypatch):
+    """On a CPU one direction is projected by convolution when D > C_out·L (the
+    materialized gradients would be larger than δ), else the gradients are materialized
+    once; on accelerators always by convolution (the same FLOPs in two or three kernels
+    instead of the unfolding's five or more and the product); two directions and the
+    norms always materialize. Both ways give the brute-force dot products."""
+    monkeypatch.setattr(histogram_device, "_forced", accelerator)
+    torch.manual_seed(3)
     module = nn.Conv2d(channels, 4, 3).double()  # L = 36, (C_in/G)·K = 9·channels
     x = torch.randn(6, channels, 8, 8, dtype=torch.float64)
     out = module(x)
-    sg = conv_rule(module, (x,), {}, out, torch.randn_like(out))["weight"]
-    sg.dots_many([torch.randn(sg.shape, dtype=torch.float64)])
+    delta = torch.randn_like(out)
+    u = torch.randn(module.weight.shape, dtype=torch.float64)
+    reference = individual_grads(module, x, delta)["weight"].flatten(1) @ u.flatten()
+    sg = conv_rule(module, (x,), {}, out, delta)["weight"]
+    torch.testing.assert_close(sg.dots_many([u])[0], reference)
     assert (sg._rows is None) == lazy
+    twice = conv_rule(module, (x,), {}, out, delta)["weight"]
+    twice.dots_many([u, 2 * u])
+    assert twice._rows is not None
     sg.sq_norms()
     assert sg._rows is not None
 

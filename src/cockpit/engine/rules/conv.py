@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.float_sums import sample_sum_sq
+from cockpit.engine.histograms.device import device_path
 from cockpit.engine.rules.registry import register_rule
 from cockpit.engine.rules.sample_grads import (
     DenseSampleGrads,
@@ -379,7 +380,8 @@ class ConvSampleGrads(SampleGrads):
         more directions, and for one when D ≤ C_out·L (few input channels per kernel, many
         positions: the gradients are no larger than δ)."""
         positions = math.prod(self.delta.shape[2:])  # (not a view of δ: no op)
-        return num_directions >= 2 or self.shape[1:].numel() <= positions
+        return num_directions >= 2 or (not device_path(self.delta.device)
+                                       and self.shape[1:].numel() <= positions)
 
     def dots_scratch_bytes(self, num_directions: int) -> int:
         """Projected by convolution: the K convolutions' outputs, K times δ's size (no
