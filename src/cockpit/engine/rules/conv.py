@@ -377,8 +377,10 @@ class ConvSampleGrads(SampleGrads):
         """Materializing costs about one convolution (the layer's weight-gradient FLOPs) and
         then every projection is a cheap pass over N·D numbers; projecting by convolution
         costs one convolution per direction and never builds g_n. So materialize for two or
-        more directions, and for one when D ≤ C_out·L (few input channels per kernel, many
-        positions: the gradients are no larger than δ)."""
+        more directions; for one on a CPU when D ≤ C_out·L (few input channels per kernel,
+        many positions: the gradients are no larger than δ), never on an accelerator (the
+        same FLOPs in two or three kernels instead of the unfolding's five or more and the
+        product, whose launches bind the step; no patches in memory)."""
         positions = math.prod(self.delta.shape[2:])  # (not a view of δ: no op)
         return num_directions >= 2 or (not device_path(self.delta.device)
                                        and self.shape[1:].numel() <= positions)
