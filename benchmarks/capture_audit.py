@@ -23,10 +23,15 @@ compares them op by op:
   first step's tensors are held, so equal storage means memory that persisted) or other
   memory (a graph needs a copy into a static buffer first: one multi-tensor copy per
   phase);
-* **host reads**: ops that read the device on the host (none is the accelerators' rule).
+* **host reads**: ops that read the device on the host (none is the accelerators' rule);
+* **copy-in**: the time of copying the tensors each phase outside the backward pass reads
+  from new memory into buffers made once (a multi-tensor copy per device and dtype): what a
+  graph of that phase would add to every step, beside its launch (``replay_bound.py
+  --device cuda`` times the graph).
 
     python benchmarks/capture_audit.py                       # 3C3D, GPT-2, ResNet-18
     python benchmarks/capture_audit.py --problems gpt2 --every 2   # the step after, too
+    python benchmarks/capture_audit.py --device cuda --problems 3c3d gpt2   # on a GPU
 
 ``--every 2`` tracks every other step and audits the tracked step and the step after it
 (where Alpha observes θ_{t+1}) against the next cycle's. The problems, paths and
@@ -39,6 +44,7 @@ are what a graph must copy in either way, the "same memory" ones what it may rea
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -52,6 +58,7 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cockpit import every
+from gpu_overhead import Clock
 from op_count import PACKAGE, make_step
 from replay_bound import (
     HOST_READS,
@@ -75,6 +82,7 @@ class Op:
     constants: list[Any]
     inputs: list[tuple[str, int]]  # (origin, storage address) of each input from outside
     host_read: bool
+    tensors: list[torch.Tensor] = field(default_factory=list)  # those inputs (held)
 
 
 @dataclass
@@ -120,7 +128,7 @@ class AuditRecorder(TorchDispatchMode):
             return out
         phase = self.phases[-1] if self.phases else OUTSIDE_PHASES
         leaves, _ = tree_flatten((args, kwargs))
-        constants, inputs = [], []
+        constants, inputs, tensors = [], [], []
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
                 constants.append(leaf)
@@ -129,18 +137,19 @@ class AuditRecorder(TorchDispatchMode):
             if found is not None and found[0] is leaf:
                 if found[1] != phase:
                     inputs.append(("earlier phase", _storage(leaf)))
+                    tensors.append(leaf)
                 continue
             address = _storage(leaf)
             if address not in self.places:
                 self.places.update(_places(self.params, self.optimizer))
             inputs.append((self.places.get(address, "other"), address))
-            self.step.held.append(leaf.detach())
+            tensors.append(leaf.detach())
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self._made[id(leaf)] = (leaf, phase)
                 self.step.held.append(leaf)
         self.step.ops.append(Op(func.overloadpacket.__name__, phase, _site(), constants,
-                                inputs, func.overloadpacket.__name__ in HOST_READS))
+                                inputs, func.overloadpacket.__name__ in HOST_READS, tensors))
         return out
 
 
@@ -191,7 +200,7 @@ def compare(a: StepOps, b: StepOps) -> dict[str, dict[str, Any]]:
         same = [o.name for o in ops_a] == [o.name for o in ops_b]
         row: dict[str, Any] = {"ops": (len(ops_a), len(ops_b)), "same ops": same,
                                "changed": [], "host reads": sum(o.host_read for o in ops_b),
-                               "inputs": {}}
+                               "inputs": {}, "copy in": []}
         if not same:
             first = next((i for i, (x, y) in enumerate(zip(ops_a, ops_b, strict=False))
                           if x.name != y.name), min(len(ops_a), len(ops_b)))
@@ -206,11 +215,15 @@ def compare(a: StepOps, b: StepOps) -> dict[str, dict[str, Any]]:
             if len(x.constants) != len(y.constants) or not all(
                     map(_same, x.constants, y.constants)):
                 row["changed"].append((y.site, y.name, x.constants, y.constants))
-            for (origin, address), (_, address_b) in zip(x.inputs, y.inputs, strict=False):
+            held = y.tensors or [None] * len(y.inputs)
+            for (origin, address), (_, address_b), tensor in zip(x.inputs, y.inputs, held,
+                                                                 strict=False):
                 if (origin, address_b) in counted:  # (each tensor once per phase)
                     continue
                 counted.add((origin, address_b))
                 kind = "same memory" if address == address_b else "other memory"
+                if kind == "other memory" and tensor is not None:
+                    row["copy in"].append(tensor)
                 counts = row["inputs"].setdefault(origin, {"same memory": 0,
                                                            "other memory": 0})
                 counts[kind] += 1
@@ -223,7 +236,26 @@ def _short(values: list[Any]) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def report(title: str, rows: dict[str, dict[str, Any]]) -> None:
+def copy_in_seconds(tensors: list[torch.Tensor], clock: Clock, repeats: int = 20) -> float:
+    """Median seconds of copying ``tensors`` into buffers made once (one multi-tensor copy
+    per device and dtype): what a graph of a phase would add at each step to bring its
+    inputs from new memory into its static buffers."""
+    groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for t in tensors:
+        if t.numel() and t.layout == torch.strided:
+            sources, buffers = groups.setdefault((t.device, t.dtype), ([], []))
+            sources.append(t)
+            buffers.append(torch.empty_like(t))
+
+    def copy() -> None:
+        for sources, buffers in groups.values():
+            torch._foreach_copy_(buffers, sources)
+
+    copy()  # (warm)
+    return statistics.median(clock.time(copy) for _ in range(repeats))
+
+
+def report(title: str, rows: dict[str, dict[str, Any]], clock: Clock | None = None) -> None:
     print(title)
     print(f"  {'phase (* outside the backward pass)':38s} {'ops':>5s} {'same':>5s} "
           f"{'changed':>8s} {'reads':>6s}  inputs from outside the phase: same memory / "
@@ -237,6 +269,12 @@ def report(title: str, rows: dict[str, dict[str, Any]]) -> None:
         if not row["same ops"]:
             index, x, y, site = row["first difference"]
             print(f"      ops differ from op {index} on: {x} / {y} ({site})")
+    if clock is not None:
+        copies = [f"{phase} {len(row['copy in'])} tensors "
+                  f"{1000 * copy_in_seconds(row['copy in'], clock):.3f} ms"
+                  for phase, row in rows.items() if phase in OUTSIDE_BACKWARD and row["copy in"]]
+        print("  copying the new memory into static buffers (*), median of one multi-tensor "
+              "copy per device and dtype: " + "; ".join(copies))
     changed = {(phase, site, name): (x, y) for phase, row in rows.items()
                for site, name, x, y in row["changed"]}
     if changed:
@@ -245,11 +283,12 @@ def report(title: str, rows: dict[str, dict[str, Any]]) -> None:
             print(f"    {phase}: {name} at {site}: ({_short(x)}) → ({_short(y)})")
 
 
-def audit(problem: str, config: str, cycle: int) -> list[tuple[str, dict[str, dict[str, Any]]]]:
+def audit(problem: str, config: str, cycle: int, device: str = "cpu"
+          ) -> list[tuple[str, dict[str, dict[str, Any]]]]:
     """The comparisons of :func:`compare` for ``problem``: two consecutive tracked steps
     (``cycle`` 1), or (``cycle`` 2: tracked every other step) two tracked steps and the two
     steps after them; the learning rate decays by 1 % a step, as under a scheduler."""
-    step, watcher = make_step(_registered(problem), config, 2, "cpu",
+    step, watcher = make_step(_registered(problem), config, 2, device,
                               every(cycle) if cycle > 1 else None)
     assert watcher is not None
     optimizer = watcher.optimizer
@@ -280,12 +319,15 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1, choices=[1, 2],
                         help="2: the tracked step and the step after it, each against the "
                              "next cycle's")
+    parser.add_argument("--device", default="cpu",
+                        help="cuda: the same audit there, and the copies timed on the GPU")
     args = parser.parse_args()
     torch.set_num_threads(1)
     histogram_device._forced = True  # (the accelerators' paths, as on a GPU)
+    clock = Clock(torch.device(args.device))
     for problem in args.problems:
-        for title, rows in audit(problem, args.config, args.every):
-            report(title, rows)
+        for title, rows in audit(problem, args.config, args.every, args.device):
+            report(title, rows, clock)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@
 #     CUDA's launches, beside the same run on a CPU; then benchmarks/replay_bound.py: the
 #     ops of a tracked step replayed without Cockpit's Python, and as one CUDA graph; then
 #     benchmarks/tensor_block.py: the norms of a model's parameters by multi-tensor ops
-#     against one block of them (the host's time of each).
+#     against one block of them (the host's time of each); then benchmarks/capture_audit.py:
+#     what a CUDA graph of each phase outside the backward pass would have to copy in first,
+#     timed.
 # (f) benchmarks/host_profile.py --device-only: the device's heaviest kernels in a tracked
 #     economy step of GPT-2 124M, ResNet-18 GroupNorm and 3C3D (a kernel that takes
 #     milliseconds where the step's others take microseconds: a bad shape for the library
@@ -38,7 +40,7 @@ TESTS_SECONDS="${TESTS_SECONDS:-120}"
 BENCH_SECONDS="${BENCH_SECONDS:-130}"   # cells after this are skipped; the run ends soon after
 CURVATURE_SECONDS="${CURVATURE_SECONDS:-60}"   # 0 skips part (b)
 MEMORY_SECONDS="${MEMORY_SECONDS:-60}"   # 0 skips part (d)
-HOST_SECONDS="${HOST_SECONDS:-115}"   # 0 skips part (e)
+HOST_SECONDS="${HOST_SECONDS:-125}"   # 0 skips part (e)
 DEVICE_SECONDS="${DEVICE_SECONDS:-110}"   # 0 skips part (f)
 
 limit() {  # limit SECONDS command...: a wall-clock limit where `timeout` exists
@@ -112,7 +114,8 @@ if [ "$cuda" = 1 ] && [ "$HOST_SECONDS" -gt 0 ]; then
         "$0" benchmarks/host_overhead.py --device cuda --phases --every 10 --steps 20 \
             --problems 3c3d gpt2 &&
         "$0" benchmarks/replay_bound.py --device cuda --steps 20 &&
-        "$0" benchmarks/tensor_block.py --device cuda' "$PY" 2>&1 \
+        "$0" benchmarks/tensor_block.py --device cuda &&
+        "$0" benchmarks/capture_audit.py --device cuda --problems 3c3d gpt2' "$PY" 2>&1 \
         | grep -v '^\[transformers\]' | tee "$OUT/host_overhead.txt"
 else
     echo "skipped (without CUDA, or HOST_SECONDS=0; on a CPU: python benchmarks/host_overhead.py)"

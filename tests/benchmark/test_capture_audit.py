@@ -12,7 +12,8 @@ from cockpit.engine.histograms import device as histogram_device
 from cockpit.step import tracked_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from capture_audit import Op, StepOps, audit, compare
+from capture_audit import Op, StepOps, audit, compare, copy_in_seconds
+from gpu_overhead import Clock
 from replay_bound import OUTSIDE_BACKWARD
 
 
@@ -57,6 +58,10 @@ def test_3c3d_steps_outside_the_backward_pass_repeat_and_a_planted_rate_is_found
     end = outside["step end (before the optimizer)"]["inputs"]
     assert end["parameter"]["same memory"] > 0 and end["parameter"]["other memory"] == 0
     assert outside["gradient check"]["inputs"]["gradient"]["other memory"] == 12
+    # what a graph of the check would copy in first: the 12 gradients and the 12 means
+    copy_in = outside["gradient check"]["copy in"]
+    assert len(copy_in) == 24 and len({t.untyped_storage().data_ptr() for t in copy_in}) == 24
+    assert copy_in_seconds(copy_in, Clock(torch.device("cpu")), repeats=3) > 0
 
     snapshot = tracked_step.TrackedStep._snapshot
 
