@@ -16,13 +16,11 @@ compares them op by op:
   between the steps, with the line that passes them — each one a value to move into a
   device tensor before that phase can be captured;
 * **inputs**: the tensors the ops read that no earlier op of the same phase made (each
-  counted once per phase), by where
-  they live — parameters, gradients (``p.grad``), the optimizer's state, tensors made by
-  Cockpit's ops in an earlier phase of the step (the layers' statistics), and others
-  (Cockpit's buffers, the losses) — and whether the second step read the same memory (the
-  first step's tensors are held, so equal storage means memory that persisted) or other
-  memory (a graph needs a copy into a static buffer first: one multi-tensor copy per
-  phase);
+  counted once per phase), by where they live — parameters, gradients (``p.grad``), the
+  optimizer's state, tensors made by Cockpit's ops in an earlier phase of the step (the
+  layers' statistics), and others (Cockpit's buffers, the losses) — and whether the second
+  step read them from the same memory (read in place by a graph) or from other memory (a
+  graph needs them copied into static buffers first);
 * **host reads**: ops that read the device on the host (none is the accelerators' rule);
 * **copy-in**: the time of copying the tensors each phase outside the backward pass reads
   from new memory into buffers made once (a multi-tensor copy per device and dtype): what a
@@ -34,11 +32,11 @@ compares them op by op:
     python benchmarks/capture_audit.py --device cuda --problems 3c3d gpt2   # on a GPU
 
 ``--every 2`` tracks every other step and audits the tracked step and the step after it
-(where Alpha observes θ_{t+1}) against the next cycle's. The problems, paths and
-selection are ``replay_bound.py``'s (``host_overhead.py``'s tiny models, accelerator paths
-forced); on a CPU the memory a step reads is the CPU allocator's, which reuses freed blocks
-as CUDA's caching allocator does, but not at the same addresses: the "other memory" counts
-are what a graph must copy in either way, the "same memory" ones what it may read in place.
+(where Alpha observes θ_{t+1}) against the next cycle's. Between the recorded steps the
+learning rate decays by 1 % a step, as under a scheduler. The first step's tensors are held
+while the second runs, so an input in the same storage is memory that persisted, on a CPU
+as on a GPU. The problems, paths and selection are ``replay_bound.py``'s
+(``host_overhead.py``'s tiny models, accelerator paths forced).
 """
 
 from __future__ import annotations
