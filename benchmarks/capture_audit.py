@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,11 +59,10 @@ from gpu_overhead import Clock
 from op_count import PACKAGE, make_step
 from replay_bound import (
     HOST_READS,
-    MODELS_IN_PACKAGE,
     OUTSIDE_BACKWARD,
     OUTSIDE_PHASES,
-    _is_cockpits,
     _registered,
+    cockpits_frame,
     histogram_device,
     innermost_phases,
 )
@@ -87,15 +85,6 @@ class Op:
 class StepOps:
     ops: list[Op] = field(default_factory=list)
     held: list[torch.Tensor] = field(default_factory=list)  # keeps the inputs' memory
-
-
-def _site() -> str:
-    """The innermost frame of Cockpit's package (not the problems' models) on the stack."""
-    for frame in reversed(traceback.extract_stack()):
-        name = frame.filename
-        if name.startswith(PACKAGE) and not name.startswith(MODELS_IN_PACKAGE):
-            return f"{name[len(PACKAGE) + 1:]}:{frame.lineno}"
-    return "?"
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -122,8 +111,10 @@ class AuditRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not _is_cockpits():
+        issuer = cockpits_frame(sys._getframe(1))  # (the line of Cockpit that led to the op)
+        if issuer is None:  # (the user's op)
             return out
+        site = f"{issuer.f_code.co_filename[len(PACKAGE) + 1:]}:{issuer.f_lineno}"
         phase = self.phases[-1] if self.phases else OUTSIDE_PHASES
         leaves, _ = tree_flatten((args, kwargs))
         constants, inputs, tensors = [], [], []
@@ -146,7 +137,7 @@ class AuditRecorder(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor):
                 self._made[id(leaf)] = (leaf, phase)
                 self.step.held.append(leaf)
-        self.step.ops.append(Op(func.overloadpacket.__name__, phase, _site(), constants,
+        self.step.ops.append(Op(func.overloadpacket.__name__, phase, site, constants,
                                 inputs, func.overloadpacket.__name__ in HOST_READS, tensors))
         return out
 

@@ -47,6 +47,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -215,15 +216,21 @@ class Tape:
         return self.reads[index]
 
 
-def _is_cockpits() -> bool:
-    """Whether a frame of Cockpit's package (not the problems' models) is on the stack."""
-    frame = sys._getframe(2)
+def cockpits_frame(frame: FrameType | None) -> FrameType | None:
+    """The innermost frame of Cockpit's package (not the problems' models) from ``frame``
+    outwards, or None."""
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(PACKAGE) and not name.startswith(MODELS_IN_PACKAGE):
-            return True
+            return frame
         frame = frame.f_back
-    return False
+    return None
+
+
+def _is_cockpits() -> bool:
+    """Whether a frame of Cockpit's package is on the stack (above the dispatch mode that
+    asks)."""
+    return cockpits_frame(sys._getframe(2)) is not None
 
 
 class Recorder(TorchDispatchMode):
