@@ -84,7 +84,7 @@ class Op:
 @dataclass
 class StepOps:
     ops: list[Op] = field(default_factory=list)
-    held: list[torch.Tensor] = field(default_factory=list)  # keeps the inputs' memory
+    held: list[torch.Tensor] = field(default_factory=list)  # the outputs, kept in memory
 
 
 def _storage(t: torch.Tensor) -> int:
