@@ -9,7 +9,9 @@ A multi-tensor op is one launch but makes a tensor per parameter (an allocation 
 tensor object for the host); the block takes one copy and a few ops whatever their number.
 The parameter shapes are the models' own (GPT-2 124M's 148 tensors, ResNet-18 GroupNorm's
 62, 3C3D's 12), filled with random numbers; ``--scale`` divides every first dimension (a
-quick run on a CPU).
+quick run on a CPU). A second table gives each form's peak memory above its inputs, as a
+multiple of the tensors' bytes (``torch.cuda.max_memory_allocated`` on CUDA, the CPU
+allocator's events from ``torch.profiler`` elsewhere).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from cockpit.engine.tensor_block import TensorBlock
 
 sys.path.insert(0, str(Path(__file__).parent))
 from op_count import MODELS, gpt2_problem
+from step_peak_memory import allocations
 
 
 def shapes_of(model: str) -> list[tuple[int, ...]]:
@@ -78,6 +81,26 @@ def timed(fn, device: torch.device, repeats: int) -> tuple[float, float]:
     return 1000 * statistics.median(host[2:]), 1000 * statistics.median(done[2:])
 
 
+def peak_above(fn, device: torch.device) -> int:
+    """Bytes allocated at ``fn``'s peak above what was allocated when it began (its result
+    freed after)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    current = peak = 0
+    for _, size, _ in allocations(prof):
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt2_124m", "resnet18_gn", "3c3d"],
@@ -91,6 +114,7 @@ def main() -> None:
     print(f"{'model':12s} {'tensors':>7s} {'numbers':>11s}  ms: host / done   "
           f"{'multi-tensor norm':>18s} {'block':>15s} {'differences (m-t)':>18s} "
           f"{'(block)':>15s}")
+    peaks: list[str] = []
     with torch.no_grad():
         for model in args.models:
             shapes = [(max(1, s[0] // args.scale), *s[1:]) for s in shapes_of(model)]
@@ -112,6 +136,21 @@ def main() -> None:
             print(f"{model:12s} {len(xs):7d} {sum(x.numel() for x in xs):11d}  {'':16s} "
                   + " ".join(f"{cell:>18s}" if k % 2 == 0 else f"{cell:>15s}"
                              for k, cell in enumerate(cells)))
+            size = sum(x.numel() * x.element_size() for x in xs)
+            ratios = []
+            for fn in (foreach_norms, block_norms, foreach_differences, block_differences):
+                if fn in (block_norms, block_differences) and not taken:
+                    ratios.append("(no block)")
+                    continue
+                peak = peak_above(functools.partial(fn, xs, ys, c), device)
+                ratios.append(f"{peak / size:.2f}×")
+            peaks.append(f"{model:12s} {size / 2**20:9.1f}  "
+                         + " ".join(f"{cell:>18s}" for cell in ratios))
+    print(f"\npeak memory above the inputs, × the tensors' bytes\n{'model':12s} {'MiB':>9s}  "
+          f"{'multi-tensor norm':>18s} {'block':>18s} {'differences (m-t)':>18s} "
+          f"{'(block)':>18s}")
+    print("\n".join(peaks))
+
 
 if __name__ == "__main__":
     main()

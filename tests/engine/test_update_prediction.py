@@ -743,7 +743,7 @@ def test_update_match_of_many_tensors_by_blocks_against_float64(monkeypatch):
     pp = sum(float((p.double() ** 2).sum()) for p in predicted)
     pa = sum(float((p.double() * a.double()).sum()) for p, a in zip(predicted, actual,
                                                                      strict=True))
-    assert checks[0] == pytest.approx(pp, rel=1e-12)
+    assert checks[0] == pytest.approx(pp, rel=1e-7)  # (columns of 32 squares in float32)
     assert checks[1] == pytest.approx(pa, rel=1e-7)
     assert match_update(predicted, actual, rtol=1e-5) == pytest.approx(0.3, rel=1e-6)
     actual[7] = actual[7] + 1e-2

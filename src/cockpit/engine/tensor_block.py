@@ -12,8 +12,9 @@ Then, for the block B [R, W] and the columns c_k of tensor k,
 
     ‖x_k‖² = Σ_{j ∈ c_k} Σ_r B_{r,j}²:
 
-one norm over the rows per column, accumulated in float64 (R numbers each), and one
-segmented sum of the columns' squares per tensor (float64), whatever P is. A difference of
+one norm over the rows per column (R numbers each, summed in float32: no float64 copy
+of the block), and one segmented sum of the columns' squares per tensor (float64), whatever
+P is. A difference of
 two lists of equal shapes is one difference of their blocks (equal layouts; the padding
 stays zero). The price is the copy of the tensors into the block, on the device (which the
 host binds on a GPU), and the block's padding, bounded here to an eighth of the elements
@@ -33,7 +34,8 @@ from cockpit.engine.chunk_cat import chunk_cat_takes
 from cockpit.engine.histograms.device import device_path
 
 ROWS = 32
-"""R: the rows of a block (the float64 column norms then hold 1/R of the elements)."""
+"""R: the rows of a block (the column norms, widened to float64, then hold 1/R of the
+elements)."""
 
 # Below this many tensors a multi-tensor op pays: a block takes about four ops more, and an
 # op costs the host of a GPU what a few tensors made cost it
@@ -114,9 +116,28 @@ class TensorBlock:
 
     def sq_norms(self) -> Tensor:
         """‖x_k‖² of every tensor, [P] float64."""
-        columns = torch.linalg.vector_norm(self.values, dim=0, dtype=torch.float64)
-        return torch.segment_reduce(columns.square_(), "sum", lengths=self.lengths,
+        return torch.segment_reduce(self.column_sq_sums(), "sum", lengths=self.lengths,
                                     unsafe=True)  # (the lengths sum to W: no device read)
+
+    def sq_total(self) -> Tensor:
+        """Σ_k ‖x_k‖², 0-dim float64."""
+        return self.column_sq_sums().sum()
+
+    def column_sq_sums(self) -> Tensor:
+        """Σ_r B_{r,j}² of every column j, [W] float64: each column's R squares summed in the
+        block's dtype (half precision in float32), then widened.
+
+        A float64 norm of the block would widen the block to float64 first (PyTorch
+        converts a reduction's input to the dtype it accumulates in, on a GPU too: twice
+        the block's memory more, and its traffic); a sum of R non-negative squares has no
+        cancellation and keeps the digits of float32, as a CPU's rows do
+        (:mod:`cockpit.engine.float_sums`)."""
+        values = self.values
+        if values.dtype == torch.float64:
+            columns = torch.linalg.vector_norm(values, dim=0)
+        else:
+            columns = torch.linalg.vector_norm(values, dim=0, dtype=torch.float32).double()
+        return columns.square_()
 
     def subtract(self, other: TensorBlock, scale: Tensor | None = None) -> TensorBlock:
         """x_k − c·y_k of every tensor (``other``: the y_k, of the same shapes; c =

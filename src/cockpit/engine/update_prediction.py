@@ -649,12 +649,13 @@ def _block_checks(p: TensorBlock, a: TensorBlock) -> Tensor:
     """:class:`UpdateMatch`'s checks from the blocks of p and a: ⟨p, p⟩ and ⟨p, a⟩ summed
     per column of the blocks (ROWS numbers each) and then in float64, and ‖κp − a‖ over all
     tensors at once (only the sum of squares is read)."""
-    pp = p.sq_norms().sum()
+    pp = p.sq_total()
     pa = torch.linalg.vecdot(p.values, a.values, dim=0).sum(dtype=torch.float64)
     sums = torch.stack([pp, pa])
     kappa = (sums[1] / sums[0]).to(p.values.dtype)
-    residual = torch.linalg.vector_norm(p.values.mul_(kappa).sub_(a.values),
-                                        dtype=torch.float64)
+    # (in the block's dtype: a float64 norm would widen the whole block first, and the
+    # residual is only compared with rtol·‖a‖)
+    residual = torch.linalg.vector_norm(p.values.mul_(kappa).sub_(a.values)).double()
     return torch.cat([sums, residual.reshape(1)])
 
 
