@@ -23,8 +23,10 @@
 # (f) benchmarks/host_profile.py --device-only: the device's heaviest kernels in a tracked
 #     economy step of GPT-2 124M, ResNet-18 GroupNorm and 3C3D (a kernel that takes
 #     milliseconds where the step's others take microseconds: a bad shape for the library
-#     that runs it), after benchmarks/stacked_dots.py (dot products over millions of numbers
-#     into a few outputs, by form; DEVICE_SECONDS, 0 skips).
+#     that runs it; the device's time per step against the step's: bound by the device or
+#     by the host), GPT-2's also with its Python functions by cumulative time, after
+#     benchmarks/stacked_dots.py (dot products over millions of numbers into a few outputs,
+#     by form; DEVICE_SECONDS, 0 skips).
 # About 9 minutes in all (limits: TESTS_SECONDS, CURVATURE_SECONDS, BENCH_SECONDS + 50 s,
 # MEMORY_SECONDS, HOST_SECONDS, DEVICE_SECONDS). Without CUDA it checks itself in seconds: the cuda tests skip and a tiny
 # CPU dry run of (c) runs.
@@ -124,10 +126,14 @@ fi
 echo "== (f) benchmarks/host_profile.py --device-only: the heaviest kernels of a tracked step"
 if [ "$cuda" = 1 ] && [ "$DEVICE_SECONDS" -gt 0 ]; then
     limit "$DEVICE_SECONDS" bash -c '"$0" benchmarks/stacked_dots.py
-        for problem in "gpt2_124m 8" "resnet18_gn 128" "3c3d 128"; do
+        for problem in "gpt2_124m 8 python" "resnet18_gn 128" "3c3d 128"; do
             set -- $problem
-            "$0" benchmarks/host_profile.py --model "$1" --batch "$2" --device-only --steps 3 \
-                --top 12 | sed -n "/^[a-z0-9_]* economy/p; /== by device time/,\$p"
+            only=--device-only  # (GPT-2 also by Python function: is its host time Python?)
+            [ "${3:-}" = python ] && only=
+            "$0" benchmarks/host_profile.py --model "$1" --batch "$2" $only --steps 3 \
+                --top 16 | sed -n "/^[a-z0-9_]* economy/p;
+                    /== Python functions by cumulative/,/== torch.profiler/p;
+                    /== by device time/,\$p"
         done' "$PY" 2>&1 | grep -v '^\[transformers\]' | tee "$OUT/device_kernels.txt"
 else
     echo "skipped (without CUDA, or DEVICE_SECONDS=0)"
