@@ -171,6 +171,9 @@ def test_conv_projection_path_by_size(channels, accelerator, lazy, monkeypatch):
     sg = conv_rule(module, (x,), {}, out, delta)["weight"]
     torch.testing.assert_close(sg.dots_many([u])[0], reference)
     assert (sg._rows is None) == lazy
+    # the gradient output's scale (a mean's 1/N undone) folded into the product
+    scaled = conv_rule(module, (x,), {}, out, delta, scale=2.5)["weight"]
+    torch.testing.assert_close(scaled.dots_many([u])[0], 2.5 * reference)
     twice = conv_rule(module, (x,), {}, out, delta)["weight"]
     twice.dots_many([u, 2 * u])
     assert twice._rows is not None
