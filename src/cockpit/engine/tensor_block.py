@@ -14,11 +14,10 @@ Then, for the block B [R, W] and the columns c_k of tensor k,
 
 one norm over the rows per column (R numbers each, summed in float32: no float64 copy
 of the block), and one segmented sum of the columns' squares per tensor (float64), whatever
-P is. A difference of
-two lists of equal shapes is one difference of their blocks (equal layouts; the padding
-stays zero). The price is the copy of the tensors into the block, on the device (which the
-host binds on a GPU), and the block's padding, bounded here to an eighth of the elements
-(or 2^20 elements: a small model's).
+P is. A difference of two lists of equal shapes is one difference of their blocks (equal
+layouts; the padding stays zero). The price is the copy of the tensors into the block, on
+the device (which the host binds on a GPU), and the block's padding, bounded here to an
+eighth of the elements (or 2^20 elements: a small model's).
 """
 
 from __future__ import annotations
