@@ -44,6 +44,15 @@ MODELS["gpt2_124m"] = functools.partial(gpt2_problem, vocab=50257, length=256, n
                                         n_embd=768, n_head=12, autocast=True)
 
 
+# CUDA runtime calls counted per tracked step: launches, copies, waits for the device, and
+# the allocator's own calls (a cudaMalloc or cudaFree in every step: transients of sizes the
+# caching allocator does not hold; cudaFree also waits for the device)
+RUNTIME_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemcpy",
+                 "cudaMemsetAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                 "cudaEventSynchronize", "cudaStreamWaitEvent", "cudaMalloc", "cudaFree",
+                 "cudaHostAlloc", "cudaFreeHost")
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -168,12 +177,11 @@ def device_calls(tracked, args, first: int) -> None:
     if args.device.startswith("cuda"):
         print("\n== by device time")
         print(events.table(sort_by="self_device_time_total", row_limit=args.top))
-        calls = {e.key: e.count for e in events
-                 if e.key.startswith("cuda") and e.key in ("cudaLaunchKernel",
-                 "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaLaunchKernelExC",
-                 "cudaMemsetAsync", "cudaDeviceSynchronize")}
-        print("runtime calls per tracked step:",
-              {k: round(v / args.steps, 1) for k, v in calls.items()})
+        calls = {e.key: (e.count, e.self_cpu_time_total) for e in events
+                 if e.key in RUNTIME_CALLS}
+        print("runtime calls per tracked step (count, host ms):",
+              {k: (round(n / args.steps, 1), round(t / args.steps / 1e3, 3))
+               for k, (n, t) in calls.items()})
         print(heaviest_kernel(events, args.steps))
 
 
