@@ -12,20 +12,27 @@ functions take the host's time and how much device time a step holds. Models as 
     python benchmarks/host_profile.py --model gpt2_124m --batch 8 --device-only --steps 3
     python benchmarks/host_profile.py --device cpu --batch 8 --steps 2   # dry run
     python benchmarks/host_profile.py --device cpu --path accelerator  # as on a GPU
+    python benchmarks/host_profile.py --model gpt2_124m --batch 2 --device cpu \
+        --path accelerator --device-only --steps 1 --by-site  # a device's work, by site
 
 ``--path accelerator`` takes the accelerators' histogram path on any device (as
 ``op_count.py`` does); on the CPU its kernels (``bucketize``, ``histc``) are slow, so the
-times there are no proxy for a GPU's host.
+times there are no proxy for a GPU's host. ``--by-site`` adds the ops' own time by the
+Cockpit function that issued them: on a CPU at a model's real size, where the arithmetic
+and the memory traffic a GPU would do go (the CPU's own slow spots aside: reductions
+over a block's rows, ``_chunk_cat``, the histograms' kernels).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import functools
 import io
 import pstats
+import re
 import statistics
 import sys
 import threading
@@ -119,6 +126,8 @@ def main() -> None:
                         help="only torch.profiler's tables (no cProfile of the Python functions)")
     parser.add_argument("--path", default="auto", choices=["auto", "accelerator"],
                         help="accelerator: the accelerators' histogram path on any device")
+    parser.add_argument("--by-site", action="store_true",
+                        help="also the ops' own time by the Cockpit function that issued them")
     args = parser.parse_args()
     if args.path == "accelerator":
         histogram_device._forced = True
@@ -138,6 +147,8 @@ def main() -> None:
     if not args.device_only:
         python_functions(tracked, args, first)
     device_calls(tracked, args, first + args.steps)
+    if args.by_site:
+        ops_by_site(tracked, args, first + 2 * args.steps)
     if watcher is not None:
         watcher.close()
 
@@ -183,6 +194,48 @@ def device_calls(tracked, args, first: int) -> None:
               {k: (round(n / args.steps, 1), round(t / args.steps / 1e3, 3))
                for k, (n, t) in calls.items()})
         print(heaviest_kernel(events, args.steps))
+
+
+def ops_by_site(tracked, args, first: int) -> None:
+    """The aten ops' own host time (without the ops they call) by the innermost Cockpit
+    function on their stack ("training" for the user's step). On a CPU at a model's real
+    size the ops' time is their arithmetic and memory traffic: where a GPU's device time
+    goes, by Cockpit's function, without a GPU."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                with_stack=True) as prof:
+        for i in range(first, first + args.steps):
+            tracked(i)
+        _sync(args.device)
+    sites: collections.Counter = collections.Counter()
+    ops: collections.Counter = collections.Counter()
+
+    def site(node) -> str:
+        while node is not None:
+            if re.search(r"(^|/)cockpit/[^(]*\.py\(", node.name):
+                return re.sub(r"^.*?(cockpit/)", r"\1", node.name)
+            node = node.parent
+        return "training"
+
+    def walk(nodes) -> None:
+        for node in nodes:
+            if node.name.startswith("aten::"):
+                own = node.duration_time_ns - sum(
+                    c.duration_time_ns for c in node.children if c.name.startswith("aten::"))
+                where = site(node)
+                sites[where] += own
+                ops[(where, node.name)] += own
+            walk(node.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    per_step = 1e6 * args.steps
+    print(f"\n== the ops' own time by Cockpit's function, ms per tracked step (all ops "
+          f"{sum(sites.values()) / per_step:.1f}, the user's step "
+          f"{sites['training'] / per_step:.1f})")
+    for where, ns in sites.most_common(args.top):
+        print(f"{ns / per_step:10.2f}  {where}")
+    print("\n== by op and function")
+    for (where, name), ns in ops.most_common(args.top):
+        print(f"{ns / per_step:10.2f}  {name:32s} {where}")
 
 
 def heaviest_kernel(events, steps: int) -> str:
