@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -80,3 +81,26 @@ def add_gpt2_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--autocast", action="store_true", help="bfloat16 autocast")
+
+
+def allocations(prof) -> list[tuple[int, int, object]]:
+    """(time, bytes: negative for a free, profiler node) of every allocation event."""
+    events = []
+
+    def walk(nodes):
+        for node in nodes:
+            if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
+                events.append((node.start_time_ns, node.extra_fields.alloc_size, node))
+            walk(node.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    return sorted(events, key=lambda e: e[0])
+
+
+def cockpit_frame(node) -> str:
+    """The innermost Cockpit function on the node's stack ("training" where none is)."""
+    while node is not None:
+        if re.search(r"(^|/)cockpit/[^(]*\.py\(", node.name):
+            return re.sub(r"^.*?(cockpit/)", r"\1", node.name)
+        node = node.parent
+    return "training"

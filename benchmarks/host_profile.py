@@ -32,7 +32,6 @@ import cProfile
 import functools
 import io
 import pstats
-import re
 import statistics
 import sys
 import threading
@@ -44,6 +43,7 @@ import torch
 from cockpit.engine.histograms import device as histogram_device
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import cockpit_frame
 from op_count import MODELS, gpt2_problem, make_step
 
 # GPT-2 124M (the GPU baseline's language model, bf16 autocast on CUDA), T = 256
@@ -209,19 +209,12 @@ def ops_by_site(tracked, args, first: int) -> None:
     sites: collections.Counter = collections.Counter()
     ops: collections.Counter = collections.Counter()
 
-    def site(node) -> str:
-        while node is not None:
-            if re.search(r"(^|/)cockpit/[^(]*\.py\(", node.name):
-                return re.sub(r"^.*?(cockpit/)", r"\1", node.name)
-            node = node.parent
-        return "training"
-
     def walk(nodes) -> None:
         for node in nodes:
             if node.name.startswith("aten::"):
                 own = node.duration_time_ns - sum(
                     c.duration_time_ns for c in node.children if c.name.startswith("aten::"))
-                where = site(node)
+                where = cockpit_frame(node)
                 sites[where] += own
                 ops[(where, node.name)] += own
             walk(node.children)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import sys
 from pathlib import Path
 
@@ -29,30 +28,8 @@ from cockpit import Cockpit, configuration
 from cockpit.engine.histograms import device as histogram_device
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import allocations, cockpit_frame
 from gpu_overhead import PROBLEMS, make_problem
-
-
-def allocations(prof) -> list[tuple[int, int, object]]:
-    """(time, bytes: negative for a free, profiler node) of every allocation event."""
-    events = []
-
-    def walk(nodes):
-        for node in nodes:
-            if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
-                events.append((node.start_time_ns, node.extra_fields.alloc_size, node))
-            walk(node.children)
-
-    walk(prof.profiler.kineto_results.experimental_event_tree())
-    return sorted(events, key=lambda e: e[0])
-
-
-def cockpit_frame(node) -> str:
-    """The innermost Cockpit function on the node's stack ("training" where none is)."""
-    while node is not None:
-        if re.search(r"(^|/)cockpit/[^(]*\.py\(", node.name):
-            return re.sub(r"^.*?(cockpit/)", r"\1", node.name)
-        node = node.parent
-    return "training"
 
 
 def main() -> None:

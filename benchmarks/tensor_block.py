@@ -29,8 +29,8 @@ from torch import Tensor
 from cockpit.engine.tensor_block import TensorBlock
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import allocations
 from op_count import MODELS, gpt2_problem
-from step_peak_memory import allocations
 
 
 def shapes_of(model: str) -> list[tuple[int, ...]]:
