@@ -1,0 +1,171 @@
+"""The bytes a tracked step's ops read and write and the products' floating-point operations,
+counted on the CPU by the Cockpit function that issued them, and what they would take a GPU:
+a roofline estimate, each op the longer of its bytes at the memory's bandwidth and its
+operations at the arithmetic peak.
+
+``op_count.py`` counts the launches (the host's side of a GPU step); this counts the
+device's side without a GPU. A CPU's own op times are no stand-in for it (a CPU is slow at
+what a GPU does in one pass: reductions over a block's rows, ``_chunk_cat``, the histograms'
+kernels; ``host_profile.py --by-site``); the bytes and the operations are the same on any
+machine. Counted per op: every tensor it reads (at most its storage: a broadcast input is
+read once) and every tensor it writes; views move nothing; FLOPs for the matrix products
+(``mm``, ``addmm``, ``bmm``, ``baddbmm``) and convolutions (forward 2·N·C_out·L_out·C_in/G·K,
+backward twice that), none for the others (bound by memory). The estimate leaves out the
+launches (the host's, ``op_count.py``) and any reuse of data in caches, and takes float32
+products at the float32 peak (under a GPU's bfloat16 autocast the model's products run
+faster; Cockpit's products of recorded bfloat16 inputs too). The histograms are counted as
+the CPU runs the accelerators' path, with ``bucketize`` and lane counts by ``histc``
+(``engine/histograms/device.py``: ``bin_index``, ``tally``); on CUDA one Triton kernel reads
+the values once instead (``histograms/fused.py``), a fraction of those rows' bytes.
+
+    python benchmarks/device_traffic.py                            # 3C3D economy, |B| = 128
+    python benchmarks/device_traffic.py --model gpt2_124m --batch 8   # GPT-2 124M, T = 256
+    python benchmarks/device_traffic.py --model resnet18_gn --batch 128 --after
+
+Machine constants (``--bandwidth``, ``--flops``): an H200's 4.8 TB/s and 67 TFLOP/s of
+float32 (without TF32), taken at 80 % and 75 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import math
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from cockpit.engine.histograms import device as histogram_device
+from cockpit.schedules import every
+
+sys.path.insert(0, str(Path(__file__).parent))
+from op_count import MODELS, PACKAGE, USER, gpt2_problem, make_step
+
+MODELS["gpt2_124m"] = functools.partial(gpt2_problem, vocab=50257, length=256, n_layer=12,
+                                        n_embd=768, n_head=12, autocast=True)
+
+# ops that make views in their implementation though their schema does not say so
+_VIEW_LIKE = {"_unsafe_view", "lift_fresh", "_reshape_alias"}
+_PRODUCTS = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+def _read_bytes(t: Tensor) -> int:
+    """Bytes an op reads of ``t``: its elements, at most its storage (an expanded tensor's
+    repeated elements come from the cache)."""
+    size = t.numel() * t.element_size()
+    try:
+        return min(size, t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # (no storage: a tensor subclass)
+        return size
+
+
+def _flops(name: str, args: tuple, out) -> int:
+    """The floating-point operations of a matrix product or a convolution (0 for others)."""
+    if name in _PRODUCTS:
+        a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
+        batch = a.shape[0] if a.dim() == 3 else 1
+        return 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+    if name == "convolution":
+        weight, result = args[1], out
+        return 2 * result.numel() * math.prod(weight.shape[1:])
+    if name == "convolution_backward":  # (grad_output, input, weight, ...)
+        grad_output, weight = args[0], args[2]
+        return 2 * 2 * grad_output.numel() * math.prod(weight.shape[1:])
+    return 0
+
+
+class Traffic(TorchDispatchMode):
+    """Per Cockpit function (the innermost frame in the package; the user's loop where
+    none): ops, bytes read and written, FLOPs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.bytes: collections.Counter = collections.Counter()
+        self.flops: collections.Counter = collections.Counter()
+        self.seconds: collections.Counter = collections.Counter()
+        self.bandwidth, self.peak = 4.8e12 * 0.8, 67e12 * 0.75
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(PACKAGE)
+                  and "/benchmark/" not in f.filename]
+        where = (f"{frames[-1].filename[len(PACKAGE) + 1:]}:{frames[-1].name}"
+                 if frames else USER)
+        self.ops[where] += 1
+        if func.is_view or name in _VIEW_LIKE:
+            return out
+        moved = sum(_read_bytes(t) for t in tree_leaves((args, kwargs or {}))
+                    if isinstance(t, Tensor))
+        moved += sum(t.numel() * t.element_size() for t in tree_leaves(out)
+                     if isinstance(t, Tensor))
+        flops = _flops(name, args, out)
+        self.bytes[where] += moved
+        self.flops[where] += flops
+        self.seconds[where] += max(moved / self.bandwidth, flops / self.peak)
+        return out
+
+
+def count(model: str, config: str | None, batch: int, after: bool, traffic: Traffic
+          ) -> Traffic:
+    """The third step's traffic (tracked every step; ``after``: tracked every other step,
+    the step after the tracked third)."""
+    step, watcher = make_step(model, config, batch, schedule=every(2) if after else None)
+    for i in range(3 if after else 2):
+        step(i)
+    with traffic:
+        step(3 if after else 2)
+    if watcher is not None:
+        watcher.get_output()
+        watcher.close()
+    return traffic
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="3c3d", choices=list(MODELS))
+    parser.add_argument("--config", default="economy", choices=["economy", "business", "full"])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--after", action="store_true",
+                        help="the step after a tracked one (Alpha observes θ_{t+1} there)")
+    parser.add_argument("--top", type=int, default=15, help="functions listed")
+    parser.add_argument("--bandwidth", type=float, default=4.8e12 * 0.8, help="bytes/s")
+    parser.add_argument("--flops", type=float, default=67e12 * 0.75, help="FLOP/s")
+    args = parser.parse_args()
+    histogram_device._forced = True  # (the accelerators' paths, as on a GPU)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    def traffic() -> Traffic:
+        t = Traffic()
+        t.bandwidth, t.peak = args.bandwidth, args.flops
+        return t
+
+    plain = count(args.model, None, args.batch, args.after, traffic())
+    tracked = count(args.model, args.config, args.batch, args.after, traffic())
+    which = "the step after a tracked one" if args.after else "a tracked step"
+    user = plain.seconds[USER]
+    cockpit = sum(v for k, v in tracked.seconds.items() if k != USER)
+    print(f"{args.model} {args.config}, |B| = {args.batch}, {which}: estimated device time "
+          f"{1e3 * user:.2f} ms without Cockpit, Cockpit's ops {1e3 * cockpit:.2f} ms more "
+          f"(device work {(user + cockpit) / max(user, 1e-12):.2f}×) at "
+          f"{args.bandwidth / 1e12:.2f} TB/s and {args.flops / 1e12:.1f} TFLOP/s")
+    print(f"Cockpit's ops: {sum(tracked.ops.values()) - tracked.ops[USER]}, "
+          f"{sum(v for k, v in tracked.bytes.items() if k != USER) / 1e9:.2f} GB, "
+          f"{sum(v for k, v in tracked.flops.items() if k != USER) / 1e9:.1f} GFLOP; "
+          f"the step without Cockpit: {sum(plain.ops.values())} ops, "
+          f"{plain.bytes[USER] / 1e9:.2f} GB, {plain.flops[USER] / 1e9:.1f} GFLOP")
+    print(f"{'ms':>9s} {'GB':>8s} {'GFLOP':>8s} {'ops':>5s}  function")
+    for where, seconds in tracked.seconds.most_common(args.top):
+        print(f"{1e3 * seconds:9.3f} {tracked.bytes[where] / 1e9:8.3f} "
+              f"{tracked.flops[where] / 1e9:8.2f} {tracked.ops[where]:5d}  {where}")
+
+
+if __name__ == "__main__":
+    main()
