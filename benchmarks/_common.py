@@ -97,6 +97,18 @@ def allocations(prof) -> list[tuple[int, int, object]]:
     return sorted(events, key=lambda e: e[0])
 
 
+def peak_of(events: list[tuple[int, int, object]]) -> tuple[int, int]:
+    """The most bytes allocated at once over :func:`allocations`' events, above what was
+    allocated before them, and the index of the event that reached it (-1: none)."""
+    current = peak = 0
+    at = -1
+    for index, (_, size, _) in enumerate(events):
+        current += size
+        if current > peak:
+            peak, at = current, index
+    return peak, at
+
+
 def cockpit_frame(node) -> str:
     """The innermost Cockpit function on the node's stack ("training" where none is)."""
     while node is not None:

@@ -33,22 +33,24 @@ import collections
 import functools
 import math
 import sys
-import traceback
 from pathlib import Path
 
-import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from cockpit.engine.histograms import device as histogram_device
-from cockpit.schedules import every
 
 sys.path.insert(0, str(Path(__file__).parent))
-from op_count import MODELS, PACKAGE, USER, gpt2_problem, make_step
+from op_count import MODELS, USER, count, gpt2_problem, issuing_site
 
 MODELS["gpt2_124m"] = functools.partial(gpt2_problem, vocab=50257, length=256, n_layer=12,
                                         n_embd=768, n_head=12, autocast=True)
+
+BANDWIDTH = 4.8e12 * 0.8
+"""Bytes/s: an H200's memory bandwidth at 80 %."""
+PEAK = 67e12 * 0.75
+"""FLOP/s: an H200's float32 peak (no TF32) at 75 %."""
 
 # ops that make views in their implementation though their schema does not say so
 _VIEW_LIKE = {"_unsafe_view", "lift_fresh", "_reshape_alias"}
@@ -84,21 +86,18 @@ class Traffic(TorchDispatchMode):
     """Per Cockpit function (the innermost frame in the package; the user's loop where
     none): ops, bytes read and written, FLOPs."""
 
-    def __init__(self):
+    def __init__(self, bandwidth: float = BANDWIDTH, peak: float = PEAK):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
         self.bytes: collections.Counter = collections.Counter()
         self.flops: collections.Counter = collections.Counter()
         self.seconds: collections.Counter = collections.Counter()
-        self.bandwidth, self.peak = 4.8e12 * 0.8, 67e12 * 0.75
+        self.bandwidth, self.peak = bandwidth, peak
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(PACKAGE)
-                  and "/benchmark/" not in f.filename]
-        where = (f"{frames[-1].filename[len(PACKAGE) + 1:]}:{frames[-1].name}"
-                 if frames else USER)
+        where = issuing_site()
         self.ops[where] += 1
         if func.is_view or name in _VIEW_LIKE:
             return out
@@ -113,21 +112,6 @@ class Traffic(TorchDispatchMode):
         return out
 
 
-def count(model: str, config: str | None, batch: int, after: bool, traffic: Traffic
-          ) -> Traffic:
-    """The third step's traffic (tracked every step; ``after``: tracked every other step,
-    the step after the tracked third)."""
-    step, watcher = make_step(model, config, batch, schedule=every(2) if after else None)
-    for i in range(3 if after else 2):
-        step(i)
-    with traffic:
-        step(3 if after else 2)
-    if watcher is not None:
-        watcher.get_output()
-        watcher.close()
-    return traffic
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="3c3d", choices=list(MODELS))
@@ -136,19 +120,12 @@ def main() -> None:
     parser.add_argument("--after", action="store_true",
                         help="the step after a tracked one (Alpha observes θ_{t+1} there)")
     parser.add_argument("--top", type=int, default=15, help="functions listed")
-    parser.add_argument("--bandwidth", type=float, default=4.8e12 * 0.8, help="bytes/s")
-    parser.add_argument("--flops", type=float, default=67e12 * 0.75, help="FLOP/s")
+    parser.add_argument("--bandwidth", type=float, default=BANDWIDTH, help="bytes/s")
+    parser.add_argument("--flops", type=float, default=PEAK, help="FLOP/s")
     args = parser.parse_args()
     histogram_device._forced = True  # (the accelerators' paths, as on a GPU)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-
-    def traffic() -> Traffic:
-        t = Traffic()
-        t.bandwidth, t.peak = args.bandwidth, args.flops
-        return t
-
-    plain = count(args.model, None, args.batch, args.after, traffic())
-    tracked = count(args.model, args.config, args.batch, args.after, traffic())
+    plain, tracked = (count(config, args.batch, Traffic(args.bandwidth, args.flops),
+                            args.model, args.after) for config in (None, args.config))
     which = "the step after a tracked one" if args.after else "a tracked step"
     user = plain.seconds[USER]
     cockpit = sum(v for k, v in tracked.seconds.items() if k != USER)

@@ -111,14 +111,20 @@ class CountOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[func.overloadpacket.__name__] += 1
-        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(PACKAGE)
-                  and "/benchmark/" not in f.filename]
-        self.where[(f"{frames[-1].filename[len(PACKAGE) + 1:]}:{frames[-1].name}"
-                    if frames else USER)] += 1
+        where = issuing_site()
+        self.where[where] += 1
         out = func(*args, **(kwargs or {}))
-        self.made["Cockpit" if frames else USER] += sum(
+        self.made["Cockpit" if where != USER else USER] += sum(
             isinstance(t, Tensor) for t in tree_leaves(out))
         return out
+
+
+def issuing_site() -> str:
+    """The innermost function of Cockpit's package (not its benchmark problems) on the stack
+    of the op being dispatched, "path:function", or :data:`USER` where there is none."""
+    frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(PACKAGE)
+              and "/benchmark/" not in f.filename]
+    return f"{frames[-1].filename[len(PACKAGE) + 1:]}:{frames[-1].name}" if frames else USER
 
 
 class CountCalls:
@@ -173,8 +179,9 @@ def make_step(model_name: str, config: str | None, batch: int, device: str = "cp
 def count(config: str | None, batch: int, counter=None, model_name: str = "3c3d",
           after: bool = False):
     """The third step's ops (``config`` None: without Cockpit); ``counter``: another
-    context that watches the step (:class:`CountCalls`). ``after``: tracked every other
-    step, the fourth step's, after the tracked third (Alpha observes θ_{t+1} there)."""
+    context that watches the step (:class:`CountCalls`, ``device_traffic.Traffic``).
+    ``after``: tracked every other step, the fourth step's, after the tracked third (Alpha
+    observes θ_{t+1} there)."""
     step, watcher = make_step(model_name, config, batch, schedule=every(2) if after else None)
     for i in range(3 if after else 2):
         step(i)

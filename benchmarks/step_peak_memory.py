@@ -28,7 +28,7 @@ from cockpit import Cockpit, configuration
 from cockpit.engine.histograms import device as histogram_device
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import allocations, cockpit_frame
+from _common import allocations, cockpit_frame, peak_of
 from gpu_overhead import PROBLEMS, make_problem
 
 
@@ -67,12 +67,7 @@ def main() -> None:
     if cockpit is not None:
         cockpit.close()
     events = allocations(prof)
-    current = peak = 0
-    at = -1
-    for index, (_, size, _) in enumerate(events):
-        current += size
-        if current > peak:
-            peak, at = current, index
+    peak, at = peak_of(events)
     live: dict[int, tuple[int, object]] = {}
     for _, size, node in events[:at + 1]:
         ptr = node.extra_fields.ptr

@@ -29,7 +29,7 @@ from torch import Tensor
 from cockpit.engine.tensor_block import TensorBlock
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import allocations
+from _common import allocations, peak_of
 from op_count import MODELS, gpt2_problem
 
 
@@ -94,11 +94,7 @@ def peak_above(fn, device: torch.device) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as prof:
         fn()
-    current = peak = 0
-    for _, size, _ in allocations(prof):
-        current += size
-        peak = max(peak, current)
-    return peak
+    return peak_of(allocations(prof))[0]
 
 
 def main() -> None:
