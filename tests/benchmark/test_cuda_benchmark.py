@@ -5,23 +5,15 @@ beside ours with the ratio ours/original."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark.bench_helpers import run_benchmark
 
 
 def test_gpu_overhead_dry_run_on_the_cpu(tmp_path):
     out = tmp_path / "gpu.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "benchmarks/gpu_overhead.py", "--device", "cpu", "--quick",
-         "--problems", "cifar10_3c3d", "--configs", "economy", "--every", "4",
-         "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    table = run_benchmark("gpu_overhead.py", "--device", "cpu", "--quick", "--problems",
+                          "cifar10_3c3d", "--configs", "economy", "--every", "4", "--json",
+                          str(out), timeout=600).stdout
     data = json.loads(out.read_text())
     records = data["records"]
     assert {r["part"] for r in records} == {"side", "gpt2", "resnet", "fig7", "idle"}
@@ -31,7 +23,6 @@ def test_gpu_overhead_dry_run_on_the_cpu(tmp_path):
     assert {r["every"] for r in records if r["part"] == "resnet"} == {1, 10}
     assert [(r["config"], r["every"]) for r in records if r["part"] == "fig7"] == [
         ("economy", 4), ("business", 4), ("full", 4)]
-    table = result.stdout
     # the original package's H200 cell beside ours, and ours/original of the tracked step
     row = next(line for line in table.splitlines()
                if line.startswith("| cifar10_3c3d | economy |"))
@@ -55,12 +46,8 @@ def test_gpu_overhead_dry_run_on_the_cpu(tmp_path):
 def test_curvature_batched_dry_run_on_the_cpu():
     """``benchmarks/curvature_batched.py`` (part b of ``gpu_check.sh``) runs on a small batch:
     each method's loop and batched time, and their ratio."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "benchmarks/curvature_batched.py", "--batch", "4", "--repeats", "1",
-         "--methods", "diag_ggn_exact", "diag_ggn_mc"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_benchmark("curvature_batched.py", "--batch", "4", "--repeats", "1",
+                           "--methods", "diag_ggn_exact", "diag_ggn_mc", timeout=600)
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [r["method"] for r in records] == ["diag_ggn_exact", "diag_ggn_mc"]
     assert all(r["loop_ms"] > 0 and r["batched_ms"] > 0 for r in records)

@@ -4,16 +4,13 @@ by function, counted exactly for ops whose traffic is known, and its dry run on 
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark.bench_helpers import ROOT, run_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +47,8 @@ def test_bytes_and_flops_of_known_ops(traffic_module):
 
 
 def test_device_traffic_lists_a_tracked_steps_functions():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "benchmarks/device_traffic.py", "--batch", "4", "--top", "40"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    head, totals, _, *rows = result.stdout.strip().splitlines()
+    out = run_benchmark("device_traffic.py", "--batch", "4", "--top", "40").stdout
+    head, totals, _, *rows = out.strip().splitlines()
     plain, extra = map(float, re.search(
         r"estimated device time ([\d.]+) ms without Cockpit, Cockpit's ops ([\d.]+) ms more",
         head).groups())

@@ -3,23 +3,14 @@ profiler's op table and, with ``--by-site``, the ops' own time by Cockpit's func
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark.bench_helpers import run_benchmark
 
 
 def test_host_profile_gives_the_ops_time_by_cockpits_function():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "benchmarks/host_profile.py", "--device", "cpu", "--batch", "4",
-         "--steps", "1", "--device-only", "--by-site", "--top", "8", "--path", "accelerator"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    out = result.stdout
+    out = run_benchmark("host_profile.py", "--device", "cpu", "--batch", "4", "--steps", "1",
+                        "--device-only", "--by-site", "--top", "8", "--path", "accelerator").stdout
     assert re.search(r"3c3d economy, \|B\| = 4, cpu: tracked [\d.]+ ms, untracked", out)
     sites = out.split("== the ops' own time by Cockpit's function")[1].split("== by op")[0]
     rows = [line.split(None, 1) for line in sites.splitlines()[1:] if line.strip()]

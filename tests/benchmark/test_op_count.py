@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark.bench_helpers import run_benchmark
 
 
 def test_op_count_lists_the_ops_of_a_tracked_step_by_function():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "benchmarks/op_count.py", "--batch", "4", "--top", "50"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    head, ops, made, calls, *rows = result.stdout.strip().splitlines()
+    out = run_benchmark("op_count.py", "--batch", "4", "--top", "50").stdout
+    head, ops, made, calls, *rows = out.strip().splitlines()
     assert ops.startswith("ops: ")
     by_cockpit, by_user = map(int, re.search(
         r"tensors made: (\d+) by Cockpit's ops, (\d+) by the user's step", made).groups())
@@ -37,14 +29,10 @@ def test_op_count_lists_the_ops_of_a_tracked_step_by_function():
 def test_op_count_of_the_step_after_a_tracked_one_has_only_its_projections():
     """``--after``: the step where Alpha observes θ_{t+1} projects each layer's individual
     gradients on s_t and forms no histogram or norm: fewer ops than the tracked step."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     outputs = {}
     for flags in ([], ["--after"]):
-        result = subprocess.run(
-            [sys.executable, "benchmarks/op_count.py", "--batch", "4", "--top", "50", *flags],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-2000:]
-        outputs[bool(flags)] = result.stdout.strip().splitlines()
+        out = run_benchmark("op_count.py", "--batch", "4", "--top", "50", *flags).stdout
+        outputs[bool(flags)] = out.strip().splitlines()
     head, _, _, calls, *rows = outputs[True]
     assert "in the step after a tracked one" in head and "after a tracked one:" in calls
     after, plain = map(int, re.search(r"(\d+) aten ops .*, (\d+) without", head).groups())

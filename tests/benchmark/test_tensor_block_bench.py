@@ -3,22 +3,13 @@ by one block, timed and their peak memory (here a quick run of small shapes on t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark.bench_helpers import run_benchmark
 
 
 def test_tensor_block_benchmark_times_both_forms():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "benchmarks/tensor_block.py", "--models", "resnet18_gn", "3c3d",
-         "--scale", "8", "--repeats", "1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    times, peaks = result.stdout.split("\npeak memory")
+    out = run_benchmark("tensor_block.py", "--models", "resnet18_gn", "3c3d", "--scale", "8",
+                        "--repeats", "1").stdout
+    times, peaks = out.split("\npeak memory")
     rows = {line.split()[0]: line for line in times.splitlines()[1:]}
     assert rows["resnet18_gn"].split()[1] == "62" and "(no block)" not in rows["resnet18_gn"]
     assert rows["3c3d"].split()[1] == "12" and rows["3c3d"].count("(no block)") == 2
