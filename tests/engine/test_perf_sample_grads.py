@@ -171,7 +171,7 @@ def test_conv_projection_path_by_size(channels, accelerator, lazy, monkeypatch):
     sg = conv_rule(module, (x,), {}, out, delta)["weight"]
     torch.testing.assert_close(sg.dots_many([u])[0], reference)
     assert (sg._rows is None) == lazy
-    # the gradient output's scale (a mean's 1/N undone) folded into the product
+    # the gradient output's scale (a mean's 1/N undone) carried into the dot products
     scaled = conv_rule(module, (x,), {}, out, delta, scale=2.5)["weight"]
     torch.testing.assert_close(scaled.dots_many([u])[0], 2.5 * reference)
     twice = conv_rule(module, (x,), {}, out, delta)["weight"]
