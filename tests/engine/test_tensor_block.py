@@ -120,6 +120,12 @@ def test_lists_a_block_does_not_take():
     assert TensorBlock.of([*many[:-1], torch.tensor(1.0)]) is None
     assert TensorBlock.of([*many[:-1], torch.zeros(0)]) is None
     assert TensorBlock.of([torch.ones(4, 3, dtype=torch.long)] * 40) is None
+    assert TensorBlock.of([*many[:-1], torch.randn(2, 3, device="meta")]) is None
+
+    class Shard(torch.Tensor):  # (a subclass: its values need not be its elements)
+        pass
+
+    assert TensorBlock.of([*many[:-1], many[-1].as_subclass(Shard)]) is None
     # one row of many numbers would take a block of ROWS rows: too much padding
     assert TensorBlock.of([*many[:-1], torch.randn(1, 2 ** 21)]) is None
 

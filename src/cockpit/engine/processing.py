@@ -32,7 +32,6 @@ whose hooks record it; the processor reads it there.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -77,6 +76,9 @@ from cockpit.engine.statistics import (
 
 if TYPE_CHECKING:
     from cockpit.engine.tracker import Call, ModuleTracker, Unit
+
+
+_ONLY_PROJECTIONS = frozenset({PROJECTIONS})
 
 
 class _Gradient:
@@ -164,7 +166,7 @@ class CallProcessor:
         engine = self.engine
         stats = engine.stats
         assert stats is not None
-        if not (engine.needs & PER_SAMPLE_STATS) or stats.problems:
+        if engine.needs.isdisjoint(PER_SAMPLE_STATS) or stats.problems:
             return
         weights = engine.state.weights
         if engine.state.weights_problem is not None:
@@ -218,7 +220,7 @@ class CallProcessor:
             self.kept_calls.append(type(call)(
                 unit, call.args, call.kwargs, [], call.versions, grads,
                 output_positions=call.output_positions, params=params))
-        if engine.needs <= {PROJECTIONS} and not (engine.directions
+        if engine.needs <= _ONLY_PROJECTIONS and not (engine.directions
                                                    or engine.direction_providers):
             return
         if self._waits_normalized(call, grads, scale):
@@ -520,28 +522,31 @@ class CallProcessor:
         synced = stats.gradient_dots
         if synced is not None and seen is not None and name in synced.gradient:
             plan.synced_row = row(seen)
-
-        def gradient() -> int | Tensor:
-            nonlocal gradient_ref
-            if gradient_ref is None:
-                if w_n and not sg.fuse_dots:  # closed form (Gram matrix for Linear layers)
-                    gram = stats.gram_mean.get(name)
-                    gram = sg.gram_mean() if gram is None else gram
-                    gradient_ref = gram if w_n == 1.0 else w_n * gram  # (×1: no kernel)
-                else:
-                    gradient_ref = row(seen)
-            return gradient_ref
-
         for key, directions in engine.directions.items():
             if name in directions:
                 plan.projections.append((key, [row(directions[name])]))
-        if engine.direction_providers and seen is not None:
-            param = engine.params[name]
-            for key, provider in engine.direction_providers.items():
-                basis = bases[key] if bases is not None else provider(name, param, seen)
-                if basis is not None:
-                    plan.projections.append(
-                        (key, [gradient() if v is GRADIENT else row(v) for v in basis]))
+        providers = engine.direction_providers
+        if not providers or seen is None:
+            return plan
+        param = engine.params[name]
+        for key, provider in providers.items():
+            basis = bases[key] if bases is not None else provider(name, param, seen)
+            if basis is None:
+                continue
+            refs: list[int | Tensor] = []
+            for v in basis:
+                if v is not GRADIENT:
+                    refs.append(row(v))
+                    continue
+                if gradient_ref is None:
+                    if w_n and not sg.fuse_dots:  # closed form (Gram matrix for Linear layers)
+                        gram = stats.gram_mean.get(name)
+                        gram = sg.gram_mean() if gram is None else gram
+                        gradient_ref = gram if w_n == 1.0 else w_n * gram  # (×1: no kernel)
+                    else:
+                        gradient_ref = row(seen)
+                refs.append(gradient_ref)
+            plan.projections.append((key, refs))
         return plan
 
     def _record_dots(self, plan: _DotPlan, dots: Tensor | None) -> None:
@@ -831,18 +836,20 @@ class CallProcessor:
         return out
 
 
-@dataclasses.dataclass
 class _DotPlan:
     """The directions u_k one parameter's dot products g_nᵀu_k need (each tensor once), and
     the rows each statistic reads: an index into them, or a ready [N] tensor."""
 
-    name: str
-    vectors: list[Tensor] = dataclasses.field(default_factory=list)
-    gram_row: int | None = None
-    synced_row: int | None = None
-    w_n: float | None = None
-    projections: list[tuple[str, list[int | Tensor]]] = dataclasses.field(
-        default_factory=list)
+    __slots__ = ("gram_row", "name", "projections", "synced_row", "vectors", "w_n")
+
+    def __init__(self, name: str, vectors: list[Tensor] | None = None,
+                 gram_row: int | None = None, synced_row: int | None = None,
+                 w_n: float | None = None,
+                 projections: list[tuple[str, list[int | Tensor]]] | None = None):
+        self.name = name
+        self.vectors = [] if vectors is None else vectors
+        self.gram_row, self.synced_row, self.w_n = gram_row, synced_row, w_n
+        self.projections = [] if projections is None else projections
 
     def row(self, vector: Tensor) -> int:
         for index, known in enumerate(self.vectors):  # one projection per distinct tensor
@@ -857,11 +864,13 @@ class _DotPlan:
         the same answer are recorded together (:meth:`CallProcessor._record_dots_together`)."""
         projections = []
         for key, refs in self.projections:
-            if not refs or not all(isinstance(r, int) for r in refs):
+            first = refs[0] if refs else None
+            if type(first) is not int:
                 return None
-            if refs != list(range(refs[0], refs[0] + len(refs))):  # type: ignore[arg-type]
+            if len(refs) > 1 and (not all(type(r) is int for r in refs)
+                                  or refs != list(range(first, first + len(refs)))):
                 return None
-            projections.append((key, refs[0], len(refs)))
+            projections.append((key, first, len(refs)))
         return (len(self.vectors), self.gram_row, self.synced_row, self.w_n,
                 tuple(projections))
 

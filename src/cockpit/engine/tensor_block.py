@@ -44,11 +44,12 @@ _PADDING_ELEMENTS = 2**20
 
 
 @functools.lru_cache(maxsize=16)
-def _layout(shapes: tuple[tuple[int, ...], ...], device: torch.device
-            ) -> tuple[Tensor, int] | None:
+def _layout(shapes: tuple[torch.Size, ...], device: torch.device) -> tuple[Tensor, int] | None:
     """The block's columns per tensor of ``shapes`` (as ``torch._chunk_cat`` lays them
-    out), on ``device``, and their sum W; None where the padding would exceed an eighth of
-    the elements (and 2^20 elements)."""
+    out), on ``device``, and their sum W; None where a tensor is 0-dim or empty or the
+    padding would exceed an eighth of the elements (and 2^20 elements)."""
+    if any(len(s) == 0 or 0 in s for s in shapes):
+        return None
     widths = [math.ceil(s[0] / ROWS) * (math.prod(s) // s[0]) for s in shapes]
     elements = sum(math.prod(s) for s in shapes)
     if ROWS * sum(widths) - elements > max(elements // _PADDING, _PADDING_ELEMENTS):
@@ -57,6 +58,9 @@ def _layout(shapes: tuple[tuple[int, ...], ...], device: torch.device
     if device.type != "cuda":
         return lengths.to(device), sum(widths)
     return lengths.pin_memory().to(device, non_blocking=True), sum(widths)
+
+
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})
 
 
 class TensorBlock:
@@ -75,13 +79,13 @@ class TensorBlock:
         if len(tensors) < _MIN_TENSORS:
             return None
         first = tensors[0]
-        kinds = {(t.dtype, t.device, type(t), t.dim() == 0 or t.numel() == 0)
-                 for t in tensors}
-        if (len(kinds) > 1 or not first.is_floating_point() or first.dim() == 0
-                or first.numel() == 0 or type(first) not in (Tensor, torch.nn.Parameter)
+        # (one dtype and device, no 0-dim or empty tensor: ``_chunk_cat`` checks those
+        # itself, and the layout refuses the last two; the host's work here is a few
+        # attribute reads per tensor, at every block of a step)
+        if (not first.is_floating_point() or not {type(t) for t in tensors} <= _PLAIN
                 or not chunk_cat_takes(tensors)):
             return None
-        layout = _layout(tuple([tuple(t.shape) for t in tensors]), first.device)
+        layout = _layout(tuple([t.shape for t in tensors]), first.device)
         if layout is None:
             return None
         lengths, width = layout

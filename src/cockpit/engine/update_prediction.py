@@ -176,13 +176,13 @@ def _parameter_reason(param: Tensor, grad: Tensor | None) -> str | None:
 
 
 def _predictable_group(optimizer: Optimizer, param: Tensor, grad: Tensor,
-                       optimizer_checked: bool) -> dict | None:
+                       optimizer_checked: bool, find=None) -> dict | None:
     """The param group of ``param`` where its update can be predicted (as far as
     :func:`unsupported_reason` knows), else None: one look-up of the group for the
-    prediction and its checks."""
+    prediction and its checks (``find``: a :func:`_group_finder` of ``optimizer``)."""
     if not optimizer_checked and _optimizer_reason(optimizer) is not None:
         return None
-    group = _find_group(optimizer, param)
+    group = _find_group(optimizer, param) if find is None else find(param)
     return None if group is None or _parameter_reason(param, grad) is not None else group
 
 
@@ -218,17 +218,33 @@ _GROUP_INDEX: weakref.WeakKeyDictionary[Optimizer, tuple[list, dict]] = (
 def _find_group(optimizer: Optimizer, param: Tensor) -> dict | None:
     """The param group holding ``param`` (None if none does), from an index rebuilt whenever
     the groups change shape or an entry no longer holds the same tensor."""
+    return _group_finder(optimizer)(param)
+
+
+def _group_finder(optimizer: Optimizer):
+    """:func:`_find_group` for several parameters: the groups' shape is read once (the
+    optimizer does not change while they are looked up)."""
     groups = optimizer.param_groups
     shape = [(id(g), len(g["params"])) for g in groups]
-    for attempt in range(2):
-        cached = _GROUP_INDEX.get(optimizer)
-        if attempt or cached is None or cached[0] != shape:
-            index = {id(p): (g, i) for g in groups for i, p in enumerate(g["params"])}
-            _GROUP_INDEX[optimizer] = cached = (shape, index)
-        found = cached[1].get(id(param))
-        if found is not None and found[0]["params"][found[1]] is param:
-            return found[0]
-    return None
+    cached = _GROUP_INDEX.get(optimizer)
+    if cached is None or cached[0] != shape:
+        cached = _GROUP_INDEX[optimizer] = (shape, _group_index(groups))
+
+    def find(param: Tensor) -> dict | None:
+        nonlocal cached
+        for attempt in range(2):
+            if attempt:  # (an entry no longer holds the same tensor: rebuilt)
+                cached = _GROUP_INDEX[optimizer] = (shape, _group_index(groups))
+            found = cached[1].get(id(param))
+            if found is not None and found[0]["params"][found[1]] is param:
+                return found[0]
+        return None
+
+    return find
+
+
+def _group_index(groups: list[dict]) -> dict[int, tuple[dict, int]]:
+    return {id(p): (g, i) for g in groups for i, p in enumerate(g["params"])}
 
 
 def _scalar(value: float | Tensor) -> float:
@@ -292,8 +308,9 @@ def predict_updates(optimizer: Optimizer, params: Sequence[Tensor], grads: Seque
     # per param group, and within it per kernel (a group may mix dtypes: bfloat16 replays
     # the single-tensor operations, float32 the fused kernel on accelerators)
     groups: dict[tuple[int, bool], tuple[dict, list[int]]] = {}
+    find = _group_finder(optimizer)
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        group = _predictable_group(optimizer, param, grad, optimizer_checked=True)
+        group = _predictable_group(optimizer, param, grad, optimizer_checked=True, find=find)
         if group is not None:
             key = (id(group), _replays_fused(group, param))
             groups.setdefault(key, (group, []))[1].append(i)
@@ -361,16 +378,22 @@ def _adam_step(param: Tensor, grad: Tensor, group: dict, state: dict) -> Tensor 
     return param.addcdiv(exp_avg, denom, value=-step_size)
 
 
+_ADAM_STATE = {amsgrad: frozenset({"step", "exp_avg", "exp_avg_sq"}
+                                  | ({"max_exp_avg_sq"} if amsgrad else set()))
+               for amsgrad in (False, True)}
+"""The state Adam keeps per parameter, without and with ``amsgrad``."""
+
+
 def _adam_steps(params: list[Tensor], grads: list[Tensor], group: dict, states: list[dict]
                 ) -> list[Tensor | None]:
     """:func:`_adam_step` of the parameters of one group as multi-tensor operations, and
     the update θ̂ − θ of each (None where the state does not fit the group's options)."""
     lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
     weight_decay, eps, amsgrad = group["weight_decay"], group["eps"], group["amsgrad"]
-    needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    needed = _ADAM_STATE[amsgrad]
     kept, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], []
     for i, (param, state) in enumerate(zip(params, states, strict=True)):
-        if state and any(key not in state for key in needed):
+        if state and not state.keys() >= needed:
             continue
         zeros = None if state else torch.zeros_like(param)
         exp_avgs.append(state["exp_avg"] if state else zeros)
@@ -449,10 +472,10 @@ def _fused_adam_steps(params: list[Tensor], grads: list[Tensor], group: dict,
     does not fit the group's options). Four launches per device and dtype however many
     parameters: the copies (x·1 is exact), the counts, the kernel, the differences."""
     amsgrad = group["amsgrad"]
-    needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    needed = _ADAM_STATE[amsgrad]
     by_kind: dict[tuple, list[int]] = {}
     for i, (param, state) in enumerate(zip(params, states, strict=True)):
-        if not (state and any(key not in state for key in needed)):
+        if not state or state.keys() >= needed:
             by_kind.setdefault((param.device, param.dtype), []).append(i)
     out: list[Tensor | None] = [None] * len(params)
     beta1, beta2 = group["betas"]
