@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from cockpit import Cockpit, configuration
+from cockpit import Cockpit, configuration, every
 from cockpit.engine import stacked
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms.exact import BinSpec, histogram_dense_counts
@@ -67,6 +67,40 @@ def test_norms_and_dots_are_each_layers_own(dtype, kind):
         expected = torch.stack([flat @ u.double().reshape(-1) for u in us])
         torch.testing.assert_close(block[:, :, index].double(), expected, **tol)
         torch.testing.assert_close(stack.layer_dots(index, us).double(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("kind", "k"), [("sequence", 1), ("outer", 1), ("outer", 3)])
+def test_dots_before_any_statistic_come_from_the_factors(dtype, kind, k):
+    """Where no statistic formed G (the step after a tracked one projects on s_t only), the
+    dot products come from the factors, δ U a, without an [L, N, D] tensor: each layer's
+    own against brute force."""
+    gen = torch.Generator().manual_seed(4)
+    grads = three_layers(kind, dtype, gen)
+    stack = StackedGrads(grads)
+    directions = [[torch.randn(4, 6, generator=gen, dtype=dtype) for _ in range(k)]
+                  for _ in grads]
+    block = stack.dots(directions)
+    assert stack._rows is None and block.shape == (k, 5, 3)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    for index, (sg, us) in enumerate(zip(grads, directions, strict=True)):
+        flat = brute_force(sg).flatten(1)
+        expected = torch.stack([flat @ u.double().reshape(-1) for u in us])
+        torch.testing.assert_close(block[:, :, index].double(), expected, **tol)
+
+
+def test_dots_form_g_where_the_factors_cost_more():
+    """Two directions over sequences would take twice the FLOPs of forming G, and more
+    positions than the layer has outputs more memory than G: G is formed."""
+    grads = sequence_grads(3, torch.float64)  # T = 3 positions, I = 4 outputs
+    two = [[torch.randn(4, 6, dtype=torch.float64) for _ in range(2)] for _ in grads]
+    stack = StackedGrads(grads)
+    stack.dots(two)
+    assert stack._rows is not None
+    long = sequence_grads(3, torch.float64, t=5)
+    stack = StackedGrads(long)
+    stack.dots([[torch.randn(4, 6, dtype=torch.float64)] for _ in long])
+    assert stack._rows is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -175,9 +209,11 @@ def problem(kind: str):
 
 
 def outputs(kind: str, config: str, stacks: bool, monkeypatch, micro_batches: int = 1,
-            budget: int | None = 2**29) -> tuple[dict, list[int], list[int]]:
-    """Every instrument's output over three steps (AdamW, the accelerators' path), and the
-    number of layers of every stack of Linear weights and of normalization layers formed."""
+            budget: int | None = 2**29, every_k: int = 1, steps: int = 3
+            ) -> tuple[dict, list[int], list[int]]:
+    """Every instrument's output over ``steps`` steps tracked every ``every_k``-th (AdamW,
+    the accelerators' path), and the number of layers of every stack of Linear weights and
+    of normalization layers formed."""
     sizes: list[int] = []
     norm_sizes: list[int] = []
     original_init, original_norms = StackedGrads.__init__, stacked.form_norm_stack
@@ -200,9 +236,10 @@ def outputs(kind: str, config: str, stacks: bool, monkeypatch, micro_batches: in
         torch.manual_seed(0)
         model, x, losses_of = problem(kind)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        cockpit = Cockpit(model, configuration(config), optimizer=opt, strict=True,
-                          memory_budget=budget, grad_accumulation=micro_batches > 1)
-        for step in range(3):
+        cockpit = Cockpit(model, configuration(config, every(every_k)), optimizer=opt,
+                          strict=True, memory_budget=budget,
+                          grad_accumulation=micro_batches > 1)
+        for step in range(steps):
             opt.zero_grad()
             for part in x.tensor_split(micro_batches):
                 losses = losses_of(model, part)
@@ -236,6 +273,29 @@ def test_every_instrument_equals_one_layer_at_a_time(kind, config, micro_batches
     assert sorted(norms) == norm_sizes
     for step in expected:
         assert sum(v is not None for _, v in leaves(expected[step])) > 20
+    assert_same_outputs(expected, got)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "outer", "gpt2"])
+def test_the_step_after_a_tracked_one_projects_from_the_factors(kind, monkeypatch):
+    """Tracked every other step, the steps after a tracked one project each stack's
+    individual gradients on s_t from the factors (no G formed): Alpha equals the layer at
+    a time path."""
+    factor_calls = []
+    original = StackedGrads._factor_dots
+
+    def spy(self, stacked_directions, k):
+        factor_calls.append(k)
+        return original(self, stacked_directions, k)
+
+    expected, _, _ = outputs(kind, "economy", False, monkeypatch, every_k=2, steps=5)
+    monkeypatch.setattr(StackedGrads, "_factor_dots", spy)
+    got, sizes, _ = outputs(kind, "economy", True, monkeypatch, every_k=2, steps=5)
+    stacks_per_step = {"sequence": 1, "outer": 1, "gpt2": 4}[kind]
+    assert factor_calls == [1] * (2 * stacks_per_step)  # (steps 1 and 3)
+    assert len(sizes) == 5 * stacks_per_step
+    alphas = [step for step in expected if expected[step].get("Alpha") is not None]
+    assert alphas == [0, 2]
     assert_same_outputs(expected, got)
 
 

@@ -22,7 +22,9 @@ from which
   for one layer); where the one-pass kernel counts (CUDA, many values) one launch for all
   layers, each counted apart (:func:`cockpit.engine.histograms.fused.tally_rows`);
 * g_{l,n}ᵀu_{l,k} for K directions per layer: per direction one product with G and one sum
-  over D, [L, N] (a batched matrix product [K, D] × [D, N] ran 20× slower on a GPU).
+  over D, [L, N] (a batched matrix product [K, D] × [D, N] ran 20× slower on a GPU); where
+  no statistic needs G (one direction: the step after a tracked one projects on s_t) from
+  the factors, Σ_t δ_{l,n,t}ᵀ U a_{l,n,t}, and G is never formed.
 
 Normalization layers of one shape (LayerNorm, RMSNorm, GroupNorm: GPT-2's 25 LayerNorms,
 a ResNet's GroupNorms per stage) are stacked one step earlier, by their rule's inputs: x̂ of
@@ -121,7 +123,9 @@ class Stack:
 
 
 class StackedGrads:
-    """G = [G_1; …; G_L], [L, N, D], of L Linear weights of one :func:`key`."""
+    """G = [G_1; …; G_L], [L, N, D], of L Linear weights of one :func:`key`: the factors
+    concatenated at once, G (``rows``) formed when a statistic first reads it; dot products
+    before that from the factors, without G (:meth:`dots`)."""
 
     def __init__(self, grads: Sequence[OuterSampleGrads | SequenceOuterSampleGrads]):
         first = grads[0]
@@ -132,13 +136,23 @@ class StackedGrads:
                        for i in (0, 1)]
             if first.scale != 1.0:  # (the stack's one scale, as its key says) in place: the
                 factors[first.scaled].mul_(first.scale)  # concatenation is a fresh tensor
-            delta, a = factors
-            rows = torch.bmm(delta.transpose(1, 2), a)  # [L·N, I, J]
+            self._delta, self._a = factors  # [L·N, T, I], [L·N, T, J]
         else:
-            delta = torch.cat([sg.delta for sg in grads])  # type: ignore[union-attr]
-            a = torch.cat([sg.a for sg in grads])  # type: ignore[union-attr]
-            rows = delta.unsqueeze(2) * a.unsqueeze(1)
-        self.rows = rows.view(self.num_layers, self.num_samples, -1)
+            self._delta = torch.cat([sg.delta for sg in grads])  # type: ignore[union-attr]
+            self._a = torch.cat([sg.a for sg in grads])  # type: ignore[union-attr]
+        self._rows: Tensor | None = None
+
+    @property
+    def rows(self) -> Tensor:
+        """G, [L, N, D] (formed once, when first read)."""
+        if self._rows is None:
+            delta, a = self._delta, self._a
+            if delta.dim() == 3:
+                rows = torch.bmm(delta.transpose(1, 2), a)  # [L·N, I, J]
+            else:
+                rows = delta.unsqueeze(2) * a.unsqueeze(1)
+            self._rows = rows.view(self.num_layers, self.num_samples, -1)
+        return self._rows
 
     def layer(self, index: int) -> Tensor:
         """G_l as the individual gradients of layer l, [N, I, J] (a view)."""
@@ -158,12 +172,15 @@ class StackedGrads:
 
     def dots(self, directions: Sequence[Sequence[Tensor]]) -> Tensor:
         """[g_{l,n}ᵀu_{l,k}]_{k,n,l}, [K, N, L] (``directions[l]``: layer l's K directions,
-        each of the weight's shape or flat)."""
+        each of the weight's shape or flat): from G where a statistic formed it, else from
+        the factors, g_{l,n}ᵀu = Σ_t δ_{l,n,t}ᵀ U a_{l,n,t} (:meth:`_factor_dots`)."""
         k = len(directions[0])
         every = [u for us in directions for u in us]
         if len({u.shape for u in every}) > 1:  # (θ's shape and flat ones: all flat)
             every = [u.reshape(-1) for u in every]
         stacked = torch.stack(every)  # [L·K, *shape]
+        if self._rows is None and self._factors_pay(k):
+            return self._factor_dots(in_dtype(stacked, self._delta.dtype), k)
         u = in_dtype(stacked.view(self.num_layers, k, -1), self.rows.dtype)
         # One product and sum over D per direction, not ``bmm(u, Gᵀ)``: for K ≥ 2 cuBLAS
         # reduced D (millions) for the tiny [K, N] outputs with a kernel that took 18–23 ms
@@ -171,6 +188,28 @@ class StackedGrads:
         # (``benchmarks/stacked_dots.py``).
         return torch.stack([(self.rows * u[:, i].unsqueeze(1)).sum(2)
                             for i in range(k)]).transpose(1, 2)
+
+    def _factors_pay(self, k: int) -> bool:
+        """Whether K directions' dot products from the factors take no more FLOPs than
+        forming G (one direction, or no positions: δ U_k costs I·J per position and
+        direction, G as much per position once) and no more memory than G (T·K ≤ I)."""
+        positions = self._delta.shape[1] if self._delta.dim() == 3 else 1
+        return (k == 1 or positions == 1) and positions * k <= self.shape[0]
+
+    def _factor_dots(self, stacked: Tensor, k: int) -> Tensor:
+        """:meth:`dots` without G: per layer the K directions side by side,
+        [U_1 … U_K] ∈ R^{I × K·J}, one batched product δ [U_1 … U_K] for all layers, then a
+        product with a and a sum over the positions and J. The FLOPs of forming G for K = 1
+        (the step after a tracked one, where only s_t is projected), without G's memory
+        and traffic (GPT-2 124M at B = 8: 2.7 GB of individual gradients written, then read
+        with the direction: 8 GB less of a GPU's memory traffic in that step)."""
+        layers, n = self.num_layers, self.num_samples
+        i, j = self.shape
+        u = stacked.view(layers, k, i, j).transpose(1, 2).reshape(layers, i, k * j)
+        delta = self._delta.view(layers, -1, i)  # [L, N·T, I] (T = 1 without positions)
+        left = torch.bmm(delta, u).view(layers, n, -1, k, j)  # [L, N, T, K, J]
+        a = self._a.view(layers, n, -1, 1, j)
+        return (left * a).sum((2, 4)).permute(2, 1, 0)  # [K, N, L]
 
     def layer_dots(self, index: int, directions: Sequence[Tensor]) -> Tensor:
         """[g_{l,n}ᵀu_k]_{k,n} of layer l alone, [K, N]."""
