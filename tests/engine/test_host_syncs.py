@@ -226,16 +226,17 @@ def cockpit_calls(counter: collections.Counter):
 
 
 @pytest.mark.parametrize("problem,batch,bound", [(image_problem, 32, 2_680),
-                                                 (language_problem, 4, 4_170)])
+                                                 (language_problem, 4, 4_200)])
 def test_a_tracked_economy_step_calls_few_of_cockpits_functions(problem, batch, bound,
                                                                monkeypatch, one_thread):
     """The host's time of a tracked step on a GPU is the kernels' launches (the ops above)
     and the Python around them: Cockpit's own function calls in one tracked economy step on
-    the accelerator path, 2,645 on 3C3D and 4,147 on the small GPT-2 (the history of the
-    calls removed is in git; ``benchmarks/host_overhead.py`` measures the time). The
-    convolutions' timed choice of method moves the first by a few dozen between runs: here
-    it is pinned to the channels-last unfolding, a CPU's usual choice. A regression bound a
-    little above today's."""
+    the accelerator path, 2,645 on 3C3D and 4,147 on the small GPT-2 alone, 4,171 after the
+    rest of the suite (the history of the calls removed is in git;
+    ``benchmarks/host_overhead.py`` measures the time). The convolutions' timed choice of
+    method moves the first by a few dozen between runs: here it is pinned to the
+    channels-last unfolding, a CPU's usual choice. A regression bound a little above
+    today's."""
     from cockpit.engine.rules.conv import ConvSampleGrads
 
     monkeypatch.setattr(histogram_device, "_forced", True)
