@@ -70,15 +70,22 @@ def test_norms_and_dots_are_each_layers_own(dtype, kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("wide", [True, False])
 @pytest.mark.parametrize(("kind", "k"), [("sequence", 1), ("outer", 1), ("outer", 3)])
-def test_dots_before_any_statistic_come_from_the_factors(dtype, kind, k):
+def test_dots_before_any_statistic_come_from_the_factors(dtype, wide, kind, k):
     """Where no statistic formed G (the step after a tracked one projects on s_t only), the
-    dot products come from the factors, δ U a, without an [L, N, D] tensor: each layer's
-    own against brute force."""
+    dot products come from the factors, δ U a (``wide``: more outputs than inputs, a Uᵀ
+    first), without an [L, N, D] tensor: each layer's own against brute force."""
     gen = torch.Generator().manual_seed(4)
-    grads = three_layers(kind, dtype, gen)
+    i, j = (4, 6) if wide else (6, 4)
+    if kind == "sequence":
+        grads = sequence_grads(3, dtype, i=i, j=j)
+    else:
+        grads = [OuterSampleGrads(torch.randn(5, i, generator=gen).to(dtype),
+                                  torch.randn(5, j, generator=gen).to(dtype))
+                 for _ in range(3)]
     stack = StackedGrads(grads)
-    directions = [[torch.randn(4, 6, generator=gen, dtype=dtype) for _ in range(k)]
+    directions = [[torch.randn(i, j, generator=gen, dtype=dtype) for _ in range(k)]
                   for _ in grads]
     block = stack.dots(directions)
     assert stack._rows is None and block.shape == (k, 5, 3)
@@ -91,13 +98,13 @@ def test_dots_before_any_statistic_come_from_the_factors(dtype, kind, k):
 
 def test_dots_form_g_where_the_factors_cost_more():
     """Two directions over sequences would take twice the FLOPs of forming G, and more
-    positions than the layer has outputs more memory than G: G is formed."""
-    grads = sequence_grads(3, torch.float64)  # T = 3 positions, I = 4 outputs
+    positions than the wider factor has features more memory than G: G is formed."""
+    grads = sequence_grads(3, torch.float64)  # T = 3 positions, I = 4, J = 6
     two = [[torch.randn(4, 6, dtype=torch.float64) for _ in range(2)] for _ in grads]
     stack = StackedGrads(grads)
     stack.dots(two)
     assert stack._rows is not None
-    long = sequence_grads(3, torch.float64, t=5)
+    long = sequence_grads(3, torch.float64, t=7)
     stack = StackedGrads(long)
     stack.dots([[torch.randn(4, 6, dtype=torch.float64)] for _ in long])
     assert stack._rows is not None

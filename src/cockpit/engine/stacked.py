@@ -191,25 +191,31 @@ class StackedGrads:
 
     def _factors_pay(self, k: int) -> bool:
         """Whether K directions' dot products from the factors take no more FLOPs than
-        forming G (one direction, or no positions: δ U_k costs I·J per position and
-        direction, G as much per position once) and no more memory than G (T·K ≤ I)."""
+        forming G (one direction, or no positions: a product with U_k costs I·J per position
+        and direction, G as much per position once) and no more memory than G (T·K·min(I, J)
+        ≤ I·J: the product has the narrower factor's width)."""
         positions = self._delta.shape[1] if self._delta.dim() == 3 else 1
-        return (k == 1 or positions == 1) and positions * k <= self.shape[0]
+        return (k == 1 or positions == 1) and positions * k <= max(self.shape)
 
     def _factor_dots(self, stacked: Tensor, k: int) -> Tensor:
-        """:meth:`dots` without G: per layer the K directions side by side,
-        [U_1 … U_K] ∈ R^{I × K·J}, one batched product δ [U_1 … U_K] for all layers, then a
-        product with a and a sum over the positions and J. The FLOPs of forming G for K = 1
-        (the step after a tracked one, where only s_t is projected), without G's memory
-        and traffic (GPT-2 124M at B = 8: 2.7 GB of individual gradients written, then read
-        with the direction: 8 GB less of a GPU's memory traffic in that step)."""
+        """:meth:`dots` without G, g_{l,n}ᵀu = Σ_t δ_{l,n,t}ᵀ U a_{l,n,t}: per layer the K
+        directions side by side and one batched product for all layers, δ [U_1 … U_K]
+        (J ≤ I) or a [U_1ᵀ … U_Kᵀ], then a product with the other factor and a sum over the
+        positions and the width. The FLOPs of forming G for K = 1 (the step after a tracked
+        one, where only s_t is projected), without G's memory and traffic (GPT-2 124M at
+        B = 8: 2.7 GB of individual gradients written, then read with the direction: 8 GB
+        less of a GPU's memory traffic in that step)."""
         layers, n = self.num_layers, self.num_samples
         i, j = self.shape
-        u = stacked.view(layers, k, i, j).transpose(1, 2).reshape(layers, i, k * j)
-        delta = self._delta.view(layers, -1, i)  # [L, N·T, I] (T = 1 without positions)
-        left = torch.bmm(delta, u).view(layers, n, -1, k, j)  # [L, N, T, K, J]
-        a = self._a.view(layers, n, -1, 1, j)
-        return (left * a).sum((2, 4)).permute(2, 1, 0)  # [K, N, L]
+        u = stacked.view(layers, k, i, j)
+        if j <= i:  # [U_1 … U_K] ∈ R^{I × K·J}
+            weights = u.transpose(1, 2).reshape(layers, i, k * j)
+            first, second, width = self._delta.view(layers, -1, i), self._a, j
+        else:  # [U_1ᵀ … U_Kᵀ] ∈ R^{J × K·I}
+            weights = u.permute(0, 3, 1, 2).reshape(layers, j, k * i)
+            first, second, width = self._a.view(layers, -1, j), self._delta, i
+        products = torch.bmm(first, weights).view(layers, n, -1, k, width)  # [L, N, T, K, ·]
+        return (products * second.view(layers, n, -1, 1, width)).sum((2, 4)).permute(2, 1, 0)
 
     def layer_dots(self, index: int, directions: Sequence[Tensor]) -> Tensor:
         """[g_{l,n}ᵀu_k]_{k,n} of layer l alone, [K, N]."""
