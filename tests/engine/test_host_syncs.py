@@ -231,8 +231,8 @@ def test_a_tracked_economy_step_calls_few_of_cockpits_functions(problem, batch, 
                                                                monkeypatch, one_thread):
     """The host's time of a tracked step on a GPU is the kernels' launches (the ops above)
     and the Python around them: Cockpit's own function calls in one tracked economy step on
-    the accelerator path, 2,645 on 3C3D and 4,147 on the small GPT-2 alone, 4,171 after the
-    rest of the suite (the history of the calls removed is in git;
+    the accelerator path, 2,633–2,645 on 3C3D and 4,147–4,171 on the small GPT-2 (runs
+    differ by a few dozen; the history of the calls removed is in git;
     ``benchmarks/host_overhead.py`` measures the time). The convolutions' timed choice of
     method moves the first by a few dozen between runs: here it is pinned to the
     channels-last unfolding, a CPU's usual choice. A regression bound a little above

@@ -40,13 +40,14 @@ def brute_force(sg) -> torch.Tensor:
     return torch.einsum("nti,ntj->nij", delta.double(), a.double())
 
 
-def three_layers(kind: str, dtype: torch.dtype, gen: torch.Generator) -> list:
-    """Three layers' factors of 5 samples, a weight of shape (4, 6): over sequences, or
+def three_layers(kind: str, dtype: torch.dtype, gen: torch.Generator, i: int = 4,
+                 j: int = 6) -> list:
+    """Three layers' factors of 5 samples, a weight of shape (i, j): over sequences, or
     plain outer products."""
     if kind == "sequence":
-        return sequence_grads(3, dtype)
-    return [OuterSampleGrads(torch.randn(5, 4, generator=gen).to(dtype),
-                             torch.randn(5, 6, generator=gen).to(dtype)) for _ in range(3)]
+        return sequence_grads(3, dtype, i=i, j=j)
+    return [OuterSampleGrads(torch.randn(5, i, generator=gen).to(dtype),
+                             torch.randn(5, j, generator=gen).to(dtype)) for _ in range(3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -78,12 +79,7 @@ def test_dots_before_any_statistic_come_from_the_factors(dtype, wide, kind, k):
     first), without an [L, N, D] tensor: each layer's own against brute force."""
     gen = torch.Generator().manual_seed(4)
     i, j = (4, 6) if wide else (6, 4)
-    if kind == "sequence":
-        grads = sequence_grads(3, dtype, i=i, j=j)
-    else:
-        grads = [OuterSampleGrads(torch.randn(5, i, generator=gen).to(dtype),
-                                  torch.randn(5, j, generator=gen).to(dtype))
-                 for _ in range(3)]
+    grads = three_layers(kind, dtype, gen, i, j)
     stack = StackedGrads(grads)
     directions = [[torch.randn(i, j, generator=gen, dtype=dtype) for _ in range(k)]
                   for _ in grads]

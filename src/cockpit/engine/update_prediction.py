@@ -176,13 +176,13 @@ def _parameter_reason(param: Tensor, grad: Tensor | None) -> str | None:
 
 
 def _predictable_group(optimizer: Optimizer, param: Tensor, grad: Tensor,
-                       optimizer_checked: bool, find=None) -> dict | None:
+                       optimizer_checked: bool, shape: list | None = None) -> dict | None:
     """The param group of ``param`` where its update can be predicted (as far as
     :func:`unsupported_reason` knows), else None: one look-up of the group for the
-    prediction and its checks (``find``: a :func:`_group_finder` of ``optimizer``)."""
+    prediction and its checks (``shape``: see :func:`_find_group`)."""
     if not optimizer_checked and _optimizer_reason(optimizer) is not None:
         return None
-    group = _find_group(optimizer, param) if find is None else find(param)
+    group = _find_group(optimizer, param, shape)
     return None if group is None or _parameter_reason(param, grad) is not None else group
 
 
@@ -215,36 +215,27 @@ _GROUP_INDEX: weakref.WeakKeyDictionary[Optimizer, tuple[list, dict]] = (
     weakref.WeakKeyDictionary())
 
 
-def _find_group(optimizer: Optimizer, param: Tensor) -> dict | None:
+def _find_group(optimizer: Optimizer, param: Tensor, shape: list | None = None
+                ) -> dict | None:
     """The param group holding ``param`` (None if none does), from an index rebuilt whenever
-    the groups change shape or an entry no longer holds the same tensor."""
-    return _group_finder(optimizer)(param)
-
-
-def _group_finder(optimizer: Optimizer):
-    """:func:`_find_group` for several parameters: the groups' shape is read once (the
-    optimizer does not change while they are looked up)."""
+    the groups change shape or an entry no longer holds the same tensor (``shape``: the
+    groups' :func:`_groups_shape`, read once by a caller that looks up many parameters)."""
     groups = optimizer.param_groups
-    shape = [(id(g), len(g["params"])) for g in groups]
-    cached = _GROUP_INDEX.get(optimizer)
-    if cached is None or cached[0] != shape:
-        cached = _GROUP_INDEX[optimizer] = (shape, _group_index(groups))
-
-    def find(param: Tensor) -> dict | None:
-        nonlocal cached
-        for attempt in range(2):
-            if attempt:  # (an entry no longer holds the same tensor: rebuilt)
-                cached = _GROUP_INDEX[optimizer] = (shape, _group_index(groups))
-            found = cached[1].get(id(param))
-            if found is not None and found[0]["params"][found[1]] is param:
-                return found[0]
-        return None
-
-    return find
+    if shape is None:
+        shape = _groups_shape(groups)
+    for attempt in range(2):
+        cached = _GROUP_INDEX.get(optimizer)
+        if attempt or cached is None or cached[0] != shape:
+            index = {id(p): (g, i) for g in groups for i, p in enumerate(g["params"])}
+            _GROUP_INDEX[optimizer] = cached = (shape, index)
+        found = cached[1].get(id(param))
+        if found is not None and found[0]["params"][found[1]] is param:
+            return found[0]
+    return None
 
 
-def _group_index(groups: list[dict]) -> dict[int, tuple[dict, int]]:
-    return {id(p): (g, i) for g in groups for i, p in enumerate(g["params"])}
+def _groups_shape(groups: list[dict]) -> list[tuple[int, int]]:
+    return [(id(g), len(g["params"])) for g in groups]
 
 
 def _scalar(value: float | Tensor) -> float:
@@ -308,9 +299,9 @@ def predict_updates(optimizer: Optimizer, params: Sequence[Tensor], grads: Seque
     # per param group, and within it per kernel (a group may mix dtypes: bfloat16 replays
     # the single-tensor operations, float32 the fused kernel on accelerators)
     groups: dict[tuple[int, bool], tuple[dict, list[int]]] = {}
-    find = _group_finder(optimizer)
+    shape = _groups_shape(optimizer.param_groups)  # (read once for all the parameters)
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        group = _predictable_group(optimizer, param, grad, optimizer_checked=True, find=find)
+        group = _predictable_group(optimizer, param, grad, optimizer_checked=True, shape=shape)
         if group is not None:
             key = (id(group), _replays_fused(group, param))
             groups.setdefault(key, (group, []))[1].append(i)
