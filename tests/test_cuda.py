@@ -230,6 +230,33 @@ def test_stacked_linear_weights_on_cuda_equal_the_cpu(kernel, monkeypatch):
     assert compare(cuda, cpu, rtol=1e-9, max_count_diff=4) > 40
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_products_equal_the_exact_products_summed(dtype, monkeypatch):
+    """Half-precision factors' batched product with a float32 result (this torch's op): the
+    products are exact and summed in float32, so it equals the float64 product of the same
+    numbers to float32's rounding, the scale c as α too; a stack of Linear layers under
+    bfloat16 autocast formed so equals the path that widens the factors first."""
+    from cockpit.engine import narrow_products
+    from tests.engine.test_narrow_products import assert_close_outputs, autocast_outputs
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 40, 256, generator=generator).to(dtype).to(DEVICE)
+    y = torch.randn(6, 256, 30, generator=generator).to(dtype).to(DEVICE)
+    if not narrow_products.available(x, y, torch.float32):
+        pytest.skip("this torch has no half-precision product with a float32 result")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    exact = torch.bmm(x.double(), y.double())
+    for c in (1.0, 1 / 0.3):
+        got = narrow_products.wide_products(x, y, c)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), c * exact, rtol=1e-5, atol=1e-5)
+    narrow, sizes = autocast_outputs("economy", monkeypatch, DEVICE)
+    monkeypatch.setattr(narrow_products, "_runs", lambda device_type: (False, False))
+    wide, _ = autocast_outputs("economy", monkeypatch, DEVICE)
+    assert sizes and all(size == 6 for size in sizes)
+    assert_close_outputs(wide, narrow)
+
+
 ECONOMY_VALUES = ("Loss", "GradNorm", "NormTest", "InnerTest", "OrthoTest", "Alpha",
                   "Distance", "UpdateSize")
 

@@ -300,7 +300,7 @@ def test_a_tied_output_layer_under_autocast_waits_at_its_own_width(monkeypatch):
     from cockpit.engine.rules.sample_grads import SequenceOuterSampleGrads
 
     def autocast_run(narrow: bool):
-        monkeypatch.setattr(linear_rule, "widens_output_gradient", narrow)
+        monkeypatch.setattr(linear_rule, "widens_when_read", narrow)
         held = []
         accumulate = processing.accumulate
 

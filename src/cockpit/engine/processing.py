@@ -303,7 +303,7 @@ class CallProcessor:
             extra = {"scale": scale} if scale != 1.0 else {}
             args, kwargs, grads = common_precision(
                 call.args, call.kwargs, grads,
-                widen_grads=not getattr(rule, "widens_output_gradient", False))
+                widen=not getattr(rule, "widens_when_read", False))
             sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
         else:
             params = self.whole_params(unit) if call.params is None else call.params
@@ -904,7 +904,7 @@ def as_computed(grads: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:
             and torch.finfo(g.dtype).bits > bits else g for g in grads]
 
 
-def common_precision(args: tuple, kwargs: dict, grads: list[Tensor], widen_grads: bool = True
+def common_precision(args: tuple, kwargs: dict, grads: list[Tensor], widen: bool = True
                      ) -> tuple[tuple, dict, list[Tensor]]:
     """A layer's recorded inputs and output gradient in one floating dtype, at least float32.
 
@@ -915,9 +915,10 @@ def common_precision(args: tuple, kwargs: dict, grads: list[Tensor], widen_grads
     the output gradient are first rounded to its dtype (the layer's own cast), narrower ones
     are widened exactly. Half precision is always widened to float32: sums of squares and
     projections in float16 overflow (a GradScaler's factor 2^16 alone does) and in bfloat16
-    keep three digits. Unchanged when all are float32 or float64 alike. ``widen_grads``
-    False: the output gradients stay as they are (a rule that widens them itself, when it
-    reads them: :attr:`widens_output_gradient`)."""
+    keep three digits. Unchanged when all are float32 or float64 alike. ``widen`` False:
+    the inputs are only rounded, the output gradients stay as they are (a rule that widens
+    them itself, when it reads them: :attr:`widens_when_read`; a Linear layer's half-precision
+    factors form its individual gradients as they are, :mod:`cockpit.engine.narrow_products`)."""
     if not grads or not grads[0].is_floating_point():
         return args, kwargs, grads
     dtypes = {v.dtype for v in (*args, *kwargs.values(), *grads)
@@ -932,10 +933,10 @@ def common_precision(args: tuple, kwargs: dict, grads: list[Tensor], widen_grads
             return value
         if torch.finfo(value.dtype).bits > torch.finfo(computed).bits:
             value = value.to(computed)
-        return value.detach().to(wide)
+        return value.detach().to(wide) if widen else value.detach()
 
     return (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()},
-            [cast(g) for g in grads] if widen_grads else grads)
+            [cast(g) for g in grads] if widen else grads)
 
 
 def outputs_feed_each_other(call: Call) -> bool:

@@ -9,7 +9,9 @@ weights with the same shape, number of samples and dtype until a stack of them i
 the backward pass ends) and forms the individual gradients of all L layers at once,
 
     G = [G_1; …; G_L] ∈ R^{L × N × D},   G_l = [g_{l,1} … g_{l,N}]ᵀ,
-    g_{l,n} = Σ_t δ_{l,n,t} a_{l,n,t}ᵀ   (one ``bmm`` of the concatenated factors),
+    g_{l,n} = Σ_t δ_{l,n,t} a_{l,n,t}ᵀ   (one ``bmm`` of the concatenated factors; under
+                                        autocast of their half-precision values,
+                                        :mod:`cockpit.engine.narrow_products`),
 
 from which
 
@@ -48,6 +50,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from cockpit.engine import narrow_products
 from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.float_sums import sample_sum_sq
 from cockpit.engine.histograms import fused
@@ -131,26 +134,49 @@ class StackedGrads:
         first = grads[0]
         self.num_layers, self.num_samples = len(grads), first.num_samples
         self.shape = first.shape
+        # half-precision factors G is formed from as they are (summed in float32), with the
+        # stack's one scale c (as its key says) in the product: (δ, a, c); else None
+        self._narrow: tuple[Tensor, Tensor, float] | None = None
+        self._factors: tuple[Tensor, Tensor] | None = None  # (δ, a) widened, with c
         if type(first) is SequenceOuterSampleGrads:
-            factors = [_cat_widened([sg.factors[i] for sg in grads], first.wide)  # type: ignore[union-attr]
-                       for i in (0, 1)]
-            if first.scale != 1.0:  # (the stack's one scale, as its key says) in place: the
-                factors[first.scaled].mul_(first.scale)  # concatenation is a fresh tensor
-            self._delta, self._a = factors  # [L·N, T, I], [L·N, T, J]
+            deltas, inputs = zip(*[sg.factors for sg in grads], strict=True)  # type: ignore[union-attr]
+            delta, a = torch.cat(deltas), torch.cat(inputs)
+            self._joined = (delta, a)  # [L·N, T, I], [L·N, T, J]
+            self._wide, self._scale, self._scaled = first.wide, first.scale, first.scaled
+            if delta.dtype in narrow_products.NARROW and narrow_products.available(
+                    delta, a, first.wide):
+                self._narrow = (delta, a, first.scale)
+            self.positions = delta.shape[1]
         else:
-            self._delta = torch.cat([sg.delta for sg in grads])  # type: ignore[union-attr]
-            self._a = torch.cat([sg.a for sg in grads])  # type: ignore[union-attr]
+            self._factors = (torch.cat([sg.delta for sg in grads]),  # type: ignore[union-attr]
+                             torch.cat([sg.a for sg in grads]))  # type: ignore[union-attr]
+            self.positions = 1
         self._rows: Tensor | None = None
+
+    def _widened(self) -> tuple[Tensor, Tensor]:
+        """(δ, a) of all layers in the gradients' dtype, c multiplied into one of them
+        (formed when first read: where G comes from the half-precision factors, only the
+        dot products from the factors read them)."""
+        if self._factors is None:
+            wide = self._wide
+            factors = [x if wide is None or x.dtype == wide else x.to(wide)
+                       for x in self._joined]
+            if self._scale != 1.0:  # in place: the concatenation (or its widened copy) is
+                factors[self._scaled].mul_(self._scale)  # Cockpit's, and G does not read it
+            self._factors = (factors[0], factors[1])
+        return self._factors
 
     @property
     def rows(self) -> Tensor:
         """G, [L, N, D] (formed once, when first read)."""
         if self._rows is None:
-            delta, a = self._delta, self._a
-            if delta.dim() == 3:
-                rows = torch.bmm(delta.transpose(1, 2), a)  # [L·N, I, J]
+            if self._narrow is not None:
+                delta, a, scale = self._narrow
+                rows = narrow_products.wide_products(delta.transpose(1, 2), a, scale)
+            elif (factors := self._widened())[0].dim() == 3:
+                rows = torch.bmm(factors[0].transpose(1, 2), factors[1])  # [L·N, I, J]
             else:
-                rows = delta.unsqueeze(2) * a.unsqueeze(1)
+                rows = factors[0].unsqueeze(2) * factors[1].unsqueeze(1)
             self._rows = rows.view(self.num_layers, self.num_samples, -1)
         return self._rows
 
@@ -180,7 +206,7 @@ class StackedGrads:
             every = [u.reshape(-1) for u in every]
         stacked = torch.stack(every)  # [L·K, *shape]
         if self._rows is None and self._factors_pay(k):
-            return self._factor_dots(in_dtype(stacked, self._delta.dtype), k)
+            return self._factor_dots(stacked, k)
         u = in_dtype(stacked.view(self.num_layers, k, -1), self.rows.dtype)
         # One product and sum over D per direction, not ``bmm(u, Gᵀ)``: for K ≥ 2 cuBLAS
         # reduced D (millions) for the tiny [K, N] outputs with a kernel that took 18–23 ms
@@ -194,7 +220,7 @@ class StackedGrads:
         forming G (one direction, or no positions: a product with U_k costs I·J per position
         and direction, G as much per position once) and no more memory than G (T·K·min(I, J)
         ≤ I·J: the product has the narrower factor's width)."""
-        positions = self._delta.shape[1] if self._delta.dim() == 3 else 1
+        positions = self.positions
         return (k == 1 or positions == 1) and positions * k <= max(self.shape)
 
     def _factor_dots(self, stacked: Tensor, k: int) -> Tensor:
@@ -207,13 +233,14 @@ class StackedGrads:
         less of a GPU's memory traffic in that step)."""
         layers, n = self.num_layers, self.num_samples
         i, j = self.shape
-        u = stacked.view(layers, k, i, j)
+        delta, a = self._widened()
+        u = in_dtype(stacked, delta.dtype).view(layers, k, i, j)
         if j <= i:  # [U_1 … U_K] ∈ R^{I × K·J}
             weights = u.transpose(1, 2).reshape(layers, i, k * j)
-            first, second, width = self._delta.view(layers, -1, i), self._a, j
+            first, second, width = delta.view(layers, -1, i), a, j
         else:  # [U_1ᵀ … U_Kᵀ] ∈ R^{J × K·I}
             weights = u.permute(0, 3, 1, 2).reshape(layers, j, k * i)
-            first, second, width = self._a.view(layers, -1, j), self._delta, i
+            first, second, width = a.view(layers, -1, j), delta, i
         products = torch.bmm(first, weights).view(layers, n, -1, k, width)  # [L, N, T, K, ·]
         return (products * second.view(layers, n, -1, 1, width)).sum((2, 4)).permute(2, 1, 0)
 
@@ -261,13 +288,6 @@ def _finite(tallies: Tensor) -> Tensor:
     """The counts of the finite values, [layers, bins] int64, from lane counts
     [layers, lanes, slots] (slots 1 … bins; float32 counts of at most 2^24: exact)."""
     return tallies[:, :, 1:-1].sum(1, dtype=torch.long)
-
-
-def _cat_widened(parts: list[Tensor], wide: torch.dtype | None) -> Tensor:
-    """The layers' factors concatenated over the samples, in ``wide`` (narrow factors are
-    widened once, after the concatenation)."""
-    joined = torch.cat(parts)
-    return joined if wide is None or joined.dtype == wide else joined.to(wide)
 
 
 @functools.lru_cache(maxsize=32)

@@ -8,6 +8,7 @@ has g_n(W) = Σ_t a_{n,t} δ_{n,t}ᵀ: the same factors in swapped roles.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from cockpit.engine.dtypes import in_dtype, promote
@@ -47,9 +48,11 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
     each summed over the dimensions between batch and features."""
     a = args[0] if args else kwargs["x" if transposed else "input"]
     n = a.shape[0]
-    # the output gradient arrives as the layer computed it (narrower than ``a`` under
-    # autocast; see widens_output_gradient): widened here, or when read (sequences)
-    wide = promote(grad_output.dtype, a.dtype) if grad_output.is_floating_point() else None
+    # the input and output gradient arrive as the layer computed them (bfloat16 or float16
+    # under autocast; see widens_when_read): the gradients are formed in at least float32,
+    # from factors widened here, or when read (sequences)
+    wide = (promote(promote(grad_output.dtype, a.dtype), torch.float32)
+            if grad_output.is_floating_point() else None)
     grads: dict[str, SampleGrads] = {}
     weight, bias = module.weight, getattr(module, "bias", None)
     if a.dim() == 1:
@@ -59,6 +62,7 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
         )
     if a.dim() == 2:
         delta = grad_output if wide is None else in_dtype(grad_output, wide)
+        a = a if wide is None else in_dtype(a, wide)
         delta = delta * scale if scale != 1.0 else delta
         delta_norms = RowNorms(delta)  # ‖δ_n‖: weight and bias
         if weight.requires_grad:
@@ -89,6 +93,6 @@ def _linear_grads(module: nn.Module, args: tuple, kwargs: dict, grad_output: Ten
 
 linear_rule.takes_scale = True  # type: ignore[attr-defined]
 transposed_linear_rule.takes_scale = True  # type: ignore[attr-defined]
-# the output gradient as the layer computed it (the processor widens only the inputs)
-linear_rule.widens_output_gradient = True  # type: ignore[attr-defined]
-transposed_linear_rule.widens_output_gradient = True  # type: ignore[attr-defined]
+# the input and output gradient as the layer computed them (the rule widens them)
+linear_rule.widens_when_read = True  # type: ignore[attr-defined]
+transposed_linear_rule.widens_when_read = True  # type: ignore[attr-defined]

@@ -44,6 +44,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from cockpit.engine import narrow_products
 from cockpit.engine.dtypes import in_dtype, promote
 from cockpit.engine.float_sums import sample_sum_sq
 from cockpit.engine.histograms.device import DEFAULT_BUDGET, LaneCounts, device_path
@@ -496,7 +497,21 @@ class SequenceOuterSampleGrads(SampleGrads):
         return self
 
     def materialize(self) -> Tensor:
+        if self._narrow():  # (see iter_chunks)
+            delta, a = self._raw_factors()
+            return narrow_products.wide_products(delta.transpose(1, 2), a, self.scale)
         return torch.bmm(self.delta.transpose(1, 2), self.a)
+
+    def _narrow(self) -> bool:
+        delta, a = self._factors  # (a call only where the factors are narrow)
+        return delta.dtype in narrow_products.NARROW and narrow_products.available(
+            delta, a, self.wide)
+
+    def _raw_factors(self) -> tuple[Tensor, Tensor]:
+        """(δ, a) as handed, outside autograd (read after the backward pass maybe, in grad
+        mode)."""
+        return tuple(x.detach() if x.requires_grad else x  # type: ignore[return-value]
+                     for x in self._factors)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -513,6 +528,12 @@ class SequenceOuterSampleGrads(SampleGrads):
         return list(self.iter_chunks())
 
     def iter_chunks(self) -> Iterator[Tensor]:
+        # half-precision factors as they are, summed in float32, c in the product
+        # (:mod:`cockpit.engine.narrow_products`), where the device has the op
+        if self._narrow():
+            for d, a in _sample_chunks(*self._raw_factors(), self.shape.numel()):
+                yield narrow_products.wide_products(d.transpose(1, 2), a, self.scale)
+            return
         for d, a in _sample_chunks(self.delta, self.a, self.shape.numel()):
             yield torch.bmm(d.transpose(1, 2), a)
 

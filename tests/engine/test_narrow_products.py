@@ -1,0 +1,172 @@
+"""Half-precision factors' products summed in float32 (``cockpit.engine.narrow_products``):
+where a device has the op, a Linear layer's individual gradients under autocast come from its
+bfloat16/float16 factors as they are, the loss weight's scale c in the product. A CPU has no
+such kernel, so the op is emulated here by the widened float32 product (the real one against
+it: ``tests/test_cuda.py``): single layers, their sample chunks and stacks against brute
+force, without widened copies of the factors, and tracked steps under autocast that equal
+the path that widens the factors first."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from cockpit import Cockpit, configuration
+from cockpit.engine import narrow_products, stacked
+from cockpit.engine.histograms import device as histogram_device
+from cockpit.engine.rules import sample_grads
+from cockpit.engine.rules.sample_grads import SequenceOuterSampleGrads
+from cockpit.engine.stacked import StackedGrads
+from tests.engine.test_memory_budget import leaves
+from tests.engine.test_stacked import Tokens, brute_force
+
+C = 1 / 0.3  # the loss weight's scale (not a power of two: where it is multiplied in shows)
+
+
+@pytest.fixture
+def emulated(monkeypatch) -> list[tuple]:
+    """The op on every device, as α · (x y) of the widened factors; each call's (dtype of x,
+    dtype of y, α) recorded."""
+    calls: list[tuple] = []
+
+    def products(x, y, alpha=1.0):
+        calls.append((x.dtype, y.dtype, alpha))
+        return alpha * torch.bmm(x.float(), y.float())
+
+    monkeypatch.setattr(narrow_products, "_runs", lambda device_type: (True, True))
+    monkeypatch.setattr(narrow_products, "_bmm", products)
+    monkeypatch.setattr(narrow_products, "_baddbmm", products)
+    return calls
+
+
+def narrow_layer(dtype: torch.dtype, scaled: int, seed: int = 0, n: int = 5
+                 ) -> SequenceOuterSampleGrads:
+    gen = torch.Generator().manual_seed(seed)
+    return SequenceOuterSampleGrads(torch.randn(n, 3, 4, generator=gen).to(dtype),
+                                    torch.randn(n, 3, 6, generator=gen).to(dtype),
+                                    torch.float32, C, scaled)
+
+
+def test_a_cpu_widens_the_factors_itself():
+    sg = narrow_layer(torch.bfloat16, 0)
+    assert not narrow_products.available(*sg.factors, torch.float32)
+    torch.testing.assert_close(sg.materialize().double(), C * brute_force(sg), rtol=1e-6,
+                               atol=1e-6)
+    assert all(x is not None and x.dtype == torch.float32 for x in sg._read[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scaled", [0, 1])
+def test_a_layer_forms_its_gradients_from_the_narrow_factors(dtype, scaled, emulated,
+                                                             monkeypatch):
+    """g_n = c Σ_t δ_{n,t} a_{n,t}ᵀ from the factors as handed, c as the product's α, in one
+    chunk and in chunks of two samples; the factors are never widened."""
+    sg = narrow_layer(dtype, scaled)
+    expected = C * brute_force(sg)
+    torch.testing.assert_close(sg.materialize().double(), expected, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(sample_grads, "_CHUNK_ELEMENTS", 2 * 24)
+    chunks = sg.chunks()
+    assert [len(c) for c in chunks] == [2, 2, 1]
+    torch.testing.assert_close(torch.cat(chunks).double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sg.norms().double(), expected.flatten(1).norm(dim=1),
+                               rtol=1e-6, atol=1e-6)
+    assert emulated and all(call == (dtype, dtype, C) for call in emulated)
+    assert sg._read == [None, None]
+
+
+@pytest.mark.parametrize("scaled", [0, 1])
+def test_a_stack_forms_g_from_the_narrow_factors(scaled, emulated):
+    """G of three layers by one product of their concatenated bfloat16 factors, c as its α;
+    the factors are widened only where the dot products come from them (no G formed)."""
+    grads = [narrow_layer(torch.bfloat16, scaled, seed) for seed in range(3)]
+    stack = StackedGrads(grads)
+    for index, sg in enumerate(grads):
+        torch.testing.assert_close(stack.layer(index).double(), C * brute_force(sg),
+                                   rtol=1e-6, atol=1e-6)
+    assert emulated == [(torch.bfloat16, torch.bfloat16, C)]
+    assert stack._factors is None
+    gen = torch.Generator().manual_seed(7)
+    directions = [[torch.randn(4, 6, generator=gen)] for _ in grads]
+    fresh = StackedGrads(grads)
+    block = fresh.dots(directions)
+    assert fresh._rows is None and fresh._factors is not None
+    for index, (sg, (u,)) in enumerate(zip(grads, directions, strict=True)):
+        expected = C * brute_force(sg).flatten(1) @ u.double().reshape(-1)
+        torch.testing.assert_close(block[0, :, index].double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stack.dots(directions)[0, :, index].double(), expected,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def autocast_outputs(config: str, monkeypatch, device: str = "cpu") -> tuple[dict, list[int]]:
+    """Three steps of six Linear layers of one shape on sequences under bfloat16 autocast
+    (AdamW, the accelerators' path), every instrument's output, and the stacks' sizes."""
+    sizes: list[int] = []
+    original = StackedGrads.__init__
+
+    def spy(self, grads):
+        sizes.append(len(grads))
+        original(self, grads)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(StackedGrads, "__init__", spy)
+        patch.setattr(histogram_device, "_forced", True)
+        torch.manual_seed(0)
+        model = Tokens(6).to(device)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(12, 5, 6, generator=gen).to(device)
+        y = torch.randint(0, 3, (12,), generator=gen).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cockpit = Cockpit(model, configuration(config), optimizer=opt, strict=True)
+        for step in range(3):
+            opt.zero_grad()
+            with torch.autocast(device, dtype=torch.bfloat16):
+                logits = model(x)
+            losses = nn.functional.cross_entropy(logits.float(), y, reduction="none")
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            opt.step()
+        cockpit.close()
+    return cockpit.get_output(), sizes
+
+
+def test_a_tracked_step_under_autocast_equals_the_widening_path(emulated, monkeypatch):
+    """Economy under bfloat16 autocast: every value equals the one of factors widened
+    first, up to float32's rounding of c multiplied into G instead of into a factor (the
+    histograms' counts may move a value across an edge)."""
+    narrow, sizes = autocast_outputs("economy", monkeypatch)
+    products = list(emulated)
+    monkeypatch.setattr(narrow_products, "_runs", lambda device_type: (False, False))
+    wide, wide_sizes = autocast_outputs("economy", monkeypatch)
+    assert sizes == wide_sizes and sizes and all(size == 6 for size in sizes)
+    assert products and all(dtype == torch.bfloat16 for dtype, _, _ in products)
+    assert len(emulated) == len(products)  # (none without the op)
+    assert_close_outputs(wide, narrow)
+
+
+def assert_close_outputs(wide: dict, narrow: dict) -> None:
+    """Every value of ``narrow`` equal to ``wide``'s to float32 rounding; counts within 4."""
+    compared = 0
+    for step in wide:
+        want, got = dict(leaves(wide[step])), dict(leaves(narrow[step]))
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            if value is None:
+                assert got[key] is None, key
+            elif "counts" in key:
+                assert np.abs(np.asarray(got[key]) - np.asarray(value)).sum() <= 4, key
+            else:
+                np.testing.assert_allclose(np.asarray(got[key], dtype=float),
+                                           np.asarray(value, dtype=float), rtol=1e-4,
+                                           atol=1e-7, equal_nan=True, err_msg=key)
+                compared += 1
+    assert compared > 100
+
+
+def test_the_stack_key_keeps_narrow_layers_apart_from_wide_ones():
+    """Layers whose factors arrive in bfloat16 and layers whose factors arrive in float32
+    are never stacked together (G would mix the two routes)."""
+    narrow = narrow_layer(torch.bfloat16, 0)
+    wide = SequenceOuterSampleGrads(*(x.float() for x in narrow.factors), torch.float32, C, 0)
+    assert stacked.key(narrow) != stacked.key(wide)
