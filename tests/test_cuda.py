@@ -257,6 +257,28 @@ def test_narrow_products_equal_the_exact_products_summed(dtype, monkeypatch):
     assert_close_outputs(wide, narrow)
 
 
+def test_the_stacks_dot_product_kernel_equals_the_products_and_sums(monkeypatch):
+    """Six Linear layers of one shape under bfloat16 autocast (G in float32), economy with
+    AdamW: the stack's dot products by one launch of the kernel at every step (its
+    threshold lowered) give the values of the products and sums."""
+    from cockpit.engine import row_dots
+    from tests.engine.test_narrow_products import assert_close_outputs, autocast_outputs
+
+    if not row_dots.available(torch.zeros(1, 1, row_dots.MIN_VALUES, device=DEVICE), 3):
+        pytest.skip("the kernel needs Triton")
+    launches: list = []
+    real = row_dots.row_dots
+    monkeypatch.setattr(row_dots, "row_dots",
+                        lambda g, u: launches.append(u.shape) or real(g, u))
+    monkeypatch.setattr(row_dots, "MIN_VALUES", 1)
+    with_kernel, sizes = autocast_outputs("economy", monkeypatch, DEVICE)
+    assert len(launches) == len(sizes) == 3 and row_dots.broken is None
+    assert all(shape[0] == 6 for shape in launches)
+    monkeypatch.setattr(row_dots, "MIN_VALUES", 2**62)
+    without, _ = autocast_outputs("economy", monkeypatch, DEVICE)
+    assert_close_outputs(without, with_kernel)
+
+
 ECONOMY_VALUES = ("Loss", "GradNorm", "NormTest", "InnerTest", "OrthoTest", "Alpha",
                   "Distance", "UpdateSize")
 

@@ -23,8 +23,10 @@ from which
   ``histc`` over L·(lanes)·(bins + 2) slots (:func:`cockpit.engine.histograms.device.tally`
   for one layer); where the one-pass kernel counts (CUDA, many values) one launch for all
   layers, each counted apart (:func:`cockpit.engine.histograms.fused.tally_rows`);
-* g_{l,n}ᵀu_{l,k} for K directions per layer: per direction one product with G and one sum
-  over D, [L, N] (a batched matrix product [K, D] × [D, N] ran 20× slower on a GPU); where
+* g_{l,n}ᵀu_{l,k} for K directions per layer: on CUDA one pass of a Triton kernel over G
+  for all K (:mod:`cockpit.engine.row_dots`), elsewhere per direction one product with G
+  and one sum over D, [L, N] (a batched matrix product [K, D] × [D, N] ran 20× slower on a
+  GPU); where
   no statistic needs G (one direction: the step after a tracked one projects on s_t) from
   the factors, Σ_t δ_{l,n,t}ᵀ U a_{l,n,t}, and G is never formed.
 
@@ -50,7 +52,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from cockpit.engine import narrow_products
+from cockpit.engine import narrow_products, row_dots
 from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.float_sums import sample_sum_sq
 from cockpit.engine.histograms import fused
@@ -207,12 +209,18 @@ class StackedGrads:
         stacked = torch.stack(every)  # [L·K, *shape]
         if self._rows is None and self._factors_pay(k):
             return self._factor_dots(stacked, k)
-        u = in_dtype(stacked.view(self.num_layers, k, -1), self.rows.dtype)
+        rows = self.rows
+        u = in_dtype(stacked.view(self.num_layers, k, -1), rows.dtype)
+        if row_dots.available(rows, k):  # (CUDA: one pass over G for all K directions)
+            try:
+                return row_dots.row_dots(rows, u).permute(2, 1, 0)
+            except Exception as error:  # e.g. no compiler for Triton: as below
+                row_dots.disable(error)
         # One product and sum over D per direction, not ``bmm(u, Gᵀ)``: for K ≥ 2 cuBLAS
         # reduced D (millions) for the tiny [K, N] outputs with a kernel that took 18–23 ms
         # a stack of GPT-2 124M's weights on an H200, 0.8 ms this way
         # (``benchmarks/stacked_dots.py``).
-        return torch.stack([(self.rows * u[:, i].unsqueeze(1)).sum(2)
+        return torch.stack([(rows * u[:, i].unsqueeze(1)).sum(2)
                             for i in range(k)]).transpose(1, 2)
 
     def _factors_pay(self, k: int) -> bool:
