@@ -288,6 +288,24 @@ def test_sample_chunks_answer_like_the_whole_batch(kind):
                                    expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["dense", "tied"])
+def test_chunks_stack_the_directions_once(kind):
+    """Several directions' dot products by sample chunks: the directions' rows are stacked
+    by the first chunk and read by the others (a stack per chunk copied K·D numbers each
+    time: GPT-2 124M's tied embedding in chunks of one sample), the values as by the whole."""
+    from cockpit.engine.rules.sample_chunks import SampleChunks
+    from tests.engine.test_host_syncs import Count
+    sg = representations()[kind]
+    us = [torch.randn(sg.shape, dtype=torch.float64) for _ in range(3)]
+    expected = sg.dots_many(us)
+    chunked = SampleChunks(sg.num_samples, sg.shape, sg.dtype, sg.select, size=2)
+    assert chunked.num_chunks == 4
+    with Count() as counted:
+        got = chunked.dots_many(us)
+    assert counted.ops["stack"] == 1
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
 def test_a_tied_output_layer_under_autocast_waits_at_its_own_width(monkeypatch):
     """Under bfloat16 autocast the tied output layer's individual gradients wait for the
     embedding's in sample chunks: its output gradient is held in bfloat16 (the width the

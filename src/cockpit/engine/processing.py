@@ -62,7 +62,12 @@ from cockpit.engine.rules.sample_chunks import (
     merge_centered,
     samples_per_chunk,
 )
-from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads, outside_autograd
+from cockpit.engine.rules.sample_grads import (
+    DenseSampleGrads,
+    Directions,
+    SampleGrads,
+    outside_autograd,
+)
 from cockpit.engine.statistics import (
     GRAM_MEAN,
     PER_SAMPLE_STATS,
@@ -414,6 +419,8 @@ class CallProcessor:
         statistics = requested(engine.needs)
         if not statistics and not vectors:  # (ḡ, if a dot product needs it, when asked)
             return None
+        if vectors:  # (their rows stacked by the first chunk, read by every other)
+            vectors = Directions(vectors)
         dots: list[Tensor] = []
         values: dict[str, list[Tensor]] = {}
         centered: dict[str, tuple[Tensor, Tensor, int]] = {}

@@ -23,7 +23,12 @@ import torch
 from torch import Tensor
 
 from cockpit.engine.histograms.exact import BinSpec
-from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads, total_of
+from cockpit.engine.rules.sample_grads import (
+    DenseSampleGrads,
+    Directions,
+    SampleGrads,
+    total_of,
+)
 
 
 def samples_per_chunk(per_sample_bytes: int, budget: int) -> int:
@@ -109,6 +114,7 @@ class SampleChunks(SampleGrads):
         whole = self._whole_within_budget(len(us))
         if whole is not None:
             return whole.dots_many(us)
+        us = us if type(us) is Directions else Directions(us)  # (stacked once, every chunk)
         return torch.cat([p.dots_many(us) for p in self.parts()], dim=1)
 
     def sum_sq(self) -> Tensor:
