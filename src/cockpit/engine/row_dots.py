@@ -57,7 +57,7 @@ def _kernel():
         part = tl.program_id(1)
         layer = tl.program_id(2).to(tl.int64)
         samples, parts = tl.num_programs(0), tl.num_programs(1)
-        ks = tl.arange(0, K_PAD)
+        ks = tl.arange(0, K_PAD).to(tl.int64)  # (K · D may pass 2^31)
         g_ptr += (layer * samples + n) * width
         u_ptr += layer * K * width
         acc = tl.zeros((K_PAD, BLOCK), dtype=tl.float32)

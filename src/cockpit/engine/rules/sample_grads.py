@@ -162,11 +162,13 @@ class SampleGrads(ABC):
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         """[g_nᵀ u_k]_{k,n} for several directions in one pass over the gradients."""
-        stacked = us.stacked if type(us) is Directions else None
+        # (rows in the plain order are shared by the chunks of one parameter)
+        shared = type(us) is Directions and type(self).to_rows is SampleGrads.to_rows
+        stacked = us.stacked if shared else None  # type: ignore[attr-defined]
         if stacked is None:
             stacked = stack_or_view([self.to_rows(u) for u in us])  # [K, D]
-            if type(us) is Directions:
-                us.stacked = stacked
+            if shared:
+                us.stacked = stacked  # type: ignore[attr-defined]
         return _cat([in_dtype(stacked, c.dtype) @ _rows(c).T for c in self.chunks()], dim=1)
 
     def sum_sq(self) -> Tensor:
