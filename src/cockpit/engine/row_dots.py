@@ -24,11 +24,12 @@ sums run as before.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 from torch import Tensor
+
+from cockpit.engine.triton_device import runs_kernels
 
 BLOCK = 1024  # values of a row a program reads at once
 ITERS = 4  # reads per program and sample: a program covers BLOCK · ITERS values of D
@@ -83,9 +84,7 @@ def available(rows: Tensor, num_directions: int, threshold: bool = True) -> bool
     if (rows.dtype != torch.float32 or (threshold and rows.numel() < MIN_VALUES)
             or not 0 < num_directions <= MAX_DIRECTIONS):
         return False
-    on_device = rows.is_cuda or (rows.device.type == "cpu"
-                                 and os.environ.get("TRITON_INTERPRET") == "1")
-    return on_device and broken is None and _kernel() is not None
+    return runs_kernels(rows) and broken is None and _kernel() is not None
 
 
 broken: str | None = None  # why the kernel failed once (then never used again)

@@ -35,6 +35,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from cockpit.engine.triton_device import runs_kernels
+
 BLOCK = 1024  # values a program reads at once
 NUM_WARPS = 4
 # Fewer values are counted by the three kernels: the kernel's launch costs the host about
@@ -119,9 +121,7 @@ def available(x: Tensor, values: int | None = None) -> bool:
     if (values < MIN_VALUES or x.dtype not in _DTYPES
             or os.environ.get("COCKPIT_FUSED_HISTOGRAM", "1") == "0"):
         return False
-    on_device = x.is_cuda or (x.device.type == "cpu"
-                              and os.environ.get("TRITON_INTERPRET") == "1")
-    return on_device and broken is None and _kernel() is not None
+    return runs_kernels(x) and broken is None and _kernel() is not None
 
 
 broken: str | None = None  # why the kernel failed once (then never used again)
