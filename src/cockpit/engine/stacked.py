@@ -26,9 +26,8 @@ from which
 * g_{l,n}ᵀu_{l,k} for K directions per layer: on CUDA one pass of a Triton kernel over G
   for all K (:mod:`cockpit.engine.row_dots`), elsewhere per direction one product with G
   and one sum over D, [L, N] (a batched matrix product [K, D] × [D, N] ran 20× slower on a
-  GPU); where
-  no statistic needs G (one direction: the step after a tracked one projects on s_t) from
-  the factors, Σ_t δ_{l,n,t}ᵀ U a_{l,n,t}, and G is never formed.
+  GPU); where no statistic needs G (one direction: the step after a tracked one projects
+  on s_t) from the factors, Σ_t δ_{l,n,t}ᵀ U a_{l,n,t}, and G is never formed.
 
 Normalization layers of one shape (LayerNorm, RMSNorm, GroupNorm: GPT-2's 25 LayerNorms,
 a ResNet's GroupNorms per stage) are stacked one step earlier, by their rule's inputs: x̂ of
@@ -164,7 +163,7 @@ class StackedGrads:
             factors = [x if wide is None or x.dtype == wide else x.to(wide)
                        for x in self._joined]
             if self._scale != 1.0:  # in place: the concatenation (or its widened copy) is
-                factors[self._scaled].mul_(self._scale)  # Cockpit's, and G does not read it
+                factors[self._scaled].mul_(self._scale)  # Cockpit's own, not a layer's
             self._factors = (factors[0], factors[1])
         return self._factors
 
