@@ -48,6 +48,10 @@ def test_a_stack_takes_the_kernel_and_equals_the_products_and_sums():
         row_dots.MIN_VALUES = 1
         assert row_dots.available(rows, 3) and not row_dots.available(rows.double(), 3)
         assert not row_dots.available(rows, row_dots.MAX_DIRECTIONS + 1)
+        import os
+        os.environ["COCKPIT_ROW_DOTS"] = "0"
+        assert not row_dots.available(rows, 3)
+        del os.environ["COCKPIT_ROW_DOTS"]
         calls = []
         real = row_dots.row_dots
         row_dots.row_dots = lambda g, u: calls.append(u.shape) or real(g, u)

@@ -17,13 +17,14 @@ reduction. The products and sums are those of the second way in another order
 
 Used on CUDA for float32 stacks of at least :data:`MIN_VALUES` numbers, where Triton imports;
 the kernel also runs in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which
-is how the tests check it without a GPU. Elsewhere, and after a failure, the products and
-sums run as before.
+is how the tests check it without a GPU. Elsewhere, with ``COCKPIT_ROW_DOTS=0`` and after a
+failure, the products and sums run as before.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -80,9 +81,10 @@ def available(rows: Tensor, num_directions: int, threshold: bool = True) -> bool
     """Whether :func:`row_dots` forms the dot products of ``rows`` (G, [L, N, D]) with
     ``num_directions`` directions per layer: float32, at least :data:`MIN_VALUES` numbers
     (unless not ``threshold``), at most :data:`MAX_DIRECTIONS` directions, on CUDA (or on
-    the CPU under Triton's interpreter), Triton importable."""
+    the CPU under Triton's interpreter), Triton importable, not ``COCKPIT_ROW_DOTS=0``."""
     if (rows.dtype != torch.float32 or (threshold and rows.numel() < MIN_VALUES)
-            or not 0 < num_directions <= MAX_DIRECTIONS):
+            or not 0 < num_directions <= MAX_DIRECTIONS
+            or os.environ.get("COCKPIT_ROW_DOTS", "1") == "0"):
         return False
     return runs_kernels(rows) and broken is None and _kernel() is not None
 
