@@ -21,6 +21,10 @@ the values once instead (``histograms/fused.py``), a fraction of those rows' byt
     python benchmarks/device_traffic.py                            # 3C3D economy, |B| = 128
     python benchmarks/device_traffic.py --model gpt2_124m --batch 8   # GPT-2 124M, T = 256
     python benchmarks/device_traffic.py --model resnet18_gn --batch 128 --after
+    python benchmarks/device_traffic.py --model gpt2_124m --batch 8 --cuda-kernels
+
+``--cuda-kernels`` counts the CUDA kernels Cockpit takes instead where this CPU runs other
+paths: the Triton histogram and the stacks' dot products, each one read of its inputs.
 
 Machine constants (``--bandwidth``, ``--flops``): an H200's 4.8 TB/s and 67 TFLOP/s of
 float32 (without TF32), taken at 80 % and 75 %.
@@ -30,11 +34,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -93,9 +100,35 @@ class Traffic(TorchDispatchMode):
         self.flops: collections.Counter = collections.Counter()
         self.seconds: collections.Counter = collections.Counter()
         self.bandwidth, self.peak = bandwidth, peak
+        self._inside_kernel = 0
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def kernel(self, moved: int, flops: int = 0) -> Iterator[None]:
+        """Count what runs inside as one kernel that moves ``moved`` bytes (a CUDA kernel
+        the CPU emulates by other ops: those are not counted)."""
+        where = issuing_site()
+        self._inside_kernel += 1
+        try:
+            yield
+        finally:
+            self._inside_kernel -= 1
+        self.ops[where] += 1
+        self.bytes[where] += moved
+        self.flops[where] += flops
+        self.seconds[where] += max(moved / self.bandwidth, flops / self.peak)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._inside_kernel:
+            return out
         name = func.overloadpacket.__name__
         where = issuing_site()
         self.ops[where] += 1
@@ -112,6 +145,52 @@ class Traffic(TorchDispatchMode):
         return out
 
 
+_ACTIVE: list[Traffic] = []  # the counters inside which the step runs
+
+
+def _nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _one_kernel(moved: int):
+    """:meth:`Traffic.kernel` of the counter watching the step (none in its warm-up)."""
+    return _ACTIVE[-1].kernel(moved) if _ACTIVE else contextlib.nullcontext()
+
+
+def model_cuda_kernels() -> None:
+    """Cockpit's CUDA kernels in place of the paths this CPU runs, each counted as one kernel
+    that reads its inputs once (the CPU computes the same values by other ops, not
+    counted): the histograms' one-pass Triton kernel (``histograms/fused.py``: the values
+    read once, the lane counts written) and the stacks' dot-product kernel
+    (``engine/row_dots.py``: G and the directions read once). Not modelled: the
+    half-precision products of layers under autocast (``engine/narrow_products.py``; this
+    CPU runs the model in float32)."""
+    from cockpit.engine import row_dots
+    from cockpit.engine.histograms import fused
+
+    def available(x: Tensor, values: int | None = None) -> bool:
+        values = x.numel() if values is None else values
+        return values >= fused.MIN_VALUES and x.dtype in fused._DTYPES
+
+    def tally_rows(x: Tensor, edges: Tensor, num_lanes: int, uniform=None) -> Tensor:
+        slots = edges.numel() + 1
+        counts = x.shape[0] * num_lanes * slots * 4
+        with _one_kernel(_nbytes(x, edges) + 2 * counts):
+            return torch.stack([histogram_device.tally(histogram_device.bin_index(
+                row.contiguous(), edges.to(x.dtype)), slots) for row in x])
+
+    def rows_available(rows: Tensor, num_directions: int, threshold: bool = True) -> bool:
+        return (rows.dtype == torch.float32 and 0 < num_directions <= row_dots.MAX_DIRECTIONS
+                and (not threshold or rows.numel() >= row_dots.MIN_VALUES))
+
+    def dots(rows: Tensor, directions: Tensor) -> Tensor:
+        with _one_kernel(_nbytes(rows, directions)):
+            return torch.einsum("lnd,lkd->lnk", rows, directions)
+
+    fused.available, fused.tally_rows = available, tally_rows
+    row_dots.available, row_dots.row_dots = rows_available, dots
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="3c3d", choices=list(MODELS))
@@ -122,8 +201,13 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15, help="functions listed")
     parser.add_argument("--bandwidth", type=float, default=BANDWIDTH, help="bytes/s")
     parser.add_argument("--flops", type=float, default=PEAK, help="FLOP/s")
+    parser.add_argument("--cuda-kernels", action="store_true",
+                        help="count Cockpit's CUDA kernels where this CPU runs other paths "
+                        "(the Triton histogram and dot-product kernels)")
     args = parser.parse_args()
     histogram_device._forced = True  # (the accelerators' paths, as on a GPU)
+    if args.cuda_kernels:
+        model_cuda_kernels()
     plain, tracked = (count(config, args.batch, Traffic(args.bandwidth, args.flops),
                             args.model, args.after) for config in (None, args.config))
     which = "the step after a tracked one" if args.after else "a tracked step"
