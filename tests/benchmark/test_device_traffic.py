@@ -60,3 +60,32 @@ def test_device_traffic_lists_a_tracked_steps_functions():
     cockpit_rows = [ms for name, ms in functions.items() if name != "the user's loop"]
     assert sum(cockpit_rows) <= extra + 1e-3 * len(rows)
     assert ops > 0
+
+
+def test_a_modelled_cuda_kernel_counts_one_read_of_its_inputs(traffic_module, monkeypatch):
+    """``--cuda-kernels``: the stacks' dot products counted as one kernel that reads G and
+    the directions once, a histogram's lane counts as one that reads the values once and
+    writes the counts (the CPU's ops inside not counted); the values as the CPU's."""
+    from cockpit.engine import row_dots
+    from cockpit.engine.histograms import device, fused
+
+    for module, name in ((fused, "available"), (fused, "tally_rows"),
+                         (row_dots, "available"), (row_dots, "row_dots")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # (restored after the test)
+    traffic_module.model_cuda_kernels()
+    g, u = torch.randn(2, 3, 50), torch.randn(2, 4, 50)
+    x = torch.randn(3, 64)
+    edges = device.search_edges(torch.linspace(-1, 1, 6)[1:-1])
+    slots = edges.numel() + 1
+    lanes = device.lanes(slots)
+    with traffic_module.Traffic() as traffic:
+        dots = row_dots.row_dots(g, u)
+        counts = fused.tally_rows(x, edges, lanes)
+    user = traffic_module.USER
+    assert traffic.ops[user] == 2
+    assert traffic.bytes[user] == 4 * (g.numel() + u.numel() + x.numel() + edges.numel()
+                                       + 2 * 3 * lanes * slots)
+    torch.testing.assert_close(dots, torch.einsum("lnd,lkd->lnk", g, u))
+    assert counts.view(3, lanes, slots).sum((1, 2)).tolist() == [64.0] * 3
+    assert row_dots.available(torch.zeros(1, 1, row_dots.MIN_VALUES), 3)
+    assert not row_dots.available(torch.zeros(1, 1, 8), 3)
