@@ -24,7 +24,12 @@ the values once instead (``histograms/fused.py``), a fraction of those rows' byt
     python benchmarks/device_traffic.py --model gpt2_124m --batch 8 --cuda-kernels
 
 ``--cuda-kernels`` counts the CUDA kernels Cockpit takes instead where this CPU runs other
-paths: the Triton histogram and the stacks' dot products, each one read of its inputs.
+paths: the Triton histogram and the stacks' dot products, each one read of its inputs, and
+the half-precision products of layers under autocast at the tensor cores' rate;
+``--autocast`` runs GPT-2 124M's forward pass under bfloat16 autocast here too (products
+of bfloat16 inputs, the model's and Cockpit's, at ``--half-flops``).
+
+    python benchmarks/device_traffic.py --model gpt2_124m --batch 8 --cuda-kernels --autocast
 
 Machine constants (``--bandwidth``, ``--flops``): an H200's 4.8 TB/s and 67 TFLOP/s of
 float32 (without TF32), taken at 80 % and 75 %.
@@ -49,6 +54,7 @@ from torch.utils._pytree import tree_leaves
 from cockpit.engine.histograms import device as histogram_device
 
 sys.path.insert(0, str(Path(__file__).parent))
+import op_count
 from op_count import MODELS, USER, count, gpt2_problem, issuing_site
 
 MODELS["gpt2_124m"] = functools.partial(gpt2_problem, vocab=50257, length=256, n_layer=12,
@@ -58,6 +64,10 @@ BANDWIDTH = 4.8e12 * 0.8
 """Bytes/s: an H200's memory bandwidth at 80 %."""
 PEAK = 67e12 * 0.75
 """FLOP/s: an H200's float32 peak (no TF32) at 75 %."""
+HALF_PEAK = 989e12 * 0.75
+"""FLOP/s: an H200's dense bfloat16/float16 tensor-core peak at 75 % (products of
+half-precision inputs)."""
+_HALF = (torch.bfloat16, torch.float16)
 
 # ops that make views in their implementation though their schema does not say so
 _VIEW_LIKE = {"_unsafe_view", "lift_fresh", "_reshape_alias"}
@@ -93,13 +103,14 @@ class Traffic(TorchDispatchMode):
     """Per Cockpit function (the innermost frame in the package; the user's loop where
     none): ops, bytes read and written, FLOPs."""
 
-    def __init__(self, bandwidth: float = BANDWIDTH, peak: float = PEAK):
+    def __init__(self, bandwidth: float = BANDWIDTH, peak: float = PEAK,
+                 half_peak: float = HALF_PEAK):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
         self.bytes: collections.Counter = collections.Counter()
         self.flops: collections.Counter = collections.Counter()
         self.seconds: collections.Counter = collections.Counter()
-        self.bandwidth, self.peak = bandwidth, peak
+        self.bandwidth, self.peak, self.half_peak = bandwidth, peak, half_peak
         self._inside_kernel = 0
 
     def __enter__(self):
@@ -111,9 +122,10 @@ class Traffic(TorchDispatchMode):
         return super().__exit__(*exc)
 
     @contextlib.contextmanager
-    def kernel(self, moved: int, flops: int = 0) -> Iterator[None]:
-        """Count what runs inside as one kernel that moves ``moved`` bytes (a CUDA kernel
-        the CPU emulates by other ops: those are not counted)."""
+    def kernel(self, moved: int, flops: int = 0, half: bool = False) -> Iterator[None]:
+        """Count what runs inside as one kernel that moves ``moved`` bytes and does
+        ``flops`` (``half``: at the half-precision peak) — a CUDA kernel the CPU emulates by
+        other ops, which are not counted."""
         where = issuing_site()
         self._inside_kernel += 1
         try:
@@ -123,7 +135,8 @@ class Traffic(TorchDispatchMode):
         self.ops[where] += 1
         self.bytes[where] += moved
         self.flops[where] += flops
-        self.seconds[where] += max(moved / self.bandwidth, flops / self.peak)
+        self.seconds[where] += max(moved / self.bandwidth,
+                                   flops / (self.half_peak if half else self.peak))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -139,9 +152,11 @@ class Traffic(TorchDispatchMode):
         moved += sum(t.numel() * t.element_size() for t in tree_leaves(out)
                      if isinstance(t, Tensor))
         flops = _flops(name, args, out)
+        half = flops and isinstance(args[1], Tensor) and args[1].dtype in _HALF
         self.bytes[where] += moved
         self.flops[where] += flops
-        self.seconds[where] += max(moved / self.bandwidth, flops / self.peak)
+        self.seconds[where] += max(moved / self.bandwidth,
+                                   flops / (self.half_peak if half else self.peak))
         return out
 
 
@@ -152,21 +167,30 @@ def _nbytes(*tensors: Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _one_kernel(moved: int):
+def _one_kernel(moved: int, flops: int = 0, half: bool = False):
     """:meth:`Traffic.kernel` of the counter watching the step (none in its warm-up)."""
-    return _ACTIVE[-1].kernel(moved) if _ACTIVE else contextlib.nullcontext()
+    return _ACTIVE[-1].kernel(moved, flops, half) if _ACTIVE else contextlib.nullcontext()
 
 
 def model_cuda_kernels() -> None:
     """Cockpit's CUDA kernels in place of the paths this CPU runs, each counted as one kernel
     that reads its inputs once (the CPU computes the same values by other ops, not
     counted): the histograms' one-pass Triton kernel (``histograms/fused.py``: the values
-    read once, the lane counts written) and the stacks' dot-product kernel
-    (``engine/row_dots.py``: G and the directions read once). Not modelled: the
-    half-precision products of layers under autocast (``engine/narrow_products.py``; this
-    CPU runs the model in float32)."""
-    from cockpit.engine import row_dots
+    read once, the lane counts written), the stacks' dot-product kernel
+    (``engine/row_dots.py``: G and the directions read once) and the half-precision
+    products with a float32 result of layers under autocast (``engine/narrow_products.py``:
+    the factors read once, G written, at the half-precision peak)."""
+    from cockpit.engine import narrow_products, row_dots
     from cockpit.engine.histograms import fused
+
+    def products(x: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
+        batch, m, k = x.shape
+        n = y.shape[2]
+        with _one_kernel(_nbytes(x, y) + 4 * batch * m * n, 2 * batch * m * k * n, True):
+            return alpha * torch.bmm(x.float(), y.float())
+
+    narrow_products._runs = lambda device_type: (True, True)
+    narrow_products._bmm = narrow_products._baddbmm = products
 
     def available(x: Tensor, values: int | None = None) -> bool:
         values = x.numel() if values is None else values
@@ -201,22 +225,31 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15, help="functions listed")
     parser.add_argument("--bandwidth", type=float, default=BANDWIDTH, help="bytes/s")
     parser.add_argument("--flops", type=float, default=PEAK, help="FLOP/s")
+    parser.add_argument("--half-flops", type=float, default=HALF_PEAK,
+                        help="FLOP/s of products of bfloat16/float16 inputs")
     parser.add_argument("--cuda-kernels", action="store_true",
                         help="count Cockpit's CUDA kernels where this CPU runs other paths "
-                        "(the Triton histogram and dot-product kernels)")
+                        "(the Triton histogram and dot-product kernels, the half-precision "
+                        "products with a float32 result)")
+    parser.add_argument("--autocast", action="store_true",
+                        help="GPT-2 124M's forward pass under bfloat16 autocast (as on the "
+                        "GPU), also here on the CPU")
     args = parser.parse_args()
     histogram_device._forced = True  # (the accelerators' paths, as on a GPU)
+    op_count.AUTOCAST_ON_CPU = args.autocast
     if args.cuda_kernels:
         model_cuda_kernels()
-    plain, tracked = (count(config, args.batch, Traffic(args.bandwidth, args.flops),
-                            args.model, args.after) for config in (None, args.config))
+    plain, tracked = (count(config, args.batch,
+                            Traffic(args.bandwidth, args.flops, args.half_flops), args.model,
+                            args.after) for config in (None, args.config))
     which = "the step after a tracked one" if args.after else "a tracked step"
     user = plain.seconds[USER]
     cockpit = sum(v for k, v in tracked.seconds.items() if k != USER)
     print(f"{args.model} {args.config}, |B| = {args.batch}, {which}: estimated device time "
           f"{1e3 * user:.2f} ms without Cockpit, Cockpit's ops {1e3 * cockpit:.2f} ms more "
           f"(device work {(user + cockpit) / max(user, 1e-12):.2f}×) at "
-          f"{args.bandwidth / 1e12:.2f} TB/s and {args.flops / 1e12:.1f} TFLOP/s")
+          f"{args.bandwidth / 1e12:.2f} TB/s and {args.flops / 1e12:.1f} TFLOP/s "
+          f"({args.half_flops / 1e12:.0f} of half-precision products)")
     print(f"Cockpit's ops: {sum(tracked.ops.values()) - tracked.ops[USER]}, "
           f"{sum(v for k, v in tracked.bytes.items() if k != USER) / 1e9:.2f} GB, "
           f"{sum(v for k, v in tracked.flops.items() if k != USER) / 1e9:.1f} GFLOP; "

@@ -67,11 +67,16 @@ def _image_problem(make: Callable[[], nn.Module], batch: int) -> Problem:
                    lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"))
 
 
+AUTOCAST_ON_CPU = False
+"""Whether :func:`gpt2_problem`'s ``autocast`` also holds on the CPU (``device_traffic.py
+--autocast``: a GPU's bfloat16 step counted on the CPU)."""
+
+
 def gpt2_problem(batch: int, vocab: int = 1000, length: int = 32, n_layer: int = 2,
                  n_embd: int = 64, n_head: int = 2, autocast: bool = False) -> Problem:
     """A ``transformers`` GPT-2 from its config (by default small: 2 blocks, width 64)
     trained by AdamW: ℓ_n the mean next-token loss of sequence n (``autocast``: the forward
-    pass in bfloat16 on CUDA)."""
+    pass in bfloat16 on CUDA, and on the CPU where :data:`AUTOCAST_ON_CPU`)."""
     import transformers
 
     config = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
@@ -82,7 +87,7 @@ def gpt2_problem(batch: int, vocab: int = 1000, length: int = 32, n_layer: int =
 
     def losses(m: nn.Module, tokens: Tensor) -> Tensor:
         with torch.autocast(tokens.device.type, dtype=torch.bfloat16,
-                            enabled=autocast and tokens.is_cuda):
+                            enabled=autocast and (tokens.is_cuda or AUTOCAST_ON_CPU)):
             logits = m(tokens).logits[:, :-1]
         return F.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1),
                                reduction="none").view(len(tokens), -1).mean(1)

@@ -66,11 +66,13 @@ def test_a_modelled_cuda_kernel_counts_one_read_of_its_inputs(traffic_module, mo
     """``--cuda-kernels``: the stacks' dot products counted as one kernel that reads G and
     the directions once, a histogram's lane counts as one that reads the values once and
     writes the counts (the CPU's ops inside not counted); the values as the CPU's."""
-    from cockpit.engine import row_dots
+    from cockpit.engine import narrow_products, row_dots
     from cockpit.engine.histograms import device, fused
 
     for module, name in ((fused, "available"), (fused, "tally_rows"),
-                         (row_dots, "available"), (row_dots, "row_dots")):
+                         (row_dots, "available"), (row_dots, "row_dots"),
+                         (narrow_products, "_runs"), (narrow_products, "_bmm"),
+                         (narrow_products, "_baddbmm")):
         monkeypatch.setattr(module, name, getattr(module, name))  # (restored after the test)
     traffic_module.model_cuda_kernels()
     g, u = torch.randn(2, 3, 50), torch.randn(2, 4, 50)
@@ -89,3 +91,23 @@ def test_a_modelled_cuda_kernel_counts_one_read_of_its_inputs(traffic_module, mo
     assert counts.view(3, lanes, slots).sum((1, 2)).tolist() == [64.0] * 3
     assert row_dots.available(torch.zeros(1, 1, row_dots.MIN_VALUES), 3)
     assert not row_dots.available(torch.zeros(1, 1, 8), 3)
+    # a half-precision product with a float32 result: the factors read, G written, at the
+    # half-precision peak; a bfloat16 product of the user's at that peak too
+    a, b = torch.randn(2, 5, 7).bfloat16(), torch.randn(2, 7, 3).bfloat16()
+    a0, b0 = a[0], b[0]
+    assert narrow_products.available(a, b, torch.float32)
+    with traffic_module.Traffic() as traffic:
+        product = narrow_products.wide_products(a, b, 0.5)
+        a0 @ b0
+    flops = 2 * 2 * 5 * 7 * 3
+    kernel = "engine/narrow_products.py:wide_products"
+    assert product.dtype == torch.float32
+    assert traffic.ops[kernel] == 1 and traffic.ops[user] == 1
+    assert (traffic.flops[kernel], traffic.flops[user]) == (flops, flops // 2)
+    assert traffic.bytes[kernel] == 2 * (70 + 42) + 4 * 30
+    assert traffic.bytes[user] == 2 * (35 + 21 + 15)
+    torch.testing.assert_close(product, 0.5 * (a.float() @ b.float()))
+    assert traffic.seconds[kernel] == pytest.approx(
+        max(344 / traffic.bandwidth, flops / traffic.half_peak))
+    assert traffic.seconds[user] == pytest.approx(
+        max(142 / traffic.bandwidth, flops / 2 / traffic.half_peak))
