@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from cockpit import Cockpit, configuration
+from cockpit import Cockpit, configuration, every
 from cockpit.engine import narrow_products, stacked
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.rules import sample_grads
@@ -79,7 +79,9 @@ def test_a_layer_forms_its_gradients_from_the_narrow_factors(dtype, scaled, emul
 @pytest.mark.parametrize("scaled", [0, 1])
 def test_a_stack_forms_g_from_the_narrow_factors(scaled, emulated):
     """G of three layers by one product of their concatenated bfloat16 factors, c as its α;
-    the factors are widened only where the dot products come from them (no G formed)."""
+    the factors are never widened: also where one direction's dot products would come from
+    the factors in float32 (the step after a tracked one), G is formed on tensor cores and
+    the dot products read it."""
     grads = [narrow_layer(torch.bfloat16, scaled, seed) for seed in range(3)]
     stack = StackedGrads(grads)
     for index, sg in enumerate(grads):
@@ -91,7 +93,7 @@ def test_a_stack_forms_g_from_the_narrow_factors(scaled, emulated):
     directions = [[torch.randn(4, 6, generator=gen)] for _ in grads]
     fresh = StackedGrads(grads)
     block = fresh.dots(directions)
-    assert fresh._rows is None and fresh._factors is not None
+    assert fresh._rows is not None and fresh._factors is None
     for index, (sg, (u,)) in enumerate(zip(grads, directions, strict=True)):
         expected = C * brute_force(sg).flatten(1) @ u.double().reshape(-1)
         torch.testing.assert_close(block[0, :, index].double(), expected, rtol=1e-5, atol=1e-5)
@@ -99,9 +101,11 @@ def test_a_stack_forms_g_from_the_narrow_factors(scaled, emulated):
                                    rtol=1e-5, atol=1e-5)
 
 
-def autocast_outputs(config: str, monkeypatch, device: str = "cpu") -> tuple[dict, list[int]]:
-    """Three steps of six Linear layers of one shape on sequences under bfloat16 autocast
-    (AdamW, the accelerators' path), every instrument's output, and the stacks' sizes."""
+def autocast_outputs(config: str, monkeypatch, device: str = "cpu", every_k: int = 1
+                     ) -> tuple[dict, list[int]]:
+    """Three steps (four tracked every other) of six Linear layers of one shape on sequences
+    under bfloat16 autocast (AdamW, the accelerators' path), every instrument's output, and
+    the stacks' sizes."""
     sizes: list[int] = []
     original = StackedGrads.__init__
 
@@ -118,8 +122,9 @@ def autocast_outputs(config: str, monkeypatch, device: str = "cpu") -> tuple[dic
         x = torch.randn(12, 5, 6, generator=gen).to(device)
         y = torch.randint(0, 3, (12,), generator=gen).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        cockpit = Cockpit(model, configuration(config), optimizer=opt, strict=True)
-        for step in range(3):
+        cockpit = Cockpit(model, configuration(config, every(every_k)), optimizer=opt,
+                          strict=True)
+        for step in range(3 if every_k == 1 else 4):
             opt.zero_grad()
             with torch.autocast(device, dtype=torch.bfloat16):
                 logits = model(x)
@@ -131,15 +136,20 @@ def autocast_outputs(config: str, monkeypatch, device: str = "cpu") -> tuple[dic
     return cockpit.get_output(), sizes
 
 
-def test_a_tracked_step_under_autocast_equals_the_widening_path(emulated, monkeypatch):
-    """Economy under bfloat16 autocast: every value equals the one of factors widened
-    first, up to float32's rounding of c multiplied into G instead of into a factor (the
-    histograms' counts may move a value across an edge)."""
-    narrow, sizes = autocast_outputs("economy", monkeypatch)
+@pytest.mark.parametrize("every_k", [1, 2])
+def test_a_tracked_step_under_autocast_equals_the_widening_path(every_k, emulated,
+                                                                monkeypatch):
+    """Economy under bfloat16 autocast, tracked every step and every other (the step after
+    a tracked one projects on s_t: from G here, from the widened factors there): every
+    value equals the one of factors widened first, up to float32's rounding of c multiplied
+    into G instead of into a factor (the histograms' counts may move a value across an
+    edge)."""
+    narrow, sizes = autocast_outputs("economy", monkeypatch, every_k=every_k)
     products = list(emulated)
     monkeypatch.setattr(narrow_products, "_runs", lambda device_type: (False, False))
-    wide, wide_sizes = autocast_outputs("economy", monkeypatch)
+    wide, wide_sizes = autocast_outputs("economy", monkeypatch, every_k=every_k)
     assert sizes == wide_sizes and sizes and all(size == 6 for size in sizes)
+    assert len(products) == len(sizes)  # (G formed once per stack, also after a tracked one)
     assert products and all(dtype == torch.bfloat16 for dtype, _, _ in products)
     assert len(emulated) == len(products)  # (none without the op)
     assert_close_outputs(wide, narrow)

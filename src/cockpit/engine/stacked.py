@@ -156,8 +156,7 @@ class StackedGrads:
 
     def _widened(self) -> tuple[Tensor, Tensor]:
         """(δ, a) of all layers in the gradients' dtype, c multiplied into one of them
-        (formed when first read: where G comes from the half-precision factors, only the
-        dot products from the factors read them)."""
+        (formed when first read; never where G comes from the half-precision factors)."""
         if self._factors is None:
             wide = self._wide
             factors = [x if wide is None or x.dtype == wide else x.to(wide)
@@ -226,9 +225,12 @@ class StackedGrads:
         """Whether K directions' dot products from the factors take no more FLOPs than
         forming G (one direction, or no positions: a product with U_k costs I·J per position
         and direction, G as much per position once) and no more memory than G (T·K·min(I, J)
-        ≤ I·J: the product has the narrower factor's width)."""
+        ≤ I·J: the product has the narrower factor's width). Not where G comes from
+        half-precision factors on tensor cores: there its FLOPs cost a fraction of the
+        factors' float32 products (they multiply the direction in float32)."""
         positions = self.positions
-        return (k == 1 or positions == 1) and positions * k <= max(self.shape)
+        return (self._narrow is None and (k == 1 or positions == 1)
+                and positions * k <= max(self.shape))
 
     def _factor_dots(self, stacked: Tensor, k: int) -> Tensor:
         """:meth:`dots` without G, g_{l,n}ᵀu = Σ_t δ_{l,n,t}ᵀ U a_{l,n,t}: per layer the K
