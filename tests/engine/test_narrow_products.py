@@ -8,7 +8,6 @@ the path that widens the factors first."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -19,7 +18,7 @@ from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.rules import sample_grads
 from cockpit.engine.rules.sample_grads import SequenceOuterSampleGrads
 from cockpit.engine.stacked import StackedGrads
-from tests.engine.test_memory_budget import leaves
+from tests.engine.test_memory_budget import assert_same_outputs
 from tests.engine.test_stacked import Tokens, brute_force
 
 C = 1 / 0.3  # the loss weight's scale (not a power of two: where it is multiplied in shows)
@@ -157,21 +156,7 @@ def test_a_tracked_step_under_autocast_equals_the_widening_path(every_k, emulate
 
 def assert_close_outputs(wide: dict, narrow: dict) -> None:
     """Every value of ``narrow`` equal to ``wide``'s to float32 rounding; counts within 4."""
-    compared = 0
-    for step in wide:
-        want, got = dict(leaves(wide[step])), dict(leaves(narrow[step]))
-        assert want.keys() == got.keys()
-        for key, value in want.items():
-            if value is None:
-                assert got[key] is None, key
-            elif "counts" in key:
-                assert np.abs(np.asarray(got[key]) - np.asarray(value)).sum() <= 4, key
-            else:
-                np.testing.assert_allclose(np.asarray(got[key], dtype=float),
-                                           np.asarray(value, dtype=float), rtol=1e-4,
-                                           atol=1e-7, equal_nan=True, err_msg=key)
-                compared += 1
-    assert compared > 100
+    assert assert_same_outputs(wide, narrow, rtol=1e-4, atol=1e-7, counts_within=4) > 100
 
 
 def test_the_stack_key_keeps_narrow_layers_apart_from_wide_ones():
