@@ -135,18 +135,16 @@ class StackedGrads:
         first = grads[0]
         self.num_layers, self.num_samples = len(grads), first.num_samples
         self.shape = first.shape
-        # half-precision factors G is formed from as they are (summed in float32), with the
-        # stack's one scale c (as its key says) in the product: (δ, a, c); else None
-        self._narrow: tuple[Tensor, Tensor, float] | None = None
+        # whether G is formed from the half-precision factors as they are (summed in
+        # float32), with the stack's one scale c (as its key says) in the product
+        self._narrow = False
         self._factors: tuple[Tensor, Tensor] | None = None  # (δ, a) widened, with c
         if type(first) is SequenceOuterSampleGrads:
             deltas, inputs = zip(*[sg.factors for sg in grads], strict=True)  # type: ignore[union-attr]
             delta, a = torch.cat(deltas), torch.cat(inputs)
             self._joined = (delta, a)  # [L·N, T, I], [L·N, T, J]
             self._wide, self._scale, self._scaled = first.wide, first.scale, first.scaled
-            if delta.dtype in narrow_products.NARROW and narrow_products.available(
-                    delta, a, first.wide):
-                self._narrow = (delta, a, first.scale)
+            self._narrow = first.half_products()  # (the concatenation: the same dtypes)
             self.positions = delta.shape[1]
         else:
             self._factors = (torch.cat([sg.delta for sg in grads]),  # type: ignore[union-attr]
@@ -170,9 +168,9 @@ class StackedGrads:
     def rows(self) -> Tensor:
         """G, [L, N, D] (formed once, when first read)."""
         if self._rows is None:
-            if self._narrow is not None:
-                delta, a, scale = self._narrow
-                rows = narrow_products.wide_products(delta.transpose(1, 2), a, scale)
+            if self._narrow:
+                delta, a = self._joined
+                rows = narrow_products.wide_products(delta.transpose(1, 2), a, self._scale)
             elif (factors := self._widened())[0].dim() == 3:
                 rows = torch.bmm(factors[0].transpose(1, 2), factors[1])  # [L·N, I, J]
             else:
@@ -229,7 +227,7 @@ class StackedGrads:
         half-precision factors on tensor cores: there its FLOPs cost a fraction of the
         factors' float32 products (they multiply the direction in float32)."""
         positions = self.positions
-        return (self._narrow is None and (k == 1 or positions == 1)
+        return (not self._narrow and (k == 1 or positions == 1)
                 and positions * k <= max(self.shape))
 
     def _factor_dots(self, stacked: Tensor, k: int) -> Tensor:

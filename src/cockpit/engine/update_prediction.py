@@ -340,8 +340,7 @@ def _adam_step(param: Tensor, grad: Tensor, group: dict, state: dict) -> Tensor 
     lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
     weight_decay, eps, amsgrad = group["weight_decay"], group["eps"], group["amsgrad"]
     if state:
-        needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
-        if any(key not in state for key in needed):
+        if not state.keys() >= _ADAM_STATE[amsgrad]:
             return None
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         max_exp_avg_sq = state.get("max_exp_avg_sq")

@@ -511,12 +511,15 @@ class SequenceOuterSampleGrads(SampleGrads):
         return self
 
     def materialize(self) -> Tensor:
-        if self._narrow():  # (see iter_chunks)
+        if self.half_products():
             delta, a = self._raw_factors()
             return narrow_products.wide_products(delta.transpose(1, 2), a, self.scale)
         return torch.bmm(self.delta.transpose(1, 2), self.a)
 
-    def _narrow(self) -> bool:
+    def half_products(self) -> bool:
+        """Whether g_n is formed from the half-precision factors as they are, summed in
+        float32, c in the product (:mod:`cockpit.engine.narrow_products`): where the
+        device has the op."""
         delta, a = self._factors  # (a call only where the factors are narrow)
         return delta.dtype in narrow_products.NARROW and narrow_products.available(
             delta, a, self.wide)
@@ -542,9 +545,7 @@ class SequenceOuterSampleGrads(SampleGrads):
         return list(self.iter_chunks())
 
     def iter_chunks(self) -> Iterator[Tensor]:
-        # half-precision factors as they are, summed in float32, c in the product
-        # (:mod:`cockpit.engine.narrow_products`), where the device has the op
-        if self._narrow():
+        if self.half_products():
             for d, a in _sample_chunks(*self._raw_factors(), self.shape.numel()):
                 yield narrow_products.wide_products(d.transpose(1, 2), a, self.scale)
             return
