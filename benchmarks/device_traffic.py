@@ -24,8 +24,9 @@ the values once instead (``histograms/fused.py``), a fraction of those rows' byt
     python benchmarks/device_traffic.py --model gpt2_124m --batch 8 --cuda-kernels
 
 ``--cuda-kernels`` counts the CUDA kernels Cockpit takes instead where this CPU runs other
-paths: the Triton histogram and the stacks' dot products, each one read of its inputs, and
-the half-precision products of layers under autocast at the tensor cores' rate;
+paths: the Triton histogram, the stacks' dot products and the sums over many tensors
+(norms, differences' norms, dot products of parameter-sized lists), each one read of its
+inputs, and the half-precision products of layers under autocast at the tensor cores' rate;
 ``--autocast`` runs GPT-2 124M's forward pass under bfloat16 autocast here too (products
 of bfloat16 inputs, the model's and Cockpit's, at ``--half-flops``).
 
@@ -179,8 +180,9 @@ def model_cuda_kernels() -> None:
     read once, the lane counts written), the stacks' dot-product kernel
     (``engine/row_dots.py``: G and the directions read once) and the half-precision
     products with a float32 result of layers under autocast (``engine/narrow_products.py``:
-    the factors read once, G written, at the half-precision peak)."""
-    from cockpit.engine import narrow_products, row_dots
+    the factors read once, G written, at the half-precision peak) and the sums over many
+    tensors (``engine/tensor_sums.py``: each tensor read once)."""
+    from cockpit.engine import narrow_products, row_dots, tensor_sums
     from cockpit.engine.histograms import fused
 
     def products(x: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
@@ -211,8 +213,24 @@ def model_cuda_kernels() -> None:
         with _one_kernel(_nbytes(rows, directions)):
             return torch.einsum("lnd,lkd->lnk", rows, directions)
 
+    def sums(xs, ys, scale, mode: int) -> Tensor:
+        with _one_kernel(_nbytes(*xs) + (0 if ys is None else _nbytes(*ys))):
+            x = [t.double().reshape(-1) for t in xs]
+            if mode == tensor_sums.SQUARES:
+                return torch.stack([t.square().sum() for t in x]).unsqueeze(1)
+            y = [t.double().reshape(-1) for t in ys]
+            if mode == tensor_sums.DIFFERENCES:
+                c = 1.0 if scale is None else scale.double()
+                return torch.stack([(a - c * b).square().sum()
+                                    for a, b in zip(x, y, strict=True)]).unsqueeze(1)
+            return torch.stack([torch.stack([a.square().sum(), b.square().sum(), a.dot(b)])
+                                for a, b in zip(x, y, strict=True)])
+
     fused.available, fused.tally_rows = available, tally_rows
     row_dots.available, row_dots.row_dots = rows_available, dots
+    tensor_sums.runs_kernels = lambda x: True
+    tensor_sums._kernel = lambda: (None, {})
+    tensor_sums._sums = sums
 
 
 def main() -> None:
@@ -229,8 +247,8 @@ def main() -> None:
                         help="FLOP/s of products of bfloat16/float16 inputs")
     parser.add_argument("--cuda-kernels", action="store_true",
                         help="count Cockpit's CUDA kernels where this CPU runs other paths "
-                        "(the Triton histogram and dot-product kernels, the half-precision "
-                        "products with a float32 result)")
+                        "(the Triton histogram, dot-product and tensor-sums kernels, the "
+                        "half-precision products with a float32 result)")
     parser.add_argument("--autocast", action="store_true",
                         help="GPT-2 124M's forward pass under bfloat16 autocast (as on the "
                         "GPU), also here on the CPU")

@@ -272,11 +272,60 @@ def test_the_stacks_dot_product_kernel_equals_the_products_and_sums(monkeypatch)
                         lambda g, u: launches.append(u.shape) or real(g, u))
     monkeypatch.setattr(row_dots, "MIN_VALUES", 1)
     with_kernel, sizes = autocast_outputs("economy", monkeypatch, DEVICE)
-    assert len(launches) == len(sizes) == 3 and row_dots.broken is None
+    assert len(launches) == len(sizes) == 3 and row_dots.SWITCH.broken is None
     assert all(shape[0] == 6 for shape in launches)
     monkeypatch.setattr(row_dots, "MIN_VALUES", 2**62)
     without, _ = autocast_outputs("economy", monkeypatch, DEVICE)
     assert_close_outputs(without, with_kernel)
+
+
+def _many_tensors() -> nn.Module:
+    """18 Linear layers: 36 parameter tensors (the kernel over many tensors takes them)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 64), nn.Tanh(),
+                         *[m for _ in range(16) for m in (nn.Linear(64, 64), nn.Tanh())],
+                         nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_tensor_sums_kernel_equals_float64_and_the_blocks(dtype, monkeypatch):
+    """The kernel's sums over many tensors against float64 sums of the same numbers; a
+    tracked step whose norms, Distance, gradient check and update check take it (launches
+    counted) equals one that takes the blocks."""
+    from cockpit.engine import tensor_sums
+    from tests.engine.test_memory_budget import assert_same_outputs
+
+    generator = torch.Generator().manual_seed(0)
+    sizes = [1, tensor_sums.CHUNK + 3, 3 * tensor_sums.CHUNK - 1] + [77] * 40
+    xs = [torch.randn(n, generator=generator).to(dtype).to(DEVICE) for n in sizes]
+    ys = [torch.randn(n, generator=generator).to(dtype).to(DEVICE) for n in sizes]
+    if not tensor_sums.available(xs, ys):
+        pytest.skip("the kernel needs Triton")
+    x64, y64 = [x.double() for x in xs], [y.double() for y in ys]
+    c = torch.tensor(0.7, dtype=dtype, device=DEVICE)
+    want = torch.stack([(x - float(c) * y).square().sum() for x, y in zip(x64, y64, strict=True)])
+    torch.testing.assert_close(tensor_sums.sq_norms_of_differences(xs, ys, c), want,
+                               rtol=1e-6, atol=0)
+    pairs = torch.stack([torch.stack([x.square().sum(), y.square().sum(), x.dot(y)])
+                         for x, y in zip(x64, y64, strict=True)]).T
+    torch.testing.assert_close(tensor_sums.pair_sums(xs, ys), pairs, rtol=1e-6, atol=1e-5)
+    if dtype != torch.float32:
+        return
+    launches: list = []
+    real = tensor_sums._sums
+    monkeypatch.setattr(tensor_sums, "_sums",
+                        lambda *args: launches.append(args[-1]) or real(*args))
+    data = batches(3, 32)
+
+    def run(kernel: bool) -> dict:
+        monkeypatch.setenv("COCKPIT_TENSOR_SUMS", "1" if kernel else "0")
+        qs = [*configuration("economy"), quantities.ParamNorm()]
+        return train(DEVICE, torch.float32, qs, data, _many_tensors,
+                     make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))[0]
+
+    with_kernel = run(kernel=True)
+    assert len(set(launches)) == 3 and tensor_sums.SWITCH.broken is None
+    without = run(kernel=False)
+    assert assert_same_outputs(without, with_kernel, rtol=1e-5, atol=1e-9) > 50
 
 
 ECONOMY_VALUES = ("Loss", "GradNorm", "NormTest", "InnerTest", "OrthoTest", "Alpha",

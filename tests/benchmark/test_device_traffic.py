@@ -65,14 +65,16 @@ def test_device_traffic_lists_a_tracked_steps_functions():
 def test_a_modelled_cuda_kernel_counts_one_read_of_its_inputs(traffic_module, monkeypatch):
     """``--cuda-kernels``: the stacks' dot products counted as one kernel that reads G and
     the directions once, a histogram's lane counts as one that reads the values once and
-    writes the counts (the CPU's ops inside not counted); the values as the CPU's."""
-    from cockpit.engine import narrow_products, row_dots
+    writes the counts, the differences' norms of two lists of tensors as one that reads
+    both once (the CPU's ops inside not counted); the values as the CPU's."""
+    from cockpit.engine import narrow_products, row_dots, tensor_sums
     from cockpit.engine.histograms import device, fused
 
     for module, name in ((fused, "available"), (fused, "tally_rows"),
                          (row_dots, "available"), (row_dots, "row_dots"),
                          (narrow_products, "_runs"), (narrow_products, "_bmm"),
-                         (narrow_products, "_baddbmm")):
+                         (narrow_products, "_baddbmm"), (tensor_sums, "runs_kernels"),
+                         (tensor_sums, "_kernel"), (tensor_sums, "_sums")):
         monkeypatch.setattr(module, name, getattr(module, name))  # (restored after the test)
     traffic_module.model_cuda_kernels()
     g, u = torch.randn(2, 3, 50), torch.randn(2, 4, 50)
@@ -111,3 +113,13 @@ def test_a_modelled_cuda_kernel_counts_one_read_of_its_inputs(traffic_module, mo
         max(344 / traffic.bandwidth, flops / traffic.half_peak))
     assert traffic.seconds[user] == pytest.approx(
         max(142 / traffic.bandwidth, flops / 2 / traffic.half_peak))
+    # the norms of differences of two lists of tensors: each tensor read once
+    xs = [torch.randn(3, 5) for _ in range(tensor_sums.MIN_TENSORS)]
+    ys = [torch.randn(15) for _ in xs]
+    with traffic_module.Traffic() as traffic:
+        sq = tensor_sums.sq_norms_of_differences(xs, ys, torch.tensor(0.5))
+    kernel = "engine/tensor_sums.py:_guarded"
+    assert traffic.ops[kernel] == 1 and traffic.bytes[kernel] == 2 * 4 * 15 * len(xs)
+    want = [(x.double().reshape(-1) - 0.5 * y.double()).square().sum()
+            for x, y in zip(xs, ys, strict=True)]
+    torch.testing.assert_close(sq, torch.stack(want))

@@ -211,7 +211,7 @@ def test_a_kernel_that_fails_gives_way_to_the_three_kernels_with_the_same_counts
         assert torch.equal(first, exact_counts(x.reshape(-1), spec))
         assert torch.equal(second, first)
         assert len([w for w in caught if "histogram kernel failed" in str(w.message)]) == 1
-        assert "no C compiler" in fused.broken and not fused.available(x)
+        assert "no C compiler" in fused.SWITCH.broken and not fused.available(x)
     """)
 
 

@@ -113,6 +113,6 @@ def test_a_kernel_that_fails_gives_way_to_the_products_and_sums():
             warnings.simplefilter("always")
             got = stack.dots(directions)
         assert any("dot-product kernel failed" in str(w.message) for w in caught)
-        assert row_dots.broken is not None and not row_dots.available(stack.rows, 1)
+        assert row_dots.SWITCH.broken is not None and not row_dots.available(stack.rows, 1)
         torch.testing.assert_close(got, want)
     """)

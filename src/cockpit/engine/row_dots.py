@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 from torch import Tensor
 
-from cockpit.engine.triton_device import runs_kernels
+from cockpit.engine.triton_device import KernelSwitch, runs_kernels
 
 BLOCK = 1024  # values of a row a program reads at once
 ITERS = 4  # reads per program and sample: a program covers BLOCK · ITERS values of D
@@ -86,20 +85,14 @@ def available(rows: Tensor, num_directions: int, threshold: bool = True) -> bool
             or not 0 < num_directions <= MAX_DIRECTIONS
             or os.environ.get("COCKPIT_ROW_DOTS", "1") == "0"):
         return False
-    return runs_kernels(rows) and broken is None and _kernel() is not None
+    return runs_kernels(rows) and SWITCH.broken is None and _kernel() is not None
 
 
-broken: str | None = None  # why the kernel failed once (then never used again)
-
-
-def disable(error: Exception) -> None:
-    """Stop using the kernel in this process (it failed to compile or run: the products and
-    sums run instead, the same values to rounding), and say so once."""
-    global broken
-    broken = f"{type(error).__name__}: {error}"[:300]
-    warnings.warn(f"Cockpit's CUDA dot-product kernel failed ({broken}); the stacks' dot "
-                  "products are formed by PyTorch's products and sums instead (slower)",
-                  RuntimeWarning, stacklevel=2)
+# used until it fails to compile or run: then the products and sums (the same values to
+# rounding)
+SWITCH = KernelSwitch("dot-product kernel", "the stacks' dot products are formed by "
+                      "PyTorch's products and sums instead (slower)")
+disable = SWITCH.disable
 
 
 def row_dots(rows: Tensor, directions: Tensor) -> Tensor:

@@ -1,11 +1,13 @@
 """Where Cockpit's Triton kernels (:mod:`cockpit.engine.histograms.fused`,
-:mod:`cockpit.engine.row_dots`) run: on CUDA tensors, and on CPU tensors under Triton's
-interpreter (``TRITON_INTERPRET=1``, chosen when Triton is imported), which is how the tests
-check the kernels without a GPU."""
+:mod:`cockpit.engine.row_dots`, :mod:`cockpit.engine.tensor_sums`) run: on CUDA tensors, and
+on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, chosen when Triton is
+imported), which is how the tests check the kernels without a GPU; and whether each is still
+used in this process (:class:`KernelSwitch`)."""
 
 from __future__ import annotations
 
 import os
+import warnings
 
 from torch import Tensor
 
@@ -13,3 +15,19 @@ from torch import Tensor
 def runs_kernels(x: Tensor) -> bool:
     """Whether a Triton kernel would run on ``x``'s device."""
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+class KernelSwitch:
+    """One kernel's state in this process: used until it fails once (no compiler for
+    Triton, a launch error), then never again, said once by a warning that names what runs
+    instead (the same values)."""
+
+    def __init__(self, kernel: str, instead: str):
+        self.kernel, self.instead = kernel, instead
+        self.broken: str | None = None  # why the kernel failed
+
+    def disable(self, error: Exception) -> None:
+        """Stop using the kernel, and say so."""
+        self.broken = f"{type(error).__name__}: {error}"[:300]
+        warnings.warn(f"Cockpit's CUDA {self.kernel} failed ({self.broken}); {self.instead}",
+                      RuntimeWarning, stacklevel=2)

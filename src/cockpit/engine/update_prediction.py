@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
 
-from cockpit.engine import float_sums
+from cockpit.engine import float_sums, tensor_sums
 from cockpit.engine.chunk_cat import flat_cat
 from cockpit.engine.dtypes import in_dtype, promote
 from cockpit.engine.histograms.device import device_path
@@ -607,6 +607,10 @@ class UpdateMatch:
         if not predicted:
             self.checks = torch.zeros(2, dtype=torch.float64)
             return
+        checks = _kernel_checks(predicted, actual)
+        if checks is not None:
+            self.checks = checks
+            return
         blocks = _blocks(predicted, actual)
         if blocks is not None:
             self.checks = _block_checks(*blocks)
@@ -656,6 +660,21 @@ def _blocks(predicted: Sequence[Tensor], actual: Sequence[Tensor]
     if blocks is None or blocks[0].values.dtype not in (torch.float32, torch.float64):
         return None
     return blocks
+
+
+def _kernel_checks(predicted: Sequence[Tensor], actual: Sequence[Tensor]) -> Tensor | None:
+    """:class:`UpdateMatch`'s checks by two passes of one kernel over both lists on CUDA
+    (:mod:`cockpit.engine.tensor_sums`; sums in float32 per chunk of a tensor, then in
+    float64): ⟨p, p⟩ and ⟨p, a⟩, then ‖a − κp‖² per tensor (only their sum is read, as a
+    norm). None where the kernel does not take the lists."""
+    sums = tensor_sums.pair_sums(predicted, actual)
+    if sums is None:
+        return None
+    totals = sums[0::2].sum(1)  # [⟨p, p⟩, ⟨p, a⟩]
+    residual_sq = tensor_sums.sq_norms_of_differences(actual, predicted, totals[1] / totals[0])
+    if residual_sq is None:
+        return None
+    return torch.cat([totals, residual_sq.sum().sqrt().reshape(1)])
 
 
 def _block_checks(p: TensorBlock, a: TensorBlock) -> Tensor:

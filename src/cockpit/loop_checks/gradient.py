@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from cockpit.engine import tensor_sums
 from cockpit.engine.capture.removed_hooks import forget_removed_hooks
 from cockpit.engine.dtypes import in_dtype
 from cockpit.engine.readout import Later, Noted
@@ -83,11 +84,14 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
             means.append(in_dtype(g, p.grad.dtype))
             if is_sharded(p.grad):  # fully_shard: ḡ sliced like this rank's shard of p.grad
                 means[-1] = shard_like(means[-1], p.grad)
-        # many tensors on an accelerator: both lists in one block each (a few ops whatever
+        # many tensors on an accelerator: both lists read once by one kernel on CUDA
+        # (:mod:`~cockpit.engine.tensor_sums`), else in one block each (a few ops whatever
         # their number; :class:`~cockpit.engine.tensor_block.TensorBlock`)
-        blocks = TensorBlock.pair(grads, means) if fused(grads) else None
+        sums = tensor_sums.pair_sums(grads, means) if fused(grads) else None
+        blocks = TensorBlock.pair(grads, means) if sums is None and fused(grads) else None
         # [‖p.grad‖, ‖ḡ‖] over all parameters, from one pass over both lists
-        both = (norms(grads + means) if blocks is None
+        both = (torch.cat([sums[0], sums[1]]).sqrt_() if sums is not None
+                else norms(grads + means) if blocks is None
                 else torch.cat([blocks[0].sq_norms(), blocks[1].sq_norms()]).sqrt_())
         if mean_norms is not None and all(map(operator.is_, means, mean.values())):
             mean_norms.append(FormedNorms.of(both[len(grads):], list(mean.values())))
@@ -96,8 +100,11 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖
         c = grad_norm / mean_norm
         c = in_dtype(c if sign > 0 else -c, grads[0].dtype)
-        if blocks is not None:  # (the differences' squared norms, summed on the host)
+        halves_sq = (tensor_sums.sq_norms_of_differences(grads, means, c)
+                     if sums is not None else None)
+        if halves_sq is None and blocks is not None:
             halves_sq = blocks[0].subtract(blocks[1], c).sq_norms()
+        if halves_sq is not None:  # (the differences' squared norms, summed on the host)
             return Later(_mismatch, totals, halves_sq, name="GradientMismatch")
         if fused(grads):  # the differences' norms squared and summed on the host
             halves = norms_of_differences(grads, means, c)

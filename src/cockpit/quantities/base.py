@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch import Tensor
 
-from cockpit.engine import float_sums, initial_parameters, sharded
+from cockpit.engine import float_sums, initial_parameters, sharded, tensor_sums
 from cockpit.engine.engine_view import EngineView
 from cockpit.engine.histograms import device as histogram_device
 from cockpit.engine.histograms.auto_range import AutoRange
@@ -247,11 +247,15 @@ def norms(tensors: list[Tensor]) -> Tensor:
 
 
 def fused_norms(tensors: list[Tensor]) -> Tensor:
-    """‖x‖ of every tensor as one float64 vector by fused kernels on any device: from one
-    block of them all where there are many (a few ops and tensors made, whatever their
-    number: :class:`~cockpit.engine.tensor_block.TensorBlock`), else one multi-tensor norm
+    """‖x‖ of every tensor as one float64 vector by fused kernels on any device: where
+    there are many, by one pass over them on CUDA (:mod:`cockpit.engine.tensor_sums`) or
+    from one block of them all (a few ops and tensors made, whatever their number:
+    :class:`~cockpit.engine.tensor_block.TensorBlock`), else one multi-tensor norm
     (``torch._foreach_norm``, accumulated in float64)."""
     with torch.no_grad():
+        sq = tensor_sums.sq_norms(tensors)
+        if sq is not None:
+            return sq.sqrt_()
         block = TensorBlock.on_accelerator(tensors)
         if block is not None:
             return block.sq_norms().sqrt_()
@@ -276,7 +280,8 @@ def norms_of_differences(xs: list[Tensor], ys: list[Tensor],
                          scale: Tensor | None = None, bring: bool = False) -> Tensor:
     """[‖x_k − c·y_k‖]_k as one float64 vector (c = ``scale``, a 0-dim tensor, or 1) by
     fused kernels (:func:`fused`) per group of tensors of at most 2^26 elements (the
-    differences are temporaries): the difference of two blocks and its norms
+    differences are temporaries): on CUDA one pass over both lists
+    (:mod:`cockpit.engine.tensor_sums`), else the difference of two blocks and its norms
     (:class:`~cockpit.engine.tensor_block.TensorBlock`), or where blocks do not pay one
     multi-tensor difference and one multi-tensor norm. ``bring``: ``ys`` wait in the host's
     memory (:mod:`cockpit.engine.initial_parameters`), each group's copied to the device
@@ -295,6 +300,10 @@ def norms_of_differences(xs: list[Tensor], ys: list[Tensor],
             x, y = [xs[k] for k in group], [ys[k] for k in group]
             if bring:
                 y = initial_parameters.brought(y, x[0].device)
+            sq = tensor_sums.sq_norms_of_differences(x, y, scale)
+            if sq is not None:
+                parts.append(sq.sqrt_())
+                continue
             blocks = TensorBlock.pair(x, y)
             if blocks is not None:
                 parts.append(blocks[0].subtract(blocks[1], scale).sq_norms().sqrt_())

@@ -315,7 +315,7 @@ def _tally_values(x: Tensor, edges: Tensor, slots: int, fuse: bool,
     """Lane counts of ``x``'s search indices: by the one-pass kernel (``fuse``,
     :mod:`cockpit.engine.histograms.fused`) or by bucketize, add and histc (``out``: a
     float buffer of x's shape that may receive the spread index)."""
-    if fuse and fused.broken is None:
+    if fuse and fused.SWITCH.broken is None:
         try:
             return fused.tally_values(x, edges, lanes(slots), uniform)
         except Exception as error:  # e.g. no compiler for Triton: count without it

@@ -30,12 +30,11 @@ from __future__ import annotations
 import functools
 import math
 import os
-import warnings
 
 import torch
 from torch import Tensor
 
-from cockpit.engine.triton_device import runs_kernels
+from cockpit.engine.triton_device import KernelSwitch, runs_kernels
 
 BLOCK = 1024  # values a program reads at once
 NUM_WARPS = 4
@@ -121,20 +120,13 @@ def available(x: Tensor, values: int | None = None) -> bool:
     if (values < MIN_VALUES or x.dtype not in _DTYPES
             or os.environ.get("COCKPIT_FUSED_HISTOGRAM", "1") == "0"):
         return False
-    return runs_kernels(x) and broken is None and _kernel() is not None
+    return runs_kernels(x) and SWITCH.broken is None and _kernel() is not None
 
 
-broken: str | None = None  # why the kernel failed once (then never used again)
-
-
-def disable(error: Exception) -> None:
-    """Stop using the kernel in this process (it failed to compile or run: the three
-    kernels count instead, with the same counts), and say so once."""
-    global broken
-    broken = f"{type(error).__name__}: {error}"[:300]
-    warnings.warn(f"Cockpit's CUDA histogram kernel failed ({broken}); the histograms are "
-                  "counted by three PyTorch kernels instead (same counts, slower)",
-                  RuntimeWarning, stacklevel=2)
+# used until it fails to compile or run: then the three kernels count (the same counts)
+SWITCH = KernelSwitch("histogram kernel", "the histograms are counted by three PyTorch "
+                      "kernels instead (same counts, slower)")
+disable = SWITCH.disable
 
 
 def block_limit(num_lanes: int) -> int:

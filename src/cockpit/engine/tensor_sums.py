@@ -1,0 +1,217 @@
+r"""Sums of squares and products of many tensors, each tensor read once, on CUDA.
+
+Several instruments need a sum over every parameter tensor x_k (P of them, P = 148 for
+GPT-2) at a tracked step: ‖x_k‖² (ParamNorm, GradNorm), ‖x_k − c·y_k‖² (Distance against
+θ_0, the gradient check's ½‖p.grad/‖p.grad‖ − ḡ/‖ḡ‖‖², the update check's ‖a − κp‖),
+⟨x_k, y_k⟩ (the update check's κ = ⟨p, a⟩/⟨p, p⟩). Without a kernel of their own they
+take :class:`~cockpit.engine.tensor_block.TensorBlock`: both lists copied into one block
+each, then a difference and the norms of the blocks' columns — three passes over the
+tensors and a block's worth of memory written (GPT-2 124M: 8.9 GB of copies and 5 GB of
+norms a tracked step, ≈ 4 ms of an H200's memory time).
+
+One Triton kernel reads each tensor once instead. A program takes CHUNK = BLOCK · ITERS
+consecutive elements of one tensor (the programs of tensor k, from a table built once per
+list of sizes, start at 0, CHUNK, 2·CHUNK, …), finds the tensor's address in a table of
+the P addresses, and sums, in float32, one of
+
+    Σ x²                      (``sq_norms``)
+    Σ (x − c·y)²              (``sq_norms_of_differences``; c a number on the device)
+    Σ x², Σ y², Σ x·y         (``pair_sums``)
+
+over its elements (BLOCK lanes of ITERS values each, then a tree sum of the lanes); the
+programs' partial sums are added per tensor in float64 by one segmented sum. Float32 sums
+of at most CHUNK non-negative squares: a relative rounding of about (ITERS + log2 BLOCK)
+float32 units; the blocks sum 32 numbers in float32 before their float64 sums.
+
+Used on CUDA for lists of at least :data:`MIN_TENSORS` dense tensors of one dtype
+(float32, bfloat16, float16) and device, where Triton imports; also in Triton's interpreter
+on CPU tensors, which is how the tests check it without a GPU. Elsewhere, with
+``COCKPIT_TENSOR_SUMS=0`` and after a failure (one warning) the callers take the blocks or
+the multi-tensor ops as before; the functions then return None.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from cockpit.engine.triton_device import KernelSwitch, runs_kernels
+
+BLOCK = 1024  # lanes of a program
+ITERS = 4  # values per lane: a program sums CHUNK = BLOCK · ITERS elements of one tensor
+CHUNK = BLOCK * ITERS
+NUM_WARPS = 4
+MIN_TENSORS = 32  # fewer go by the multi-tensor ops (as for the blocks)
+
+SQUARES, DIFFERENCES, PAIRS = 0, 1, 2  # the kernel's modes (the sums above, in order)
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    """The Triton kernel and Triton's dtypes by torch dtype, or None where Triton does not
+    import."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # any failure to load means: no kernel
+        return None
+
+    @triton.jit
+    def sums(x_table, y_table, scale_ptr, owner, start, sizes, out_ptr,
+             DTYPE: tl.constexpr, MODE: tl.constexpr, HAS_SCALE: tl.constexpr,
+             WIDTH: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        program = tl.program_id(0)
+        k = tl.load(owner + program)  # the tensor this program reads
+        first = tl.load(start + program)  # (int64: a tensor may pass 2^31 elements)
+        size = tl.load(sizes + k)
+        x_ptr = tl.load(x_table + k).to(tl.pointer_type(DTYPE))
+        a = tl.zeros((BLOCK,), dtype=tl.float32)
+        b = tl.zeros((BLOCK,), dtype=tl.float32)
+        ab = tl.zeros((BLOCK,), dtype=tl.float32)
+        for step in range(ITERS):
+            offsets = first + step * BLOCK + tl.arange(0, BLOCK)
+            inside = offsets < size
+            x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+            if MODE == 0:
+                a += x * x
+            else:
+                y_ptr = tl.load(y_table + k).to(tl.pointer_type(DTYPE))
+                y = tl.load(y_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+                if MODE == 1:
+                    if HAS_SCALE:
+                        y = y * tl.load(scale_ptr).to(tl.float32)
+                    d = x - y
+                    a += d * d
+                else:
+                    a += x * x
+                    b += y * y
+                    ab += x * y
+        tl.store(out_ptr + program * WIDTH, tl.sum(a, axis=0))
+        if MODE == 2:
+            tl.store(out_ptr + program * WIDTH + 1, tl.sum(b, axis=0))
+            tl.store(out_ptr + program * WIDTH + 2, tl.sum(ab, axis=0))
+
+    dtypes = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+              torch.float16: tl.float16}
+    return sums, dtypes
+
+
+# used until it fails to compile or run: then the callers' blocks and multi-tensor ops (the
+# same values to rounding)
+SWITCH = KernelSwitch("kernel for the norms of many tensors", "they are formed by "
+                      "PyTorch's ops instead (slower)")
+
+
+def available(xs: Sequence[Tensor], ys: Sequence[Tensor] | None = None) -> bool:
+    """Whether the kernel takes ``xs`` (and ``ys``, of the same sizes): at least
+    :data:`MIN_TENSORS` dense plain tensors (no DTensors), of one dtype in float32,
+    bfloat16, float16 and one device where Triton kernels run, not ``COCKPIT_TENSOR_SUMS=0``,
+    the kernel not broken."""
+    if (len(xs) < MIN_TENSORS or (ys is not None and len(ys) != len(xs))
+            or os.environ.get("COCKPIT_TENSOR_SUMS", "1") == "0" or SWITCH.broken is not None):
+        return False
+    first = xs[0]
+    if first.dtype not in _DTYPES or not runs_kernels(first) or _kernel() is None:
+        return False
+    dtype, device = first.dtype, first.device
+    if not all(type(x) in _PLAIN and x.dtype == dtype and x.device == device and _dense(x)
+               for x in xs):
+        return False
+    return ys is None or all(
+        type(y) in _PLAIN and y.dtype == dtype and y.device == device
+        and y.numel() == x.numel() and (y.is_contiguous() if x.is_contiguous()
+                                        else y.stride() == x.stride() and _dense(y))
+        for x, y in zip(xs, ys, strict=True))
+
+
+def _dense(x: Tensor) -> bool:
+    """Whether ``x``'s elements fill ``numel`` consecutive places from its first: contiguous,
+    or channels-last (a convolution's weight and gradient in a channels-last model); a pair
+    of tensors is read place by place, so both then have the same strides."""
+    return x.is_contiguous() or (
+        x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)) or (
+        x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d))
+
+
+def sq_norms(xs: Sequence[Tensor]) -> Tensor | None:
+    """[‖x_k‖²]_k, [P] float64, or None where the kernel does not take ``xs``."""
+    sums = _guarded(xs, None, None, SQUARES)
+    return None if sums is None else sums[:, 0]
+
+
+def sq_norms_of_differences(xs: Sequence[Tensor], ys: Sequence[Tensor],
+                            scale: Tensor | None = None) -> Tensor | None:
+    """[‖x_k − c·y_k‖²]_k, [P] float64 (c = ``scale``, a number on the device, or 1; the
+    difference in float32), or None where the kernel does not take the lists."""
+    sums = _guarded(xs, ys, scale, DIFFERENCES)
+    return None if sums is None else sums[:, 0]
+
+
+def pair_sums(xs: Sequence[Tensor], ys: Sequence[Tensor]) -> Tensor | None:
+    """[Σ x_k², Σ y_k², Σ x_k·y_k]_k, [3, P] float64, or None where the kernel does not
+    take the lists."""
+    sums = _guarded(xs, ys, None, PAIRS)
+    return None if sums is None else sums.T
+
+
+def _guarded(xs: Sequence[Tensor], ys: Sequence[Tensor] | None, scale: Tensor | None,
+             mode: int) -> Tensor | None:
+    if not available(xs, ys):
+        return None
+    try:
+        return _sums(xs, ys, scale, mode)
+    except Exception as error:  # e.g. no compiler for Triton: the callers' ops instead
+        SWITCH.disable(error)
+        return None
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(sizes: tuple[int, ...], device: torch.device
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """For tensors of ``sizes`` elements: each program's tensor and first element, the
+    sizes, and the programs per tensor (on ``device``; built once per list of sizes)."""
+    counts = [max(1, math.ceil(size / CHUNK)) for size in sizes]
+    owner = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32),
+                                    torch.tensor(counts))
+    firsts = torch.tensor(counts).cumsum(0) - torch.tensor(counts)
+    start = (torch.arange(len(owner)) - firsts[owner.long()]) * CHUNK
+    tables = (owner, start, torch.tensor(sizes, dtype=torch.int64), torch.tensor(counts))
+    return tuple(_to_device(t, device) for t in tables)  # type: ignore[return-value]
+
+
+def _to_device(table: Tensor, device: torch.device) -> Tensor:
+    """A host table on ``device`` (from pinned memory on CUDA: no wait for the copy)."""
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
+
+
+def _addresses(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    return _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
+
+
+def _sums(xs: Sequence[Tensor], ys: Sequence[Tensor] | None, scale: Tensor | None,
+          mode: int) -> Tensor:
+    """The kernel's sums per tensor, [P, 3] float64 for :data:`PAIRS`, else [P, 1]."""
+    kernel, dtypes = _kernel()
+    first = xs[0]
+    device = first.device
+    owner, start, sizes, counts = _programs(tuple(x.numel() for x in xs), device)
+    x_table = _addresses(xs, device)
+    y_table = x_table if ys is None else _addresses(ys, device)
+    c = x_table if scale is None else scale.detach().to(device, torch.float32).reshape(1)
+    width = 3 if mode == PAIRS else 1
+    partial = torch.empty(len(owner), width, dtype=torch.float32, device=device)
+    kernel[(len(owner),)](x_table, y_table, c, owner, start, sizes, partial,
+                          DTYPE=dtypes[first.dtype], MODE=mode, HAS_SCALE=scale is not None,
+                          WIDTH=width, BLOCK=BLOCK, ITERS=ITERS, num_warps=NUM_WARPS)
+    # (the counts sum to the programs: no read of the device)
+    return torch.segment_reduce(partial.double(), "sum", lengths=counts, axis=0, unsafe=True)
