@@ -213,7 +213,7 @@ def model_cuda_kernels() -> None:
         with _one_kernel(_nbytes(rows, directions)):
             return torch.einsum("lnd,lkd->lnk", rows, directions)
 
-    def sums(xs, ys, scale, mode: int) -> Tensor:
+    def sums(xs, ys, scale, mode: int, sizes) -> Tensor:
         with _one_kernel(_nbytes(*xs) + (0 if ys is None else _nbytes(*ys))):
             x = [t.double().reshape(-1) for t in xs]
             if mode == tensor_sums.SQUARES:

@@ -1,13 +1,13 @@
 """The autograd graph is walked once per tracked backward pass: the broadcast taps read the
-edges of the nodes the walk from the losses found, and must see the same consumers, in the
-same order (the order in which a broadcast output's per-path shares are summed)."""
+edges the walk from the losses recorded, and must see the same consumers, in the same order
+(the order in which a broadcast output's per-path shares are summed)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from cockpit.engine.capture.broadcast import consumers_of
+from cockpit.engine.capture.broadcast import Consumers
 from cockpit.engine.capture.hooks import reachable_nodes
 
 
@@ -50,10 +50,10 @@ def test_consumers_from_the_walked_nodes_equal_a_fresh_walk():
     losses = (model(torch.randn(4, 5)) ** 2).sum(1)
     walked = reachable_nodes(losses)
     fresh = fresh_consumers(losses.grad_fn)
-    reused = consumers_of(walked)
-    assert list(fresh) == list(reused)  # same keys, same order
+    reused = Consumers(walked)
     for key, consumers in fresh.items():
-        assert reused[key] == consumers, key  # same consumers, same order
+        assert reused.get(key) == consumers, key  # same consumers, same order
+    assert reused.get((losses.grad_fn, 0)) == []  # (the root: no node takes it)
     assert any(len(c) == 3 for c in fresh.values())  # the shared output has three
     # every node the walk found is a root or some node's input
     inputs = {node for node, _ in fresh}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 from collections.abc import Sequence
 
@@ -115,27 +116,45 @@ def available(xs: Sequence[Tensor], ys: Sequence[Tensor] | None = None) -> bool:
     :data:`MIN_TENSORS` dense plain tensors (no DTensors), of one dtype in float32,
     bfloat16, float16 and one device where Triton kernels run, not ``COCKPIT_TENSOR_SUMS=0``,
     the kernel not broken."""
+    return _sizes(xs, ys) is not None
+
+
+_dtype_of, _type_of = operator.attrgetter("dtype"), type
+
+
+def _sizes(xs: Sequence[Tensor], ys: Sequence[Tensor] | None) -> tuple[int, ...] | None:
+    """The tensors' sizes where the kernel takes the lists (:func:`available`), else None.
+    Each check one pass of a builtin over the list (a tracked step asks this of lists of
+    every parameter several times: no Python frame per tensor)."""
     if (len(xs) < MIN_TENSORS or (ys is not None and len(ys) != len(xs))
             or os.environ.get("COCKPIT_TENSOR_SUMS", "1") == "0" or SWITCH.broken is not None):
-        return False
+        return None
     first = xs[0]
     if first.dtype not in _DTYPES or not runs_kernels(first) or _kernel() is None:
-        return False
-    dtype, device = first.dtype, first.device
-    if not all(type(x) in _PLAIN and x.dtype == dtype and x.device == device and _dense(x)
-               for x in xs):
-        return False
-    return ys is None or all(
-        type(y) in _PLAIN and y.dtype == dtype and y.device == device
-        and y.numel() == x.numel() and (y.is_contiguous() if x.is_contiguous()
-                                        else y.stride() == x.stride() and _dense(y))
-        for x, y in zip(xs, ys, strict=True))
+        return None
+    sizes = tuple(map(Tensor.numel, xs))
+    for tensors in (xs,) if ys is None else (xs, ys):
+        if (not set(map(_type_of, tensors)) <= _PLAIN
+                or set(map(_dtype_of, tensors)) != {first.dtype}
+                or set(map(Tensor.get_device, tensors)) != {first.get_device()}):
+            return None
+    if ys is not None and tuple(map(Tensor.numel, ys)) != sizes:
+        return None
+    if all(map(Tensor.is_contiguous, xs)) and (ys is None or all(map(Tensor.is_contiguous, ys))):
+        return sizes
+    # channels-last tensors: read place by place, a pair then with equal strides
+    if not all(map(_dense, xs)):
+        return None
+    if ys is not None and not all(y.is_contiguous() if x.is_contiguous()
+                                  else y.stride() == x.stride()
+                                  for x, y in zip(xs, ys, strict=True)):
+        return None
+    return sizes
 
 
 def _dense(x: Tensor) -> bool:
     """Whether ``x``'s elements fill ``numel`` consecutive places from its first: contiguous,
-    or channels-last (a convolution's weight and gradient in a channels-last model); a pair
-    of tensors is read place by place, so both then have the same strides."""
+    or channels-last (a convolution's weight and gradient in a channels-last model)."""
     return x.is_contiguous() or (
         x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)) or (
         x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d))
@@ -164,10 +183,11 @@ def pair_sums(xs: Sequence[Tensor], ys: Sequence[Tensor]) -> Tensor | None:
 
 def _guarded(xs: Sequence[Tensor], ys: Sequence[Tensor] | None, scale: Tensor | None,
              mode: int) -> Tensor | None:
-    if not available(xs, ys):
+    sizes = _sizes(xs, ys)
+    if sizes is None:
         return None
     try:
-        return _sums(xs, ys, scale, mode)
+        return _sums(xs, ys, scale, mode, sizes)
     except Exception as error:  # e.g. no compiler for Triton: the callers' ops instead
         SWITCH.disable(error)
         return None
@@ -194,23 +214,27 @@ def _to_device(table: Tensor, device: torch.device) -> Tensor:
     return table.pin_memory().to(device, non_blocking=True)
 
 
-def _addresses(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    return _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
+@functools.lru_cache(maxsize=32)
+def _table(addresses: tuple[int, ...], device: torch.device) -> Tensor:
+    """The addresses as a table on ``device``, made once per list of addresses: the
+    parameters stay where they are from step to step, and the caching allocator mostly
+    gives a step's gradients the places of the last step's."""
+    return _to_device(torch.tensor(addresses, dtype=torch.int64), device)
 
 
 def _sums(xs: Sequence[Tensor], ys: Sequence[Tensor] | None, scale: Tensor | None,
-          mode: int) -> Tensor:
+          mode: int, sizes: tuple[int, ...]) -> Tensor:
     """The kernel's sums per tensor, [P, 3] float64 for :data:`PAIRS`, else [P, 1]."""
     kernel, dtypes = _kernel()
     first = xs[0]
     device = first.device
-    owner, start, sizes, counts = _programs(tuple(x.numel() for x in xs), device)
-    x_table = _addresses(xs, device)
-    y_table = x_table if ys is None else _addresses(ys, device)
+    owner, start, numels, counts = _programs(sizes, device)
+    x_table = _table(tuple(map(Tensor.data_ptr, xs)), device)
+    y_table = x_table if ys is None else _table(tuple(map(Tensor.data_ptr, ys)), device)
     c = x_table if scale is None else scale.detach().to(device, torch.float32).reshape(1)
     width = 3 if mode == PAIRS else 1
     partial = torch.empty(len(owner), width, dtype=torch.float32, device=device)
-    kernel[(len(owner),)](x_table, y_table, c, owner, start, sizes, partial,
+    kernel[(len(owner),)](x_table, y_table, c, owner, start, numels, partial,
                           DTYPE=dtypes[first.dtype], MODE=mode, HAS_SCALE=scale is not None,
                           WIDTH=width, BLOCK=BLOCK, ITERS=ITERS, num_warps=NUM_WARPS)
     # (the counts sum to the programs: no read of the device)

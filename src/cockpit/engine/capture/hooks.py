@@ -36,7 +36,7 @@ from cockpit.engine import sharded
 from cockpit.engine.capture.activations import is_activation
 from cockpit.engine.capture.broadcast import (
     BroadcastTap,
-    consumers_of,
+    Consumers,
     find_paths,
     per_sample_delta,
 )
@@ -212,18 +212,28 @@ _first = operator.itemgetter(0)
 
 
 def reachable_nodes(root: Tensor) -> dict:
-    """The autograd nodes ``root`` depends on, in the order of a depth-first walk (the keys
-    of a dict: :func:`~cockpit.engine.capture.broadcast.consumers_of` reads its edges in
-    that order without walking the graph again)."""
+    """The autograd nodes ``root`` depends on, each with its edges (``next_functions``), in
+    the order of a depth-first walk (a dict: :class:`~cockpit.engine.capture.broadcast.
+    Consumers` reads the edges in that order without walking the graph again)."""
     seen: dict = {}
     stack = [root.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
-        seen[node] = None
-        stack.extend(map(_first, node.next_functions))  # (no Python frame per edge)
+        seen[node] = edges = node.next_functions
+        stack.extend(map(_first, edges))  # (no Python frame per edge)
     return seen
+
+
+def _index_inputs(args: tuple, kwargs: dict) -> bool:
+    """Whether a call's tensor inputs are all integer (indices), and there is one: a
+    floating first argument, the common case, answers at once."""
+    first = args[0] if args else None
+    if isinstance(first, Tensor) and (first.is_floating_point() or first.is_complex()):
+        return False
+    inputs = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
+    return bool(inputs) and not any(v.is_floating_point() or v.is_complex() for v in inputs)
 
 
 def keep_place(hooks: dict[int, Callable], key: int, place: int) -> None:
@@ -320,11 +330,16 @@ class Capture:
         def hook(module, args, kwargs, output):
             if not self._recording():
                 return None
-            flat = output_tensors(output)
-            positions = [i for i, t in enumerate(flat) if t.requires_grad]
-            if not positions:
-                return None
-            outputs = [flat[i] for i in positions]
+            if isinstance(output, Tensor):  # (most layers)
+                if not output.requires_grad:
+                    return None
+                outputs, positions = [output], [0]
+            else:
+                flat = output_tensors(output)
+                positions = [i for i, t in enumerate(flat) if t.requires_grad]
+                if not positions:
+                    return None
+                outputs = [flat[i] for i in positions]
             if (outputs[0].dtype in _HALF and unit.rule is not None and len(outputs) == 1
                     and not self.engine.records_activations):
                 args, kwargs = as_computed_inputs(args, kwargs, outputs[0].dtype, self._holds)
@@ -535,16 +550,14 @@ class Capture:
             if call.args is None or isinstance(call.unit.module, nn.RNNBase) or call.taps:
                 continue
             assert call.kwargs is not None
-            inputs = [v for v in (*call.args, *call.kwargs.values()) if isinstance(v, Tensor)]
-            index_inputs = bool(inputs) and not any(v.is_floating_point() or v.is_complex()
-                                                    for v in inputs)
+            index_inputs = _index_inputs(call.args, call.kwargs)
             dims = output_batch_dims(call.unit.module, call.output_positions)
             for k, (y, bd) in enumerate(zip(call.outputs, dims, strict=True)):
                 mismatch = y.dim() <= bd or y.shape[bd] != n
                 if y.grad_fn is None or not (mismatch or index_inputs):
                     continue
                 if consumers is None:
-                    consumers = consumers_of(reachable_nodes(losses) if graph is None else graph)
+                    consumers = Consumers(reachable_nodes(losses) if graph is None else graph)
                 paths, others = find_paths(y, consumers, bd, n)
                 if not paths:
                     continue
