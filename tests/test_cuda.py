@@ -279,6 +279,36 @@ def test_the_stacks_dot_product_kernel_equals_the_products_and_sums(monkeypatch)
     assert_close_outputs(without, with_kernel)
 
 
+def test_chunks_dot_products_by_the_kernel_equal_the_products(monkeypatch):
+    """Individual gradients materialized in chunks (a large embedding under the memory
+    budget): their dot products with one direction and with several by the kernel, one
+    launch per chunk; it and cuBLAS's products within float32's rounding of float64 sums."""
+    from cockpit.engine import row_dots
+    from cockpit.engine.rules.sample_grads import DenseSampleGrads
+
+    generator = torch.Generator().manual_seed(4)
+    sg = DenseSampleGrads(torch.randn(6, 400, 300, generator=generator).to(DEVICE))
+    us = [torch.randn(400, 300, generator=generator).to(DEVICE) for _ in range(3)]
+    if not row_dots.available(torch.zeros(1, 1, row_dots.MIN_VALUES, device=DEVICE), 3):
+        pytest.skip("the kernel needs Triton")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    want_many, want_one = sg.dots_many(us), sg.dots(us[0])
+    launches: list = []
+    real = row_dots.row_dots
+    monkeypatch.setattr(row_dots, "row_dots", lambda g, u: launches.append(1) or real(g, u))
+    monkeypatch.setattr(row_dots, "MIN_VALUES", 1)
+    got_many, got_one = sg.dots_many(us), sg.dots(us[0])
+    assert len(launches) == 2 and row_dots.SWITCH.broken is None
+    rows = sg.grads.double().reshape(6, -1)
+    directions = torch.stack([u.double().reshape(-1) for u in us])
+    exact, scale = directions @ rows.T, directions.abs() @ rows.abs().T  # [K, N]
+    for got, want, k in ((got_many, want_many, 3), (got_one, want_one, 1)):
+        assert got.shape == want.shape
+        for value in (got, want):  # both within float32's rounding of the float64 sums
+            error = (value.double().reshape(k, -1) - exact[:k]).abs()
+            assert (error <= 1e-5 * scale[:k]).all()
+
+
 def _many_tensors() -> nn.Module:
     """18 Linear layers: 36 parameter tensors (the kernel over many tensors takes them)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 64), nn.Tanh(),

@@ -1,9 +1,10 @@
 """The stacks' dot-product kernel (``cockpit.engine.row_dots``) in Triton's interpreter on
 the CPU: [g_{l,n}ᵀu_{l,k}] against float64 sums for 1 to 8 directions, widths that end
 inside a block and span many programs; a stack of Linear weights takes it and gives the
-values of the products and sums; a tracked step whose stacks take it equals one whose
-stacks do not; a kernel that fails gives way to the products and sums. Each check runs in
-a subprocess: the interpreter is chosen when Triton is imported."""
+values of the products and sums, and so do individual gradients materialized in chunks; a
+tracked step whose stacks take it equals one whose stacks do not; a kernel that fails gives
+way to the products and sums. Each check runs in a subprocess: the interpreter is chosen
+when Triton is imported."""
 
 from __future__ import annotations
 
@@ -86,6 +87,32 @@ def test_a_tracked_step_whose_stacks_take_the_kernel_is_unchanged():
         monkeypatch.setattr(row_dots, "MIN_VALUES", 2**62)
         without, _ = autocast_outputs("economy", monkeypatch)
         assert_close_outputs(without, with_kernel)
+    """)
+
+
+def test_individual_gradients_in_chunks_take_the_kernel():
+    """Materialized individual gradients (a parameter formed in sample chunks: a large tied
+    embedding under the memory budget): their dot products with one direction and with
+    several by one launch of the kernel per chunk, equal to the products."""
+    run_interpreted("""
+        import torch
+        from cockpit.engine import row_dots
+        from cockpit.engine.rules.sample_grads import DenseSampleGrads
+
+        gen = torch.Generator().manual_seed(4)
+        sg = DenseSampleGrads(torch.randn(6, 40, 30, generator=gen))
+        us = [torch.randn(40, 30, generator=gen) for _ in range(3)]
+        calls = []
+        real = row_dots.row_dots
+        row_dots.row_dots = lambda g, u: calls.append((g.shape, u.shape)) or real(g, u)
+        want_many, want_one = sg.dots_many(us), sg.dots(us[0])
+        assert not calls  # (6·1,200 numbers: below MIN_VALUES)
+        row_dots.MIN_VALUES = 1
+        got_many, got_one = sg.dots_many(us), sg.dots(us[0])
+        assert calls == [((1, 6, 1200), (1, 3, 1200)), ((1, 6, 1200), (1, 1, 1200))]
+        assert got_many.shape == (3, 6) and got_one.shape == (6,)
+        torch.testing.assert_close(got_many, want_many, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_one, want_one, rtol=1e-5, atol=1e-5)
     """)
 
 

@@ -44,7 +44,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from cockpit.engine import narrow_products
+from cockpit.engine import narrow_products, row_dots
 from cockpit.engine.dtypes import in_dtype, promote
 from cockpit.engine.float_sums import sample_sum_sq
 from cockpit.engine.histograms.device import DEFAULT_BUDGET, LaneCounts, device_path
@@ -158,7 +158,7 @@ class SampleGrads(ABC):
 
     def dots(self, u: Tensor) -> Tensor:
         flat_u = self.to_rows(u)
-        return _cat([_rows(c) @ in_dtype(flat_u, c.dtype) for c in self.chunks()])
+        return _cat([_chunk_dots(_rows(c), in_dtype(flat_u, c.dtype)) for c in self.chunks()])
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         """[g_nᵀ u_k]_{k,n} for several directions in one pass over the gradients."""
@@ -169,7 +169,8 @@ class SampleGrads(ABC):
             stacked = stack_or_view([self.to_rows(u) for u in us])  # [K, D]
             if shared:
                 us.stacked = stacked  # type: ignore[attr-defined]
-        return _cat([in_dtype(stacked, c.dtype) @ _rows(c).T for c in self.chunks()], dim=1)
+        return _cat([_chunk_dots(_rows(c), in_dtype(stacked, c.dtype)) for c in self.chunks()],
+                    dim=1)
 
     def sum_sq(self) -> Tensor:
         sums = [_block_sum_sq(c) for c in self.chunks()]
@@ -260,6 +261,17 @@ def _sample_chunks(delta: Tensor, a: Tensor, per_sample: int
     if size >= delta.shape[0]:
         return [(delta, a)]
     return zip(delta.split(size), a.split(size), strict=True)
+
+
+def _chunk_dots(rows: Tensor, u: Tensor) -> Tensor:
+    """g_nᵀu of a chunk's rows [n, D]: [n] for one direction [D], [K, n] for [K, D]; on CUDA
+    by the stacks' kernel where G is large (:func:`cockpit.engine.row_dots.sample_dots`),
+    else by a product."""
+    if u.dim() == 1:
+        got = row_dots.sample_dots(rows, u.unsqueeze(0))
+        return rows @ u if got is None else got[0]
+    got = row_dots.sample_dots(rows, u)
+    return u @ rows.T if got is None else got
 
 
 def _rows(c: Tensor) -> Tensor:
