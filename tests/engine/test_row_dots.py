@@ -34,7 +34,8 @@ def test_dots_equal_the_sums_in_float64():
 
 def test_a_stack_takes_the_kernel_and_equals_the_products_and_sums():
     """Only float32 G of at least MIN_VALUES numbers and at most MAX_DIRECTIONS directions
-    take the kernel; its dot products equal those of the products and sums."""
+    take the kernel; its dot products equal those of the products and sums, all layers' or
+    one layer's."""
     run_interpreted("""
         import torch
         from cockpit.engine import row_dots
@@ -59,13 +60,16 @@ def test_a_stack_takes_the_kernel_and_equals_the_products_and_sums():
         stack = StackedGrads(grads)
         stack.rows
         got = stack.dots(directions)
-        assert calls == [torch.Size([4, 3, 1200])]
+        got_layer = stack.layer_dots(2, directions[2])  # (one layer's plan: alone)
+        assert calls == [torch.Size([4, 3, 1200]), torch.Size([1, 3, 1200])]
         row_dots.MIN_VALUES = 2**62
         stack = StackedGrads(grads)
         stack.rows
         want = stack.dots(directions)
         assert got.shape == want.shape == (3, 6, 4)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_layer, stack.layer_dots(2, directions[2]), rtol=1e-5,
+                                   atol=1e-5)
     """)
 
 

@@ -252,9 +252,12 @@ class StackedGrads:
         return (products * second.view(layers, n, -1, 1, width)).sum((2, 4)).permute(2, 1, 0)
 
     def layer_dots(self, index: int, directions: Sequence[Tensor]) -> Tensor:
-        """[g_{l,n}ᵀu_k]_{k,n} of layer l alone, [K, N]."""
-        u = torch.stack([v.reshape(-1) for v in directions])
-        return in_dtype(u, self.rows.dtype) @ self.rows[index].T
+        """[g_{l,n}ᵀu_k]_{k,n} of layer l alone, [K, N] (on CUDA by the dot-product kernel
+        where G is large, as :meth:`dots`)."""
+        u = in_dtype(torch.stack([v.reshape(-1) for v in directions]), self.rows.dtype)
+        rows = self.rows[index]
+        got = row_dots.sample_dots(rows, u)
+        return u @ rows.T if got is None else got
 
     def histograms(self, spec: BinSpec, budget: int | None) -> list[Tensor | LaneCounts]:
         """Counts [bins] of every layer's N·D elements in ``spec``'s bins, with the edges of
