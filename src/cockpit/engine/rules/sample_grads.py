@@ -586,15 +586,39 @@ class SequenceOuterSampleGrads(SampleGrads):
         return torch.einsum("nti,ntj->ij", self.delta, self.a).div_(self.num_samples)
 
     def dots(self, u: Tensor) -> Tensor:
+        if self.half_products():
+            return self._dots_by_chunks([u])[0]
         return ((self.delta @ in_dtype(u.reshape(self.shape), self.delta.dtype)) * self.a).sum(
             (1, 2))
 
     def dots_scratch_bytes(self, num_directions: int) -> int:
-        """δ U_k for every position: N·T·K·J numbers (no individual gradients)."""
+        """δ U_k for every position: N·T·K·J numbers (no individual gradients); G of a chunk
+        of samples where it comes from half-precision factors (:meth:`_dots_by_chunks`)."""
+        if self.half_products():
+            per_sample = self.shape.numel()
+            samples = min(self.num_samples, max(1, _CHUNK_ELEMENTS // per_sample))
+            return samples * per_sample * self.dtype.itemsize
         return (self.num_samples * self.positions * num_directions * self.shape[1]
                 * self.dtype.itemsize)
 
+    def _dots_by_chunks(self, us: Sequence[Tensor]) -> Tensor:
+        """[g_nᵀu_k]_{k,n} from G formed chunk by chunk on tensor cores (half-precision
+        factors, float32 sums: :meth:`iter_chunks`) and read once for all directions: the
+        factors' route δ U_k costs 2·T·I·J FLOPs per sample and direction at the float32
+        rate (GPT-2's tied output layer, 50257 × 768: 158 GFLOP at B = 8, T = 256), G the
+        same FLOPs once at the tensor cores' rate."""
+        shared = type(us) is Directions
+        stacked = us.stacked if shared else None  # type: ignore[attr-defined]
+        if stacked is None:
+            stacked = stack_or_view([u.reshape(-1) for u in us])  # [K, D]
+            if shared:
+                us.stacked = stacked  # type: ignore[attr-defined]
+        return _cat([_chunk_dots(_rows(c), in_dtype(stacked, c.dtype))
+                     for c in self.iter_chunks()], dim=1)
+
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
+        if self.half_products():
+            return self._dots_by_chunks(us)
         i, j = self.shape
         n, t = self.num_samples, self.positions
         shaped = [u if u.shape == self.shape else u.reshape(i, j) for u in us]
