@@ -78,19 +78,29 @@ def test_a_layer_forms_its_gradients_from_the_narrow_factors(dtype, scaled, emul
 @pytest.mark.parametrize("scaled", [0, 1])
 def test_a_layers_dot_products_read_g_from_the_narrow_factors(scaled, emulated, monkeypatch):
     """One layer's dot products with one direction and with several (the step after a
-    tracked one, a tied output layer's call): from G formed chunk by chunk on tensor cores,
-    not from the factors widened to float32 (δ U at the float32 rate); the scratch it
-    declares is one chunk's G."""
-    sg = narrow_layer(torch.bfloat16, scaled)
+    tracked one, a tied output layer's call): where T·K reaches _G_ROUTE from G formed chunk
+    by chunk on tensor cores, the factors never widened, one chunk's G the scratch declared;
+    below it from the factors widened to float32 (δ U), as without the op."""
     gen = torch.Generator().manual_seed(5)
     us = [torch.randn(4, 6, generator=gen) for _ in range(3)]
-    expected = C * brute_force(sg).flatten(1) @ torch.stack(us).double().flatten(1).T  # [N, K]
+    expected = (C * brute_force(narrow_layer(torch.bfloat16, scaled)).flatten(1)
+                @ torch.stack(us).double().flatten(1).T)  # [N, K]
     monkeypatch.setattr(sample_grads, "_CHUNK_ELEMENTS", 2 * 24)
-    torch.testing.assert_close(sg.dots_many(us).T.double(), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sg.dots(us[1]).double(), expected[:, 1], rtol=1e-5, atol=1e-5)
-    assert len(emulated) == 2 * 3  # (three chunks of two samples, twice)
-    assert sg._read == [None, None]  # (the factors never widened)
-    assert sg.dots_scratch_bytes(3) == 2 * 24 * 4
+    for route in (1, 2**62):  # (T·K = 3 or 9: G's route, then the factors')
+        monkeypatch.setattr(sample_grads, "_G_ROUTE", route)
+        sg = narrow_layer(torch.bfloat16, scaled)
+        emulated.clear()
+        torch.testing.assert_close(sg.dots_many(us).T.double(), expected, rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(sg.dots(us[1]).double(), expected[:, 1], rtol=1e-5,
+                                   atol=1e-5)
+        if route == 1:
+            assert len(emulated) == 2 * 3  # (three chunks of two samples, twice)
+            assert sg._read == [None, None]  # (the factors never widened)
+            assert sg.dots_scratch_bytes(3) == 2 * 24 * 4
+        else:
+            assert not emulated and sg._read[0] is not None
+            assert sg.dots_scratch_bytes(3) == 5 * 3 * 3 * 6 * 4
 
 
 @pytest.mark.parametrize("scaled", [0, 1])

@@ -63,6 +63,10 @@ from cockpit.engine.histograms.outer2d import histogram2d_outer_counts, histogra
 # that the extra memory stays near one layer's |B|×D even for sequence inputs.
 _CHUNK_ELEMENTS = 2**25
 
+# T·K from which a sequence layer's dot products read G formed on tensor cores rather than
+# multiply its factors in float32 (SequenceOuterSampleGrads._projects_by_g)
+_G_ROUTE = 64
+
 
 class SampleGrads(ABC):
     """The |B| individual gradients of one parameter tensor (see module docstring)."""
@@ -586,7 +590,7 @@ class SequenceOuterSampleGrads(SampleGrads):
         return torch.einsum("nti,ntj->ij", self.delta, self.a).div_(self.num_samples)
 
     def dots(self, u: Tensor) -> Tensor:
-        if self.half_products():
+        if self._projects_by_g(1):
             return self._dots_by_chunks([u])[0]
         return ((self.delta @ in_dtype(u.reshape(self.shape), self.delta.dtype)) * self.a).sum(
             (1, 2))
@@ -594,12 +598,20 @@ class SequenceOuterSampleGrads(SampleGrads):
     def dots_scratch_bytes(self, num_directions: int) -> int:
         """δ U_k for every position: N·T·K·J numbers (no individual gradients); G of a chunk
         of samples where it comes from half-precision factors (:meth:`_dots_by_chunks`)."""
-        if self.half_products():
+        if self._projects_by_g(num_directions):
             per_sample = self.shape.numel()
             samples = min(self.num_samples, max(1, _CHUNK_ELEMENTS // per_sample))
             return samples * per_sample * self.dtype.itemsize
         return (self.num_samples * self.positions * num_directions * self.shape[1]
                 * self.dtype.itemsize)
+
+    def _projects_by_g(self, num_directions: int) -> bool:
+        """Whether the dot products come from G (:meth:`_dots_by_chunks`): where G comes from
+        half-precision factors on tensor cores and T·K ≥ :data:`_G_ROUTE` — per sample the
+        factors' route costs 2·T·K·I·J FLOPs at the float32 rate, G's 8·I·J bytes written
+        and read (its FLOPs at the tensor cores' rate): equal at T·K ≈ 50 on an H200
+        (50 TFLOP/s of float32 against 3.8 TB/s)."""
+        return self.positions * num_directions >= _G_ROUTE and self.half_products()
 
     def _dots_by_chunks(self, us: Sequence[Tensor]) -> Tensor:
         """[g_nᵀu_k]_{k,n} from G formed chunk by chunk on tensor cores (half-precision
@@ -617,7 +629,7 @@ class SequenceOuterSampleGrads(SampleGrads):
                      for c in self.iter_chunks()], dim=1)
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
-        if self.half_products():
+        if self._projects_by_g(len(us)):
             return self._dots_by_chunks(us)
         i, j = self.shape
         n, t = self.num_samples, self.positions
