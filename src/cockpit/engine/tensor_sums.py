@@ -74,6 +74,12 @@ def _kernel():
         first = tl.load(start + program)  # (int64: a tensor may pass 2^31 elements)
         size = tl.load(sizes + k)
         x_ptr = tl.load(x_table + k).to(tl.pointer_type(DTYPE))
+        y_ptr = x_ptr
+        if MODE != 0:
+            y_ptr = tl.load(y_table + k).to(tl.pointer_type(DTYPE))
+        c = 1.0
+        if HAS_SCALE:
+            c = tl.load(scale_ptr).to(tl.float32)
         a = tl.zeros((BLOCK,), dtype=tl.float32)
         b = tl.zeros((BLOCK,), dtype=tl.float32)
         ab = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -84,11 +90,10 @@ def _kernel():
             if MODE == 0:
                 a += x * x
             else:
-                y_ptr = tl.load(y_table + k).to(tl.pointer_type(DTYPE))
                 y = tl.load(y_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
                 if MODE == 1:
                     if HAS_SCALE:
-                        y = y * tl.load(scale_ptr).to(tl.float32)
+                        y = y * c
                     d = x - y
                     a += d * d
                 else:
