@@ -27,11 +27,15 @@
 #     by the host), GPT-2's also with its Python functions by cumulative time, after
 #     benchmarks/stacked_dots.py (dot products over millions of numbers into a few outputs,
 #     by form; DEVICE_SECONDS, 0 skips).
+# (g) the GPT-2 124M and ResNet-18 GroupNorm cells of (c) with Cockpit's Triton kernels off
+#     and on, alternated twice (COCKPIT_TENSOR_SUMS, COCKPIT_ROW_DOTS,
+#     COCKPIT_FUSED_HISTOGRAM; KERNELS_SECONDS, 0 — the default — skips).
 # About 9 minutes in all (limits: TESTS_SECONDS, CURVATURE_SECONDS, BENCH_SECONDS + 50 s,
 # MEMORY_SECONDS, HOST_SECONDS, DEVICE_SECONDS). Without CUDA it checks itself in seconds: the cuda tests skip and a tiny
 # CPU dry run of (c) runs.
 # Outputs: env.txt, cuda_tests.txt, curvature_batched.txt, gpu_overhead.txt,
-# gpu_overhead.json, gpu_memory_peak.txt, host_overhead.txt, device_kernels.txt, summary.txt.
+# gpu_overhead.json, gpu_memory_peak.txt, host_overhead.txt, device_kernels.txt, kernels_ab.txt,
+# summary.txt.
 set -u -o pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -44,6 +48,7 @@ CURVATURE_SECONDS="${CURVATURE_SECONDS:-60}"   # 0 skips part (b)
 MEMORY_SECONDS="${MEMORY_SECONDS:-60}"   # 0 skips part (d)
 HOST_SECONDS="${HOST_SECONDS:-125}"   # 0 skips part (e)
 DEVICE_SECONDS="${DEVICE_SECONDS:-110}"   # 0 skips part (f)
+KERNELS_SECONDS="${KERNELS_SECONDS:-0}"   # 0 (the default) skips part (g)
 
 limit() {  # limit SECONDS command...: a wall-clock limit where `timeout` exists
     local seconds=$1; shift
@@ -137,6 +142,18 @@ if [ "$cuda" = 1 ] && [ "$DEVICE_SECONDS" -gt 0 ]; then
         done' "$PY" 2>&1 | grep -v '^\[transformers\]' | tee "$OUT/device_kernels.txt"
 else
     echo "skipped (without CUDA, or DEVICE_SECONDS=0)"
+fi
+
+echo "== (g) the Triton kernels on and off: GPT-2 124M and ResNet-18 GroupNorm cells"
+if [ "$cuda" = 1 ] && [ "$KERNELS_SECONDS" -gt 0 ]; then
+    limit "$KERNELS_SECONDS" bash -c 'for off in 1 0 1 0; do
+            echo "-- kernels $([ $off = 1 ] && echo off || echo on)"
+            COCKPIT_TENSOR_SUMS=$((1 - off)) COCKPIT_ROW_DOTS=$((1 - off)) \
+                COCKPIT_FUSED_HISTOGRAM=$((1 - off)) "$0" benchmarks/gpu_overhead.py \
+                --parts gpt2 resnet --cell-seconds 4 | grep -E "GPT-2|ResNet"
+        done' "$PY" 2>&1 | grep -v '^\[transformers\]' | tee "$OUT/kernels_ab.txt"
+else
+    echo "skipped (without CUDA, or KERNELS_SECONDS=0, the default)"
 fi
 
 {
