@@ -507,3 +507,21 @@ def test_a_call_sum_projects_one_direction_call_by_call():
         torch.testing.assert_close(sg.dots(us[1]), expected[1], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(sg.dots_many(us), expected, rtol=1e-12, atol=1e-12)
     assert sg.dots_scratch_bytes(1) < sg.scratch_bytes() == sg.dots_scratch_bytes(2)
+
+
+def test_a_call_sum_adds_an_embeddings_rows_into_another_calls_gradients():
+    """A tied embedding's sum over its calls starts from the output layer's materialized
+    individual gradients, whichever call came first, and adds the embedding's rows at
+    their (sample, token) places: no dense zeros of the embedding's own; the sum equals the
+    sum of both calls' materializations, bit for bit."""
+    from cockpit.engine.rules.embedding import EmbeddingSampleGrads
+    from cockpit.engine.rules.sample_chunks import CallSum
+    tied = representations()["tied"]
+    sequence, embedding = tied.calls
+    expected = sequence.materialize() + embedding.materialize()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EmbeddingSampleGrads, "materialize",
+                      lambda self: pytest.fail("materialized the embedding's calls densely"))
+        for calls in ([embedding, sequence], [sequence, embedding]):
+            got = CallSum(list(calls)).select(2, 6).materialize()
+            assert torch.equal(got, expected[2:6])

@@ -170,16 +170,16 @@ class CallSum(SampleGrads):
         return 2 * super().scratch_bytes()  # the running sum and one call's addend
 
     def select(self, start: int, stop: int) -> SampleGrads:
-        total: Tensor | None = None
-        for call in self.calls:
-            part = call.select(start, stop)
-            if total is None:
-                total = part.materialize_owned()
-                if isinstance(part, DenseSampleGrads):  # a view of the call's own tensor
-                    total = total.clone()
-            else:
-                total += part.materialize()
-        assert total is not None
+        """The calls' individual gradients of samples start … stop summed: from a call
+        that materializes them densely, the others added into it (an embedding's rows by
+        their indices, :meth:`SampleGrads.add_to`)."""
+        parts = sorted((call.select(start, stop) for call in self.calls),
+                       key=lambda part: part.adds_sparsely)  # (stable: else in call order)
+        total = parts[0].materialize_owned()
+        if isinstance(parts[0], DenseSampleGrads):  # a view of the call's own tensor
+            total = total.clone()
+        for part in parts[1:]:
+            part.add_to(total)
         return DenseSampleGrads(total)
 
     def materialize(self) -> Tensor:

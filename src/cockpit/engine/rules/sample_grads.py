@@ -89,6 +89,15 @@ class SampleGrads(ABC):
         reuses (:mod:`cockpit.engine.workspace`): safe to keep."""
         return self.materialize()
 
+    # whether :meth:`add_to` adds fewer numbers than the individual gradients hold (an
+    # embedding's rows): a sum of calls starts from another call's
+    adds_sparsely: bool = False
+
+    def add_to(self, total: Tensor) -> None:
+        """``total += G`` for ``total`` of G's shape [N, *shape] (a tied weight's sum of its
+        calls' individual gradients)."""
+        total += self.materialize()
+
     def compact(self) -> SampleGrads:
         """Itself, holding no more memory than it needs while it waits (e.g. to be summed
         with the other uses of a tied weight): representations that keep a widened copy of
