@@ -1,6 +1,7 @@
 """The norms of a model's parameter tensors, and of their differences from a second list, by
-multi-tensor ops against one block (``cockpit.engine.tensor_block``): the host's time to
-issue each (what binds a tracked step on a GPU) and the time until the device is done.
+multi-tensor ops, by one block (``cockpit.engine.tensor_block``) and, on CUDA, by the kernel
+that reads each tensor once (``cockpit.engine.tensor_sums``): the host's time to issue each
+(what binds a tracked step on a GPU) and the time until the device is done.
 
     python benchmarks/tensor_block.py --device cuda        # gpu_check.sh part (e)
     python benchmarks/tensor_block.py --models 3c3d --repeats 20
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from cockpit.engine import tensor_sums
 from cockpit.engine.tensor_block import TensorBlock
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -63,6 +65,18 @@ def block_differences(xs: list[Tensor], ys: list[Tensor], c: Tensor) -> Tensor:
     x_block, y_block = TensorBlock.of(xs), TensorBlock.of(ys)
     assert x_block is not None and y_block is not None
     return x_block.subtract(y_block, c).sq_norms().sqrt_()
+
+
+def kernel_norms(xs: list[Tensor], ys: list[Tensor], c: Tensor) -> Tensor:
+    sq = tensor_sums.sq_norms(xs)
+    assert sq is not None
+    return sq.sqrt_()
+
+
+def kernel_differences(xs: list[Tensor], ys: list[Tensor], c: Tensor) -> Tensor:
+    sq = tensor_sums.sq_norms_of_differences(xs, ys, c)
+    assert sq is not None
+    return sq.sqrt_()
 
 
 def timed(fn, device: torch.device, repeats: int) -> tuple[float, float]:
@@ -109,7 +123,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"{'model':12s} {'tensors':>7s} {'numbers':>11s}  ms: host / done   "
           f"{'multi-tensor norm':>18s} {'block':>15s} {'differences (m-t)':>18s} "
-          f"{'(block)':>15s}")
+          f"{'(block)':>15s} {'kernel norm':>15s} {'(kernel)':>15s}")
     peaks: list[str] = []
     with torch.no_grad():
         for model in args.models:
@@ -122,15 +136,23 @@ def main() -> None:
             if taken:  # (the same numbers as the multi-tensor ops)
                 torch.testing.assert_close(block_differences(xs, ys, c),
                                            foreach_differences(xs, ys, c), rtol=1e-5, atol=0)
+            kernel = tensor_sums.available(xs, ys)
+            if kernel:  # (the same numbers as the multi-tensor ops, to float32 rounding)
+                torch.testing.assert_close(kernel_differences(xs, ys, c),
+                                           foreach_differences(xs, ys, c), rtol=1e-5, atol=0)
             cells = []
-            for fn in (foreach_norms, block_norms, foreach_differences, block_differences):
+            for fn in (foreach_norms, block_norms, foreach_differences, block_differences,
+                       kernel_norms, kernel_differences):
                 if fn in (block_norms, block_differences) and not taken:
                     cells.append("(no block)")
+                    continue
+                if fn in (kernel_norms, kernel_differences) and not kernel:
+                    cells.append("(no kernel)")
                     continue
                 host, done = timed(functools.partial(fn, xs, ys, c), device, args.repeats)
                 cells.append(f"{host:7.2f} / {done:6.2f}")
             print(f"{model:12s} {len(xs):7d} {sum(x.numel() for x in xs):11d}  {'':16s} "
-                  + " ".join(f"{cell:>18s}" if k % 2 == 0 else f"{cell:>15s}"
+                  + " ".join(f"{cell:>18s}" if k % 2 == 0 and k < 4 else f"{cell:>15s}"
                              for k, cell in enumerate(cells)))
             size = sum(x.numel() * x.element_size() for x in xs)
             ratios = []
