@@ -286,6 +286,11 @@ def norms_of_differences(xs: list[Tensor], ys: list[Tensor],
     multi-tensor difference and one multi-tensor norm. ``bring``: ``ys`` wait in the host's
     memory (:mod:`cockpit.engine.initial_parameters`), each group's copied to the device
     right before its differences."""
+    if not bring:  # (no temporaries: the kernel takes all tensors at once)
+        with torch.no_grad():
+            sq = tensor_sums.sq_norms_of_differences(xs, ys, scale)
+        if sq is not None:
+            return sq.sqrt_()
     groups: list[list[int]] = [[]]
     size = 0
     for k, x in enumerate(xs):
