@@ -235,8 +235,10 @@ def test_narrow_products_equal_the_exact_products_summed(dtype, monkeypatch):
     """Half-precision factors' batched product with a float32 result (this torch's op): the
     products are exact and summed in float32, so it equals the float64 product of the same
     numbers to float32's rounding, the scale c as α too; a stack of Linear layers under
-    bfloat16 autocast formed so equals the path that widens the factors first."""
+    bfloat16 autocast formed so equals the path that widens the factors first, tracked every
+    step and every other (lone layers projecting through G at the step after)."""
     from cockpit.engine import narrow_products
+    from cockpit.engine.rules import sample_grads
     from tests.engine.test_narrow_products import assert_close_outputs, autocast_outputs
 
     generator = torch.Generator().manual_seed(3)
@@ -251,10 +253,17 @@ def test_narrow_products_equal_the_exact_products_summed(dtype, monkeypatch):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), c * exact, rtol=1e-5, atol=1e-5)
     narrow, sizes = autocast_outputs("economy", monkeypatch, DEVICE)
+    # every other step, lone layers' dot products through G (the step after a tracked one)
+    monkeypatch.setattr(sample_grads, "_G_ROUTE", 1)
+    narrow_after, _ = autocast_outputs("economy", monkeypatch, DEVICE, every_k=2,
+                                       head_on_positions=True)
     monkeypatch.setattr(narrow_products, "_runs", lambda device_type: (False, False))
     wide, _ = autocast_outputs("economy", monkeypatch, DEVICE)
+    wide_after, _ = autocast_outputs("economy", monkeypatch, DEVICE, every_k=2,
+                                     head_on_positions=True)
     assert sizes and all(size == 6 for size in sizes)
     assert_close_outputs(wide, narrow)
+    assert_close_outputs(wide_after, narrow_after)
 
 
 def test_the_stacks_dot_product_kernel_equals_the_products_and_sums(monkeypatch):

@@ -128,11 +128,11 @@ def test_a_stack_forms_g_from_the_narrow_factors(scaled, emulated):
                                    rtol=1e-5, atol=1e-5)
 
 
-def autocast_outputs(config: str, monkeypatch, device: str = "cpu", every_k: int = 1
-                     ) -> tuple[dict, list[int]]:
+def autocast_outputs(config: str, monkeypatch, device: str = "cpu", every_k: int = 1,
+                     head_on_positions: bool = False) -> tuple[dict, list[int]]:
     """Three steps (four tracked every other) of six Linear layers of one shape on sequences
     under bfloat16 autocast (AdamW, the accelerators' path), every instrument's output, and
-    the stacks' sizes."""
+    the stacks' sizes (``head_on_positions``: the head a lone Linear layer on sequences)."""
     sizes: list[int] = []
     original = StackedGrads.__init__
 
@@ -144,7 +144,7 @@ def autocast_outputs(config: str, monkeypatch, device: str = "cpu", every_k: int
         patch.setattr(StackedGrads, "__init__", spy)
         patch.setattr(histogram_device, "_forced", True)
         torch.manual_seed(0)
-        model = Tokens(6).to(device)
+        model = Tokens(6, head_on_positions=head_on_positions).to(device)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(12, 5, 6, generator=gen).to(device)
         y = torch.randint(0, 3, (12,), generator=gen).to(device)
@@ -179,6 +179,24 @@ def test_a_tracked_step_under_autocast_equals_the_widening_path(every_k, emulate
     assert len(products) == len(sizes)  # (G formed once per stack, also after a tracked one)
     assert products and all(dtype == torch.bfloat16 for dtype, _, _ in products)
     assert len(emulated) == len(products)  # (none without the op)
+    assert_close_outputs(wide, narrow)
+
+
+def test_the_step_after_a_tracked_one_projects_a_lone_layer_through_g(emulated, monkeypatch):
+    """Tracked every other step, a lone Linear layer on sequences projects its individual
+    gradients on s_t through G formed on tensor cores (T·K from _G_ROUTE on): every value
+    equals the one of factors widened first."""
+    monkeypatch.setattr(sample_grads, "_G_ROUTE", 1)
+    routes: list = []
+    real = SequenceOuterSampleGrads._dots_by_chunks
+    monkeypatch.setattr(SequenceOuterSampleGrads, "_dots_by_chunks",
+                        lambda self, us: routes.append(len(us)) or real(self, us))
+    narrow, _ = autocast_outputs("economy", monkeypatch, every_k=2, head_on_positions=True)
+    assert routes  # (the head, at the steps after the tracked ones)
+    monkeypatch.setattr(narrow_products, "_runs", lambda device_type: (False, False))
+    routes.clear()
+    wide, _ = autocast_outputs("economy", monkeypatch, every_k=2, head_on_positions=True)
+    assert not routes
     assert_close_outputs(wide, narrow)
 
 

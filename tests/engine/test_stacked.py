@@ -159,15 +159,19 @@ def test_histograms_are_each_layers_exact_counts(n, i, j, budget):
 
 class Tokens(nn.Module):
     """Four Linear layers of one shape on sequences [N, T, 6] (each followed by a LayerNorm
-    where ``norms``), a head on their mean."""
+    where ``norms``), a head on their mean (or on every position, then the mean: a lone
+    Linear layer on sequences, where ``head_on_positions``)."""
 
-    def __init__(self, depth: int = 4, norms: bool = False):
+    def __init__(self, depth: int = 4, norms: bool = False, head_on_positions: bool = False):
         super().__init__()
         self.blocks = nn.Sequential(*[m for _ in range(depth) for m in (
             nn.Linear(6, 6), *([nn.LayerNorm(6)] if norms else []), nn.Tanh())])
         self.head = nn.Linear(6, 3)
+        self.head_on_positions = head_on_positions
 
     def forward(self, x):
+        if self.head_on_positions:
+            return self.head(self.blocks(x)).mean(1)
         return self.head(self.blocks(x).mean(1))
 
 
