@@ -60,7 +60,7 @@ def test_the_lists_the_kernel_takes():
     channels-last, a pair then with equal strides), the second list of the same sizes; not
     with COCKPIT_TENSOR_SUMS=0."""
     run_interpreted("""
-        import os, torch
+        import os, pytest, torch
         from cockpit.engine import tensor_sums as S
         torch.manual_seed(0)
         n = S.MIN_TENSORS
@@ -73,6 +73,15 @@ def test_the_lists_the_kernel_takes():
         assert not S.available(xs, [torch.randn(13) for _ in range(n)])
         assert not S.available(xs, [torch.randn(12).half() for _ in range(n)])
         assert S.sq_norms(xs[:-1]) is None
+        # lists checked once for two questions: their sizes passed on, not checked again
+        ys = [torch.randn(3, 4) for _ in range(n)]
+        sizes = S.checked(xs, ys)
+        assert sizes == (12,) * n and S.checked(xs[:-1], ys[:-1]) is None
+        real, S._sizes = S._sizes, lambda *args: pytest.fail("checked again")
+        pairs = S.pair_sums(xs, ys, sizes)
+        torch.testing.assert_close(S.sq_norms_of_differences(ys, xs, None, sizes),
+                                   pairs[0] + pairs[1] - 2 * pairs[2], rtol=1e-5, atol=1e-5)
+        S._sizes = real
         # channels-last weights and gradients: read place by place, pairs of equal strides
         last = [torch.randn(4, 3, 2, 5).to(memory_format=torch.channels_last) for _ in xs]
         other = [torch.randn(4, 3, 2, 5).to(memory_format=torch.channels_last) for _ in xs]

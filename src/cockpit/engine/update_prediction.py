@@ -667,11 +667,13 @@ def _kernel_checks(predicted: Sequence[Tensor], actual: Sequence[Tensor]) -> Ten
     (:mod:`cockpit.engine.tensor_sums`; sums in float32 per chunk of a tensor, then in
     float64): ⟨p, p⟩ and ⟨p, a⟩, then ‖a − κp‖² per tensor (only their sum is read, as a
     norm). None where the kernel does not take the lists."""
-    sums = tensor_sums.pair_sums(predicted, actual)
+    sizes = tensor_sums.checked(predicted, actual)
+    sums = None if sizes is None else tensor_sums.pair_sums(predicted, actual, sizes)
     if sums is None:
         return None
     totals = sums[0::2].sum(1)  # [⟨p, p⟩, ⟨p, a⟩]
-    residual_sq = tensor_sums.sq_norms_of_differences(actual, predicted, totals[1] / totals[0])
+    residual_sq = tensor_sums.sq_norms_of_differences(actual, predicted, totals[1] / totals[0],
+                                                      sizes)  # (checked: the same lists)
     if residual_sq is None:
         return None
     return torch.cat([totals, residual_sq.sum().sqrt().reshape(1)])

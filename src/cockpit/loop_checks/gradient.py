@@ -87,7 +87,8 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         # many tensors on an accelerator: both lists read once by one kernel on CUDA
         # (:mod:`~cockpit.engine.tensor_sums`), else in one block each (a few ops whatever
         # their number; :class:`~cockpit.engine.tensor_block.TensorBlock`)
-        sums = tensor_sums.pair_sums(grads, means) if fused(grads) else None
+        sizes = tensor_sums.checked(grads, means) if fused(grads) else None
+        sums = None if sizes is None else tensor_sums.pair_sums(grads, means, sizes)
         blocks = TensorBlock.pair(grads, means) if sums is None and fused(grads) else None
         # [‖p.grad‖, ‖ḡ‖] over all parameters, from one pass over both lists
         both = (torch.cat([sums[0], sums[1]]).sqrt_() if sums is not None
@@ -100,7 +101,7 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         # ½‖a/‖a‖ − b/‖b‖‖² = ½‖a − c·b‖²/‖a‖², c = ‖a‖/‖b‖
         c = grad_norm / mean_norm
         c = in_dtype(c if sign > 0 else -c, grads[0].dtype)
-        halves_sq = (tensor_sums.sq_norms_of_differences(grads, means, c)
+        halves_sq = (tensor_sums.sq_norms_of_differences(grads, means, c, sizes)
                      if sums is not None else None)
         if halves_sq is None and blocks is not None:
             halves_sq = blocks[0].subtract(blocks[1], c).sq_norms()
