@@ -171,10 +171,12 @@ class SampleGrads(ABC):
 
     def dots(self, u: Tensor) -> Tensor:
         flat_u = self.to_rows(u)
-        return _cat([_chunk_dots(_rows(c), in_dtype(flat_u, c.dtype)) for c in self.chunks()])
+        return _cat([_chunk_dots(_rows(c), in_dtype(flat_u, c.dtype))
+                     for c in self.iter_chunks()])
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
-        """[g_nᵀ u_k]_{k,n} for several directions in one pass over the gradients."""
+        """[g_nᵀ u_k]_{k,n} for several directions in one pass over the gradients (a chunk
+        at a time where the representation forms them so: :meth:`iter_chunks`)."""
         # (rows in the plain order are shared by the chunks of one parameter)
         shared = type(us) is Directions and type(self).to_rows is SampleGrads.to_rows
         stacked = us.stacked if shared else None  # type: ignore[attr-defined]
@@ -182,8 +184,8 @@ class SampleGrads(ABC):
             stacked = stack_or_view([self.to_rows(u) for u in us])  # [K, D]
             if shared:
                 us.stacked = stacked  # type: ignore[attr-defined]
-        return _cat([_chunk_dots(_rows(c), in_dtype(stacked, c.dtype)) for c in self.chunks()],
-                    dim=1)
+        return _cat([_chunk_dots(_rows(c), in_dtype(stacked, c.dtype))
+                     for c in self.iter_chunks()], dim=1)
 
     def sum_sq(self) -> Tensor:
         sums = [_block_sum_sq(c) for c in self.chunks()]
@@ -601,13 +603,13 @@ class SequenceOuterSampleGrads(SampleGrads):
 
     def dots(self, u: Tensor) -> Tensor:
         if self._projects_by_g(1):
-            return self._dots_by_chunks([u])[0]
+            return super().dots(u)
         return ((self.delta @ in_dtype(u.reshape(self.shape), self.delta.dtype)) * self.a).sum(
             (1, 2))
 
     def dots_scratch_bytes(self, num_directions: int) -> int:
         """δ U_k for every position: N·T·K·J numbers (no individual gradients); G of a chunk
-        of samples where it comes from half-precision factors (:meth:`_dots_by_chunks`)."""
+        of samples where the dot products read G (:meth:`_projects_by_g`)."""
         if self._projects_by_g(num_directions):
             per_sample = self.shape.numel()
             samples = min(self.num_samples, max(1, _CHUNK_ELEMENTS // per_sample))
@@ -616,31 +618,19 @@ class SequenceOuterSampleGrads(SampleGrads):
                 * self.dtype.itemsize)
 
     def _projects_by_g(self, num_directions: int) -> bool:
-        """Whether the dot products come from G (:meth:`_dots_by_chunks`): where G comes from
-        half-precision factors on tensor cores and T·K ≥ :data:`_G_ROUTE` — per sample the
-        factors' route costs 2·T·K·I·J FLOPs at the float32 rate, G's 8·I·J bytes written
-        and read (its FLOPs at the tensor cores' rate): equal at T·K ≈ 50 on an H200
-        (50 TFLOP/s of float32 against 3.8 TB/s)."""
+        """Whether the dot products read G (the base class's :meth:`dots_many`: G formed
+        chunk by chunk on tensor cores from the half-precision factors, float32 sums, each
+        chunk read once for all directions) rather than multiply the factors, δ U_k: where
+        the half-precision products run and T·K ≥ :data:`_G_ROUTE`. Per sample the factors'
+        route costs 2·T·K·I·J FLOPs at the float32 rate (GPT-2's tied output layer, 50257 ×
+        768: 158 GFLOP at B = 8, T = 256), G's 8·I·J bytes written and read (its FLOPs at the
+        tensor cores' rate): equal at T·K ≈ 50 on an H200 (50 TFLOP/s of float32 against
+        3.8 TB/s)."""
         return self.positions * num_directions >= _G_ROUTE and self.half_products()
-
-    def _dots_by_chunks(self, us: Sequence[Tensor]) -> Tensor:
-        """[g_nᵀu_k]_{k,n} from G formed chunk by chunk on tensor cores (half-precision
-        factors, float32 sums: :meth:`iter_chunks`) and read once for all directions: the
-        factors' route δ U_k costs 2·T·I·J FLOPs per sample and direction at the float32
-        rate (GPT-2's tied output layer, 50257 × 768: 158 GFLOP at B = 8, T = 256), G the
-        same FLOPs once at the tensor cores' rate."""
-        shared = type(us) is Directions
-        stacked = us.stacked if shared else None  # type: ignore[attr-defined]
-        if stacked is None:
-            stacked = stack_or_view([u.reshape(-1) for u in us])  # [K, D]
-            if shared:
-                us.stacked = stacked  # type: ignore[attr-defined]
-        return _cat([_chunk_dots(_rows(c), in_dtype(stacked, c.dtype))
-                     for c in self.iter_chunks()], dim=1)
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
         if self._projects_by_g(len(us)):
-            return self._dots_by_chunks(us)
+            return super().dots_many(us)
         i, j = self.shape
         n, t = self.num_samples, self.positions
         shaped = [u if u.shape == self.shape else u.reshape(i, j) for u in us]

@@ -46,13 +46,6 @@ def _within_budget(chunks: Iterator[Tensor], budget: int | None) -> Iterator[Ten
             yield from chunk.reshape(-1).split(max(1, budget // _KEY_BYTES_PER_ELEMENT))
 
 
-def _one_chunk_at_a_time(sg: SampleGrads, layer: LayerContext) -> Iterator[Tensor]:
-    """The individual gradients in sample chunks, each formed only when the previous one is
-    done with (``chunks()`` would form them all at once), unless another statistic of the
-    layer has formed them already (the same chunks: the same products)."""
-    return iter(layer.chunks) if layer.chunks is not None else sg.iter_chunks()
-
-
 class Hist1d(Counts):
     name = "hist1d"
     shape = "[bins]"
@@ -60,7 +53,9 @@ class Hist1d(Counts):
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor | LaneCounts:
         spec = layer.context.hist_spec
         if isinstance(spec, AutoRange):
-            return magnitude_counts(_within_budget(_one_chunk_at_a_time(sg, layer),
+            # (one chunk formed at a time, or the layer's chunks where another statistic
+            # formed them: :func:`shared_chunks`)
+            return magnitude_counts(_within_budget(sg.iter_chunks(),
                                                    layer.context.memory_budget))
         return sg.histogram_lanes(spec, layer.context.memory_budget)
 

@@ -217,22 +217,28 @@ def requested(needs: frozenset[str] | set[str]) -> list[Statistic]:
 def shared_chunks(sg: SampleGrads, layer: LayerContext) -> Iterator[None]:
     """Inside the block ``sg.chunks()`` materializes the individual gradients once, into
     ``layer.chunks``, and hands every statistic the same chunks (the sums of squares,
-    centered sums and histograms of a factored layer would otherwise each form them again).
-    Representations that hold or cache their chunks already are left alone. The chunks are
-    dropped when the block ends (peak memory stays one layer's |B|×D)."""
+    centered sums and histograms of a factored layer would otherwise each form them again);
+    ``sg.iter_chunks()`` hands out those chunks where a statistic formed them, else forms
+    one chunk at a time without keeping them. Representations that hold or cache their
+    chunks already are left alone. The chunks are dropped when the block ends (peak memory
+    stays one layer's |B|×D)."""
     if sg.caches_chunks:
         yield
         return
-    original = sg.chunks
+    original, original_iter = sg.chunks, sg.iter_chunks
 
     def chunks() -> list[Tensor]:
         if layer.chunks is None:
             layer.chunks = original()
         return layer.chunks
 
+    def iter_chunks() -> Iterator[Tensor]:
+        return iter(layer.chunks) if layer.chunks is not None else original_iter()
+
     sg.chunks = chunks  # type: ignore[method-assign]
+    sg.iter_chunks = iter_chunks  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del sg.chunks
+        del sg.chunks, sg.iter_chunks
         layer.chunks = None
