@@ -24,12 +24,11 @@ failure, the products and sums run as before.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
 
-from cockpit.engine.triton_device import KernelSwitch, runs_kernels
+from cockpit.engine.triton_device import KernelSwitch
 
 BLOCK = 1024  # values of a row a program reads at once
 ITERS = 4  # reads per program and sample: a program covers BLOCK · ITERS values of D
@@ -81,17 +80,15 @@ def available(rows: Tensor, num_directions: int, threshold: bool = True) -> bool
     ``num_directions`` directions per layer: float32, at least :data:`MIN_VALUES` numbers
     (unless not ``threshold``), at most :data:`MAX_DIRECTIONS` directions, on CUDA (or on
     the CPU under Triton's interpreter), Triton importable, not ``COCKPIT_ROW_DOTS=0``."""
-    if (rows.dtype != torch.float32 or (threshold and rows.numel() < MIN_VALUES)
-            or not 0 < num_directions <= MAX_DIRECTIONS
-            or os.environ.get("COCKPIT_ROW_DOTS", "1") == "0"):
-        return False
-    return runs_kernels(rows) and SWITCH.broken is None and _kernel() is not None
+    return (rows.dtype == torch.float32 and not (threshold and rows.numel() < MIN_VALUES)
+            and 0 < num_directions <= MAX_DIRECTIONS and SWITCH.runs(rows)
+            and _kernel() is not None)
 
 
 # used until it fails to compile or run: then the products and sums (the same values to
 # rounding)
 SWITCH = KernelSwitch("dot-product kernel", "the stacks' dot products are formed by "
-                      "PyTorch's products and sums instead (slower)")
+                      "PyTorch's products and sums instead (slower)", "COCKPIT_ROW_DOTS")
 disable = SWITCH.disable
 
 

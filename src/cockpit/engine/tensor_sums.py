@@ -35,13 +35,12 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from cockpit.engine.triton_device import KernelSwitch, runs_kernels
+from cockpit.engine.triton_device import KernelSwitch
 
 BLOCK = 1024  # lanes of a program
 ITERS = 4  # values per lane: a program sums CHUNK = BLOCK · ITERS elements of one tensor
@@ -113,7 +112,7 @@ def _kernel():
 # used until it fails to compile or run: then the callers' blocks and multi-tensor ops (the
 # same values to rounding)
 SWITCH = KernelSwitch("kernel for the norms of many tensors", "they are formed by "
-                      "PyTorch's ops instead (slower)")
+                      "PyTorch's ops instead (slower)", "COCKPIT_TENSOR_SUMS")
 
 
 def available(xs: Sequence[Tensor], ys: Sequence[Tensor] | None = None) -> bool:
@@ -139,11 +138,10 @@ def _sizes(xs: Sequence[Tensor], ys: Sequence[Tensor] | None) -> tuple[int, ...]
     """The tensors' sizes where the kernel takes the lists (:func:`available`), else None.
     Each check one pass of a builtin over the list (a tracked step asks this of lists of
     every parameter several times: no Python frame per tensor)."""
-    if (len(xs) < MIN_TENSORS or (ys is not None and len(ys) != len(xs))
-            or os.environ.get("COCKPIT_TENSOR_SUMS", "1") == "0" or SWITCH.broken is not None):
+    if len(xs) < MIN_TENSORS or (ys is not None and len(ys) != len(xs)):
         return None
     first = xs[0]
-    if first.dtype not in _DTYPES or not runs_kernels(first) or _kernel() is None:
+    if first.dtype not in _DTYPES or not SWITCH.runs(first) or _kernel() is None:
         return None
     sizes = tuple(map(Tensor.numel, xs))
     for tensors in (xs,) if ys is None else (xs, ys):

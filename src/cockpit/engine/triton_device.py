@@ -18,13 +18,20 @@ def runs_kernels(x: Tensor) -> bool:
 
 
 class KernelSwitch:
-    """One kernel's state in this process: used until it fails once (no compiler for
-    Triton, a launch error), then never again, said once by a warning that names what runs
-    instead (the same values)."""
+    """One kernel's state in this process: on where Triton kernels run unless its
+    environment variable is ``0``; used until it fails once (no compiler for Triton, a
+    launch error), then never again, said once by a warning that names what runs instead
+    (the same values)."""
 
-    def __init__(self, kernel: str, instead: str):
-        self.kernel, self.instead = kernel, instead
+    def __init__(self, kernel: str, instead: str, variable: str):
+        self.kernel, self.instead, self.variable = kernel, instead, variable
         self.broken: str | None = None  # why the kernel failed
+
+    def runs(self, x: Tensor) -> bool:
+        """Whether the kernel runs on ``x``'s device: not turned off (``variable=0``), not
+        failed, a device where Triton kernels run (:func:`runs_kernels`)."""
+        return (self.broken is None and os.environ.get(self.variable, "1") != "0"
+                and runs_kernels(x))
 
     def disable(self, error: Exception) -> None:
         """Stop using the kernel, and say so."""

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 from torch import Tensor
 
-from cockpit.engine.triton_device import KernelSwitch, runs_kernels
+from cockpit.engine.triton_device import KernelSwitch
 
 BLOCK = 1024  # values a program reads at once
 NUM_WARPS = 4
@@ -117,15 +116,13 @@ def available(x: Tensor, values: int | None = None) -> bool:
     at least :data:`MIN_VALUES` of them, on CUDA (or on the CPU under Triton's interpreter),
     a floating dtype, Triton importable."""
     values = x.numel() if values is None else values
-    if (values < MIN_VALUES or x.dtype not in _DTYPES
-            or os.environ.get("COCKPIT_FUSED_HISTOGRAM", "1") == "0"):
-        return False
-    return runs_kernels(x) and SWITCH.broken is None and _kernel() is not None
+    return (values >= MIN_VALUES and x.dtype in _DTYPES and SWITCH.runs(x)
+            and _kernel() is not None)
 
 
 # used until it fails to compile or run: then the three kernels count (the same counts)
 SWITCH = KernelSwitch("histogram kernel", "the histograms are counted by three PyTorch "
-                      "kernels instead (same counts, slower)")
+                      "kernels instead (same counts, slower)", "COCKPIT_FUSED_HISTOGRAM")
 disable = SWITCH.disable
 
 
