@@ -23,12 +23,10 @@ failure, the products and sums run as before.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
-from cockpit.engine.triton_device import KernelSwitch
+from cockpit.engine.triton_device import KernelSwitch, triton_kernel
 
 BLOCK = 1024  # values of a row a program reads at once
 ITERS = 4  # reads per program and sample: a program covers BLOCK · ITERS values of D
@@ -39,14 +37,9 @@ MAX_DIRECTIONS = 8  # K at most (the accumulators: K_PAD · BLOCK float32 per pr
 MIN_VALUES = 2**22
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel():
+@triton_kernel
+def _kernel(triton, tl):
     """The Triton kernel, or None where Triton does not import."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # any failure to load means: no kernel
-        return None
 
     @triton.jit
     def dots(g_ptr, u_ptr, out_ptr, width, K: tl.constexpr, K_PAD: tl.constexpr,

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from cockpit.engine.triton_device import KernelSwitch
+from cockpit.engine.triton_device import KernelSwitch, triton_kernel
 
 BLOCK = 1024  # lanes of a program
 ITERS = 4  # values per lane: a program sums CHUNK = BLOCK · ITERS elements of one tensor
@@ -54,15 +54,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel():
+@triton_kernel
+def _kernel(triton, tl):
     """The Triton kernel and Triton's dtypes by torch dtype, or None where Triton does not
     import."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # any failure to load means: no kernel
-        return None
 
     @triton.jit
     def sums(x_table, y_table, scale_ptr, owner, start, sizes, out_ptr,

@@ -6,10 +6,31 @@ used in this process (:class:`KernelSwitch`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
+
+
+def triton_kernel(build: Callable[[Any, Any], Any]) -> Callable[[], Any]:
+    """``build(triton, triton.language)`` made into a function that builds the kernel once,
+    at its first call, and returns it, or None where Triton does not import (any failure
+    to load means: no kernel)."""
+
+    @functools.lru_cache(maxsize=1)
+    def kernel():
+        try:
+            import triton
+            import triton.language as tl
+        except Exception:
+            return None
+        return build(triton, tl)
+
+    functools.update_wrapper(kernel, build)
+    return kernel
 
 
 def runs_kernels(x: Tensor) -> bool:

@@ -27,13 +27,12 @@ without a GPU.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 from torch import Tensor
 
-from cockpit.engine.triton_device import KernelSwitch
+from cockpit.engine.triton_device import KernelSwitch, triton_kernel
 
 BLOCK = 1024  # values a program reads at once
 NUM_WARPS = 4
@@ -49,14 +48,9 @@ MAX_UNIFORM_BINS = 2**16  # (x − lo)/w in float32 is then within 0.02 of the e
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel():
+@triton_kernel
+def _kernel(triton, tl):
     """The Triton kernel, or None where Triton does not import."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # any failure to load means: no fused path
-        return None
 
     @triton.jit
     def count(x_ptr, edges_ptr, out_ptr, n, low_edge, inverse_width,
