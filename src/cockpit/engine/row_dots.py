@@ -102,14 +102,17 @@ def row_dots(rows: Tensor, directions: Tensor) -> Tensor:
 
 def sample_dots(rows: Tensor, directions: Tensor) -> Tensor | None:
     """[g_nᵀu_k]_{k,n}, [K, N] float32, of one parameter's individual gradients ``rows``
-    [N, D] (a chunk of samples, materialized) and ``directions`` [K, D] by the kernel, as a
-    stack of one layer; None where it does not run (:func:`available`) or failed. cuBLAS's
-    product [K, D] × [D, N] reduces D (the millions of a large embedding) for a tiny output
-    with a kernel of the kind the stacks measured at 18–23 ms."""
-    if not available(rows, directions.shape[0]):  # (G's numbers, as of a stack of one)
+    [N, D] (a chunk of samples, materialized) and ``directions`` [K, D] (one direction [D]:
+    [N]) by the kernel, as a stack of one layer; None where it does not run
+    (:func:`available`; asked before any view is made) or failed. cuBLAS's product
+    [K, D] × [D, N] reduces D (the millions of a large embedding) for a tiny output with a
+    kernel of the kind the stacks measured at 18–23 ms."""
+    one = directions.dim() == 1
+    if not available(rows, 1 if one else directions.shape[0]):  # (G's numbers, as a stack)
         return None
     try:
-        return row_dots(rows.unsqueeze(0), directions.unsqueeze(0))[0].T
+        dots = row_dots(rows.unsqueeze(0), directions.reshape(1, -1, rows.shape[1]))[0]
     except Exception as error:  # e.g. no compiler for Triton: the caller's product
         disable(error)
         return None
+    return dots[:, 0] if one else dots.T

@@ -282,12 +282,10 @@ def _chunk_dots(rows: Tensor, u: Tensor) -> Tensor:
     """g_nᵀu of a chunk's rows [n, D]: [n] for one direction [D], [K, n] for [K, D]; on CUDA
     by the stacks' kernel where G is large (:func:`cockpit.engine.row_dots.sample_dots`),
     else by a product."""
-    one = u.dim() == 1
-    if row_dots.available(rows, 1 if one else u.shape[0]):  # (else no view made for it)
-        got = row_dots.sample_dots(rows, u.unsqueeze(0) if one else u)
-        if got is not None:
-            return got[0] if one else got
-    return rows @ u if one else u @ rows.T
+    got = row_dots.sample_dots(rows, u)
+    if got is not None:
+        return got
+    return rows @ u if u.dim() == 1 else u @ rows.T
 
 
 def _rows(c: Tensor) -> Tensor:
