@@ -115,24 +115,18 @@ def available(xs: Sequence[Tensor], ys: Sequence[Tensor] | None = None) -> bool:
     :data:`MIN_TENSORS` dense plain tensors (no DTensors), of one dtype in float32,
     bfloat16, float16 and one device where Triton kernels run, not ``COCKPIT_TENSOR_SUMS=0``,
     the kernel not broken."""
-    return _sizes(xs, ys) is not None
-
-
-def checked(xs: Sequence[Tensor], ys: Sequence[Tensor] | None = None
-            ) -> tuple[int, ...] | None:
-    """The tensors' sizes where the kernel takes the lists (:func:`available`), else None:
-    for a caller that asks twice about the same lists (pass them as ``sizes``; the checks
-    of 148 tensors take the host ≈ 60 µs a list)."""
-    return _sizes(xs, ys)
+    return checked(xs, ys) is not None
 
 
 _dtype_of, _type_of = operator.attrgetter("dtype"), type
 
 
-def _sizes(xs: Sequence[Tensor], ys: Sequence[Tensor] | None) -> tuple[int, ...] | None:
-    """The tensors' sizes where the kernel takes the lists (:func:`available`), else None.
-    Each check one pass of a builtin over the list (a tracked step asks this of lists of
-    every parameter several times: no Python frame per tensor)."""
+def checked(xs: Sequence[Tensor], ys: Sequence[Tensor] | None = None
+            ) -> tuple[int, ...] | None:
+    """The tensors' sizes where the kernel takes the lists (:func:`available`), else None;
+    a caller that asks twice about the same lists passes them on as ``sizes``. Each check
+    one pass of a builtin over the list (≈ 60 µs a list of 148 tensors: no Python frame per
+    tensor)."""
     if len(xs) < MIN_TENSORS or (ys is not None and len(ys) != len(xs)):
         return None
     first = xs[0]
@@ -193,7 +187,7 @@ def pair_sums(xs: Sequence[Tensor], ys: Sequence[Tensor],
 def _guarded(xs: Sequence[Tensor], ys: Sequence[Tensor] | None, scale: Tensor | None,
              mode: int, sizes: tuple[int, ...] | None = None) -> Tensor | None:
     if sizes is None:
-        sizes = _sizes(xs, ys)
+        sizes = checked(xs, ys)
     if sizes is None or SWITCH.broken is not None:
         return None
     try:

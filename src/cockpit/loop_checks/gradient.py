@@ -87,9 +87,10 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
         # many tensors on an accelerator: both lists read once by one kernel on CUDA
         # (:mod:`~cockpit.engine.tensor_sums`), else in one block each (a few ops whatever
         # their number; :class:`~cockpit.engine.tensor_block.TensorBlock`)
-        sizes = tensor_sums.checked(grads, means) if fused(grads) else None
+        many = fused(grads)
+        sizes = tensor_sums.checked(grads, means) if many else None
         sums = None if sizes is None else tensor_sums.pair_sums(grads, means, sizes)
-        blocks = TensorBlock.pair(grads, means) if sums is None and fused(grads) else None
+        blocks = TensorBlock.pair(grads, means) if sums is None and many else None
         # [‖p.grad‖, ‖ḡ‖] over all parameters, from one pass over both lists
         both = (torch.cat([sums[0], sums[1]]).sqrt_() if sums is not None
                 else norms(grads + means) if blocks is None
@@ -107,7 +108,7 @@ def gradient_mismatch(params: dict[str, Tensor], mean: dict[str, Tensor],
             halves_sq = blocks[0].subtract(blocks[1], c).sq_norms()
         if halves_sq is not None:  # (the differences' squared norms, summed on the host)
             return Later(_mismatch, totals, halves_sq, name="GradientMismatch")
-        if fused(grads):  # the differences' norms squared and summed on the host
+        if many:  # the differences' norms squared and summed on the host
             halves = norms_of_differences(grads, means, c)
             return Later(lambda t, h: _mismatch(t, h * h), totals, halves,
                          name="GradientMismatch")
