@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from cockpit.arguments import checked_arguments, resolved_memory_budget, warn_slow_bins
 from cockpit.diagnose.live import LiveDiagnosis
-from cockpit.engine import initial_parameters, sharded
+from cockpit.engine import gc_pause, initial_parameters, sharded
 from cockpit.engine.capture import compiled
 from cockpit.engine.histograms.auto_range import AutoRange
 from cockpit.engine.histograms.exact import BinSpec
@@ -312,6 +312,7 @@ class Cockpit:
             self._diagnosis.feed(final=True)
         self._remove_hooks()
         release_workspace()
+        gc_pause.release()
         self._run.recorder.close_sinks()
         self._closed = True
 

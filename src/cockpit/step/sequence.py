@@ -16,6 +16,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from cockpit.diagnose.live import LiveDiagnosis
+from cockpit.engine import gc_pause
 from cockpit.engine.workspace import release_workspace
 from cockpit.loop_checks import STEP_BACKWARDS, every_rank_attached
 from cockpit.quantities.base import Quantity
@@ -118,10 +119,12 @@ class StepSequence:
                 self.run.ranks = 1
         tracker = self.run.tracker
         if not tracked:
+            gc_pause.release()
             tracker.clear_calls()
             tracker.drop_spare_gradients()
             tracker.capturing = self.capture_next(step)
             return
+        gc_pause.hold()  # until the step's work ends (the module says why)
         checks = check_block(self.run, step, tracked, losses, current if continues else None,
                              check_held=not continues and not unstepped)
         if current is None or not continues:
@@ -171,6 +174,7 @@ class StepSequence:
             return
         if not current.close_block(failed):
             self.open = None  # the step cannot be completed
+            gc_pause.release()
 
     def end_step(self) -> None:
         """The open step's backward passes are all done: measured against the gradient
@@ -194,7 +198,9 @@ class StepSequence:
         if awaits_update:
             self.awaiting_update = current
         else:
+            del current  # (the step's objects go first: the next collection skips them)
             release_workspace(off_cpu_only=True)
+            gc_pause.release()
 
     def finish_update(self) -> None:
         """After the optimizer step: the finished step's instruments of the update."""
@@ -204,7 +210,9 @@ class StepSequence:
                 awaiting.finish_update()
             except Exception as error:
                 self._failed(awaiting.step, error, "after its optimizer step")
+            del awaiting  # (the step's objects go first: the next collection skips them)
             release_workspace(off_cpu_only=True)
+            gc_pause.release()
 
     def _failed(self, step: int, error: Exception, when: str) -> None:
         """Cockpit's work for ``step`` failed where the user's loop is waiting on it (inside

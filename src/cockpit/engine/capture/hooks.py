@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 import cockpit.engine.rules  # noqa: F401  (registers the built-in rules)
-from cockpit.engine import sharded
+from cockpit.engine import gc_pause, sharded
 from cockpit.engine.capture.activations import is_activation
 from cockpit.engine.capture.broadcast import (
     BroadcastTap,
@@ -350,6 +350,8 @@ class Capture:
             call = Call(unit, args, kwargs, kept, [t._version for t in tensors],
                         [None] * len(outputs), output_versions=[t._version for t in outputs],
                         output_positions=positions)
+            if not self.calls and not torch.compiler.is_compiling():
+                gc_pause.hold()  # a recorded forward pass starts (the module says why)
             self.calls.append(call)
             for k, out in enumerate(outputs):  # (the hooks stay on the nodes)
                 out.register_hook(self._make_output_hook(call, k))
