@@ -2,7 +2,8 @@
 workloads makes under Triton's interpreter on the CPU (where the tests check the kernels'
 values) is compiled by Triton's own compiler, with the launch's arguments and
 specialization, for NVIDIA targets (sm_90: H100/H200, sm_80: A100), and ptxas reports each
-compiled kernel's registers per thread and spilled bytes.
+compiled kernel's registers per thread and spilled bytes, and the PTX its loads from
+global memory (how many of them are vectors).
 
     python benchmarks/triton_kernels.py                       # sm_90 and sm_80, a table
     python benchmarks/triton_kernels.py --targets 90 --check  # exit 1 on a failed compile or spill
@@ -117,7 +118,16 @@ def recorded_launches() -> list[Launch]:
                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
                                               os.environ.get("PYTHONPATH", "")])}
         subprocess.run([sys.executable, __file__, "--record", str(path)], env=env, check=True)
-        return pickle.loads(path.read_bytes())
+        with path.open("rb") as file:
+            return _Unpickler(file).load()
+
+
+class _Unpickler(pickle.Unpickler):
+    """The recording process ran this script as ``__main__``: its classes are this module's
+    (also where it is imported)."""
+
+    def find_class(self, module: str, name: str):
+        return globals()[name] if module == "__main__" else super().find_class(module, name)
 
 
 def _jit(module: str):
@@ -183,6 +193,17 @@ def ptxas_report(compiled, capability: int) -> tuple[int, int]:
     if registers is None or spills is None:
         raise RuntimeError(f"ptxas said nothing of registers and spills: {log[:300]}")
     return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
+
+
+_LOADS = re.compile(r"\bld\.global(\.\w+)*")
+
+
+def global_loads(compiled) -> tuple[int, int]:
+    """The kernel's loads from global memory in its PTX: how many load vectors (``.v2``,
+    ``.v4``: 8 or 16 bytes a lane at once, where the compiler knows the addresses aligned and
+    the mask constant over them), and all of them."""
+    loads = [m.group(0) for m in _LOADS.finditer(compiled.asm["ptx"])]
+    return sum(".v" in load for load in loads), len(loads)
 
 
 # ------------------------------------------------------------------ workloads
@@ -263,21 +284,23 @@ def main() -> int:
     print(f"{len(launches)} distinct launches recorded in {time.perf_counter() - start:.1f} s "
           "(Triton's interpreter on this CPU)")
     failed = spilling = 0
-    print(f"{'kernel':7s} {'target':6s} {'regs':>4s} {'spilled':>7s} {'s':>4s}  constants")
+    print(f"{'kernel':7s} {'target':6s} {'regs':>4s} {'spilled':>7s} {'wide':>4s} {'loads':>5s} "
+          f"{'s':>4s}  constants")
     for launch in launches:
         for capability in args.targets:
             start = time.perf_counter()
             try:
-                registers, spilled = ptxas_report(compile_launch(launch, capability),
-                                                  capability)
+                compiled = compile_launch(launch, capability)
+                registers, spilled = ptxas_report(compiled, capability)
             except Exception as error:
                 failed += 1
                 print(f"{launch.kernel:7s} sm_{capability:<3d} FAILED ({constants(launch)}): "
                       f"{type(error).__name__}: {str(error)[:800]}")
                 continue
             spilling += spilled > 0
-            print(f"{launch.kernel:7s} sm_{capability:<3d} {registers:4d} {spilled:7d} "
-                  f"{time.perf_counter() - start:4.1f}  {constants(launch)}")
+            wide, loads = global_loads(compiled)
+            print(f"{launch.kernel:7s} sm_{capability:<3d} {registers:4d} {spilled:7d} {wide:4d} "
+                  f"{loads:5d} {time.perf_counter() - start:4.1f}  {constants(launch)}")
     kernels = sorted({f"{launch.kernel} ({launch.module})" for launch in launches})
     print(f"kernels: {'; '.join(kernels)}")
     print(f"compiled: {len(launches) * len(args.targets) - failed}, failed: {failed}, "

@@ -1,7 +1,8 @@
 """``benchmarks/triton_kernels.py``: every launch of Cockpit's three Triton kernels that its
 workloads make under the interpreter compiles for the H100/H200 (sm_90) and the A100
-(sm_80) with Triton's own compiler, without spilling registers; and the check catches
-what the interpreter runs but the compiler refuses."""
+(sm_80) with Triton's own compiler, without spilling registers, the sums over aligned
+tensors with vector loads; and the check catches what the interpreter runs but the compiler
+refuses."""
 
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def script():
 def test_every_launch_compiles_for_both_gpus_without_spills():
     out = run_benchmark("triton_kernels.py", "--targets", "90", "80", "--check",
                         timeout=600).stdout
-    rows = re.findall(r"^(\w+)\s+sm_(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+\s+(.*)$", out, re.M)
-    compiled = {(kernel, int(target), constants) for kernel, target, _, _, constants in rows}
+    rows = re.findall(r"^(\w+)\s+sm_(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+\s+(.*)$",
+                      out, re.M)
+    compiled = {(kernel, int(target), constants) for kernel, target, *_, constants in rows}
     assert "failed: 0, spilling: 0" in out, out[-3000:]
     for target in (90, 80):
         sums = {c for k, t, c in compiled if k == "sums" and t == target}
@@ -64,8 +66,12 @@ def test_every_launch_compiles_for_both_gpus_without_spills():
                 assert any(f"UNIFORM={uniform}, WIDEN={widen}" in c for c in counts)
         dots = {c for k, t, c in compiled if k == "dots" and t == target}
         assert {int(re.search(r"\bK=(\d+)", c).group(1)) for c in dots} >= {1, 2, 3, 8}
-    registers = [int(r) for _, _, r, _, _ in rows]
+    registers = [int(r) for _, _, r, *_ in rows]
     assert all(0 < r <= 255 for r in registers)
+    # the sums over whole chunks of aligned tensors load 16 bytes a lane at once
+    aligned_sums = [(int(wide), int(loads)) for kernel, _, _, _, wide, loads, constants in rows
+                    if kernel == "sums" and "ALIGNED=True" in constants]
+    assert len(aligned_sums) == 24 and all(0 < wide < loads for wide, loads in aligned_sums)
 
 
 def test_the_check_fails_on_a_kernel_the_compiler_refuses(script):

@@ -52,6 +52,13 @@ def test_sums_equal_the_sums_in_float64():
                 assert value.dtype == torch.float64 and value.shape == want[key].shape, key
                 scale = bound.get(key, want[key])
                 assert ((value - want[key]).abs() <= 1e-6 * scale).all(), (dtype, key)
+            # views one element past a 16-byte address: the kernel without wide loads
+            shifted = [torch.cat([x[:1], x]).narrow(0, 1, x.numel()) for x in xs]
+            assert [v.data_ptr() % 16 for v in shifted[:1]] == [xs[0].element_size()]
+            table, aligned = S._table(tuple(v.data_ptr() for v in shifted), xs[0].device)
+            assert not aligned and S._table(tuple(x.data_ptr() for x in xs), xs[0].device)[1]
+            assert torch.equal(S.sq_norms(shifted), got["squares"]), dtype
+            assert torch.equal(S.pair_sums(shifted, ys), got["pairs"]), dtype
     """)
 
 
