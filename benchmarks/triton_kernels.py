@@ -223,6 +223,11 @@ def entry_points() -> None:
         tensor_sums.sq_norms_of_differences(xs, ys)
         tensor_sums.sq_norms_of_differences(xs, ys, torch.tensor(0.5))
         tensor_sums.pair_sums(xs, ys)
+        # views one element past a 16-byte address: the kernel without the alignment
+        shifted = [torch.cat([x[:1], x]).narrow(0, 1, x.numel()) for x in xs]
+        tensor_sums.sq_norms(shifted)
+        tensor_sums.sq_norms_of_differences(shifted, ys, torch.tensor(0.5))
+        tensor_sums.pair_sums(shifted, ys)
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         for bins in (21, 100):
             thresholds = torch.linspace(-1, 1, bins + 1, dtype=torch.float64)[1:-1].to(dtype)

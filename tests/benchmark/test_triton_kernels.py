@@ -72,6 +72,7 @@ def test_every_launch_compiles_for_both_gpus_without_spills():
     aligned_sums = [(int(wide), int(loads)) for kernel, _, _, _, wide, loads, constants in rows
                     if kernel == "sums" and "ALIGNED=True" in constants]
     assert len(aligned_sums) == 24 and all(0 < wide < loads for wide, loads in aligned_sums)
+    assert sum(k == "sums" and "ALIGNED=False" in c for k, *_, c in rows) == 18
 
 
 def test_the_check_fails_on_a_kernel_the_compiler_refuses(script):
