@@ -10,10 +10,12 @@ collector traverses every object of the process (≈ 400,000 in a process that i
 collections took 2.96 ms of each tracked step (4.6 young, 0.4 middle and 0.01 full
 collections a step), none of them the training's; held back, 1.16 ms (0.9, 0.08, 0.003).
 
-While a tracked step runs (from its first block to the end of its update's instruments),
-the youngest generation's threshold is raised to :data:`HELD_THRESHOLD`, above what a step
-makes, so that no collection finds the step's objects alive; it is set back when the step's
-work ends, and the first collection after that finds only what outlives the step. Cyclic
+While a tracked step runs (from its recorded forward pass, or its first block, to the end
+of its update's instruments) the youngest generation's threshold is raised to
+:data:`HELD_THRESHOLD`, above what a step makes, so that no collection finds the step's
+objects alive; it is set back when the step's work ends (or at a block the schedule does
+not track), and the first collection after that finds only what outlives the step's work
+(what the user's graph still holds until the next step). Cyclic
 garbage made meanwhile is collected then, and at the latest after :data:`HELD_THRESHOLD`
 allocations even if the step never ends (an exception in ``optimizer.step()``). Nothing is
 changed where the collector is disabled, where the threshold was changed by someone else

@@ -263,8 +263,7 @@ def _sums(xs: Sequence[Tensor], ys: Sequence[Tensor] | None, scale: Tensor | Non
     partial = torch.empty(len(owner), width, dtype=torch.float32, device=device)
     kernel[(len(owner),)](x_table, y_table, c, owner, start, numels, partial,
                           DTYPE=dtypes[first.dtype], MODE=mode, HAS_SCALE=scale is not None,
-                          WIDTH=width, BLOCK=BLOCK, ITERS=ITERS,
-                          ALIGNED=aligned,
+                          WIDTH=width, BLOCK=BLOCK, ITERS=ITERS, ALIGNED=aligned,
                           num_warps=NUM_WARPS)
     # (the counts sum to the programs: no read of the device)
     return torch.segment_reduce(partial.double(), "sum", lengths=counts, axis=0, unsafe=True)
