@@ -33,7 +33,10 @@ of bfloat16 inputs, the model's and Cockpit's, at ``--half-flops``).
     python benchmarks/device_traffic.py --model gpt2_124m --batch 8 --cuda-kernels --autocast
 
 Machine constants (``--bandwidth``, ``--flops``): an H200's 4.8 TB/s and 67 TFLOP/s of
-float32 (without TF32), taken at 80 % and 75 %.
+float32 (without TF32), taken at 80 % and 75 %. Histograms are not bound by their bytes:
+counting takes the rates an H200 measured (:data:`HISTOGRAM_RATE` for the Triton kernel,
+:data:`THREE_KERNEL_RATE` for bucketize, add and histc, charged to ``histc``) where they are
+slower than the bytes.
 """
 
 from __future__ import annotations
@@ -68,6 +71,14 @@ PEAK = 67e12 * 0.75
 HALF_PEAK = 989e12 * 0.75
 """FLOP/s: an H200's dense bfloat16/float16 tensor-core peak at 75 % (products of
 half-precision inputs)."""
+HISTOGRAM_RATE = 120e9
+"""Values/s the Triton histogram kernel counts on an H200 (RESULTS, "Histogram kernel on
+CUDA": 2^25 float32 values in 0.268 ms, a Linear layer's 75.5 M products in 0.620 ms):
+its binning and warp-level histogram take ≈ 125 PTX instructions a value
+(``triton_kernels.py``), a tenth of the bandwidth."""
+THREE_KERNEL_RATE = 50e9
+"""Values/s of bucketize, add and histc together on an H200 (the same table: 2^25 values
+in 0.66–0.69 ms), charged to ``histc`` (the atomic adds on crowded bins)."""
 _HALF = (torch.bfloat16, torch.float16)
 
 # ops that make views in their implementation though their schema does not say so
@@ -123,10 +134,11 @@ class Traffic(TorchDispatchMode):
         return super().__exit__(*exc)
 
     @contextlib.contextmanager
-    def kernel(self, moved: int, flops: int = 0, half: bool = False) -> Iterator[None]:
+    def kernel(self, moved: int, flops: int = 0, half: bool = False, seconds: float = 0.0
+               ) -> Iterator[None]:
         """Count what runs inside as one kernel that moves ``moved`` bytes and does
-        ``flops`` (``half``: at the half-precision peak) — a CUDA kernel the CPU emulates by
-        other ops, which are not counted."""
+        ``flops`` (``half``: at the half-precision peak), and takes at least ``seconds`` — a
+        CUDA kernel the CPU emulates by other ops, which are not counted."""
         where = issuing_site()
         self._inside_kernel += 1
         try:
@@ -136,7 +148,7 @@ class Traffic(TorchDispatchMode):
         self.ops[where] += 1
         self.bytes[where] += moved
         self.flops[where] += flops
-        self.seconds[where] += max(moved / self.bandwidth,
+        self.seconds[where] += max(moved / self.bandwidth, seconds,
                                    flops / (self.half_peak if half else self.peak))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -156,7 +168,8 @@ class Traffic(TorchDispatchMode):
         half = flops and isinstance(args[1], Tensor) and args[1].dtype in _HALF
         self.bytes[where] += moved
         self.flops[where] += flops
-        self.seconds[where] += max(moved / self.bandwidth,
+        counting = args[0].numel() / THREE_KERNEL_RATE if name == "histc" else 0.0
+        self.seconds[where] += max(moved / self.bandwidth, counting,
                                    flops / (self.half_peak if half else self.peak))
         return out
 
@@ -168,9 +181,10 @@ def _nbytes(*tensors: Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _one_kernel(moved: int, flops: int = 0, half: bool = False):
+def _one_kernel(moved: int, flops: int = 0, half: bool = False, seconds: float = 0.0):
     """:meth:`Traffic.kernel` of the counter watching the step (none in its warm-up)."""
-    return _ACTIVE[-1].kernel(moved, flops, half) if _ACTIVE else contextlib.nullcontext()
+    return (_ACTIVE[-1].kernel(moved, flops, half, seconds) if _ACTIVE
+            else contextlib.nullcontext())
 
 
 def model_cuda_kernels() -> None:
@@ -201,7 +215,7 @@ def model_cuda_kernels() -> None:
     def tally_rows(x: Tensor, edges: Tensor, num_lanes: int, uniform=None) -> Tensor:
         slots = edges.numel() + 1
         counts = x.shape[0] * num_lanes * slots * 4
-        with _one_kernel(_nbytes(x, edges) + 2 * counts):
+        with _one_kernel(_nbytes(x, edges) + 2 * counts, seconds=x.numel() / HISTOGRAM_RATE):
             return torch.stack([histogram_device.tally(histogram_device.bin_index(
                 row.contiguous(), edges.to(x.dtype)), slots) for row in x])
 

@@ -119,7 +119,8 @@ class StepSequence:
                 self.run.ranks = 1
         tracker = self.run.tracker
         if not tracked:
-            gc_pause.release()
+            if recorded[0]:  # (its forward pass held the collector back)
+                gc_pause.release()
             tracker.clear_calls()
             tracker.drop_spare_gradients()
             tracker.capturing = self.capture_next(step)
