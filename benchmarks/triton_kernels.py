@@ -7,6 +7,7 @@ global memory (how many of them are vectors).
 
     python benchmarks/triton_kernels.py                       # sm_90 and sm_80, a table
     python benchmarks/triton_kernels.py --targets 90 --check  # exit 1 on a failed compile or spill
+    python benchmarks/triton_kernels.py --launch-cost         # also the launcher's Python
 
 The interpreter runs the kernels' Python with numpy and accepts code that Triton's compiler
 refuses (a type it cannot cast, an op it does not lower); such a kernel would fail at its
@@ -21,6 +22,7 @@ autocast) with every kernel's size threshold lowered.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import itertools
 import os
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,6 +50,7 @@ class Launch:
     kernel: str
     args: tuple
     kwargs: tuple
+    grid: tuple = field(default=(1,), compare=False)
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,10 @@ def record_launches(path: Path) -> None:
     run = InterpretedFunction.run
 
     def recording(self, *args, grid, warmup, **kwargs):
-        launches[Launch(self.fn.__module__, self.fn.__name__,
-                        tuple(map(_described, args)),
-                        tuple(sorted((k, _described(v)) for k, v in kwargs.items())))] = None
+        launch = Launch(self.fn.__module__, self.fn.__name__, tuple(map(_described, args)),
+                        tuple(sorted((k, _described(v)) for k, v in kwargs.items())),
+                        tuple(grid) if isinstance(grid, (tuple, list)) else (grid,))
+        launches.setdefault(launch, None)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording
@@ -170,6 +174,65 @@ def constants(launch: Launch) -> str:
                        if isinstance(a, TensorArg))
     return ", ".join([f"tensors {tensors}"] + [
         f"{k}={v.name if isinstance(v, TritonDtype) else v}" for k, v in launch.kwargs])
+
+
+class _NoLaunchDriver:
+    """A driver for an sm_90 GPU that is not there: Triton's launcher runs its Python
+    (binding, specialization key, cache) and launches nothing."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+def launch_cost(launches: list[Launch], repeats: int = 2000) -> dict[str, float]:
+    """µs of Python a launch of each kernel (its first recorded launch) takes in Triton's
+    launcher, ``JITFunction.run`` (argument binding, specialization key, kernel cache),
+    with a driver that launches nothing; a GPU's host adds the driver's calls and the C
+    launch. Beside it, for scale: ``torch.add`` of two 4-number CPU tensors (aten's
+    dispatch)."""
+    import triton.compiler.compiler as compiler
+    from triton.runtime.driver import driver
+
+    def no_handles(self) -> None:
+        self.module, self.function, self.n_regs, self.n_spills = 0, 0, 0, 0
+        self.n_max_threads, self._run = 1024, lambda *args: None
+
+    def best(fn) -> float:
+        fn()  # (compiled, cached)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            times.append((time.perf_counter() - start) / repeats * 1e6)
+        return min(times)
+
+    saved, active = compiler.CompiledKernel._init_handles, driver._active
+    driver.set_active(_NoLaunchDriver())
+    compiler.CompiledKernel._init_handles = no_handles
+    try:
+        out = {}
+        for launch in launches:
+            if launch.kernel in out:
+                continue
+            launcher = _jit(launch.module)[launch.grid]
+            args = [_made(a) for a in launch.args]
+            kwargs = {k: _made(v) for k, v in launch.kwargs}
+            out[launch.kernel] = best(functools.partial(launcher, *args, **kwargs))
+        a = torch.randn(4)
+        out["torch.add (CPU)"] = best(lambda: torch.add(a, a))
+        return out
+    finally:
+        compiler.CompiledKernel._init_handles = saved
+        driver._active = active  # (no GPU here: the default driver cannot be made)
 
 
 _REGISTERS = re.compile(r"Used (\d+) registers")
@@ -278,6 +341,8 @@ def main() -> int:
                         help="compute capabilities (90: H100/H200, 80: A100)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 where a launch fails to compile or its kernel spills")
+    parser.add_argument("--launch-cost", action="store_true",
+                        help="also the µs of Python of a launch in Triton's launcher")
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.record is not None:
@@ -310,6 +375,10 @@ def main() -> int:
     print(f"kernels: {'; '.join(kernels)}")
     print(f"compiled: {len(launches) * len(args.targets) - failed}, failed: {failed}, "
           f"spilling: {spilling}")
+    if args.launch_cost:
+        costs = launch_cost(launches)
+        print("Python of a launch (µs, a driver that launches nothing): "
+              + ", ".join(f"{kernel} {cost:.1f}" for kernel, cost in costs.items()))
     return 1 if args.check and (failed or spilling) else 0
 
 

@@ -49,7 +49,7 @@ def script():
 
 def test_every_launch_compiles_for_both_gpus_without_spills():
     out = run_benchmark("triton_kernels.py", "--targets", "90", "80", "--check",
-                        timeout=600).stdout
+                        "--launch-cost", timeout=600).stdout
     rows = re.findall(r"^(\w+)\s+sm_(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+\s+(.*)$",
                       out, re.M)
     compiled = {(kernel, int(target), constants) for kernel, target, *_, constants in rows}
@@ -73,6 +73,8 @@ def test_every_launch_compiles_for_both_gpus_without_spills():
                     if kernel == "sums" and "ALIGNED=True" in constants]
     assert len(aligned_sums) == 24 and all(0 < wide < loads for wide, loads in aligned_sums)
     assert sum(k == "sums" and "ALIGNED=False" in c for k, *_, c in rows) == 18
+    costs = dict(re.findall(r"(\w+) ([\d.]+)", out.split("Python of a launch")[1].split(":")[1]))
+    assert {"sums", "count", "dots"} <= set(costs) and all(float(v) > 0 for v in costs.values())
 
 
 def test_the_check_fails_on_a_kernel_the_compiler_refuses(script):
