@@ -1,11 +1,11 @@
 """Cockpit's Triton kernels compiled for the GPUs, without one: every launch that a set of
 workloads makes under Triton's interpreter on the CPU (where the tests check the kernels'
 values) is compiled by Triton's own compiler, with the launch's arguments and
-specialization, for NVIDIA targets (sm_90: H100/H200, sm_80: A100), and ptxas reports each
-compiled kernel's registers per thread and spilled bytes, and the PTX its loads from
-global memory (how many of them are vectors).
+specialization, for NVIDIA targets (sm_90: H100/H200, sm_80: A100, sm_100: B200; any other
+with ``--targets``), and ptxas reports each compiled kernel's registers per thread and
+spilled bytes, and the PTX its loads from global memory (how many of them are vectors).
 
-    python benchmarks/triton_kernels.py                       # sm_90 and sm_80, a table
+    python benchmarks/triton_kernels.py                       # sm_90, sm_80, sm_100
     python benchmarks/triton_kernels.py --targets 90 --check  # exit 1 on a failed compile or spill
     python benchmarks/triton_kernels.py --launch-cost         # also the launcher's Python
 
@@ -337,8 +337,8 @@ def tracked_steps() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--targets", type=int, nargs="+", default=[90, 80],
-                        help="compute capabilities (90: H100/H200, 80: A100)")
+    parser.add_argument("--targets", type=int, nargs="+", default=[90, 80, 100],
+                        help="compute capabilities (90: H100/H200, 80: A100, 100: B200)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 where a launch fails to compile or its kernel spills")
     parser.add_argument("--launch-cost", action="store_true",

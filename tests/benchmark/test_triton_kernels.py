@@ -1,6 +1,6 @@
 """``benchmarks/triton_kernels.py``: every launch of Cockpit's three Triton kernels that its
-workloads make under the interpreter compiles for the H100/H200 (sm_90) and the A100
-(sm_80) with Triton's own compiler, without spilling registers, the sums over aligned
+workloads make under the interpreter compiles for the H100/H200 (sm_90), the A100 (sm_80)
+and the B200 (sm_100) with Triton's own compiler, without spilling registers, the sums over aligned
 tensors with vector loads; and the check catches what the interpreter runs but the compiler
 refuses."""
 
@@ -47,14 +47,14 @@ def script():
     del sys.modules["triton_kernels"]
 
 
-def test_every_launch_compiles_for_both_gpus_without_spills():
-    out = run_benchmark("triton_kernels.py", "--targets", "90", "80", "--check",
+def test_every_launch_compiles_for_the_gpus_without_spills():
+    out = run_benchmark("triton_kernels.py", "--targets", "90", "80", "100", "--check",
                         "--launch-cost", timeout=600).stdout
     rows = re.findall(r"^(\w+)\s+sm_(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+\s+(.*)$",
                       out, re.M)
     compiled = {(kernel, int(target), constants) for kernel, target, *_, constants in rows}
     assert "failed: 0, spilling: 0" in out, out[-3000:]
-    for target in (90, 80):
+    for target in (90, 80, 100):
         sums = {c for k, t, c in compiled if k == "sums" and t == target}
         for dtype in ("fp32", "bf16", "fp16"):  # the three modes, with and without c
             for mode, scale in (("0", "False"), ("1", "False"), ("1", "True"), ("2", "False")):
@@ -71,8 +71,8 @@ def test_every_launch_compiles_for_both_gpus_without_spills():
     # the sums over whole chunks of aligned tensors load 16 bytes a lane at once
     aligned_sums = [(int(wide), int(loads)) for kernel, _, _, _, wide, loads, constants in rows
                     if kernel == "sums" and "ALIGNED=True" in constants]
-    assert len(aligned_sums) == 24 and all(0 < wide < loads for wide, loads in aligned_sums)
-    assert sum(k == "sums" and "ALIGNED=False" in c for k, *_, c in rows) == 18
+    assert len(aligned_sums) == 36 and all(0 < wide < loads for wide, loads in aligned_sums)
+    assert sum(k == "sums" and "ALIGNED=False" in c for k, *_, c in rows) == 27
     costs = dict(re.findall(r"(\w+) ([\d.]+)", out.split("Python of a launch")[1].split(":")[1]))
     assert {"sums", "count", "dots"} <= set(costs) and all(float(v) > 0 for v in costs.values())
 
