@@ -100,19 +100,19 @@ def row_dots(rows: Tensor, directions: Tensor) -> Tensor:
     return partial.sum(1)[:, :, :k]
 
 
-def sample_dots(rows: Tensor, directions: Tensor) -> Tensor | None:
-    """[g_nᵀu_k]_{k,n}, [K, N] float32, of one parameter's individual gradients ``rows``
-    [N, D] (a chunk of samples, materialized) and ``directions`` [K, D] (one direction [D]:
-    [N]) by the kernel, as a stack of one layer; None where it does not run
-    (:func:`available`; asked before any view is made) or failed. cuBLAS's product
-    [K, D] × [D, N] reduces D (the millions of a large embedding) for a tiny output with a
-    kernel of the kind the stacks measured at 18–23 ms."""
+def sample_dots(rows: Tensor, directions: Tensor) -> Tensor:
+    """[g_nᵀu_k]_{k,n}, [K, N], of one parameter's individual gradients ``rows`` [N, D] (a
+    chunk of samples, materialized; a stack's layer) and ``directions`` [K, D] (one
+    direction [D]: [N]): by the kernel, as a stack of one layer, where it runs
+    (:func:`available`, asked before any view is made), else by a product. cuBLAS's
+    product [K, D] × [D, N] reduces D (the millions of a large embedding) for a tiny output
+    with a kernel of the kind the stacks measured at 18–23 ms."""
     one = directions.dim() == 1
-    if not available(rows, 1 if one else directions.shape[0]):  # (G's numbers, as a stack)
-        return None
-    try:
-        dots = row_dots(rows.unsqueeze(0), directions.reshape(1, -1, rows.shape[1]))[0]
-    except Exception as error:  # e.g. no compiler for Triton: the caller's product
-        disable(error)
-        return None
-    return dots[:, 0] if one else dots.T
+    if available(rows, 1 if one else directions.shape[0]):  # (G's numbers, as a stack)
+        try:
+            dots = row_dots(rows.unsqueeze(0), directions.reshape(1, -1, rows.shape[1]))[0]
+        except Exception as error:  # e.g. no compiler for Triton: the product instead
+            disable(error)
+        else:
+            return dots[:, 0] if one else dots.T
+    return rows @ directions if one else directions @ rows.T

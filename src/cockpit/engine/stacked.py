@@ -255,9 +255,7 @@ class StackedGrads:
         """[g_{l,n}ᵀu_k]_{k,n} of layer l alone, [K, N] (on CUDA by the dot-product kernel
         where G is large, as :meth:`dots`)."""
         u = in_dtype(torch.stack([v.reshape(-1) for v in directions]), self.rows.dtype)
-        rows = self.rows[index]
-        got = row_dots.sample_dots(rows, u)
-        return u @ rows.T if got is None else got
+        return row_dots.sample_dots(self.rows[index], u)
 
     def histograms(self, spec: BinSpec, budget: int | None) -> list[Tensor | LaneCounts]:
         """Counts [bins] of every layer's N·D elements in ``spec``'s bins, with the edges of

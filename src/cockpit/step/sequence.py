@@ -200,8 +200,7 @@ class StepSequence:
             self.awaiting_update = current
         else:
             del current  # (the step's objects go first: the next collection skips them)
-            release_workspace(off_cpu_only=True)
-            gc_pause.release()
+            _work_ended()
 
     def finish_update(self) -> None:
         """After the optimizer step: the finished step's instruments of the update."""
@@ -212,8 +211,7 @@ class StepSequence:
             except Exception as error:
                 self._failed(awaiting.step, error, "after its optimizer step")
             del awaiting  # (the step's objects go first: the next collection skips them)
-            release_workspace(off_cpu_only=True)
-            gc_pause.release()
+            _work_ended()
 
     def _failed(self, step: int, error: Exception, when: str) -> None:
         """Cockpit's work for ``step`` failed where the user's loop is waiting on it (inside
@@ -228,3 +226,10 @@ class StepSequence:
         self.run.warn(f"step {step}: {reason}; its unfinished instruments are not recorded, "
                       "training and the next steps go on",
                       key=f"step-failed:{type(error).__name__}")
+
+
+def _work_ended() -> None:
+    """A step's work is done: its scratch buffers off the CPU go back, and the collector is
+    no longer held back (:mod:`cockpit.engine.gc_pause`)."""
+    release_workspace(off_cpu_only=True)
+    gc_pause.release()

@@ -171,7 +171,7 @@ class SampleGrads(ABC):
 
     def dots(self, u: Tensor) -> Tensor:
         flat_u = self.to_rows(u)
-        return _cat([_chunk_dots(_rows(c), in_dtype(flat_u, c.dtype))
+        return _cat([row_dots.sample_dots(_rows(c), in_dtype(flat_u, c.dtype))
                      for c in self.iter_chunks()])
 
     def dots_many(self, us: Sequence[Tensor]) -> Tensor:
@@ -184,7 +184,7 @@ class SampleGrads(ABC):
             stacked = stack_or_view([self.to_rows(u) for u in us])  # [K, D]
             if shared:
                 us.stacked = stacked  # type: ignore[attr-defined]
-        return _cat([_chunk_dots(_rows(c), in_dtype(stacked, c.dtype))
+        return _cat([row_dots.sample_dots(_rows(c), in_dtype(stacked, c.dtype))
                      for c in self.iter_chunks()], dim=1)
 
     def sum_sq(self) -> Tensor:
@@ -276,16 +276,6 @@ def _sample_chunks(delta: Tensor, a: Tensor, per_sample: int
     if size >= delta.shape[0]:
         return [(delta, a)]
     return zip(delta.split(size), a.split(size), strict=True)
-
-
-def _chunk_dots(rows: Tensor, u: Tensor) -> Tensor:
-    """g_nᵀu of a chunk's rows [n, D]: [n] for one direction [D], [K, n] for [K, D]; on CUDA
-    by the stacks' kernel where G is large (:func:`cockpit.engine.row_dots.sample_dots`),
-    else by a product."""
-    got = row_dots.sample_dots(rows, u)
-    if got is not None:
-        return got
-    return rows @ u if u.dim() == 1 else u @ rows.T
 
 
 def _rows(c: Tensor) -> Tensor:
