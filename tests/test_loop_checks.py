@@ -4,8 +4,10 @@ gradient edits never."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -337,3 +339,71 @@ def test_norms_of_batch_gradients_changed_since_are_formed_again():
     edited.reuse_grad_norms(formed)
     assert replaced.grad_norms().tolist() == [5.0, 2.0]  # (b's norm formed now: 2)
     assert edited.grad_norms().tolist() == [5.0, 2.0]
+
+
+def _economy_run(loop: str, optimizer: str, steps: int = 4):
+    """Economy on a CNN with ``optimizer`` ("sgd": momentum; "adam"), the loop written as
+    ``loop`` says: the optimizer step after the block (the README's loop) or inside it,
+    with zero_grad before the block or inside it (set to None, or zeroed in place)."""
+    problem = make_problem("cnn", 8)
+    model = problem.model
+    opt = (sgd(model) if optimizer == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=0.01))
+    cockpit = Cockpit(model, "economy", optimizer=opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            if loop in ("after", "step inside"):
+                opt.zero_grad()
+            losses = problem.losses()
+            with cockpit(step, losses=losses):
+                if loop.startswith("zero_grad"):
+                    opt.zero_grad(set_to_none=loop.endswith("to None"))
+                losses.mean().backward()
+                if loop != "after":
+                    opt.step()
+            if loop == "after":
+                opt.step()
+        cockpit.close()
+    return cockpit.get_output(), [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("loop", ["step inside", "zero_grad and step inside, to None",
+                                  "zero_grad and step inside, in place"])
+def test_optimizer_step_inside_the_block_records_what_a_step_after_it_does(loop, optimizer):
+    expected, _ = _economy_run("after", optimizer)
+    output, messages = _economy_run(loop, optimizer)
+    assert messages == []  # (no "not followed by optimizer.step()", no held gradient)
+    assert expected[1]["UpdateSize"] > 0 and expected[2]["Alpha"] is not None
+    for step in range(4):
+        assert output[step]["GradientHeld"] == 0.0
+        assert output[step].keys() == expected[step].keys()
+        for name, value in expected[step].items():
+            got = output[step][name]
+            if isinstance(value, float) and not math.isnan(value):
+                assert got == pytest.approx(value, rel=1e-12, abs=1e-15), (step, name)
+            elif isinstance(value, dict):
+                for key, array in value.items():
+                    np.testing.assert_allclose(got[key], array, rtol=1e-12)
+            else:
+                assert got == value or (got != got and value != value), (step, name)
+
+
+def test_gradients_zeroed_inside_the_block_are_not_held_but_stale_ones_are():
+    problem = make_problem("mlp_relu", 8)
+    opt = sgd(problem.model)
+    cockpit = Cockpit(problem.model, [quantities.GradNorm()], optimizer=opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, zero in enumerate(["to None", "in place", "none"]):
+            losses = problem.losses()
+            with cockpit(step, losses=losses):
+                if zero != "none":
+                    opt.zero_grad(set_to_none=zero == "to None")
+                losses.mean().backward()
+            opt.step()
+        cockpit.close()
+    held = [cockpit.get_output()[step]["GradientHeld"] for step in range(3)]
+    assert held == [0.0, 0.0, 1.0]
+    assert sum("already hold a gradient" in str(w.message) for w in caught) == 1

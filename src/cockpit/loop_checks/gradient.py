@@ -149,26 +149,55 @@ def parameters_holding_gradient(params: dict[str, Tensor]) -> tuple[list[str], T
     return names, (torch.cat(flags) if flags else None)
 
 
-def gradients_held(step: int, stepped: dict[str, Tensor]) -> Later:
+class HeldGradients:
     """Definite misuse: the parameters the optimizer steps on hold a gradient before the
-    step's first block (recorded as GradientHeld, 1.0 or 0.0, and warned about once;
-    decided when the step's numbers are read)."""
-    names, nonzero = parameters_holding_gradient(stepped)
-    if nonzero is None:
-        return Later(lambda: {"GradientHeld": 0.0})
+    step's first backward pass (recorded as GradientHeld, 1.0 or 0.0, and warned about once;
+    decided when the step's numbers are read).
 
-    def verdict(flags) -> Noted:
-        held = [n for n, flag in zip(names, flags, strict=True) if flag]
-        if not held:
-            return Noted({"GradientHeld": 0.0})
-        return Noted({"GradientHeld": 1.0}, warnings=((
-            f"step {step}: {listed(held)} already hold a gradient when the first "
-            f"`with cockpit({step}, ...)` block opens: zero the gradients before each step "
-            "(optimizer.zero_grad()) and call backward inside `with cockpit(step, ...)`; "
-            "the optimizer steps on more than the backward passes Cockpit sees",
-            "gradients-not-zeroed"),))
+    Looked at when the step's first block opens (whether each p.grad is non-zero, on the
+    device) and when it closes (:meth:`later`): ``optimizer.zero_grad()`` inside the block
+    sets p.grad to None, so that the backward pass makes a new one, or zeroes it in place;
+    held is only a p.grad that is still the same tensor, written at most once since (the
+    backward pass's accumulation into it: each in-place write advances its version). The
+    block's start keeps no reference to the gradients (a weak one only: zero_grad frees
+    their memory as without Cockpit).
+    """
 
-    return Later(verdict, nonzero)
+    def __init__(self, step: int, stepped: dict[str, Tensor]):
+        self.step = step
+        self.names, self.nonzero = parameters_holding_gradient(stepped)
+        grads = [stepped[n].grad for n in self.names]  # (each set: names are those held)
+        self._grads = [(weakref.ref(g), g._version) for g in grads if g is not None]
+
+    def later(self, stepped: dict[str, Tensor]) -> Later:
+        """The check as the block leaves it (``stepped``: the parameters, as above)."""
+        step, names, nonzero = self.step, self.names, self.nonzero
+        if nonzero is None:
+            return Later(lambda: {"GradientHeld": 0.0})
+        kept = [_unchanged_but_accumulated(stepped.get(n), ref, version)
+                for n, (ref, version) in zip(names, self._grads, strict=True)]
+
+        def verdict(flags) -> Noted:
+            held = [n for n, flag, same in zip(names, flags, kept, strict=True)
+                    if flag and same]
+            if not held:
+                return Noted({"GradientHeld": 0.0})
+            return Noted({"GradientHeld": 1.0}, warnings=((
+                f"step {step}: {listed(held)} already hold a gradient when the first "
+                f"`with cockpit({step}, ...)` block opens: zero the gradients before each "
+                "step (optimizer.zero_grad()) and call backward inside `with cockpit(step, "
+                "...)`; the optimizer steps on more than the backward passes Cockpit sees",
+                "gradients-not-zeroed"),))
+
+        return Later(verdict, nonzero)
+
+
+def _unchanged_but_accumulated(param: Tensor | None, ref: weakref.ref, version: int) -> bool:
+    """Whether ``param.grad`` is the tensor ``ref`` names, written at most once since its
+    ``version`` was read."""
+    grad = None if param is None else param.grad
+    same = grad is not None and grad is ref()
+    return same and grad is not None and grad._version - version <= 1
 
 
 class OutsideBackwardWatch:

@@ -179,7 +179,11 @@ class StepSequence:
 
     def end_step(self) -> None:
         """The open step's backward passes are all done: measured against the gradient
-        the optimizer is about to step on, then finished."""
+        the optimizer is about to step on, then finished. ``optimizer.step()`` inside the
+        block closes the block here: its backward passes are done, and the update must be
+        measured from the parameters before the step."""
+        if self.in_block:
+            self.exit(failed=False)
         if self.open is not None:
             self.open.measure_gradient_mismatch()
         self.finish()

@@ -34,11 +34,11 @@ from cockpit.engine.statistics import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStati
 from cockpit.loop_checks import (
     BATCH,
     MODEL,
+    HeldGradients,
     backward_problems,
     check_losses,
     first_problem,
     gradient_mismatch,
-    gradients_held,
     nonfinite_warning,
     parameters_changed,
     ranks_step_apart,
@@ -70,7 +70,7 @@ class BlockChecks:
     losses: Tensor | None
     finite: Tensor | None  # finite iff the losses are (finite_witness): read later
     problems: list[tuple[str, str]]  # (scope, reason): see cockpit.loop_checks
-    gradient_held: Later | None  # GradientHeld, checked at a step's first block
+    gradient_held: HeldGradients | None  # GradientHeld, at a step's first block
 
 
 def check_block(run: WatchedRun, step: int, tracked: list[Quantity], losses: Tensor | None,
@@ -85,7 +85,7 @@ def check_block(run: WatchedRun, step: int, tracked: list[Quantity], losses: Ten
     changed = parameters_changed(run.tracker.model, run.tracker.param_names, run.params)
     problems = step_problems(step, losses, changed,
                              None if continued is None else continued.forwards, run.warn)
-    held = gradients_held(step, run.stepped_params()) if check_held else None
+    held = HeldGradients(step, run.stepped_params()) if check_held else None
     return BlockChecks(losses, finite, problems, held)
 
 
@@ -114,7 +114,9 @@ class TrackedStep:
         # ‖g_B‖ per parameter as the gradient check formed them (GradNorm reads them)
         self._mean_norms: list[FormedNorms] = []
         self.checks: list[Later] = []  # misuse checks decided when the numbers are read
-        self.gradient_held: Later | None = None  # GradientHeld, checked at the first block
+        # GradientHeld: looked at when the first block opens, decided when it closes
+        self._held: HeldGradients | None = None
+        self.gradient_held: Later | None = None
         # the first block's losses' finite witness (finite iff they are), read only where
         # a warning depends on it (:meth:`losses_were_finite`)
         self.finite_losses: Tensor | None = None
@@ -148,7 +150,7 @@ class TrackedStep:
         captured = tracker.num_calls
         if self.reduction is None:
             request = self._first_request()
-            self.gradient_held = checks.gradient_held
+            self._held = checks.gradient_held
             if checks.finite is not None:
                 self.finite_losses = checks.finite
         else:
@@ -247,6 +249,9 @@ class TrackedStep:
                 key="accumulation-learned")
         self.reduction.add(stats, calls, request)
         request.release_directions()
+        if self._held is not None:  # (the first block: zero_grad may have run inside it)
+            held, self._held = self._held, None
+            self.gradient_held = held.later(run.stepped_params())
         self.weights.append(tracker.loss_weight)
         # until the optimizer step (or the next block): see backward passes outside a block
         reached = list(self.reduction.stats.batch_grads) if self.reduction.stats else []
