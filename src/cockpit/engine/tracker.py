@@ -36,6 +36,7 @@ from cockpit.engine import sharded
 from cockpit.engine.backward_state import BackwardState
 from cockpit.engine.capture.batch_gradients import BatchGradientCopies
 from cockpit.engine.capture.hooks import Call, Capture, Unit, layer_outputs, owner, zeros_of
+from cockpit.engine.capture.outside_uses import outside_message
 from cockpit.engine.histograms.auto_range import AutoRange
 from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.processing import CallProcessor, accumulate
@@ -52,6 +53,7 @@ from cockpit.engine.sharded import compute_dtypes, has_sharded, precision_note, 
 from cockpit.engine.statistics import (
     GRAM_MEAN,
     HIST2D,
+    PER_SAMPLE_STATS,
     SAMPLE_GRAD_SUM,
     BackwardStatistics,
     GradientDots,
@@ -217,6 +219,11 @@ class ModuleTracker:
                 # rounded to param_dtype: GradHist2d draws the full-precision θ instead
                 self.gathered_params = {k: whole(p.detach()) for k, p in self.params.items()}
         self.release_step_cache()
+        if (graph is not None and not self.sharded
+                and not self.needs.isdisjoint(PER_SAMPLE_STATS)):
+            outside = self.capture.used_outside(graph)
+            if outside:
+                self.stats.problems.append(outside_message(outside))
         if losses is not None and losses.grad_fn is not None and num_samples > 1:
             # also without per-sample instruments: the diagonal curvature's backprops
             # (sum_sq_of_backprops) need each sample's share of a broadcast output too

@@ -40,6 +40,7 @@ from cockpit.engine.capture.broadcast import (
     find_paths,
     per_sample_delta,
 )
+from cockpit.engine.capture.outside_uses import newest_node, used_outside
 from cockpit.engine.capture.removed_hooks import forget_removed_hooks
 from cockpit.engine.processing import weights_problem
 from cockpit.engine.rules.batchnorm_frozen import (
@@ -134,6 +135,9 @@ class Call:
     # θ_t of a kept call whose individual gradients depend on the parameters (the torch.func
     # fallback): projections after the optimizer step must not read θ_{t+1}
     params: dict[str, Tensor] | None = None
+    # the newest autograd node of its inputs, where ``args`` hold rounded copies (outside
+    # autograd) instead: :func:`cockpit.engine.capture.outside_uses.nodes_made_by`
+    inputs_floor: int | None = None
 
     def outputs_unchanged(self) -> bool:
         """Whether no output was modified in place after the call (e.g. by ReLU(inplace))."""
@@ -258,6 +262,9 @@ class Capture:
         self.frozen_backward = FrozenStatisticsBackward()
         self._handles: list = []  # the hooks while installed (see install)
         self._hooked_twins: dict[int, Tensor] = {}  # the unsharded parameters hooked
+        # parameters used outside their layers' calls, for a graph of this (size, calls)
+        self._outside: list[str] = []
+        self._outside_key: tuple[int, int] | None = None
         self.installed = False
         self._removed = False  # for good (Cockpit closed)
         self._places: dict[int, int] = {}  # module → the id of its unit hook's first handle
@@ -340,8 +347,12 @@ class Capture:
                 if not positions:
                     return None
                 outputs = [flat[i] for i in positions]
+            floor = None
             if (outputs[0].dtype in _HALF and unit.rule is not None and len(outputs) == 1
                     and not self.engine.records_activations):
+                if not torch.compiler.is_compiling():  # (no autograd node in a trace)
+                    floor = newest_node(v for v in (*args, *kwargs.values())
+                                        if isinstance(v, Tensor))
                 args, kwargs = as_computed_inputs(args, kwargs, outputs[0].dtype, self._holds)
             tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
             kept: list[Tensor | OutputRecord] = (
@@ -349,7 +360,7 @@ class Capture:
                 else [OutputRecord(o) for o in outputs])
             call = Call(unit, args, kwargs, kept, [t._version for t in tensors],
                         [None] * len(outputs), output_versions=[t._version for t in outputs],
-                        output_positions=positions)
+                        output_positions=positions, inputs_floor=floor)
             if not self.calls and not torch.compiler.is_compiling():
                 gc_pause.hold()  # a recorded forward pass starts (the module says why)
             self.calls.append(call)
@@ -413,6 +424,17 @@ class Capture:
         self.calls = kept
         self.activation_calls = [c for c in self.activation_calls if c[2].grad_fn in seen]
         return seen
+
+    def used_outside(self, graph: dict) -> list[str]:
+        """The tracked parameters the losses' ``graph`` uses outside the recorded calls of
+        their layers (:mod:`cockpit.engine.capture.outside_uses`; kept while the graph's
+        size and the number of calls stay the same: a property of the model's code)."""
+        key = (len(graph), len(self.calls))
+        if key != self._outside_key:
+            params = {id(p): name for name, p in self.engine.params.items()}
+            self._outside = used_outside(graph, self.calls, params)
+            self._outside_key = key
+        return self._outside
 
     def probe_calls(self) -> list[Call]:
         """The recorded calls whose inputs and outputs are still held. Raises where this
