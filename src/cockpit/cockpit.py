@@ -19,11 +19,13 @@ See ``docs/conventions.md`` for the conventions every instrument follows.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from cockpit.arguments import checked_arguments, resolved_memory_budget, warn_slow_bins
 from cockpit.diagnose.live import LiveDiagnosis
@@ -37,6 +39,7 @@ from cockpit.engine.statistics import PER_SAMPLE_STATS
 from cockpit.engine.tracker import ModuleTracker
 from cockpit.engine.workspace import release_workspace
 from cockpit.loop_checks import OutsideBackwardWatch, check_optimizer_owns_parameters
+from cockpit.loop_checks.optimizer import steps_any
 from cockpit.quantities.base import Quantity, Value
 from cockpit.step.hist_range import HistogramRange
 from cockpit.step.instrument_traits import needs_initial_parameters, predicts_update
@@ -183,7 +186,13 @@ class Cockpit:
             for quantity in filter(predicts_update, self.quantities):
                 quantity.predict = False  # type: ignore[attr-defined]
         self._params: dict[str, Tensor] = dict(self.tracker.params)
-        check_optimizer_owns_parameters(optimizer, self._params)
+        unowned = check_optimizer_owns_parameters(optimizer, self._params)
+        # another optimizer trains some parameters: θ_t before the first optimizer's step,
+        # θ_(t+1) after all of them (at the next step's block), Alpha along that update
+        self._shared = bool(unowned) and len(unowned) < len(self._params)
+        if self._shared:
+            for quantity in filter(predicts_update, self.quantities):
+                quantity.predict = False  # type: ignore[attr-defined]
         initial = (initial_parameters.snapshot(self._params)
                    if any(map(needs_initial_parameters, self.quantities)) else None)
         start_time = time.perf_counter()
@@ -196,6 +205,12 @@ class Cockpit:
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+        self._param_ids = frozenset(map(id, self._params.values()))
+        # other optimizers: whether they step on the model's parameters
+        self._steps_ours: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        if self._shared:
+            self._handles.append(register_optimizer_step_pre_hook(
+                self._before_any_optimizer_step))
         writes = write_on_all_ranks or combined == 1 or ranks.rank() == 0
         sinks = list(sinks) if writes else []
         log = self._open_log(logdir, resume) if logdir is not None and writes else None
@@ -333,7 +348,19 @@ class Cockpit:
             self._steps.end_step()
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._steps.finish_update()
+        if not self._shared:  # (else at the next block: after every optimizer's step)
+            self._steps.finish_update()
+
+    def _before_any_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """Another optimizer that steps on some of the model's parameters ends the step
+        as the watched one would: θ_t is taken before any of them moves it."""
+        if optimizer is self.optimizer or not self.ends_steps_at_optimizer_step:
+            return
+        ours = self._steps_ours.get(optimizer)
+        if ours is None:
+            ours = self._steps_ours[optimizer] = steps_any(optimizer, self._param_ids)
+        if ours:
+            self._steps.end_step()
 
     def _open_log(self, logdir: str, resume: bool) -> RunLogWriter:
         try:

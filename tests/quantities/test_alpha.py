@@ -462,3 +462,82 @@ def test_fixed_batch_momentum_sgd_stays_on_the_predicted_path():
         failures += not alpha.predict
         assert all(cockpit.get_output()[s]["Alpha"] is not None for s in range(7))
     assert failures == 0
+
+
+def test_a_skipped_step_number_leaves_alpha_none_with_the_step_that_came():
+    """Step numbers 0, 1, 3, 4 (a batch left out): α_1 needs θ_2, which no step observed;
+    recorded as None with that reason when step 3 comes, the other steps' α as usual."""
+    problem = make_problem("mlp_relu", 8)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=0.1)
+    cockpit = Cockpit(problem.model, [quantities.Alpha()], optimizer=opt)
+    for step in (0, 1, 3, 4):
+        opt.zero_grad()
+        losses = problem.losses()
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+        if step == 3:  # (decided at step 3, not at the run's end)
+            note = cockpit.get_notes()[1]["Alpha"]
+            assert "step 2 never came (the next step was 3)" in note
+    cockpit.close()
+    output, notes = cockpit.get_output(), cockpit.get_notes()
+    assert output[1]["Alpha"] is None
+    assert math.isfinite(output[0]["Alpha"]) and math.isfinite(output[3]["Alpha"])
+    assert output[4]["Alpha"] is None and "no such step came before the run ended" in notes[4][
+        "Alpha"]
+
+
+@pytest.mark.parametrize("order", ["other first", "watched first"])
+def test_a_second_optimizer_on_some_parameters_is_measured_after_both_steps(order):
+    """Weights on SGD (passed to Cockpit), biases on Adam: θ_t is taken before the first
+    optimizer's step and θ_{t+1} after both, in either order, so Distance, UpdateSize and
+    α describe the update the model made (α by projecting the layers' calls on it)."""
+    problem = make_problem("mlp_relu", 8)
+    model = problem.model
+    named = dict(model.named_parameters())
+    weights = [p for k, p in named.items() if k.endswith("weight")]
+    biases = [p for k, p in named.items() if k.endswith("bias")]
+    sgd, adam = torch.optim.SGD(weights, lr=0.1), torch.optim.Adam(biases, lr=0.05)
+    with pytest.warns(RuntimeWarning, match="does not own 3 of the model's 6"):
+        cockpit = Cockpit(model, [quantities.Distance(), quantities.UpdateSize(),
+                                  quantities.Alpha()], optimizer=sgd, strict=True)
+    theta0 = copy.deepcopy(model.state_dict())
+    thetas, batches = [], []
+    generator = torch.Generator().manual_seed(0)
+    for step in range(4):
+        idx = torch.randint(0, 8, (8,), generator=generator)
+        x, y = problem.x[idx], problem.y[idx]
+        thetas.append(copy.deepcopy(model.state_dict()))
+        batches.append((x, y))
+        sgd.zero_grad()
+        adam.zero_grad()
+        losses = problem.loss_fn(model(x), y)
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        for opt in (adam, sgd) if order == "other first" else (sgd, adam):
+            opt.step()
+    thetas.append(copy.deepcopy(model.state_dict()))
+    cockpit.close()
+    out = cockpit.get_output()
+
+    def distance(a, b, keys=named):
+        return math.sqrt(sum(float(((a[k] - b[k]) ** 2).sum()) for k in keys))
+
+    for step in range(4):
+        assert out[step]["Distance"] == pytest.approx(distance(thetas[step], theta0), rel=1e-10,
+                                                       abs=1e-12)
+        assert out[step]["UpdateSize"] == pytest.approx(distance(thetas[step + 1], thetas[step]),
+                                                         rel=1e-10)
+        assert out[step]["UpdateSize/0.bias"] == pytest.approx(
+            distance(thetas[step + 1], thetas[step], ["0.bias"]), rel=1e-10)
+    for step in range(3):
+        ends = []
+        for k in (step, step + 1):
+            reference = copy.deepcopy(model)
+            reference.load_state_dict(thetas[k])
+            x, y = batches[k]
+            grads = individual_gradients(reference, problem.loss_fn, x, y)
+            ends.append((problem.loss_fn(reference(x), y).detach(), flat(grads, list(named))))
+        s = torch.cat([(thetas[step + 1][k] - thetas[step][k]).flatten() for k in named])
+        expected = reference_alpha(ends[0][0], ends[0][1], ends[1][0], ends[1][1], s)
+        assert out[step]["Alpha"] == pytest.approx(expected, rel=1e-6, abs=1e-9), step

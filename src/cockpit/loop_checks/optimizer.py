@@ -42,11 +42,12 @@ def learning_rate(optimizer: torch.optim.Optimizer | None, params: dict[str, Ten
 
 
 def check_optimizer_owns_parameters(optimizer: torch.optim.Optimizer | None,
-                                    params: dict[str, Tensor]) -> None:
+                                    params: dict[str, Tensor]) -> list[str]:
     """Say at construction which of the model's trainable parameters the optimizer does
-    not own; its settings are recorded only for the groups holding the model's."""
+    not own (returned); its settings are recorded only for the groups holding the
+    model's."""
     if optimizer is None:
-        return
+        return []
     stepped = stepped_params(optimizer, params)
     missing = [name for name in params if name not in stepped]
     kind = type(optimizer).__name__
@@ -61,7 +62,15 @@ def check_optimizer_owns_parameters(optimizer: torch.optim.Optimizer | None,
         warnings.warn(
             f"the optimizer passed to Cockpit ({kind}) does not own {len(missing)} of the "
             f"model's {len(params)} trainable parameters: {listed(missing, 8)}. "
-            "If another optimizer trains them, Cockpit sees only this one's steps (Alpha "
-            "and UpdateSize describe the parameters this optimizer moves; its learning rate "
-            "is recorded for its own parameters only); freeze them (requires_grad=False) "
-            "if nothing should train them", RuntimeWarning, stacklevel=user_stacklevel())
+            "If another optimizer trains them, Cockpit takes θ_t before the first optimizer "
+            "step of a tracked step and θ_(t+1) when the next step's block opens (after "
+            "every optimizer's step), and Alpha projects the layers' calls on that update "
+            "(its general path); its learning rate is recorded for its own parameters only. "
+            "Freeze them (requires_grad=False) if nothing should train them",
+            RuntimeWarning, stacklevel=user_stacklevel())
+    return missing
+
+
+def steps_any(optimizer: torch.optim.Optimizer, ids: frozenset[int]) -> bool:
+    """Whether ``optimizer`` steps on any of the parameters whose ``id`` is in ``ids``."""
+    return any(id(p) in ids for group in optimizer.param_groups for p in group["params"])

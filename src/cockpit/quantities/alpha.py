@@ -415,9 +415,10 @@ class Alpha(Quantity):
                 if kappa is None:
                     return None, (
                         "the real update does not match the prediction (the optimizer's state "
-                        "or hyperparameters changed between backward and step, or gradients "
+                        "or hyperparameters changed between backward and step, gradients "
                         "were modified, e.g. clipped, for an optimizer where that is not a "
-                        "rescaling)")
+                        "rescaling, or a GradScaler scaled the loss: pass it as "
+                        "Cockpit(..., grad_scaler=scaler))")
                 if not names:
                     return kappa * 0, None
                 rows = torch.cat([p if p.shape[0] == 1 else p[:1]  # [P, N]: the update's rows
@@ -463,7 +464,15 @@ class Alpha(Quantity):
     def _finish_previous(self, data: StepData) -> None:
         """Complete α of step t at step t + 1."""
         state = self._open
-        if state is None or state.step != data.step - 1:
+        if state is None or state.step >= data.step:
+            return
+        if state.step < data.step - 1:  # step t + 1 never came: the step numbers skipped it
+            self._open = None
+            data.late.setdefault(state.step, {})["Alpha"] = None
+            data.late_notes.setdefault(state.step, {})["Alpha"] = (
+                f"not computed: step {state.step + 1} never came (the next step was "
+                f"{data.step}); α at step t needs the loss and its slope at θ_(t+1), "
+                "measured at step t + 1")
             return
         self._open = None
         if state.obs0 is None or state.direction is None:

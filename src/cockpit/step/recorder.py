@@ -149,8 +149,8 @@ class Recorder:
         """The instruments scheduled at ``step`` without a value or a note, recorded as None
         with ``reason`` (None: what each was waiting for, and that the run ended)."""
         values = self.output.get(step, {})
-        missing = {q.name: reason or f"not computed: {pending_reason(q.name)}; the run "
-                   "ended before it" for q in self.quantities
+        missing = {q.name: reason or f"not computed: {pending_reason(q.name)}; no such "
+                   "step came before the run ended" for q in self.quantities
                    if scheduled(q, step) and not has_value(values, q.name)
                    and q.name not in self.notes.get(step, {})}
         if missing:
