@@ -407,3 +407,33 @@ def test_gradients_zeroed_inside_the_block_are_not_held_but_stale_ones_are():
     held = [cockpit.get_output()[step]["GradientHeld"] for step in range(3)]
     assert held == [0.0, 0.0, 1.0]
     assert sum("already hold a gradient" in str(w.message) for w in caught) == 1
+
+
+def test_a_block_around_a_closure_optimizers_step_records_none_with_the_reason():
+    """``with cockpit(step): opt.step(closure)`` (the backward passes in the closure): θ
+    moves before the block's backward pass, so no value describes the step."""
+    problem = make_problem("mlp_relu", 8)
+    model = problem.model
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    cockpit = Cockpit(model, "economy", optimizer=opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            losses = problem.losses()
+
+            def closure():
+                opt.zero_grad()
+                own = problem.losses()
+                own.mean().backward()
+                return own.mean()
+
+            with cockpit(step, losses=losses):
+                opt.step(closure)
+        cockpit.close()
+    output, notes = cockpit.get_output(), cockpit.get_notes()
+    messages = [str(w.message) for w in caught]
+    assert not any("was not followed by optimizer.step()" in m for m in messages)
+    for step in range(2):
+        for name in ("UpdateSize", "Distance", "GradNorm", "NormTest", "Alpha"):
+            assert output[step][name] is None, (step, name)
+        assert "before the block's backward pass" in notes[step]["UpdateSize"]

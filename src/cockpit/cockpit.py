@@ -346,8 +346,11 @@ class Cockpit:
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self.ends_steps_at_optimizer_step:
             self._steps.end_step()
+            self._steps.optimizer_step(starts=True)
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self.ends_steps_at_optimizer_step:
+            self._steps.optimizer_step(starts=False)
         if not self._shared:  # (else at the next block: after every optimizer's step)
             self._steps.finish_update()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -540,4 +541,60 @@ def test_a_second_optimizer_on_some_parameters_is_measured_after_both_steps(orde
             ends.append((problem.loss_fn(reference(x), y).detach(), flat(grads, list(named))))
         s = torch.cat([(thetas[step + 1][k] - thetas[step][k]).flatten() for k in named])
         expected = reference_alpha(ends[0][0], ends[0][1], ends[1][0], ends[1][1], s)
+        assert out[step]["Alpha"] == pytest.approx(expected, rel=1e-6, abs=1e-9), step
+
+
+@pytest.mark.parametrize("watched", ["every evaluation", "the first evaluation"])
+def test_a_closure_optimizer_describes_the_closures_first_evaluation(watched):
+    """LBFGS evaluates its closure several times inside one ``optimizer.step(closure)``;
+    the block sits in the closure. The step is the first evaluation (at θ_t): GradNorm
+    its gradient, UpdateSize θ_{t+1} − θ_t after the optimizer step, α from the first
+    evaluations at θ_t and θ_{t+1}; the further evaluations are the optimizer's own."""
+    problem = make_problem("mlp_relu", 8)
+    model = problem.model
+    names = [k for k, _ in model.named_parameters()]
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    cockpit = Cockpit(model, [quantities.GradNorm(), quantities.UpdateSize(),
+                              quantities.Alpha()], optimizer=opt, strict=True)
+    thetas, batches = [], []
+    generator = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(3):
+            idx = torch.randint(0, 8, (8,), generator=generator)
+            x, y = problem.x[idx], problem.y[idx]
+            thetas.append(copy.deepcopy(model.state_dict()))
+            batches.append((x, y))
+            evaluations = []
+
+            def closure(step=step, x=x, y=y, evaluations=evaluations):
+                opt.zero_grad()
+                losses = problem.loss_fn(model(x), y)
+                if watched == "every evaluation" or not evaluations:
+                    with cockpit(step, losses=losses):
+                        losses.mean().backward()
+                else:
+                    losses.mean().backward()
+                evaluations.append(step)
+                return losses.mean()
+
+            opt.step(closure)
+            assert len(evaluations) > 1  # (the optimizer evaluated again)
+        thetas.append(copy.deepcopy(model.state_dict()))
+        cockpit.close()
+    out = cockpit.get_output()
+    ends = []
+    for step in range(3):
+        reference = copy.deepcopy(model)
+        reference.load_state_dict(thetas[step])
+        x, y = batches[step]
+        grads = individual_gradients(reference, problem.loss_fn, x, y)
+        ends.append((problem.loss_fn(reference(x), y).detach(), flat(grads, names)))
+        assert out[step]["GradNorm"] == pytest.approx(float(ends[-1][1].mean(0).norm()),
+                                                       rel=1e-10)
+        update = torch.cat([(thetas[step + 1][k] - thetas[step][k]).flatten() for k in names])
+        assert out[step]["UpdateSize"] == pytest.approx(float(update.norm()), rel=1e-10)
+    for step in range(2):
+        s = torch.cat([(thetas[step + 1][k] - thetas[step][k]).flatten() for k in names])
+        expected = reference_alpha(*ends[step], *ends[step + 1], s)
         assert out[step]["Alpha"] == pytest.approx(expected, rel=1e-6, abs=1e-9), step

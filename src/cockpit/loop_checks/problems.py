@@ -24,6 +24,11 @@ REPEATED_BACKWARD = (
     "batch of individual losses describes; backpropagate one loss per block — the sum of the "
     "loss terms (`(losses.mean() + other).backward()`) — or give each micro-batch its own "
     "block of the same step")
+STEPPED_BEFORE_BACKWARD = (
+    "optimizer.step() ran inside `with cockpit({step}, ...)` before the block's backward pass "
+    "(a closure optimizer such as LBFGS around which the block was put?): the parameters "
+    "moved while the block was open, so the step describes no one θ; put the block inside "
+    "the closure, around its backward pass (the closure's first evaluation is the step)")
 SAME_FORWARD_AGAIN = (
     "a second backward pass through the forward pass that an earlier block of step {step} "
     "backpropagated already (retain_graph=True): the step's gradient is then the sum of both, "

@@ -52,6 +52,10 @@ class StepSequence:
         self.diagnosis = diagnosis
         self.open: TrackedStep | None = None  # the tracked step whose blocks come in
         self.awaiting_update: TrackedStep | None = None  # finished, before optimizer.step()
+        # inside optimizer.step(): a block there is a closure's evaluation (LBFGS), and the
+        # step number whose first evaluation ended its tracked step there
+        self.stepping = False
+        self._evaluated: int | None = None
         self._keep_activations_for(run.quantities)  # (the first step is not known yet)
 
     @property
@@ -95,6 +99,12 @@ class StepSequence:
         if self.in_block:
             raise RuntimeError("cockpit(step) blocks cannot be nested; close the previous one")
         self.run.watch.disarm()  # a block is open: its backward passes are seen
+        if self.stepping and step == self._evaluated:
+            # the closure evaluated again at the optimizer's next trial point (LBFGS): not
+            # the batch at θ_t the step describes
+            self.run.tracker.clear_calls()
+            self.run.tracker.drop_spare_gradients()
+            return
         # what the forward pass before the block recorded: its calls, their activations
         recorded = self.run.tracker.capturing, self.run.tracker.records_activations
         current = self.open
@@ -102,6 +112,7 @@ class StepSequence:
         unstepped = False  # the previous tracked step had no optimizer step
         if current is not None and not continues:
             if (self.run.optimizer is not None and self.run.grad_scaler is None
+                    and not current.stepped  # (inside the block, before its backward pass)
                     and current.losses_were_finite()):  # (a non-finite loss: skipping is right)
                 unstepped = True
                 self.run.warn(
@@ -176,17 +187,33 @@ class StepSequence:
         if not current.close_block(failed):
             self.open = None  # the step cannot be completed
             gc_pause.release()
+        elif self.stepping:
+            # a closure's first evaluation inside optimizer.step() (LBFGS): at θ_t, before
+            # the optimizer moves θ; its further evaluations are the optimizer's own
+            self._evaluated = current.step
+            self.end_step()
+            self.run.watch.disarm()
 
     def end_step(self) -> None:
         """The open step's backward passes are all done: measured against the gradient
         the optimizer is about to step on, then finished. ``optimizer.step()`` inside the
-        block closes the block here: its backward passes are done, and the update must be
-        measured from the parameters before the step."""
+        block closes the block here where its backward pass ran: its backward passes are
+        done, and the update must be measured from the parameters before the step."""
         if self.in_block:
-            self.exit(failed=False)
+            if self.run.tracker.state.weights is not None:
+                self.exit(failed=False)
+            else:  # the optimizer moves θ before the block's backward pass
+                assert self.open is not None
+                self.open.stepped_before_backward()
         if self.open is not None:
             self.open.measure_gradient_mismatch()
         self.finish()
+
+    def optimizer_step(self, starts: bool) -> None:
+        """The optimizer's step starts (``starts``) or has ended: blocks in between are a
+        closure's evaluations (:meth:`exit`)."""
+        self.stepping = starts
+        self._evaluated = None
 
     def finish(self) -> None:
         """The open step is complete: its values are recorded (not inside a block: nothing

@@ -34,6 +34,7 @@ from cockpit.engine.statistics import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStati
 from cockpit.loop_checks import (
     BATCH,
     MODEL,
+    STEPPED_BEFORE_BACKWARD,
     HeldGradients,
     backward_problems,
     check_losses,
@@ -121,6 +122,7 @@ class TrackedStep:
         # a warning depends on it (:meth:`losses_were_finite`)
         self.finite_losses: Tensor | None = None
         self.problems: list[tuple[str, str]] = []  # (scope, reason): see loop_checks
+        self.stepped = False  # optimizer.step() ran inside a block, before its backward
         self.forwards: set = set()  # the losses' graph nodes backpropagated in its blocks
         # how its individual gradients are defined, where they are not the exact ones
         self.approximation: str | None = run.tracker.precision_note
@@ -257,6 +259,14 @@ class TrackedStep:
         reached = list(self.reduction.stats.batch_grads) if self.reduction.stats else []
         run.watch.arm(blocks_saw_gradient=bool(reached), candidates=reached)
         return True
+
+    def stepped_before_backward(self) -> None:
+        """optimizer.step() ran inside an open block before its backward pass: θ moved
+        under the block (every instrument that reads the model is None, with the reason)."""
+        self.stepped = True
+        reason = STEPPED_BEFORE_BACKWARD.format(step=self.step)
+        if (MODEL, reason) not in self.problems:
+            self.problems.append((MODEL, reason))
 
     def measure_gradient_mismatch(self) -> None:
         """GradientMismatch: the gradient the optimizer is about to step on against the
