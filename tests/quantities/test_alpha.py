@@ -598,3 +598,55 @@ def test_a_closure_optimizer_describes_the_closures_first_evaluation(watched):
         s = torch.cat([(thetas[step + 1][k] - thetas[step][k]).flatten() for k in names])
         expected = reference_alpha(*ends[step], *ends[step + 1], s)
         assert out[step]["Alpha"] == pytest.approx(expected, rel=1e-6, abs=1e-9), step
+
+
+class _Branchy(nn.Module):
+    """A trunk and two heads, the batch going through one of them at each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.head_a, self.head_b = nn.Linear(5, 6), nn.Linear(6, 3), nn.Linear(6, 3)
+        self.use_b = False
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.head_b(h) if self.use_b else self.head_a(h)
+
+
+@pytest.mark.parametrize("opt", ["sgd_momentum_wd", "adam", "adamw"])
+def test_a_head_the_next_batch_does_not_reach_projects_to_zero(opt):
+    """α_t with a head unused at t + 1 (its momentum or weight decay still moves it):
+    g_n(θ_{t+1}) of that head is zero, so its projections are zero, not missing."""
+    torch.manual_seed(0)
+    model = _Branchy().double()
+    names = [k for k, _ in model.named_parameters()]
+    optimizer = OPTIMIZERS[opt](model.parameters())
+    cockpit = Cockpit(model, [quantities.Alpha()], optimizer=optimizer, strict=True)
+    thetas, batches = [], []
+    for step in range(4):
+        model.use_b = step % 2 == 1
+        x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+        thetas.append(copy.deepcopy(model.state_dict()))
+        batches.append((x, y, model.use_b))
+        optimizer.zero_grad()
+        losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        optimizer.step()
+    thetas.append(copy.deepcopy(model.state_dict()))
+    cockpit.close()
+    out = cockpit.get_output()
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
+    for step in range(3):
+        ends = []
+        for k in (step, step + 1):
+            reference = copy.deepcopy(model)
+            reference.load_state_dict(thetas[k])
+            x, y, reference.use_b = batches[k]
+            grads = individual_gradients(reference, loss_fn, x, y)
+            grads = {n: grads.get(n, torch.zeros(len(x), *p.shape, dtype=p.dtype))
+                     for n, p in reference.named_parameters()}
+            ends.append((loss_fn(reference(x), y).detach(), flat(grads, names)))
+        s = torch.cat([(thetas[step + 1][k] - thetas[step][k]).flatten() for k in names])
+        expected = reference_alpha(*ends[0], *ends[1], s)
+        assert out[step]["Alpha"] == pytest.approx(expected, rel=1e-6, abs=1e-9), step

@@ -480,7 +480,9 @@ class Alpha(Quantity):
         stats = data.stats
         assert stats is not None and data.losses is not None
         projections = stats.projections.get(_PREVIOUS, {})
-        missing = [k for k in state.moved if k not in projections]
+        # a parameter this backward pass did not reach (a branch the batch did not take)
+        # has g_n(θ_{t+1}) = 0: its projections are zero, not missing
+        missing = [k for k in state.moved if k not in projections and k in stats.batch_grads]
         if stats.problems or missing:
             reason = "; ".join(stats.problems) or f"no individual gradients for {missing[:3]}"
             data.late.setdefault(state.step, {})["Alpha"] = None
