@@ -345,12 +345,14 @@ class Cockpit:
     # ------------------------------------------------------------------ hooks
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self.ends_steps_at_optimizer_step:
-            self._steps.end_step()
-            self._steps.optimizer_step(starts=True)
+            steps = self._steps
+            steps.end_step()
+            # until its post-hook a block is a closure's evaluation (StepSequence.exit)
+            steps.stepping, steps.evaluated = True, None
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if self.ends_steps_at_optimizer_step:
-            self._steps.optimizer_step(starts=False)
+        steps = self._steps
+        steps.stepping, steps.evaluated = False, None
         if not self._shared:  # (else at the next block: after every optimizer's step)
             self._steps.finish_update()
 

@@ -52,10 +52,10 @@ class StepSequence:
         self.diagnosis = diagnosis
         self.open: TrackedStep | None = None  # the tracked step whose blocks come in
         self.awaiting_update: TrackedStep | None = None  # finished, before optimizer.step()
-        # inside optimizer.step(): a block there is a closure's evaluation (LBFGS), and the
-        # step number whose first evaluation ended its tracked step there
+        # inside optimizer.step() (set by its hooks): a block there is a closure's evaluation
+        # (LBFGS), and the step number whose first evaluation ended its tracked step there
         self.stepping = False
-        self._evaluated: int | None = None
+        self.evaluated: int | None = None
         self._keep_activations_for(run.quantities)  # (the first step is not known yet)
 
     @property
@@ -99,7 +99,7 @@ class StepSequence:
         if self.in_block:
             raise RuntimeError("cockpit(step) blocks cannot be nested; close the previous one")
         self.run.watch.disarm()  # a block is open: its backward passes are seen
-        if self.stepping and step == self._evaluated:
+        if self.stepping and step == self.evaluated:
             # the closure evaluated again at the optimizer's next trial point (LBFGS): not
             # the batch at θ_t the step describes
             self.run.tracker.clear_calls()
@@ -190,7 +190,7 @@ class StepSequence:
         elif self.stepping:
             # a closure's first evaluation inside optimizer.step() (LBFGS): at θ_t, before
             # the optimizer moves θ; its further evaluations are the optimizer's own
-            self._evaluated = current.step
+            self.evaluated = current.step
             self.end_step()
             self.run.watch.disarm()
 
@@ -199,21 +199,15 @@ class StepSequence:
         the optimizer is about to step on, then finished. ``optimizer.step()`` inside the
         block closes the block here where its backward pass ran: its backward passes are
         done, and the update must be measured from the parameters before the step."""
-        if self.in_block:
+        current = self.open
+        if current is not None and current.in_block:
             if self.run.tracker.state.weights is not None:
                 self.exit(failed=False)
             else:  # the optimizer moves θ before the block's backward pass
-                assert self.open is not None
-                self.open.stepped_before_backward()
+                current.stepped_before_backward()
         if self.open is not None:
             self.open.measure_gradient_mismatch()
         self.finish()
-
-    def optimizer_step(self, starts: bool) -> None:
-        """The optimizer's step starts (``starts``) or has ended: blocks in between are a
-        closure's evaluations (:meth:`exit`)."""
-        self.stepping = starts
-        self._evaluated = None
 
     def finish(self) -> None:
         """The open step is complete: its values are recorded (not inside a block: nothing
