@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import PackedSequence
 
 from cockpit.engine import side_by_side, stacked
@@ -50,12 +51,20 @@ from cockpit.engine.rules.batchnorm_frozen import (
     is_training_batch_norm,
 )
 from cockpit.engine.rules.fallback import (
+    RandomForwardError,
     batch_dim_of,
     fallback_in_chunks,
     fallback_rule,
     output_batch_dims,
+    random_message,
 )
 from cockpit.engine.rules.norms import SampleMixingError
+from cockpit.engine.rules.reparametrized import (
+    ComputedWeights,
+    Reparametrization,
+    originals_grads,
+    readable,
+)
 from cockpit.engine.rules.sample_chunks import (
     CallSum,
     SampleChunks,
@@ -135,11 +144,15 @@ class CallProcessor:
         self.after_backward = False
         # calls kept (inputs and individual output gradients) for later projections
         self.kept_calls: list[Call] = []
+        # layers' weights computed from their trained tensors (parametrizations)
+        self.computed = ComputedWeights(engine.model, lambda module: any(
+            u.module is module and u.rule is not None for u in engine.capture.units))
 
     def begin(self) -> None:
         """Forget what an earlier backward pass left (but which of its Linear shapes were
         alone: a model's layers do not change from one step to the next)."""
         self.kept_calls = []
+        self.computed.begin()
         self.drop_waiting()
         if self._shape_counts:
             self._lone_shapes = {key for key, n in self._shape_counts.items() if n == 1}
@@ -193,7 +206,13 @@ class CallProcessor:
             if tap.problem is not None:
                 raise ValueError(tap.problem)
         unit = call.unit
-        if unit.rule is None and len(call.outputs) > 1 and outputs_feed_each_other(call):
+        if isinstance(unit.module, parametrize.ParametrizationList):
+            self.computed.parametrization_called(unit.name, unit.module)
+            return
+        computed_weights = self.computed.of
+        if (unit.rule is None and len(call.outputs) > 1
+                and not isinstance(unit.module, nn.RNNCellBase)  # (the cell rule separates)
+                and outputs_feed_each_other(call)):
             raise ValueError(
                 "one of its outputs is computed from another of its outputs; the gradient "
                 "hooks then see the inner path twice and Cockpit cannot separate it: return "
@@ -205,7 +224,8 @@ class CallProcessor:
             isinstance(v, PackedSequence) for v in (*call.args, *call.kwargs.values()))
         if (first is not None and first.dim() > bd and first.shape[bd] != stats.num_samples
                 and not packed):
-            raise ValueError(batch_size_message(first.shape[bd], stats.num_samples))
+            raise ValueError(batch_size_message(first.shape[bd], stats.num_samples,
+                                                unit.module))
         rule = unit.rule
         scale = 1.0
         keep_calls = engine.keep_calls
@@ -222,6 +242,10 @@ class CallProcessor:
         if keep_calls:  # for projections on directions known only after the step
             params = (None if unit.rule is not None and len(grads) == 1
                       else {k: p.detach().clone() for k, p in self.whole_params(unit).items()})
+            computed = computed_weights(unit.module)
+            if params is None and computed:  # (θ_t of W = P(θ_t))
+                params = {k: t.detach().clone() for rep in computed.values()
+                          for k, t in rep.originals.items()}
             self.kept_calls.append(type(call)(
                 unit, call.args, call.kwargs, [], call.versions, grads,
                 output_positions=call.output_positions, params=params))
@@ -230,16 +254,24 @@ class CallProcessor:
             return
         if self._waits_normalized(call, grads, scale):
             return
-        for name, sg in self.rule(call, grads, scale).items():
+        results = self.rule(call, grads, scale)
+        if computed_weights(unit.module):
+            self.computed.layer_called(unit.name, unit.module)
+        for name, sg in results.items():
             if sg.num_samples != stats.num_samples:
-                raise ValueError(batch_size_message(sg.num_samples, stats.num_samples))
+                raise ValueError(batch_size_message(sg.num_samples, stats.num_samples,
+                                                    unit.module))
             if name in engine.state.multi_use:
                 accumulate(self.accumulated, name, sg, engine.memory_budget)
             else:
                 self.reduce(name, sg)
 
     def reduce_accumulated(self) -> None:
-        """Reduce the parameters used by several calls (their summed individual gradients)."""
+        """Reduce the parameters used by several calls (their summed individual gradients),
+        after checking that each parametrized weight served its layer's calls alone."""
+        problem = self.computed.problem()
+        if problem is not None:
+            self.fail(problem)
         for name, grads in self.accumulated.items():
             self.reduce_guarded(name, grads)
         self.accumulated = {}
@@ -294,6 +326,8 @@ class CallProcessor:
         the rule applies to ``grads`` (only rules with ``takes_scale``)."""
         engine = self.engine
         unit = call.unit
+        if isinstance(unit.module, parametrize.ParametrizationList):
+            return {}  # (its originals are formed by its layer's rule: _reparametrized)
         if engine.compute_dtypes and unit.params:
             grads = as_computed(grads, engine.compute_dtypes.get(
                 engine.unit_param_name(unit, next(iter(unit.params)))))
@@ -309,6 +343,11 @@ class CallProcessor:
             args, kwargs, grads = common_precision(
                 call.args, call.kwargs, grads,
                 widen=not getattr(rule, "widens_when_read", False))
+            computed = self.computed.of(unit.module)
+            if computed:
+                with readable(unit.module, computed):
+                    sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
+                return self._reparametrized(call, computed, sample_grads)
             sample_grads = rule(unit.module, args, kwargs, output, grads[0], **extra)
         else:
             params = self.whole_params(unit) if call.params is None else call.params
@@ -320,10 +359,29 @@ class CallProcessor:
             chunked = (None if engine.memory_budget is None else fallback_in_chunks(
                 unit.module, args, kwargs, call.output_positions, grads, params,
                 engine.memory_budget))
-            sample_grads = chunked if chunked is not None else fallback_rule(
-                unit.module, args, kwargs, call.output_positions, grads, params
-            )
+            try:
+                sample_grads = chunked if chunked is not None else fallback_rule(
+                    unit.module, args, kwargs, call.output_positions, grads, params
+                )
+            except RandomForwardError:
+                raise RandomForwardError(random_message(unit.module, unit.name)) from None
         return {engine.unit_param_name(unit, attr): sg for attr, sg in sample_grads.items()}
+
+    def _reparametrized(self, call: Call, computed: dict[str, Reparametrization],
+                        sample_grads: dict[str, SampleGrads]) -> dict[str, SampleGrads]:
+        """A layer rule's individual gradients with those of each computed weight W =
+        P(θ_1, …, θ_k) mapped to its originals: g_n(θ_i) = (∂P/∂θ_i)ᵀ g_n(W), at the θ the
+        call used (a kept call's copies after the optimizer step)."""
+        engine = self.engine
+        out: dict[str, SampleGrads] = {}
+        for attr, sg in sample_grads.items():
+            rep = computed.get(attr)
+            if rep is None:
+                out[engine.unit_param_name(call.unit, attr)] = sg
+                continue
+            for key, grads in originals_grads(rep, sg, call.params).items():
+                out[engine.param_names[id(rep.originals[key])]] = grads
+        return out
 
     def whole_params(self, unit: Unit) -> dict[str, Tensor]:
         """The unit's parameters, all of each (``fully_shard``: the engine's gathered ones
@@ -680,7 +738,7 @@ class CallProcessor:
         engine = self.engine
         unit = call.unit
         if (unit.rule not in stacked.NORM_RULES or len(grads) != 1
-                or engine.state.frozen_pass or engine.sharded
+                or engine.state.frozen_pass or engine.sharded or self.computed.of(unit.module)
                 or not device_path(grads[0].device)
                 or any(engine.unit_param_name(unit, k) in engine.state.multi_use
                        for k in unit.params)):
@@ -968,11 +1026,24 @@ def outputs_feed_each_other(call: Call) -> bool:
     return False
 
 
-def batch_size_message(batch: int, num_losses: int) -> str:
+def batch_size_message(batch: int, num_losses: int, module: nn.Module | None = None) -> str:
+    """Why a layer's batch does not match ``losses``, and what to do. Cockpit reads a
+    layer's batch from the first dimension of its input and output (the batch dimension
+    of modules with ``batch_first``): either the losses are not one per sample, or the
+    layer's input is not batched on that dimension."""
+    kind = f"this layer ({type(module).__name__})" if module is not None else "this layer"
     return (
-        f"the layer saw a batch of {batch} samples but `losses` has {num_losses} entries; "
-        "pass one loss per sample (per-token or per-pixel losses averaged per sample, e.g. "
-        "losses.view(batch_size, -1).mean(1))"
+        f"{kind} has {batch} rows along the dimension Cockpit reads as the batch, but "
+        f"`losses` has {num_losses} entries. Cockpit takes the batch from the first "
+        "dimension of each layer's input and output (the batch dimension of modules with "
+        "batch_first), so either `losses` does not hold one loss per sample (average "
+        "per-token or per-pixel losses per sample, e.g. losses.view(batch_size, -1).mean(1)), "
+        "or this layer's input is not batched along its first dimension: a sequence-first "
+        "tensor [T, N, ...] (batch_first=False in nn.LSTM, nn.GRU, nn.Transformer*, "
+        "nn.MultiheadAttention, or a transpose before the layer; use batch_first=True and "
+        "keep the batch first), or a tensor shared by the whole batch (a table, prototypes, "
+        "a memory bank; give the layer a per-sample view, e.g. "
+        "layer(table.expand(batch_size, *table.shape)))"
     )
 
 

@@ -48,6 +48,19 @@ class EmbeddingSampleGrads(SampleGrads):
         self.num_samples = n
         self.shape = torch.Size((num_embeddings, rows.shape[-1]))
 
+    @classmethod
+    def from_positions(cls, sample: Tensor, token: Tensor, rows: Tensor, num_samples: int,
+                       num_embeddings: int) -> EmbeddingSampleGrads:
+        """g_n = Σ_{k: sample[k] = n} e_{token[k]} rows[k]ᵀ for positions k in any order and
+        any number per sample (the bags of an nn.EmbeddingBag)."""
+        grads = cls.__new__(cls)
+        grads._by_position = None
+        grads.num_samples = num_samples
+        grads.shape = torch.Size((num_embeddings, rows.shape[-1]))
+        grads._slots = _slots(rows, sample * num_embeddings + token, num_samples,
+                              num_embeddings)
+        return grads
+
     def _grouped(self) -> tuple[Tensor, Tensor, Tensor]:
         """(rows, pair_sample, pair_token) of the slots, formed once."""
         if self._slots is None:
@@ -55,14 +68,7 @@ class EmbeddingSampleGrads(SampleGrads):
             rows, idx = self._by_position
             n, vocab = self.num_samples, self.shape[0]
             sample = torch.arange(0, n * vocab, vocab, device=idx.device)
-            keys, order = torch.sort((idx + sample.unsqueeze(1)).reshape(-1))
-            # slot of each sorted key: the number of distinct keys before it
-            first = torch.ones_like(keys, dtype=torch.int64)
-            torch.ne(keys[1:], keys[:-1], out=first[1:])
-            slot = first.cumsum_(0).sub_(1)
-            slot_rows = rows.new_zeros(rows.shape).index_add_(0, slot, rows[order])
-            slot_keys = torch.full_like(keys, n * vocab - 1).scatter_(0, slot, keys)
-            self._slots = (slot_rows, slot_keys // vocab, slot_keys % vocab)
+            self._slots = _slots(rows, (idx + sample.unsqueeze(1)).reshape(-1), n, vocab)
         return self._slots
 
     @property
@@ -164,6 +170,19 @@ class EmbeddingSampleGrads(SampleGrads):
         return explicit + all_zero - own_zero
 
 
+def _slots(rows: Tensor, keys: Tensor, n: int, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(rows, pair_sample, pair_token) of the slots of positions with ``rows`` [P, E] and
+    ``keys`` [P] = sample · V + token (see :class:`EmbeddingSampleGrads`)."""
+    keys, order = torch.sort(keys)
+    # slot of each sorted key: the number of distinct keys before it
+    first = torch.ones_like(keys, dtype=torch.int64)
+    torch.ne(keys[1:], keys[:-1], out=first[1:])
+    slot = first.cumsum_(0).sub_(1)
+    slot_rows = rows.new_zeros(rows.shape).index_add_(0, slot, rows[order])
+    slot_keys = torch.full_like(keys, n * vocab - 1).scatter_(0, slot, keys)
+    return slot_rows, slot_keys // vocab, slot_keys % vocab
+
+
 @register_rule(nn.Embedding)
 def embedding_rule(
     module: nn.Embedding, args: tuple, kwargs: dict, output: Tensor, grad_output: Tensor
@@ -179,3 +198,74 @@ def embedding_rule(
     indices = args[0] if args else kwargs["input"]
     grads = EmbeddingSampleGrads(indices, grad_output, module.num_embeddings, module.padding_idx)
     return {"weight": grads}
+
+
+_BAG_MODES = {"sum": 0, "mean": 1, "max": 2}
+
+
+def embedding_bag_rule(module: nn.EmbeddingBag, args: tuple, kwargs: dict,
+                       grad_output: Tensor, weight: Tensor) -> dict[str, SampleGrads]:
+    """Individual gradients of nn.EmbeddingBag, one sample per bag (output row n):
+
+    * ``sum``:  g_n = Σ_{t ∈ bag n} w_t e_{i_t} δ_nᵀ (w_t the ``per_sample_weights``, else 1),
+    * ``mean``: g_n = (1/L_n) Σ_{t ∈ bag n} e_{i_t} δ_nᵀ, L_n the bag's entries,
+    * ``max``:  g_n[i, j] = δ_{n,j} where token i holds the bag's maximum of column j,
+
+    entries equal to ``padding_idx`` left out (as in the layer) and an empty bag's g_n zero.
+    The input is 2-D [N, L] (bags of equal length) or 1-D with ``offsets`` (bag n starts at
+    offsets[n]; with ``include_last_offset`` the last offset ends the last bag). ``weight``:
+    the table the call used (max mode reads it to find the maxima: the parameter the
+    general path keeps for the call, not the updated one)."""
+    if module.scale_grad_by_freq:
+        raise ValueError(
+            "EmbeddingBag with scale_grad_by_freq=True scales gradients by token counts of "
+            "the whole batch, which mixes samples: individual gradients are undefined. "
+            "Set scale_grad_by_freq=False to use per-sample instruments."
+        )
+    names = ("input", "offsets", "per_sample_weights")
+    given = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items()
+                                                    if k in names}
+    indices, offsets = given["input"], given.get("offsets")
+    psw = given.get("per_sample_weights")
+    include_last = module.include_last_offset
+    if indices.dim() == 2:  # bags of equal length: the layer's own conversion
+        offsets = torch.arange(0, indices.numel(), indices.shape[1], device=indices.device)
+        include_last = False
+        indices = indices.reshape(-1)
+        psw = None if psw is None else psw.reshape(-1)
+    elif indices.dim() != 1 or offsets is None:
+        raise ValueError(
+            f"EmbeddingBag received an input of shape {tuple(indices.shape)}; Cockpit needs "
+            "a 2-D input [batch, bag length] or a 1-D input with offsets")
+    starts = offsets[:-1] if include_last else offsets
+    n, vocab = grad_output.shape[0], module.num_embeddings
+    if starts.shape[0] != n:  # (the engine checks the bags against the losses first)
+        raise ValueError("internal: EmbeddingBag's bags do not match its output")
+    positions = torch.arange(indices.shape[0], device=indices.device)
+    bag = torch.searchsorted(starts.to(indices.dtype), positions, right=True) - 1
+    keep = torch.ones_like(indices, dtype=torch.bool)
+    if include_last:
+        keep &= positions < offsets[-1]
+    if module.padding_idx is not None:
+        keep &= indices != module.padding_idx
+    if module.mode == "max":
+        with torch.no_grad():
+            _, _, bag_size, max_indices = torch.embedding_bag(
+                weight, indices, offsets, False, _BAG_MODES["max"], False, None,
+                include_last, module.padding_idx)
+        # one position per (bag, column) j: the row δ_{n,j} e_jᵀ at its maximal token
+        emb = grad_output.shape[1]
+        rows = torch.diag_embed(grad_output * (bag_size > 0).unsqueeze(1).to(grad_output.dtype))
+        return {"weight": EmbeddingSampleGrads.from_positions(
+            torch.arange(n, device=indices.device).repeat_interleave(emb),
+            max_indices.reshape(-1), rows.reshape(n * emb, emb), n, vocab)}
+    scale = keep.to(grad_output.dtype)
+    if module.mode == "mean":
+        count = torch.zeros(n, dtype=grad_output.dtype, device=indices.device)
+        count.index_add_(0, bag.clamp(0, n - 1), scale)
+        scale = scale / count.clamp(min=1)[bag.clamp(0, n - 1)]
+    elif psw is not None:
+        scale = scale * psw.detach().to(grad_output.dtype)
+    bag = bag.clamp(0, n - 1)
+    rows = grad_output[bag] * scale.unsqueeze(1)
+    return {"weight": EmbeddingSampleGrads.from_positions(bag, indices, rows, n, vocab)}

@@ -20,7 +20,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.utils.rnn import PackedSequence
 
+from cockpit.engine.rules.embedding import embedding_bag_rule
 from cockpit.engine.rules.recurrent import (
+    cell_forward,
+    cell_message,
     packed_output_grad,
     recurrent_forward,
     recurrent_message,
@@ -31,6 +34,44 @@ from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 
 # Start of the warning torch.func.vmap gives for an operator without a batching rule.
 _NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented the batching"
+# Part of the error torch.func.vmap raises for a random operation (dropout) inside it.
+_RANDOM_OPERATION = "called random operation while in randomness error mode"
+
+
+class RandomForwardError(ValueError):
+    """A layer handled by the general rule drew random numbers in its forward pass."""
+
+
+def random_message(module: nn.Module, name: str | None = None) -> str:
+    """Why a layer that draws random numbers in its forward pass has no individual
+    gradients, and what to do (``name``: the layer's name in the model, if known).
+
+    The general rule recomputes the layer's vector-Jacobian product for each sample alone;
+    a re-run draws another dropout mask than the one the training step used, so the
+    individual gradients of such a layer cannot be recomputed exactly (and are not
+    approximated)."""
+    kind = type(module).__name__
+    layer = f"model.{name}" if name else "layer"
+    if isinstance(module, nn.MultiheadAttention):
+        return (
+            f"{kind} with dropout={module.dropout} in training mode drops attention weights "
+            "at random in its forward pass; Cockpit recomputes each sample's gradient by "
+            "running the layer again, which would draw another mask, so it cannot form "
+            "the individual gradients of this layer. Set its attention dropout to 0 "
+            f"(`{layer}.dropout = 0.0`; the dropout layers of a Transformer layer around "
+            f"it can stay), or put it in eval mode (`{layer}.eval()` after each "
+            "model.train())"
+        )
+    return (
+        f"this layer ({kind}) draws random numbers in its forward pass in training mode "
+        "(dropout: nn.Dropout, F.dropout or scaled_dot_product_attention(dropout_p > 0) "
+        "inside it); Cockpit recomputes each sample's gradient by running the layer again, "
+        "which would draw another mask, so it cannot form the individual gradients of "
+        "this layer. Set its dropout probability to 0, put it in eval mode "
+        f"(`{layer}.eval()` after each model.train()), or apply the dropout outside the "
+        "module that owns the parameters (to its input or output, e.g. an nn.Dropout in "
+        "the parent's forward)"
+    )
 
 
 def batch_dim_of(module: nn.Module) -> int:
@@ -116,6 +157,13 @@ def fallback_rule(
     """
     if isinstance(module, nn.RNNBase):
         return recurrent_rule(module, args, kwargs, positions, grad_outputs, params)
+    if isinstance(module, nn.RNNCellBase):
+        return cell_rule(module, args, kwargs, positions, grad_outputs, params)
+    if isinstance(module, nn.EmbeddingBag):
+        # (on the general path: max mode reads the table the call used, which the general
+        # path keeps for projections after the optimizer step)
+        return ({} if "weight" not in params else
+                embedding_bag_rule(module, args, kwargs, grad_outputs[0], params["weight"]))
     n = grad_outputs[0].shape[batch_dim_of(module)]
     arg_dims, kwarg_dims = _input_dims(module, args, kwargs, n)
     detached_args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
@@ -146,9 +194,14 @@ def fallback_rule(
         # vmap's note that an operator (e.g. CPU flash attention) runs without a batching
         # rule concerns Cockpit's own computation; the user can do nothing about it
         warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE, category=UserWarning)
-        per_sample = vmap(one_sample, in_dims=(None, arg_dims, kwarg_dims, delta_dims))(
-            frozen, detached_args, detached_kwargs, tuple(grad_outputs)
-        )
+        try:
+            per_sample = vmap(one_sample, in_dims=(None, arg_dims, kwarg_dims, delta_dims))(
+                frozen, detached_args, detached_kwargs, tuple(grad_outputs)
+            )
+        except RuntimeError as error:
+            if _RANDOM_OPERATION in str(error):
+                raise RandomForwardError(random_message(module)) from None
+            raise
     # a module whose children own other parameters (e.g. a scale around a Linear) is called
     # with those real parameters: the result must not carry a graph to them
     return {name: DenseSampleGrads(g.detach()) for name, g in per_sample.items()}
@@ -167,7 +220,7 @@ def fallback_in_chunks(
     statistic asks for it, where all |B| individual gradients of the unit (|B| · Σ D ·
     itemsize bytes) would exceed ``budget``; None where they fit (or for recurrent layers,
     whose packed inputs have no batch dimension to slice)."""
-    if isinstance(module, nn.RNNBase) or not params:
+    if isinstance(module, nn.RNNBase | nn.RNNCellBase | nn.EmbeddingBag) or not params:
         return None
     bd = batch_dim_of(module)
     n = grad_outputs[0].shape[bd]
@@ -270,6 +323,45 @@ def recurrent_rule(
         raise ValueError("internal: recurrent individual gradients have the wrong batch size")
     return {name: DenseSampleGrads(g) for name, g in per_sample.items()}
 
+
+
+def cell_rule(
+    module: nn.RNNCellBase,
+    args: tuple,
+    kwargs: dict,
+    positions: list[int],
+    grad_outputs: list[Tensor],
+    params: dict[str, Tensor],
+) -> dict[str, SampleGrads]:
+    """Individual gradients of one step of nn.RNNCell, nn.GRUCell or nn.LSTMCell: vmap over
+    the vjp of the cell written in plain torch (:func:`~cockpit.engine.rules.recurrent.
+    cell_forward`; a missing hx is zeros, as in the cell). The flattened output is h, or
+    [h, c] for an LSTM cell, whose h is formed from c: its hooks' gradient of c holds the
+    path through h, which the vjp then takes through c only (``separate_state``)."""
+    message = cell_message(module, args, kwargs)
+    if message is not None:
+        raise ValueError(message)
+    x = (args[0] if args else kwargs["input"]).detach()
+    hx = _detached(args[1] if len(args) > 1 else kwargs.get("hx"))
+    lstm = isinstance(module, nn.LSTMCell)
+    hx_dims = None if hx is None else ((0, 0) if lstm else 0)
+    frozen = {k: v.detach() for k, v in params.items()}
+
+    def one_sample(theta, x_n, hx_n, sample_deltas):
+        if hx_n is not None:
+            hx_n = (tuple(v.unsqueeze(0) for v in hx_n) if lstm else hx_n.unsqueeze(0))
+
+        def forward(p):
+            out = cell_forward(module, p, x_n.unsqueeze(0), hx_n, separate_state=True)
+            flat = list(out) if lstm else [out]
+            return tuple(flat[k] for k in positions)
+
+        _, vjp_fn = vjp(forward, theta)
+        return vjp_fn(tuple(d.unsqueeze(0) for d in sample_deltas))[0]
+
+    per_sample = vmap(one_sample, in_dims=(None, 0, hx_dims, 0))(
+        frozen, x, hx, tuple(grad_outputs))
+    return {name: DenseSampleGrads(g) for name, g in per_sample.items()}
 
 
 def owned_parameters(module: nn.Module, atomic: bool) -> dict[str, nn.Parameter]:

@@ -150,3 +150,61 @@ def recurrent_forward(module: nn.RNNBase, params: dict[str, Tensor], x: Tensor,
     if mode == "LSTM":
         return output, (h_n, torch.stack(finals_c))
     return output, h_n
+
+
+def cell_mode(module: nn.RNNCellBase) -> str:
+    """The recurrence of a cell in :func:`_cell`'s terms (``"RNN_TANH"``, ``"RNN_RELU"``,
+    ``"GRU"``, ``"LSTM"``)."""
+    if isinstance(module, nn.LSTMCell):
+        return "LSTM"
+    if isinstance(module, nn.GRUCell):
+        return "GRU"
+    return "RNN_RELU" if getattr(module, "nonlinearity", "tanh") == "relu" else "RNN_TANH"
+
+
+def cell_message(module: nn.RNNCellBase, args: tuple, kwargs: dict) -> str | None:
+    """Why Cockpit cannot form this cell call's individual gradients, or None."""
+    x = args[0] if args else kwargs.get("input")
+    if isinstance(x, Tensor) and x.dim() != 2:
+        return (f"{type(module).__name__} received an unbatched input of shape "
+                f"{tuple(x.shape)}; Cockpit needs a batch dimension (input [batch, features])")
+    return None
+
+
+def cell_forward(module: nn.RNNCellBase, params: dict[str, Tensor], x: Tensor, hx=None,
+                 separate_state: bool = False):
+    """``module(x, hx)`` for one step of a cell (nn.RNNCell, nn.GRUCell, nn.LSTMCell) with
+    ``params`` (attribute names; missing ones are read from the module); x: [B, I]. A
+    missing ``hx`` is zeros, as in the cell. Returns h, or (h, c) for an LSTM cell.
+
+    ``separate_state``: an LSTM cell's h = o ⊙ tanh(c) is formed from c outside autograd.
+    The gradient hook on c receives ∂L/∂c including the path through h; the vector-Jacobian
+    product of (h, c) with the hooks' (δ^h, δ^c) then counts that path once, through c:
+
+        g = (∂h/∂θ |_c fixed)ᵀ δ^h + (∂c/∂θ)ᵀ δ^c,
+
+    which is the gradient of the cell's contribution (∂h/∂θ = ∂h/∂θ|_c + ∂h/∂c ∂c/∂θ and
+    δ^c = δ^c_outside + (∂h/∂c)ᵀ δ^h)."""
+
+    def weight(name: str) -> Tensor | None:
+        if name in params:
+            return params[name]
+        return getattr(module, name, None)
+
+    w_ih, w_hh, b_ih, b_hh = (weight(k) for k in ("weight_ih", "weight_hh", "bias_ih",
+                                                   "bias_hh"))
+    assert w_ih is not None and w_hh is not None
+    mode = cell_mode(module)
+    if hx is None:
+        zeros = x.new_zeros(x.shape[0], module.hidden_size)
+        hx = (zeros, zeros) if mode == "LSTM" else zeros
+    if mode != "LSTM":
+        return _cell(mode, x, hx, w_ih, w_hh, b_ih, b_hh, None)
+    h, c = hx
+    gates = x @ w_ih.T + h @ w_hh.T
+    if b_ih is not None:
+        gates = gates + b_ih + b_hh
+    i, f, g, o = gates.chunk(4, -1)
+    c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    h_new = torch.sigmoid(o) * torch.tanh(c_new.detach() if separate_state else c_new)
+    return h_new, c_new
