@@ -333,10 +333,41 @@ def diagonal_curvature(
     raise CurvatureError(f"curvature {method!r} cannot be computed here")
 
 
+# Autograd nodes whose double backward PyTorch computes wrongly: Hessian-vector products
+# through them are not H v. ``torch._weight_norm``'s treats the norm ‖v‖ as a constant (the
+# second derivatives through it are missing: the "Hessian" it gives is not even symmetric).
+WRONG_SECOND_DERIVATIVE = {
+    "WeightNormInterfaceBackward0": "torch._weight_norm (the weight_norm of "
+                                    "torch.nn.utils.parametrizations and torch.nn.utils)",
+}
+
+
+def check_second_derivatives(losses: Tensor) -> None:
+    """Raise :class:`CurvatureError` where the losses' graph holds a node whose second
+    derivative PyTorch gets wrong (:data:`WRONG_SECOND_DERIVATIVE`)."""
+    seen, stack = set(), [losses.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        what = WRONG_SECOND_DERIVATIVE.get(type(node).__name__)
+        if what is not None:
+            raise CurvatureError(
+                f"the loss's graph contains {what}, whose second derivative PyTorch computes "
+                "incorrectly (its double backward treats the weight's norm as a constant), so "
+                "Hessian-vector products through it are not H·v; write the weight "
+                "normalization with plain operations to use the curvature instruments (a "
+                "parametrization returning g * v / v.norm(dim=1, keepdim=True))")
+        stack.extend(child for child, _ in node.next_functions)
+
+
 def hessian_vector_product(engine: EngineView, losses: Tensor, params: Mapping[str, Tensor]):
-    """The step's Hessian-vector product of L_B on the user's graph, shared by instruments."""
+    """The step's Hessian-vector product of L_B on the user's graph, shared by instruments
+    (raises :class:`CurvatureError` where PyTorch's second derivatives are wrong)."""
     key = ("hvp", tuple(params))
     if key not in engine.step_cache:
+        check_second_derivatives(losses)
         with engine.suspended():
             engine.step_cache[key] = HessianVectorProduct(losses.mean(), list(params.values()))
     return engine.step_cache[key]
