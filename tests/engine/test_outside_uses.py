@@ -167,3 +167,23 @@ def test_rounded_inputs_under_autocast_are_not_flagged():
     output, notes, messages = _run(model, inputs.float(), targets, autocast=True)
     assert not any("outside the calls" in m for m in messages)
     assert output[1]["NormTest"] is not None, notes[1].get("NormTest")
+
+
+def test_a_parameter_reached_without_individual_gradients_voids_the_totals(monkeypatch):
+    """Should a layer's rule leave a parameter out (no individual gradients although the
+    backward pass reached it), the totals would silently leave it out: None instead, with
+    a note naming it."""
+    from cockpit.engine.processing import CallProcessor
+
+    original = CallProcessor.rule
+
+    def without_the_last_bias(self, call, grads, scale=1.0):
+        return {k: v for k, v in original(self, call, grads, scale).items() if k != "4.bias"}
+
+    monkeypatch.setattr(CallProcessor, "rule", without_the_last_bias)
+    problem = make_problem("mlp_relu", 6)
+    output, notes, _ = _run(problem.model, problem.x, problem.y)
+    for name in PER_SAMPLE:
+        assert output[0][name] is None
+        assert "4.bias" in notes[0][name] and "formed no individual gradients" in notes[0][name]
+    assert output[0]["GradNorm"] > 0

@@ -57,6 +57,7 @@ from cockpit.engine.statistics import (
     SAMPLE_GRAD_SUM,
     BackwardStatistics,
     GradientDots,
+    requested,
 )
 
 __all__ = ["Call", "ModuleTracker", "Unit"]
@@ -407,6 +408,7 @@ class ModuleTracker:
             self.processor.reduce_stacked()
             self.processor.reduce_pending()
             self.processor.guarded("per-sample statistics", self.stats.finish)
+            self._check_complete(self.stats)
         finally:
             self.active = False
             self.processor.after_backward = False
@@ -424,6 +426,26 @@ class ModuleTracker:
         if self.compute_dtypes:
             self._mean_of_individual_gradients(stats, weight)
         return stats
+
+    def _check_complete(self, stats: BackwardStatistics) -> None:
+        """Every parameter this backward pass reached has individual statistics: a totals'
+        sum over the parameters (the gradient tests, the histogram) must not leave one out
+        silently. Checked where a registered statistic is requested (projections alone, at
+        the step after a tracked one, are asked only for the parameters with directions)."""
+        names = [statistic.name for statistic in requested(self.needs)]
+        if stats.problems or self.sharded or not names:
+            return
+        formed: set[str] = set()
+        for name in names:
+            formed.update(stats.values.get(name, ()))
+        missing = [k for k in stats.batch_grads if k not in formed]
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more"
+                                                if len(missing) > 3 else "")
+            stats.problems.append(
+                f"{shown}: the backward pass reached these parameters but Cockpit formed no "
+                "individual gradients for them (no recorded call of their layers computed "
+                "their share), so the per-sample instruments would leave them out")
 
     @staticmethod
     def _mean_of_individual_gradients(stats: BackwardStatistics, weight: float | None) -> None:
