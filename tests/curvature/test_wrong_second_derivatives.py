@@ -102,3 +102,28 @@ def test_the_same_normalization_from_plain_operations_gives_the_exact_lambda_max
     assert output["HessMaxEV"] is not None, notes.get("HessMaxEV")
     assert expected <= output["HessMaxEV"] * (1 + 1e-3) + 1e-6
     assert abs(output["HessMaxEV"] - expected) <= 2e-3 * expected
+
+
+class _Bag(nn.Module):
+    def __init__(self, scale_grad_by_freq: bool):
+        super().__init__()
+        self.emb = nn.Embedding(7, 3, scale_grad_by_freq=scale_grad_by_freq)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.emb(tokens)).mean(1))
+
+
+def test_an_embedding_scaling_gradients_by_frequency_is_refused_a_plain_one_is_exact():
+    torch.manual_seed(0)
+    tokens, y = torch.randint(0, 7, (16, 4)), torch.randint(0, 3, (16,))
+    for scaled in (True, False):
+        torch.manual_seed(0)
+        model = _Bag(scaled).double()
+        output, notes = _hess_max_ev(model, tokens, y)
+        if scaled:
+            assert output["HessMaxEV"] is None
+            assert "scale_grad_by_freq=True" in notes["HessMaxEV"]
+        else:
+            expected = torch.linalg.eigvalsh(_exact_hessian(model, tokens, y)).max().item()
+            assert abs(output["HessMaxEV"] - expected) <= 2e-3 * expected

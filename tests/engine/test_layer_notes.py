@@ -366,3 +366,52 @@ def test_shared_table_note_and_its_way_out():
     out, notes, _ = tracked(model, lambda: F.cross_entropy(model(x), y, reduction="none"))
     assert not notes
     assert_exact(out, G)
+
+
+# ------------------------------------------------- inputs shared by the batch (fallback)
+class MaskedMix(nn.Module):
+    """A user's own attention layer (the general rule) that takes a causal mask [T, T],
+    shared by every sample, and counts its calls in a buffer."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.v = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, mask):
+        self.calls += 1
+        scores = (x @ self.q) @ x.transpose(1, 2)
+        return scores.masked_fill(mask, float("-inf")).softmax(-1) @ (x @ self.v)
+
+
+class MaskedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix, self.head = MaskedMix(6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+        return self.head(self.mix(x, mask).mean(1))
+
+
+@pytest.mark.parametrize("length", [8, 5], ids=["T = N", "T != N"])
+def test_an_input_shared_by_the_batch_is_not_sliced_even_when_its_size_is_the_batchs(length):
+    """A mask [T, T] with T = |B| looks batched by its shape; run once per layer and input
+    shapes, the layer tells it apart (exact), leaving no trace: the buffers it changes and
+    the random numbers of the training are as without Cockpit."""
+    n = 8
+    torch.manual_seed(0)
+    model = MaskedNet().double()
+    x = torch.randn(n, length, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (n,))
+    G = per_sample(model, lambda i: F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), n)
+    calls = float(model.mix.calls)
+    torch.manual_seed(5)
+    first_draw = torch.rand(())
+    torch.manual_seed(5)
+    out, _, _ = tracked(model, lambda: F.cross_entropy(model(x), y, reduction="none"))
+    assert torch.rand(()) == first_draw  # (Cockpit took no random number of the training's)
+    assert float(model.mix.calls) == calls + 1  # (the tracked forward pass only)
+    assert_exact(out, G)

@@ -333,13 +333,28 @@ def diagonal_curvature(
     raise CurvatureError(f"curvature {method!r} cannot be computed here")
 
 
-# Autograd nodes whose double backward PyTorch computes wrongly: Hessian-vector products
-# through them are not H v. ``torch._weight_norm``'s treats the norm ‖v‖ as a constant (the
-# second derivatives through it are missing: the "Hessian" it gives is not even symmetric).
+# Autograd nodes whose double backward PyTorch computes wrongly, so that Hessian-vector
+# products through them are not H v (the "Hessian" they give is not even symmetric): what
+# the node is, and how to avoid it.
 WRONG_SECOND_DERIVATIVE = {
-    "WeightNormInterfaceBackward0": "torch._weight_norm (the weight_norm of "
-                                    "torch.nn.utils.parametrizations and torch.nn.utils)",
+    # treats the norm ‖v‖ as a constant: the second derivatives through it are missing
+    "WeightNormInterfaceBackward0": (
+        "torch._weight_norm (the weight_norm of torch.nn.utils.parametrizations and "
+        "torch.nn.utils)", "its double backward treats the weight's norm as a constant",
+        "write the weight normalization with plain operations (a parametrization returning "
+        "g * v / v.norm(dim=1, keepdim=True))"),
+    # scale_grad_by_freq: the gradient D·g (rows scaled by 1/count) gets D·H instead of H·D
+    "EmbeddingBackward0": (
+        "an embedding with scale_grad_by_freq=True", "its double backward scales the "
+        "Hessian's rows where the gradient's are scaled", "set scale_grad_by_freq=False"),
 }
+
+
+def _wrong_second_derivative(node) -> tuple[str, str, str] | None:
+    known = WRONG_SECOND_DERIVATIVE.get(type(node).__name__)
+    if known is not None and type(node).__name__ == "EmbeddingBackward0":
+        return known if getattr(node, "_saved_scale_grad_by_freq", False) else None
+    return known
 
 
 def check_second_derivatives(losses: Tensor) -> None:
@@ -351,14 +366,13 @@ def check_second_derivatives(losses: Tensor) -> None:
         if node is None or node in seen:
             continue
         seen.add(node)
-        what = WRONG_SECOND_DERIVATIVE.get(type(node).__name__)
-        if what is not None:
+        wrong = _wrong_second_derivative(node)
+        if wrong is not None:
+            what, why, instead = wrong
             raise CurvatureError(
                 f"the loss's graph contains {what}, whose second derivative PyTorch computes "
-                "incorrectly (its double backward treats the weight's norm as a constant), so "
-                "Hessian-vector products through it are not H·v; write the weight "
-                "normalization with plain operations to use the curvature instruments (a "
-                "parametrization returning g * v / v.norm(dim=1, keepdim=True))")
+                f"incorrectly ({why}), so Hessian-vector products through it are not H·v; "
+                f"{instead} to use the curvature instruments")
         stack.extend(child for child, _ in node.next_functions)
 
 

@@ -145,7 +145,7 @@ class CallProcessor:
         # calls kept (inputs and individual output gradients) for later projections
         self.kept_calls: list[Call] = []
         # layers' weights computed from their trained tensors (parametrizations)
-        self.computed = ComputedWeights(engine.model, lambda module: any(
+        self.computed = ComputedWeights(lambda: engine.model.modules(), lambda module: any(
             u.module is module and u.rule is not None for u in engine.capture.units))
 
     def begin(self) -> None:

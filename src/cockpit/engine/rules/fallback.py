@@ -15,7 +15,9 @@ module with p > 0 in training mode, no batch statistics).
 from __future__ import annotations
 
 import warnings
+import weakref
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.utils.rnn import PackedSequence
@@ -36,6 +38,24 @@ from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 _NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented the batching"
 # Part of the error torch.func.vmap raises for a random operation (dropout) inside it.
 _RANDOM_OPERATION = "called random operation while in randomness error mode"
+
+
+# Start of the error autograd raises where the one-sample output's shape differs from its
+# gradient's: the layer's batch is not where the general rule slices it.
+_SHAPE_MISMATCH = "Mismatch in shape: grad_output"
+
+
+def layout_message(module: nn.Module, error: str) -> str:
+    """Why the general rule could not re-run a layer on one sample at a time."""
+    dim = batch_dim_of(module)
+    return (
+        f"Cockpit re-runs this layer ({type(module).__name__}) on one sample at a time, "
+        f"slicing every input tensor with |B| entries along dimension {dim}, and its output "
+        f"for one sample did not have the shape of the batch's output cut there ({error}). "
+        f"Give the layer its batch along dimension {dim} of each input and output tensor, "
+        "as tensors (not inside tuples or lists), with inputs shared by the whole batch "
+        "of another size there"
+    )
 
 
 class RandomForwardError(ValueError):
@@ -112,8 +132,94 @@ def output_batch_dims(module: nn.Module, positions: list[int]) -> tuple[int, ...
     return tuple(bd for _ in positions)
 
 
-def _input_dims(module: nn.Module, args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
-    """vmap in_dims for every input: the batch dim for batched tensors, None otherwise."""
+def _input_dims(module: nn.Module, args: tuple, kwargs: dict, n: int,
+                params: dict[str, Tensor] | None = None, positions: list[int] | None = None
+                ) -> tuple[tuple, dict]:
+    """vmap in_dims for every input: the batch dim for batched tensors, None otherwise.
+    Where several inputs have |B| entries along the batch dimension, those the call shares
+    with every sample are told apart by running the layer (:func:`_shared_inputs`; with
+    ``params`` and ``positions``)."""
+    arg_dims, kwarg_dims = _candidate_dims(module, args, kwargs, n)
+    if params is not None and positions is not None:
+        shared = _shared_inputs(module, args, kwargs, n, params, positions, arg_dims,
+                                kwarg_dims)
+        if shared:
+            arg_dims = tuple(None if i in shared else d for i, d in enumerate(arg_dims))
+            kwarg_dims = {k: None if k in shared else d for k, d in kwarg_dims.items()}
+    return arg_dims, kwarg_dims
+
+
+# per layer: the inputs it shares with every sample, by the shapes of its inputs
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shared_inputs(module: nn.Module, args: tuple, kwargs: dict, n: int,
+                   params: dict[str, Tensor], positions: list[int], arg_dims: tuple,
+                   kwarg_dims: dict) -> frozenset:
+    """The inputs (positions of ``args``, names of ``kwargs``) with |B| entries along the
+    batch dimension that the layer nonetheless shares with every sample — a causal mask
+    [T, T] or a table [C, E] where T or C equals |B| —, found where two or more inputs have
+    that size: the layer's output for sample 0 is computed with each of them taken whole
+    instead of sliced, and compared with its output for the batch (once per layer and input
+    shapes; on copies of its buffers and with the random number generators restored, so
+    that the training sees no trace of it). Empty where slicing every one reproduces the
+    batch, or none does."""
+    candidates = [i for i, d in enumerate(arg_dims) if d is not None] + [
+        k for k, d in kwarg_dims.items() if d is not None]
+    if len(candidates) < 2 or n < 2:
+        return frozenset()
+    values = {**dict(enumerate(args)), **kwargs}
+    signature = (n, tuple(positions), tuple((c, tuple(values[c].shape)) for c in candidates))
+    known = _SHARED.setdefault(module, {})
+    if signature not in known:
+        try:
+            known[signature] = _find_shared(module, args, kwargs, params, positions, arg_dims,
+                                            kwarg_dims, candidates)
+        except Exception:  # (a layer that cannot run so: every such input batched, as before)
+            known[signature] = frozenset()
+    return known[signature]
+
+
+def _find_shared(module: nn.Module, args: tuple, kwargs: dict, params: dict[str, Tensor],
+                 positions: list[int], arg_dims: tuple, kwarg_dims: dict,
+                 candidates: list) -> frozenset:
+    buffers = dict(module.named_buffers())
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+
+    def outputs(call_args: tuple, call_kwargs: dict) -> list[Tensor]:
+        state = {**{k: b.clone() for k, b in buffers.items()},
+                 **{k: v.detach() for k, v in params.items()}}
+        flat = output_tensors(functional_call(module, state, call_args, call_kwargs))
+        return [flat[i] for i in positions]
+
+    def first_sample(shared: frozenset) -> list[Tensor]:
+        def cut(key, value, dim):
+            return value if dim is None or key in shared else value.narrow(dim, 0, 1)
+
+        return outputs(tuple(cut(i, v, d) for i, (v, d) in enumerate(zip(args, arg_dims,
+                                                                            strict=True))),
+                       {k: cut(k, v, kwarg_dims[k]) for k, v in kwargs.items()})
+
+    devices = [device] if device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        batch = outputs(args, kwargs)
+        target = [t.narrow(d, 0, 1) for t, d in zip(batch, output_batch_dims(
+            module, positions), strict=True)]
+
+        def reproduces(shared: frozenset) -> bool:
+            got = first_sample(shared)
+            return all(a.shape == b.shape and bool(
+                torch.linalg.vector_norm((a - b).double()) <= 1e-4 * torch.linalg.vector_norm(
+                    b.double()) + 1e-30) for a, b in zip(got, target, strict=True))
+
+        if reproduces(frozenset()):
+            return frozenset()
+        return frozenset(c for c in candidates if reproduces(frozenset({c})))
+
+
+def _candidate_dims(module: nn.Module, args: tuple, kwargs: dict, n: int
+                    ) -> tuple[tuple, dict]:
+    """vmap in_dims by shape: the batch dim for every tensor with |B| entries there."""
     bd = batch_dim_of(module)
 
     def dim_of(name: str | None, value):
@@ -165,10 +271,11 @@ def fallback_rule(
         return ({} if "weight" not in params else
                 embedding_bag_rule(module, args, kwargs, grad_outputs[0], params["weight"]))
     n = grad_outputs[0].shape[batch_dim_of(module)]
-    arg_dims, kwarg_dims = _input_dims(module, args, kwargs, n)
+    arg_dims, kwarg_dims = _input_dims(module, args, kwargs, n, params, positions)
     detached_args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     detached_kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
     frozen = {k: v.detach() for k, v in params.items()}
+    buffers = {k: b for k, b in module.named_buffers() if k not in frozen}
 
     def tensor_outputs(result) -> list[Tensor]:
         tensors = output_tensors(result)
@@ -182,7 +289,12 @@ def fallback_rule(
         call_kwargs = {k: with_batch(v, kwarg_dims[k]) for k, v in sample_kwargs.items()}
 
         def forward(p):
-            return tuple(tensor_outputs(functional_call(module, p, call_args, call_kwargs)))
+            # buffers the layer changes in place (a call counter, running statistics): on
+            # copies made inside the transform (a captured tensor may not be mutated), so
+            # the re-runs leave the layer's own untouched
+            state = {**{k: b.clone() for k, b in buffers.items()}, **p} if buffers else p
+            return tuple(tensor_outputs(functional_call(module, state, call_args,
+                                                        call_kwargs)))
 
         _, vjp_fn = vjp(forward, theta)
         cotangents = tuple(d.unsqueeze(dim) for d, dim in zip(sample_deltas, delta_dims,
@@ -201,6 +313,8 @@ def fallback_rule(
         except RuntimeError as error:
             if _RANDOM_OPERATION in str(error):
                 raise RandomForwardError(random_message(module)) from None
+            if _SHAPE_MISMATCH in str(error):
+                raise ValueError(layout_message(module, str(error))) from None
             raise
     # a module whose children own other parameters (e.g. a scale around a Linear) is called
     # with those real parameters: the result must not carry a graph to them
@@ -228,7 +342,7 @@ def fallback_in_chunks(
     per_sample = sum(p.numel() for p in params.values()) * itemsize
     if n * per_sample <= budget:
         return None
-    arg_dims, kwarg_dims = _input_dims(module, args, kwargs, n)
+    arg_dims, kwarg_dims = _input_dims(module, args, kwargs, n, params, positions)
     delta_dims = output_batch_dims(module, positions)
     last: dict = {}  # the chunk formed last: every parameter of the unit shares it
 

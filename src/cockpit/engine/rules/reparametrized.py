@@ -174,12 +174,14 @@ class ComputedWeights:
     it anew from changing state (spectral norm in training mode) used by one call only.
 
     Args:
-        model: the tracked model.
+        modules: the tracked model's modules (asked where a parametrization's layer is
+            looked up).
         has_rule: whether a module is a unit with a layer rule.
     """
 
-    def __init__(self, model: nn.Module, has_rule: Callable[[nn.Module], bool]):
-        self.model, self.has_rule = model, has_rule
+    def __init__(self, modules: Callable[[], Iterator[nn.Module]],
+                 has_rule: Callable[[nn.Module], bool]):
+        self.modules, self.has_rule = modules, has_rule
         self._found: dict[int, dict[str, Reparametrization]] = {}  # id of a layer → its
         self._layers: dict[int, nn.Module | None] = {}  # parametrization module → its layer
         # per parametrization module: the calls of its layer minus its own calls
@@ -213,7 +215,7 @@ class ComputedWeights:
         are formed by the layer's rule). Raises where the layer has no rule."""
         if id(plist) not in self._layers:
             self._layers[id(plist)] = next(
-                (m for m in self.model.modules() if parametrize.is_parametrized(m)
+                (m for m in self.modules() if parametrize.is_parametrized(m)
                  and any(r.parametrizations is plist for r in self.of(m).values())), None)
         layer = self._layers[id(plist)]
         if layer is None or not self.has_rule(layer):
