@@ -415,3 +415,34 @@ def test_an_input_shared_by_the_batch_is_not_sliced_even_when_its_size_is_the_ba
     assert torch.rand(()) == first_draw  # (Cockpit took no random number of the training's)
     assert float(model.mix.calls) == calls + 1  # (the tracked forward pass only)
     assert_exact(out, G)
+
+
+# --------------------------------------------------- sequence-first transformer layers
+class SequenceFirstEncoder(nn.Module):
+    """PyTorch's transformer layers with their default batch_first=False: every layer in
+    them sees [T, N, …]."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0)
+        self.enc = (nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+                    if layers > 1 else layer)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(self.enc(self.emb(tokens).transpose(0, 1)).mean(0))
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("length", [4, 6], ids=["T = N", "T != N"])
+def test_layers_inside_a_sequence_first_transformer_layer_are_exact(layers, length):
+    """Their Linear and LayerNorm layers read [T, N, …] with the batch moved to the front
+    (also where T = |B|, which no shape could tell apart)."""
+    n = 4
+    torch.manual_seed(0)
+    model = SequenceFirstEncoder(layers).double()
+    tokens, y = torch.randint(0, 10, (n, length)), torch.randint(0, 3, (n,))
+    G = per_sample(model, lambda i: F.cross_entropy(model(tokens[i:i + 1]), y[i:i + 1]), n)
+    out, _, _ = tracked(model, lambda: F.cross_entropy(model(tokens), y, reduction="none"))
+    assert_exact(out, G)

@@ -218,7 +218,7 @@ class CallProcessor:
                 "hooks then see the inner path twice and Cockpit cannot separate it: return "
                 "the outputs from separate computations (or only one of them)"
             )
-        bd = batch_dim_of(unit.module)
+        bd = batch_dim_of(unit.module) if unit.rule is None else unit.batch_dim
         first = call.grads[0]
         packed = isinstance(unit.module, nn.RNNBase) and any(
             isinstance(v, PackedSequence) for v in (*call.args, *call.kwargs.values()))
@@ -236,7 +236,8 @@ class CallProcessor:
             # smallest intermediate instead of dividing the whole output gradient
             grads, scale = list(call.grads), 1.0 / engine.state.weight_value
         else:
-            dims = output_batch_dims(unit.module, call.output_positions)
+            dims = (output_batch_dims(unit.module, call.output_positions)
+                    if unit.rule is None else (unit.batch_dim,) * len(call.grads))
             grads = [self.individual(g, weights, d) for g, d in zip(call.grads, dims,
                                                                      strict=True)]
         if keep_calls:  # for projections on directions known only after the step
@@ -340,9 +341,13 @@ class CallProcessor:
             output = (call.outputs[0] if call.outputs and isinstance(call.outputs[0], Tensor)
                       else None)
             extra = {"scale": scale} if scale != 1.0 else {}
+            if unit.batch_dim:  # (a sequence-first layer: the rule reads [N, T, …] views)
+                args, kwargs, grads, output = batch_in_front(
+                    call.args, call.kwargs, grads, output, unit.batch_dim)
+            else:
+                args, kwargs = call.args, call.kwargs
             args, kwargs, grads = common_precision(
-                call.args, call.kwargs, grads,
-                widen=not getattr(rule, "widens_when_read", False))
+                args, kwargs, grads, widen=not getattr(rule, "widens_when_read", False))
             computed = self.computed.of(unit.module)
             if computed:
                 with readable(unit.module, computed):
@@ -737,7 +742,7 @@ class CallProcessor:
         side by side, which its results join)."""
         engine = self.engine
         unit = call.unit
-        if (unit.rule not in stacked.NORM_RULES or len(grads) != 1
+        if (unit.rule not in stacked.NORM_RULES or len(grads) != 1 or unit.batch_dim
                 or engine.state.frozen_pass or engine.sharded or self.computed.of(unit.module)
                 or not device_path(grads[0].device)
                 or any(engine.unit_param_name(unit, k) in engine.state.multi_use
@@ -1002,6 +1007,17 @@ def common_precision(args: tuple, kwargs: dict, grads: list[Tensor], widen: bool
 
     return (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()},
             [cast(g) for g in grads] if widen else grads)
+
+
+def batch_in_front(args: tuple, kwargs: dict, grads: list[Tensor], output: Tensor | None,
+                   dim: int) -> tuple[tuple, dict, list[Tensor], Tensor | None]:
+    """A call's tensors with their batch dimension ``dim`` moved to the front (views; a
+    tensor of fewer dimensions as it is)."""
+    def front(value):
+        return value.movedim(dim, 0) if isinstance(value, Tensor) and value.dim() > dim else value
+
+    return (tuple(front(a) for a in args), {k: front(v) for k, v in kwargs.items()},
+            [front(g) for g in grads], front(output))
 
 
 def outputs_feed_each_other(call: Call) -> bool:

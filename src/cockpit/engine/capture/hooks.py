@@ -81,6 +81,10 @@ class Unit:
     module: nn.Module
     params: dict[str, nn.Parameter]  # attribute name (relative to module) → parameter
     rule: Rule | None  # the registered layer rule; None: the torch.func fallback
+    # the batch dimension of a rule's inputs and outputs: 1 inside a sequence-first
+    # transformer layer (nn.TransformerEncoderLayer(batch_first=False), …), whose layers
+    # see [T, N, …]; the rule then reads them with the batch moved to the front
+    batch_dim: int = 0
 
     @property
     def deferred(self) -> bool:
@@ -194,6 +198,7 @@ def discover_units(model: nn.Module) -> list[Unit]:
     atomic module (:data:`ATOMIC_MODULES`) is one unit with all its parameters."""
     units: list[Unit] = []
     atomic_prefixes: list[str] = []
+    sequence_first: set[str] = set()  # the layers inside a sequence-first transformer layer
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") for prefix in atomic_prefixes):
             continue
@@ -202,8 +207,18 @@ def discover_units(model: nn.Module) -> list[Unit]:
             atomic_prefixes.append(name)
         params = owned_parameters(module, atomic)
         if params:
-            units.append(Unit(name, module, params, None if atomic else find_rule(module)))
+            rule = None if atomic else find_rule(module)
+            units.append(Unit(name, module, params, rule,
+                              batch_dim=1 if rule is not None and name in sequence_first else 0))
+        if isinstance(module, _SEQUENCE_FIRST_LAYERS) and not module.self_attn.batch_first:
+            sequence_first.update(f"{name}.{child}" if name else child
+                                  for child, _ in module.named_modules() if child)
     return units
+
+
+# PyTorch's transformer layers: with batch_first=False (their default) every layer inside
+# sees sequence-first tensors [T, N, …]
+_SEQUENCE_FIRST_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
 def owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
