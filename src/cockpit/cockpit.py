@@ -287,20 +287,35 @@ class Cockpit:
 
     def state_dict(self) -> dict[str, Any]:
         """What a run resumed from a checkpoint needs to continue with the same values:
-        θ_0 of Distance (on the CPU) and the last step seen (step numbering). Under
+        θ_0 of Distance (on the CPU), the last step seen (step numbering), the instruments'
+        state carried from step to step (GradientNoiseScaleEMA's moving averages) and
+        GradHist1d's automatic range. The steps recorded so far are read first. Under
         ``fully_shard`` θ_0 is this rank's slice (``"initial_params_holder"`` says whose):
         save it on every rank and load each rank's own."""
+        self._steps.finish()
+        self._run.recorder.read_back()  # (the moving averages include every recorded step)
         initial, holder = (None, None) if self._run.initial is None else (
             sharded.saved_slices(self._run.initial))
         state: dict[str, Any] = {"initial_params": initial, "last_step": self._steps.last_step}
         if holder is not None:
             state["initial_params_holder"] = holder
+        instruments = {q.name: own for q in self.quantities if (own := q.state_dict())}
+        if instruments:
+            state["instruments"] = instruments
+        hist_range = self._run.hist.state_dict()
+        if hist_range:
+            state["histogram_range"] = hist_range
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a run saved by :meth:`state_dict` (call it before the first step). A
         θ_0 that does not fit the model (another model, or under ``fully_shard`` another
         rank's slice) raises ValueError; the step numbering is restored even then."""
+        for quantity in self.quantities:
+            own = state.get("instruments", {}).get(quantity.name)
+            if own:
+                quantity.load_state_dict(own)
+        self._run.hist.load_state_dict(state.get("histogram_range", {}))
         last, seen = state.get("last_step"), self._steps.last_step
         if last is not None:  # (a resumed run log may be ahead of the checkpoint)
             self._steps.last_step = max(int(last), seen if seen is not None else int(last))

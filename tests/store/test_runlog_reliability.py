@@ -3,6 +3,7 @@ that stays flat in a long run (get_output() reads old steps back from the run lo
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sqlite3
@@ -12,12 +13,13 @@ import textwrap
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cockpit import Cockpit, configuration
+from cockpit import Cockpit, configuration, quantities
 from cockpit.store import (
     RunLogExistsError,
     RunLogLockedError,
@@ -267,3 +269,51 @@ def test_the_cockpit_view_marks_where_a_resumed_run_restarted(tmp_path):
                      for line in ax.get_lines())]
     assert len(marked) >= 3  # every panel over the steps (loss, step size, gradients, …)
     assert any("resumed after step 5" in t.get_text() for t in fig.texts)
+
+
+def test_a_run_resumed_from_a_checkpoint_continues_the_instruments_state(tmp_path):
+    """Stopped after step 4 (model, optimizer and Cockpit's state saved) and resumed in a
+    new Cockpit: GradientNoiseScaleEMA's moving averages and GradHist1d's automatic range
+    go on as in the run that never stopped (they restarted before)."""
+    instruments = [quantities.GradientNoiseScale(), quantities.GradHist1d()]
+
+    def train(cockpit, model, opt, x, y, steps):
+        for step in steps:
+            opt.zero_grad()
+            losses = torch.nn.functional.cross_entropy(model(x[step]), y[step],
+                                                       reduction="none")
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            opt.step()
+
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 16, 5), torch.randint(0, 3, (10, 16))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    start = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    whole = Cockpit(model, instruments, optimizer=opt)
+    train(whole, model, opt, x, y, range(10))
+    whole.close()
+    expected = whole.get_output()
+
+    model.load_state_dict(start)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    first = Cockpit(model, [type(q)() for q in instruments], optimizer=opt,
+                    logdir=str(tmp_path))
+    train(first, model, opt, x, y, range(5))
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), first.state_dict()))
+    first.close()
+    model.load_state_dict(saved[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt.load_state_dict(saved[1])
+    second = Cockpit(model, [type(q)() for q in instruments], optimizer=opt,
+                     logdir=str(tmp_path), resume=True)
+    second.load_state_dict(saved[2])
+    train(second, model, opt, x, y, range(5, 10))
+    second.close()
+    output = read_output(tmp_path)
+    for step in range(5, 10):
+        assert output[step]["GradientNoiseScaleEMA"] == pytest.approx(
+            expected[step]["GradientNoiseScaleEMA"], rel=1e-9)
+        np.testing.assert_array_equal(output[step]["GradHist1d"]["edges"],
+                                      expected[step]["GradHist1d"]["edges"])

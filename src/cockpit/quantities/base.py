@@ -203,6 +203,14 @@ class Quantity:
     def compute_after_update(self, data: StepData, update: dict[str, Tensor]) -> dict[str, Value]:
         return {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the instrument carries from step to step (a moving average), for a run
+        resumed from a checkpoint (:meth:`cockpit.Cockpit.state_dict`); empty for most."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s result."""
+
     def __repr__(self) -> str:
         return f"{self.name}(schedule={self.schedule!r})"
 

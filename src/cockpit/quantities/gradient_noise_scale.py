@@ -32,6 +32,7 @@ processes, so the values do not depend on how the batch was split.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -69,6 +70,14 @@ class GradientNoiseScale(Quantity):
                              "N_t = β N_(t−1) + (1 − β) tr(Σ)_t (0: no smoothing)")
         self.smoothing = smoothing
         self._averages: dict[str, tuple[float, float]] = {}  # key → (N_t, D_t)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The moving averages (N_t, D_t) per parameter key ("" for the whole network)."""
+        return {"averages": {k: list(v) for k, v in self._averages.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._averages = {k: (float(v[0]), float(v[1]))
+                          for k, v in state.get("averages", {}).items()}
 
     def compute(self, data: StepData) -> Values:
         name = self.name

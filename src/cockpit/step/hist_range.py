@@ -44,6 +44,18 @@ class HistogramRange:
         stats.hist1d = {name: regroup(c, spec) for name, c in stats.hist1d.items()}
         self._set(spec)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The automatic range settled on (empty before, or where the bins were given)."""
+        spec = self.spec
+        if not isinstance(spec, DecidedRange):
+            return {}
+        return {"lo": spec.lo, "hi": spec.hi, "bins": spec.bins}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue with a saved automatic range (where the range is automatic here too)."""
+        if state and isinstance(self.spec, AutoRange | DecidedRange):
+            self._set(DecidedRange(float(state["lo"]), float(state["hi"]), int(state["bins"])))
+
     def narrow(self, hist: Value) -> None:
         """From the next step on, the automatic range narrows by 4 when this step's
         whole-network counts (global, the same in every process) fit into a quarter."""
