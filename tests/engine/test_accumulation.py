@@ -25,14 +25,14 @@ def adam(model):
 
 
 def accumulated_run(problem, batches, sizes, weighting, make_optimizer, hint=True,
-                    curvature="diag_ggn_exact"):
+                    curvature="diag_ggn_exact", chosen=None):
     """Each step's batch cut into micro-batches of ``sizes``; ``weighting``: how the user
     scales each micro-batch loss ("mean/k", "sum/total"). Returns outputs, notes and the
     gradient the optimizer stepped on at each step."""
     model = problem.model
     opt = make_optimizer(model)
-    cockpit = Cockpit(model, instruments(curvature), optimizer=opt, strict=True,
-                      grad_accumulation=hint)
+    cockpit = Cockpit(model, instruments(curvature) if chosen is None else chosen,
+                      optimizer=opt, strict=True, grad_accumulation=hint)
     stepped = []
     for step, (x, y) in enumerate(batches):
         opt.zero_grad()
@@ -73,6 +73,24 @@ def test_accumulation_equals_one_backward_on_the_union(name, sizes, weighting, m
         assert "whole batch's graph" in notes[step]["HessMaxEV"]
         assert output[step]["BatchSize"] == sum(sizes)
     assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
+
+
+ALONE = ["InnerTest", "OrthoTest", "NormTest", "GradientNoiseScale", "GradHist1d",
+         "MeanGSNR", "EarlyStopping", "CABS", "TICDiag", "HessTrace"]
+
+
+@pytest.mark.parametrize("name", ALONE)
+def test_each_per_sample_instrument_alone_equals_one_backward_on_the_union(name):
+    """An instrument tracked alone (the statistics it needs formed for it only: InnerTest's
+    g_nᵀḡ alone was left unformed and read 0.0 when split over micro-batches)."""
+    problem = make_problem("mlp_relu", 48)
+    batches = batches_of(problem, 2, 12)
+    chosen = [getattr(quantities, name)()]
+    output, _, _ = accumulated_run(problem, batches, [5, 7], "sum/total", sgd,
+                                   chosen=chosen)
+    expected, _ = whole_batch_run(make_problem("mlp_relu", 48), batches, sgd,
+                                  chosen=[getattr(quantities, name)()])
+    assert assert_same_values(output, expected, range(2)) >= 2
 
 
 def test_accumulation_is_learned_at_its_first_step_and_exact_afterwards():

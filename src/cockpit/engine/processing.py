@@ -184,7 +184,9 @@ class CallProcessor:
         engine = self.engine
         stats = engine.stats
         assert stats is not None
-        if engine.needs.isdisjoint(PER_SAMPLE_STATS) or stats.problems:
+        # (a split batch's g_nᵀḡ alone is formed at the reduction point from the kept calls)
+        if ((engine.needs.isdisjoint(PER_SAMPLE_STATS) and not engine.keep_calls)
+                or stats.problems):
             return
         weights = engine.state.weights
         if engine.state.weights_problem is not None:
