@@ -61,7 +61,10 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
         model = problem.model if by_hand else DistributedDataParallel(problem.model)
         projections = _count_union_projections()
         opt = config["make_optimizer"](model)
-        micro = config.get("micro_batches", 1)
+        # micro-batches per step of each process (a process may split its shard, the other
+        # not), and the shard sizes of each step where they change
+        micro = config.get("micro_batches_per_rank", [config.get("micro_batches", 1)] * world)[rank]
+        hint = config.get("grad_accumulation", micro > 1)
         caught = warnings.catch_warnings(record=True)
         recorded = caught.__enter__()
         warnings.simplefilter("always")
@@ -73,15 +76,16 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
         watched = rank in config.get("cockpit_ranks", range(world))
         chosen = config.get("instruments", instruments)()
         cockpit = Cockpit(model, chosen, optimizer=opt, strict=True,
-                          write_on_all_ranks=True, grad_accumulation=micro > 1,
+                          write_on_all_ranks=True, grad_accumulation=hint,
                           **config.get("cockpit_kwargs", {})) if watched else None
         stepped = []
         for step, (x, y) in enumerate(batches):
             opt.zero_grad()
-            part = shards(len(x), config["shard_sizes"], rank)
+            part = shards(len(x), config.get("shard_sizes_per_step", {}).get(
+                step, config["shard_sizes"]), rank)
             xs, ys = x[part], y[part]
             bounds = torch.linspace(0, len(xs), micro + 1).round().long().tolist()
-            for k in range(micro):
+            for k in range(micro if len(xs) else 1):
                 xb, yb = xs[bounds[k]: bounds[k + 1]], ys[bounds[k]: bounds[k + 1]]
                 last = k == micro - 1
                 context = model.no_sync() if not last else contextlib.nullcontext()

@@ -102,6 +102,34 @@ def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
         assert (result["union_projections"] == 0) == uniform
 
 
+def gradient_tests_and_curvature() -> list:
+    return [quantities.Loss(), quantities.GradNorm(), quantities.NormTest(),
+            quantities.InnerTest(), quantities.Alpha(), quantities.HessMaxEV()]
+
+
+def test_processes_splitting_their_batches_differently_and_an_empty_shard_go_on(tmp_path):
+    """Rank 0 splits its shard in two micro-batches, rank 1 does not, with no
+    grad_accumulation hint; at the last step rank 1's shard is empty. Every process learns
+    the accumulation at once (their collectives stay the same: before, a gloo mismatch
+    killed both), the step after equals one backward pass on the global batch, and the
+    steps a process cannot describe are None on every process with the reason."""
+    chosen = gradient_tests_and_curvature
+    config = _config("mlp_relu", [6, 6], seed=3, micro_batches_per_rank=[2, 1],
+                     grad_accumulation=False, instruments=chosen,
+                     shard_sizes_per_step={2: [12, 0]})
+    batches = config["batches"]
+    ranks = _two_processes(tmp_path, config)
+    expected, _ = whole_batch_run(make_problem("mlp_relu", 48), batches, sgd,
+                                  gradients=ranks[0]["stepped"], chosen=chosen())
+    for result in ranks:
+        output, notes = strip(result["output"]), result["notes"]
+        assert output[0]["InnerTest"] is None and "second backward pass" in notes[0]["InnerTest"]
+        assert output[1]["NormTest"] == pytest.approx(expected[1]["NormTest"], rel=1e-6)
+        assert output[1]["InnerTest"] == pytest.approx(expected[1]["InnerTest"], rel=1e-6)
+        assert output[1]["HessMaxEV"] is None  # (micro-batches: no whole-batch graph)
+        assert output[2]["NormTest"] is None and notes[2]["NormTest"]
+
+
 def histograms() -> list:
     return [quantities.GradHist1d(), quantities.GradHist2d()]
 

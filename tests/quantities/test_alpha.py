@@ -479,7 +479,7 @@ def test_a_skipped_step_number_leaves_alpha_none_with_the_step_that_came():
         opt.step()
         if step == 3:  # (decided at step 3, not at the run's end)
             note = cockpit.get_notes()[1]["Alpha"]
-            assert "step 2 never came (the next step was 3)" in note
+            assert "no step 2 observed θ_(t+1) (the next step described was 3" in note
     cockpit.close()
     output, notes = cockpit.get_output(), cockpit.get_notes()
     assert output[1]["Alpha"] is None

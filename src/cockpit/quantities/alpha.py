@@ -127,6 +127,7 @@ class Alpha(Quantity):
     needs_update = True
     handles_invalid_statistics = True
     schedule_offsets = (0, 1)  # α_t starts at step t and is completed at step t + 1
+    projection_keys = (_PREDICTED, _PREVIOUS)
 
     def __init__(self, schedule: Schedule | int | None = None, rtol: float = 1e-3,
                  predict: bool = True):
@@ -466,12 +467,13 @@ class Alpha(Quantity):
         state = self._open
         if state is None or state.step >= data.step:
             return
-        if state.step < data.step - 1:  # step t + 1 never came: the step numbers skipped it
+        if state.step < data.step - 1:  # step t + 1 never came, or described no batch
             self._open = None
             data.late.setdefault(state.step, {})["Alpha"] = None
             data.late_notes.setdefault(state.step, {})["Alpha"] = (
-                f"not computed: step {state.step + 1} never came (the next step was "
-                f"{data.step}); α at step t needs the loss and its slope at θ_(t+1), "
+                f"not computed: no step {state.step + 1} observed θ_(t+1) (the next step "
+                f"described was {data.step}: the step numbers skipped it, or its batch could "
+                "not be described); α at step t needs the loss and its slope at θ_(t+1), "
                 "measured at step t + 1")
             return
         self._open = None

@@ -166,6 +166,10 @@ class Quantity:
     differentiates_graph: bool = False
     # keys of additive per-sample sums the instrument adds in prepare (engine.add_sample_sums)
     sample_sum_keys: tuple[str, ...] = ()
+    # keys under which it may register directions to project on in prepare (request.
+    # directions, request.direction_providers): the reduction over processes lays them out
+    # on every rank alike
+    projection_keys: tuple[str, ...] = ()
     # reads the smooth activations' inputs and outputs of the recorded forward pass (the
     # diagonal curvature's residual terms) and the layers' inputs at the width they were
     # given; held so only for steps that track such an instrument

@@ -51,7 +51,12 @@ MIXED_PRECISION = ("not formed under fully_shard's mixed precision: the forward 
                    "computes in param_dtype")
 
 
-RANK_HEADER = "hvp: N and the non-finite losses over the processes"
+DECLINED_ON_A_RANK = ("not formed: another process could not describe its batch at this "
+                      "step (see that process's notes), so no Hessian-vector product is "
+                      "summed over the processes")
+
+
+RANK_HEADER = "hvp: N, the non-finite losses and the declining processes over the processes"
 
 
 class BatchShare(NamedTuple):
@@ -82,14 +87,30 @@ def open_operator(engine: EngineView, losses: Tensor | None, again: bool
     device = next(iter(params.values())).device
     detached = losses.detach().to(device)
     if RANK_HEADER not in engine.step_cache:  # (one for the block's instruments)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
         header = torch.stack([torch.tensor(float(detached.numel()), dtype=torch.float64,
                                            device=device),
-                              (~torch.isfinite(detached)).sum().double()])
+                              (~torch.isfinite(detached)).sum().double(), zero])
         engine.step_cache[RANK_HEADER] = summed_over_ranks(header).tolist()
-    total, non_finite = engine.step_cache[RANK_HEADER]
+    total, non_finite, declined = engine.step_cache[RANK_HEADER]
+    if declined > 0:
+        return DECLINED_ON_A_RANK
     if non_finite > 0:
         return NON_FINITE_ON_A_RANK
     return BatchShare(params, detached.numel() / total, True)
+
+
+def decline(engine: EngineView) -> None:
+    """A process whose step's batch cannot be described (an empty batch, losses the backward
+    pass did not go through; its curvature instruments prepare nothing) still answers the
+    all-reduce of :func:`open_operator`'s header, declining: the other processes then form
+    no product either (each would wait for this one's share)."""
+    request = engine.request
+    if not request.defer or RANK_HEADER in engine.step_cache:
+        return
+    device = next(iter(engine.graph_params().values())).device
+    header = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64, device=device)
+    engine.step_cache[RANK_HEADER] = summed_over_ranks(header).tolist()
 
 
 def batch_matvec(engine: EngineView, losses: Tensor, params: Mapping[str, Tensor],

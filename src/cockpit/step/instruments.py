@@ -102,3 +102,7 @@ def collect(result: dict[str, Value] | Later, values: dict[str, Value],
 
 def sample_sum_keys(quantities: list[Quantity]) -> tuple[str, ...]:
     return tuple(sorted({key for q in quantities for key in q.sample_sum_keys}))
+
+
+def projection_keys(quantities: list[Quantity]) -> tuple[str, ...]:
+    return tuple(sorted({key for q in quantities for key in q.projection_keys}))

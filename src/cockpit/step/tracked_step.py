@@ -46,6 +46,7 @@ from cockpit.loop_checks import (
     report_backward_outside,
     step_problems,
 )
+from cockpit.quantities import hessian_operator
 from cockpit.quantities.base import FormedNorms, Quantity, StepData, Value, finite_witness
 from cockpit.step import instruments
 from cockpit.step.instrument_traits import describes_the_batch, problem_of, reads_gradient
@@ -181,6 +182,9 @@ class TrackedStep:
             if problem_of(quantity, problems) is None:  # (else it records None anyway)
                 instruments.prepare(quantity, self.step, tracker, run.optimizer, losses,
                                     self.prepare_failures, run.warn)
+            elif quantity.differentiates_graph and run.ranks > 1 and self.reduction is not None:
+                # (its products are summed over the processes: the others must learn it)
+                hessian_operator.decline(tracker)
         if request.needs & PER_SAMPLE_STATS or GRAM_MEAN in self.reduction.needs:
             stats.problems.extend(tracker.check_batch_norm()[:1])
             if (run.batchnorm == FROZEN_STATISTICS and losses is not None and captured
@@ -214,7 +218,8 @@ class TrackedStep:
         self.request = request
         self.reduction = StepReduction(run.tracker, needs, request,
                                        instruments.sample_sum_keys(self.tracked),
-                                       ranks=run.ranks)
+                                       ranks=run.ranks,
+                                       projection_keys=instruments.projection_keys(self.tracked))
         return request
 
     def _next_request(self) -> StepRequest:
@@ -301,6 +306,10 @@ class TrackedStep:
         run.tracker.capturing = capture_next(self.step)
         step = self.step
         stats = self.reduction.finish()
+        if stats.micro_batches > 1 and not run.accumulating:
+            # another process split its batch (with several processes each process's
+            # blocks go the same way: the requests and their collectives must match)
+            run.accumulating = True
         run.hist.settle(stats)
         not_global = (None if run.ranks == 1 else ranks_step_apart(
             step, run.stepped_params(), next(iter(run.params.values())).device, run.warn))

@@ -245,20 +245,24 @@ class _Layout:
 def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
                 statistics: Sequence[Statistic], context: StatisticContext,
                 sample_sum_keys: Sequence[str], projection_keys: Sequence[str],
-                device: torch.device
-                ) -> tuple[BackwardStatistics, list[int], dict[tuple[str, str], int]]:
+                device: torch.device, unmerged: bool = False
+                ) -> tuple[BackwardStatistics, list[int], dict[tuple[str, str], int], bool]:
     """Phase 1 (one all-reduce). ``shapes``: every tracked parameter, in the same order on
     every rank; ``statistics``: the requested statistics that ranks sum
     (:attr:`Combine.SUM`), each with one slot per parameter of the shape it declares for
     ``context`` (the layout depends on these arguments only, never on which values a rank
     happens to hold). ``projection_keys``: the keys of the requested projections; their
     number of directions per parameter is exchanged here for phase 2.
-    Returns the global statistics without per-sample vectors, the ranks' sample counts and
-    the number of directions per (projection key, parameter)."""
+    Returns the global statistics without per-sample vectors (``micro_batches``: the most
+    of any rank, so that every rank treats the step alike), the ranks' sample counts, the
+    number of directions per (projection key, parameter) and whether any rank's g_nᵀḡ is
+    undefined (``unmerged``: accumulation learned at its second backward pass)."""
     size, me = world_size(), rank()
     layout = _Layout()
     layout.add("header", "samples", [size])
     layout.add("header", "problems", [size])
+    layout.add("header", "micro_batches", [size])
+    layout.add("header", "unmerged", [size])
     for name, shape in shapes.items():
         layout.add("batch_grads", name, shape)
         layout.add("batch_grads?", name, [1])
@@ -284,6 +288,8 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
     n = stats.num_samples
     layout.view(buffer, "header", "samples")[me] = n
     layout.view(buffer, "header", "problems")[me] = float(bool(stats.problems))
+    layout.view(buffer, "header", "micro_batches")[me] = stats.micro_batches
+    layout.view(buffer, "header", "unmerged")[me] = float(unmerged)
     for name, mean in stats.batch_grads.items():
         if name not in shapes:
             continue
@@ -316,7 +322,8 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
 
     counts = [int(c) for c in layout.view(buffer, "header", "samples").tolist()]
     total = sum(counts)
-    out = BackwardStatistics(total, micro_batches=stats.micro_batches, ranks=size)
+    micro = int(layout.view(buffer, "header", "micro_batches").max().item())
+    out = BackwardStatistics(total, micro_batches=max(micro, stats.micro_batches), ranks=size)
     out.problems = list(stats.problems)
     if not out.problems and bool(layout.view(buffer, "header", "problems").sum() > 0):
         out.problems.append(OTHER_RANK_PROBLEM)
@@ -355,7 +362,8 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
             if ranks_with > 0:
                 directions[(key, name)] = round(
                     layout.view(buffer, "directions:" + key, name).item() / ranks_with)
-    return out, counts, directions
+    any_unmerged = bool(layout.view(buffer, "header", "unmerged").sum().item() > 0)
+    return out, counts, directions, any_unmerged
 
 
 def gather_samples(local: BackwardStatistics, out: BackwardStatistics, counts: list[int],

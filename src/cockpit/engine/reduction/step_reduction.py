@@ -34,10 +34,14 @@ class StepReduction:
             not expected to be split (``split`` false, or ``defer``: one per process)
             leaves what needed the whole step's gradient undefined.
         sample_sum_keys: keys of the instruments' own sample sums (same on every rank).
+        projection_keys: keys under which the instruments may register directions to
+            project on (the same on every rank, also where one rank's instruments
+            prepared nothing: the layout of the reduction over processes depends on them).
     """
 
     def __init__(self, engine, needs: frozenset[str], request,
-                 sample_sum_keys: tuple[str, ...] = (), ranks: int | None = None):
+                 sample_sum_keys: tuple[str, ...] = (), ranks: int | None = None,
+                 projection_keys: tuple[str, ...] = ()):
         self.engine, self.needs, self.split = engine, needs, request.split
         # processes whose statistics are combined (1: this process alone)
         self.ranks = distributed.world_size() if ranks is None else ranks
@@ -48,7 +52,7 @@ class StepReduction:
         self.sizes: list[int] = []  # samples per backward pass
         self.unmerged: str | None = None  # why g_nᵀḡ of the union is missing
         self.keeps_calls = False
-        self.projection_keys: set[str] = set()  # the same on every process
+        self.projection_keys: set[str] = set(projection_keys)  # the same on every process
         self._counts: list[int] = []  # samples per process, known after finish()
 
     @property
@@ -89,9 +93,11 @@ class StepReduction:
             shapes = {name: p.shape for name, p in params.items()}
             device = _device(params)
             summed = [s for s in requested(self.needs) if s.combine is Combine.SUM]
-            result, counts, directions = distributed.reduce_sums(
+            result, counts, directions, unmerged = distributed.reduce_sums(
                 local, shapes, summed, self.engine, self.sample_sum_keys,
-                sorted(self.projection_keys), device)
+                sorted(self.projection_keys), device, unmerged=self.unmerged is not None)
+            if unmerged and self.unmerged is None:  # (another process learned it)
+                self.unmerged = OTHER_RANK_UNMERGED
         else:
             result, counts = local, [local.num_samples]
         if self.split and GRAM_MEAN in self.needs and not result.problems:
@@ -140,6 +146,13 @@ class StepReduction:
                                              device=mean[name].device))
             out[name] = torch.cat(rows)
         return out
+
+
+OTHER_RANK_UNMERGED = (
+    "another process split this step's batch over micro-batches, which Cockpit learned only "
+    "at its second backward pass there: what needs the whole batch's gradient (g_nᵀḡ, the "
+    "predicted update) is undefined at this step on every process (pass Cockpit(..., "
+    "grad_accumulation=True) to have it from the first step)")
 
 
 def gram_from_gradient(local: BackwardStatistics, mean: dict[str, Tensor]
