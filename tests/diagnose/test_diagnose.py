@@ -246,6 +246,11 @@ def test_noise_dominated_needs_saturated_norm_test_and_inner_test_spread():
     same_batch = _series(NormTest=lambda s: 1.0, InnerTest=lambda s: 0.3,
                          Loss=lambda s: 2.0 - 0.01 * s)  # full batch: a smooth loss
     assert "noise_dominated" not in _codes(same_batch)
+    # late in a healthy run: a small gradient mostly noise, a small loss jumping by a large
+    # share of itself, but still falling through the noise
+    converging = _series(NormTest=lambda s: 1.0, InnerTest=lambda s: 0.3,
+                         Loss=lambda s: 0.5 * 0.9**s * float(rng.uniform(0.5, 1.5)))
+    assert "noise_dominated" not in _codes(converging)
 
 
 def test_update_ratio_names_a_layer_far_from_the_others_or_far_above_1e_3():

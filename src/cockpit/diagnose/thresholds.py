@@ -117,3 +117,9 @@ INNER_TEST_SIGNAL = 0.12
 #: mini-batch loss jumps by a tenth of itself from batch to batch. Zoo: batches of 2–4:
 #: 0.12–0.41; the same batch every step (no sampling noise) or a plateau: ≤ 0.02.
 LOSS_JITTER = 0.1
+#: The loss over the noisy steps still falls to at most this share (the median of their
+#: last third against that of their first): the run makes progress through the noise, so the
+#: batch is not too small for it (a digits MLP trained to a train loss of 0.02 has θ ≥ 0.95 at
+#: most late steps, the loss jumping by a large share of its small value). Zoo: batches of
+#: 2–4 keep ≥ 0.6 of their loss.
+LOSS_PROGRESS = 0.5

@@ -13,7 +13,9 @@ g_nᵀg_B / ‖g_B‖² around 1. For pure noise in D ≫ |B| dimensions g_nᵀg
 different strength (InnerTest 0.14–0.3 at |B| = 2–4). A third sign guards small models
 (D not ≫ |B|) and full-batch loops: a too-small batch makes the mini-batch loss itself jump
 from step to step (mean |Δloss| ≥ LOSS_JITTER of the loss). So: θ ≥ NORM_TEST_NOISE at most
-steps, InnerTest ≥ INNER_TEST_SIGNAL (median) and a jumping loss.
+steps, InnerTest ≥ INNER_TEST_SIGNAL (median) and a jumping loss — that does not fall
+through the noise anyway (LOSS_PROGRESS): late in a healthy run the gradient is small and
+mostly noise, and the small loss jumps by a large share of itself, while training goes on.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def check(record: RunRecord) -> list[Finding]:
     if loss.size < T.MIN_STEPS:
         return []
     jitter = float(np.mean(np.abs(np.diff(loss))) / max(np.mean(np.abs(loss)), 1e-300))
-    if jitter < T.LOSS_JITTER:
+    if jitter < T.LOSS_JITTER or makes_progress(s_l, loss, steps):
         return []
     evidence.append(Evidence("Loss", *pick(s_l, loss),
                              f"the mini-batch loss jumps by {jitter:.0%} of itself per step"))
@@ -69,6 +71,18 @@ def check(record: RunRecord) -> list[Finding]:
         advice="Use a larger batch (NormTest suggests about |B|·θ² / 0.5² samples), or lower "
                "the learning rate; gradient accumulation gives a larger batch without memory.",
     )]
+
+
+def makes_progress(loss_steps: np.ndarray, loss: np.ndarray, noisy_steps: np.ndarray) -> bool:
+    """Whether the loss over the steps the gradient tests judged still falls to at most
+    :data:`~cockpit.diagnose.thresholds.LOSS_PROGRESS` of itself (median of the last third
+    against the first third): training goes on through the noise."""
+    window = loss[(loss_steps >= noisy_steps[0]) & (loss_steps <= noisy_steps[-1])]
+    third = window.size // 3
+    if third < 2:
+        return False
+    first, last = float(np.median(window[:third])), float(np.median(window[-third:]))
+    return first > 0 and last <= T.LOSS_PROGRESS * first
 
 
 def noise_scale_evidence(record: RunRecord) -> list[Evidence]:
