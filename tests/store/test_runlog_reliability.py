@@ -25,6 +25,7 @@ from cockpit.store import (
     RunLogLockedError,
     RunLogReader,
     RunLogWriter,
+    load_json_export,
     read_meta,
     read_output,
 )
@@ -317,3 +318,26 @@ def test_a_run_resumed_from_a_checkpoint_continues_the_instruments_state(tmp_pat
             expected[step]["GradientNoiseScaleEMA"], rel=1e-9)
         np.testing.assert_array_equal(output[step]["GradHist1d"]["edges"],
                                       expected[step]["GradHist1d"]["edges"])
+
+
+def test_a_run_log_of_a_newer_format_is_refused_with_a_way_out(tmp_path):
+    """Not read as if it were this package's format, and not stamped back to it by a resumed
+    writer; a JSON export of a newer format neither."""
+    model, opt, x, y = _setup()
+    cockpit = Cockpit(model, configuration("economy"), optimizer=opt, logdir=str(tmp_path))
+    _train(cockpit, model, opt, x, y, range(2))
+    cockpit.close()
+    path = tmp_path / "cockpit.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA user_version = 2")
+    with pytest.raises(ValueError, match="format 2, newer than this package reads"):
+        read_output(tmp_path)
+    with pytest.raises(ValueError, match="pip install -U torch-cockpit"):
+        Cockpit(model, configuration("economy"), optimizer=opt, logdir=str(tmp_path),
+                resume=True)
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+    export = tmp_path / "run.json"
+    export.write_text('{"format": "cockpit-run/99", "meta": {}, "notes": {}, "steps": {}}')
+    with pytest.raises(ValueError, match="cockpit-run/99"):
+        load_json_export(export)

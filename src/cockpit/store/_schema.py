@@ -125,3 +125,11 @@ def normalize_value(x: Any) -> float | np.ndarray | dict[str, Any] | None:
     if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "biuf":
         return float(x)
     return normalize_field(x)
+
+
+def newer_format_message(path: object, version: object) -> str:
+    """Why a run log (or export) in a format this package does not know is not read."""
+    return (f"the Cockpit run {str(path)!r} is in format {version}, newer than this "
+            f"package reads (format {SCHEMA_VERSION}): it was written by a newer torch-cockpit; "
+            "upgrade (pip install -U torch-cockpit) to read or continue it")
+

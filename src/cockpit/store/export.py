@@ -34,12 +34,14 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cockpit.store._schema import newer_format_message
 from cockpit.store.reader import RunLogReader
 
 __all__ = ["add_export_subcommand", "export_run", "load_json_export", "main_export"]
 
 FORMATS = ("json", "csv", "parquet")
 JSON_FORMAT = "cockpit-run/1"
+_JSON_VERSION = int(JSON_FORMAT.rpartition("/")[2])
 _NONFINITE_TO_TEXT = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 _TEXT_TO_FLOAT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -78,6 +80,9 @@ def load_json_export(path: str | Path) -> dict[int, dict[str, Any]]:
     """Read a JSON export back into the ``{step: {name: value}}`` layout of ``output()``."""
     raw = json.loads(Path(path).read_text())
     if isinstance(raw.get("steps"), dict) and "format" in raw:
+        kind, _, version = str(raw["format"]).partition("/")
+        if kind != "cockpit-run" or not version.isdigit() or int(version) > _JSON_VERSION:
+            raise ValueError(newer_format_message(path, raw["format"]))
         raw = raw["steps"]
     out: dict[int, dict[str, Any]] = {}
     for step, values in raw.items():

@@ -24,8 +24,10 @@ from cockpit.store._schema import (
     DB_FILENAME,
     KIND_NAMES,
     NONE,
+    SCHEMA_VERSION,
     decode_array,
     decode_float,
+    newer_format_message,
 )
 
 if TYPE_CHECKING:
@@ -69,6 +71,8 @@ class RunLogReader:
                 (version,) = self._conn.execute("PRAGMA user_version").fetchone()
                 if version < 1:  # the writer has not created its tables yet
                     return [[] for _ in statements]
+                if version > SCHEMA_VERSION:
+                    raise ValueError(newer_format_message(self.path, version))
                 self._ready = True
             self._conn.execute("BEGIN")
             try:

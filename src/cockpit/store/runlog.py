@@ -42,8 +42,10 @@ from cockpit.store._schema import (
     DB_FILENAME,
     NONE,
     SCHEMA_SQL,
+    SCHEMA_VERSION,
     encode_array,
     encode_float,
+    newer_format_message,
     normalize_value,
 )
 from cockpit.store.reader import RunLogReader, read_meta, read_output, read_scalars
@@ -152,6 +154,10 @@ class RunLogWriter:
             conn = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, timeout=10.0
             )
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            if version > SCHEMA_VERSION:  # (the schema script would stamp it back)
+                conn.close()
+                raise ValueError(newer_format_message(self.path, version))
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(f"BEGIN; {SCHEMA_SQL} COMMIT;")
