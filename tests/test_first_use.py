@@ -274,3 +274,11 @@ def test_test_extra_installs_every_package_the_tests_import_optionally():
     assert optional <= declared, optional - declared
     constraints = (ROOT / "constraints.txt").read_text()
     assert all(re.search(rf"^{name}==", constraints, re.MULTILINE) for name in optional)
+
+
+def test_a_logdir_that_is_not_a_path_is_refused_by_name():
+    problem = make_problem("mlp_relu", 8)
+    for wrong in (5, b"runs/x", ["runs/x"]):
+        with pytest.raises(TypeError, match="logdir must be a directory path"):
+            Cockpit(problem.model, [quantities.Loss()], logdir=wrong)
+        assert not problem.model._forward_hooks  # (refused before any hook)

@@ -32,6 +32,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cockpit {cockpit.__version__}")
         return 0
     command, rest = args[0], args[1:]
+    from cockpit.store._schema import RunLogFormatError
+
+    try:
+        return _run(command, rest)
+    except RunLogFormatError as error:  # (what to do is in the message: no traceback)
+        print(f"cockpit {command}: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(command: str, rest: list[str]) -> int:
     if command == "demo":
         from cockpit.demo import run_demo
 

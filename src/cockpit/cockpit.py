@@ -18,6 +18,7 @@ See ``docs/conventions.md`` for the conventions every instrument follows.
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -165,6 +166,9 @@ class Cockpit:
     ):
         self.quantities = checked_arguments(model, quantities, optimizer, grad_scaler,
                                             distributed, memory_steps)
+        if logdir is not None and not isinstance(logdir, str | os.PathLike):
+            raise TypeError(f"logdir must be a directory path (a str or pathlib.Path), got "
+                            f"{type(logdir).__name__}: Cockpit(..., logdir='runs/exp1')")
         self.model, self.optimizer, self.grad_scaler = model, optimizer, grad_scaler
         self.strict, self.batchnorm, self.hist2d_specs = strict, batchnorm, hist2d_bins
         self.memory_steps = None if memory_steps is None else int(memory_steps)

@@ -22,6 +22,7 @@ from torch import nn
 from cockpit import Cockpit, configuration, quantities
 from cockpit.store import (
     RunLogExistsError,
+    RunLogFormatError,
     RunLogLockedError,
     RunLogReader,
     RunLogWriter,
@@ -341,3 +342,16 @@ def test_a_run_log_of_a_newer_format_is_refused_with_a_way_out(tmp_path):
     export.write_text('{"format": "cockpit-run/99", "meta": {}, "notes": {}, "steps": {}}')
     with pytest.raises(ValueError, match="cockpit-run/99"):
         load_json_export(export)
+
+
+def test_a_file_that_is_not_a_run_log_gets_a_clear_error_not_a_traceback(tmp_path, capsys):
+    from cockpit.cli import main
+
+    (tmp_path / "cockpit.sqlite").write_bytes(b"not a database" * 100)
+    with pytest.raises(RunLogFormatError, match="not a Cockpit run log"):
+        read_output(tmp_path)
+    for command in (["diagnose", str(tmp_path)], ["plot", str(tmp_path), "-o",
+                                                  str(tmp_path / "view.png")]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "not a Cockpit run log" in err and "Traceback" not in err

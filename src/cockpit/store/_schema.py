@@ -127,6 +127,11 @@ def normalize_value(x: Any) -> float | np.ndarray | dict[str, Any] | None:
     return normalize_field(x)
 
 
+class RunLogFormatError(ValueError):
+    """A file that is not a Cockpit run log this package reads (another SQLite database,
+    a damaged file, a newer format)."""
+
+
 def newer_format_message(path: object, version: object) -> str:
     """Why a run log (or export) in a format this package does not know is not read."""
     return (f"the Cockpit run {str(path)!r} is in format {version}, newer than this "

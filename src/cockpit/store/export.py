@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cockpit.store._schema import newer_format_message
+from cockpit.store._schema import RunLogFormatError, newer_format_message
 from cockpit.store.reader import RunLogReader
 
 __all__ = ["add_export_subcommand", "export_run", "load_json_export", "main_export"]
@@ -82,7 +82,7 @@ def load_json_export(path: str | Path) -> dict[int, dict[str, Any]]:
     if isinstance(raw.get("steps"), dict) and "format" in raw:
         kind, _, version = str(raw["format"]).partition("/")
         if kind != "cockpit-run" or not version.isdigit() or int(version) > _JSON_VERSION:
-            raise ValueError(newer_format_message(path, raw["format"]))
+            raise RunLogFormatError(newer_format_message(path, raw["format"]))
         raw = raw["steps"]
     out: dict[int, dict[str, Any]] = {}
     for step, values in raw.items():

@@ -25,6 +25,7 @@ from cockpit.store._schema import (
     KIND_NAMES,
     NONE,
     SCHEMA_VERSION,
+    RunLogFormatError,
     decode_array,
     decode_float,
     newer_format_message,
@@ -67,18 +68,25 @@ class RunLogReader:
     def _query(self, *statements: tuple[str, tuple]) -> list[list[tuple]]:
         """Run SELECTs in one read transaction; an empty/uninitialised log gives no rows."""
         with self._lock:
-            if not self._ready:
-                (version,) = self._conn.execute("PRAGMA user_version").fetchone()
-                if version < 1:  # the writer has not created its tables yet
-                    return [[] for _ in statements]
-                if version > SCHEMA_VERSION:
-                    raise ValueError(newer_format_message(self.path, version))
-                self._ready = True
-            self._conn.execute("BEGIN")
             try:
-                return [self._conn.execute(sql, args).fetchall() for sql, args in statements]
-            finally:
-                self._conn.execute("COMMIT")
+                if not self._ready:
+                    (version,) = self._conn.execute("PRAGMA user_version").fetchone()
+                    if version < 1:  # the writer has not created its tables yet
+                        return [[] for _ in statements]
+                    if version > SCHEMA_VERSION:
+                        raise RunLogFormatError(newer_format_message(self.path, version))
+                    self._ready = True
+                self._conn.execute("BEGIN")
+                try:
+                    return [self._conn.execute(sql, args).fetchall() for sql, args in statements]
+                finally:
+                    self._conn.execute("COMMIT")
+            except sqlite3.DatabaseError as error:  # (a damaged file, another database)
+                if isinstance(error, sqlite3.OperationalError) and "locked" in str(error):
+                    raise
+                raise RunLogFormatError(
+                    f"{str(self.path)!r} is not a Cockpit run log this package can read "
+                    f"({error}): give the directory a Cockpit run wrote (its logdir)") from None
 
     @staticmethod
     def _since(since: int | None) -> tuple[str, tuple]:

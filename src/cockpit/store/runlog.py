@@ -43,6 +43,7 @@ from cockpit.store._schema import (
     NONE,
     SCHEMA_SQL,
     SCHEMA_VERSION,
+    RunLogFormatError,
     encode_array,
     encode_float,
     newer_format_message,
@@ -157,7 +158,7 @@ class RunLogWriter:
             (version,) = conn.execute("PRAGMA user_version").fetchone()
             if version > SCHEMA_VERSION:  # (the schema script would stamp it back)
                 conn.close()
-                raise ValueError(newer_format_message(self.path, version))
+                raise RunLogFormatError(newer_format_message(self.path, version))
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(f"BEGIN; {SCHEMA_SQL} COMMIT;")
