@@ -108,3 +108,35 @@ def test_dead_fractions_of_several_weights_and_a_weight_without_units(path, monk
     assert out["DeadUnits/a.weight"] == dead["a.weight"] / 6
     assert out["DeadUnits/b.weight"] == dead["b.weight"] / 4
     assert out["DeadUnits"] == (dead["a.weight"] + dead["b.weight"]) / 10
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_a_layer_after_dead_units_is_not_dead_itself(path, monkeypatch):
+    """Every hidden ReLU unit dead: the output layer's rows are zero (its input is), but its
+    units still get a gradient (their bias's); the dead units are those whose row and bias
+    gradient both vanish (against the individual gradients), a layer without a bias by its
+    rows alone."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from cockpit import Cockpit, quantities
+
+    monkeypatch.setattr(histogram_device, "_forced", path == "accelerator")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4),
+                          nn.Linear(4, 3, bias=False)).double()
+    with torch.no_grad():
+        model[0].bias.fill_(-1e3)  # (no hidden unit fires)
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randint(0, 3, (7,))
+    problem = Problem("dead", model, x, y,
+                      lambda out, target: F.cross_entropy(out, target, reduction="none"))
+    grads = individual_gradients(model, problem.loss_fn, x, y)
+    cockpit = Cockpit(model, [quantities.DeadUnits()], strict=True)
+    train(problem, cockpit, 1, torch.optim.SGD(model.parameters(), lr=0.0))
+    cockpit.close()
+    out = cockpit.get_output()[0]
+    assert (grads["2.weight"] == 0).all() and (grads["2.bias"] != 0).any()
+    assert out["DeadUnits/0.weight"] == 1.0
+    assert out["DeadUnits/2.weight"] == float((grads["2.bias"].abs().amax(0) == 0).float().mean())
+    assert out["DeadUnits/2.weight"] == 0.0
+    assert out["DeadUnits/3.weight"] == 0.0  # (its input, the 2nd layer's output, is not 0)

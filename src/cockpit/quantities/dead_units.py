@@ -9,7 +9,11 @@ therefore the mini-batch gradient's row ḡ_i = (1/|B|) Σ_n g_n,i are exactly z
 Conversely, ḡ_i = 0 exactly while some g_n,i ≠ 0 needs an exact floating-point
 cancellation of continuous values, which does not happen in practice. So
 
-    DeadUnits/<weight> = #{i : ḡ_i = 0 exactly} / #units,
+    DeadUnits/<weight> = #{i : ḡ_i = 0 and ḡ_b,i = 0 exactly} / #units,
+
+where the layer has a bias b (its gradient is ḡ_b,i = (1/|B|) Σ_n δ_n,i): a unit whose row is
+zero only because the layer's input is zero on every sample (every unit before it dead)
+still has a bias gradient, and is not dead itself.
 
 read from the mini-batch gradient alone: one pass over the weight's gradient per tracked step,
 no individual gradients (hence cheap enough for the economy configuration; see
@@ -42,23 +46,30 @@ class DeadUnits(Quantity):
 
     def __init__(self, schedule=None):
         super().__init__(schedule)
-        self._weights: set[str] | None = None
+        self._weights: dict[str, str | None] | None = None
 
-    def _unit_weights(self, data: StepData) -> set[str]:
+    def _unit_weights(self, data: StepData) -> dict[str, str | None]:
+        """The Linear and convolution weights, each with its layer's bias (None without)."""
         if self._weights is None:
             owners = {} if data.engine is None else data.engine.parameter_owners
-            self._weights = {name for name, (module, attr) in owners.items()
-                             if attr == "weight" and isinstance(module, _UNIT_LAYERS)}
+            self._weights = {
+                name: (name[: -len("weight")] + "bias"
+                       if getattr(module, "bias", None) is not None else None)
+                for name, (module, attr) in owners.items()
+                if attr == "weight" and isinstance(module, _UNIT_LAYERS)}
         return self._weights
 
     def compute(self, data: StepData) -> Values:
-        names, grads = [], []
-        for name in sorted(self._unit_weights(data)):
+        names, grads, biases = [], [], []
+        weights = self._unit_weights(data)
+        for name in sorted(weights):
             grad = data.batch_grads.get(name)
             if grad is None or grad.dim() < 2 or grad.shape[0] == 0:  # (no units)
                 continue
             names.append(name)
             grads.append(grad)
+            bias = data.batch_grads.get(weights[name] or "")
+            biases.append(bias if bias is not None and bias.shape == grad.shape[:1] else None)
         if not names:
             data.notes["DeadUnits"] = "no Linear or convolution weight received a gradient"
             return {"DeadUnits": None}
@@ -73,7 +84,11 @@ class DeadUnits(Quantity):
                        for name, zero, size in zip(names, dead, sizes, strict=True))
             return out
 
-        return Later(values, unit_sums(grads), name="DeadUnits")
+        sums = unit_sums(grads)
+        if any(b is not None for b in biases):  # (a unit is dead where its bias is too)
+            sums = sums + torch.cat([g.new_zeros(g.shape[0]) if b is None else b.abs()
+                                     for g, b in zip(grads, biases, strict=True)]).to(sums)
+        return Later(values, sums, name="DeadUnits")
 
 
 def unit_sums(grads: list[Tensor]) -> Tensor:
