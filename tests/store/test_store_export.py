@@ -120,3 +120,20 @@ def test_cli_entry_points(run, tmp_path, capsys):
     args = parser.parse_args(["export", str(run), "-f", "csv"])
     assert args.func(args) == 0
     assert (run / "cockpit.csv").read_text().startswith("step,")
+
+
+def test_a_json_export_carries_the_runs_metadata_and_notes_to_the_view(tmp_path):
+    """The cockpit view of a whole-run JSON export reads its metadata (the title, the
+    restarts) and notes (why a value is missing) as the view of the run log does."""
+    from cockpit.view._source import load_notes, load_run
+
+    logdir = tmp_path / "run"
+    with RunLogWriter(logdir, meta={"model": "Net", "restarts": [{"after_step": 1}]}) as writer:
+        writer.write_step(0, {"Loss": 1.0, "Alpha": None}, notes={"Alpha": "the reason"})
+        writer.write_step(2, {"Loss": 0.5})
+    path = export_run(logdir, tmp_path / "run.json", "json")
+    output, meta = load_run(path)
+    expected_output, expected_meta = load_run(logdir)
+    assert meta == expected_meta and meta["model"] == "Net"
+    assert load_notes(path) == load_notes(logdir) == {0: {"Alpha": "the reason"}}
+    assert sorted(output) == sorted(expected_output) == [0, 2]

@@ -37,7 +37,8 @@ import numpy as np
 from cockpit.store._schema import RunLogFormatError, newer_format_message
 from cockpit.store.reader import RunLogReader
 
-__all__ = ["add_export_subcommand", "export_run", "load_json_export", "main_export"]
+__all__ = ["add_export_subcommand", "export_run", "load_json_export", "load_json_run",
+           "main_export"]
 
 FORMATS = ("json", "csv", "parquet")
 JSON_FORMAT = "cockpit-run/1"
@@ -78,16 +79,35 @@ def _from_json_list(x: list) -> list:
 
 def load_json_export(path: str | Path) -> dict[int, dict[str, Any]]:
     """Read a JSON export back into the ``{step: {name: value}}`` layout of ``output()``."""
-    raw = json.loads(Path(path).read_text())
-    if isinstance(raw.get("steps"), dict) and "format" in raw:
-        kind, _, version = str(raw["format"]).partition("/")
-        if kind != "cockpit-run" or not version.isdigit() or int(version) > _JSON_VERSION:
-            raise RunLogFormatError(newer_format_message(path, raw["format"]))
+    raw = _read_json_export(path)
+    if "format" in raw:
         raw = raw["steps"]
     out: dict[int, dict[str, Any]] = {}
     for step, values in raw.items():
         out[int(step)] = {name: _from_json(v) for name, v in values.items()}
     return out
+
+
+def load_json_run(path: str | Path) -> tuple[dict[str, Any], dict[int, dict[str, str]]]:
+    """The run's metadata and notes (``{step: {name: reason}}``) of a JSON export (empty
+    for the bare ``{step: {name: value}}`` layout)."""
+    raw = _read_json_export(path)
+    if "format" not in raw:
+        return {}, {}
+    notes = {int(step): dict(values) for step, values in raw.get("notes", {}).items()}
+    return dict(raw.get("meta", {})), notes
+
+
+def _read_json_export(path: str | Path) -> dict[str, Any]:
+    """The export's JSON object: the whole run (``format``, ``meta``, ``notes``, ``steps``;
+    a newer format refused) or the bare steps."""
+    raw = json.loads(Path(path).read_text())
+    if isinstance(raw.get("steps"), dict) and "format" in raw:
+        kind, _, version = str(raw["format"]).partition("/")
+        if kind != "cockpit-run" or not version.isdigit() or int(version) > _JSON_VERSION:
+            raise RunLogFormatError(newer_format_message(path, raw["format"]))
+        return raw
+    return {key: value for key, value in raw.items() if key != "format"}
 
 
 def _wide_scalar_columns(reader: RunLogReader) -> tuple[list[int], dict[str, list]]:

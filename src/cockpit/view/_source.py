@@ -27,7 +27,8 @@ def _meta_of(obj: Any) -> dict[str, Any] | None:
 def load_run(source: Any, meta: Mapping[str, Any] | None = None) -> tuple[Output, dict]:
     """Return ``(output, meta)`` of a run directory, JSON export, output dict or cockpit.
 
-    A JSON export (``*.json``, the ``{step: {name: value}}`` layout) has no metadata. The
+    A JSON export (``*.json``) carries the run's metadata where it is a whole-run export
+    (``cockpit export --format json``), none in the bare ``{step: {name: value}}`` layout. The
     descriptors the metadata carries are taken into the registry of instruments
     (:func:`~cockpit.quantities.descriptor.remember_descriptions`), so instruments whose
     classes this process has not imported get their panels too.
@@ -41,9 +42,10 @@ def _load(source: Any, meta: Mapping[str, Any] | None) -> tuple[Output, dict]:
     if isinstance(source, str | Path):
         path = Path(source)
         if path.suffix == ".json" and path.is_file():
-            from cockpit.store import load_json_export
+            from cockpit.store.export import load_json_export, load_json_run
 
-            return normalize_output(load_json_export(path)), dict(meta or {})
+            stored_meta, _ = load_json_run(path)
+            return normalize_output(load_json_export(path)), dict(meta or stored_meta)
         from cockpit.store import RunLogReader
 
         with RunLogReader(path) as reader:
@@ -61,11 +63,14 @@ def _load(source: Any, meta: Mapping[str, Any] | None) -> tuple[Output, dict]:
 
 def load_notes(source: Any) -> dict[int, dict[str, str]]:
     """``{step: {name: reason}}``: why values are missing (run log's notes table, a
-    Cockpit's ``get_notes()``); empty for output dicts and JSON exports without notes."""
+    Cockpit's ``get_notes()``, a whole-run JSON export's); empty for output dicts and
+    bare JSON exports."""
     if isinstance(source, str | Path):
         path = Path(source)
         if path.suffix == ".json" and path.is_file():
-            return {}
+            from cockpit.store.export import load_json_run
+
+            return load_json_run(path)[1]
         from cockpit.store import RunLogReader
 
         try:
