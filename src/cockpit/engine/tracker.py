@@ -32,6 +32,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
+from cockpit._listing import listed
 from cockpit.engine import sharded
 from cockpit.engine.backward_state import BackwardState
 from cockpit.engine.capture.batch_gradients import BatchGradientCopies
@@ -440,12 +441,11 @@ class ModuleTracker:
             formed.update(stats.values.get(name, ()))
         missing = [k for k in stats.batch_grads if k not in formed]
         if missing:
-            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more"
-                                                if len(missing) > 3 else "")
             stats.problems.append(
-                f"{shown}: the backward pass reached these parameters but Cockpit formed no "
-                "individual gradients for them (no recorded call of their layers computed "
-                "their share), so the per-sample instruments would leave them out")
+                f"{listed(missing, 3)}: the backward pass reached these parameters but "
+                "Cockpit formed no individual gradients for them (no recorded call of their "
+                "layers computed their share), so the per-sample instruments would leave "
+                "them out")
 
     @staticmethod
     def _mean_of_individual_gradients(stats: BackwardStatistics, weight: float | None) -> None:

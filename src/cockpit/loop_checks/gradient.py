@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from cockpit._listing import listed
 from cockpit.engine import tensor_sums
 from cockpit.engine.capture.removed_hooks import forget_removed_hooks
 from cockpit.engine.dtypes import in_dtype
@@ -196,8 +197,10 @@ def _unchanged_but_accumulated(param: Tensor | None, ref: weakref.ref, version: 
     """Whether ``param.grad`` is the tensor ``ref`` names, written at most once since its
     ``version`` was read."""
     grad = None if param is None else param.grad
-    same = grad is not None and grad is ref()
-    return same and grad is not None and grad._version - version <= 1
+    if grad is None:
+        return False
+    written = grad._version - version
+    return ref() is grad and written <= 1
 
 
 class OutsideBackwardWatch:
@@ -295,7 +298,3 @@ def report_backward_outside(step: int, evidence: str | None, no_gradient: bool,
     return None
 
 
-def listed(names: list[str], limit: int = 4) -> str:
-    """'a, b and 3 more' for messages."""
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from cockpit._listing import listed
+
 if TYPE_CHECKING:
     from cockpit.engine.capture.hooks import Call
 
@@ -90,10 +92,9 @@ def newest_node(tensors: Iterable[Tensor]) -> int:
 def outside_message(names: list[str]) -> str:
     """Why the individual gradients of a backward pass are not formed: ``names`` are used
     outside their layers' calls."""
-    listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     which = "these parameters" if len(names) > 1 else "this parameter"
     return (
-        f"{listed}: the loss also depends on {which} outside the calls of the layer that "
+        f"{listed(names, 3)}: the loss also depends on {which} outside the calls of the layer that "
         "owns it (e.g. a tied output layer written `F.linear(h, emb.weight)` or "
         "`h @ emb.weight.T`, or a weight used without calling its layer); individual "
         "gradients are formed from a layer's calls and would miss that use. Use the "
