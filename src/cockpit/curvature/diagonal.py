@@ -59,6 +59,7 @@ from cockpit.curvature.diag_hessian import check_graph, num_backprops, residual_
 from cockpit.curvature.hutchinson import hutchinson_diagonal, hutchinson_replicates
 from cockpit.curvature.hvp import HessianVectorProduct
 from cockpit.curvature.loss_factors import exact_sqrt_factor, mc_sqrt_factor
+from cockpit.engine.capture.hooks import reachable_nodes
 from cockpit.engine.dtypes import promote
 from cockpit.engine.engine_view import EngineView
 
@@ -360,12 +361,7 @@ def _wrong_second_derivative(node) -> tuple[str, str, str] | None:
 def check_second_derivatives(losses: Tensor) -> None:
     """Raise :class:`CurvatureError` where the losses' graph holds a node whose second
     derivative PyTorch gets wrong (:data:`WRONG_SECOND_DERIVATIVE`)."""
-    seen, stack = set(), [losses.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in reachable_nodes(losses):
         wrong = _wrong_second_derivative(node)
         if wrong is not None:
             what, why, instead = wrong
@@ -373,7 +369,6 @@ def check_second_derivatives(losses: Tensor) -> None:
                 f"the loss's graph contains {what}, whose second derivative PyTorch computes "
                 f"incorrectly ({why}), so Hessian-vector products through it are not H·v; "
                 f"{instead} to use the curvature instruments")
-        stack.extend(child for child, _ in node.next_functions)
 
 
 def hessian_vector_product(engine: EngineView, losses: Tensor, params: Mapping[str, Tensor]):

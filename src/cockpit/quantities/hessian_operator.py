@@ -86,13 +86,10 @@ def open_operator(engine: EngineView, losses: Tensor | None, again: bool
         return BatchShare(params, 1.0, False)
     device = next(iter(params.values())).device
     detached = losses.detach().to(device)
-    if RANK_HEADER not in engine.step_cache:  # (one for the block's instruments)
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        header = torch.stack([torch.tensor(float(detached.numel()), dtype=torch.float64,
-                                           device=device),
-                              (~torch.isfinite(detached)).sum().double(), zero])
-        engine.step_cache[RANK_HEADER] = summed_over_ranks(header).tolist()
-    total, non_finite, declined = engine.step_cache[RANK_HEADER]
+    total, non_finite, declined = _summed_header(engine, lambda: torch.stack([
+        torch.tensor(float(detached.numel()), dtype=torch.float64, device=device),
+        (~torch.isfinite(detached)).sum().double(),
+        torch.zeros((), dtype=torch.float64, device=device)]))
     if declined > 0:
         return DECLINED_ON_A_RANK
     if non_finite > 0:
@@ -105,12 +102,20 @@ def decline(engine: EngineView) -> None:
     pass did not go through; its curvature instruments prepare nothing) still answers the
     all-reduce of :func:`open_operator`'s header, declining: the other processes then form
     no product either (each would wait for this one's share)."""
-    request = engine.request
-    if not request.defer or RANK_HEADER in engine.step_cache:
+    if not engine.request.defer or RANK_HEADER in engine.step_cache:
         return
+    # (graph_params: the same gathers as open_operator's, under fully_shard)
     device = next(iter(engine.graph_params().values())).device
-    header = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64, device=device)
-    engine.step_cache[RANK_HEADER] = summed_over_ranks(header).tolist()
+    _summed_header(engine, lambda: torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64,
+                                                device=device))
+
+
+def _summed_header(engine: EngineView, header: Callable[[], Tensor]) -> list[float]:
+    """(N, non-finite losses, declining processes) summed over the processes: one
+    all-reduce per step for every instrument of the block (``header``: this process's)."""
+    if RANK_HEADER not in engine.step_cache:
+        engine.step_cache[RANK_HEADER] = summed_over_ranks(header()).tolist()
+    return engine.step_cache[RANK_HEADER]
 
 
 def batch_matvec(engine: EngineView, losses: Tensor, params: Mapping[str, Tensor],

@@ -322,8 +322,8 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
 
     counts = [int(c) for c in layout.view(buffer, "header", "samples").tolist()]
     total = sum(counts)
-    micro = int(layout.view(buffer, "header", "micro_batches").max().item())
-    out = BackwardStatistics(total, micro_batches=max(micro, stats.micro_batches), ranks=size)
+    micro = int(layout.view(buffer, "header", "micro_batches").max().item())  # (ours too)
+    out = BackwardStatistics(total, micro_batches=micro, ranks=size)
     out.problems = list(stats.problems)
     if not out.problems and bool(layout.view(buffer, "header", "problems").sum() > 0):
         out.problems.append(OTHER_RANK_PROBLEM)
