@@ -183,18 +183,16 @@ class Cockpit:
                                      curvature_budget=None if isinstance(memory_budget, str)
                                      else budget)
         self._compiled = compiled.EagerAtTrackedSteps(model, self.tracker)
-        if batchnorm == FROZEN_STATISTICS and any(
-                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-            # Alpha's prediction needs the batch gradient's individual shares: it projects
-            # the kept calls after the step instead
-            for quantity in filter(predicts_update, self.quantities):
-                quantity.predict = False  # type: ignore[attr-defined]
         self._params: dict[str, Tensor] = dict(self.tracker.params)
         unowned = check_optimizer_owns_parameters(optimizer, self._params)
         # another optimizer trains some parameters: θ_t before the first optimizer's step,
         # θ_(t+1) after all of them (at the next step's block), Alpha along that update
         self._shared = bool(unowned) and len(unowned) < len(self._params)
-        if self._shared:
+        if self._shared or (batchnorm == FROZEN_STATISTICS and any(
+                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())):
+            # Alpha's prediction covers neither the other optimizer's update nor individual
+            # shares of a frozen-statistics batch gradient: it projects the kept calls on
+            # the update after the step instead
             for quantity in filter(predicts_update, self.quantities):
                 quantity.predict = False  # type: ignore[attr-defined]
         initial = (initial_parameters.snapshot(self._params)
@@ -209,7 +207,6 @@ class Cockpit:
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
-        self._param_ids = frozenset(map(id, self._params.values()))
         # other optimizers: whether they step on the model's parameters
         self._steps_ours: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         if self._shared:
@@ -373,7 +370,7 @@ class Cockpit:
         steps = self._steps
         steps.stepping, steps.evaluated = False, None
         if not self._shared:  # (else at the next block: after every optimizer's step)
-            self._steps.finish_update()
+            steps.finish_update()
 
     def _before_any_optimizer_step(self, optimizer, args, kwargs) -> None:
         """Another optimizer that steps on some of the model's parameters ends the step
@@ -382,7 +379,7 @@ class Cockpit:
             return
         ours = self._steps_ours.get(optimizer)
         if ours is None:
-            ours = self._steps_ours[optimizer] = steps_any(optimizer, self._param_ids)
+            ours = self._steps_ours[optimizer] = steps_any(optimizer, self._params.values())
         if ours:
             self._steps.end_step()
 

@@ -4,6 +4,7 @@ warning at construction when it does not own them all."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -71,6 +72,7 @@ def check_optimizer_owns_parameters(optimizer: torch.optim.Optimizer | None,
     return missing
 
 
-def steps_any(optimizer: torch.optim.Optimizer, ids: frozenset[int]) -> bool:
-    """Whether ``optimizer`` steps on any of the parameters whose ``id`` is in ``ids``."""
+def steps_any(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> bool:
+    """Whether ``optimizer`` steps on any of ``params`` (asked once per optimizer)."""
+    ids = set(map(id, params))
     return any(id(p) in ids for group in optimizer.param_groups for p in group["params"])

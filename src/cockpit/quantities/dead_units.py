@@ -68,7 +68,8 @@ class DeadUnits(Quantity):
                 continue
             names.append(name)
             grads.append(grad)
-            bias = data.batch_grads.get(weights[name] or "")
+            bias_name = weights[name]
+            bias = None if bias_name is None else data.batch_grads.get(bias_name)
             biases.append(bias if bias is not None and bias.shape == grad.shape[:1] else None)
         if not names:
             data.notes["DeadUnits"] = "no Linear or convolution weight received a gradient"
