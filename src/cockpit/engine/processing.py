@@ -211,7 +211,7 @@ class CallProcessor:
         if isinstance(unit.module, parametrize.ParametrizationList):
             self.computed.parametrization_called(unit.name, unit.module)
             return
-        computed_weights = self.computed.of
+        computed = self.computed.of(unit.module)  # (weights computed from trained tensors)
         if (unit.rule is None and len(call.outputs) > 1
                 and not isinstance(unit.module, nn.RNNCellBase)  # (the cell rule separates)
                 and outputs_feed_each_other(call)):
@@ -245,7 +245,6 @@ class CallProcessor:
         if keep_calls:  # for projections on directions known only after the step
             params = (None if unit.rule is not None and len(grads) == 1
                       else {k: p.detach().clone() for k, p in self.whole_params(unit).items()})
-            computed = computed_weights(unit.module)
             if params is None and computed:  # (θ_t of W = P(θ_t))
                 params = {k: t.detach().clone() for rep in computed.values()
                           for k, t in rep.originals.items()}
@@ -258,7 +257,7 @@ class CallProcessor:
         if self._waits_normalized(call, grads, scale):
             return
         results = self.rule(call, grads, scale)
-        if computed_weights(unit.module):
+        if computed:
             self.computed.layer_called(unit.name, unit.module)
         for name, sg in results.items():
             if sg.num_samples != stats.num_samples:

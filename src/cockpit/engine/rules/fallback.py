@@ -183,13 +183,13 @@ def _shared_inputs(module: nn.Module, args: tuple, kwargs: dict, n: int,
 def _find_shared(module: nn.Module, args: tuple, kwargs: dict, params: dict[str, Tensor],
                  positions: list[int], arg_dims: tuple, kwarg_dims: dict,
                  candidates: list) -> frozenset:
-    buffers = dict(module.named_buffers())
+    frozen = {k: v.detach() for k, v in params.items()}
+    buffers = _buffers(module, frozen)
     device = next(iter(params.values())).device if params else torch.device("cpu")
 
     def outputs(call_args: tuple, call_kwargs: dict) -> list[Tensor]:
-        state = {**{k: b.clone() for k, b in buffers.items()},
-                 **{k: v.detach() for k, v in params.items()}}
-        flat = output_tensors(functional_call(module, state, call_args, call_kwargs))
+        flat = output_tensors(functional_call(module, _with_buffer_copies(frozen, buffers),
+                                              call_args, call_kwargs))
         return [flat[i] for i in positions]
 
     def first_sample(shared: frozenset) -> list[Tensor]:
@@ -275,7 +275,7 @@ def fallback_rule(
     detached_args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     detached_kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
     frozen = {k: v.detach() for k, v in params.items()}
-    buffers = {k: b for k, b in module.named_buffers() if k not in frozen}
+    buffers = _buffers(module, frozen)
 
     def tensor_outputs(result) -> list[Tensor]:
         tensors = output_tensors(result)
@@ -289,12 +289,9 @@ def fallback_rule(
         call_kwargs = {k: with_batch(v, kwarg_dims[k]) for k, v in sample_kwargs.items()}
 
         def forward(p):
-            # buffers the layer changes in place (a call counter, running statistics): on
-            # copies made inside the transform (a captured tensor may not be mutated), so
-            # the re-runs leave the layer's own untouched
-            state = {**{k: b.clone() for k, b in buffers.items()}, **p} if buffers else p
-            return tuple(tensor_outputs(functional_call(module, state, call_args,
-                                                        call_kwargs)))
+            # (copies made inside the transform: a captured tensor may not be mutated)
+            return tuple(tensor_outputs(functional_call(
+                module, _with_buffer_copies(p, buffers), call_args, call_kwargs)))
 
         _, vjp_fn = vjp(forward, theta)
         cotangents = tuple(d.unsqueeze(dim) for d, dim in zip(sample_deltas, delta_dims,
@@ -319,6 +316,19 @@ def fallback_rule(
     # a module whose children own other parameters (e.g. a scale around a Linear) is called
     # with those real parameters: the result must not carry a graph to them
     return {name: DenseSampleGrads(g.detach()) for name, g in per_sample.items()}
+
+
+def _buffers(module: nn.Module, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The layer's buffers (those ``params`` does not replace)."""
+    return {k: b for k, b in module.named_buffers() if k not in params}
+
+
+def _with_buffer_copies(params: dict[str, Tensor], buffers: dict[str, Tensor]
+                        ) -> dict[str, Tensor]:
+    """The state a re-run of the layer reads: ``params`` and copies of its ``buffers``, so
+    that a forward pass changing a buffer in place (a call counter, running statistics)
+    leaves the layer's own untouched."""
+    return {**{k: b.clone() for k, b in buffers.items()}, **params} if buffers else params
 
 
 def fallback_in_chunks(
