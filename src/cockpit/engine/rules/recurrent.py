@@ -62,8 +62,10 @@ def packed_output_grad(module: nn.RNNBase, packed_input: PackedSequence, grad: T
     return padded
 
 
-def _cell(mode: str, x: Tensor, state, w_ih, w_hh, b_ih, b_hh, w_hr):
-    """One step of one direction of one layer; x: [B, I], state h or (h, c): [B, H]."""
+def _cell(mode: str, x: Tensor, state, w_ih, w_hh, b_ih, b_hh, w_hr,
+          separate_state: bool = False):
+    """One step of one direction of one layer; x: [B, I], state h or (h, c): [B, H]
+    (``separate_state``: an LSTM's h formed from c outside autograd, :func:`cell_forward`)."""
     h = state[0] if mode == "LSTM" else state
     gi = x @ w_ih.T
     gh = h @ w_hh.T
@@ -80,7 +82,7 @@ def _cell(mode: str, x: Tensor, state, w_ih, w_hh, b_ih, b_hh, w_hr):
     if mode == "LSTM":
         i, f, g, o = (gi + gh).chunk(4, -1)
         c = torch.sigmoid(f) * state[1] + torch.sigmoid(i) * torch.tanh(g)
-        h_new = torch.sigmoid(o) * torch.tanh(c)
+        h_new = torch.sigmoid(o) * torch.tanh(c.detach() if separate_state else c)
         if w_hr is not None:
             h_new = h_new @ w_hr.T
         return h_new, c
@@ -198,13 +200,4 @@ def cell_forward(module: nn.RNNCellBase, params: dict[str, Tensor], x: Tensor, h
     if hx is None:
         zeros = x.new_zeros(x.shape[0], module.hidden_size)
         hx = (zeros, zeros) if mode == "LSTM" else zeros
-    if mode != "LSTM":
-        return _cell(mode, x, hx, w_ih, w_hh, b_ih, b_hh, None)
-    h, c = hx
-    gates = x @ w_ih.T + h @ w_hh.T
-    if b_ih is not None:
-        gates = gates + b_ih + b_hh
-    i, f, g, o = gates.chunk(4, -1)
-    c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    h_new = torch.sigmoid(o) * torch.tanh(c_new.detach() if separate_state else c_new)
-    return h_new, c_new
+    return _cell(mode, x, hx, w_ih, w_hh, b_ih, b_hh, None, separate_state)
