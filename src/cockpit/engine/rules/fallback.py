@@ -14,8 +14,10 @@ module with p > 0 in training mode, no batch statistics).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +38,16 @@ from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
 
 # Start of the warning torch.func.vmap gives for an operator without a batching rule.
 _NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented the batching"
+
+
+@contextlib.contextmanager
+def without_batching_rule_notes() -> Iterator[None]:
+    """vmap's note that an operator (CPU flash attention, weight norm's backward) runs
+    without a batching rule silenced: it concerns Cockpit's own computation, the user can do
+    nothing about it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE, category=UserWarning)
+        yield
 # Part of the error torch.func.vmap raises for a random operation (dropout) inside it.
 _RANDOM_OPERATION = "called random operation while in randomness error mode"
 
@@ -299,10 +311,7 @@ def fallback_rule(
         return vjp_fn(cotangents)[0]
 
     delta_dims = output_batch_dims(module, positions)
-    with warnings.catch_warnings():
-        # vmap's note that an operator (e.g. CPU flash attention) runs without a batching
-        # rule concerns Cockpit's own computation; the user can do nothing about it
-        warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE, category=UserWarning)
+    with without_batching_rule_notes():
         try:
             per_sample = vmap(one_sample, in_dims=(None, arg_dims, kwarg_dims, delta_dims))(
                 frozen, detached_args, detached_kwargs, tuple(grad_outputs)

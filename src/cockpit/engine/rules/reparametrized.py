@@ -18,7 +18,6 @@ the updated ones, as constants (``σ = uᵀ W v``).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -30,10 +29,8 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from cockpit.engine.rules.fallback import without_batching_rule_notes
 from cockpit.engine.rules.sample_grads import DenseSampleGrads, SampleGrads
-
-# Start of the warning torch.func.vmap gives for an operator without a batching rule.
-_NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented the batching"
 
 
 @dataclass
@@ -157,10 +154,7 @@ def originals_grads(rep: Reparametrization, grads: SampleGrads,
     with evaluated({rep.attr: rep}):
         weight, vjp_fn = vjp(computed, *(current[k] for k in trainable))[:2]
     g = grads.materialize().to(weight.dtype)
-    with warnings.catch_warnings():
-        # vmap's note that an operator (weight norm's backward) has no batching rule
-        # concerns Cockpit's own computation; the user can do nothing about it
-        warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE, category=UserWarning)
+    with without_batching_rule_notes():
         per_sample = vmap(vjp_fn)(g.reshape(g.shape[0], *weight.shape))
     return {k: DenseSampleGrads(t.detach()) for k, t in zip(trainable, per_sample,
                                                             strict=True)}
