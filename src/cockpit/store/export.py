@@ -79,35 +79,27 @@ def _from_json_list(x: list) -> list:
 
 def load_json_export(path: str | Path) -> dict[int, dict[str, Any]]:
     """Read a JSON export back into the ``{step: {name: value}}`` layout of ``output()``."""
-    raw = _read_json_export(path)
-    if "format" in raw:
-        raw = raw["steps"]
-    out: dict[int, dict[str, Any]] = {}
-    for step, values in raw.items():
-        out[int(step)] = {name: _from_json(v) for name, v in values.items()}
-    return out
+    return load_json_run(path)[0]
 
 
-def load_json_run(path: str | Path) -> tuple[dict[str, Any], dict[int, dict[str, str]]]:
-    """The run's metadata and notes (``{step: {name: reason}}``) of a JSON export (empty
-    for the bare ``{step: {name: value}}`` layout)."""
-    raw = _read_json_export(path)
-    if "format" not in raw:
-        return {}, {}
-    notes = {int(step): dict(values) for step, values in raw.get("notes", {}).items()}
-    return dict(raw.get("meta", {})), notes
-
-
-def _read_json_export(path: str | Path) -> dict[str, Any]:
-    """The export's JSON object: the whole run (``format``, ``meta``, ``notes``, ``steps``;
-    a newer format refused) or the bare steps."""
+def load_json_run(path: str | Path
+                  ) -> tuple[dict[int, dict[str, Any]], dict[str, Any], dict[int, dict[str, str]]]:
+    """A JSON export read once: its steps (as :func:`load_json_export`), the run's metadata
+    and notes (``{step: {name: reason}}``; both empty for the bare ``{step: {name:
+    value}}`` layout)."""
     raw = json.loads(Path(path).read_text())
+    meta: dict[str, Any] = {}
+    notes: dict[int, dict[str, str]] = {}
     if isinstance(raw.get("steps"), dict) and "format" in raw:
         kind, _, version = str(raw["format"]).partition("/")
         if kind != "cockpit-run" or not version.isdigit() or int(version) > _JSON_VERSION:
             raise RunLogFormatError(newer_format_message(path, raw["format"]))
-        return raw
-    return {key: value for key, value in raw.items() if key != "format"}
+        meta = dict(raw.get("meta", {}))
+        notes = {int(step): dict(values) for step, values in raw.get("notes", {}).items()}
+        raw = raw["steps"]
+    steps = {int(step): {name: _from_json(v) for name, v in values.items()}
+             for step, values in raw.items() if step != "format"}
+    return steps, meta, notes
 
 
 def _wide_scalar_columns(reader: RunLogReader) -> tuple[list[int], dict[str, list]]:

@@ -42,10 +42,10 @@ def _load(source: Any, meta: Mapping[str, Any] | None) -> tuple[Output, dict]:
     if isinstance(source, str | Path):
         path = Path(source)
         if path.suffix == ".json" and path.is_file():
-            from cockpit.store.export import load_json_export, load_json_run
+            from cockpit.store.export import load_json_run
 
-            stored_meta, _ = load_json_run(path)
-            return normalize_output(load_json_export(path)), dict(meta or stored_meta)
+            output, stored_meta, _ = load_json_run(path)
+            return normalize_output(output), dict(meta or stored_meta)
         from cockpit.store import RunLogReader
 
         with RunLogReader(path) as reader:
@@ -70,7 +70,7 @@ def load_notes(source: Any) -> dict[int, dict[str, str]]:
         if path.suffix == ".json" and path.is_file():
             from cockpit.store.export import load_json_run
 
-            return load_json_run(path)[1]
+            return load_json_run(path)[2]
         from cockpit.store import RunLogReader
 
         try:
