@@ -65,14 +65,27 @@ def test_non_finite_units_are_alive():
         assert (sums == 0).tolist() == [False, True, False]
 
 
+def _dead_units_step(model, x, y):
+    """DeadUnits at one tracked step of ``model`` on (x, y), and the individual gradients
+    (torch.func) it is checked against."""
+    import torch.nn.functional as F
+
+    from cockpit import Cockpit, quantities
+
+    problem = Problem("dead", model, x, y,
+                      lambda out, target: F.cross_entropy(out, target, reduction="none"))
+    grads = individual_gradients(model, problem.loss_fn, x, y)
+    cockpit = Cockpit(model, [quantities.DeadUnits()], strict=True)
+    train(problem, cockpit, 1, torch.optim.SGD(model.parameters(), lr=0.0))
+    cockpit.close()
+    return cockpit.get_output()[0], grads
+
+
 @pytest.mark.parametrize("path", ["cpu", "accelerator"])
 def test_dead_fractions_of_several_weights_and_a_weight_without_units(path, monkeypatch):
     """Each weight's dead fraction and the total #dead / #units against the individual
     gradients (torch.func); a weight with no units (Linear(·, 0)) is left out, not a 0/0."""
-    import torch.nn.functional as F
     from torch import nn
-
-    from cockpit import Cockpit, quantities
 
     monkeypatch.setattr(histogram_device, "_forced", path == "accelerator")
 
@@ -93,13 +106,7 @@ def test_dead_fractions_of_several_weights_and_a_weight_without_units(path, monk
     with torch.no_grad():  # units 1 and 4 of ``a`` never fire: their rows get no gradient
         model.a.bias[[1, 4]] = -1e3
     x, y = torch.randn(7, 5, dtype=torch.float64), torch.randint(0, 4, (7,))
-    problem = Problem("dead", model, x, y,
-                      lambda out, target: F.cross_entropy(out, target, reduction="none"))
-    grads = individual_gradients(model, problem.loss_fn, x, y)
-    cockpit = Cockpit(model, [quantities.DeadUnits()], strict=True)
-    train(problem, cockpit, 1, torch.optim.SGD(model.parameters(), lr=0.0))
-    cockpit.close()
-    out = cockpit.get_output()[0]
+    out, grads = _dead_units_step(model, x, y)
     dead = {w: int((grads[w].abs().amax(dim=(0, 2)) == 0).sum())
             for w in ("a.weight", "b.weight")}
     assert dead["a.weight"] == 2
@@ -116,10 +123,7 @@ def test_a_layer_after_dead_units_is_not_dead_itself(path, monkeypatch):
     units still get a gradient (their bias's); the dead units are those whose row and bias
     gradient both vanish (against the individual gradients), a layer without a bias by its
     rows alone."""
-    import torch.nn.functional as F
     from torch import nn
-
-    from cockpit import Cockpit, quantities
 
     monkeypatch.setattr(histogram_device, "_forced", path == "accelerator")
     torch.manual_seed(0)
@@ -128,13 +132,7 @@ def test_a_layer_after_dead_units_is_not_dead_itself(path, monkeypatch):
     with torch.no_grad():
         model[0].bias.fill_(-1e3)  # (no hidden unit fires)
     x, y = torch.randn(7, 5, dtype=torch.float64), torch.randint(0, 3, (7,))
-    problem = Problem("dead", model, x, y,
-                      lambda out, target: F.cross_entropy(out, target, reduction="none"))
-    grads = individual_gradients(model, problem.loss_fn, x, y)
-    cockpit = Cockpit(model, [quantities.DeadUnits()], strict=True)
-    train(problem, cockpit, 1, torch.optim.SGD(model.parameters(), lr=0.0))
-    cockpit.close()
-    out = cockpit.get_output()[0]
+    out, grads = _dead_units_step(model, x, y)
     assert (grads["2.weight"] == 0).all() and (grads["2.bias"] != 0).any()
     assert out["DeadUnits/0.weight"] == 1.0
     assert out["DeadUnits/2.weight"] == float((grads["2.bias"].abs().amax(0) == 0).float().mean())
