@@ -87,8 +87,9 @@ class DeadUnits(Quantity):
 
         sums = unit_sums(grads)
         if any(b is not None for b in biases):  # (a unit is dead where its bias is too)
-            sums = sums + torch.cat([g.new_zeros(g.shape[0]) if b is None else b.abs()
-                                     for g, b in zip(grads, biases, strict=True)]).to(sums)
+            # (one copy and one absolute value for all biases: three ops, not one per layer)
+            sums = sums + torch.cat([g.new_zeros(g.shape[0]) if b is None else b
+                                     for g, b in zip(grads, biases, strict=True)]).abs_()
         return Later(values, sums, name="DeadUnits")
 
 
