@@ -71,6 +71,28 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(h).mean(1))
 
 
+class RoutedNet(nn.Module):
+    """Two heads, each sample routed by the sign of its first input: a batch whose samples
+    all take one head never calls the other (that head gets no gradient), a mixed batch
+    calls both on every sample and picks per sample (the other head's individual gradients
+    are exactly 0)."""
+
+    def __init__(self, d_in=5, width=6, classes=3):
+        super().__init__()
+        self.body = nn.Linear(d_in, width)
+        self.a = nn.Linear(width, classes)
+        self.b = nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        route = x[:, 0] > 0
+        if bool(route.all()):
+            return self.a(h)
+        if not bool(route.any()):
+            return self.b(h)
+        return torch.where(route[:, None], self.a(h), self.b(h))
+
+
 class CustomNet(nn.Module):
     """Custom layer, Conv1d, RMSNorm, a module used twice and tied weights."""
 
@@ -119,6 +141,10 @@ def make_problem(name: str, batch_size: int, dtype=torch.float64, seed: int = 0)
     elif name == "transformer":
         model = TinyTransformer()
         x, y, loss = torch.randint(0, 11, (n, 5)), torch.randint(0, 3, (n,)), cross_entropy
+    elif name == "routed":  # the first half of the samples takes head a, the second b
+        model = RoutedNet()
+        x, y, loss = torch.randn(n, 5), torch.randint(0, 3, (n,)), cross_entropy
+        x[:, 0] = torch.where(torch.arange(n) < n // 2, 1.0, -1.0) * x[:, 0].abs()
     elif name == "custom":
         model = CustomNet()
         x, y, loss = torch.randint(0, 9, (n, 4)), torch.randint(0, 9, (n,)), cross_entropy

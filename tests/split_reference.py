@@ -105,12 +105,12 @@ def batches_of(problem, steps: int, size: int, seed: int = 1) -> list[tuple]:
 def whole_batch_run(problem: Problem, batches: list[tuple], make_optimizer,
                     gradients: list[dict[str, torch.Tensor]] | None = None,
                     curvature: str = "diag_ggn_exact",
-                    chosen: list | None = None) -> tuple[dict, dict]:
+                    chosen: list | None = None, **cockpit_kwargs) -> tuple[dict, dict]:
     """One ``with`` block per step on the whole batch (x, y). ``gradients``: the gradient
     the split run's optimizer stepped on, per step (used instead of the whole batch's mean
     when the split run weighted its micro-batches unequally); Alpha then measures the real
     update by its general path, which is exact for any update. ``chosen``: the instruments
-    (default: :func:`instruments`)."""
+    (default: :func:`instruments`); ``cockpit_kwargs``: further arguments of Cockpit."""
     model = copy.deepcopy(problem.model)
     opt = make_optimizer(model)
     chosen = instruments(curvature) if chosen is None else chosen
@@ -118,7 +118,7 @@ def whole_batch_run(problem: Problem, batches: list[tuple], make_optimizer,
         for q in chosen:
             if isinstance(q, quantities.Alpha):
                 q.predict = False
-    cockpit = Cockpit(model, chosen, optimizer=opt, strict=True)
+    cockpit = Cockpit(model, chosen, optimizer=opt, strict=True, **cockpit_kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, (x, y) in enumerate(batches):

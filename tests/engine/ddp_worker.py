@@ -58,7 +58,8 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
         # "inside"/"after": no DDP, gradients all-reduced by hand inside or after the block;
         # "never": each process trains on its own shards without synchronizing
         by_hand = config.get("allreduce_by_hand")
-        model = problem.model if by_hand else DistributedDataParallel(problem.model)
+        model = problem.model if by_hand else DistributedDataParallel(
+            problem.model, **config.get("ddp_kwargs", {}))
         projections = _count_union_projections()
         opt = config["make_optimizer"](model)
         # micro-batches per step of each process (a process may split its shard, the other

@@ -137,13 +137,22 @@ def histograms() -> list:
 def test_the_accelerator_paths_histograms_count_the_global_batch(tmp_path):
     """GradHist1d and GradHist2d on the accelerator path (each backward pass' lane counts
     summed when it ends, added over micro-batches, all-reduced over the ranks), uneven
-    shards with 2 micro-batches each: every rank reports the whole batch's counts."""
-    config = _config("mlp_relu", [10, 14], seed=3, micro_batches=2, instruments=histograms,
-                     accelerator_path=True)
+    shards with 2 micro-batches each: every rank reports the whole batch's counts. Each
+    process' samples take one head of two (DDP with ``find_unused_parameters``): the other
+    head's individual gradients, 0, are counted as in one process whose samples pick their
+    head per sample."""
+    problem = make_problem("routed", 48)  # samples 0–23 take head a, 24–47 head b
+    generator = torch.Generator().manual_seed(3)
+    batches = [(problem.x[index], problem.y[index]) for index in (
+        torch.cat([torch.randint(0, 24, (10,), generator=generator),
+                   torch.randint(24, 48, (14,), generator=generator)]) for _ in range(STEPS))]
+    config = _config("routed", [10, 14], micro_batches=2, instruments=histograms,
+                     accelerator_path=True, batches=batches,
+                     ddp_kwargs={"find_unused_parameters": True})
     ranks = _two_processes(tmp_path, config)
-    expected, _ = whole_batch_run(make_problem("mlp_relu", 48), config["batches"], sgd,
+    expected, _ = whole_batch_run(make_problem("routed", 48), batches, sgd,
                                   gradients=ranks[0]["stepped"], chosen=histograms())
-    parameters = len(list(make_problem("mlp_relu", 48).model.parameters()))
+    parameters = len(list(problem.model.parameters()))
     for result in ranks:
         output = strip(result["output"])
         assert sum(key.startswith("GradHist") for step in range(STEPS)

@@ -57,6 +57,7 @@ from cockpit.engine.statistics import (
     PER_SAMPLE_STATS,
     SAMPLE_GRAD_SUM,
     BackwardStatistics,
+    Counts,
     GradientDots,
     requested,
 )
@@ -410,6 +411,7 @@ class ModuleTracker:
             self.processor.reduce_pending()
             self.processor.guarded("per-sample statistics", self.stats.finish)
             self._check_complete(self.stats)
+            self.processor.guarded("histogram counts", self._count_absent, self.stats)
         finally:
             self.active = False
             self.processor.after_backward = False
@@ -446,6 +448,19 @@ class ModuleTracker:
                 "Cockpit formed no individual gradients for them (no recorded call of their "
                 "layers computed their share), so the per-sample instruments would leave "
                 "them out")
+
+    def _count_absent(self, stats: BackwardStatistics) -> None:
+        """The counts of the individual gradients 0 of this backward pass' samples for every
+        parameter it did not reach (:class:`~cockpit.engine.statistics.registry.Counts`),
+        formed while θ is as it was during the pass (gathered where sharded)."""
+        if stats.problems or not stats.num_samples:
+            return
+        for statistic in requested(self.needs):
+            if isinstance(statistic, Counts):
+                formed = stats.values.get(statistic.name, {})
+                stats.absent[statistic.name] = {
+                    name: statistic.absent(stats.num_samples, name, self)
+                    for name in self.params if name not in formed}
 
     @staticmethod
     def _mean_of_individual_gradients(stats: BackwardStatistics, weight: float | None) -> None:

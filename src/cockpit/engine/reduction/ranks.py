@@ -17,7 +17,8 @@ individual gradient crosses the network:
 
 The layout of both buffers comes from the parameter names and the requested statistics, the
 same on every rank; a parameter without gradient on a rank contributes zeros (its individual
-gradients are zero there) and a presence flag. Works for any backend whose tensors live on
+gradients are zero there: histogram counts add the counts of those zeros) and no presence
+flag; a parameter no rank holds is left out. Works for any backend whose tensors live on
 the parameters' device (gloo on CPU, NCCL on CUDA).
 
 Every all-reduce goes through :func:`all_reduce_sum`, which keeps the buffer until the backend
@@ -272,8 +273,7 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
                                  for name, shape in shapes.items()}
         for name, shape in slots[statistic.name].items():
             layout.add(statistic.name, name, shape)
-            if statistic.flagged:
-                layout.add(statistic.name + "?", name, [1])
+            layout.add(statistic.name + "?", name, [1])
     for key in sample_sum_keys:
         for name, shape in shapes.items():
             layout.add("sample_sums:" + key, name, shape)
@@ -299,12 +299,15 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
             summed.mul_(n)
         layout.view(buffer, "batch_grads?", name).fill_(1)
     for statistic in statistics:
+        absent = stats.absent.get(statistic.name, {})
         for name, shape in slots[statistic.name].items():
             value = statistic.pack(stats, name, shape)
             if value is not None:
                 layout.view(buffer, statistic.name, name).copy_(value)
-                if statistic.flagged:
-                    layout.view(buffer, statistic.name + "?", name).fill_(1)
+                layout.view(buffer, statistic.name + "?", name).fill_(1)
+            if name in absent:  # (this rank's samples did not reach it: counted, not flagged)
+                layout.view(buffer, statistic.name, name).add_(
+                    absent[name].to(buffer.device, torch.float64).reshape(shape))
     for key in sample_sum_keys:
         for name, value in stats.sample_sums.get(key, {}).items():
             if name in shapes:
@@ -344,9 +347,8 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
     for statistic in statistics:
         target = out[statistic.name]
         for name in shapes:
-            # a summed value needs the parameter's gradient on some rank (counts do not)
-            if statistic.flagged and not (name in summed_means
-                                          and present(statistic.name, name)):
+            # a summed value needs the parameter's gradient on some rank
+            if not (name in summed_means and present(statistic.name, name)):
                 continue
             target[name] = statistic.unpack(layout.view(buffer, statistic.name, name), totals,
                                             name)

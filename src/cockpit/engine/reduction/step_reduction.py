@@ -87,6 +87,7 @@ class StepReduction:
         """The statistics of the whole step, over every micro-batch and process."""
         local = self.stats
         assert local is not None
+        local.fold_absent()  # (what no sample here reached: another process' to count)
         ranks = self.ranks
         params = self.engine.params
         if ranks > 1:

@@ -85,6 +85,9 @@ class BackwardStatistics:
     # g_nᵀG ([N] per parameter) for the gradient G = p.grad after this backward pass, and a
     # copy of G; only for one backward per process (deferred layer processing), else None
     gradient_dots: GradientDots | None = None
+    # Counts statistic → parameter this backward pass did not reach → the counts of its
+    # samples' individual gradients 0 (:meth:`Counts.absent`), for :meth:`fold_absent`
+    absent: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     losses: Tensor | None = None  # ℓ_n, detached, [N]
     problems: list[str] = field(default_factory=list)  # reasons per-sample stats are invalid
     micro_batches: int = 1
@@ -146,6 +149,8 @@ class BackwardStatistics:
                     key: _merge_centered(mine.get(key), self.batch_grads.get(key), na,
                                          theirs.get(key), other.batch_grads.get(key), nb)
                     for key in {**mine, **theirs}}
+        merged.absent = {key: _add(self.absent.get(key, {}), other.absent.get(key, {}))
+                         for key in {**self.absent, **other.absent}}
         merged.sample_sums = {
             key: _add(self.sample_sums.get(key, {}), other.sample_sums.get(key, {}))
             for key in {**self.sample_sums, **other.sample_sums}
@@ -166,6 +171,15 @@ class BackwardStatistics:
             elif b is not None:
                 merged.batch_grads[name] = b * (nb / n)
         return merged
+
+    def fold_absent(self) -> None:
+        """Add the counts of the samples that did not reach a parameter to its counts where
+        other samples reached it; the counts of parameters without any stay in ``absent``
+        (another process may have reached them)."""
+        for name, absent in self.absent.items():
+            values = self.values.get(name, {})
+            for key in [key for key in absent if key in values]:
+                values[key] = values[key] + absent.pop(key).to(values[key].device)
 
 
 def _zero_like_samples(reference: Tensor, count: int, dim: int) -> Tensor:

@@ -3,8 +3,8 @@
 :class:`~cockpit.engine.histograms.auto_range.AutoRange` (regrouped into bins at the
 reduction point).
 
-Per parameter [bins]; micro-batches and ranks add (every parameter has a slot: a rank without
-the parameter counts nothing). On accelerators a parameter's counts are formed as lane
+Per parameter [bins]; micro-batches and ranks add (with the zeros of the samples that did not
+reach the parameter: :meth:`Hist1d.absent`). On accelerators a parameter's counts are formed as lane
 counts (:class:`~cockpit.engine.histograms.device.LaneCounts`), in blocks whose scratch fits
 the engine's ``memory_budget``, and their lanes are summed for every parameter at once when
 the backward pass ends (:meth:`Hist1d.finish`).
@@ -12,6 +12,7 @@ the backward pass ends (:meth:`Hist1d.finish`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from cockpit.engine.histograms.auto_range import AutoRange, magnitude_counts
 from cockpit.engine.histograms.device import LaneCounts, device_path, sum_lanes
+from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.rules.sample_grads import (
     SampleGrads,
 )
@@ -44,6 +46,15 @@ def _within_budget(chunks: Iterator[Tensor], budget: int | None) -> Iterator[Ten
             yield chunk
         else:
             yield from chunk.reshape(-1).split(max(1, budget // _KEY_BYTES_PER_ELEMENT))
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_slot(spec: BinSpec | AutoRange) -> int:
+    """The bin (or undecided range's magnitude key) that holds 0."""
+    zero = torch.zeros(1)
+    if isinstance(spec, AutoRange):
+        return int(magnitude_counts([zero]).argmax())
+    return int(spec.bin_index(zero))
 
 
 class Hist1d(Counts):
@@ -78,6 +89,13 @@ class Hist1d(Counts):
 
     def slot_shape(self, param_shape: torch.Size, context: StatisticContext) -> tuple[int, ...]:
         return (context.hist_spec.bins,)
+
+    def absent(self, samples: int, name: str, context: StatisticContext) -> Tensor:
+        """samples·D zeros, all in the bin of 0."""
+        param, spec = context.params[name], context.hist_spec
+        counts = torch.zeros(spec.bins, dtype=torch.int64, device=param.device)
+        counts[_zero_slot(spec)] = samples * param.numel()
+        return counts
 
 
 HIST1D = register(Hist1d()).name

@@ -123,9 +123,6 @@ class Statistic:
     combine: ClassVar[Combine]
     # formed (where the layer has no closed form) in the fused dot-product pass
     fused_dot: ClassVar[bool] = False
-    # Summed statistics: whether a parameter that no rank holds is left out of the result
-    # (with a presence flag) or reported as zeros (counts).
-    flagged: ClassVar[bool] = True
     sample_dim: ClassVar[int] = 0  # concatenated statistics: the dimension of the samples
 
     def form(self, sg: SampleGrads, layer: LayerContext) -> Tensor | LaneCounts | None:
@@ -172,12 +169,22 @@ class Statistic:
 
 
 class Counts(Statistic):
-    """Histogram counts per parameter: micro-batches and ranks add them, every parameter
-    has a slot (a rank without the parameter counts nothing), the sum is an integer."""
+    """Histogram counts per parameter: micro-batches and ranks add them, the sum is an
+    integer. They count the elements of every sample of the step: where a backward pass
+    does not reach a parameter that another micro-batch or process reaches (a branch taken
+    by some samples only), its samples' individual gradients are 0 there. Their counts
+    (:meth:`absent`) are formed when that backward pass ends, while the parameters are as
+    they were during it, and added at the reduction point
+    (:meth:`BackwardStatistics.fold_absent`); a parameter no sample reached has no counts,
+    split or not."""
 
     merge = Merge.ADD
     combine = Combine.SUM
-    flagged = False
+
+    def absent(self, samples: int, name: str, context: StatisticContext) -> Tensor:
+        """The counts of ``samples`` individual gradients of parameter ``name`` that are 0
+        in every element."""
+        raise NotImplementedError
 
     def unpack(self, summed: Tensor, totals: RankTotals, name: str) -> Tensor:
         return summed.round().to(torch.int64)
