@@ -18,7 +18,9 @@ from torch import nn
 
 from cockpit import Cockpit, configuration, quantities
 from cockpit.benchmark.problems.paper_models import cifar10_3c3d
+from tests.engine.test_layer_notes import MaskedMix
 from tests.exit_worker import free_port
+from tests.models import RoutedNet
 from tests.quantities.test_alpha import predicted_steps
 
 DEVICE = "cuda"
@@ -400,6 +402,69 @@ def test_mixed_precision_agrees_with_float32(precision):
     counts = np.asarray(got[0]["GradHist1d"]["counts"])
     assert counts.sum() == np.asarray(reference[0]["GradHist1d"]["counts"]).sum()
 
+
+
+class UnitRows(nn.Module):
+    """W = V / ‖V‖ row by row (plain operations: PyTorch's weight_norm has a wrong second
+    derivative, which the curvature instruments refuse)."""
+
+    def forward(self, v):
+        return v / v.norm(dim=1, keepdim=True)
+
+
+class ComputedAndShared(nn.Module):
+    """A parametrized Linear (its weight computed from a parameter: the reparametrized
+    rule's vmap'd products), a user's own attention layer whose causal mask [T, T] has
+    T = |B| (the general rule tells it from batched inputs by running the layer on the
+    device's random number generator) and two heads (:class:`~tests.models.RoutedNet`'s)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 6)
+        nn.utils.parametrize.register_parametrization(self.inp, "weight", UnitRows())
+        self.mix = MaskedMix(6)
+        self.routed = RoutedNet(d_in=6)
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), 1)
+        h = self.mix(torch.tanh(self.inp(x)), mask).mean(1)
+        return self.routed(torch.cat([x[:, :, :1].mean(1), h[:, 1:]], 1))
+
+
+def computed_and_shared_run(device: str) -> tuple[dict, dict]:
+    """Two steps of two micro-batches of 4 samples (T = 4) in float64, the first taking
+    one head, the second the other."""
+    torch.manual_seed(0)
+    model = ComputedAndShared().to(device, torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    chosen = [quantities.GradNorm(), quantities.NormTest(), quantities.InnerTest(),
+              quantities.GradientNoiseScale(), quantities.GradHist1d(),
+              quantities.GradHist2d(), quantities.HessTrace(curvature="diag_ggn_exact"),
+              quantities.Alpha()]
+    cockpit = Cockpit(model, chosen, optimizer=opt, strict=True, grad_accumulation=True)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(2):
+        x = torch.randn(8, 4, 5, generator=generator, dtype=torch.float64)
+        x[:, :, 0] = torch.where(torch.arange(8) < 4, 1.0, -1.0)[:, None] * x[:, :, 0].abs()
+        y = torch.randint(0, 3, (8,), generator=generator)
+        x, y = x.to(device), y.to(device)
+        opt.zero_grad()
+        for part in (slice(0, 4), slice(4, 8)):
+            losses = F.cross_entropy(model(x[part]), y[part], reduction="none")
+            with cockpit(step, losses=losses):
+                (losses.sum() / 8).backward()
+        opt.step()
+    cockpit.close()
+    return cockpit.get_output(), cockpit.get_notes()
+
+
+def test_computed_weights_shared_inputs_and_unreached_heads_on_cuda_equal_the_cpu():
+    cpu, cpu_notes = computed_and_shared_run("cpu")
+    cuda, cuda_notes = computed_and_shared_run(DEVICE)
+    assert cuda_notes == cpu_notes
+    assert sum(value is not None for values in cpu.values() for value in values.values()) > 150
+    assert compare(cuda, cpu, rtol=1e-9, max_count_diff=4) > 150
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
