@@ -225,7 +225,9 @@ class Cockpit:
         self._run = WatchedRun(
             self.tracker, self.quantities, optimizer, self._params, initial, grad_scaler,
             batchnorm, hist2d_bins, hist, self._warn, watch, recorder, ranks=combined,
-            accumulating=grad_accumulation, start_time=start_time)
+            accumulating=grad_accumulation, start_time=start_time,
+            ddp=tuple(m for m in model.modules()
+                      if isinstance(m, torch.nn.parallel.DistributedDataParallel)))
         self._diagnosis = (LiveDiagnosis(self.parameter_shapes(), self._warn, self._warn.guard,
                                          sinks, strict) if diagnose else None)
         if self._diagnosis is not None:

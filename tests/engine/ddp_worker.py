@@ -80,27 +80,31 @@ def run(rank: int, world: int, port: int, config: dict, outdir: str) -> None:
                           write_on_all_ranks=True, grad_accumulation=hint,
                           **config.get("cockpit_kwargs", {})) if watched else None
         stepped = []
-        for step, (x, y) in enumerate(batches):
-            opt.zero_grad()
-            part = shards(len(x), config.get("shard_sizes_per_step", {}).get(
-                step, config["shard_sizes"]), rank)
-            xs, ys = x[part], y[part]
-            bounds = torch.linspace(0, len(xs), micro + 1).round().long().tolist()
-            for k in range(micro if len(xs) else 1):
-                xb, yb = xs[bounds[k]: bounds[k + 1]], ys[bounds[k]: bounds[k + 1]]
-                last = k == micro - 1
-                context = model.no_sync() if not last else contextlib.nullcontext()
-                with context:
-                    losses = problem.loss_fn(model(xb), yb)
-                    with cockpit(step, losses=losses) if watched else contextlib.nullcontext():
-                        (losses.sum() / len(xs)).backward()
-                        if by_hand == "inside":
-                            all_reduce_mean(model, world)
-            if by_hand == "after":
-                all_reduce_mean(model, world)
-            stepped.append({k.removeprefix("module."): p.grad.clone()
-                            for k, p in model.named_parameters()})
-            opt.step()
+        # "join": DDP's join() for uneven inputs, this rank training on its first
+        # ``steps_per_rank`` batches
+        steps = config.get("steps_per_rank", [len(batches)] * world)[rank]
+        with model.join() if config.get("join") else contextlib.nullcontext():
+            for step, (x, y) in enumerate(batches[:steps]):
+                opt.zero_grad()
+                part = shards(len(x), config.get("shard_sizes_per_step", {}).get(
+                    step, config["shard_sizes"]), rank)
+                xs, ys = x[part], y[part]
+                bounds = torch.linspace(0, len(xs), micro + 1).round().long().tolist()
+                for k in range(micro if len(xs) else 1):
+                    xb, yb = xs[bounds[k]: bounds[k + 1]], ys[bounds[k]: bounds[k + 1]]
+                    last = k == micro - 1
+                    context = model.no_sync() if not last else contextlib.nullcontext()
+                    with context:
+                        losses = problem.loss_fn(model(xb), yb)
+                        with cockpit(step, losses=losses) if watched else contextlib.nullcontext():
+                            (losses.sum() / len(xs)).backward()
+                            if by_hand == "inside":
+                                all_reduce_mean(model, world)
+                if by_hand == "after":
+                    all_reduce_mean(model, world)
+                stepped.append({k.removeprefix("module."): p.grad.clone()
+                                for k, p in model.named_parameters()})
+                opt.step()
         if watched:
             cockpit.close()
         caught.__exit__(None, None, None)

@@ -212,7 +212,35 @@ def test_processes_stepping_apart_get_no_global_values(tmp_path):
                 assert values[name] is None, (step, name)
                 assert "different gradients" in notes[name]
             assert "BatchSize" not in values
-            assert values["Distance"] is not None and values["UpdateSize"] is not None
+            for name in ("Distance", "UpdateSize", "ParamNorm", "UpdateRatio"):  # its own
+                assert values[name] is not None, (step, name)
+
+
+def test_ddp_join_with_uneven_inputs_goes_on_without_global_values(tmp_path):
+    """DistributedDataParallel's join() with 3 batches on rank 0 and 2 on rank 1: the rank
+    that still trains would wait for ever (gloo: abort) in Cockpit's all-reduces, which the
+    joined rank does not answer. While join() is active each process watches its own
+    steps: the batch instruments are None with the reason and the way out (a process
+    cannot tell whether the others still train, and its own values would be one shard's);
+    the parameters' instruments are those of the update DDP made."""
+    config = _config("mlp_relu", [12, 12], join=True, steps_per_rank=[3, 2])
+    ranks = _two_processes(tmp_path, config)
+    own = [quantities.Distance(), quantities.UpdateSize(), quantities.ParamNorm(),
+           quantities.UpdateRatio()]
+    for rank, result in enumerate(ranks):
+        output, notes = strip(result["output"]), result["notes"]
+        steps = [3, 2][rank]
+        assert sorted(output) == list(range(steps))
+        for step in range(steps):
+            for name in ("Loss", "GradNorm", "NormTest", "InnerTest", "GradHist1d", "Alpha",
+                         "HessTrace", "HessMaxEV", "GradientNoiseScale"):
+                assert output[step][name] is None, (rank, step, name)
+                assert "join()" in notes[step][name] and "drop_last=True" in notes[step][name]
+            assert "BatchSize" not in output[step]
+        expected, _ = whole_batch_run(make_problem("mlp_relu", 48), config["batches"][:steps],
+                                      sgd, gradients=result["stepped"], chosen=own)
+        assert assert_same_values(output, expected, range(steps),
+                                  skip={"BatchSize", "GradientHeld"}) >= 4 * steps
 
 
 def test_distributed_false_watches_each_process_alone(tmp_path):

@@ -23,7 +23,8 @@ from cockpit.quantities.descriptor import (
 )
 
 # The lists Cockpit held before its instruments described themselves.
-OWN_PROCESS = frozenset({"Distance", "UpdateSize", "Parameters", "Time"})
+OWN_PROCESS = frozenset({"Distance", "UpdateSize", "ParamNorm", "UpdateRatio", "Parameters",
+                         "Time"})
 PENDING = {"Alpha": "α at step t fits the loss and its slope at θ_t and θ_(t+1), and the "
                     "latter are measured at the next step"}
 

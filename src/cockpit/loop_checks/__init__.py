@@ -9,7 +9,7 @@ hooks saw.
   each a (scope, reason) pair; the losses passed.
 * :mod:`~cockpit.loop_checks.optimizer`: the optimizer owns the model's parameters.
 * :mod:`~cockpit.loop_checks.processes`: every process runs Cockpit, the processes step on
-  the same gradient.
+  the same gradient, no process may run out of batches (DistributedDataParallel's join).
 """
 
 from cockpit.loop_checks.gradient import (
@@ -46,13 +46,19 @@ from cockpit.loop_checks.problems import (
     parameters_changed,
     step_problems,
 )
-from cockpit.loop_checks.processes import every_rank_attached, ranks_step_apart
+from cockpit.loop_checks.processes import (
+    JOINING,
+    every_rank_attached,
+    joining,
+    ranks_step_apart,
+)
 
 __all__ = [
     "ADDED",
     "BATCH",
     "EMPTY_BATCH",
     "GRADIENT",
+    "JOINING",
     "LOSSES_NOT_BACKPROPAGATED",
     "MODEL",
     "ONLY_OUTSIDE",
@@ -69,6 +75,7 @@ __all__ = [
     "every_rank_attached",
     "first_problem",
     "gradient_mismatch",
+    "joining",
     "learning_rate",
     "listed",
     "model_param_groups",

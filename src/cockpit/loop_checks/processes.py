@@ -1,5 +1,7 @@
-"""torch.distributed: whether every process runs Cockpit, and whether the processes step
-on the same gradient (else the global batch's values describe no optimizer step)."""
+"""torch.distributed: whether every process runs Cockpit, whether the processes step
+on the same gradient (else the global batch's values describe no optimizer step), and
+whether DistributedDataParallel's ``join()`` lets a process run out of batches (its Cockpit
+then answers no collective)."""
 
 from __future__ import annotations
 
@@ -42,3 +44,18 @@ def ranks_step_apart(step: int, stepped: dict[str, Tensor], device: torch.device
     warn(f"step {step}: {message}; the step's batch instruments are not recorded",
          key="ranks-step-apart")
     return message
+
+
+JOINING = (
+    "DistributedDataParallel's join() is active (uneven numbers of batches per process): a "
+    "process that ran out of batches answers no collective of Cockpit's, so no process can "
+    "combine the batch's statistics, and its own would be one shard's; Cockpit records the "
+    "batch instruments as None while join() is active. Give every process the same number "
+    "of batches (DistributedSampler(..., drop_last=True)) to have them")
+
+
+def joining(ddp: tuple[torch.nn.Module, ...]) -> bool:
+    """Whether one of the DistributedDataParallel wrappers ``ddp`` is inside its ``join()``
+    context (the Join context manager enables each joinable's ``_join_config``)."""
+    return any(getattr(getattr(module, "_join_config", None), "enable", False)
+               for module in ddp)

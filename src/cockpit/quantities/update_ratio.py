@@ -45,7 +45,7 @@ class ParamNorm(Quantity):
     descriptor = Descriptor(
         panel=Panel("ParamNorm", "gray", "Parameter norms ‖θ_t‖ per tensor", order=4,
                     size=1.2, readout=("ParamNorm", "ParamNorm/*")),
-        color=GREEN, per_parameter=True)
+        color=GREEN, per_parameter=True, describes_batch=False)
     needs_losses = False
 
     def compute(self, data: StepData) -> Values:
@@ -57,7 +57,7 @@ class UpdateRatio(Quantity):
         panel=Panel("UpdateRatio", "step size",
                     "Update-to-weight ratio ‖θ_t+1 − θ_t‖ / ‖θ_t‖ per tensor", order=4,
                     readout=("UpdateRatio", "UpdateRatio/*")),
-        color=ORANGE, per_parameter=True)
+        color=ORANGE, per_parameter=True, describes_batch=False)
     needs_losses = False
     needs_update = True
 

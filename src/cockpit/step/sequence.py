@@ -127,7 +127,8 @@ class StepSequence:
         if tracked and self.attachment is not None:
             index, self.attachment = self.attachment, None
             if not every_rank_attached(index):
-                self.run.ranks = 1
+                self.run.ranks = self.run.group_ranks = 1
+        joined = bool(tracked) and not continues and self.run.ranks_at_step()
         tracker = self.run.tracker
         if not tracked:
             if recorded[0]:  # (its forward pass held the collector back)
@@ -140,7 +141,7 @@ class StepSequence:
         checks = check_block(self.run, step, tracked, losses, current if continues else None,
                              check_held=not continues and not unstepped)
         if current is None or not continues:
-            current = self.open = TrackedStep(self.run, step, tracked)
+            current = self.open = TrackedStep(self.run, step, tracked, joined)
         current.open_block(checks)
 
     def _number(self, step: int, recorded: tuple[bool, bool]) -> bool:

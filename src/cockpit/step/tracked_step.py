@@ -33,6 +33,7 @@ from cockpit.engine.rules.batchnorm_frozen import APPROXIMATION, FROZEN_STATISTI
 from cockpit.engine.statistics import GRAM_MEAN, PER_SAMPLE_STATS, BackwardStatistics
 from cockpit.loop_checks import (
     BATCH,
+    JOINING,
     MODEL,
     STEPPED_BEFORE_BACKWARD,
     HeldGradients,
@@ -104,8 +105,10 @@ def _raising(error: Exception) -> Callable[[], dict]:
 class TrackedStep:
     """A tracked step: its backward passes (micro-batches) come in, then it is finished."""
 
-    def __init__(self, run: WatchedRun, step: int, tracked: list[Quantity]):
+    def __init__(self, run: WatchedRun, step: int, tracked: list[Quantity],
+                 joined: bool = False):
         self.run, self.step, self.tracked = run, step, tracked
+        self.joined = joined  # under DistributedDataParallel's join(): this process alone
         self.elapsed = time.perf_counter() - run.start_time
         self.request: StepRequest | None = None  # of the first backward pass
         self.reduction: StepReduction | None = None
@@ -311,7 +314,7 @@ class TrackedStep:
             # blocks go the same way: the requests and their collectives must match)
             run.accumulating = True
         run.hist.settle(stats)
-        not_global = (None if run.ranks == 1 else ranks_step_apart(
+        not_global = (JOINING if self.joined else None if run.ranks == 1 else ranks_step_apart(
             step, run.stepped_params(), next(iter(run.params.values())).device, run.warn))
         data = self._step_data(stats)
         data.project = self.reduction.project_samples if self.reduction.keeps_calls else None

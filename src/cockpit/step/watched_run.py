@@ -12,7 +12,13 @@ from torch import Tensor
 
 from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.tracker import ModuleTracker
-from cockpit.loop_checks import OutsideBackwardWatch, learning_rate, stepped_params
+from cockpit.loop_checks import (
+    JOINING,
+    OutsideBackwardWatch,
+    joining,
+    learning_rate,
+    stepped_params,
+)
 from cockpit.quantities.base import Quantity
 from cockpit.step.hist_range import HistogramRange
 from cockpit.step.recorder import Recorder
@@ -23,9 +29,11 @@ from cockpit.step.warn_once import WarnOnce
 class WatchedRun:
     """The run Cockpit watches, as its steps see it.
 
-    ``ranks`` (processes whose statistics are combined; 1 after it turned out that not
-    every process runs Cockpit) and ``accumulating`` (backward passes are micro-batches,
-    said or learned at the first such step) change while the run goes on."""
+    ``ranks`` (processes whose statistics are combined at the current step: 1 while
+    DistributedDataParallel's join() is active), ``group_ranks`` (those combined outside
+    join(); 1 after it turned out that not every process runs Cockpit) and ``accumulating``
+    (backward passes are micro-batches, said or learned at the first such step) change while
+    the run goes on."""
 
     tracker: ModuleTracker
     quantities: list[Quantity]
@@ -42,7 +50,22 @@ class WatchedRun:
     ranks: int
     accumulating: bool
     start_time: float = field(default_factory=time.perf_counter)
+    # the model's DistributedDataParallel wrappers (their join() is looked at every step)
+    ddp: tuple[torch.nn.Module, ...] = ()
+    group_ranks: int = 0  # (0: ranks)
     _detached: dict[str, Tensor] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.group_ranks = self.group_ranks or self.ranks
+
+    def ranks_at_step(self) -> bool:
+        """Set ``ranks`` for a new tracked step; True where DistributedDataParallel's join()
+        makes it this process's alone (:data:`~cockpit.loop_checks.JOINING`)."""
+        joined = self.group_ranks > 1 and joining(self.ddp)
+        self.ranks = 1 if joined else self.group_ranks
+        if joined:
+            self.warn(JOINING, key="ddp-join")
+        return joined
 
     def stepped_params(self) -> dict[str, Tensor]:
         """The model's parameters the optimizer steps on (all without an optimizer)."""
