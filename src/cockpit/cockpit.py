@@ -257,10 +257,10 @@ class Cockpit:
 
     def get_output(self) -> dict[int, dict[str, Value]]:
         """All values so far: ``{step: {instrument name: value}}``. A tracked step whose
-        backward passes are complete is recorded first. Steps beyond the last
-        ``memory_steps`` are read back from the run log (with a ``logdir``; without one they
-        are gone, see ``memory_steps``)."""
-        self._steps.finish()
+        backward passes are complete is recorded first (with an optimizer: once it
+        stepped). Steps beyond the last ``memory_steps`` are read back from the run log
+        (with a ``logdir``; without one they are gone, see ``memory_steps``)."""
+        self._complete_open_step()
         self._run.recorder.read_back()
         return self._run.recorder.all_output()
 
@@ -270,9 +270,18 @@ class Cockpit:
         "not scheduled at this step: <schedule>" or why it is still pending (Alpha needs the
         next step). The last two are derived from the schedules here, not stored in the run
         log (a name missing from a step of the run log was not scheduled there)."""
-        self._steps.finish()
+        self._complete_open_step()
         self._run.recorder.read_back()
         return self._run.recorder.all_notes()
+
+    def _complete_open_step(self) -> None:
+        """Before values are read: the open step is recorded where nothing else will end
+        it. With an optimizer its step ends it (or the trainer's :meth:`end_step`): between
+        two micro-batches the step is not complete, and a checkpoint or a callback that
+        reads values there must not cut it short (it would be recorded as one micro-batch,
+        and the next micro-batch refused)."""
+        if self.optimizer is None:
+            self._steps.finish()
 
     def end_step(self) -> None:
         """Record the open tracked step now: all of its backward passes are done.
@@ -294,8 +303,10 @@ class Cockpit:
         state carried from step to step (GradientNoiseScaleEMA's moving averages) and
         GradHist1d's automatic range. The steps recorded so far are read first. Under
         ``fully_shard`` θ_0 is this rank's slice (``"initial_params_holder"`` says whose):
-        save it on every rank and load each rank's own."""
-        self._steps.finish()
+        save it on every rank and load each rank's own. A step whose micro-batches are not
+        all done yet is not in the state (a checkpoint between them describes θ_t before
+        its update)."""
+        self._complete_open_step()
         self._run.recorder.read_back()  # (the moving averages include every recorded step)
         initial, holder = (None, None) if self._run.initial is None else (
             sharded.saved_slices(self._run.initial))

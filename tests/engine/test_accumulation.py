@@ -165,3 +165,40 @@ def test_values_are_recorded_when_the_step_is_complete():
     assert [s for s, _ in written] == [0]
     assert written[0][1]["Loss"] == pytest.approx(expected, rel=1e-12)
     cockpit.close()
+
+
+def test_reading_values_between_micro_batches_leaves_the_step_whole():
+    """A checkpoint (state_dict) or a callback (get_output, get_notes) between two
+    micro-batches of a step: the step is not complete there, so it is not cut short (it was
+    recorded as its first micro-batch, and the second refused as a step number seen
+    before); the values equal those of a run that never looked."""
+    problem = make_problem("mlp_relu", 48)
+    batches = batches_of(problem, STEPS, 12)
+
+    def run(look: bool):
+        model = make_problem("mlp_relu", 48).model
+        opt = sgd(model)
+        cockpit = Cockpit(model, instruments(), optimizer=opt, strict=True,
+                          grad_accumulation=True)
+        states = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for step, (x, y) in enumerate(batches):
+                opt.zero_grad()
+                for part in (slice(0, 5), slice(5, 12)):
+                    losses = problem.loss_fn(model(x[part]), y[part])
+                    with cockpit(step, losses=losses):
+                        (losses.sum() / 12).backward()
+                    if look and part.start == 0:
+                        states.append(cockpit.state_dict())
+                        cockpit.get_output()
+                        cockpit.get_notes()
+                opt.step()
+        cockpit.close()
+        return cockpit.get_output(), states
+
+    looked, states = run(look=True)
+    expected, _ = run(look=False)
+    assert assert_same_values(looked, expected, range(STEPS)) > 30 * STEPS
+    assert all(looked[step]["BatchSize"] == 12 for step in range(STEPS))
+    assert [state["last_step"] for state in states] == list(range(STEPS))

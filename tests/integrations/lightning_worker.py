@@ -78,12 +78,13 @@ def fit(problem, items: list[tuple], make_optimizer, steps: int, accumulate: int
     callback = callback or CockpitCallback(instruments(), strict=True)
     recorder = StepRecorder()
     trainer_kwargs.setdefault("logger", False)
+    trainer_kwargs.setdefault("enable_checkpointing", False)
     if val_items is None:
         trainer_kwargs.setdefault("limit_val_batches", 0)
     trainer = pl.Trainer(
         max_steps=steps, accumulate_grad_batches=accumulate,
         callbacks=[callback, recorder, *extra_callbacks],
-        accelerator="cpu", enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu", enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, **trainer_kwargs)
     module = Module(problem.model, problem.loss_fn, make_optimizer)
     loader = DataLoader(Batches(items), batch_size=None, shuffle=False)

@@ -72,6 +72,26 @@ def test_accumulate_grad_batches_equals_the_whole_batch(tmp_path, name, micro, m
         assert value == pytest.approx(expected[step]["GradNorm"], rel=1e-6)
 
 
+def test_a_checkpoint_between_micro_batches_leaves_the_step_whole(tmp_path):
+    """Validation after every 2nd of 3 micro-batches, and the checkpoint it triggers
+    (ModelCheckpoint saves the callback's state there): the steps are those of the whole
+    batch (the state was taken by finishing the step, which recorded its first micro-batches
+    alone and refused the rest as a step seen before)."""
+    problem = make_problem("mlp_relu", 48)
+    batches = batches_of(problem, STEPS, 24)
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1,
+                                               filename="{step}")
+    callback, _, _ = fit(problem, micro_batches(batches, 3), sgd, STEPS, accumulate=3,
+                         val_items=[(problem.x[:8], problem.y[:8])], val_check_interval=2,
+                         enable_checkpointing=True, extra_callbacks=[checkpoints])
+    saved = [torch.load(path, weights_only=False)["callbacks"] for path in tmp_path.iterdir()]
+    assert len(saved) >= 2  # (taken between micro-batches)
+    output = strip(callback.cockpit.get_output())
+    expected, _ = whole_batch_run(make_problem("mlp_relu", 48), batches, sgd)
+    assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
+    assert all(output[step]["BatchSize"] == 24 for step in range(STEPS))
+
+
 def pl_csv_logger(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
