@@ -284,6 +284,58 @@ def test_resume_with_another_ranks_theta0_measures_from_the_resumed_parameters(t
     assert got[3]["Distance"] > 0.01
 
 
+def test_resume_from_a_checkpoint_without_cockpits_state_says_so(tmp_path):
+    """A checkpoint saved without the callback: the resumed run warns that θ_0 is unknown and
+    measures Distance from the resumed parameters (before, silently: Distance 0 at the first
+    resumed step)."""
+    items = micro_batches(batches_of(make_problem("mlp_relu", 48), 4, 24), 1)
+    _, _, trainer = fit(make_problem("mlp_relu", 48), items[:2], sgd, 2,
+                        callback=CockpitCallback([quantities.Distance()], strict=True))
+    path = str(tmp_path / "two.ckpt")
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["callbacks"] = {k: v for k, v in checkpoint["callbacks"].items()
+                               if "CockpitCallback" not in k}
+    torch.save(checkpoint, path)
+    recorder = ParameterRecorder()
+    with pytest.warns(RuntimeWarning, match="resumed at step 2 without Cockpit's state"):
+        resumed, _, _ = fit(make_problem("mlp_relu", 48, seed=7), items[2:], sgd, 4,
+                            ckpt_path=path, extra_callbacks=[recorder],
+                            callback=CockpitCallback([quantities.Distance()], strict=True))
+    got = resumed.cockpit.get_output()
+    distance = float((recorder.params[3] - recorder.params[2]).norm())
+    assert got[3]["Distance"] == pytest.approx(distance, rel=1e-10) and distance > 0.01
+
+
+def test_clipping_by_value_with_sgd_gives_alpha_from_the_real_update():
+    """gradient_clip_algorithm="value" clamps each element: the update leaves the span of
+    the gradient and the momentum buffer that Alpha predicts for SGD, so Alpha measures the
+    real update (before: None at the first step, with a warning of a state changed behind
+    its back). The reference: a plain loop clamping the same way, Alpha's general path."""
+    problem = make_problem("mlp_relu", 48, dtype=torch.float32)
+    batches = batches_of(problem, STEPS, 24)
+    callback = CockpitCallback([quantities.Alpha()], strict=True)
+    fit(problem, micro_batches(batches, 1), sgd, STEPS, callback=callback,
+        gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    output = callback.cockpit.get_output()
+    reference = make_problem("mlp_relu", 48, dtype=torch.float32)
+    model, alpha = reference.model, quantities.Alpha()
+    alpha.predict = False
+    opt = sgd(model)
+    cockpit = Cockpit(model, [alpha], optimizer=opt, strict=True)
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        losses = reference.loss_fn(model(x), y)
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        opt.step()
+    cockpit.close()
+    expected = cockpit.get_output()
+    for step in range(STEPS - 1):
+        assert output[step]["Alpha"] == pytest.approx(expected[step]["Alpha"], rel=1e-5)
+
+
 def test_individual_losses_missing_gives_the_way_out():
     class NoLosses(lightning_worker.Module):
         def training_step(self, batch, batch_idx):

@@ -65,19 +65,20 @@ class LoggerSink:
         pass
 
 
-def measure_clipped_updates(cockpit, clips: bool) -> None:
-    """The trainer clips the gradient after the backward pass Cockpit watched. Clipping
-    rescales the gradient; an SGD update stays in the span Alpha predicts (any multiple of
-    the gradient and the momentum buffer), an Adam-like update is not linear in the
-    gradient and every prediction would fail — the first step's α with it. Alpha then
-    measures the real update from the first step on (its general path)."""
+def measure_clipped_updates(cockpit, clips: bool, elementwise: bool = False) -> None:
+    """The trainer clips the gradient after the backward pass Cockpit watched. Clipping by
+    the norm rescales the gradient: an SGD update stays in the span Alpha predicts (any
+    multiple of the gradient and the momentum buffer), an Adam-like update is not linear in
+    the gradient and every prediction would fail — the first step's α with it. Clipping
+    each element (``elementwise``, by value) leaves that span for every optimizer. Alpha
+    then measures the real update from the first step on (its general path)."""
     from cockpit.engine.update_prediction import supported_base
     from cockpit.quantities import Alpha
 
     optimizer = cockpit.optimizer
     if not clips or optimizer is None:
         return
-    if supported_base(optimizer) is torch.optim.SGD:
+    if supported_base(optimizer) is torch.optim.SGD and not elementwise:
         return
     for quantity in cockpit.quantities:
         if isinstance(quantity, Alpha):

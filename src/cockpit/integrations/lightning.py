@@ -66,7 +66,8 @@ MANUAL_WAY_OUT = (
     "drop the callback and use one Cockpit per optimizer in the LightningModule — in "
     "on_train_start `self.cockpit_g = Cockpit(self.generator, optimizer="
     "self.trainer.optimizers[0], ...)`, in training_step `with self.cockpit_g(step, "
-    "losses=losses): self.manual_backward(losses.mean())` before that optimizer's step(), "
+    "losses=losses): self.manual_backward(losses.mean())` before that optimizer's step() "
+    "(step = self.trainer.fit_loop.total_batch_idx: batch_idx restarts every epoch), "
     "in on_train_end `self.cockpit_g.close()` (README, 'With your trainer')")
 
 
@@ -118,7 +119,8 @@ class CockpitCallback(pl.Callback):
             kwargs.setdefault("grad_accumulation", True)
         self.cockpit = Cockpit(network_of(pl_module), self.quantities, optimizer=optimizer,
                                grad_scaler=scaler, **kwargs)
-        measure_clipped_updates(self.cockpit, clips=bool(trainer.gradient_clip_val))
+        measure_clipped_updates(self.cockpit, clips=bool(trainer.gradient_clip_val),
+                                elementwise=trainer.gradient_clip_algorithm == "value")
         # Lightning's backward runs inside optimizer.step(closure): the step ends here
         self.cockpit.ends_steps_at_optimizer_step = False
         if self._restored is not None:
@@ -129,6 +131,11 @@ class CockpitCallback(pl.Callback):
                               "measured from the resumed parameters", RuntimeWarning,
                               stacklevel=2)
             self._restored = None
+        elif trainer.global_step > 0:
+            warnings.warn(
+                f"training resumed at step {trainer.global_step} without Cockpit's state (the "
+                "checkpoint was saved without a CockpitCallback): Distance is measured from "
+                "the resumed parameters", RuntimeWarning, stacklevel=2)
         self._wrap_training_step(pl_module)
 
     def _wrap_training_step(self, pl_module: pl.LightningModule) -> None:
