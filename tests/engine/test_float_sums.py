@@ -58,6 +58,20 @@ def test_short_integer_and_strided_vectors():
     assert float(float_sums.dot(wide, wide)) == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("length", [1000, 2**16 + 300], ids=["short", "by rows"])
+def test_norms_neither_overflow_nor_lose_half_precisions_digits(length, dtype):
+    """A diverging float32 run's parameters (1e19: squares beyond float32's range), a
+    float16 weight with ‖W‖ > 256 (squares beyond float16's), bfloat16 Gaussian numbers
+    (summed in bfloat16: 2e-3 off): ‖x‖² and ⟨x, x⟩ as float64 sums."""
+    gen = torch.Generator().manual_seed(0)
+    magnitude = {torch.float32: 1e19, torch.float16: 20.0, torch.bfloat16: 1.0}[dtype]
+    x = (magnitude * torch.randn(length, generator=gen)).to(dtype)
+    exact = float((x.double() ** 2).sum())
+    assert float(float_sums.sq_norm(x)) == pytest.approx(exact, rel=1e-6)
+    assert float(float_sums.dot(x, x)) == pytest.approx(exact, rel=1e-6)
+
+
 def test_alpha_on_adamws_first_step_of_a_large_layer_is_predicted():
     """A Linear layer of 12.8 M numbers whose gradient has no zero: Adam's first update is
     ±lr in every element, whose float32 dot products drifted by 1e-3."""

@@ -9,8 +9,12 @@ check that the real update is the predicted one. Here the vector is cut into row
 :data:`ROW` numbers: each row's sum is short enough to be exact to a few units of float32
 (the norms of rows by one ``vector_norm`` over dim 1 in float32; dot products of rows by
 one batched product, half precision widened to float32 first), and the rows' sums are added
-in float64. As fast as one ``dot`` on a CPU; float64
-vectors, short ones, and other devices (whose reductions are trees) keep one ``dot``.
+in float64. As fast as one ``dot`` on a CPU; float64 vectors and other devices (whose
+reductions are trees) keep one ``dot``, short vectors one ``dot`` in float64 (half
+precision accumulated in its own dtype loses digits — bfloat16 ‖x‖² 2e-3 off — and float16
+overflows beyond ‖x‖ = 256, float32 beyond 1.8e19: a diverging run's norms, which the
+debugger must show). A row sum that overflows float32 (|x| beyond about 1e18) is summed
+again in float64.
 """
 
 from __future__ import annotations
@@ -36,13 +40,13 @@ def sq_norm(x: Tensor) -> Tensor:
     if not flat.is_floating_point():
         return flat.pow(2).sum()
     if not _blocked(flat):
-        return torch.dot(flat, flat)
+        return _dot64(flat, flat)
     head, tail = _rows(flat)
     total = torch.linalg.vector_norm(head, dim=1, dtype=torch.float32).double().square().sum()
-    if tail is None:
-        return total
-    tail = tail.float()  # (a few hundred numbers: half precision widened, no copy of the rest)
-    return total + torch.dot(tail, tail).double()
+    if tail is not None:
+        tail = tail.float()  # (a few hundred numbers: half precision widened, no copy of the rest)
+        total = total + torch.dot(tail, tail).double()
+    return total if bool(total.isfinite()) else _dot64(flat, flat)  # (a CPU: no wait)
 
 
 def dot(a: Tensor, b: Tensor) -> Tensor:
@@ -51,13 +55,21 @@ def dot(a: Tensor, b: Tensor) -> Tensor:
     a = a.detach().reshape(-1)
     b = b.detach().reshape(-1).to(a.dtype)
     if not _blocked(a):
-        return torch.dot(a, b)
+        return _dot64(a, b) if a.is_floating_point() else torch.dot(a, b)
+    flat_a, flat_b = a, b
     if a.dtype != torch.float32:  # (half precision: each row's sum in float32)
         a, b = a.float(), b.float()
     a_head, a_tail = _rows(a)
     b_head, b_tail = _rows(b)
     total = torch.bmm(a_head.unsqueeze(1), b_head.unsqueeze(2)).double().sum()
-    return total if a_tail is None else total + torch.dot(a_tail, b_tail).double()
+    if a_tail is not None:
+        total = total + torch.dot(a_tail, b_tail).double()
+    return total if bool(total.isfinite()) else _dot64(flat_a, flat_b)  # (a CPU: no wait)
+
+
+def _dot64(a: Tensor, b: Tensor) -> Tensor:
+    """⟨a, b⟩ summed in float64 (a float64 copy of short or rare vectors)."""
+    return torch.dot(a.double(), b.double())
 
 
 _WIDE_COPY = 2**20
