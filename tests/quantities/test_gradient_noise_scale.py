@@ -61,6 +61,45 @@ def test_every_step_and_the_moving_average_match_brute_force(name):
     cockpit.close()
 
 
+def test_a_step_with_non_finite_gradients_has_no_average_and_is_left_out_of_it():
+    """A NaN input at step 2: GradientNoiseScaleEMA is NaN there (before: the previous
+    average, a healthy-looking flat line through steps whose gradients are NaN), and step 3
+    continues the average of steps 0 and 1 (brute force)."""
+    problem = make_problem("mlp_sigmoid", 64)  # (‖G‖² estimated positive at each step)
+    model = problem.model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    beta = 0.5
+    cockpit = Cockpit(model, [quantities.GradientNoiseScale(smoothing=beta)], optimizer=opt)
+    average = None
+    for step in range(4):
+        x, y = problem.x[16 * step: 16 * step + 16].clone(), problem.y[16 * step: 16 * step + 16]
+        if step == 2:
+            x[0, 0] = math.nan
+        else:
+            trace, signal = brute_force(flat(individual_gradients(model, problem.loss_fn, x, y),
+                                             [k for k, _ in model.named_parameters()]))
+            average = ((trace, signal) if average is None else
+                       (beta * average[0] + (1 - beta) * trace,
+                        beta * average[1] + (1 - beta) * signal))
+        opt.zero_grad()
+        losses = problem.loss_fn(model(x), y)
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        if step == 2:
+            opt.zero_grad()  # (θ stays finite: SGD skips parameters without a gradient)
+        opt.step()
+        out = cockpit.get_output()[step]
+        if step == 2:
+            assert math.isnan(out["GradientNoiseScaleEMA"])
+            assert "left out" in cockpit.get_notes()[2]["GradientNoiseScaleEMA"]
+        elif average[1] > 0:
+            assert rel_close(out["GradientNoiseScaleEMA"], average[0] / average[1], 1e-8)
+        else:
+            assert math.isnan(out["GradientNoiseScaleEMA"])
+    assert average[1] > 0  # (step 3 compared)
+    cockpit.close()
+
+
 def test_a_batch_of_one_gives_none_and_noise_hiding_the_signal_gives_nan():
     problem = make_problem("mlp_relu", 1)
     cockpit = Cockpit(problem.model, [quantities.GradientNoiseScale()], strict=True)

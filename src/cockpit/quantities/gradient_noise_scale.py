@@ -107,13 +107,17 @@ class GradientNoiseScale(Quantity):
             suffix = f"/{key}" if key else ""
             out[name + suffix] = _ratio(trace, signal)
             previous = self._averages.get(key)
-            if math.isfinite(trace) and math.isfinite(signal):
-                beta = self.smoothing
-                smoothed = ((trace, signal) if previous is None else
-                            (beta * previous[0] + (1 - beta) * trace,
-                             beta * previous[1] + (1 - beta) * signal))
-                self._averages[key] = previous = smoothed
-            out[f"{name}EMA{suffix}"] = None if previous is None else _ratio(*previous)
+            if not (math.isfinite(trace) and math.isfinite(signal)):
+                # (left out of the averages, which go on from the last finite step; the
+                # step itself has no noise scale, smoothed or not)
+                out[f"{name}EMA{suffix}"] = math.nan
+                continue
+            beta = self.smoothing
+            smoothed = ((trace, signal) if previous is None else
+                        (beta * previous[0] + (1 - beta) * trace,
+                         beta * previous[1] + (1 - beta) * signal))
+            self._averages[key] = smoothed
+            out[f"{name}EMA{suffix}"] = _ratio(*smoothed)
         total_trace, total_signal = per_key[TOTAL]
         notes: dict[str, str] = {}
         if sum(S) == 0.0:
@@ -125,6 +129,9 @@ class GradientNoiseScale(Quantity):
                 "moving average GradientNoiseScaleEMA smooths over steps")
         elif not math.isfinite(total_trace):
             notes[name] = "non-finite individual gradients"
+        if not (math.isfinite(total_trace) and math.isfinite(total_signal)):
+            notes[name + "EMA"] = ("non-finite individual gradients at this step: NaN, and "
+                                   "left out of the moving averages")
         return Noted(out, notes)
 
 
