@@ -257,9 +257,10 @@ class Cockpit:
 
     def get_output(self) -> dict[int, dict[str, Value]]:
         """All values so far: ``{step: {instrument name: value}}``. A tracked step whose
-        backward passes are complete is recorded first (with an optimizer: once it
-        stepped). Steps beyond the last ``memory_steps`` are read back from the run log
-        (with a ``logdir``; without one they are gone, see ``memory_steps``)."""
+        backward passes are complete is recorded first (under gradient accumulation with
+        an optimizer: once it stepped). Steps beyond the last ``memory_steps`` are read
+        back from the run log (with a ``logdir``; without one they are gone, see
+        ``memory_steps``)."""
         self._complete_open_step()
         self._run.recorder.read_back()
         return self._run.recorder.all_output()
@@ -275,12 +276,12 @@ class Cockpit:
         return self._run.recorder.all_notes()
 
     def _complete_open_step(self) -> None:
-        """Before values are read: the open step is recorded where nothing else will end
-        it. With an optimizer its step ends it (or the trainer's :meth:`end_step`): between
-        two micro-batches the step is not complete, and a checkpoint or a callback that
-        reads values there must not cut it short (it would be recorded as one micro-batch,
-        and the next micro-batch refused)."""
-        if self.optimizer is None:
+        """Before values are read: the open step is recorded, unless its micro-batches may
+        go on — under gradient accumulation (said, or learned) with an optimizer, whose step
+        (or the trainer's :meth:`end_step`) ends it: a checkpoint or a callback that reads
+        values between two micro-batches must not cut the step short (it would be recorded
+        as its first micro-batches, and the next refused)."""
+        if self.optimizer is None or not self._run.accumulating:
             self._steps.finish()
 
     def end_step(self) -> None:
@@ -303,9 +304,9 @@ class Cockpit:
         state carried from step to step (GradientNoiseScaleEMA's moving averages) and
         GradHist1d's automatic range. The steps recorded so far are read first. Under
         ``fully_shard`` θ_0 is this rank's slice (``"initial_params_holder"`` says whose):
-        save it on every rank and load each rank's own. A step whose micro-batches are not
-        all done yet is not in the state (a checkpoint between them describes θ_t before
-        its update)."""
+        save it on every rank and load each rank's own. Under gradient accumulation a step
+        whose optimizer step has not come yet is not in the state (a checkpoint between its
+        micro-batches describes θ_t before its update)."""
         self._complete_open_step()
         self._run.recorder.read_back()  # (the moving averages include every recorded step)
         initial, holder = (None, None) if self._run.initial is None else (

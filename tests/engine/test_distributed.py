@@ -62,8 +62,10 @@ def _config(name: str, shard_sizes: list[int], seed: int = 5, **extra) -> dict:
 
 
 @pytest.mark.parametrize(("name", "shard_sizes", "micro", "make_optimizer", "by_hand", "chosen"), [
-    # DDP's gradient is (w·N/2)·ḡ: g_nᵀḡ from the dots with it, no pass over kept calls
-    ("mlp_relu", [12, 12], 1, sgd, None, instruments),
+    # DDP's gradient is (w·N/2)·ḡ: g_nᵀḡ from the dots with it, no pass over kept calls;
+    # static_graph: the curvature's own backward passes at step 0 leave DDP's delayed
+    # all-reduce to the user's (it ran in theirs, and the processes stepped apart)
+    ("mlp_relu", [12, 12], 1, sgd, "static_graph", instruments),
     # uneven shards: DDP's mean of shard means is not uniform; H_B v = Σ_r (N_r/N) H_r v
     # (HessTopEV and HessDensity too)
     ("cnn", [7, 13], 1, adam, None, with_top_eigenvalues),
@@ -73,9 +75,10 @@ def _config(name: str, shard_sizes: list[int], seed: int = 5, **extra) -> dict:
 ])
 def test_every_rank_reports_the_global_batch(tmp_path, name, shard_sizes, micro,
                                              make_optimizer, by_hand, chosen):
+    static = by_hand == "static_graph"
     config = _config(name, shard_sizes, seed=3, micro_batches=micro,
-                     make_optimizer=make_optimizer, allreduce_by_hand=by_hand,
-                     instruments=chosen)
+                     make_optimizer=make_optimizer, allreduce_by_hand=None if static else by_hand,
+                     instruments=chosen, ddp_kwargs={"static_graph": static})
     batches = config["batches"]
     ranks = _two_processes(tmp_path, config)
     uniform = len(set(shard_sizes)) == 1 and micro == 1

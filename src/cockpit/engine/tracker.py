@@ -38,6 +38,7 @@ from cockpit.engine.backward_state import BackwardState
 from cockpit.engine.capture.batch_gradients import BatchGradientCopies
 from cockpit.engine.capture.hooks import Call, Capture, Unit, layer_outputs, owner, zeros_of
 from cockpit.engine.capture.outside_uses import outside_message
+from cockpit.engine.ddp_held import delayed_all_reduce_held
 from cockpit.engine.histograms.auto_range import AutoRange
 from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.processing import CallProcessor, accumulate
@@ -239,10 +240,12 @@ class ModuleTracker:
         """Extra backward passes of Cockpit's own (curvature) leave the statistics alone."""
         previous, self.state.suspended = self.state.suspended, True
         try:
-            if self.sharded and not previous:  # FSDP's backward hooks are the user's pass's
-                with sharded.fsdp_backward_hooks_held(self.model):
-                    yield
-            else:
+            with contextlib.ExitStack() as held:
+                if not previous:  # (DDP's delayed all-reduce, FSDP's backward hooks: the
+                    # user's pass's)
+                    held.enter_context(delayed_all_reduce_held(self.model))
+                    if self.sharded:
+                        held.enter_context(sharded.fsdp_backward_hooks_held(self.model))
                 yield
         finally:
             self.state.suspended = previous

@@ -7,9 +7,13 @@ micro-batches accumulate into it), but copying in each hook costs one kernel per
 The hook keeps an alias instead (a detached view: autograd can still hand the tensor itself
 to ``p.grad``, no clone), and one multi-tensor copy at the end of the backward pass, queued
 with autograd's engine, moves every alias into a copy of Cockpit's own. Autograd runs its
-queued callbacks in order, and Cockpit's is queued at the first parameter hook, before the
-callbacks of DistributedDataParallel (queued when its last bucket is ready), which write
-the synchronized gradient into ``p.grad``: the copies hold this process's gradient.
+queued callbacks in order, and Cockpit's is queued when the backward pass reaches the
+losses (:meth:`BatchGradientCopies.reserve`; else at the first parameter hook), before the
+callbacks of DistributedDataParallel, which write the synchronized gradient into
+``p.grad``: the copies hold this process's gradient. (DDP queues its callback when its last
+bucket is ready, after the first parameter hook; with ``static_graph`` its first iteration
+queues it when the backward pass reaches the model's output — before any parameter hook,
+after the losses.)
 
 The copies reuse the buffers of the last tracked step (``spares``) where they fit; the
 others are made by one fused kernel.
@@ -28,19 +32,25 @@ class BatchGradientCopies:
 
     def __init__(self) -> None:
         self.waiting: dict[str, Tensor] = {}
+        self.queued = False  # the copy is queued at the end of this backward pass
+
+    def reserve(self, grads: dict[str, Tensor], spares: dict[str, Tensor]) -> None:
+        """Queue the copy now, at the start of a backward pass (see the module docstring)."""
+        if not self.queued:
+            self.queued = queue_at_end_of_backward(lambda: self.copy(grads, spares))
 
     def keep(self, name: str, alias: Tensor, grads: dict[str, Tensor],
              spares: dict[str, Tensor]) -> None:
         """``grads[name]`` is ``alias`` until the end of this backward pass, then a copy."""
         grads[name] = alias
-        first = not self.waiting
         self.waiting[name] = alias
-        if first and not queue_at_end_of_backward(lambda: self.copy(grads, spares)):
+        self.reserve(grads, spares)
+        if not self.queued:
             self.copy(grads, spares)  # (not inside a backward pass: at once)
 
     def copy(self, grads: dict[str, Tensor], spares: dict[str, Tensor]) -> None:
         """Replace every waiting alias in ``grads`` by a copy (one multi-tensor copy)."""
-        waiting, self.waiting = self.waiting, {}
+        waiting, self.waiting, self.queued = self.waiting, {}, False
         names = [k for k, alias in waiting.items() if grads.get(k) is alias]
         if not names:
             return
@@ -56,7 +66,7 @@ class BatchGradientCopies:
         grads.update(kept)
 
     def discard(self) -> None:
-        self.waiting = {}
+        self.waiting, self.queued = {}, False
 
 
 def same_layout(buffer: Tensor, source: Tensor) -> bool:

@@ -482,6 +482,8 @@ class Capture:
                 engine.state.weights_problem = "the batch is empty (`losses` has 0 entries)"
                 return
             state = engine.state
+            if engine.stats is not None:  # (before DistributedDataParallel's callbacks)
+                engine.batch_copies.reserve(engine.stats.batch_grads, state.spare_grads)
             state.weights = grad.detach()
             # the only read of the device in a tracked step's hooks: the weight is a
             # number of the engine's decisions (uniform? zero? the scale of δ_n)
