@@ -164,6 +164,31 @@ def test_the_accelerator_paths_histograms_count_the_global_batch(tmp_path):
             1 + parameters)
 
 
+@pytest.mark.parametrize("make_optimizer", [sgd, adam])
+def test_a_branch_only_one_process_takes_gives_the_global_batch(tmp_path, make_optimizer):
+    """DDP with ``find_unused_parameters``, each process's samples taking one head of two:
+    every instrument equals one process on the whole batch. Alpha predicted the update of
+    the head a process did not reach nowhere: with SGD the processes then took different
+    paths at the next step (gloo aborted both), with Adam the writing process recorded a
+    wrong α and the other a KeyError. The update of a parameter this process did not reach
+    is predicted from the synchronized gradient, as on the other process."""
+    problem = make_problem("routed", 48)  # samples 0–23 take head a, 24–47 head b
+    generator = torch.Generator().manual_seed(5)
+    batches = [(problem.x[index], problem.y[index]) for index in (
+        torch.cat([torch.randint(0, 24, (12,), generator=generator),
+                   torch.randint(24, 48, (12,), generator=generator)]) for _ in range(STEPS))]
+    config = _config("routed", [12, 12], batches=batches, make_optimizer=make_optimizer,
+                     ddp_kwargs={"find_unused_parameters": True})
+    ranks = _two_processes(tmp_path, config)
+    expected, _ = whole_batch_run(make_problem("routed", 48), batches, make_optimizer)
+    for result in ranks:
+        output = strip(result["output"])
+        # (a head's noise scale per layer is a ratio with ‖G‖² ≪ tr(Σ)/|B|: the difference
+        # of two sums cancels, and the summation order moves the ratio by a few 1e-6)
+        assert assert_same_values(output, expected, range(STEPS), rtol=1e-5) > 30 * STEPS
+        assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
+
+
 def test_stacked_linear_weights_report_the_global_batch(tmp_path):
     """On the accelerator path the three hidden Linear weights of one shape are formed
     stacked (their statistics together, their dot products once their gradients arrived),

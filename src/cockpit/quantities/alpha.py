@@ -109,6 +109,7 @@ class _OpenStep:
     unpacked: dict[str, list[Tensor]] = field(default_factory=dict)
     projections: dict[str, Tensor] = field(default_factory=dict)  # name → [K, N]
     project: Callable[[dict[str, Tensor]], Tensor] | None = None  # general path
+    provider: Callable | None = None  # the predicted path's, for parameters seen late
     failure: str | None = None
     direction: dict[str, Tensor] | None = None  # s_t
     direction_length: float = math.nan  # ‖s_t‖
@@ -185,8 +186,8 @@ class Alpha(Quantity):
             state = _OpenStep(step, None, predicted, sgd=predicted and is_sgd)
             self._starting = state
         if state.predicted:
-            request.direction_providers[_PREDICTED] = self._provider(
-                optimizer, state, previous, request.gradient_scale)
+            state.provider = self._provider(optimizer, state, previous, request.gradient_scale)
+            request.direction_providers[_PREDICTED] = state.provider
         else:
             request.keep_calls = True
 
@@ -294,6 +295,7 @@ class Alpha(Quantity):
         assert stats is not None
         if state.predicted:
             state.projections = dict(stats.projections.get(_PREDICTED, {}))
+            self._predict_unreached(state, data.engine.params if data.engine else {})
         else:
             state.project = data.project
         if stats.problems:  # no individual gradients (BatchNorm, ...): the general path
@@ -303,6 +305,22 @@ class Alpha(Quantity):
             state.failure, state.predicted = data.unmerged, False
         self._open = state
         return {}
+
+    @staticmethod
+    def _predict_unreached(state: _OpenStep, params: dict[str, Tensor]) -> None:
+        """Over processes the projections hold every parameter some process's backward
+        pass reached; one this process's did not reach (a branch only another process's
+        batch took, DistributedDataParallel with ``find_unused_parameters``) got no
+        prediction in its hooks. Its update is predicted here from the synchronized gradient
+        in ``p.grad`` — the same on every process, so every process fits the same update
+        (and decides alike whether the prediction holds)."""
+        assert state.provider is not None
+        for name in [k for k in state.projections if k not in state.basis]:
+            param = params.get(name)
+            grad = None if param is None else param.grad
+            if grad is None or state.provider(name, param, grad.detach()) is None:
+                state.failure = state.failure or (
+                    f"no gradient of {name} to predict its update from")
 
     def compute_after_update(self, data: StepData, update: dict[str, Tensor]
                              ) -> dict[str, Value] | Later:
