@@ -381,6 +381,7 @@ class Cockpit:
             steps.stepping, steps.evaluated = True, None
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._run.optimizer_steps += 1
         steps = self._steps
         steps.stepping, steps.evaluated = False, None
         if not self._shared:  # (else at the next block: after every optimizer's step)

@@ -488,6 +488,36 @@ def test_a_skipped_step_number_leaves_alpha_none_with_the_step_that_came():
         "Alpha"]
 
 
+def test_an_optimizer_step_under_a_repeated_step_number_leaves_alpha_none():
+    """Step numbers 0, 1, 1, 2 with an optimizer step after each block: the second "1" is
+    not recorded, but its optimizer step moves θ, so step 2 observes θ after two updates,
+    not θ_1 + s_1. α_1 is None with the reason (it was the fit at the wrong point: −0.895
+    for −0.945); α_0 and α_2 are those of the same trajectory numbered 0, 1, 2, 3, 4."""
+    def run(numbers):
+        problem = make_problem("mlp_relu", 16)
+        opt = torch.optim.SGD(problem.model.parameters(), lr=0.1)
+        cockpit = Cockpit(problem.model, [quantities.Alpha()], optimizer=opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the repeated number is warned)
+            for i, step in enumerate(numbers):
+                opt.zero_grad()
+                part = slice(4 * (i % 4), 4 * (i % 4) + 4)
+                x, y = problem.x[part], problem.y[part]
+                losses = problem.loss_fn(problem.model(x), y)
+                with cockpit(step, losses=losses):
+                    losses.mean().backward()
+                opt.step()
+        cockpit.close()
+        return cockpit.get_output(), cockpit.get_notes()
+
+    output, notes = run([0, 1, 1, 2, 3])
+    plain, _ = run([0, 1, 2, 3, 4])
+    assert output[1]["Alpha"] is None
+    assert "stepped 2 times" in notes[1]["Alpha"]
+    assert output[0]["Alpha"] == pytest.approx(plain[0]["Alpha"], rel=1e-12)
+    assert output[2]["Alpha"] == pytest.approx(plain[3]["Alpha"], rel=1e-12)
+
+
 @pytest.mark.parametrize("order", ["other first", "watched first"])
 def test_a_second_optimizer_on_some_parameters_is_measured_after_both_steps(order):
     """Weights on SGD (passed to Cockpit), biases on Adam: θ_t is taken before the first

@@ -114,6 +114,7 @@ class _OpenStep:
     direction: dict[str, Tensor] | None = None  # s_t
     direction_length: float = math.nan  # ‖s_t‖
     moved: list[str] = field(default_factory=list)  # parameters with s_t ≠ 0
+    optimizer_steps: int = 0  # the optimizer's steps before θ_t
     obs0: tuple[Tensor, ...] | None = None  # (loss mean, var, slope mean, var) at θ_t
 
 
@@ -291,6 +292,7 @@ class Alpha(Quantity):
                 return {"Alpha": None}
             return {}
         state.loss = data.loss_mean_var()
+        state.optimizer_steps = data.optimizer_steps
         stats = data.stats
         assert stats is not None
         if state.predicted:
@@ -496,6 +498,16 @@ class Alpha(Quantity):
             return
         self._open = None
         if state.obs0 is None or state.direction is None:
+            return
+        taken = data.optimizer_steps - state.optimizer_steps
+        if taken != 1:  # θ_(t+1) here is not θ_t + s_t
+            data.late.setdefault(state.step, {})["Alpha"] = None
+            data.late_notes.setdefault(state.step, {})["Alpha"] = (
+                "not computed: the optimizer did not step between θ_t and step "
+                f"{data.step} (e.g. a GradScaler skipped it)" if taken == 0 else
+                f"not computed: the optimizer stepped {taken} times between θ_t and step "
+                f"{data.step}'s parameters (steps under a number Cockpit did not record, "
+                "e.g. a repeated step number), so they are not θ_t + s_t")
             return
         stats = data.stats
         assert stats is not None and data.losses is not None

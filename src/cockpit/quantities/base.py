@@ -90,6 +90,8 @@ class StepData:
     # why statistics that need the whole batch's gradient are missing (accumulation that
     # Cockpit learned only during this step), or None
     unmerged: str | None = None
+    # the watched optimizer's steps before this one (θ_t: after that many updates)
+    optimizer_steps: int = 0
     late: dict[int, dict[str, Value]] = field(default_factory=dict)  # values of earlier steps
     late_notes: dict[int, dict[str, str]] = field(default_factory=dict)
     late_values: dict[int, list[Later]] = field(default_factory=dict)  # ... still on the device

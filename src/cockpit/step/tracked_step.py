@@ -438,6 +438,7 @@ class TrackedStep:
             hist2d_specs=run.hist2d_specs,
             time=self.elapsed,
             engine=run.tracker,
+            optimizer_steps=run.optimizer_steps,
         )
         for formed in self._mean_norms:
             data.reuse_grad_norms(formed)

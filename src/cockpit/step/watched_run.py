@@ -53,6 +53,7 @@ class WatchedRun:
     # the model's DistributedDataParallel wrappers (their join() is looked at every step)
     ddp: tuple[torch.nn.Module, ...] = ()
     group_ranks: int = 0  # (0: ranks)
+    optimizer_steps: int = 0  # the watched optimizer's steps so far
     _detached: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
