@@ -252,7 +252,9 @@ def test_server_waits_for_a_missing_run_log(tmp_path) -> None:
         status, _, png = fetch(server, "/view.png")
         assert status == 200 and png[:4] == b"\x89PNG"
         assert b'id="last-step">\xe2\x80\x93<' in fetch(server, "/")[2]
-        assert json.loads(fetch(server, "/findings.json")[2]) == {"findings": [], "error": None}
+        findings = json.loads(fetch(server, "/findings.json")[2])
+        assert [f["code"] for f in findings["findings"]] == ["checks_skipped"]
+        assert findings["error"] is None and findings["all_clear"] is False
         assert json.loads(fetch(server, "/panels.json")[2]) == {"panels": [], "series": {}}
     finally:
         server.shutdown()

@@ -65,11 +65,9 @@ class Diagnoser:
         """Run every enabled check on the record; returns the new findings."""
         findings: list[Finding] = []
         self.skipped = {}
-        if not self.record.steps:
-            self.findings = []
-            return []
+        no_steps = self._no_steps_reason()
         for rule in self.rules:
-            reason = rule.skip_reason(self.record)
+            reason = no_steps or rule.skip_reason(self.record)
             if reason is not None:
                 self.skipped[rule.code] = reason
                 continue
@@ -84,6 +82,16 @@ class Diagnoser:
                 self._reported.add(key)
                 new.append(finding)
         return new
+
+    def _no_steps_reason(self) -> str | None:
+        """Why no check can run on a record without steps (a run that has not written
+        one yet, or ``since_step`` past its last step); None when there are steps.
+        Without steps every check is skipped, so no diagnosis reads as an all-clear."""
+        if self.record.steps:
+            return None
+        if self.since_step is not None:
+            return f"no tracked step recorded after step {self.since_step}"
+        return "no tracked step recorded"
 
 
 def _skipped_finding(skipped: dict[str, str]) -> Finding:

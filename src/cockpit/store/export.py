@@ -103,8 +103,9 @@ def load_json_run(path: str | Path
 
 
 def _wide_scalar_columns(reader: RunLogReader) -> tuple[list[int], dict[str, list]]:
-    """Steps and per-name lists with None where the value is None or missing."""
-    frame, kinds = reader.scalars(), reader.scalar_kinds()
+    """Steps and per-name lists with None where the value is None or missing (values and
+    kinds from one snapshot: a run still being written gains steps between two reads)."""
+    frame, kinds = reader.scalar_table()
     columns = {}
     for name in frame.columns:
         valid = kinds[name].isin(["value", "nan", "+inf", "-inf"])

@@ -54,6 +54,16 @@ def run_metadata(model: nn.Module, tracked_model: nn.Module, params: dict[str, T
     }
 
 
+def cockpit_metadata(cockpit: Any) -> dict[str, Any]:
+    """The metadata :func:`run_metadata` makes for the run log of ``cockpit`` (a
+    :class:`~cockpit.Cockpit`, with or without a ``logdir``), from the same parts: what a
+    view drawn from the Cockpit object reads (the parameters in the model's order, the
+    model and optimizer of the title). Nothing is written; ``start_time`` is now."""
+    tracker = cockpit.tracker
+    return run_metadata(cockpit.model, tracker.model, dict(tracker.params), cockpit.optimizer,
+                        list(cockpit.quantities), cockpit.batchnorm, tracker.precision_note)
+
+
 def _jsonable(value: Any) -> bool:
     return isinstance(value, bool | int | float | str | type(None)) or (
         isinstance(value, tuple | list) and all(isinstance(v, int | float) for v in value)

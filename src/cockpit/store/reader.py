@@ -143,24 +143,51 @@ class RunLogReader:
             out.setdefault(step, {})[name] = reason
         return out
 
-    def _scalar_rows(self, names: Iterable[str] | None, since: int | None) -> list[tuple]:
+    def _scalar_snapshot(self, names: list[str] | None,
+                         since: int | None) -> tuple[list[tuple], list[str]]:
+        """The scalar rows ``(step, name, value, kind)`` and the frame's columns, read in
+        one transaction: a step written meanwhile is in both or in neither."""
         where, args = self._since(since)
-        sql = f"SELECT step, name, value, kind FROM scalars WHERE {where}"
-        (rows,) = self._query((sql + " ORDER BY step, name", args))
+        rows, dict_rows = self._query(
+            (f"SELECT step, name, value, kind FROM scalars WHERE {where} ORDER BY step, name",
+             args),
+            ("SELECT DISTINCT name FROM fields", ()),
+        )
         if names is not None:
             wanted = set(names)
-            rows = [r for r in rows if r[1] in wanted]
-        return rows
+            return [r for r in rows if r[1] in wanted], list(names)
+        return rows, self._scalar_names(rows, {r[0] for r in dict_rows})
 
-    def _scalar_names(self, rows: list[tuple], names: Iterable[str] | None) -> list[str]:
-        """Columns: requested names, else names with a float somewhere or never a dict."""
-        if names is not None:
-            return list(names)
-        (dict_rows,) = self._query(("SELECT DISTINCT name FROM fields", ()))
-        dict_names = {r[0] for r in dict_rows}
+    @staticmethod
+    def _scalar_names(rows: list[tuple], dict_names: set[str]) -> list[str]:
+        """Columns: names with a float somewhere or never a dict."""
         floats = {r[1] for r in rows if r[3] != NONE}
         nones = {r[1] for r in rows if r[3] == NONE} - dict_names
         return sorted(floats | nones)
+
+    @staticmethod
+    def _frames(rows: list[tuple], columns: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """The value and kind frames of :meth:`scalar_table` from one set of rows."""
+        import pandas as pd  # imported lazily: writing a run log does not need pandas
+
+        values: dict[str, dict[int, float]] = {c: {} for c in columns}
+        kinds: dict[str, dict[int, str]] = {c: {} for c in columns}
+        for step, name, value, kind in rows:
+            if name in values:
+                x = decode_float(value, kind)
+                values[name][step] = np.nan if x is None else x
+                kinds[name][step] = KIND_NAMES[kind]
+        index = pd.Index(sorted({r[0] for r in rows}), name="step")
+        return (pd.DataFrame(values, index=index, columns=columns).astype("float64"),
+                pd.DataFrame(kinds, index=index, columns=columns))
+
+    def scalar_table(
+        self, names: Iterable[str] | None = None, *, since: int | None = None
+    ) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """``(scalars(), scalar_kinds())`` read from one snapshot: the same steps and
+        columns in both, also while another process appends steps."""
+        rows, columns = self._scalar_snapshot(None if names is None else list(names), since)
+        return self._frames(rows, columns)
 
     def scalars(
         self, names: Iterable[str] | None = None, *, since: int | None = None
@@ -168,38 +195,17 @@ class RunLogReader:
         """Float instruments as a frame: index ``step``, one float64 column per name.
 
         Missing and ``None`` values are NaN here; :meth:`scalar_kinds` and :meth:`notes`
-        tell them apart from a NaN the instrument produced. ``since`` keeps steps > since.
+        tell them apart from a NaN the instrument produced (:meth:`scalar_table` reads
+        both at once). ``since`` keeps steps > since.
         """
-        import pandas as pd  # imported lazily: writing a run log does not need pandas
-
-        names = None if names is None else list(names)
-        rows = self._scalar_rows(names, since)
-        columns = self._scalar_names(rows, names)
-        data: dict[str, dict[int, float]] = {c: {} for c in columns}
-        for step, name, value, kind in rows:
-            if name in data:
-                x = decode_float(value, kind)
-                data[name][step] = np.nan if x is None else x
-        steps = sorted({r[0] for r in rows})
-        frame = pd.DataFrame(data, index=pd.Index(steps, name="step"), columns=columns)
-        return frame.astype("float64")
+        return self.scalar_table(names, since=since)[0]
 
     def scalar_kinds(
         self, names: Iterable[str] | None = None, *, since: int | None = None
     ) -> pd.DataFrame:
         """Same shape as :meth:`scalars`, cells ``"value"``, ``"nan"``, ``"+inf"``,
         ``"-inf"``, ``"none"`` (not computed) or NaN (not written at that step)."""
-        import pandas as pd
-
-        names = None if names is None else list(names)
-        rows = self._scalar_rows(names, since)
-        columns = self._scalar_names(rows, names)
-        data: dict[str, dict[int, str]] = {c: {} for c in columns}
-        for step, name, _, kind in rows:
-            if name in data:
-                data[name][step] = KIND_NAMES[kind]
-        steps = sorted({r[0] for r in rows})
-        return pd.DataFrame(data, index=pd.Index(steps, name="step"), columns=columns)
+        return self.scalar_table(names, since=since)[1]
 
     def array(self, name: str, field: str = BARE_ARRAY_FIELD) -> dict[int, np.ndarray]:
         """Step → array of ``name[field]`` (a float field comes back as a 0-d array)."""

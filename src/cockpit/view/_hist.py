@@ -15,18 +15,21 @@ A histogram whose range Cockpit set from the data (the default) also records ``"
 edge bins hold *exactly* the elements beyond ±range (:attr:`Histogram.inner`).
 
 Non-finite elements are counted in no bin, so a step whose gradients were all NaN has an
-empty histogram.
+empty histogram, and a step whose gradients were partly NaN a smaller one that looks
+finite. Which steps counted *every* element is read off the gradient norm recorded with
+the histogram (:func:`complete_steps`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cockpit.view._data import Output, structured_steps
+from cockpit.view._data import Output, as_float, structured_steps
 
 FIELDS = ("counts", "edges")
 
@@ -83,17 +86,79 @@ def _as_hist(step: int, value: Mapping[str, Any]) -> Histogram | None:
     return Histogram(step, counts, edges, None if inner is None else float(inner))
 
 
-def histogram_at(output: Output, name: str, step: int | None = None) -> Histogram | None:
-    """The histogram ``name`` at ``step``, or (default) at the last step whose histogram
-    holds any element: a run whose gradients became NaN shows its last finite step."""
-    steps = structured_steps(output, name, FIELDS)
-    if step is not None:
-        steps = [s for s in steps if s == step]
-    for s in reversed(steps):
-        hist = _as_hist(s, output[s][name])
-        if hist is not None and (step is not None or hist.total > 0):
-            return hist
+def norm_of(name: str) -> str | None:
+    """The gradient norm recorded with histogram ``name``: ``GradNorm`` for ``GradHist1d``,
+    ``GradNorm/<p>`` for ``GradHist1d/<p>``; None for other histograms."""
+    head, sep, param = name.partition("/")
+    return "GradNorm" + sep + param if head == "GradHist1d" else None
+
+
+def completeness(output: Output, name: str) -> Callable[[int], bool]:
+    """``complete(step)``: whether the histogram ``name`` at ``step`` counted every
+    gradient element, none of them NaN or ±inf.
+
+    Exact where the matching gradient norm (:func:`norm_of`) is a number at that step: the
+    batch gradient sums the individual gradients, so it is finite exactly when each of
+    their elements is (short of a sum of finite elements overflowing), and so is its norm.
+    Where the norm was not recorded, the histogram
+    must hold as many elements as the fullest one of the run (exact for a constant batch
+    size; a step with a smaller batch then counts as incomplete).
+    """
+    norm = norm_of(name)
+    fullest: list[int] = []  # the largest total, found when first needed
+
+    def complete(step: int) -> bool:
+        hist = _recorded(output, name, step)
+        if hist is None or hist.total == 0:
+            return False
+        grad_norm = as_float(output[step].get(norm)) if norm is not None else None
+        if grad_norm is not None:
+            return math.isfinite(grad_norm)
+        if not fullest:
+            fullest.append(max(_total(output, name, s) for s in output))
+        return hist.total == fullest[0]
+
+    return complete
+
+
+def _recorded(output: Output, name: str, step: int) -> Histogram | None:
+    """The histogram ``name`` as recorded at ``step``; None where there is none."""
+    value = output.get(step, {}).get(name)
+    if not isinstance(value, Mapping) or any(f not in value for f in FIELDS):
+        return None
+    return _as_hist(step, value)
+
+
+def _total(output: Output, name: str, step: int) -> int:
+    hist = _recorded(output, name, step)
+    return 0 if hist is None else hist.total
+
+
+def last_complete_step(output: Output, names: Iterable[str]) -> int | None:
+    """The last step at which every histogram of ``names`` recorded there counted every
+    element (at least one recorded): one step at which all of them can be shown."""
+    names = list(names)
+    checks = {name: completeness(output, name) for name in names}
+    steps = sorted({s for name in names for s in structured_steps(output, name, FIELDS)})
+    for step in reversed(steps):
+        here = [n for n in names if _recorded(output, n, step) is not None]
+        if here and all(checks[n](step) for n in here):
+            return step
     return None
+
+
+def histogram_at(output: Output, name: str, step: int | None = None) -> Histogram | None:
+    """The histogram ``name`` at ``step`` (as recorded), or (default) at the last step
+    whose histogram counted every element: a run whose gradients became NaN, in part or
+    all, shows its last finite step; None where there is no such step."""
+    if step is None:
+        step = last_complete_step(output, [name])
+    return None if step is None else _recorded(output, name, step)
+
+
+def ever_counted(output: Output, name: str) -> bool:
+    """Whether some recorded histogram ``name`` holds an element (a finite one)."""
+    return any(_total(output, name, s) > 0 for s in output)
 
 
 def last_recorded_step(output: Output, name: str) -> int | None:

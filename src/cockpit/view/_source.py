@@ -12,6 +12,14 @@ from cockpit.view._data import Output, normalize_output
 
 
 def _meta_of(obj: Any) -> dict[str, Any] | None:
+    """The run metadata of an object with ``get_output()``: for a Cockpit the metadata its
+    run log is given (also without a ``logdir``), else what a ``meta``-like attribute holds."""
+    from cockpit.cockpit import Cockpit
+
+    if isinstance(obj, Cockpit):
+        from cockpit.store.metadata import cockpit_metadata
+
+        return cockpit_metadata(obj)
     for attr in ("meta", "run_meta", "metadata", "_metadata"):
         meta = getattr(obj, attr, None)
         if callable(meta):

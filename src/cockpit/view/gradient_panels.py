@@ -19,7 +19,7 @@ from matplotlib.ticker import MaxNLocator
 from cockpit.engine.histograms.exact import symmetric_fast_spec
 from cockpit.view import _style as S
 from cockpit.view._data import Output, finite_part, is_tracked, scalar_series, structured_at
-from cockpit.view._hist import Histogram, histogram_at, last_recorded_step
+from cockpit.view._hist import Histogram, ever_counted, histogram_at, last_recorded_step
 from cockpit.view.instruments import draws
 from cockpit.view.panel_parts import (
     _LOG_BASELINE,
@@ -216,6 +216,21 @@ def _draw_zoom(ax: Axes, hist: Histogram, lo: float, hi: float) -> Axes | None:
     return inset
 
 
+def _no_histogram_text(output: Output, name: str, step: int | None,
+                       notes: Notes | None) -> str:
+    """What the histogram panel says where it has no histogram to draw."""
+    recorded = last_recorded_step(output, name)
+    reason = note_for(notes, [name])
+    if recorded is None:
+        return _wrap(f"not computed: {reason}") if reason else "no histogram yet"
+    if step is not None:
+        return (f"no histogram recorded at step {step}" if histogram_at(output, name, step)
+                is None else f"no finite gradient element recorded at step {step}")
+    if ever_counted(output, name):  # finite elements, but never all of them
+        return f"no step with finite gradients (last recorded step {recorded})"
+    return f"no finite gradient element recorded (last recorded step {recorded})"
+
+
 @draws("GradHist1d")
 def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
                       hist_range: tuple[float, float] | str | None = "auto",
@@ -223,8 +238,8 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
                       title: str | None = None, compact: bool = False,
                       notes: Notes | None = None, **_: Any) -> Axes:
     """Histogram of the |B|×D individual gradient elements (eq. 15), log count axis, at
-    ``step`` (default: the last step with any finite element, so a run whose gradients
-    became NaN shows its last finite step and says so).
+    ``step`` (default: the last step whose gradient elements were all finite, so a run
+    whose gradients became NaN, in part or all, shows its last finite step and says so).
 
     ``hist_range`` is the x range: ``"auto"`` (default) the recorded edges where Cockpit set
     the range from the data, else the paper's deliberate [−2, 2], so badly scaled data stand
@@ -237,11 +252,7 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
     ax.tick_params(labelsize=S.FONT_SIZES["small"])
     hist = histogram_at(output, name, step)
     if hist is None or hist.total == 0:
-        recorded = last_recorded_step(output, name)
-        reason = note_for(notes, [name])
-        _no_data(ax, _wrap(f"not computed: {reason}") if recorded is None and reason else
-                 "no histogram yet" if recorded is None else
-                 f"no finite gradient element recorded (last recorded step {recorded})")
+        _no_data(ax, _no_histogram_text(output, name, step, notes))
         return ax
     # One step artist (not one bar per bin): empty bins fall to the baseline below the axis.
     ax.stairs(hist.counts, hist.edges, fill=True, baseline=_LOG_BASELINE,
@@ -261,9 +272,9 @@ def draw_grad_hist_1d(fig: Figure, spec: SubplotSpec, output: Output, *,
     recorded = last_recorded_step(output, name)
     lines = [f"step {hist.step}  ·  {hist.total:,} elements", *hist_range_notes(hist, lo, hi)]
     _corner_note(ax, "\n".join(lines), loc="upper left")
-    if recorded is not None and recorded > hist.step:
-        _corner_note(ax, f"step {hist.step} is the last with finite gradients:\nthe "
-                     f"histograms of steps {hist.step + 1}–{recorded} hold no finite element",
+    if step is None and recorded is not None and recorded > hist.step:
+        _corner_note(ax, f"step {hist.step} is the last with finite gradients:\nsteps "
+                     f"{hist.step + 1}–{recorded} have non-finite elements (not counted)",
                      loc="upper left", color=S.RED, y=0.80)
     if not compact:
         _draw_zoom(ax, hist, lo, hi)

@@ -26,7 +26,7 @@ from matplotlib.gridspec import SubplotSpec
 
 from cockpit.view import _style as S
 from cockpit.view._data import Output, normalize_output, per_param_names
-from cockpit.view._hist import Histogram, histogram_at
+from cockpit.view._hist import Histogram, histogram_at, last_complete_step, last_recorded_step
 from cockpit.view._source import load_run
 from cockpit.view.figure_file import save_figure
 from cockpit.view.panel_parts import note_for
@@ -46,19 +46,39 @@ def model_order(meta: Mapping[str, Any] | None) -> list[str]:
 
 def layer_histograms(output: Mapping, step: int | None = None,
                      order: Sequence[str] = ()) -> dict[str, Histogram]:
-    """Parameter name → its recorded histogram at ``step`` (default: each parameter's last
-    step with any finite element); parameters in ``order`` first (the model's order),
-    then the others in the order the run recorded them."""
+    """Parameter name → its recorded histogram at ``step``, default the last step at which
+    every layer's histogram counted all its elements (:func:`_layer_step`), so all layers
+    show one step; empty if there is no such step. Parameters in ``order`` first (the
+    model's order), then the others in the order the run recorded them."""
     out = normalize_output(output)
     recorded = per_param_names(out, "GradHist1d")
     rank = {p: i for i, p in enumerate(order)}
     recorded.sort(key=lambda p: rank.get(p, len(rank)))  # stable: unknown ones keep order
+    if step is None:
+        step = _layer_step(out)
     found = {}
-    for param in recorded:
+    for param in recorded if step is not None else ():
         hist = histogram_at(out, f"GradHist1d/{param}", step)
         if hist is not None:
             found[param] = hist
     return found
+
+
+def _layer_step(output: Output) -> int | None:
+    """The last step at which the histogram of every layer recorded there counted all of
+    its elements (gradients all finite); None if there is none."""
+    return last_complete_step(output, [f"GradHist1d/{p}"
+                                       for p in per_param_names(output, "GradHist1d")])
+
+
+def _no_layer_text(output: Output) -> str | None:
+    """Why the layer views show no histogram although layers were recorded (every step has
+    a non-finite gradient element in some layer); None where nothing was recorded."""
+    steps = [last_recorded_step(output, f"GradHist1d/{p}")
+             for p in per_param_names(output, "GradHist1d")]
+    last = max((s for s in steps if s is not None), default=None)
+    return None if last is None else (
+        f"no step with finite gradients in every layer (last recorded step {last})")
 
 
 def _shared_range(hists: Mapping[str, Histogram], hist_range: HistRange) -> tuple[float, float]:
@@ -137,8 +157,10 @@ def plot_layer_histograms(output: Mapping, step: int | None = None, *,
     fig.suptitle("Individual gradient elements per layer" + (f" ({where})" if where else ""),
                  fontsize=S.FONT_SIZES["title"] + 1, fontweight="bold")
     if n == 0:
-        fig.text(0.5, 0.5, "no per-parameter GradHist1d values in this run", ha="center",
-                 va="center", color=S.GRAY, fontsize=S.FONT_SIZES["title"])
+        text = ((step is None and _no_layer_text(normalize_output(output)))
+                or "no per-parameter GradHist1d values in this run")
+        fig.text(0.5, 0.5, text, ha="center", va="center", color=S.GRAY,
+                 fontsize=S.FONT_SIZES["title"])
         return fig
     lo, hi = _shared_range(hists, hist_range)
     top = max(h.counts.max() for h in hists.values()) * 40.0  # room for the notes
@@ -157,7 +179,8 @@ def plot_layers(source: Any, path: str | Path | None = None, *, step: int | None
     output dict or a :class:`~cockpit.Cockpit`; saved to ``path`` (.png/.pdf/.svg) if given.
 
     Args:
-        step: the step to show (default: each parameter's last step with finite elements).
+        step: the step to show (default: the last step at which every layer's gradient
+            elements were finite).
         hist_range: shared x range; default the recorded edges (the paper's [−2, 2]),
             ``"data"`` zooms to the span of all non-empty bins, or ``(lo, hi)``.
     """
@@ -174,8 +197,9 @@ def draw_layers_panel(fig: Figure, spec: SubplotSpec, output: Output, *,
                       notes: Mapping[int, Mapping[str, str]] | None = None,
                       **_: Any) -> Axes:
     """Compact per-layer panel: rows are parameters, columns the recorded bins, colors the
-    log counts (white: empty bin); each row at its parameter's last step with finite
-    elements. A vanishing layer is a row with all its counts in the central bins."""
+    log counts (white: empty bin); all rows at the last step at which every layer's
+    gradient elements were finite. A vanishing layer is a row with all its counts in the
+    central bins."""
     ax = fig.add_subplot(spec)
     ax.set_title(S.PANEL_TITLES["Layers"], fontsize=S.FONT_SIZES["title"], loc="left")
     ax.tick_params(labelsize=S.FONT_SIZES["small"])
@@ -184,8 +208,9 @@ def draw_layers_panel(fig: Figure, spec: SubplotSpec, output: Output, *,
     edges = {tuple(h.edges) for h in hists.values()}
     if not hists or len(edges) != 1:
         reason = note_for(notes, ["GradHist1d"])
-        empty = ("\n".join(textwrap.wrap(f"not computed: {reason}", 60)) if reason else
-                 "no per-layer histogram yet")
+        empty = ((step is None and _no_layer_text(output)) or
+                 ("\n".join(textwrap.wrap(f"not computed: {reason}", 60)) if reason else
+                  "no per-layer histogram yet"))
         ax.text(0.5, 0.5, empty if not hists else
                 "layers recorded with different bins: see plot_layers()",
                 transform=ax.transAxes, ha="center", va="center", color=S.GRAY,

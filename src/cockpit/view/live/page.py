@@ -160,10 +160,7 @@ async function loadFindings() {{
   const list = document.getElementById("findings");
   const items = [];
   if (d.error) items.push(el("li", d.error, "info"));
-  const problems = d.findings.filter(f => f.severity !== "info");
-  const skipped = d.findings.filter(f => f.code === "checks_skipped");
-  if (!d.error && !problems.length && !skipped.length)
-    items.push(el("li", "✓ no problem named by diagnose()", "ok"));
+  if (d.all_clear) items.push(el("li", "✓ no problem named by diagnose()", "ok"));
   for (const f of d.findings) {{
     const li = el("li", undefined, f.severity);
     li.dataset.code = f.code;

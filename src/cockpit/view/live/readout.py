@@ -11,6 +11,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from cockpit.diagnose.finding import CHECKS_SKIPPED
 from cockpit.view import _style as S
 from cockpit.view._data import is_tracked, normalize_output, per_param_names, scalar_series
 from cockpit.view._hist import histogram_at
@@ -81,11 +82,19 @@ def hover_data(fig: Figure, output: Mapping) -> dict[str, Any]:
 
 
 def findings_data(logdir: str | Path) -> dict[str, Any]:
-    """``{"findings": [...], "error"}``: the diagnosis of the run log as plain data."""
-    if not run_status(logdir)["num_steps"]:
-        return {"findings": [], "error": None}
-    findings, error = run_diagnosis(logdir)
+    """``{"findings": [...], "error", "all_clear"}``: the diagnosis of the run log as plain
+    data. A run log without steps (or none yet) is diagnosed as the empty run it is: every
+    check skipped. ``all_clear`` is whether the page may say that diagnose() named no
+    problem: the diagnosis ran, found no problem and skipped no check."""
+    source: Any = logdir if run_status(logdir)["num_steps"] else {}
+    findings, error = run_diagnosis(source)
     return {"findings": [{"code": f.code, "severity": f.severity, "message": f.message,
                           "advice": f.advice, "parameters": list(f.parameters),
                           "evidence": [str(e) for e in f.evidence]} for f in findings],
-            "error": error}
+            "error": error, "all_clear": error is None and _all_clear(findings)}
+
+
+def _all_clear(findings: list[Any]) -> bool:
+    """No finding names a problem and no check was skipped (informational findings may
+    stand beside an all-clear)."""
+    return not any(f.is_problem or f.code == CHECKS_SKIPPED for f in findings)
