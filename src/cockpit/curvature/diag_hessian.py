@@ -130,8 +130,10 @@ LINEAR_NODES = {
     "MulBackward0", "DivBackward0", "SqueezeBackward2", "UnbindBackward0",
     "IndexBackward0", "StackBackward0", "AliasBackward0", "ToCopyBackward0",
     # fully_shard's identities on a sharded module's inputs (its post-backward hook) and,
-    # under torch.func transforms, on its outputs
+    # under torch.func transforms, on its outputs; DistributedDataParallel's identity on
+    # its outputs (find_unused_parameters, static_graph)
     "RegisterPostBackwardFunctionBackward", "RegisterPreBackwardFunctionBackward",
+    "_DDPSinkBackward",
 }
 _ONE_SIDED = {"MulBackward0", "DivBackward0"}  # linear only if one factor is constant
 
