@@ -173,3 +173,23 @@ def train(problem: Problem, cockpit, steps: int, opt, reduction: str = "mean") -
             with cockpit(step, losses=losses):
                 loss.backward()
         opt.step()
+
+
+def recorded_run(logdir, steps: int):
+    """A real Cockpit run (economy instruments) of a tiny MLP on one batch, ``steps``
+    steps written to the run log in ``logdir`` (0: it stops before its first step);
+    returns the closed Cockpit."""
+    from cockpit import Cockpit, configuration
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
+    with Cockpit(model, configuration("economy"), optimizer=opt, logdir=str(logdir)) as cockpit:
+        for step in range(steps):
+            opt.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with cockpit(step, losses=losses):
+                losses.mean().backward()
+            opt.step()
+    return cockpit

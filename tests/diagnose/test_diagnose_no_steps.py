@@ -7,30 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
 
-from cockpit import Cockpit, configuration, diagnose
+from cockpit import Cockpit, diagnose
 from cockpit.diagnose import CHECKS_SKIPPED, CODES, Diagnoser
 from cockpit.diagnose.cli import main_diagnose
-
-
-def _run(logdir: Path, steps: int) -> Cockpit:
-    """A real Cockpit run of ``steps`` steps (0: it stops before its first step)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
-    cockpit = Cockpit(model, configuration("economy"), optimizer=opt, logdir=str(logdir))
-    for step in range(steps):
-        opt.zero_grad()
-        losses = F.cross_entropy(model(x), y, reduction="none")
-        with cockpit(step, losses=losses):
-            losses.mean().backward()
-        opt.step()
-    cockpit.close()
-    return cockpit
+from tests.models import recorded_run
 
 
 def _only_skipped(findings: list, why: str) -> None:
@@ -44,13 +25,13 @@ def _only_skipped(findings: list, why: str) -> None:
 @pytest.fixture(scope="module")
 def empty_run(tmp_path_factory, one_thread) -> tuple[Path, Cockpit]:
     logdir = tmp_path_factory.mktemp("runs") / "empty"
-    return logdir, _run(logdir, 0)
+    return logdir, recorded_run(logdir, 0)
 
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory, one_thread) -> Path:
     logdir = tmp_path_factory.mktemp("runs") / "short"
-    _run(logdir, 3)
+    recorded_run(logdir, 3)
     return logdir
 
 

@@ -8,29 +8,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
 
-from cockpit import Cockpit, configuration
 from cockpit.store import RunLogReader, RunLogWriter, export_run, main_export
+from tests.models import recorded_run
 
 STEPS = 4
-
-
-def _recorded_run(logdir: Path) -> None:
-    """A real Cockpit run (economy instruments) of a tiny MLP, written to ``logdir``."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
-    with Cockpit(model, configuration("economy"), optimizer=opt, logdir=str(logdir)) as cp:
-        for step in range(STEPS):
-            opt.zero_grad()
-            losses = F.cross_entropy(model(x), y, reduction="none")
-            with cp(step, losses=losses):
-                losses.mean().backward()
-            opt.step()
 
 
 @pytest.fixture
@@ -39,7 +21,7 @@ def appending_run(tmp_path, monkeypatch, one_thread):
     them a NaN) before each read of the run log, as a training process still writing it
     would add them between two reads."""
     logdir = tmp_path / "run"
-    _recorded_run(logdir)
+    recorded_run(logdir, STEPS)
     with RunLogReader(logdir) as reader:
         last = reader.output()[STEPS - 1]
     scalars = {k: v for k, v in last.items() if isinstance(v, float)}

@@ -17,36 +17,19 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
 
-from cockpit import Cockpit, configuration, diagnose
+from cockpit import diagnose
 from cockpit.diagnose import CHECKS_SKIPPED, CODES
 from cockpit.view.live import findings_data, make_server
+from tests.models import recorded_run
 
 ALL_CLEAR = "✓ no problem named by diagnose()"
-
-
-def _run(logdir: Path, steps: int) -> None:
-    """A real Cockpit run of ``steps`` steps (0: it stops before its first step)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
-    with Cockpit(model, configuration("economy"), optimizer=opt, logdir=str(logdir)) as cp:
-        for step in range(steps):
-            opt.zero_grad()
-            losses = F.cross_entropy(model(x), y, reduction="none")
-            with cp(step, losses=losses):
-                losses.mean().backward()
-            opt.step()
 
 
 @pytest.fixture(scope="module")
 def empty_run(tmp_path_factory, one_thread) -> Path:
     logdir = tmp_path_factory.mktemp("runs") / "empty"
-    _run(logdir, 0)
+    recorded_run(logdir, 0)
     return logdir
 
 
@@ -60,7 +43,7 @@ def test_findings_of_a_run_without_steps_are_the_skipped_checks(empty_run, tmp_p
 
 
 def test_all_clear_only_where_the_checks_ran_and_named_nothing(tmp_path, one_thread) -> None:
-    _run(tmp_path / "short", 3)  # too few steps for most checks
+    recorded_run(tmp_path / "short", 3)  # too few steps for most checks
     data = findings_data(tmp_path / "short")
     assert [f["code"] for f in data["findings"]] == [f.code for f in diagnose(tmp_path / "short")]
     assert CHECKS_SKIPPED in [f["code"] for f in data["findings"]]
