@@ -10,14 +10,16 @@ check that the real update is the predicted one. Here the vector is cut into row
 (the norms of rows by one ``vector_norm`` over dim 1 in float32; dot products of rows by
 one batched product, half precision widened to float32 first), and the rows' sums are added
 in float64. As fast as one ``dot`` on a CPU; float64 vectors and other devices (whose
-reductions are trees) keep one ``dot``, short vectors one ``dot`` in float64 (half
-precision accumulated in its own dtype loses digits — bfloat16 ‖x‖² 2e-3 off — and float16
-overflows beyond ‖x‖ = 256, float32 beyond 1.8e19: a diverging run's norms, which the
-debugger must show). A row sum that overflows float32 (|x| beyond about 1e18) is summed
-again in float64.
+reductions are trees) keep one ``dot``, and so do short vectors on a CPU, half precision
+widened to float32 first (summed in its own dtype bfloat16 ‖x‖² is 2e-3 off, and float16
+overflows beyond ‖x‖ = 256). A CPU's float32 sum that overflows (a diverging run's
+parameters beyond about 1e18, whose norms the debugger must still show) is summed again in
+float64; the check reads the CPU's memory, not a device.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -40,13 +42,13 @@ def sq_norm(x: Tensor) -> Tensor:
     if not flat.is_floating_point():
         return flat.pow(2).sum()
     if not _blocked(flat):
-        return _dot64(flat, flat)
+        return _short_dot(flat, flat)
     head, tail = _rows(flat)
     total = torch.linalg.vector_norm(head, dim=1, dtype=torch.float32).double().square().sum()
     if tail is not None:
         tail = tail.float()  # (a few hundred numbers: half precision widened, no copy of the rest)
         total = total + torch.dot(tail, tail).double()
-    return total if bool(total.isfinite()) else _dot64(flat, flat)  # (a CPU: no wait)
+    return total if _finite(total) else _dot64(flat, flat)
 
 
 def dot(a: Tensor, b: Tensor) -> Tensor:
@@ -55,7 +57,7 @@ def dot(a: Tensor, b: Tensor) -> Tensor:
     a = a.detach().reshape(-1)
     b = b.detach().reshape(-1).to(a.dtype)
     if not _blocked(a):
-        return _dot64(a, b) if a.is_floating_point() else torch.dot(a, b)
+        return _short_dot(a, b)
     flat_a, flat_b = a, b
     if a.dtype != torch.float32:  # (half precision: each row's sum in float32)
         a, b = a.float(), b.float()
@@ -64,12 +66,28 @@ def dot(a: Tensor, b: Tensor) -> Tensor:
     total = torch.bmm(a_head.unsqueeze(1), b_head.unsqueeze(2)).double().sum()
     if a_tail is not None:
         total = total + torch.dot(a_tail, b_tail).double()
-    return total if bool(total.isfinite()) else _dot64(flat_a, flat_b)  # (a CPU: no wait)
+    return total if _finite(total) else _dot64(flat_a, flat_b)
+
+
+def _short_dot(a: Tensor, b: Tensor) -> Tensor:
+    """⟨a, b⟩ of a short vector (or one on a device) by one ``dot``: on a CPU half
+    precision in float32 and a float32 sum that overflows again in float64."""
+    if a.device.type != "cpu" or not a.is_floating_point():
+        return torch.dot(a, b)
+    if a.dtype in (torch.float16, torch.bfloat16):
+        a, b = a.float(), b.float()
+    total = torch.dot(a, b)
+    return total if a.dtype == torch.float64 or _finite(total) else _dot64(a, b)
 
 
 def _dot64(a: Tensor, b: Tensor) -> Tensor:
-    """⟨a, b⟩ summed in float64 (a float64 copy of short or rare vectors)."""
+    """⟨a, b⟩ summed in float64 (a float64 copy of rare vectors)."""
     return torch.dot(a.double(), b.double())
+
+
+def _finite(total: Tensor) -> bool:
+    """Whether a 0-dim CPU tensor is finite (read from its memory: no device, no op)."""
+    return math.isfinite(total.numpy().item())
 
 
 _WIDE_COPY = 2**20
