@@ -204,6 +204,7 @@ class Cockpit:
         # tracked step
         attachment = ranks.attach() if combined > 1 else None
         self._handles: list = []
+        self._step_depth = 0  # optimizer.step() calls in progress (nested: see its hooks)
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
@@ -374,6 +375,9 @@ class Cockpit:
 
     # ------------------------------------------------------------------ hooks
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        # (a subclass whose step() calls super().step() runs the hooks once per class whose
+        # step torch wrapped: nested; one optimizer step is counted when the outer one ends)
+        self._step_depth += 1
         if self.ends_steps_at_optimizer_step:
             steps = self._steps
             steps.end_step()
@@ -381,7 +385,9 @@ class Cockpit:
             steps.stepping, steps.evaluated = True, None
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._run.optimizer_steps += 1
+        self._step_depth = max(0, self._step_depth - 1)
+        if not self._step_depth:
+            self._run.optimizer_steps += 1
         steps = self._steps
         steps.stepping, steps.evaluated = False, None
         if not self._shared:  # (else at the next block: after every optimizer's step)

@@ -518,6 +518,32 @@ def test_an_optimizer_step_under_a_repeated_step_number_leaves_alpha_none():
     assert output[2]["Alpha"] == pytest.approx(plain[3]["Alpha"], rel=1e-12)
 
 
+class OwnSGD(torch.optim.SGD):
+    """An optimizer of its own whose step() calls SGD's."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def test_a_subclass_calling_its_parents_step_is_one_optimizer_step():
+    """torch wraps the step() of every optimizer class it has built for its hooks, so a
+    subclass calling super().step() runs them twice (nested) once an SGD was built: still
+    one optimizer step (α was None: "stepped 2 times")."""
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # (SGD.step wrapped)
+    problem = make_problem("mlp_relu", 8)
+    opt = OwnSGD(problem.model.parameters(), lr=0.1)
+    cockpit = Cockpit(problem.model, [quantities.Alpha()], optimizer=opt)
+    for step in range(3):
+        opt.zero_grad()
+        losses = problem.losses()
+        with cockpit(step, losses=losses):
+            losses.mean().backward()
+        opt.step()
+    cockpit.close()
+    output = cockpit.get_output()
+    assert all(math.isfinite(output[step]["Alpha"]) for step in range(2))
+
+
 @pytest.mark.parametrize("order", ["other first", "watched first"])
 def test_a_second_optimizer_on_some_parameters_is_measured_after_both_steps(order):
     """Weights on SGD (passed to Cockpit), biases on Adam: θ_t is taken before the first
