@@ -185,12 +185,13 @@ def test_a_branch_only_one_process_takes_gives_the_global_batch(tmp_path, make_o
     config = _config("routed", [12, 12], batches=batches, make_optimizer=make_optimizer,
                      ddp_kwargs={"find_unused_parameters": True})
     ranks = _two_processes(tmp_path, config)
-    expected, _ = whole_batch_run(make_problem("routed", 48), batches, make_optimizer)
+    # (the reference steps on DDP's gradient: Adam turns the rounding of another summation
+    # into different updates of the heads' near-zero entries)
+    expected, _ = whole_batch_run(make_problem("routed", 48), batches, make_optimizer,
+                                  gradients=ranks[0]["stepped"])
     for result in ranks:
         output = strip(result["output"])
-        # (a head's noise scale per layer is a ratio with ‖G‖² ≪ tr(Σ)/|B|: the difference
-        # of two sums cancels, and the summation order moves the ratio by a few 1e-6)
-        assert assert_same_values(output, expected, range(STEPS), rtol=1e-5) > 30 * STEPS
+        assert assert_same_values(output, expected, range(STEPS)) > 30 * STEPS
         assert all(output[step]["Alpha"] is not None for step in range(STEPS - 1))
 
 

@@ -339,8 +339,10 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
     for name in shapes:
         if not present("batch_grads", name):
             continue
+        # (a parameter this process did not reach: the dtype of its gradient elsewhere, the
+        # parameter's — not float32, which rounded a float64 model's global mean)
         like = stats.batch_grads.get(name)
-        dtype = like.dtype if like is not None else torch.float32
+        dtype = like.dtype if like is not None else _gradient_dtype(context, name)
         summed_means[name] = summed = layout.view(buffer, "batch_grads", name)
         out.batch_grads[name] = summed.to(dtype, copy=True).div_(divisor)
     totals = RankTotals(total, summed_means, divisor)
@@ -366,6 +368,14 @@ def reduce_sums(stats: BackwardStatistics, shapes: dict[str, torch.Size],
                     layout.view(buffer, "directions:" + key, name).item() / ranks_with)
     any_unmerged = bool(layout.view(buffer, "header", "unmerged").sum().item() > 0)
     return out, counts, directions, any_unmerged
+
+
+def _gradient_dtype(context: StatisticContext, name: str) -> torch.dtype:
+    """The dtype of parameter ``name``'s gradient (at least float32)."""
+    param = context.params.get(name)
+    if param is None or not param.is_floating_point():
+        return torch.float32
+    return torch.promote_types(param.dtype, torch.float32)
 
 
 def gather_samples(local: BackwardStatistics, out: BackwardStatistics, counts: list[int],
