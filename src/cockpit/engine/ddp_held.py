@@ -21,6 +21,12 @@ from torch.nn.parallel import DistributedDataParallel
 _QUEUED = "_static_graph_delay_allreduce_enqueued"  # (DDP's own flag; no public accessor)
 
 
+def static_graph_ddp(model: nn.Module) -> bool:
+    """Whether ``model`` holds a DistributedDataParallel wrapper with ``static_graph``."""
+    return any(isinstance(m, DistributedDataParallel) and getattr(m, "static_graph", False)
+               for m in model.modules())
+
+
 @contextlib.contextmanager
 def delayed_all_reduce_held(model: nn.Module) -> Iterator[None]:
     """Inside: backward passes through ``model``'s static-graph DDP wrappers queue no

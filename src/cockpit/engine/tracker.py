@@ -38,7 +38,7 @@ from cockpit.engine.backward_state import BackwardState
 from cockpit.engine.capture.batch_gradients import BatchGradientCopies
 from cockpit.engine.capture.hooks import Call, Capture, Unit, layer_outputs, owner, zeros_of
 from cockpit.engine.capture.outside_uses import outside_message
-from cockpit.engine.ddp_held import delayed_all_reduce_held
+from cockpit.engine.ddp_held import delayed_all_reduce_held, static_graph_ddp
 from cockpit.engine.histograms.auto_range import AutoRange
 from cockpit.engine.histograms.exact import BinSpec
 from cockpit.engine.processing import CallProcessor, accumulate
@@ -56,6 +56,7 @@ from cockpit.engine.statistics import (
     GRAM_MEAN,
     HIST2D,
     PER_SAMPLE_STATS,
+    REGISTRY,
     SAMPLE_GRAD_SUM,
     BackwardStatistics,
     Counts,
@@ -65,6 +66,10 @@ from cockpit.engine.statistics import (
 
 __all__ = ["Call", "ModuleTracker", "Unit"]
 
+
+# the histograms' counts, which count the zeros of samples a backward pass did not reach
+_COUNTS = tuple(s for s in REGISTRY.values() if isinstance(s, Counts))
+_COUNT_NAMES = frozenset(s.name for s in _COUNTS)
 
 class ModuleTracker:
     """The hooks on ``model`` (:attr:`capture`), the per-call processing (:attr:`processor`)
@@ -98,6 +103,7 @@ class ModuleTracker:
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.parameter_owners = {name: owner(model, name) for name in self.params}
         self.sharded = has_sharded(self.params.values())  # fully_shard (engine/sharded.py)
+        self.static_graph_ddp = static_graph_ddp(model)  # (engine/ddp_held.py)
         # fully_shard's mixed precision: the dtype each parameter's layer computes in
         self.compute_dtypes = compute_dtypes(model, self.params) if self.sharded else {}
         self.precision_note = precision_note(self.compute_dtypes)  # (None without)
@@ -240,13 +246,15 @@ class ModuleTracker:
         """Extra backward passes of Cockpit's own (curvature) leave the statistics alone."""
         previous, self.state.suspended = self.state.suspended, True
         try:
-            with contextlib.ExitStack() as held:
-                if not previous:  # (DDP's delayed all-reduce, FSDP's backward hooks: the
-                    # user's pass's)
-                    held.enter_context(delayed_all_reduce_held(self.model))
+            if previous or not (self.sharded or self.static_graph_ddp):
+                yield
+            else:  # (DDP's delayed all-reduce, FSDP's backward hooks: the user's pass's)
+                with contextlib.ExitStack() as held:
+                    if self.static_graph_ddp:
+                        held.enter_context(delayed_all_reduce_held(self.model))
                     if self.sharded:
                         held.enter_context(sharded.fsdp_backward_hooks_held(self.model))
-                yield
+                    yield
         finally:
             self.state.suspended = previous
 
@@ -414,7 +422,8 @@ class ModuleTracker:
             self.processor.reduce_pending()
             self.processor.guarded("per-sample statistics", self.stats.finish)
             self._check_complete(self.stats)
-            self.processor.guarded("histogram counts", self._count_absent, self.stats)
+            if self.needs & _COUNT_NAMES:
+                self.processor.guarded("histogram counts", self._count_absent, self.stats)
         finally:
             self.active = False
             self.processor.after_backward = False
@@ -458,12 +467,13 @@ class ModuleTracker:
         formed while θ is as it was during the pass (gathered where sharded)."""
         if stats.problems or not stats.num_samples:
             return
-        for statistic in requested(self.needs):
-            if isinstance(statistic, Counts):
-                formed = stats.values.get(statistic.name, {})
+        for statistic in _COUNTS:
+            if statistic.name not in self.needs:
+                continue
+            missing = self.params.keys() - stats.values.get(statistic.name, {}).keys()
+            if missing:
                 stats.absent[statistic.name] = {
-                    name: statistic.absent(stats.num_samples, name, self)
-                    for name in self.params if name not in formed}
+                    name: statistic.absent(stats.num_samples, name, self) for name in missing}
 
     @staticmethod
     def _mean_of_individual_gradients(stats: BackwardStatistics, weight: float | None) -> None:

@@ -300,6 +300,7 @@ class Alpha(Quantity):
             self._predict_unreached(state, data.engine.params if data.engine else {})
         else:
             state.project = data.project
+        state.provider = None  # (its closure holds s_(t−1): not kept until step t + 1)
         if stats.problems:  # no individual gradients (BatchNorm, ...): the general path
             # has none either, so no switch of path (and no warning that says so)
             state.failure, state.predicted = "; ".join(stats.problems), False
@@ -317,7 +318,7 @@ class Alpha(Quantity):
         in ``p.grad`` — the same on every process, so every process fits the same update
         (and decides alike whether the prediction holds)."""
         assert state.provider is not None
-        for name in [k for k in state.projections if k not in state.basis]:
+        for name in state.projections.keys() - state.basis.keys():
             param = params.get(name)
             grad = None if param is None else param.grad
             if grad is None or state.provider(name, param, grad.detach()) is None:

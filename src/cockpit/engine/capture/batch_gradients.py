@@ -7,13 +7,12 @@ micro-batches accumulate into it), but copying in each hook costs one kernel per
 The hook keeps an alias instead (a detached view: autograd can still hand the tensor itself
 to ``p.grad``, no clone), and one multi-tensor copy at the end of the backward pass, queued
 with autograd's engine, moves every alias into a copy of Cockpit's own. Autograd runs its
-queued callbacks in order, and Cockpit's is queued when the backward pass reaches the
-losses (:meth:`BatchGradientCopies.reserve`; else at the first parameter hook), before the
-callbacks of DistributedDataParallel, which write the synchronized gradient into
-``p.grad``: the copies hold this process's gradient. (DDP queues its callback when its last
-bucket is ready, after the first parameter hook; with ``static_graph`` its first iteration
-queues it when the backward pass reaches the model's output — before any parameter hook,
-after the losses.)
+queued callbacks in order, and Cockpit's is queued at the first parameter hook, before the
+callbacks of DistributedDataParallel (queued when its last bucket is ready), which write
+the synchronized gradient into ``p.grad``: the copies hold this process's gradient. With
+``static_graph`` DDP's first iteration queues its all-reduce when the backward pass
+reaches the model's output, before any parameter hook: there the copy is queued when it
+reaches the losses (:meth:`BatchGradientCopies.reserve`).
 
 The copies reuse the buffers of the last tracked step (``spares``) where they fit; the
 others are made by one fused kernel.
@@ -44,9 +43,10 @@ class BatchGradientCopies:
         """``grads[name]`` is ``alias`` until the end of this backward pass, then a copy."""
         grads[name] = alias
         self.waiting[name] = alias
-        self.reserve(grads, spares)
         if not self.queued:
-            self.copy(grads, spares)  # (not inside a backward pass: at once)
+            self.reserve(grads, spares)
+            if not self.queued:
+                self.copy(grads, spares)  # (not inside a backward pass: at once)
 
     def copy(self, grads: dict[str, Tensor], spares: dict[str, Tensor]) -> None:
         """Replace every waiting alias in ``grads`` by a copy (one multi-tensor copy)."""

@@ -482,7 +482,8 @@ class Capture:
                 engine.state.weights_problem = "the batch is empty (`losses` has 0 entries)"
                 return
             state = engine.state
-            if engine.stats is not None:  # (before DistributedDataParallel's callbacks)
+            if engine.stats is not None and engine.static_graph_ddp:
+                # (DDP's static graph queues its all-reduce before the first parameter hook)
                 engine.batch_copies.reserve(engine.stats.batch_grads, state.spare_grads)
             state.weights = grad.detach()
             # the only read of the device in a tracked step's hooks: the weight is a

@@ -176,6 +176,8 @@ class BackwardStatistics:
         """Add the counts of the samples that did not reach a parameter to its counts where
         other samples reached it; the counts of parameters without any stay in ``absent``
         (another process may have reached them)."""
+        if not self.absent:
+            return
         for name, absent in self.absent.items():
             values = self.values.get(name, {})
             for key in [key for key in absent if key in values]:
