@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import hessian, vmap
 
+from cockpit._listing import listed
 from cockpit.engine.engine_view import EngineView
 
 
@@ -136,6 +137,18 @@ LINEAR_NODES = {
     "_DDPSinkBackward",
 }
 _ONE_SIDED = {"MulBackward0", "DivBackward0"}  # linear only if one factor is constant
+
+
+def check_single_use(engine: EngineView) -> None:
+    """Raise ValueError where a parameter enters the network in several calls (a layer
+    called twice): its weight then multiplies an input that depends on it, W·a(W), whose
+    diagonal term 2·δ·∂a/∂W the decomposition leaves out (an 18 % error measured)."""
+    repeated = [name for name in engine.params if engine.used_repeatedly(name)]
+    if repeated:
+        raise ValueError(
+            f"{listed(repeated, 3)} enter the network in several calls (a layer called "
+            "more than once), whose product with an input that depends on the same weights "
+            "the exact diagonal's decomposition does not cover")
 
 
 def check_graph(output: Tensor, calls) -> None:

@@ -55,7 +55,12 @@ import torch
 from torch import Tensor
 
 from cockpit.curvature.batched import batched_sum_sq_of_backprops, use_batched
-from cockpit.curvature.diag_hessian import check_graph, num_backprops, residual_diagonal
+from cockpit.curvature.diag_hessian import (
+    check_graph,
+    check_single_use,
+    num_backprops,
+    residual_diagonal,
+)
 from cockpit.curvature.hutchinson import hutchinson_diagonal, hutchinson_replicates
 from cockpit.curvature.hvp import HessianVectorProduct
 from cockpit.curvature.loss_factors import exact_sqrt_factor, mc_sqrt_factor
@@ -97,38 +102,68 @@ def _is_output(edge: tuple, output: Tensor) -> bool:
     return got[0] is want[0] and got[1] == want[1]
 
 
-def detect_loss(losses: Tensor, output: Tensor | None) -> tuple[str, str]:
-    """(kind, mse_reduction) of the per-sample losses, read from their autograd graph."""
+def detect_loss(losses: Tensor, output: Tensor | None
+                ) -> tuple[str, str, Tensor | float | None]:
+    """(kind, mse_reduction, scale) of the per-sample losses, read from their autograd
+    graph. ``scale`` multiplies each sample's loss Hessian ∂²ℓ_n/∂f_n² of the plain kind
+    (:func:`scaled`): for cross-entropy w_{y_n} with class weights and 0 where y_n is the
+    ignored index (ℓ_n = 0); for squared errors reduced over the output's entries by any
+    mix of sums and means, the product of 1/(entries averaged) with ``mse_reduction`` "sum"
+    (``.sum(2).mean(1)`` of [N, 2, 3]: ℓ_n = ½ Σ (f − y)², c = 1)."""
     way_out = (
         "Pass loss='cross_entropy' or loss='mse' to the instrument if that is what you use, "
         "or choose curvature='hutchinson', which works for any loss."
     )
     node = losses.grad_fn
-    reduction = "mean"
-    names = []
+    averaged = 1  # entries averaged over by the reductions to ℓ_n
     while node is not None and type(node).__name__ in (
         "MeanBackward1", "SumBackward1", "ViewBackward0", "ReshapeAliasBackward0",
         "UnsafeViewBackward0",
     ):
-        names.append(type(node).__name__)
-        if type(node).__name__ == "SumBackward1":
-            reduction = "sum"
+        if type(node).__name__ == "MeanBackward1":
+            sizes = node._saved_self_sym_sizes
+            averaged *= math.prod(sizes[d % len(sizes)] for d in node._saved_dim)
         node = node.next_functions[0][0]
     kind = type(node).__name__ if node is not None else None
     if kind == "NllLossBackward0" and output is not None:
         log_softmax = node.next_functions[0][0]
         if (type(log_softmax).__name__ == "LogSoftmaxBackward0"
                 and _is_output(log_softmax.next_functions[0], output)):
-            return "cross_entropy", "mean"
+            return "cross_entropy", "mean", _cross_entropy_scale(node)
     if (kind == "MseLossBackward0" and output is not None
             and _is_output(node.next_functions[0], output)):
-        return "mse", reduction
+        return "mse", "sum", 1.0 / averaged
     raise CurvatureError(
         "the GGN needs per-sample losses that are cross-entropy of the model's output "
         "(F.cross_entropy(model(x), y, reduction='none')) or squared errors "
         "(F.mse_loss(model(x), y, reduction='none').mean(1)); these losses are not "
         f"recognized. {way_out}"
     )
+
+
+def _cross_entropy_scale(nll) -> Tensor:
+    """w_{y_n} (1 without class weights), 0 where y_n is the ignored index, from the saved
+    state of ``F.cross_entropy(..., reduction='none')``'s NLL node (on the device: no read)."""
+    target = nll._saved_target
+    ignore = int(nll._saved_ignore_index)
+    if ignore >= 2**63:  # (saved as an unsigned 64-bit number)
+        ignore -= 2**64
+    kept = target != ignore
+    weight = nll._saved_weight
+    if weight is None:
+        return kept
+    return weight[target.masked_fill(~kept, 0)] * kept
+
+
+def scaled(factor: Tensor, scale: Tensor | float | None) -> Tensor:
+    """The factor [K, N, …] of ∂²ℓ_n/∂f_n² times ``scale`` (per sample [N], or one number):
+    each sample's columns times √scale."""
+    if scale is None or (isinstance(scale, float) and scale == 1.0):
+        return factor
+    if isinstance(scale, float):
+        return factor * math.sqrt(scale)
+    root = scale.to(factor.dtype).sqrt()
+    return factor * root.view(1, -1, *([1] * (factor.dim() - 2)))
 
 
 DESCRIPTIONS = {
@@ -160,6 +195,7 @@ def resolve_method(method: str, engine: EngineView, mc_threshold: int, max_backp
     outputs_per_sample = math.prod(output.shape[1:])
     try:
         check_graph(output, engine.activation_calls)
+        check_single_use(engine)
         units = num_backprops(engine.activation_calls)
         if outputs_per_sample > mc_threshold:
             reason = many_outputs(outputs_per_sample, mc_threshold)
@@ -214,10 +250,11 @@ def diagonal_replicates(
                                                            num_samples, generator, batched)]
     if method == "diag_ggn_mc":
         output = _model_output(engine)
-        kind, mse_reduction = _loss_kind(losses, output, loss, mse_reduction)
+        kind, mse_reduction, scale = _loss_kind(losses, output, loss, mse_reduction)
         f = output.detach()
-        factor = mc_sqrt_factor(f, kind, num_samples=num_samples, generator=generator,
-                                mse_reduction=mse_reduction) * math.sqrt(num_samples)
+        factor = scaled(mc_sqrt_factor(f, kind, num_samples=num_samples, generator=generator,
+                                       mse_reduction=mse_reduction) * math.sqrt(num_samples),
+                        scale)
         per_column = sum_sq_of_backprops(engine, output, factor, batched, separate=True)
         reached = [(m, k) for m, sums in enumerate(per_column) for k in params if k in sums]
         means = dict(zip(reached, torch._foreach_div(  # (one kernel for all of them)
@@ -265,10 +302,10 @@ def _model_output(engine: EngineView) -> Tensor:
 
 
 def _loss_kind(losses: Tensor, output: Tensor, loss: str | None,
-               mse_reduction: str) -> tuple[str, str]:
+               mse_reduction: str) -> tuple[str, str, Tensor | float | None]:
     if loss is None:
         return detect_loss(losses, output)
-    return loss, mse_reduction
+    return loss, mse_reduction, None
 
 
 def diagonal_curvature(
@@ -292,6 +329,7 @@ def diagonal_curvature(
             raise CurvatureError("curvature='diag_hessian' needs the model's output")
         try:
             check_graph(output, engine.activation_calls)
+            check_single_use(engine)
         except ValueError as error:
             raise CurvatureError(
                 f"curvature='diag_hessian' cannot apply to this model: {error}. Use "
@@ -313,13 +351,14 @@ def diagonal_curvature(
                 for k in ggn}
     if method in ("diag_ggn_exact", "diag_ggn_mc"):
         output = _model_output(engine)
-        kind, mse_reduction = _loss_kind(losses, output, loss, mse_reduction)
+        kind, mse_reduction, scale = _loss_kind(losses, output, loss, mse_reduction)
         f = output.detach()
         if method == "diag_ggn_exact":
             factor = exact_sqrt_factor(f, kind, mse_reduction=mse_reduction)
         else:
             factor = mc_sqrt_factor(f, kind, num_samples=num_samples, generator=generator,
                                     mse_reduction=mse_reduction)
+        factor = scaled(factor, scale)
         sums = sum_sq_of_backprops(engine, output, factor, batched)[0]
         reached = [k for k in params if k in sums]
         means = dict(zip(reached, torch._foreach_div(  # (one kernel for all parameters)
