@@ -179,13 +179,16 @@ GGN = ("diag_ggn_exact", "diag_ggn_mc")
 
 
 def resolve_method(method: str, engine: EngineView, mc_threshold: int, max_backprops: int,
-                   fallback: str = "ggn") -> tuple[str, str | None]:
+                   fallback: str = "ggn", losses: Tensor | None = None
+                   ) -> tuple[str, str | None]:
     """(method, why the exact Hessian diagonal is not used or None) for this step.
 
     ``"auto"``: the exact Hessian diagonal where the graph is covered and the residual terms
     fit in ``max_backprops``; otherwise ``fallback``: ``"hutchinson"`` (unbiased for the
     Hessian, for instruments that read only the trace) or ``"ggn"`` (the exact GGN
-    diagonal, or its Monte-Carlo estimate for more than ``mc_threshold`` outputs)."""
+    diagonal, or its Monte-Carlo estimate for more than ``mc_threshold`` outputs).
+    ``losses`` (where the loss's kind is to be read from them): a loss whose Hessian
+    Cockpit cannot factor (label smoothing, a custom loss) takes the fallback too."""
     check_method(method)
     if method != "auto":
         return method, None
@@ -196,6 +199,8 @@ def resolve_method(method: str, engine: EngineView, mc_threshold: int, max_backp
     try:
         check_graph(output, engine.activation_calls)
         check_single_use(engine)
+        if losses is not None:
+            detect_loss(losses, output)
         units = num_backprops(engine.activation_calls)
         if outputs_per_sample > mc_threshold:
             reason = many_outputs(outputs_per_sample, mc_threshold)

@@ -101,7 +101,8 @@ class DiagonalCurvatureQuantity(Quantity):
         finite = _losses_finite(engine, losses)
         self._finite = finite if self._finite is None else self._finite & finite
         method, reason = resolve_method(self.curvature, engine, self.mc_threshold,
-                                        self.max_backprops, self.fallback)
+                                        self.max_backprops, self.fallback,
+                                        losses if self.loss is None else None)
         try:
             replicates = self._shared(method, engine, losses, params)
         except Exception as error:
