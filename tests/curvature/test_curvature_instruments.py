@@ -229,16 +229,20 @@ def test_full_configuration_runs_and_unsupported_options_are_clear():
 
 
 def test_unrecognized_loss_points_to_hutchinson():
+    """A loss whose Hessian Cockpit does not factor: the GGN says so and points to
+    Hutchinson's estimate, which "auto" takes for HessTrace (with that reason)."""
     problem = make_problem("mlp_relu", 5)
     problem.loss_fn = lambda out, y: torch.nn.functional.cross_entropy(
         out, y, reduction="none") + 0.1 * out.pow(2).sum(1)
-    cockpit = Cockpit(problem.model, [quantities.HessTrace()])
+    cockpit = Cockpit(problem.model, [quantities.HessTrace(curvature="diag_ggn_exact")])
     losses = problem.losses()
     with pytest.warns(RuntimeWarning, match="hutchinson"), cockpit(0, losses=losses):
         losses.mean().backward()
     assert cockpit.get_output()[0]["HessTrace"] is None
-    out = one_step(problem, [quantities.HessTrace(curvature="hutchinson")])
-    assert math.isfinite(out["HessTrace"])
+    trace = quantities.HessTrace()
+    with pytest.warns(RuntimeWarning, match="not recognized"):
+        out = one_step(problem, [trace])
+    assert trace.method_used == "hutchinson" and math.isfinite(out["HessTrace"])
 
 
 def smooth_problem(batch_size=5):
