@@ -200,6 +200,11 @@ def test_learning_rate_checks_on_alpha_and_loss():
     progress = _series(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 * 0.97**s,
                        GradNorm=lambda s: 0.5, UpdateSize=lambda s: 1e-3)
     assert "lr_too_small" not in _codes(progress)  # short steps, but the loss falls
+    # a loss falling by a fifth is progress (5 %), not "barely moves" (the noise rule's 50 %
+    # of the same name once replaced this threshold)
+    fifth = _series(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 * (1 - 0.006 * s),
+                    GradNorm=lambda s: 0.5, UpdateSize=lambda s: 1e-3)
+    assert "lr_too_small" not in _codes(fifth)
     plateau = _series(Alpha=lambda s: -0.99, Loss=lambda s: 2.3 - 1e-4 * s,
                       GradNorm=lambda s: 0.5, UpdateSize=lambda s: 0.1)
     assert "lr_too_small" not in _codes(plateau)  # long steps that do not help: not lr
@@ -504,3 +509,17 @@ def test_since_step_reads_only_later_steps_and_diagnoser_reports_new_findings_on
     assert [f.code for f in first] == ["non_finite"]
     assert diagnoser.update({s: out[s] for s in range(5, 40)}) == []  # reported already
     assert [f.code for f in diagnoser.findings if f.is_problem] == ["non_finite"]
+
+
+def test_every_threshold_is_defined_once():
+    """A second assignment of a name in the thresholds module replaces the first for every
+    rule that reads it (lr_too_small read the noise rule's 0.5 as its 0.05)."""
+    import ast
+    import inspect
+
+    from cockpit.diagnose import thresholds
+
+    tree = ast.parse(inspect.getsource(thresholds))
+    names = [target.id for node in tree.body if isinstance(node, ast.Assign)
+             for target in node.targets if isinstance(target, ast.Name)]
+    assert len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)

@@ -122,4 +122,4 @@ LOSS_JITTER = 0.1
 #: batch is not too small for it (a digits MLP trained to a train loss of 0.02 has θ ≥ 0.95 at
 #: most late steps, the loss jumping by a large share of its small value). Zoo: batches of
 #: 2–4 keep ≥ 0.6 of their loss.
-LOSS_PROGRESS = 0.5
+NOISY_LOSS_PROGRESS = 0.5

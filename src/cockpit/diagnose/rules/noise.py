@@ -14,7 +14,7 @@ different strength (InnerTest 0.14–0.3 at |B| = 2–4). A third sign guards sm
 (D not ≫ |B|) and full-batch loops: a too-small batch makes the mini-batch loss itself jump
 from step to step (mean |Δloss| ≥ LOSS_JITTER of the loss). So: θ ≥ NORM_TEST_NOISE at most
 steps, InnerTest ≥ INNER_TEST_SIGNAL (median) and a jumping loss — that does not fall
-through the noise anyway (LOSS_PROGRESS): late in a healthy run the gradient is small and
+through the noise anyway (NOISY_LOSS_PROGRESS): late in a healthy run the gradient is small and
 mostly noise, and the small loss jumps by a large share of itself, while training goes on.
 """
 
@@ -75,14 +75,14 @@ def check(record: RunRecord) -> list[Finding]:
 
 def makes_progress(loss_steps: np.ndarray, loss: np.ndarray, noisy_steps: np.ndarray) -> bool:
     """Whether the loss over the steps the gradient tests judged still falls to at most
-    :data:`~cockpit.diagnose.thresholds.LOSS_PROGRESS` of itself (median of the last third
+    :data:`~cockpit.diagnose.thresholds.NOISY_LOSS_PROGRESS` of itself (median of the last third
     against the first third): training goes on through the noise."""
     window = loss[(loss_steps >= noisy_steps[0]) & (loss_steps <= noisy_steps[-1])]
     third = window.size // 3
     if third < 2:
         return False
     first, last = float(np.median(window[:third])), float(np.median(window[-third:]))
-    return first > 0 and last <= T.LOSS_PROGRESS * first
+    return first > 0 and last <= T.NOISY_LOSS_PROGRESS * first
 
 
 def noise_scale_evidence(record: RunRecord) -> list[Evidence]:
