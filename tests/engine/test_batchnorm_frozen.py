@@ -76,7 +76,13 @@ def data_for(model, n=7, seed=1):
             torch.randint(0, 3, (n,), generator=g))
 
 
-@pytest.mark.parametrize("make", [cnn, mlp], ids=["cnn_bn2d", "mlp_bn1d"])
+def sync_mlp() -> nn.Module:
+    """The MLP with SyncBatchNorm (one process: it normalizes as BatchNorm does)."""
+    return nn.SyncBatchNorm.convert_sync_batchnorm(mlp())
+
+
+@pytest.mark.parametrize("make", [cnn, mlp, sync_mlp],
+                         ids=["cnn_bn2d", "mlp_bn1d", "mlp_sync_bn"])
 def test_individual_gradients_and_instruments_match_the_frozen_reference(make, tmp_path):
     torch.manual_seed(0)
     model = make()
@@ -207,3 +213,21 @@ def test_accumulated_micro_batches_are_refused_with_the_reason():
     cockpit.close()
     assert out["NormTest"] is None and "one backward pass per step" in notes["NormTest"]
     assert out["GradNorm"] is not None
+
+
+def test_sync_batch_norm_over_processes_is_refused_with_the_way_out(monkeypatch):
+    """Over several processes a SyncBatchNorm normalizes with all processes' statistics,
+    which one process cannot hold constant: its frozen rule refuses (a CPU cannot run
+    SyncBatchNorm under DistributedDataParallel; the rule is asked directly)."""
+    import torch.distributed as dist
+
+    from cockpit.engine.rules.batchnorm_frozen import frozen_batch_norm_rule, frozen_rule
+    from cockpit.engine.rules.norms import SampleMixingError
+
+    layer = nn.SyncBatchNorm(4)
+    assert frozen_rule(layer) is frozen_batch_norm_rule  # (one process)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(SampleMixingError, match=r"SyncBatchNorm.*all processes.*nn\.BatchNorm"):
+        frozen_rule(layer)
+    assert frozen_rule(nn.BatchNorm1d(4)) is frozen_batch_norm_rule

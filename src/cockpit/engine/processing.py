@@ -47,7 +47,7 @@ from cockpit.engine.dtypes import promote
 from cockpit.engine.histograms.device import device_path
 from cockpit.engine.rules.batchnorm_frozen import (
     FROZEN_STATISTICS,
-    frozen_batch_norm_rule,
+    frozen_rule,
     is_training_batch_norm,
 )
 from cockpit.engine.rules.fallback import (
@@ -333,11 +333,11 @@ class CallProcessor:
         if engine.compute_dtypes and unit.params:
             grads = as_computed(grads, engine.compute_dtypes.get(
                 engine.unit_param_name(unit, next(iter(unit.params)))))
-        if unit.rule is not None and len(grads) == 1:
-            rule = unit.rule
-            if (engine.batchnorm == FROZEN_STATISTICS and not engine.state.probing
-                    and is_training_batch_norm(unit.module)):
-                rule = frozen_batch_norm_rule
+        rule = unit.rule
+        if (engine.batchnorm == FROZEN_STATISTICS and not engine.state.probing
+                and is_training_batch_norm(unit.module)):
+            rule = frozen_rule(unit.module)  # (also where no rule is registered: SyncBatchNorm)
+        if rule is not None and len(grads) == 1:
             # kept calls drop outputs; a call keeps only records of those no one reads
             output = (call.outputs[0] if call.outputs and isinstance(call.outputs[0], Tensor)
                       else None)

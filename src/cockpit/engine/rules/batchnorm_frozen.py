@@ -78,6 +78,25 @@ def frozen_batch_norm_rule(module, args, kwargs, output, grad_output, scale: flo
     return _affine_grads(module, x_hat, grad_output, 1, 1, scale)
 
 
+def frozen_rule(module: nn.Module):
+    """The frozen-statistics rule of a BatchNorm layer in training mode. A SyncBatchNorm
+    normalizes with the statistics of the batch over all processes, which one process's
+    rule cannot hold constant (it sees its own samples only): refused there with the way
+    out; in a single process it normalizes as a BatchNorm does."""
+    if isinstance(module, nn.SyncBatchNorm):
+        import torch.distributed as dist
+
+        from cockpit.engine.rules.norms import SampleMixingError
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise SampleMixingError(
+                "SyncBatchNorm normalizes with the batch statistics of all processes, which "
+                "batchnorm='frozen_statistics' cannot hold constant from one process: use "
+                "nn.BatchNorm (each process's own statistics; torch.nn.SyncBatchNorm is "
+                "then not needed) or put the layer in eval mode")
+    return frozen_batch_norm_rule
+
+
 class FrozenStatisticsBackward:
     """Hooks on the autograd nodes of BatchNorm layers that, while :attr:`active`, replace
     the node's gradients (input, γ, β) by those with the batch statistics held constant."""
