@@ -186,3 +186,27 @@ def test_readme_shows_the_crowded_valley_figure_and_its_command_parses():
                                  *script.SWEEP, "--output", "x"])
     assert args.problems == ["digits_logreg", "digits_mlp", "quadratic_deep"]
     assert len(args.optimizers) == 5 and args.seeds == 5
+
+
+def test_diverged_seeds_are_counted_and_named(tmp_path):
+    # pA: seed 3 diverged, so mean and std are over the other three seeds
+    for seed, test in enumerate([.8, .9, .7, None]):
+        _write(tmp_path, "pA", "sgd", 0.1, seed, [.1, .8 if test else None], [.1, test])
+    # pB: one finite seed of two; pC: every seed diverged
+    _write(tmp_path, "pB", "sgd", 0.1, 0, [.1, .6], [.1, .5])
+    _write(tmp_path, "pB", "sgd", 0.1, 1, [.1, None], [.1, None])
+    _write(tmp_path, "pC", "sgd", 0.1, 0, [.1, None], [.1, None])
+    _write(tmp_path, "pC", "sgd", 0.1, 1, [.1, None], [.1, None])
+    report = analyze(tmp_path, tmp_path / "out", formats=("png",))
+    table = pd.read_csv(tmp_path / "out" / "summary.csv").set_index("problem")
+    assert table.loc["pA", "seeds"] == 4 and table.loc["pA", "diverged"] == 1
+    assert table.loc["pA", "performance"] == pytest.approx(0.8)
+    std = 100 * np.std([.8, .9, .7])
+    assert (f"| pA | sgd | constant | 80.00% ± {std:.2f} (accuracy, mean ± std over 3 of 4 "
+            "seeds; 1 diverged) |") in report.markdown
+    assert table.loc["pB", "seeds"] == 2 and table.loc["pB", "diverged"] == 1
+    assert ("| pB | sgd | constant | 50.00% (accuracy, 1 of 2 seeds: no spread; 1 diverged) |"
+            in report.markdown)
+    assert table.loc["pC", "diverged"] == 2 and math.isnan(table.loc["pC", "performance"])
+    assert "| pC | sgd | constant | – (accuracy: all 2 seeds diverged) |" in report.markdown
+    assert "nan" not in report.markdown

@@ -133,3 +133,110 @@ def test_own_optimizer_by_import_path_and_cockpit_log(tmp_path):
                                                      rel=1e-6)
     # α of a step needs the loss after it: the last step has none
     assert scalars["Alpha"].iloc[:-1].notna().all()
+
+
+def _quick(tmp_path, **changes) -> RunSpec:
+    fields = {"problem": "digits_logreg", "optimizer": "sgd", "hyperparameters": {"lr": 0.3},
+              "epochs": 1, "data": "real", "output": str(tmp_path), "max_steps_per_epoch": 3}
+    return RunSpec(**(fields | changes))
+
+
+def test_a_result_made_with_other_data_is_never_reused(tmp_path, capsys):
+    real = run(_quick(tmp_path), progress=False)
+    path = tmp_path / "digits_logreg/sgd/lr=0.3__schedule=constant__epochs=1__steps=3/seed_0.json"
+    assert real["path"] == str(path) and real["reused"] is False
+    stored = json.loads(path.read_text())
+    assert stored["data"] == "real" and stored["data_root"] is not None
+    # the same file name, other data: an error that names both, the file stays as it is
+    with pytest.raises(ValueError, match=r"made with --data real from .*not --data synthetic"):
+        run(_quick(tmp_path, data="synthetic"), progress=False)
+    with pytest.raises(ValueError, match=r"not --data real from .*elsewhere.*another --output"):
+        run(_quick(tmp_path, data_dir=str(tmp_path / "elsewhere")), progress=False)
+    assert json.loads(path.read_text()) == stored
+    # the same settings: reused, and the CLI says so
+    again = run(_quick(tmp_path), progress=False)
+    assert again["reused"] is True and again["created"] == stored["created"]
+    argv = ["run", "digits_logreg", "--data", "real", "--optimizer", "sgd", "--lr", "0.3",
+            "--epochs", "1", "--max-steps-per-epoch", "3", "--output", str(tmp_path)]
+    assert main_bench(argv) == 0
+    assert f"result: {path} (reused: made earlier" in capsys.readouterr().out
+    assert main_bench([*argv[:3], "synthetic", *argv[4:]]) == 2
+    assert "another --output" in capsys.readouterr().err
+    # --overwrite replaces it with a run on the data asked for, which differs from the real
+    fresh = run(_quick(tmp_path / "fresh", data="synthetic"), progress=False)
+    replaced = run(_quick(tmp_path, data="synthetic"), progress=False, overwrite=True)
+    assert replaced["data"] == "synthetic" and replaced["data_root"] is None
+    assert replaced["test_losses"] == fresh["test_losses"] != stored["test_losses"]
+
+
+def test_a_cockpit_request_without_a_matching_run_log_trains_again(tmp_path):
+    from cockpit.store import read_scalars
+
+    plain = run(_quick(tmp_path), progress=False)
+    path = plain["path"]
+    logdir = tmp_path / "digits_logreg/sgd/lr=0.3__schedule=constant__epochs=1__steps=3" \
+                        "/seed_0.cockpit"
+    logged = run(_quick(tmp_path, cockpit="Loss"), progress=False)
+    assert logged["reused"] is False and "has no Cockpit run log" in logged["rerun_reason"]
+    assert logged["path"] == path and logged["cockpit_logdir"] == logdir.name
+    # the same training (seeded): the same numbers, and the log holds its mini-batch losses
+    assert logged["test_losses"] == plain["test_losses"]
+    scalars = read_scalars(logdir, ["Loss"])
+    assert list(scalars.index) == [0, 1, 2]
+    assert scalars["Loss"].tolist() == pytest.approx(plain["minibatch_train_losses"], rel=1e-6)
+    assert run(_quick(tmp_path, cockpit="Loss"), progress=False)["reused"] is True
+    # another tracking interval: trained again, the log replaced
+    every2 = run(_quick(tmp_path, cockpit="Loss", cockpit_every=2), progress=False)
+    assert every2["reused"] is False and "--cockpit-every 1" in every2["rerun_reason"]
+    assert list(read_scalars(logdir, ["Loss"]).index) == [0, 2]
+    # no Cockpit asked for: the result (with its log) is reused
+    assert run(_quick(tmp_path), progress=False)["reused"] is True
+
+
+def test_the_default_batch_size_and_epochs_given_explicitly_name_the_same_setting(tmp_path):
+    from cockpit.benchmark.problems.registry import describe
+    from cockpit.benchmark.results import setting_name
+
+    info = describe("digits_logreg")
+    batch, epochs = int(info["batch_size"]), int(info["epochs"])
+    assert setting_name({"lr": 0.1}, "constant", batch, epochs, default_batch_size=batch,
+                        default_epochs=epochs) == "lr=0.1__schedule=constant"
+    assert setting_name({"lr": 0.1}, "constant", batch // 2, epochs + 1,
+                        default_batch_size=batch, default_epochs=epochs) \
+        == f"lr=0.1__schedule=constant__bs={batch // 2}__epochs={epochs + 1}"
+    implicit = run(_quick(tmp_path, epochs=None, max_steps_per_epoch=1), progress=False)
+    assert implicit["path"].endswith("/lr=0.3__schedule=constant__steps=1/seed_0.json")
+    assert implicit["num_epochs"] == epochs and implicit["batch_size"] == batch
+    explicit = run(_quick(tmp_path, epochs=epochs, batch_size=batch, max_steps_per_epoch=1),
+                   progress=False)
+    assert explicit["reused"] is True and explicit["path"] == implicit["path"]
+    assert len(list(tmp_path.rglob("seed_*.json"))) == 1
+
+
+def test_a_non_finite_evaluation_after_the_last_update_marks_the_run_diverged(tmp_path):
+    from cockpit.benchmark.selection import selection_value
+
+    # by hand: one SGD step with lr 1e30 from a finite mini-batch loss blows the model up
+    torch.manual_seed(0)
+    problem = get_problem("digits_mlp", data="real", seed=0)
+    opt = torch.optim.SGD(problem.model.parameters(), lr=1e30)
+    x, y = next(iter(problem.train_loader))
+    loss = problem.losses(problem.model(x), y).mean()
+    assert math.isfinite(loss.item())
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        test_loss = torch.cat([problem.losses(problem.model(a), b)
+                               for a, b in problem.test_loader]).mean().item()
+    assert not math.isfinite(test_loss)
+
+    result = run(_quick(tmp_path, problem="digits_mlp", hyperparameters={"lr": 1e30},
+                        epochs=2, max_steps_per_epoch=1), progress=False)
+    assert result["minibatch_train_losses"] == [pytest.approx(loss.item(), rel=1e-5)]
+    assert result["diverged"] is True
+    assert result["test_losses"][0] > 0 and result["test_losses"][1:] == [None, None]
+    # no accuracy of the blown-up model (nor of the epoch not trained) is recorded or ranked
+    for split in ("train", "valid", "test"):
+        assert result[f"{split}_accuracies"][0] is not None
+        assert result[f"{split}_accuracies"][1:] == [None, None]
+    assert selection_value(result) == -math.inf

@@ -226,3 +226,62 @@ def test_sweep_and_analysis_pick_the_same_best_setting(tmp_path, monkeypatch):
     assert row.best_setting == expected and row.seeds == 3
     assert row.performance == pytest.approx(0.7)  # tests 0.6, 0.7, 0.8
     assert row.performance_std == pytest.approx(np.std([0.6, 0.7, 0.8]))
+
+
+def test_space_overrides_go_only_to_optimizers_with_that_hyperparameter(tmp_path):
+    from cockpit.benchmark.search_spaces import BETA1, LR, Dist
+    from cockpit.benchmark.sweep import overrides_by_optimizer
+
+    momentum = Dist(0.8, 0.99, log=False)
+    assert overrides_by_optimizer(["sgd", "momentum", "adam"], {"momentum": momentum}) == {
+        "sgd": {}, "momentum": {"momentum": momentum}, "adam": {}}
+    # an optimizer without a protocol space takes what its class accepts
+    assert overrides_by_optimizer(["adamax"], {"lr": LR}) == {"adamax": {"lr": LR}}
+    with pytest.raises(ValueError, match=r"--space momentum: no optimizer of this sweep "
+                                         r"\(sgd, adam\) has hyperparameter 'momentum'"):
+        sweep(["digits_logreg"], ["sgd", "adam"], output=str(tmp_path / "refused"),
+              space_overrides={"momentum": momentum}, progress=False, **RUN)
+    assert not (tmp_path / "refused" / "digits_logreg").exists()  # nothing ran
+
+    out = tmp_path / "sweep"
+    summary = sweep(["digits_logreg"], ["momentum", "adam"], output=str(out), budget=2,
+                    seeds=1, executor="serial", data="real", progress=False,
+                    space_overrides={"momentum": momentum}, **RUN)
+    assert summary.failures == [] and summary.executed == 4
+    runs = _results(out)
+    hps = {r["optimizer"]: [] for r in runs}
+    for r in runs:
+        hps[r["optimizer"]].append(r["hyperparameters"])
+    assert len(hps["momentum"]) == len(hps["adam"]) == 2
+    assert all(0.8 <= h["momentum"] <= 0.99 for h in hps["momentum"])
+    for h in hps["adam"]:
+        assert "momentum" not in h and BETA1.low <= h["beta1"] <= BETA1.high
+
+    # the same directory with other data: refused before any run, nothing changed
+    before = {p: p.read_text() for p in out.rglob("seed_*.json")}
+    with pytest.raises(ValueError, match=r"made with --data real .*not --data synthetic"):
+        sweep(["digits_logreg"], ["momentum", "adam"], output=str(out), budget=2, seeds=1,
+              executor="serial", data="synthetic", progress=False,
+              space_overrides={"momentum": momentum}, **RUN)
+    assert {p: p.read_text() for p in out.rglob("seed_*.json")} == before
+    again = sweep(["digits_logreg"], ["momentum", "adam"], output=str(out), budget=2, seeds=1,
+                  executor="serial", data="real", progress=False,
+                  space_overrides={"momentum": momentum}, **RUN)
+    assert again.executed == 0 and again.failures == []
+
+
+def test_a_sweep_asked_for_cockpit_writes_the_logs_earlier_runs_lack(tmp_path):
+    options = {"budget": 2, "seeds": 2, "executor": "serial", "data": "real",
+               "progress": False, **RUN}
+    first = sweep(["digits_logreg"], ["sgd"], output=str(tmp_path), **options)
+    assert first.executed == 3 and first.failures == []
+    before = {r["path"]: r for r in _results(tmp_path)}
+    assert all(r["cockpit_logdir"] is None for r in before.values())
+    again = sweep(["digits_logreg"], ["sgd"], output=str(tmp_path), cockpit="Loss", **options)
+    assert again.failures == [] and again.executed == 3 and again.reused == 0
+    for r in _results(tmp_path):
+        logdir = Path(r["path"]).with_suffix(".cockpit")
+        assert r["cockpit_logdir"] == logdir.name and (logdir / "cockpit.sqlite").exists()
+        assert r["test_losses"] == before[r["path"]]["test_losses"]  # the same training
+    third = sweep(["digits_logreg"], ["sgd"], output=str(tmp_path), cockpit="Loss", **options)
+    assert third.executed == 0 and third.reused == 1  # the seed-1 run, from its file

@@ -6,7 +6,8 @@ Per problem and optimizer (and schedule), from the result files below a director
 * **best setting** and **performance**: the rule of :mod:`cockpit.benchmark.selection`
   (the one the sweep uses): the setting whose tuning-seed run has the best final
   *validation* metric; its final *test* metric, mean ± standard deviation over its seeds
-  (``ddof=0``), and the number of seeds.
+  (``ddof=0``), the number of seeds and how many of them diverged (no finite final
+  metric: left out of mean and std, which the text says: "over 3 of 4 seeds; 1 diverged").
 * **speed**: the first epoch at which the best setting's seed-mean test curve reaches the
   fraction ``f`` (``speed_fraction``, default 0.95) of the best performance any optimizer
   reached on the problem: accuracy ≥ f·best, or loss ≤ best + (1 − f)·|best|. Empty when
@@ -28,6 +29,7 @@ metric against the run's mean α (``alpha_vs_performance``).
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +41,7 @@ from cockpit.benchmark.results import iter_results
 from cockpit.benchmark.selection import best_setting, final_metric, performance
 
 SUMMARY_COLUMNS = ["problem", "optimizer", "schedule", "metric", "performance",
-                   "performance_std", "seeds", "speed", "best_setting", "best_lr",
+                   "performance_std", "seeds", "diverged", "speed", "best_setting", "best_lr",
                    "settings", "good_share", "spread"]
 
 
@@ -86,7 +88,8 @@ def _meets(metric: str, value: float, threshold: float) -> bool:
 
 def _curve_mean(runs: list[dict[str, Any]], key: str) -> np.ndarray:
     rows = np.array([[np.nan if v is None else v for v in r[key]] for r in runs], float)
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # epochs every seed diverged before
         return np.nanmean(rows, axis=0) if rows.size else rows
 
 
@@ -115,7 +118,7 @@ def summarize(results: list[dict[str, Any]], speed_fraction: float = 0.95):
             "problem": key[0], "optimizer": key[1], "schedule": key[2],
             "metric": runs[0]["metric"],
             "performance": mean, "performance_std": std,
-            "seeds": n_seeds, "best_setting": best,
+            "seeds": n_seeds, "diverged": _diverged_seeds(runs), "best_setting": best,
             "best_lr": runs[0]["hyperparameters"].get("lr", math.nan),
             "settings": len(settings),
             "_setting_means": [_mean([final_metric(r) for r in settings[s]])
@@ -143,6 +146,11 @@ def summarize(results: list[dict[str, Any]], speed_fraction: float = 0.95):
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS), best_runs
 
 
+def _diverged_seeds(runs: list[dict[str, Any]]) -> int:
+    """Runs left out of the performance: no finite final test metric (diverged)."""
+    return sum(1 for r in runs if final_metric(r) is None or not math.isfinite(final_metric(r)))
+
+
 def _kind(result: dict[str, Any]) -> str:
     return "accuracies" if result["metric"] == "accuracy" else "losses"
 
@@ -165,11 +173,22 @@ def runs_table(results: list[dict[str, Any]]):
     return pd.DataFrame(rows)
 
 
-def _performance_text(mean: float, std: float, unit: str, metric: str, seeds: int) -> str:
-    """``91.00% ± 2.94 (accuracy, mean ± std over 3 seeds)``; one seed has no spread to show."""
-    if seeds == 1:
-        return f"{mean:.2f}{unit} ({metric}, one seed: no spread)"
-    return f"{mean:.2f}{unit} ± {std:.2f} ({metric}, mean ± std over {seeds} seeds)"
+def _performance_text(mean: float, std: float, unit: str, metric: str, seeds: int,
+                      diverged: int = 0) -> str:
+    """``91.00% ± 2.94 (accuracy, mean ± std over 3 seeds)``; with diverged seeds (left out)
+    ``… over 3 of 4 seeds; 1 diverged``; one seed has no spread to show."""
+    used = seeds - diverged
+    if used == 0:
+        return f"– ({metric}: {'the seed' if seeds == 1 else f'all {seeds} seeds'} diverged)"
+    if diverged == 0:
+        if seeds == 1:
+            return f"{mean:.2f}{unit} ({metric}, one seed: no spread)"
+        return f"{mean:.2f}{unit} ± {std:.2f} ({metric}, mean ± std over {seeds} seeds)"
+    if used == 1:
+        return (f"{mean:.2f}{unit} ({metric}, 1 of {seeds} seeds: no spread; "
+                f"{diverged} diverged)")
+    return (f"{mean:.2f}{unit} ± {std:.2f} ({metric}, mean ± std over {used} of {seeds} "
+            f"seeds; {diverged} diverged)")
 
 
 def _markdown(summary) -> str:
@@ -180,7 +199,7 @@ def _markdown(summary) -> str:
         unit = "%" if row.metric == "accuracy" else ""
         scale = 100 if row.metric == "accuracy" else 1
         perf = _performance_text(row.performance * scale, row.performance_std * scale, unit,
-                                 row.metric, row.seeds)
+                                 row.metric, row.seeds, row.diverged)
         speed = "–" if math.isnan(row.speed) else f"{row.speed:g}"
         lines.append(f"| {row.problem} | {row.optimizer} | {row.schedule} | {perf} | {speed} "
                      f"| `{row.best_setting}` | {row.settings} | {row.good_share:.2f} |")

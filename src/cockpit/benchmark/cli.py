@@ -165,9 +165,15 @@ def _dispatch(args) -> int:
                        output=args.output, **_run_options(args))
         spec.validate()
         result = run(spec, overwrite=args.overwrite)
+        if result.get("rerun_reason"):
+            print(result["rerun_reason"])
         print(f"final test {result['metric']}: {final_metric(result)}  "
               f"({'diverged, ' if result['diverged'] else ''}{result['wall_time']:.1f} s)")
-        print(f"result: {result['path']}")
+        if result.get("reused"):
+            print(f"result: {result['path']} (reused: made earlier with the same settings; "
+                  "--overwrite trains it again)")
+        else:
+            print(f"result: {result['path']}")
         return 0
     if args.command == "sweep":
         from cockpit.benchmark.search_spaces import parse_dist

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,8 @@ def learning_curve_figure(problem: str, groups: dict[tuple, list[dict]]):
             if np.all(np.isnan(curves)):
                 continue
             epochs = np.arange(curves.shape[1])
-            with np.errstate(all="ignore"):
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # epochs all seeds missed
                 mean = np.nanmean(curves, 0)
                 low, high = np.nanmin(curves, 0), np.nanmax(curves, 0)
             label = optimizer if schedule == "constant" else f"{optimizer} ({schedule})"

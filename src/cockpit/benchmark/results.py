@@ -7,18 +7,24 @@ Layout (relative to the output directory)::
 
 ``<setting>`` names the hyperparameters and the training setup, ``key=value`` pairs joined
 by ``__`` in a fixed order: the optimizer's hyperparameters sorted by name (floats with 8
-significant digits), then ``schedule=…``, then ``bs=…`` / ``epochs=…`` / ``steps=…`` when
-they differ from the problem's defaults, e.g. ``lr=0.001__momentum=0.9__schedule=constant``.
-The same run always lands in the same file, so a finished run is recognised by its file
-(that is how interrupted sweeps resume).
+significant digits), then ``schedule=…``, then ``bs=…`` / ``epochs=…`` when they differ
+from the problem's defaults (giving a default explicitly names the same setting), then
+``steps=…`` when the steps per epoch are capped, e.g.
+``lr=0.001__momentum=0.9__schedule=constant``. The same run always lands in the same file,
+so a finished run is recognised by its file (that is how interrupted sweeps resume). The
+data (``synthetic`` or ``real``, and for real data the folder read) are not in the name: a
+stored result made with other data is never reused — the runner stops with an error that
+asks for another output directory (or ``--overwrite``).
 
 A result file holds (``RESULT_SCHEMA``): the run's identity (problem, optimizer,
 hyperparameters, setting, seed, schedule, data, batch size, epochs, task and the metric
 that ranks runs: ``"accuracy"`` for classification, ``"loss"`` otherwise), per-epoch
 curves for epochs 0 … E (epoch 0 = before training) ``train_losses``, ``valid_losses``,
 ``test_losses`` and the matching ``*_accuracies`` (null without accuracy), the learning
-rate per epoch, every mini-batch training loss, ``diverged`` (a non-finite training loss
-stopped the run; later epochs are null), and the wall, training and evaluation times.
+rate per epoch, every mini-batch training loss, ``diverged`` (a non-finite training loss, or
+a non-finite evaluation loss after an update, stopped the run; the accuracies of that
+evaluation and all later epochs are null), ``data_root`` (the folder real data were read
+from, null for synthetic data), and the wall, training and evaluation times.
 Evaluation losses are the mean individual loss without the L2 term; training mini-batch
 losses include it (as DeepOBS reports them). Non-finite numbers are written as null.
 """
@@ -48,13 +54,19 @@ def format_value(value: Any) -> str:
 
 def setting_name(hyperparameters: dict[str, Any], schedule: str = "constant",
                  batch_size: int | None = None, epochs: int | None = None,
-                 max_steps_per_epoch: int | None = None) -> str:
-    """The directory name of a setting (see the module docstring)."""
+                 max_steps_per_epoch: int | None = None, *,
+                 default_batch_size: int | None = None,
+                 default_epochs: int | None = None) -> str:
+    """The directory name of a setting (see the module docstring).
+
+    ``batch_size`` / ``epochs`` equal to ``default_batch_size`` / ``default_epochs`` (the
+    problem's) are left out, as if they had not been given.
+    """
     parts = [f"{k}={format_value(hyperparameters[k])}" for k in sorted(hyperparameters)]
     parts.append(f"schedule={schedule}")
-    if batch_size is not None:
+    if batch_size is not None and batch_size != default_batch_size:
         parts.append(f"bs={batch_size}")
-    if epochs is not None:
+    if epochs is not None and epochs != default_epochs:
         parts.append(f"epochs={epochs}")
     if max_steps_per_epoch is not None:
         parts.append(f"steps={max_steps_per_epoch}")

@@ -5,6 +5,13 @@ epoch, and write one JSON result (layout and contents: :mod:`cockpit.benchmark.r
 With ``cockpit=`` the run attaches :class:`cockpit.Cockpit` to its training loop — the
 individual losses of every mini-batch go to ``with cockpit(step, losses=...)`` around the
 backward pass — and writes the run log beside the result.
+
+A stored result of the same run (same file, see :mod:`cockpit.benchmark.results`) is reused
+— returned with ``"reused": True`` — only if it was made with the same data (``data``, and
+for real data the folder read); one made with other data is an error, never returned. When
+Cockpit is asked for and the stored result has no run log made with the same ``cockpit``,
+``cockpit_every`` and ``batchnorm``, the run is trained again to write it (the returned
+result says why in ``"rerun_reason"``).
 """
 
 from __future__ import annotations
@@ -57,8 +64,16 @@ class RunSpec:
 
     @property
     def setting(self) -> str:
+        default_batch_size, default_epochs = _problem_defaults(self.problem)
         return setting_name(self.hyperparameters, self.schedule, self.batch_size,
-                            self.epochs, self.max_steps_per_epoch)
+                            self.epochs, self.max_steps_per_epoch,
+                            default_batch_size=default_batch_size,
+                            default_epochs=default_epochs)
+
+    @property
+    def data_root(self) -> str | None:
+        """The folder real data are read from (absolute); None for synthetic data."""
+        return _data_root(self.data, self.data_dir)
 
     @property
     def path(self) -> Path:
@@ -78,6 +93,71 @@ class RunSpec:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
         if self.cockpit is not None:
             _cockpit_quantities(self.cockpit, self.cockpit_every)
+
+
+def _problem_defaults(problem: str) -> tuple[int | None, int | None]:
+    """(batch size, epochs) of ``problem`` by default; (None, None) for an unknown name."""
+    from cockpit.benchmark.problems.registry import REGISTRY
+
+    spec = REGISTRY.get(problem)
+    return (None, None) if spec is None else (spec.batch_size, spec.num_epochs)
+
+
+def _data_root(data: str, data_dir: str | None) -> str | None:
+    if data != "real":
+        return None
+    from cockpit.benchmark.problems.readers import data_root
+
+    return str(data_root(data_dir).resolve())
+
+
+def _describe_data(data: str, root: str | None) -> str:
+    return f"--data {data}" + (f" from {root}" if root is not None else "")
+
+
+def check_same_data(spec: RunSpec, result: dict[str, Any]) -> None:
+    """``ValueError`` if stored ``result`` was made with other data than ``spec`` asks for
+    (``data``, or for real data the folder read)."""
+    stored_data = result.get("data", "synthetic")
+    stored_root = result.get("data_root", _data_root(stored_data, result.get("data_dir")))
+    if (stored_data, stored_root) != (spec.data, spec.data_root):
+        raise ValueError(
+            f"{result['path']} holds a result made with "
+            f"{_describe_data(stored_data, stored_root)}, not "
+            f"{_describe_data(spec.data, spec.data_root)} as asked; it is not reused. "
+            "Use another --output directory for these data (or --overwrite to replace it)"
+        )
+
+
+def stored_result(spec: RunSpec) -> tuple[dict[str, Any] | None, str | None]:
+    """The stored result of ``spec`` if it can be reused, else ``(None, why)``: why it has
+    to be trained (again), None when there is no stored result.
+
+    A stored result made with other data (``data``, or the folder of real data) is a
+    ``ValueError``: it is neither returned nor replaced without ``overwrite``.
+    """
+    from cockpit.benchmark.results import read_result
+
+    path = spec.path
+    if not path.exists():
+        return None, None
+    result = read_result(path)
+    check_same_data(spec, result)
+    if spec.cockpit is None:
+        return result, None
+    wanted = (spec.cockpit, spec.cockpit_every, spec.batchnorm or "none")
+    made = (result.get("cockpit"), result.get("cockpit_every"),
+            result.get("batchnorm") or "none")
+    logdir = result.get("cockpit_logdir")
+    if not logdir or not (path.parent / logdir).exists():
+        return None, (f"{path} has no Cockpit run log; training again to write one "
+                      f"(--cockpit {spec.cockpit} --cockpit-every {spec.cockpit_every})")
+    if made != wanted:
+        return None, (f"the Cockpit run log of {path} was made with --cockpit {made[0]} "
+                      f"--cockpit-every {made[1]} --batchnorm {made[2]}; training again "
+                      f"for --cockpit {wanted[0]} --cockpit-every {wanted[1]} "
+                      f"--batchnorm {wanted[2]}")
+    return result, None
 
 
 def _cockpit_quantities(spec: str, every_k: int):
@@ -141,14 +221,18 @@ def evaluate(problem, loader, device: str = "cpu") -> tuple[float, float | None]
 def run(spec: RunSpec, *, progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """Train and evaluate as ``spec`` says; write and return the result.
 
-    An existing result file is returned as it is unless ``overwrite``.
+    A stored result is returned as it is (with ``"reused": True``) unless ``overwrite``, if
+    :func:`stored_result` allows it; one made with other data is an error.
     """
     from cockpit.benchmark.problems import get_problem
-    from cockpit.benchmark.results import read_result
 
     path = spec.path
-    if path.exists() and not overwrite:
-        return read_result(path)
+    rerun_reason = None
+    if not overwrite:
+        stored, rerun_reason = stored_result(spec)
+        if stored is not None:
+            stored["reused"] = True
+            return stored
     spec.validate()
     start = time.perf_counter()
     _seed_everything(spec.seed)
@@ -181,19 +265,23 @@ def run(spec: RunSpec, *, progress: bool = True, overwrite: bool = False) -> dic
     minibatch_losses: list[float | None] = []
     eval_time = 0.0
 
-    def evaluate_all() -> None:
+    def evaluate_all() -> bool:
+        """Evaluate every split; False if a loss is not finite (the model blew up: the
+        accuracies of this evaluation are then not recorded)."""
         nonlocal eval_time
         t0 = time.perf_counter()
-        for split, loader in (("train", problem.train_eval_loader),
-                              ("valid", problem.valid_loader), ("test", problem.test_loader)):
-            loss, accuracy = evaluate(problem, loader, spec.device)
+        measured = [(split, *evaluate(problem, loader, spec.device)) for split, loader in (
+            ("train", problem.train_eval_loader), ("valid", problem.valid_loader),
+            ("test", problem.test_loader))]
+        finite = all(math.isfinite(loss) for _, loss, _ in measured)
+        for split, loss, accuracy in measured:
             curves[f"{split}_losses"].append(finite_or_none(loss))
-            curves[f"{split}_accuracies"].append(finite_or_none(accuracy))
+            curves[f"{split}_accuracies"].append(finite_or_none(accuracy) if finite else None)
         learning_rates.append(float(optimizer.param_groups[0]["lr"]))
         eval_time += time.perf_counter() - t0
+        return finite
 
-    evaluate_all()
-    diverged = False
+    diverged = not evaluate_all()
     step = 0
     bar = None
     if progress:
@@ -202,7 +290,7 @@ def run(spec: RunSpec, *, progress: bool = True, overwrite: bool = False) -> dic
         bar = tqdm(total=epochs * steps_per_epoch, unit="step",
                    desc=f"{spec.problem} {spec.optimizer} seed {spec.seed}")
     try:
-        for _epoch in range(epochs):
+        for _epoch in range(0 if diverged else epochs):
             model.train()
             for i, (x, y) in enumerate(problem.train_loader):
                 if i >= steps_per_epoch:
@@ -231,9 +319,9 @@ def run(spec: RunSpec, *, progress: bool = True, overwrite: bool = False) -> dic
                     bar.update()
                     if step % 20 == 0:
                         bar.set_postfix(loss=f"{value:.4g}")
-            if diverged:
+            if diverged or not evaluate_all():
+                diverged = True
                 break
-            evaluate_all()
     finally:
         if bar is not None:
             bar.close()
@@ -259,6 +347,7 @@ def run(spec: RunSpec, *, progress: bool = True, overwrite: bool = False) -> dic
         "learning_rates": learning_rates,
         "minibatch_train_losses": minibatch_losses,
         "diverged": diverged,
+        "data_root": spec.data_root,
         "wall_time": wall,
         "eval_time": eval_time,
         "train_time": wall - eval_time,
@@ -268,4 +357,7 @@ def run(spec: RunSpec, *, progress: bool = True, overwrite: bool = False) -> dic
     }
     write_result(path, result)
     result["path"] = str(path)
+    result["reused"] = False
+    if rerun_reason is not None:
+        result["rerun_reason"] = rerun_reason
     return result

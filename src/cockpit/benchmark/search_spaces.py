@@ -47,13 +47,16 @@ weight decay stays at torch's default), and the large budget's refined search sp
 the repository).
 
 Budgets (number of tuning runs with seed 0), as the talk in this project's references lists
-them: ``one-shot`` 1 (defaults), ``small`` 25, ``medium`` 50 (a superset of small), ``large``
+them: ``one-shot`` 1 (defaults), ``small`` 25, ``medium`` 50, ``large``
 75 "with refined search spaces". How the paper refines them is not known here: the large
 budget uses the same spaces (stated, not hidden). ``scale`` multiplies the numbers (at least
-one run), e.g. ``scale=0.2`` gives 5 / 10 / 15 for quick studies. With one random sampler
-seed the medium budget's first 25 runs are the small budget's runs (medium ⊇ small), as in
-the results repository. The best setting (best final validation metric) is then rerun with
-further seeds (the repository: 9 more, seeds 43 … 51).
+one run), e.g. ``scale=0.2`` gives 5 / 10 / 15 for quick studies. In the results repository
+the medium budget's first 25 runs are the small budget's runs (one numpy stream). Here they
+are not: each budget is its own Optuna study, whose sampler is seeded from the study's name,
+which includes the budget (:mod:`cockpit.benchmark.sweep`), so a medium sweep draws 50
+settings of its own and shares no setting with a small sweep (medium is not a superset of
+small). The best setting (best final validation metric) is then rerun with further seeds
+(the repository: 9 more, seeds 43 … 51).
 """
 
 from __future__ import annotations

@@ -17,7 +17,16 @@ an executor (:mod:`cockpit.benchmark.executors`), so only one process writes the
 Resuming: run the same command again. Finished trials stay as they are; a trial that was
 running when the sweep stopped is finished from its result file if the run completed, and
 run again with the same hyperparameters otherwise; new trials are asked only until the
-budget is reached. Seed runs whose result files exist are not rerun.
+budget is reached. Seed runs whose result files exist are not rerun. A result is reused
+only as :func:`cockpit.benchmark.runner.stored_result` allows: results made with other data
+in the same output directory stop the sweep before it starts, and with ``cockpit`` a result
+without a matching Cockpit run log (a tuning or seed run finished by an earlier sweep without
+it) is trained again to write it; its score stays the one the study was told.
+
+``space_overrides`` (``--space name=LU(low,high)``) replace or add a hyperparameter's
+distribution for those optimizers that have that hyperparameter (in their search space or
+their fixed defaults; for an optimizer without a protocol space, any hyperparameter its
+class accepts); an override no listed optimizer has is an error before any run.
 """
 
 from __future__ import annotations
@@ -31,9 +40,16 @@ from typing import Any
 
 from cockpit._extras import missing_extra
 from cockpit.benchmark.executors import make_executor
-from cockpit.benchmark.results import read_result
-from cockpit.benchmark.runner import RunSpec
-from cockpit.benchmark.search_spaces import Dist, budget_trials, defaults, search_space
+from cockpit.benchmark.optimizers import optimizer_kwargs
+from cockpit.benchmark.results import iter_results, read_result
+from cockpit.benchmark.runner import RunSpec, check_same_data, stored_result
+from cockpit.benchmark.search_spaces import (
+    SEARCH_SPACES,
+    Dist,
+    budget_trials,
+    defaults,
+    search_space,
+)
 from cockpit.benchmark.selection import best_setting, selection_value
 
 HP_ATTR = "hyperparameters"
@@ -105,13 +121,16 @@ def sweep(problems: list[str], optimizers: list[str], *, output: str = "results"
     out.mkdir(parents=True, exist_ok=True)
     storage = f"sqlite:///{(out / STORAGE_NAME).resolve()}"
     n_trials = budget_trials(budget, scale)
+    overrides = overrides_by_optimizer(optimizers, space_overrides or {})
     plans: list[StudyPlan] = []
     for problem in problems:
         for optimizer in optimizers:
-            space = {} if budget == "one-shot" else search_space(optimizer, space_overrides)
+            space = ({} if budget == "one-shot"
+                     else search_space(optimizer, overrides[optimizer]))
             template = RunSpec(problem=problem, optimizer=optimizer, seed=0,
                                output=str(out), **run_options)
             RunSpec(**{**template.__dict__, "hyperparameters": defaults(optimizer)}).validate()
+            _check_stored_data(template)
             plans.append(StudyPlan(problem, optimizer, space, n_trials, template))
 
     summary = SweepSummary()
@@ -138,6 +157,45 @@ def sweep(problems: list[str], optimizers: list[str], *, output: str = "results"
             bar.close()
         pool.close()
     return summary
+
+
+def _has_hyperparameter(optimizer: str, name: str) -> bool:
+    """Whether ``optimizer`` has hyperparameter ``name``: in its protocol search space or
+    fixed defaults, or — for an optimizer without a protocol space — among the keyword
+    arguments its class accepts (so plain ``sgd`` has no momentum here)."""
+    key = optimizer.lower()
+    if key in SEARCH_SPACES:
+        return name in SEARCH_SPACES[key] or name in defaults(optimizer)
+    try:
+        optimizer_kwargs(optimizer, {name: 0.0})
+    except ValueError:
+        return False
+    return True
+
+
+def overrides_by_optimizer(optimizers: list[str], space_overrides: dict[str, Dist],
+                           ) -> dict[str, dict[str, Dist]]:
+    """The ``--space`` overrides that apply to each optimizer (those of its
+    hyperparameters); an override no optimizer has is a ``ValueError``."""
+    out = {opt: {name: dist for name, dist in space_overrides.items()
+                 if _has_hyperparameter(opt, name)} for opt in optimizers}
+    unused = [name for name in space_overrides if not any(name in o for o in out.values())]
+    if unused:
+        raise ValueError(
+            f"--space {', '.join(unused)}: no optimizer of this sweep "
+            f"({', '.join(optimizers)}) has hyperparameter {', '.join(map(repr, unused))}"
+        )
+    return out
+
+
+def _check_stored_data(template: RunSpec) -> None:
+    """Stop before any run if results below the template's problem and optimizer were
+    made with other data (the studies and results would mix them)."""
+    folder = template.path.parent.parent
+    if not folder.exists():
+        return
+    for result in iter_results(folder):
+        check_same_data(template, result)
 
 
 def _existing_trials(storage: str, name: str) -> int:
@@ -168,8 +226,8 @@ def _tune(plans: list[StudyPlan], pool, summary: SweepSummary, bar, budget) -> N
                                       budget))
                 continue
             spec = _spec_for(plan, json.loads(trial.user_attrs[HP_ATTR]))
-            if spec.path.exists():  # the run finished, the sweep stopped before telling
-                result = read_result(spec.path)
+            result, _ = stored_result(spec)
+            if result is not None:  # the run finished, the sweep stopped before telling
                 plan.study.tell(trial.number, score(result))
                 summary.reused += 1
                 summary.results.append(str(spec.path))
@@ -195,12 +253,11 @@ def _tune(plans: list[StudyPlan], pool, summary: SweepSummary, bar, budget) -> N
             if item is None:
                 break
             plan, number, spec = item
-            reused = spec.path.exists()
-            pool.submit((plan, number, spec, reused), spec)
+            pool.submit((plan, number, spec), spec)
             in_flight += 1
         if in_flight == 0:
             break
-        for (plan, number, spec, reused), outcome in pool.wait():
+        for (plan, number, spec), outcome in pool.wait():
             in_flight -= 1
             plan.in_flight -= 1
             if isinstance(outcome, BaseException):
@@ -209,7 +266,7 @@ def _tune(plans: list[StudyPlan], pool, summary: SweepSummary, bar, budget) -> N
             else:
                 plan.study.tell(number, score(outcome))
                 summary.results.append(str(spec.path))
-                if reused:
+                if outcome.get("reused"):
                     summary.reused += 1
                 else:
                     summary.executed += 1
@@ -258,6 +315,8 @@ def _seed_runs(plans: list[StudyPlan], pool, summary: SweepSummary, bar, seeds: 
             spec = _spec_for(plan, json.loads(trial.user_attrs[HP_ATTR]))
             if spec.path.exists():  # a result file deleted by hand: that trial is not judged
                 trials.setdefault(spec.setting, (trial, read_result(spec.path)))
+                if spec.cockpit is not None and stored_result(spec)[0] is None:
+                    specs.append(spec)  # finished earlier without this Cockpit run log
         if not trials:
             summary.failures.append(f"{plan.problem}/{plan.optimizer}: no tuning result file")
             continue
@@ -271,7 +330,7 @@ def _seed_runs(plans: list[StudyPlan], pool, summary: SweepSummary, bar, seeds: 
         specs += [_spec_for(plan, hyperparameters, seed) for seed in range(1, seeds)]
     waiting = 0
     for spec in specs:
-        if spec.path.exists():
+        if stored_result(spec)[0] is not None:
             summary.reused += 1
             summary.results.append(str(spec.path))
             _tick(bar)
