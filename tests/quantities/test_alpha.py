@@ -533,12 +533,7 @@ def test_a_subclass_calling_its_parents_step_is_one_optimizer_step():
     problem = make_problem("mlp_relu", 8)
     opt = OwnSGD(problem.model.parameters(), lr=0.1)
     cockpit = Cockpit(problem.model, [quantities.Alpha()], optimizer=opt)
-    for step in range(3):
-        opt.zero_grad()
-        losses = problem.losses()
-        with cockpit(step, losses=losses):
-            losses.mean().backward()
-        opt.step()
+    train(problem, cockpit, 3, opt)
     cockpit.close()
     output = cockpit.get_output()
     assert all(math.isfinite(output[step]["Alpha"]) for step in range(2))

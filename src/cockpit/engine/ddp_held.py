@@ -21,19 +21,17 @@ from torch.nn.parallel import DistributedDataParallel
 _QUEUED = "_static_graph_delay_allreduce_enqueued"  # (DDP's own flag; no public accessor)
 
 
-def static_graph_ddp(model: nn.Module) -> bool:
-    """Whether ``model`` holds a DistributedDataParallel wrapper with ``static_graph``."""
-    return any(isinstance(m, DistributedDataParallel) and getattr(m, "static_graph", False)
-               for m in model.modules())
+def static_graph_ddp(model: nn.Module) -> tuple[DistributedDataParallel, ...]:
+    """``model``'s DistributedDataParallel wrappers with ``static_graph``."""
+    return tuple(m for m in model.modules()
+                 if isinstance(m, DistributedDataParallel) and getattr(m, "static_graph", False))
 
 
 @contextlib.contextmanager
-def delayed_all_reduce_held(model: nn.Module) -> Iterator[None]:
-    """Inside: backward passes through ``model``'s static-graph DDP wrappers queue no
-    delayed all-reduce (see the module docstring)."""
-    held = [m for m in model.modules()
-            if isinstance(m, DistributedDataParallel) and getattr(m, "static_graph", False)
-            and not getattr(m, _QUEUED, True)]
+def delayed_all_reduce_held(wrappers: tuple[DistributedDataParallel, ...]) -> Iterator[None]:
+    """Inside: backward passes through the static-graph DDP ``wrappers``
+    (:func:`static_graph_ddp`) queue no delayed all-reduce (see the module docstring)."""
+    held = [m for m in wrappers if not getattr(m, _QUEUED, True)]
     for module in held:
         setattr(module, _QUEUED, True)
     try:

@@ -103,7 +103,7 @@ class ModuleTracker:
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.parameter_owners = {name: owner(model, name) for name in self.params}
         self.sharded = has_sharded(self.params.values())  # fully_shard (engine/sharded.py)
-        self.static_graph_ddp = static_graph_ddp(model)  # (engine/ddp_held.py)
+        self.static_graph_ddp = static_graph_ddp(model)  # its wrappers (engine/ddp_held.py)
         # fully_shard's mixed precision: the dtype each parameter's layer computes in
         self.compute_dtypes = compute_dtypes(model, self.params) if self.sharded else {}
         self.precision_note = precision_note(self.compute_dtypes)  # (None without)
@@ -251,7 +251,7 @@ class ModuleTracker:
             else:  # (DDP's delayed all-reduce, FSDP's backward hooks: the user's pass's)
                 with contextlib.ExitStack() as held:
                     if self.static_graph_ddp:
-                        held.enter_context(delayed_all_reduce_held(self.model))
+                        held.enter_context(delayed_all_reduce_held(self.static_graph_ddp))
                     if self.sharded:
                         held.enter_context(sharded.fsdp_backward_hooks_held(self.model))
                     yield

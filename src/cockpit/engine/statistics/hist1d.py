@@ -49,7 +49,7 @@ def _within_budget(chunks: Iterator[Tensor], budget: int | None) -> Iterator[Ten
 
 
 @functools.lru_cache(maxsize=16)
-def _zero_slot(spec: BinSpec | AutoRange) -> int:
+def zero_slot(spec: BinSpec | AutoRange) -> int:
     """The bin (or undecided range's magnitude key) that holds 0."""
     zero = torch.zeros(1)
     if isinstance(spec, AutoRange):
@@ -94,7 +94,7 @@ class Hist1d(Counts):
         """samples·D zeros, all in the bin of 0."""
         param, spec = context.params[name], context.hist_spec
         counts = torch.zeros(spec.bins, dtype=torch.int64, device=param.device)
-        counts[_zero_slot(spec)] = samples * param.numel()
+        counts[zero_slot(spec)] = samples * param.numel()
         return counts
 
 

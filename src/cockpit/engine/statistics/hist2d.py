@@ -16,6 +16,7 @@ from torch import Tensor
 
 from cockpit.engine.histograms.device import LaneCounts, sum_lanes
 from cockpit.engine.rules.sample_grads import SampleGrads
+from cockpit.engine.statistics.hist1d import zero_slot
 from cockpit.engine.statistics.registry import (
     Counts,
     LayerContext,
@@ -49,7 +50,7 @@ class Hist2d(Counts):
         bins = spec_theta.bin_index(torch.where(finite, theta, 0))
         counts = torch.zeros(spec_g.bins, spec_theta.bins, dtype=torch.int64,
                              device=theta.device)
-        counts[int(spec_g.bin_index(torch.zeros(1)))].index_add_(0, bins, finite.long())
+        counts[zero_slot(spec_g)].index_add_(0, bins, finite.long())
         return counts.mul_(samples)
 
 
